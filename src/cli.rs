@@ -1,0 +1,55 @@
+//! Command-line flags. Each flag has an environment variable; both override the config file.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::Overrides;
+
+/// memproxy — an OpenAI-compatible proxy that gives any agent a memory.
+///
+/// Point your SDK's base_url at memproxy and send `X-Memory-Conversation-Id` (or use the path
+/// form /agents/{agent}/conversations/{id}/v1): every turn is stored, and each request is
+/// rebuilt from the conversation's memory before it goes upstream.
+#[derive(Debug, Parser)]
+#[command(name = "memproxy", version)]
+pub struct Cli {
+    /// Config file (TOML). Default: config/memproxy.toml when it exists, else built-in defaults.
+    #[arg(long, env = "MEMPROXY_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// Address to listen on. Default: 127.0.0.1:8080.
+    #[arg(long, env = "MEMPROXY_LISTEN", global = true)]
+    pub listen: Option<String>,
+    /// Upstream base URL including its version path, like an SDK's base_url.
+    /// Default: https://api.openai.com/v1.
+    #[arg(long, env = "MEMPROXY_UPSTREAM", global = true)]
+    pub upstream: Option<String>,
+    /// Data directory for the store (created on first start). Default: ./data.
+    #[arg(long, env = "MEMPROXY_DATA_DIR", global = true)]
+    pub data_dir: Option<PathBuf>,
+    /// Log format: text or json. Default: text.
+    #[arg(long, env = "MEMPROXY_LOG_FORMAT", global = true)]
+    pub log_format: Option<String>,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the proxy (the default).
+    Serve,
+    /// Validate the config and print the effective settings per agent.
+    CheckConfig,
+}
+
+impl Cli {
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            config_path: self.config.clone(),
+            listen: self.listen.clone(),
+            upstream: self.upstream.clone(),
+            data_dir: self.data_dir.clone(),
+            log_format: self.log_format.clone(),
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! memproxy: an OpenAI-compatible proxy that gives an agent a memory.
+//!
+//! # Layout
+//!
+//! The request path, in order (see `ARCHITECTURE.md` for the full map):
+//!
+//! - [`server`] accepts connections and shuts down gracefully;
+//! - [`router`] answers health checks, checks client keys, and picks the memory pipeline for
+//!   `POST /v1/chat/completions` or pass-through for everything else;
+//! - [`pipeline`] runs the memory stages: identify → reconcile → (recall, summary) → assemble →
+//!   forward → capture → commit, one file each;
+//! - [`upstream`] is the pooled HTTP/HTTPS client and the header rules;
+//! - [`store`] keeps conversations in sled, with an in-memory index per conversation.
+//!
+//! Supporting pieces: [`config`] and [`settings`] (configuration and per-request settings),
+//! [`identity`] (tenants and ids), [`message`] (the request's messages), [`reply`] and [`sse`]
+//! (reading the upstream's answer), [`tokens`] (tiktoken counts), [`error`] (the OpenAI-shaped
+//! error), [`body`] (body types), [`state`] (what requests share), [`cli`] (flags).
+//! [`mock_upstream`] is a test double used by tests, the evaluation and benchmarks.
+
+pub mod body;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod identity;
+pub mod message;
+pub mod mock_upstream;
+pub mod pipeline;
+pub mod reply;
+pub mod router;
+pub mod server;
+pub mod settings;
+pub mod sse;
+pub mod state;
+pub mod store;
+pub mod tokens;
+pub mod upstream;

@@ -1,0 +1,111 @@
+//! The `memproxy` binary: parse flags, load config, start tracing, bind, serve until a signal.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use memproxy::cli::{Cli, Command};
+use memproxy::config::{self, Config, LogFormat};
+use memproxy::server;
+use memproxy::state::AppState;
+use tokio::net::TcpListener;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match config::load(&cli.overrides(), &|name| std::env::var(name).ok()) {
+        Ok(config) => config,
+        Err(err) => {
+            eprintln!("memproxy: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    match cli.command {
+        Some(Command::CheckConfig) => check_config(&config),
+        Some(Command::Serve) | None => serve(config).await,
+    }
+}
+
+async fn serve(config: Config) -> ExitCode {
+    init_tracing(config.log_format);
+    let listen = config.listen;
+    let upstream = config.upstream.base_url.to_string();
+    let state = match AppState::build(config) {
+        Ok(state) => state,
+        Err(err) => {
+            tracing::error!(error = %err, "cannot start");
+            return ExitCode::FAILURE;
+        }
+    };
+    let listener = match TcpListener::bind(listen).await {
+        Ok(listener) => listener,
+        Err(err) => {
+            tracing::error!(error = %err, %listen, "cannot listen");
+            return ExitCode::FAILURE;
+        }
+    };
+    let addr = listener.local_addr().map_or(listen, |a| a);
+    tracing::info!(%addr, %upstream, "memproxy listening");
+    match server::run(listener, state, shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            tracing::error!(error = %err, "shutdown failed to flush the store");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+#[allow(clippy::print_stdout)]
+fn check_config(config: &Config) -> ExitCode {
+    println!("config OK");
+    println!("listen = {}", config.listen);
+    println!("upstream = {}", config.upstream.base_url);
+    println!(
+        "upstream key = {}",
+        if config.upstream.api_key.is_some() { "set (from environment)" } else { "not set: client Authorization is forwarded" }
+    );
+    println!("data_dir = {}", config.data_dir.display());
+    println!("allow_header_overrides = {}", config.allow_header_overrides);
+    let profiles = std::iter::once(("[memory] (any other agent)".to_string(), &config.memory))
+        .chain(config.agents.iter().map(|(name, s)| (format!("[agents.{name}]"), s)));
+    for (title, settings) in profiles {
+        println!("\n{title}");
+        for (name, value) in settings.describe() {
+            println!("  {name} = {value}");
+        }
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,394 @@
+//! A mock OpenAI-compatible upstream, for tests, the recall evaluation and benchmarks. Never
+//! used on the proxy's request path.
+//!
+//! It listens on `127.0.0.1`, records every request it receives, and answers chat completions
+//! with JSON or SSE. By default the reply is `reply to: <last user text>`; tests queue scripted
+//! replies (text, tool calls, an error status, a delay, a stream cut midway) with
+//! [`MockUpstream::push`]. `GET /v1/models` lists one model; any other path echoes its method,
+//! path and body length as JSON.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode, header};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::body::{BoxError, ProxyBody, boxed, full};
+
+/// A request the mock received.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub method: String,
+    /// Path and query.
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Recorded {
+    /// The body as JSON (`Null` when it is not JSON).
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+/// A scripted answer to the next chat completion.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// A text answer (JSON or SSE, as the request asks).
+    Text(String),
+    /// Tool calls: `(id, function name, arguments)`.
+    ToolCalls(Vec<(String, String, String)>),
+    /// An error status with this JSON body.
+    Status(u16, String),
+    /// Wait, then answer.
+    Delay(Duration, Box<Reply>),
+    /// A stream that sends `chunks` content chunks, then breaks the connection.
+    CutStream { chunks: usize },
+    /// A stream that sends content chunks, then ends cleanly without a finish or `[DONE]`.
+    UnfinishedStream,
+}
+
+/// How the default answers are shaped.
+#[derive(Debug, Clone)]
+pub struct MockOptions {
+    /// Content chunks per streamed answer.
+    pub stream_chunks: usize,
+    /// Pause between streamed chunks.
+    pub chunk_delay: Duration,
+    /// Keep recorded requests (off for load benchmarks).
+    pub record: bool,
+}
+
+impl Default for MockOptions {
+    fn default() -> Self {
+        MockOptions {
+            stream_chunks: 4,
+            chunk_delay: Duration::ZERO,
+            record: true,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    recorded: Mutex<Vec<Recorded>>,
+    script: Mutex<VecDeque<Reply>>,
+}
+
+/// A running mock upstream. Dropping it stops the server.
+#[derive(Debug)]
+pub struct MockUpstream {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl MockUpstream {
+    /// Starts a mock on `127.0.0.1` with an ephemeral port.
+    pub async fn start() -> std::io::Result<MockUpstream> {
+        MockUpstream::start_with(MockOptions::default(), "127.0.0.1:0".parse().ok()).await
+    }
+
+    /// Starts a mock with `options` on `addr` (default `127.0.0.1:0`).
+    pub async fn start_with(options: MockOptions, addr: Option<SocketAddr>) -> std::io::Result<MockUpstream> {
+        let addr = addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared::default());
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let server_shared = Arc::clone(&shared);
+        let options = Arc::new(options);
+        tokio::spawn(async move {
+            let builder = auto::Builder::new(TokioExecutor::new());
+            loop {
+                let stream = tokio::select! {
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => stream,
+                        Err(_) => continue,
+                    },
+                    _ = &mut stopped => break,
+                };
+                let _ = stream.set_nodelay(true);
+                let shared = Arc::clone(&server_shared);
+                let options = Arc::clone(&options);
+                let service = service_fn(move |request| {
+                    let shared = Arc::clone(&shared);
+                    let options = Arc::clone(&options);
+                    async move { Ok::<_, Infallible>(answer(&shared, &options, request).await) }
+                });
+                let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+            }
+        });
+        Ok(MockUpstream {
+            addr,
+            shared,
+            _stop: stop,
+        })
+    }
+
+    /// The base URL to configure memproxy with: `http://127.0.0.1:PORT/v1`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Queues a scripted answer for the next chat completion.
+    pub fn push(&self, reply: Reply) {
+        lock(&self.shared.script).push_back(reply);
+    }
+
+    /// Every request received so far.
+    pub fn recorded(&self) -> Vec<Recorded> {
+        lock(&self.shared.recorded).clone()
+    }
+
+    /// The chat-completion requests received so far.
+    pub fn chat_requests(&self) -> Vec<Recorded> {
+        self.recorded()
+            .into_iter()
+            .filter(|r| r.path.ends_with("/chat/completions"))
+            .collect()
+    }
+
+    /// The `messages` of the last chat completion received.
+    pub fn last_messages(&self) -> Vec<Value> {
+        self.chat_requests()
+            .last()
+            .and_then(|r| r.json().get("messages").and_then(Value::as_array).cloned())
+            .unwrap_or_default()
+    }
+
+    pub fn clear(&self) {
+        lock(&self.shared.recorded).clear();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn answer(shared: &Shared, options: &MockOptions, request: Request<Incoming>) -> Response<ProxyBody> {
+    let (parts, body) = request.into_parts();
+    let body = match body.collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => Bytes::new(),
+    };
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_string(), |p| p.as_str().to_string());
+    let recorded = Recorded {
+        method: parts.method.to_string(),
+        path: path.clone(),
+        headers: parts.headers.clone(),
+        body: body.clone(),
+    };
+    if options.record {
+        lock(&shared.recorded).push(recorded.clone());
+    }
+
+    if parts.uri.path().ends_with("/chat/completions") {
+        let request = recorded.json();
+        let reply = lock(&shared.script)
+            .pop_front()
+            .unwrap_or_else(|| Reply::Text(format!("reply to: {}", last_user_text(&request))));
+        return chat_answer(&request, reply, options).await;
+    }
+    if parts.uri.path().ends_with("/models") {
+        return json_response(
+            StatusCode::OK,
+            json!({"object": "list", "data": [{"id": "mock-model", "object": "model", "owned_by": "memproxy"}]}),
+        );
+    }
+    json_response(
+        StatusCode::OK,
+        json!({"method": recorded.method, "path": path, "body_len": body.len()}),
+    )
+}
+
+fn last_user_text(request: &Value) -> String {
+    request
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|list| list.iter().rev().find(|m| m["role"] == "user"))
+        .map(|m| match &m["content"] {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        })
+        .unwrap_or_default()
+}
+
+async fn chat_answer(request: &Value, reply: Reply, options: &MockOptions) -> Response<ProxyBody> {
+    let mut reply = reply;
+    while let Reply::Delay(delay, inner) = reply {
+        tokio::time::sleep(delay).await;
+        reply = *inner;
+    }
+    let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let usage = request
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let model = request.get("model").and_then(Value::as_str).unwrap_or("mock-model").to_string();
+    match reply {
+        Reply::Status(status, body) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let mut response = Response::new(full(body));
+            *response.status_mut() = status;
+            response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+            response
+        }
+        Reply::Text(text) if !stream => json_response(
+            StatusCode::OK,
+            json!({
+                "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }),
+        ),
+        Reply::ToolCalls(calls) if !stream => {
+            let calls: Vec<Value> = calls
+                .iter()
+                .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+                .collect();
+            json_response(
+                StatusCode::OK,
+                json!({
+                    "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": calls}, "finish_reason": "tool_calls"}],
+                }),
+            )
+        }
+        other => sse_response(sse_events(&model, other, options.stream_chunks, usage), options.chunk_delay),
+    }
+}
+
+/// The SSE events of a streamed answer; `Err(())` marks where the stream breaks.
+fn sse_events(model: &str, reply: Reply, chunks: usize, usage: bool) -> Vec<Result<String, ()>> {
+    let chunk = |delta: Value, finish: Value| {
+        Ok(format!(
+            "data: {}\n\n",
+            json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+        ))
+    };
+    let mut events = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null)];
+    let text_chunks = |text: &str| -> Vec<String> {
+        let chars: Vec<char> = text.chars().collect();
+        let size = chars.len().div_ceil(chunks.max(1)).max(1);
+        chars.chunks(size).map(|c| c.iter().collect()).collect()
+    };
+    match reply {
+        Reply::Text(text) => {
+            for piece in text_chunks(&text) {
+                events.push(chunk(json!({"content": piece}), Value::Null));
+            }
+            events.push(chunk(json!({}), json!("stop")));
+        }
+        Reply::ToolCalls(calls) => {
+            for (index, (id, name, args)) in calls.iter().enumerate() {
+                events.push(chunk(
+                    json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+                    Value::Null,
+                ));
+                for piece in text_chunks(args) {
+                    events.push(chunk(
+                        json!({"tool_calls": [{"index": index, "function": {"arguments": piece}}]}),
+                        Value::Null,
+                    ));
+                }
+            }
+            events.push(chunk(json!({}), json!("tool_calls")));
+        }
+        Reply::CutStream { chunks: n } => {
+            for i in 0..n {
+                events.push(chunk(json!({"content": format!("part{i} ")}), Value::Null));
+            }
+            events.push(Err(()));
+            return events;
+        }
+        Reply::UnfinishedStream => {
+            events.push(chunk(json!({"content": "half an answer"}), Value::Null));
+            return events;
+        }
+        Reply::Status(..) | Reply::Delay(..) => {}
+    }
+    if usage {
+        events.push(Ok(format!(
+            "data: {}\n\n",
+            json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model, "choices": [],
+                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+        )));
+    }
+    events.push(Ok("data: [DONE]\n\n".to_string()));
+    events
+}
+
+fn json_response(status: StatusCode, value: Value) -> Response<ProxyBody> {
+    let mut response = Response::new(full(value.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn sse_response(events: Vec<Result<String, ()>>, delay: Duration) -> Response<ProxyBody> {
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
+    tokio::spawn(async move {
+        for (i, event) in events.into_iter().enumerate() {
+            if i > 0 && !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            let frame = match event {
+                Ok(text) => Ok(Frame::data(Bytes::from(text))),
+                Err(()) => Err(BoxError::from("mock: stream cut")),
+            };
+            if tx.send(frame).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut response = Response::new(boxed(ChannelBody { rx }));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/event-stream"),
+    );
+    response.headers_mut().insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-cache"));
+    response
+}
+
+/// A body fed by a channel: frames go out as they are sent.
+struct ChannelBody {
+    rx: mpsc::Receiver<Result<Frame<Bytes>, BoxError>>,
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.rx.poll_recv(cx)
+    }
+}

@@ -1,0 +1,128 @@
+//! Capture: read the assistant's reply from the upstream response.
+//!
+//! A stream is teed: each frame goes to the client as it arrives while its bytes feed the SSE
+//! parser. When the upstream ends the stream properly, the commit runs before the end of the
+//! body is given to the client, so a client that saw the end can rely on the exchange being
+//! stored. An upstream error, a cut stream or a client that goes away (the body is dropped)
+//! stores nothing.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tracing::Instrument;
+
+use super::commit::Exchange;
+use crate::body::BoxError;
+use crate::reply::StreamReply;
+use crate::sse::SseParser;
+use crate::store::Store;
+
+type CommitFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+pin_project! {
+    /// An upstream SSE body passed through frame by frame, with the reply read on the way.
+    pub struct TeeBody<B> {
+        #[pin]
+        inner: B,
+        parser: SseParser,
+        reply: StreamReply,
+        // What to commit when the stream completes; `None` when nothing is to be stored.
+        pending: Option<(Arc<Store>, Arc<Exchange>)>,
+        committing: Option<CommitFuture>,
+        span: tracing::Span,
+        done: bool,
+    }
+}
+
+impl<B> TeeBody<B> {
+    pub fn new(inner: B, pending: Option<(Arc<Store>, Arc<Exchange>)>) -> TeeBody<B> {
+        TeeBody {
+            inner,
+            parser: SseParser::new(),
+            reply: StreamReply::new(),
+            pending,
+            committing: None,
+            span: tracing::Span::current(),
+            done: false,
+        }
+    }
+}
+
+impl<B> Body for TeeBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        loop {
+            if let Some(commit) = this.committing.as_mut() {
+                ready!(commit.as_mut().poll(cx));
+                *this.committing = None;
+                *this.done = true;
+            }
+            if *this.done {
+                return Poll::Ready(None);
+            }
+            match ready!(this.inner.as_mut().poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref()
+                        && this.pending.is_some()
+                    {
+                        let reply = &mut *this.reply;
+                        this.parser.feed(data, |event| reply.on_event(event));
+                        if this.parser.overflowed() {
+                            reply.fail();
+                        }
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Some(Err(err)) => {
+                    *this.done = true;
+                    if this.pending.take().is_some() {
+                        tracing::warn!(parent: &*this.span, "upstream stream failed midway; nothing stored");
+                    }
+                    return Poll::Ready(Some(Err(err.into())));
+                }
+                None => {
+                    match this.pending.take() {
+                        Some((store, exchange)) if this.reply.is_complete() => {
+                            let reply = this.reply.to_message();
+                            let commit = async move {
+                                match exchange.commit(&store, reply).await {
+                                    Ok(count) => tracing::debug!(messages = count, "exchange stored"),
+                                    Err(err) => tracing::error!(error = %err, "storing the exchange failed"),
+                                }
+                            };
+                            *this.committing = Some(Box::pin(commit.instrument(this.span.clone())));
+                        }
+                        Some(_) => {
+                            tracing::warn!(parent: &*this.span, "upstream stream ended without a finish; nothing stored");
+                            *this.done = true;
+                        }
+                        None => *this.done = true,
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.committing.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}

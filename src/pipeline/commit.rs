@@ -1,0 +1,158 @@
+//! Commit: the exchange's new messages and the reply, written in one atomic batch once the
+//! upstream response has completed, then made durable (group commit) before the client sees the
+//! end of the response.
+//!
+//! The plan made before forwarding is reused when the conversation has not changed since; when
+//! another request committed in between, the request is aligned again against what is stored
+//! now, so concurrent requests never store a message twice.
+
+use std::sync::{Arc, Mutex};
+
+use serde_json::value::RawValue;
+
+use super::reconcile::{Alignment, Mark, align};
+use super::window::trim_start;
+use crate::identity::ConversationKey;
+use crate::message::{HasRole, Message, Role};
+use crate::store::{Change, Conversation, Entry, Origin, Store, StoreError, StoredMessage, lock, now_ms};
+use crate::tokens;
+
+/// How often a commit re-plans against a conversation that keeps changing under it.
+const MAX_ATTEMPTS: usize = 4;
+
+/// Everything a commit needs, prepared before the request is forwarded.
+#[derive(Debug)]
+pub struct Exchange {
+    pub key: ConversationKey,
+    pub handle: Arc<Mutex<Conversation>>,
+    /// Every conversation message of the request (instructions left out), as marks.
+    pub marks: Vec<Mark>,
+    /// The plan: what is new and whether the last reply is replaced.
+    pub alignment: Alignment,
+    /// The request's new messages: its conversation messages from `alignment.from()` on.
+    pub new_turns: Vec<Message>,
+    /// The conversation's `next_turn` when the plan was made (`None`: not yet stored).
+    pub planned_next_turn: Option<u64>,
+    pub max_messages: usize,
+    pub model: Option<String>,
+}
+
+impl Exchange {
+    /// Stores the new messages and `reply`, then waits for durability. Returns the number of
+    /// messages the conversation holds afterwards.
+    pub async fn commit(&self, store: &Store, reply: Box<RawValue>) -> Result<usize, StoreError> {
+        let model = self.model.as_deref();
+        let reply = Message::parse(reply, "reply")
+            .map_err(|err| StoreError::Corrupt(format!("the reply is not a message: {err}")))?;
+        let reply = stored_message(&reply, Origin::Reply, model);
+        let new: Vec<StoredMessage> = self
+            .new_turns
+            .iter()
+            .map(|m| stored_message(m, Origin::Client, model))
+            .collect();
+
+        let message_count = {
+            let mut conversation = lock(&self.handle);
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let current = conversation.meta.as_ref().map(|m| m.next_turn);
+                let alignment = if current == self.planned_next_turn {
+                    self.alignment
+                } else {
+                    align(
+                        &conversation.entries,
+                        last_is_reply(&conversation.entries),
+                        &self.marks,
+                    )
+                };
+                let change = self.change(&conversation.entries, alignment, &new, &reply);
+                match store.commit(&mut conversation, change) {
+                    Ok(()) => break conversation.entries.len(),
+                    Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
+                        store.reload(&mut conversation)?;
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
+        };
+        store.touch(&self.key, &self.handle);
+        store.sync().await?;
+        Ok(message_count)
+    }
+
+    /// Of the planned new messages, those still new under `alignment` (a concurrent commit may
+    /// have stored some; never more than were planned).
+    fn still_new<'a, T>(&self, alignment: Alignment, new: &'a [T]) -> &'a [T] {
+        let skip = alignment
+            .from()
+            .saturating_sub(self.alignment.from())
+            .min(new.len());
+        &new[skip..]
+    }
+
+    /// The change that applies `alignment` and the reply to `entries`, trimming the oldest
+    /// rounds past `max_messages`.
+    fn change(
+        &self,
+        entries: &[Entry],
+        alignment: Alignment,
+        new: &[StoredMessage],
+        reply: &StoredMessage,
+    ) -> Change {
+        let mut remove_turns = Vec::new();
+        let mut kept = entries.len();
+        if let Alignment::ReplaceLastReply { .. } = alignment
+            && let Some(last) = entries.last()
+        {
+            remove_turns.push(last.turn);
+            kept -= 1;
+        }
+        let mut add: Vec<StoredMessage> = self.still_new(alignment, new).to_vec();
+        add.push(reply.clone());
+        let cut = self.cut(&entries[..kept], add.iter().map(|m| m.role));
+        remove_turns.extend(entries[..cut].iter().map(|e| e.turn));
+        Change { remove_turns, add }
+    }
+
+    /// How many of the `kept` stored messages are trimmed when `added` roles join them: whole
+    /// rounds, and never the exchange itself.
+    fn cut(&self, kept: &[Entry], added: impl Iterator<Item = Role>) -> usize {
+        let roles: Vec<Role> = kept.iter().map(HasRole::role).chain(added).collect();
+        trim_start(&roles, self.max_messages).min(kept.len())
+    }
+
+    /// The number of messages the conversation will hold once this exchange is committed as
+    /// planned (for `X-Memory-Turns` on a stream, sent before the commit).
+    pub fn planned_count(&self, entries: &[Entry]) -> usize {
+        let kept = match self.alignment {
+            Alignment::ReplaceLastReply { .. } => entries.len().saturating_sub(1),
+            Alignment::Append { .. } => entries.len(),
+        };
+        let added = self
+            .new_turns
+            .iter()
+            .map(|m| m.role)
+            .chain(std::iter::once(Role::Assistant));
+        let cut = self.cut(&entries[..kept], added);
+        kept + self.new_turns.len() + 1 - cut
+    }
+}
+
+/// True when the stored last message is an upstream reply.
+pub fn last_is_reply(entries: &[Entry]) -> bool {
+    entries.last().is_some_and(|e| e.origin == Origin::Reply)
+}
+
+/// A message ready to store; its token count is taken here, once.
+fn stored_message(message: &Message, origin: Origin, model: Option<&str>) -> StoredMessage {
+    StoredMessage {
+        turn: 0,
+        role: message.role,
+        origin,
+        at_ms: now_ms(),
+        tokens: tokens::count_message(model, &message.text()),
+        fingerprint: message.fingerprint,
+        message: message.raw.clone(),
+    }
+}

@@ -1,0 +1,165 @@
+//! The router: health checks, client-key checks, the path form, and the choice between the
+//! memory pipeline and plain pass-through. Errors become responses here, and are logged here,
+//! once.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use tracing::Instrument;
+use tracing::field::Empty;
+
+use crate::body::{ProxyBody, boxed, full};
+use crate::config::hash_key;
+use crate::error::ProxyError;
+use crate::identity::{bearer_token, split_path_form};
+use crate::pipeline::identify::{PathIds, identify};
+use crate::pipeline::{self, MemoryStatus, set_memory_headers};
+use crate::state::AppState;
+use crate::upstream::forwardable;
+
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Handles one request: never fails, every error is an OpenAI-shaped response.
+pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Response<ProxyBody> {
+    let request_id = state.request_id();
+    let span = tracing::info_span!(
+        "request",
+        request_id = %request_id,
+        method = %request.method(),
+        path = %request.uri().path(),
+        agent = Empty,
+        conversation = Empty,
+        model = Empty,
+        status = Empty,
+        upstream_ms = Empty,
+        elapsed_ms = Empty,
+    );
+    async move {
+        let started = Instant::now();
+        let mut response = match route(&state, request).await {
+            Ok(response) => response,
+            Err(err) => {
+                if err.status().is_server_error() {
+                    tracing::warn!(error = %err, source = ?std::error::Error::source(&err).map(ToString::to_string), "request failed");
+                } else {
+                    tracing::info!(error = %err, "request refused");
+                }
+                err.into_response()
+            }
+        };
+        if let Ok(value) = HeaderValue::from_str(&request_id) {
+            response.headers_mut().insert(REQUEST_ID_HEADER, value);
+        }
+        let span = tracing::Span::current();
+        span.record("status", response.status().as_u16());
+        span.record("elapsed_ms", started.elapsed().as_millis() as u64);
+        tracing::info!("request finished");
+        response
+    }
+    .instrument(span)
+    .await
+}
+
+async fn route(state: &Arc<AppState>, request: Request<Incoming>) -> Result<Response<ProxyBody>, ProxyError> {
+    let path = request.uri().path();
+    match (request.method(), path) {
+        (&Method::GET, "/healthz") => return Ok(json(StatusCode::OK, r#"{"status":"ok"}"#)),
+        (&Method::GET, "/readyz") => return Ok(readiness(state)),
+        _ => {}
+    }
+
+    let (path_ids, api_path) = match split_path_form(path) {
+        Some((agent, conversation, rest)) => (Some(PathIds { agent, conversation }), rest),
+        None => (None, path),
+    };
+    if api_path != "/v1" && !api_path.starts_with("/v1/") {
+        return Err(ProxyError::NotFound {
+            method: request.method().to_string(),
+            path: path.to_string(),
+        });
+    }
+    check_client_key(state, request.headers())?;
+
+    let identity = identify(&state.config, request.headers(), path_ids)?;
+    let span = tracing::Span::current();
+    span.record("agent", identity.agent.as_str());
+    if let Some(key) = &identity.key {
+        span.record("conversation", key.conversation.as_str());
+    }
+    let upstream_path = match request.uri().query() {
+        Some(query) => format!("{api_path}?{query}"),
+        None => api_path.to_string(),
+    };
+    let is_chat = request.method() == Method::POST && api_path == "/v1/chat/completions";
+
+    match identity.key {
+        Some(key) if is_chat && identity.settings.enabled => {
+            let (parts, body) = request.into_parts();
+            pipeline::chat(state, parts, body, key, identity.settings, &upstream_path).await
+        }
+        Some(key) if is_chat => {
+            let mut response = passthrough(state, request, &upstream_path).await?;
+            set_memory_headers(&mut response, MemoryStatus::Off, &key.conversation, None);
+            Ok(response)
+        }
+        _ => passthrough(state, request, &upstream_path).await,
+    }
+}
+
+/// Forwards a request untouched: method, path, query, headers (less hop-by-hop and
+/// `x-memory-*`), body streamed both ways, status unchanged.
+async fn passthrough(
+    state: &Arc<AppState>,
+    request: Request<Incoming>,
+    upstream_path: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let (parts, body) = request.into_parts();
+    let mut outgoing = Request::new(boxed(body));
+    *outgoing.method_mut() = parts.method;
+    *outgoing.uri_mut() = state.upstream.uri_for(upstream_path)?;
+    *outgoing.headers_mut() = state.upstream.request_headers(&parts.headers);
+    let started = Instant::now();
+    let response = state.upstream.send(outgoing).await;
+    tracing::Span::current().record("upstream_ms", started.elapsed().as_millis() as u64);
+    let (mut head, body) = response?.into_parts();
+    head.headers = forwardable(&head.headers);
+    Ok(Response::from_parts(head, boxed(body)))
+}
+
+/// With `auth.client_keys` set, only those bearer tokens may call.
+fn check_client_key(state: &AppState, headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    if state.config.client_key_hashes.is_empty() {
+        return Ok(());
+    }
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer_token);
+    match token {
+        Some(token) if state.config.client_key_hashes.contains(&hash_key(token)) => Ok(()),
+        _ => Err(ProxyError::Unauthorized),
+    }
+}
+
+fn readiness(state: &AppState) -> Response<ProxyBody> {
+    let store = state.store.is_ready();
+    let body = format!(r#"{{"status":"{}","store":{store},"upstream":true}}"#, if store { "ready" } else { "unavailable" });
+    let status = if store {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json(status, body)
+}
+
+fn json(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<ProxyBody> {
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}

@@ -1,0 +1,75 @@
+//! The server: accept connections (HTTP/1.1 and h2c), serve each with the router, and shut
+//! down gracefully.
+//!
+//! Shutdown order, when the `shutdown` future completes:
+//! 1. stop accepting (the listener is dropped);
+//! 2. let in-flight requests and streams finish, up to the grace period;
+//! 3. flush the store, last, so every commit that completed is on disk.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+
+use crate::router;
+use crate::state::AppState;
+use crate::store::StoreError;
+
+/// Serves until `shutdown` completes, then drains and flushes.
+pub async fn run(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), StoreError> {
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _peer) = match accepted {
+                    Ok(accepted) => accepted,
+                    Err(err) => {
+                        // Out of file descriptors and the like: back off briefly, keep serving.
+                        tracing::warn!(error = %err, "accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let state = Arc::clone(&state);
+                let service = service_fn(move |request| {
+                    let state = Arc::clone(&state);
+                    async move { Ok::<_, std::convert::Infallible>(router::handle(state, request).await) }
+                });
+                let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                let connection = graceful.watch(connection);
+                tokio::spawn(async move {
+                    if let Err(err) = connection.await {
+                        tracing::debug!(error = %err, "connection ended with an error");
+                    }
+                });
+            }
+            () = &mut shutdown => break,
+        }
+    }
+
+    // 1. Stop accepting.
+    drop(listener);
+    // 2. Drain within the grace period.
+    let grace = state.config.shutdown_grace;
+    tracing::info!(grace_s = grace.as_secs(), "shutting down: draining connections");
+    tokio::select! {
+        () = graceful.shutdown() => tracing::info!("all connections closed"),
+        () = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),
+    }
+    // 3. Flush the store last.
+    state.store.close().await?;
+    tracing::info!("store flushed; bye");
+    Ok(())
+}

@@ -1,0 +1,412 @@
+//! Memory settings: their names, defaults, value rules, and the one parser that applies a
+//! value to them from either the config file or an `X-Memory-*` header.
+//!
+//! Every setting is listed once, in [`SETTINGS`]; the config loader and the header parser both
+//! go through [`MemorySettings::apply`], so a setting cannot be accepted in one place and
+//! rejected in the other. This module knows nothing of HTTP or TOML beyond turning their values
+//! into text.
+
+use std::time::Duration;
+
+pub const DEFAULT_RECENT_N: usize = 10;
+pub const DEFAULT_MAX_MESSAGES: usize = 1000;
+pub const DEFAULT_RELEVANCE_TOP_K: usize = 5;
+/// The cap on `relevance_top_k`.
+pub const MAX_RELEVANCE_TOP_K: usize = 20;
+pub const DEFAULT_COMPRESSION_THRESHOLD_TOKENS: u64 = 8192;
+pub const DEFAULT_COMPRESSION_INTERVAL: Duration = Duration::from_secs(3600);
+/// The largest `recent_n` and `max_messages` accepted.
+pub const MAX_RECENT_N: usize = 10_000;
+pub const MAX_MAX_MESSAGES: usize = 1_000_000;
+
+/// The effective settings for one request: built-in defaults ← `[memory]` ← `[agents.NAME]` ←
+/// headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemorySettings {
+    /// Memory on at all for this request (with a conversation id).
+    pub enabled: bool,
+    /// Store this exchange (false: use memory, store nothing).
+    pub persist: bool,
+    /// Stored messages forwarded verbatim before the new ones (widened to a round start).
+    pub recent_n: usize,
+    /// Messages kept per conversation; the oldest whole rounds are trimmed past it.
+    pub max_messages: usize,
+    pub relevance_enabled: bool,
+    pub relevance_top_k: usize,
+    pub compression_enabled: bool,
+    pub compression_threshold_tokens: u64,
+    pub compression_model: Option<String>,
+    pub compression_interval: Duration,
+    pub compression_async: bool,
+    pub max_context_tokens: Option<u64>,
+}
+
+impl Default for MemorySettings {
+    fn default() -> Self {
+        MemorySettings {
+            enabled: true,
+            persist: true,
+            recent_n: DEFAULT_RECENT_N,
+            max_messages: DEFAULT_MAX_MESSAGES,
+            relevance_enabled: true,
+            relevance_top_k: DEFAULT_RELEVANCE_TOP_K,
+            compression_enabled: true,
+            compression_threshold_tokens: DEFAULT_COMPRESSION_THRESHOLD_TOKENS,
+            compression_model: None,
+            compression_interval: DEFAULT_COMPRESSION_INTERVAL,
+            compression_async: true,
+            max_context_tokens: None,
+        }
+    }
+}
+
+/// The kind of value a setting takes, which decides how it is parsed and described.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Bool,
+    /// An integer in `min..=max`.
+    Integer { min: u64, max: u64 },
+    /// An integer in `1..=max`, or `none` for unset.
+    OptionalInteger { max: u64 },
+    /// An ISO-8601 duration such as `PT1H`.
+    Duration,
+    /// A model name, or `none` / empty for unset.
+    OptionalName,
+}
+
+impl Kind {
+    /// What the setting accepts, for error messages.
+    pub fn describe(self) -> String {
+        match self {
+            Kind::Bool => "`true` or `false`".to_string(),
+            Kind::Integer { min, max } => format!("an integer from {min} to {max}"),
+            Kind::OptionalInteger { max } => format!("an integer from 1 to {max}, or `none`"),
+            Kind::Duration => "an ISO-8601 duration such as `PT1H`, `PT30M` or `P1D`".to_string(),
+            Kind::OptionalName => {
+                "a model name (printable ASCII, at most 256 characters), or `none`".to_string()
+            }
+        }
+    }
+}
+
+/// Every setting, by its snake-case name (the config key; the header is `X-Memory-` + the
+/// kebab-case form).
+pub const SETTINGS: &[(&str, Kind)] = &[
+    ("enabled", Kind::Bool),
+    ("persist", Kind::Bool),
+    (
+        "recent_n",
+        Kind::Integer {
+            min: 0,
+            max: MAX_RECENT_N as u64,
+        },
+    ),
+    (
+        "max_messages",
+        Kind::Integer {
+            min: 2,
+            max: MAX_MAX_MESSAGES as u64,
+        },
+    ),
+    ("relevance_enabled", Kind::Bool),
+    (
+        "relevance_top_k",
+        Kind::Integer {
+            min: 0,
+            max: MAX_RELEVANCE_TOP_K as u64,
+        },
+    ),
+    ("compression_enabled", Kind::Bool),
+    (
+        "compression_threshold_tokens",
+        Kind::Integer {
+            min: 1,
+            max: 100_000_000,
+        },
+    ),
+    ("compression_model", Kind::OptionalName),
+    ("compression_interval", Kind::Duration),
+    ("compression_async", Kind::Bool),
+    (
+        "max_context_tokens",
+        Kind::OptionalInteger { max: 100_000_000 },
+    ),
+];
+
+/// Looks a setting up by its snake-case name.
+pub fn kind_of(name: &str) -> Option<Kind> {
+    SETTINGS.iter().find(|(n, _)| *n == name).map(|(_, k)| *k)
+}
+
+/// A parsed setting value.
+enum Value {
+    Bool(bool),
+    Integer(u64),
+    OptionalInteger(Option<u64>),
+    Duration(Duration),
+    OptionalName(Option<String>),
+}
+
+fn parse_value(kind: Kind, text: &str) -> Option<Value> {
+    let text = text.trim();
+    match kind {
+        Kind::Bool => match text.to_ascii_lowercase().as_str() {
+            "true" => Some(Value::Bool(true)),
+            "false" => Some(Value::Bool(false)),
+            _ => None,
+        },
+        Kind::Integer { min, max } => text
+            .parse::<u64>()
+            .ok()
+            .filter(|n| (min..=max).contains(n))
+            .map(Value::Integer),
+        Kind::OptionalInteger { max } => {
+            if text.eq_ignore_ascii_case("none") {
+                return Some(Value::OptionalInteger(None));
+            }
+            text.parse::<u64>()
+                .ok()
+                .filter(|n| (1..=max).contains(n))
+                .map(|n| Value::OptionalInteger(Some(n)))
+        }
+        Kind::Duration => parse_iso8601_duration(text).map(Value::Duration),
+        Kind::OptionalName => {
+            if text.is_empty() || text.eq_ignore_ascii_case("none") {
+                return Some(Value::OptionalName(None));
+            }
+            let printable = text.bytes().all(|b| (0x20..0x7f).contains(&b));
+            (printable && text.len() <= 256).then(|| Value::OptionalName(Some(text.to_string())))
+        }
+    }
+}
+
+/// Why a setting could not be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettingError {
+    #[error("unknown setting `{0}`")]
+    Unknown(String),
+    #[error("`{name}` must be {expected}")]
+    BadValue { name: String, expected: String },
+}
+
+impl MemorySettings {
+    /// Sets the setting `name` from its text form (a header value, or a config value turned to
+    /// text).
+    pub fn apply(&mut self, name: &str, text: &str) -> Result<(), SettingError> {
+        let kind = kind_of(name).ok_or_else(|| SettingError::Unknown(name.to_string()))?;
+        let bad = || SettingError::BadValue {
+            name: name.to_string(),
+            expected: kind.describe(),
+        };
+        let value = parse_value(kind, text).ok_or_else(bad)?;
+        match (name, value) {
+            ("enabled", Value::Bool(b)) => self.enabled = b,
+            ("persist", Value::Bool(b)) => self.persist = b,
+            ("recent_n", Value::Integer(n)) => self.recent_n = n as usize,
+            ("max_messages", Value::Integer(n)) => self.max_messages = n as usize,
+            ("relevance_enabled", Value::Bool(b)) => self.relevance_enabled = b,
+            ("relevance_top_k", Value::Integer(n)) => self.relevance_top_k = n as usize,
+            ("compression_enabled", Value::Bool(b)) => self.compression_enabled = b,
+            ("compression_threshold_tokens", Value::Integer(n)) => {
+                self.compression_threshold_tokens = n
+            }
+            ("compression_model", Value::OptionalName(m)) => self.compression_model = m,
+            ("compression_interval", Value::Duration(d)) => self.compression_interval = d,
+            ("compression_async", Value::Bool(b)) => self.compression_async = b,
+            ("max_context_tokens", Value::OptionalInteger(n)) => self.max_context_tokens = n,
+            _ => return Err(bad()),
+        }
+        Ok(())
+    }
+
+    /// The settings as `(name, text)` pairs, in [`SETTINGS`] order, for `check-config` and the
+    /// shipped config file.
+    pub fn describe(&self) -> Vec<(&'static str, String)> {
+        let opt = |v: &Option<u64>| v.map_or("none".to_string(), |n| n.to_string());
+        vec![
+            ("enabled", self.enabled.to_string()),
+            ("persist", self.persist.to_string()),
+            ("recent_n", self.recent_n.to_string()),
+            ("max_messages", self.max_messages.to_string()),
+            ("relevance_enabled", self.relevance_enabled.to_string()),
+            ("relevance_top_k", self.relevance_top_k.to_string()),
+            ("compression_enabled", self.compression_enabled.to_string()),
+            (
+                "compression_threshold_tokens",
+                self.compression_threshold_tokens.to_string(),
+            ),
+            (
+                "compression_model",
+                self.compression_model.clone().unwrap_or_else(|| "none".into()),
+            ),
+            (
+                "compression_interval",
+                format_iso8601_duration(self.compression_interval),
+            ),
+            ("compression_async", self.compression_async.to_string()),
+            ("max_context_tokens", opt(&self.max_context_tokens)),
+        ]
+    }
+}
+
+/// The header that sets `name`: `X-Memory-` + kebab case (`recent_n` → `x-memory-recent-n`).
+pub fn header_name(name: &str) -> String {
+    format!("x-memory-{}", name.replace('_', "-"))
+}
+
+/// The setting a lower-case `x-memory-*` header sets, if any.
+pub fn setting_for_header(header: &str) -> Option<&'static str> {
+    let rest = header.strip_prefix("x-memory-")?;
+    let snake = rest.replace('-', "_");
+    SETTINGS
+        .iter()
+        .find(|(n, _)| *n == snake)
+        .map(|(name, _)| *name)
+}
+
+/// Parses an ISO-8601 duration: `P[nD]T[nH][nM][n[.f]S]`, also `PnW`. Years and months are
+/// refused because their length is not fixed.
+pub fn parse_iso8601_duration(text: &str) -> Option<Duration> {
+    let rest = text.strip_prefix('P').or_else(|| text.strip_prefix('p'))?;
+    if rest.is_empty() {
+        return None;
+    }
+    let mut seconds: f64 = 0.0;
+    let mut in_time = false;
+    let mut number = String::new();
+    let mut saw_unit = false;
+    for c in rest.chars() {
+        match c {
+            '0'..='9' | '.' => number.push(c),
+            'T' | 't' if !in_time && number.is_empty() => in_time = true,
+            _ => {
+                let value: f64 = number.parse().ok()?;
+                number.clear();
+                let unit = match (in_time, c.to_ascii_uppercase()) {
+                    (false, 'W') => 7.0 * 86_400.0,
+                    (false, 'D') => 86_400.0,
+                    (true, 'H') => 3_600.0,
+                    (true, 'M') => 60.0,
+                    (true, 'S') => 1.0,
+                    _ => return None,
+                };
+                seconds += value * unit;
+                saw_unit = true;
+            }
+        }
+    }
+    if !number.is_empty() || !saw_unit || !seconds.is_finite() || seconds > 1e12 {
+        return None;
+    }
+    Some(Duration::from_secs_f64(seconds))
+}
+
+/// Formats a duration as ISO-8601 (`PT3600S` style, shortened to the largest exact unit).
+pub fn format_iso8601_duration(d: Duration) -> String {
+    let secs = d.as_secs();
+    if d.subsec_nanos() != 0 {
+        return format!("PT{}S", d.as_secs_f64());
+    }
+    if secs == 0 {
+        "PT0S".to_string()
+    } else if secs.is_multiple_of(86_400) {
+        format!("P{}D", secs / 86_400)
+    } else if secs.is_multiple_of(3_600) {
+        format!("PT{}H", secs / 3_600)
+    } else if secs.is_multiple_of(60) {
+        format!("PT{}M", secs / 60)
+    } else {
+        format!("PT{secs}S")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse() {
+        let cases = [
+            ("PT1H", Some(3600.0)),
+            ("PT0S", Some(0.0)),
+            ("PT30M", Some(1800.0)),
+            ("P1D", Some(86400.0)),
+            ("P1DT2H", Some(93600.0)),
+            ("PT1.5S", Some(1.5)),
+            ("P2W", Some(1_209_600.0)),
+            ("P1M", None),
+            ("PT", None),
+            ("P", None),
+            ("1H", None),
+            ("PT1", None),
+            ("PTH", None),
+            ("PT1X", None),
+        ];
+        for (text, expected) in cases {
+            let got = parse_iso8601_duration(text).map(|d| d.as_secs_f64());
+            assert_eq!(got, expected, "{text}");
+        }
+    }
+
+    #[test]
+    fn durations_round_trip_through_format() {
+        for secs in [0, 1, 59, 60, 3600, 5400, 86_400, 90_000] {
+            let d = Duration::from_secs(secs);
+            assert_eq!(parse_iso8601_duration(&format_iso8601_duration(d)), Some(d));
+        }
+    }
+
+    #[test]
+    fn apply_checks_every_kind() {
+        let mut s = MemorySettings::default();
+        s.apply("recent_n", "6").unwrap();
+        assert_eq!(s.recent_n, 6);
+        s.apply("persist", "FALSE").unwrap();
+        assert!(!s.persist);
+        s.apply("max_context_tokens", "4000").unwrap();
+        assert_eq!(s.max_context_tokens, Some(4000));
+        s.apply("max_context_tokens", "none").unwrap();
+        assert_eq!(s.max_context_tokens, None);
+        s.apply("compression_model", "gpt-4o-mini").unwrap();
+        assert_eq!(s.compression_model.as_deref(), Some("gpt-4o-mini"));
+        s.apply("compression_interval", "PT0S").unwrap();
+        assert_eq!(s.compression_interval, Duration::ZERO);
+
+        let err = s.apply("relevance_top_k", "21").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "`relevance_top_k` must be an integer from 0 to 20"
+        );
+        assert!(s.apply("persist", "yes").is_err());
+        assert!(s.apply("recent_n", "-1").is_err());
+        assert!(s.apply("max_context_tokens", "0").is_err());
+        assert_eq!(
+            s.apply("nope", "1"),
+            Err(SettingError::Unknown("nope".into()))
+        );
+    }
+
+    #[test]
+    fn header_names_map_both_ways() {
+        for (name, _) in SETTINGS {
+            assert_eq!(setting_for_header(&header_name(name)), Some(*name));
+        }
+        assert_eq!(header_name("recent_n"), "x-memory-recent-n");
+        assert_eq!(setting_for_header("x-memory-conversation-id"), None);
+    }
+
+    #[test]
+    fn describe_lists_every_setting_and_reapplies() {
+        let defaults = MemorySettings::default();
+        let described = defaults.describe();
+        assert_eq!(described.len(), SETTINGS.len());
+        let mut copy = MemorySettings {
+            recent_n: 99,
+            ..MemorySettings::default()
+        };
+        for (name, text) in described {
+            copy.apply(name, &text).unwrap();
+        }
+        assert_eq!(copy, defaults);
+    }
+}

@@ -1,0 +1,73 @@
+//! What every request shares: the checked config, the store and the upstream client.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::config::Config;
+use crate::store::{Store, StoreError};
+use crate::upstream::{Upstream, UpstreamSetupError};
+
+/// Why memproxy could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot create the data directory {path}: {source}")]
+    DataDir {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot open the store: {0}")]
+    Store(#[from] StoreError),
+    #[error("cannot set up the upstream client: {0}")]
+    Upstream(#[from] UpstreamSetupError),
+}
+
+#[derive(Debug)]
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub store: Arc<Store>,
+    pub upstream: Upstream,
+    next_request: AtomicU64,
+    /// Distinguishes request ids across restarts.
+    boot: u64,
+}
+
+impl AppState {
+    pub fn new(config: Arc<Config>, store: Arc<Store>, upstream: Upstream) -> AppState {
+        let boot = crate::store::now_ms() as u64 & 0xff_ffff;
+        AppState {
+            config,
+            store,
+            upstream,
+            next_request: AtomicU64::new(1),
+            boot,
+        }
+    }
+
+    /// Opens the store (creating the data directory) and the upstream client for `config`.
+    /// Must run inside a tokio runtime.
+    pub fn build(config: Config) -> Result<Arc<AppState>, StartError> {
+        std::fs::create_dir_all(&config.data_dir).map_err(|source| StartError::DataDir {
+            path: config.data_dir.display().to_string(),
+            source,
+        })?;
+        let store = Store::open(
+            &config.data_dir,
+            config.durability,
+            config.store_cache_bytes,
+            config.state_cache_bytes,
+        )?;
+        let upstream = Upstream::new(&config.upstream)?;
+        Ok(Arc::new(AppState::new(
+            Arc::new(config),
+            Arc::new(store),
+            upstream,
+        )))
+    }
+
+    /// A fresh request id, unique within this process and unlikely to repeat across restarts.
+    pub fn request_id(&self) -> String {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        format!("req-{:06x}-{n}", self.boot)
+    }
+}

@@ -1,0 +1,92 @@
+//! Group commit: callers ask for durability and wait; one background task flushes the store
+//! and releases every caller whose writes came before that flush began. Concurrent commits so
+//! share one flush instead of queueing one each.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+
+/// Why a flush failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("the store could not be flushed to disk: {0}")]
+pub struct FlushError(pub String);
+
+/// Hands out flush tickets and runs the flushing task.
+#[derive(Debug)]
+pub struct GroupFlusher {
+    requested: AtomicU64,
+    wake: Notify,
+    done: watch::Sender<(u64, Option<FlushError>)>,
+}
+
+impl GroupFlusher {
+    /// Starts the flushing task over `db`. The task ends when the returned flusher is dropped
+    /// by every holder and the task is aborted by the store's shutdown.
+    pub fn start(db: sled::Db) -> (Arc<GroupFlusher>, JoinHandle<()>) {
+        let (done, _) = watch::channel((0, None));
+        let flusher = Arc::new(GroupFlusher {
+            requested: AtomicU64::new(0),
+            wake: Notify::new(),
+            done,
+        });
+        let task_flusher = Arc::clone(&flusher);
+        let task = tokio::spawn(async move {
+            loop {
+                task_flusher.wake.notified().await;
+                // Every ticket up to `target` was taken after its writes were applied, so one
+                // flush starting now makes all of them durable.
+                let target = task_flusher.requested.load(Ordering::Acquire);
+                let db = db.clone();
+                let result = tokio::task::spawn_blocking(move || db.flush()).await;
+                let error = match result {
+                    Ok(Ok(_)) => None,
+                    Ok(Err(err)) => Some(FlushError(err.to_string())),
+                    Err(err) => Some(FlushError(err.to_string())),
+                };
+                task_flusher.done.send_replace((target, error));
+            }
+        });
+        (flusher, task)
+    }
+
+    /// Waits until everything written before this call is on disk.
+    pub async fn sync(&self) -> Result<(), FlushError> {
+        let ticket = self.requested.fetch_add(1, Ordering::AcqRel) + 1;
+        let mut done = self.done.subscribe();
+        self.wake.notify_one();
+        match done.wait_for(|(flushed, _)| *flushed >= ticket).await {
+            Ok(state) => match &state.1 {
+                None => Ok(()),
+                Some(err) => Err(err.clone()),
+            },
+            Err(_) => Err(FlushError("the flushing task has stopped".to_string())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn concurrent_syncs_all_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = sled::open(dir.path()).unwrap();
+        let (flusher, task) = GroupFlusher::start(db.clone());
+        let mut joins = Vec::new();
+        for i in 0..32u32 {
+            let flusher = Arc::clone(&flusher);
+            let db = db.clone();
+            joins.push(tokio::spawn(async move {
+                db.insert(i.to_be_bytes(), &b"v"[..]).unwrap();
+                flusher.sync().await
+            }));
+        }
+        for join in joins {
+            join.await.unwrap().unwrap();
+        }
+        task.abort();
+    }
+}

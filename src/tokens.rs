@@ -1,0 +1,53 @@
+//! Token counting with tiktoken: the encoding chosen by model, `o200k_base` when the model is
+//! unknown. A message is counted once, when it is stored; nothing on the request path counts a
+//! stored message again.
+
+use tiktoken_rs::CoreBPE;
+use tiktoken_rs::tokenizer::{Tokenizer, get_tokenizer};
+
+/// Tokens added per message for the role and separators (OpenAI's chat format uses 3–4).
+pub const MESSAGE_OVERHEAD_TOKENS: u32 = 4;
+
+/// The encoder for `model`; the encoders are built once per process and shared.
+fn encoder(model: Option<&str>) -> &'static CoreBPE {
+    match model.and_then(get_tokenizer) {
+        Some(Tokenizer::Cl100kBase) => tiktoken_rs::cl100k_base_singleton(),
+        Some(Tokenizer::P50kBase) => tiktoken_rs::p50k_base_singleton(),
+        Some(Tokenizer::R50kBase | Tokenizer::Gpt2) => tiktoken_rs::r50k_base_singleton(),
+        Some(Tokenizer::P50kEdit) => tiktoken_rs::p50k_edit_singleton(),
+        Some(Tokenizer::O200kHarmony) => tiktoken_rs::o200k_harmony_singleton(),
+        Some(Tokenizer::O200kBase) | None => tiktoken_rs::o200k_base_singleton(),
+    }
+}
+
+/// Tokens of `text` under the encoding of `model`.
+pub fn count_text(model: Option<&str>, text: &str) -> u32 {
+    if text.is_empty() {
+        return 0;
+    }
+    let n = encoder(model).encode_with_special_tokens(text).len();
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// Tokens of a message whose text is `text`, including the per-message overhead.
+pub fn count_message(model: Option<&str>, text: &str) -> u32 {
+    count_text(model, text).saturating_add(MESSAGE_OVERHEAD_TOKENS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_follow_the_model_encoding() {
+        assert_eq!(count_text(None, ""), 0);
+        assert_eq!(count_text(Some("gpt-4o"), "hello world"), 2);
+        assert_eq!(count_text(Some("gpt-4"), "hello world"), 2);
+        // Unknown models fall back to o200k_base.
+        assert_eq!(
+            count_text(Some("llama-3-70b"), "tokenization"),
+            count_text(Some("gpt-4o"), "tokenization")
+        );
+        assert_eq!(count_message(None, "hi"), 1 + MESSAGE_OVERHEAD_TOKENS);
+    }
+}
