@@ -8,7 +8,8 @@
 use std::collections::BTreeMap;
 
 use serde_json::value::RawValue;
-use serde_json::{Map, Value, json};
+use serde::Serialize;
+use serde_json::{Value, json};
 
 /// Builds the reply from stream events.
 #[derive(Debug, Default)]
@@ -147,23 +148,30 @@ pub fn reply_from_json(body: &[u8]) -> Option<Box<RawValue>> {
     Some(assistant_message(content, refusal, calls))
 }
 
+/// An assistant message with `role` first, as clients write it.
+#[derive(Serialize)]
+struct AssistantMessage {
+    role: &'static str,
+    content: Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refusal: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<Value>,
+}
+
 fn assistant_message(
     content: Option<Value>,
     refusal: Option<String>,
     tool_calls: Vec<Value>,
 ) -> Box<RawValue> {
-    let mut object = Map::new();
-    object.insert("role".into(), Value::String("assistant".into()));
-    object.insert("content".into(), content.unwrap_or(Value::Null));
-    if let Some(refusal) = refusal {
-        object.insert("refusal".into(), Value::String(refusal));
-    }
-    if !tool_calls.is_empty() {
-        object.insert("tool_calls".into(), Value::Array(tool_calls));
-    }
-    // A Value always serializes to valid JSON.
-    RawValue::from_string(Value::Object(object).to_string())
-        .unwrap_or_else(|_| Box::<RawValue>::default())
+    let message = AssistantMessage {
+        role: "assistant",
+        content: content.unwrap_or(Value::Null),
+        refusal,
+        tool_calls,
+    };
+    // Serializing plain values cannot fail.
+    serde_json::value::to_raw_value(&message).unwrap_or_else(|_| Box::<RawValue>::default())
 }
 
 #[cfg(test)]

