@@ -15,7 +15,9 @@ pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// A body made of one buffer.
 pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// An empty body.

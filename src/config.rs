@@ -32,6 +32,7 @@ pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
 pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 pub const DEFAULT_STORE_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 pub const DEFAULT_STATE_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+pub const DEFAULT_RECALL_CACHE_BYTES: u64 = 256 * 1024 * 1024;
 
 /// A secret string whose `Debug` never shows it.
 #[derive(Clone, PartialEq, Eq)]
@@ -83,6 +84,8 @@ pub struct Config {
     pub durability: Durability,
     pub store_cache_bytes: u64,
     pub state_cache_bytes: u64,
+    /// Memory for the cached recall indexes.
+    pub recall_cache_bytes: u64,
     pub log_format: LogFormat,
     pub allow_header_overrides: bool,
     /// `[memory]` over the built-in defaults: the profile of any agent not named below.
@@ -173,6 +176,7 @@ struct RawStorage {
     flush_interval: Option<String>,
     cache_bytes: Option<u64>,
     state_cache_bytes: Option<u64>,
+    recall_cache_bytes: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -184,7 +188,10 @@ struct RawLog {
 /// Loads the configuration: the file named by `overrides.config_path` (or
 /// [`DEFAULT_CONFIG_PATH`] when it exists), then the overrides. `env` looks up environment
 /// variables named in the file (the upstream key, client keys).
-pub fn load(overrides: &Overrides, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+pub fn load(
+    overrides: &Overrides,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, ConfigError> {
     let text = match &overrides.config_path {
         Some(path) => Some(read_file(path)?),
         None if Path::new(DEFAULT_CONFIG_PATH).exists() => {
@@ -344,6 +351,11 @@ fn check(
         .state_cache_bytes
         .unwrap_or(DEFAULT_STATE_CACHE_BYTES);
 
+    let recall_cache_bytes = raw
+        .storage
+        .recall_cache_bytes
+        .unwrap_or(DEFAULT_RECALL_CACHE_BYTES);
+
     let format_text = overrides
         .log_format
         .clone()
@@ -384,7 +396,12 @@ fn check(
                 "agents.{name}: an agent name is 1-128 characters from A-Za-z0-9._:@-"
             ));
         }
-        let profile = apply_table(memory.clone(), table, &format!("agents.{name}"), &mut problems);
+        let profile = apply_table(
+            memory.clone(),
+            table,
+            &format!("agents.{name}"),
+            &mut problems,
+        );
         agents.insert(name.clone(), profile);
     }
 
@@ -407,6 +424,7 @@ fn check(
         durability,
         store_cache_bytes,
         state_cache_bytes,
+        recall_cache_bytes,
         log_format,
         allow_header_overrides,
         memory,
@@ -420,7 +438,12 @@ pub fn hash_key(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
-fn duration(key: &str, value: Option<String>, default: Duration, problems: &mut Vec<String>) -> Duration {
+fn duration(
+    key: &str,
+    value: Option<String>,
+    default: Duration,
+    problems: &mut Vec<String>,
+) -> Duration {
     match value {
         None => default,
         Some(text) => parse_iso8601_duration(&text).unwrap_or_else(|| {
@@ -452,6 +475,7 @@ fn apply_table(
             (
                 settings::Kind::Duration
                 | settings::Kind::OptionalName
+                | settings::Kind::Language
                 | settings::Kind::OptionalInteger { .. },
                 toml::Value::String(s),
             ) => s.clone(),
@@ -590,7 +614,11 @@ mod tests {
     fn overrides_win_over_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.toml");
-        std::fs::write(&path, "[server]\nlisten = \"127.0.0.1:1\"\n[log]\nformat = \"text\"\n").unwrap();
+        std::fs::write(
+            &path,
+            "[server]\nlisten = \"127.0.0.1:1\"\n[log]\nformat = \"text\"\n",
+        )
+        .unwrap();
         let overrides = Overrides {
             config_path: Some(path),
             listen: Some("127.0.0.1:2".into()),
@@ -600,7 +628,10 @@ mod tests {
         };
         let config = load(&overrides, &no_env).unwrap();
         assert_eq!(config.listen.port(), 2);
-        assert_eq!(config.upstream.base_url.to_string(), "http://127.0.0.1:3/v1");
+        assert_eq!(
+            config.upstream.base_url.to_string(),
+            "http://127.0.0.1:3/v1"
+        );
         assert_eq!(config.data_dir, PathBuf::from("/tmp/x"));
         assert_eq!(config.log_format, LogFormat::Json);
     }
@@ -612,6 +643,9 @@ mod tests {
             &no_env,
         )
         .unwrap();
-        assert_eq!(config.durability, Durability::Interval(Duration::from_secs(300)));
+        assert_eq!(
+            config.durability,
+            Durability::Interval(Duration::from_secs(300))
+        );
     }
 }

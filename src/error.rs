@@ -40,7 +40,11 @@ pub enum ProxyError {
 
 impl ProxyError {
     /// A 400 that names the header or field at fault.
-    pub fn invalid(param: impl Into<String>, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn invalid(
+        param: impl Into<String>,
+        code: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
         ProxyError::InvalidRequest {
             message: message.into(),
             param: Some(param.into()),

@@ -10,7 +10,8 @@
 //! - [`pipeline`] runs the memory stages: identify → reconcile → (recall, summary) → assemble →
 //!   forward → capture → commit, one file each;
 //! - [`upstream`] is the pooled HTTP/HTTPS client and the header rules;
-//! - [`store`] keeps conversations in sled, with an in-memory index per conversation.
+//! - [`store`] keeps conversations in sled, with an in-memory index per conversation;
+//! - [`recall`] keeps a BM25 index per conversation for relevance recall.
 //!
 //! Supporting pieces: [`config`] and [`settings`] (configuration and per-request settings),
 //! [`identity`] (tenants and ids), [`message`] (the request's messages), [`reply`] and [`sse`]
@@ -26,6 +27,7 @@ pub mod identity;
 pub mod message;
 pub mod mock_upstream;
 pub mod pipeline;
+pub mod recall;
 pub mod reply;
 pub mod router;
 pub mod server;

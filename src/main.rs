@@ -81,7 +81,9 @@ async fn shutdown_signal() {
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Text => builder.init(),
@@ -95,12 +97,21 @@ fn check_config(config: &Config) -> ExitCode {
     println!("upstream = {}", config.upstream.base_url);
     println!(
         "upstream key = {}",
-        if config.upstream.api_key.is_some() { "set (from environment)" } else { "not set: client Authorization is forwarded" }
+        if config.upstream.api_key.is_some() {
+            "set (from environment)"
+        } else {
+            "not set: client Authorization is forwarded"
+        }
     );
     println!("data_dir = {}", config.data_dir.display());
     println!("allow_header_overrides = {}", config.allow_header_overrides);
     let profiles = std::iter::once(("[memory] (any other agent)".to_string(), &config.memory))
-        .chain(config.agents.iter().map(|(name, s)| (format!("[agents.{name}]"), s)));
+        .chain(
+            config
+                .agents
+                .iter()
+                .map(|(name, s)| (format!("[agents.{name}]"), s)),
+        );
     for (title, settings) in profiles {
         println!("\n{title}");
         for (name, value) in settings.describe() {

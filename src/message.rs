@@ -347,7 +347,10 @@ impl ChatRequest {
 
     /// The request body with `messages` replaced by `messages`; every other field is written
     /// back as it came, in its place.
-    pub fn body_with_messages<'a>(&self, messages: impl IntoIterator<Item = &'a RawValue>) -> Vec<u8> {
+    pub fn body_with_messages<'a>(
+        &self,
+        messages: impl IntoIterator<Item = &'a RawValue>,
+    ) -> Vec<u8> {
         let mut list = Vec::with_capacity(4096);
         list.push(b'[');
         for (i, message) in messages.into_iter().enumerate() {
@@ -465,19 +468,30 @@ mod tests {
         assert_ne!(a.fingerprint, d.fingerprint);
         assert_ne!(a.fingerprint, e.fingerprint);
 
-        let call = json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
-        let sdk = message(json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": call}));
-        let ours = message(json!({"role": "assistant", "tool_calls": [{"index": 0, "id": "c1", "function": {"arguments": "{}", "name": "f"}}]}));
+        let call =
+            json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
+        let sdk = message(
+            json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": call}),
+        );
+        let ours = message(
+            json!({"role": "assistant", "tool_calls": [{"index": 0, "id": "c1", "function": {"arguments": "{}", "name": "f"}}]}),
+        );
         assert_eq!(sdk.fingerprint, ours.fingerprint);
         assert_eq!(sdk.tool_call_ids, vec!["c1".to_string()]);
     }
 
     #[test]
     fn messages_are_checked() {
-        let bad = |v: Value| Message::parse(RawValue::from_string(v.to_string()).unwrap(), "messages[2]").unwrap_err();
+        let bad = |v: Value| {
+            Message::parse(RawValue::from_string(v.to_string()).unwrap(), "messages[2]")
+                .unwrap_err()
+        };
         assert_eq!(bad(json!({"content": "x"})).field, "messages[2].role");
         assert_eq!(bad(json!({"role": "robot"})).field, "messages[2].role");
-        assert_eq!(bad(json!({"role": "tool", "content": "x"})).field, "messages[2].tool_call_id");
+        assert_eq!(
+            bad(json!({"role": "tool", "content": "x"})).field,
+            "messages[2].tool_call_id"
+        );
         assert_eq!(bad(json!([1])).field, "messages[2]");
     }
 
@@ -505,9 +519,14 @@ mod tests {
         assert_eq!(param(b"[1,2]"), (None, "invalid_json"));
         assert_eq!(param(br#"{"model":"m"}"#).0.as_deref(), Some("messages"));
         assert_eq!(param(br#"{"messages":{}}"#).0.as_deref(), Some("messages"));
-        assert_eq!(param(br#"{"messages":[],"stream":"yes"}"#).0.as_deref(), Some("stream"));
         assert_eq!(
-            param(br#"{"messages":[{"role":"user"},{"role":7}]}"#).0.as_deref(),
+            param(br#"{"messages":[],"stream":"yes"}"#).0.as_deref(),
+            Some("stream")
+        );
+        assert_eq!(
+            param(br#"{"messages":[{"role":"user"},{"role":7}]}"#)
+                .0
+                .as_deref(),
             Some("messages[1].role")
         );
         let ok = ChatRequest::parse(br#"{"messages":[],"stream":true,"model":"gpt-4o"}"#).unwrap();
@@ -529,8 +548,10 @@ mod tests {
 
     #[test]
     fn text_joins_parts_and_tool_calls() {
-        let m = message(json!({"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
-            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "get", "arguments": "{\"x\":1}"}}]}));
+        let m = message(
+            json!({"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "get", "arguments": "{\"x\":1}"}}]}),
+        );
         assert_eq!(m.text(), "a\nb\nget({\"x\":1})");
     }
 }

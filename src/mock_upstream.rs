@@ -105,7 +105,10 @@ impl MockUpstream {
     }
 
     /// Starts a mock with `options` on `addr` (default `127.0.0.1:0`).
-    pub async fn start_with(options: MockOptions, addr: Option<SocketAddr>) -> std::io::Result<MockUpstream> {
+    pub async fn start_with(
+        options: MockOptions,
+        addr: Option<SocketAddr>,
+    ) -> std::io::Result<MockUpstream> {
         let addr = addr.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
@@ -131,7 +134,9 @@ impl MockUpstream {
                     let options = Arc::clone(&options);
                     async move { Ok::<_, Infallible>(answer(&shared, &options, request).await) }
                 });
-                let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                let connection = builder
+                    .serve_connection(TokioIo::new(stream), service)
+                    .into_owned();
                 tokio::spawn(async move {
                     let _ = connection.await;
                 });
@@ -184,7 +189,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-async fn answer(shared: &Shared, options: &MockOptions, request: Request<Incoming>) -> Response<ProxyBody> {
+async fn answer(
+    shared: &Shared,
+    options: &MockOptions,
+    request: Request<Incoming>,
+) -> Response<ProxyBody> {
     let (parts, body) = request.into_parts();
     let body = match body.collect().await {
         Ok(collected) => collected.to_bytes(),
@@ -241,18 +250,28 @@ async fn chat_answer(request: &Value, reply: Reply, options: &MockOptions) -> Re
         tokio::time::sleep(delay).await;
         reply = *inner;
     }
-    let stream = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let stream = request
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let usage = request
         .pointer("/stream_options/include_usage")
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let model = request.get("model").and_then(Value::as_str).unwrap_or("mock-model").to_string();
+    let model = request
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("mock-model")
+        .to_string();
     match reply {
         Reply::Status(status, body) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             let mut response = Response::new(full(body));
             *response.status_mut() = status;
-            response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("application/json"),
+            );
             response
         }
         Reply::Text(text) if !stream => json_response(
@@ -276,7 +295,10 @@ async fn chat_answer(request: &Value, reply: Reply, options: &MockOptions) -> Re
                 }),
             )
         }
-        other => sse_response(sse_events(&model, other, options.stream_chunks, usage), options.chunk_delay),
+        other => sse_response(
+            sse_events(&model, other, options.stream_chunks, usage),
+            options.chunk_delay,
+        ),
     }
 }
 
@@ -289,7 +311,10 @@ fn sse_events(model: &str, reply: Reply, chunks: usize, usage: bool) -> Vec<Resu
                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
         ))
     };
-    let mut events = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null)];
+    let mut events = vec![chunk(
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+    )];
     let text_chunks = |text: &str| -> Vec<String> {
         let chars: Vec<char> = text.chars().collect();
         let size = chars.len().div_ceil(chunks.max(1)).max(1);
@@ -372,7 +397,10 @@ fn sse_response(events: Vec<Result<String, ()>>, delay: Duration) -> Response<Pr
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("text/event-stream"),
     );
-    response.headers_mut().insert(header::CACHE_CONTROL, header::HeaderValue::from_static("no-cache"));
+    response.headers_mut().insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-cache"),
+    );
     response
 }
 

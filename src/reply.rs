@@ -7,8 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use serde_json::value::RawValue;
 use serde::Serialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 /// Builds the reply from stream events.
@@ -204,7 +204,10 @@ mod tests {
         assert_eq!(message["content"], "Hello");
         assert_eq!(message["tool_calls"][0]["id"], "call_1");
         assert_eq!(message["tool_calls"][0]["function"]["name"], "get_weather");
-        assert_eq!(message["tool_calls"][0]["function"]["arguments"], "{\"city\":1}");
+        assert_eq!(
+            message["tool_calls"][0]["function"]["arguments"],
+            "{\"city\":1}"
+        );
         assert_eq!(message["tool_calls"][1]["id"], "call_2");
         assert_eq!(message["tool_calls"][1]["type"], "function");
     }
@@ -225,7 +228,10 @@ mod tests {
     fn json_reply_takes_choice_zero() {
         let body = br#"{"id":"x","choices":[{"index":1,"message":{"role":"assistant","content":"no"}},{"index":0,"message":{"role":"assistant","content":"yes","refusal":null,"annotations":[]},"finish_reason":"stop"}]}"#;
         let message = as_value(&reply_from_json(body).unwrap());
-        assert_eq!(message, serde_json::json!({"role": "assistant", "content": "yes"}));
+        assert_eq!(
+            message,
+            serde_json::json!({"role": "assistant", "content": "yes"})
+        );
         assert!(reply_from_json(b"{\"object\":\"list\"}").is_none());
     }
 }

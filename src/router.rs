@@ -62,7 +62,10 @@ pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Respons
     .await
 }
 
-async fn route(state: &Arc<AppState>, request: Request<Incoming>) -> Result<Response<ProxyBody>, ProxyError> {
+async fn route(
+    state: &Arc<AppState>,
+    request: Request<Incoming>,
+) -> Result<Response<ProxyBody>, ProxyError> {
     let path = request.uri().path();
     match (request.method(), path) {
         (&Method::GET, "/healthz") => return Ok(json(StatusCode::OK, r#"{"status":"ok"}"#)),
@@ -71,7 +74,13 @@ async fn route(state: &Arc<AppState>, request: Request<Incoming>) -> Result<Resp
     }
 
     let (path_ids, api_path) = match split_path_form(path) {
-        Some((agent, conversation, rest)) => (Some(PathIds { agent, conversation }), rest),
+        Some((agent, conversation, rest)) => (
+            Some(PathIds {
+                agent,
+                conversation,
+            }),
+            rest,
+        ),
         None => (None, path),
     };
     if api_path != "/v1" && !api_path.starts_with("/v1/") {
@@ -145,7 +154,10 @@ fn check_client_key(state: &AppState, headers: &http::HeaderMap) -> Result<(), P
 
 fn readiness(state: &AppState) -> Response<ProxyBody> {
     let store = state.store.is_ready();
-    let body = format!(r#"{{"status":"{}","store":{store},"upstream":true}}"#, if store { "ready" } else { "unavailable" });
+    let body = format!(
+        r#"{{"status":"{}","store":{store},"upstream":true}}"#,
+        if store { "ready" } else { "unavailable" }
+    );
     let status = if store {
         StatusCode::OK
     } else {

@@ -63,7 +63,10 @@ pub async fn run(
     drop(listener);
     // 2. Drain within the grace period.
     let grace = state.config.shutdown_grace;
-    tracing::info!(grace_s = grace.as_secs(), "shutting down: draining connections");
+    tracing::info!(
+        grace_s = grace.as_secs(),
+        "shutting down: draining connections"
+    );
     tokio::select! {
         () = graceful.shutdown() => tracing::info!("all connections closed"),
         () = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),

@@ -8,6 +8,8 @@
 
 use std::time::Duration;
 
+use crate::recall::tokenize::TextLanguage;
+
 pub const DEFAULT_RECENT_N: usize = 10;
 pub const DEFAULT_MAX_MESSAGES: usize = 1000;
 pub const DEFAULT_RELEVANCE_TOP_K: usize = 5;
@@ -39,6 +41,8 @@ pub struct MemorySettings {
     pub compression_interval: Duration,
     pub compression_async: bool,
     pub max_context_tokens: Option<u64>,
+    /// How Latin-script text is stemmed for recall: `auto` detects it per conversation.
+    pub relevance_language: TextLanguage,
 }
 
 impl Default for MemorySettings {
@@ -56,6 +60,7 @@ impl Default for MemorySettings {
             compression_interval: DEFAULT_COMPRESSION_INTERVAL,
             compression_async: true,
             max_context_tokens: None,
+            relevance_language: TextLanguage::Auto,
         }
     }
 }
@@ -65,13 +70,20 @@ impl Default for MemorySettings {
 pub enum Kind {
     Bool,
     /// An integer in `min..=max`.
-    Integer { min: u64, max: u64 },
+    Integer {
+        min: u64,
+        max: u64,
+    },
     /// An integer in `1..=max`, or `none` for unset.
-    OptionalInteger { max: u64 },
+    OptionalInteger {
+        max: u64,
+    },
     /// An ISO-8601 duration such as `PT1H`.
     Duration,
     /// A model name, or `none` / empty for unset.
     OptionalName,
+    /// `auto`, `none`, or a language name.
+    Language,
 }
 
 impl Kind {
@@ -85,6 +97,7 @@ impl Kind {
             Kind::OptionalName => {
                 "a model name (printable ASCII, at most 256 characters), or `none`".to_string()
             }
+            Kind::Language => format!("one of {}", TextLanguage::accepted()),
         }
     }
 }
@@ -131,6 +144,7 @@ pub const SETTINGS: &[(&str, Kind)] = &[
         "max_context_tokens",
         Kind::OptionalInteger { max: 100_000_000 },
     ),
+    ("relevance_language", Kind::Language),
 ];
 
 /// Looks a setting up by its snake-case name.
@@ -145,6 +159,7 @@ enum Value {
     OptionalInteger(Option<u64>),
     Duration(Duration),
     OptionalName(Option<String>),
+    Language(TextLanguage),
 }
 
 fn parse_value(kind: Kind, text: &str) -> Option<Value> {
@@ -177,6 +192,7 @@ fn parse_value(kind: Kind, text: &str) -> Option<Value> {
             let printable = text.bytes().all(|b| (0x20..0x7f).contains(&b));
             (printable && text.len() <= 256).then(|| Value::OptionalName(Some(text.to_string())))
         }
+        Kind::Language => TextLanguage::parse(text).map(Value::Language),
     }
 }
 
@@ -214,6 +230,7 @@ impl MemorySettings {
             ("compression_interval", Value::Duration(d)) => self.compression_interval = d,
             ("compression_async", Value::Bool(b)) => self.compression_async = b,
             ("max_context_tokens", Value::OptionalInteger(n)) => self.max_context_tokens = n,
+            ("relevance_language", Value::Language(l)) => self.relevance_language = l,
             _ => return Err(bad()),
         }
         Ok(())
@@ -237,7 +254,9 @@ impl MemorySettings {
             ),
             (
                 "compression_model",
-                self.compression_model.clone().unwrap_or_else(|| "none".into()),
+                self.compression_model
+                    .clone()
+                    .unwrap_or_else(|| "none".into()),
             ),
             (
                 "compression_interval",
@@ -245,6 +264,7 @@ impl MemorySettings {
             ),
             ("compression_async", self.compression_async.to_string()),
             ("max_context_tokens", opt(&self.max_context_tokens)),
+            ("relevance_language", self.relevance_language.name().to_string()),
         ]
     }
 }

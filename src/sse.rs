@@ -106,11 +106,9 @@ mod tests {
 
     #[test]
     fn parses_events_comments_and_multiline_data() {
-        let input = b": keep-alive\n\ndata: {\"a\":1}\n\nevent: x\ndata: one\ndata: two\n\ndata:[DONE]\n\n";
-        assert_eq!(
-            events(&[input]),
-            vec!["{\"a\":1}", "one\ntwo", "[DONE]"]
-        );
+        let input =
+            b": keep-alive\n\ndata: {\"a\":1}\n\nevent: x\ndata: one\ndata: two\n\ndata:[DONE]\n\n";
+        assert_eq!(events(&[input]), vec!["{\"a\":1}", "one\ntwo", "[DONE]"]);
     }
 
     #[test]

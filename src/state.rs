@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::Config;
+use crate::recall::Recall;
 use crate::store::{Store, StoreError};
 use crate::upstream::{Upstream, UpstreamSetupError};
 
@@ -27,6 +28,7 @@ pub struct AppState {
     pub config: Arc<Config>,
     pub store: Arc<Store>,
     pub upstream: Upstream,
+    pub recall: Recall,
     next_request: AtomicU64,
     /// Distinguishes request ids across restarts.
     boot: u64,
@@ -35,10 +37,12 @@ pub struct AppState {
 impl AppState {
     pub fn new(config: Arc<Config>, store: Arc<Store>, upstream: Upstream) -> AppState {
         let boot = crate::store::now_ms() as u64 & 0xff_ffff;
+        let recall = Recall::new(config.recall_cache_bytes);
         AppState {
             config,
             store,
             upstream,
+            recall,
             next_request: AtomicU64::new(1),
             boot,
         }

@@ -34,6 +34,39 @@ pub fn count_message(model: Option<&str>, text: &str) -> u32 {
     count_text(model, text).saturating_add(MESSAGE_OVERHEAD_TOKENS)
 }
 
+/// The end of `text` that fits in `max_tokens`, cut at a token boundary.
+pub fn keep_last_tokens(model: Option<&str>, text: &str, max_tokens: usize) -> String {
+    let bpe = encoder(model);
+    let tokens = bpe.encode_with_special_tokens(text);
+    if tokens.len() <= max_tokens {
+        return text.to_string();
+    }
+    // A cut inside a multi-byte character does not decode: move it a token later.
+    for skip in 0..4 {
+        let start = tokens.len() - max_tokens.saturating_sub(skip);
+        if let Ok(kept) = bpe.decode(&tokens[start..]) {
+            return kept;
+        }
+    }
+    String::new()
+}
+
+/// Token counts of instruction messages, which are re-sent with every request but never
+/// stored: counted once per distinct message and encoding, then looked up.
+pub fn count_cached(model: Option<&str>, fingerprint: u64, text: &str) -> u32 {
+    use std::sync::OnceLock;
+    static CACHE: OnceLock<moka::sync::Cache<(u64, usize), u32>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| moka::sync::Cache::new(16_384));
+    let encoding = encoder(model) as *const CoreBPE as usize;
+    let key = (fingerprint, encoding);
+    if let Some(count) = cache.get(&key) {
+        return count;
+    }
+    let count = count_message(model, text);
+    cache.insert(key, count);
+    count
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,5 +82,16 @@ mod tests {
             count_text(Some("gpt-4o"), "tokenization")
         );
         assert_eq!(count_message(None, "hi"), 1 + MESSAGE_OVERHEAD_TOKENS);
+    }
+
+    #[test]
+    fn keeping_the_end_cuts_at_a_token_boundary() {
+        let text = "one two three four five six seven";
+        let kept = keep_last_tokens(None, text, 3);
+        assert_eq!(kept, " five six seven");
+        assert_eq!(keep_last_tokens(None, "short", 10), "short");
+        let chinese = keep_last_tokens(None, "我的猫叫小白我的狗叫大黄", 4);
+        assert!("我的猫叫小白我的狗叫大黄".ends_with(&chinese) && !chinese.is_empty());
+        assert_eq!(count_cached(None, 7, "hello world"), count_message(None, "hello world"));
     }
 }

@@ -122,7 +122,9 @@ impl Upstream {
         let rest = path_and_query.strip_prefix("/v1").unwrap_or(path_and_query);
         format!("{}{}{}", self.origin, self.base_path, rest)
             .parse()
-            .map_err(|_| ProxyError::invalid("path", "invalid_path", "the request path is not valid"))
+            .map_err(|_| {
+                ProxyError::invalid("path", "invalid_path", "the request path is not valid")
+            })
     }
 
     /// The headers to send upstream for a client request's headers.
@@ -136,7 +138,10 @@ impl Upstream {
     }
 
     /// Sends a request, waiting at most the configured timeout for the response head.
-    pub async fn send(&self, request: Request<ProxyBody>) -> Result<Response<Incoming>, ProxyError> {
+    pub async fn send(
+        &self,
+        request: Request<ProxyBody>,
+    ) -> Result<Response<Incoming>, ProxyError> {
         match tokio::time::timeout(self.timeout, self.client.request(request)).await {
             Err(_) => Err(ProxyError::UpstreamTimeout {
                 seconds: self.timeout.as_secs(),
@@ -215,7 +220,10 @@ mod tests {
     async fn headers_are_filtered_and_the_key_replaced() {
         let mut incoming = HeaderMap::new();
         incoming.insert("authorization", HeaderValue::from_static("Bearer client"));
-        incoming.insert("connection", HeaderValue::from_static("keep-alive, x-custom-hop"));
+        incoming.insert(
+            "connection",
+            HeaderValue::from_static("keep-alive, x-custom-hop"),
+        );
         incoming.insert("x-custom-hop", HeaderValue::from_static("1"));
         incoming.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         incoming.insert("x-memory-conversation-id", HeaderValue::from_static("c"));
@@ -226,7 +234,12 @@ mod tests {
         assert_eq!(plain["authorization"], "Bearer client");
         assert_eq!(plain["x-stainless-lang"], "python");
         assert_eq!(plain["openai-organization"], "org");
-        for gone in ["connection", "x-custom-hop", "keep-alive", "x-memory-conversation-id"] {
+        for gone in [
+            "connection",
+            "x-custom-hop",
+            "keep-alive",
+            "x-memory-conversation-id",
+        ] {
             assert!(!plain.contains_key(gone), "{gone}");
         }
         let keyed = upstream("http://127.0.0.1:1/v1", Some("sk-proxy")).request_headers(&incoming);

@@ -16,7 +16,13 @@ async fn other_routes_pass_through_untouched() {
     let dir = tempfile::tempdir().unwrap();
     let proxy = Proxy::start(&mock, dir.path(), "").await;
 
-    let models = send("GET", &proxy.url("/v1/models"), &[("authorization", "Bearer sk-1")], "").await;
+    let models = send(
+        "GET",
+        &proxy.url("/v1/models"),
+        &[("authorization", "Bearer sk-1")],
+        "",
+    )
+    .await;
     assert_eq!(models.status, 200);
     assert_eq!(models.json()["data"][0]["id"], "mock-model");
 
@@ -41,12 +47,23 @@ async fn other_routes_pass_through_untouched() {
     assert_eq!(seen.headers["authorization"], "Bearer sk-1");
     assert_eq!(seen.headers["x-stainless-lang"], "python");
     assert_eq!(seen.headers["openai-organization"], "org-9");
-    assert!(!seen.headers.keys().any(|k| k.as_str().starts_with("x-memory-")));
+    assert!(
+        !seen
+            .headers
+            .keys()
+            .any(|k| k.as_str().starts_with("x-memory-"))
+    );
     assert!(answer.headers.get("x-memory-status").is_none());
 
     // Chat completions without a conversation id are forwarded byte for byte.
     let raw = r#"{"messages":[{"role":"user","content":"hi"}],"model":"m","temperature":1.0}"#;
-    send("POST", &proxy.url("/v1/chat/completions"), &[("content-type", "application/json")], raw).await;
+    send(
+        "POST",
+        &proxy.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        raw,
+    )
+    .await;
     assert_eq!(mock.chat_requests().last().unwrap().body, raw.as_bytes());
 
     // Unknown paths outside /v1 are 404 with an OpenAI-shaped body.
@@ -64,17 +81,30 @@ async fn unknown_request_fields_reach_the_upstream_unchanged() {
     let answer = send(
         "POST",
         &proxy.url("/v1/chat/completions"),
-        &[("x-memory-conversation-id", "u"), ("content-type", "application/json")],
+        &[
+            ("x-memory-conversation-id", "u"),
+            ("content-type", "application/json"),
+        ],
         raw,
     )
     .await;
     assert_eq!(answer.status, 200);
     let forwarded = mock.chat_requests().pop().unwrap();
-    assert_eq!(forwarded.body, raw.as_bytes(), "a first request is forwarded byte for byte");
+    assert_eq!(
+        forwarded.body,
+        raw.as_bytes(),
+        "a first request is forwarded byte for byte"
+    );
 
     // On the next request the messages change; every other field keeps its bytes and place.
     let raw2 = raw.replace(r#""content":"hi""#, r#""content":"again""#);
-    send("POST", &proxy.url("/v1/chat/completions"), &[("x-memory-conversation-id", "u")], raw2.clone()).await;
+    send(
+        "POST",
+        &proxy.url("/v1/chat/completions"),
+        &[("x-memory-conversation-id", "u")],
+        raw2.clone(),
+    )
+    .await;
     let forwarded = String::from_utf8(mock.chat_requests().pop().unwrap().body.to_vec()).unwrap();
     let expected = raw2.replace(
         r#""messages":[{"role":"user","content":"again"}]"#,
@@ -90,18 +120,59 @@ async fn bad_headers_and_bodies_get_400_naming_the_cause() {
     let proxy = Proxy::start(&mock, dir.path(), "").await;
     let ok_body = body(&[user("hi")]);
 
-    let cases: Vec<(Vec<(&str, &str)>, String, &str)> = vec![
-        (vec![("x-memory-recent-n", "lots")], ok_body.to_string(), "x-memory-recent-n"),
-        (vec![("x-memory-relevance-top-k", "50")], ok_body.to_string(), "x-memory-relevance-top-k"),
-        (vec![("x-memory-persist", "maybe")], ok_body.to_string(), "x-memory-persist"),
-        (vec![("x-memory-compression-interval", "1 hour")], ok_body.to_string(), "x-memory-compression-interval"),
-        (vec![("x-memory-favourite-colour", "blue")], ok_body.to_string(), "x-memory-favourite-colour"),
-        (vec![("x-memory-conversation-id", "../../etc/passwd")], ok_body.to_string(), "x-memory-conversation-id"),
-        (vec![("x-memory-agent", "a b")], ok_body.to_string(), "x-memory-agent"),
+    type Case<'a> = (Vec<(&'a str, &'a str)>, String, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            vec![("x-memory-recent-n", "lots")],
+            ok_body.to_string(),
+            "x-memory-recent-n",
+        ),
+        (
+            vec![("x-memory-relevance-top-k", "50")],
+            ok_body.to_string(),
+            "x-memory-relevance-top-k",
+        ),
+        (
+            vec![("x-memory-persist", "maybe")],
+            ok_body.to_string(),
+            "x-memory-persist",
+        ),
+        (
+            vec![("x-memory-compression-interval", "1 hour")],
+            ok_body.to_string(),
+            "x-memory-compression-interval",
+        ),
+        (
+            vec![("x-memory-favourite-colour", "blue")],
+            ok_body.to_string(),
+            "x-memory-favourite-colour",
+        ),
+        (
+            vec![("x-memory-conversation-id", "../../etc/passwd")],
+            ok_body.to_string(),
+            "x-memory-conversation-id",
+        ),
+        (
+            vec![("x-memory-agent", "a b")],
+            ok_body.to_string(),
+            "x-memory-agent",
+        ),
         (vec![], r#"{"model":"m"}"#.to_string(), "messages"),
-        (vec![], r#"{"messages":[{"content":"no role"}]}"#.to_string(), "messages[0].role"),
-        (vec![], r#"{"messages":[{"role":"tool","content":"x"}]}"#.to_string(), "messages[0].tool_call_id"),
-        (vec![], r#"{"messages":[],"stream":"yes"}"#.to_string(), "stream"),
+        (
+            vec![],
+            r#"{"messages":[{"content":"no role"}]}"#.to_string(),
+            "messages[0].role",
+        ),
+        (
+            vec![],
+            r#"{"messages":[{"role":"tool","content":"x"}]}"#.to_string(),
+            "messages[0].tool_call_id",
+        ),
+        (
+            vec![],
+            r#"{"messages":[],"stream":"yes"}"#.to_string(),
+            "stream",
+        ),
     ];
     for (headers, body_text, param) in cases {
         let mut all = vec![("x-memory-conversation-id", "bad")];
@@ -111,7 +182,13 @@ async fn bad_headers_and_bodies_get_400_naming_the_cause() {
         assert_eq!(answer.status, 400, "{param}");
         assert_eq!(answer.error_param(), param);
         let error = &answer.json()["error"];
-        assert!(error["message"].as_str().unwrap().contains(param.split('[').next().unwrap()), "{error}");
+        assert!(
+            error["message"]
+                .as_str()
+                .unwrap()
+                .contains(param.split('[').next().unwrap()),
+            "{error}"
+        );
         assert_eq!(error["type"], "invalid_request_error");
     }
 
@@ -135,7 +212,9 @@ async fn upstream_errors_pass_through_and_store_nothing() {
     let proxy = Proxy::start(&mock, dir.path(), "").await;
 
     for status in [429u16, 500] {
-        let body_text = format!(r#"{{"error":{{"message":"upstream says {status}","type":"x","param":null,"code":"c"}}}}"#);
+        let body_text = format!(
+            r#"{{"error":{{"message":"upstream says {status}","type":"x","param":null,"code":"c"}}}}"#
+        );
         mock.push(Reply::Status(status, body_text.clone()));
         let answer = chat(&proxy, "e", &body(&[user("hi")]), &[]).await;
         assert_eq!(answer.status, status);
@@ -144,7 +223,13 @@ async fn upstream_errors_pass_through_and_store_nothing() {
         assert_eq!(answer.header("x-memory-turns"), "0");
         // Streaming requests too.
         mock.push(Reply::Status(status, body_text.clone()));
-        let answer = chat(&proxy, "e", &json!({"model": "m", "stream": true, "messages": [user("hi")]}), &[]).await;
+        let answer = chat(
+            &proxy,
+            "e",
+            &json!({"model": "m", "stream": true, "messages": [user("hi")]}),
+            &[],
+        )
+        .await;
         assert_eq!(answer.status, status);
     }
     assert!(proxy.stored(Some(TOKEN), "e").is_empty());
@@ -165,7 +250,12 @@ async fn an_unreachable_upstream_is_502_and_a_slow_one_504() {
     let answer = chat(&proxy, "x", &body(&[user("hi")]), &[]).await;
     assert_eq!(answer.status, 502);
     assert_eq!(answer.json()["error"]["code"], "upstream_unreachable");
-    assert!(!answer.json()["error"]["message"].as_str().unwrap().contains("Bearer"));
+    assert!(
+        !answer.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("Bearer")
+    );
     assert!(proxy.stored(Some(TOKEN), "x").is_empty());
 
     let mock = MockUpstream::start().await.unwrap();
@@ -176,7 +266,10 @@ async fn an_unreachable_upstream_is_502_and_a_slow_one_504() {
         dir.path().display()
     );
     let proxy = Proxy::start_config(memproxy::config::from_toml(&text, &|_| None).unwrap()).await;
-    mock.push(Reply::Delay(Duration::from_secs(2), Box::new(Reply::Text("late".into()))));
+    mock.push(Reply::Delay(
+        Duration::from_secs(2),
+        Box::new(Reply::Text("late".into())),
+    ));
     let answer = chat(&proxy, "slow", &body(&[user("hi")]), &[]).await;
     assert_eq!(answer.status, 504);
     assert_eq!(answer.json()["error"]["code"], "upstream_timeout");
@@ -187,7 +280,12 @@ async fn an_unreachable_upstream_is_502_and_a_slow_one_504() {
 async fn keys_client_keys_and_the_path_form() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "[auth]\nclient_keys = [\"sk-test-one\"]\n").await;
+    let proxy = Proxy::start(
+        &mock,
+        dir.path(),
+        "[auth]\nclient_keys = [\"sk-test-one\"]\n",
+    )
+    .await;
 
     let refused = chat_as(&proxy, "sk-wrong", "k", &body(&[user("hi")]), &[]).await;
     assert_eq!(refused.status, 401);
@@ -196,10 +294,16 @@ async fn keys_client_keys_and_the_path_form() {
     assert_eq!(missing.status, 401);
     let ok = chat(&proxy, "k", &body(&[user("hi")]), &[]).await;
     assert_eq!(ok.status, 200);
-    assert_eq!(mock.chat_requests().last().unwrap().headers["authorization"], "Bearer sk-test-one");
+    assert_eq!(
+        mock.chat_requests().last().unwrap().headers["authorization"],
+        "Bearer sk-test-one"
+    );
 
     // Health checks need no key.
-    assert_eq!(send("GET", &proxy.url("/healthz"), &[], "").await.status, 200);
+    assert_eq!(
+        send("GET", &proxy.url("/healthz"), &[], "").await.status,
+        200
+    );
     let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
     assert_eq!(ready.status, 200);
     assert_eq!(ready.json()["store"], true);
@@ -241,7 +345,11 @@ async fn a_configured_upstream_key_replaces_the_clients() {
     chat(&proxy, "k", &body(&[user("hi")]), &[]).await;
     send("GET", &proxy.url("/v1/models"), &[], "").await;
     for seen in mock.recorded() {
-        assert_eq!(seen.headers["authorization"], "Bearer sk-held-by-proxy", "{}", seen.path);
+        assert_eq!(
+            seen.headers["authorization"], "Bearer sk-held-by-proxy",
+            "{}",
+            seen.path
+        );
     }
     // The tenant still comes from the client's own token.
     assert_eq!(proxy.stored(Some(TOKEN), "k").len(), 2);
@@ -269,7 +377,9 @@ async fn h2c_clients_are_served() {
         .build_http::<http_body_util::Full<bytes::Bytes>>();
     let request = http::Request::post(proxy.url("/v1/chat/completions"))
         .header("x-memory-conversation-id", "h2")
-        .body(http_body_util::Full::new(bytes::Bytes::from(body(&[user("over h2")]).to_string())))
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body(&[user("over h2")]).to_string(),
+        )))
         .unwrap();
     let response = client.request(request).await.unwrap();
     assert_eq!(response.version(), http::Version::HTTP_2);

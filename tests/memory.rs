@@ -27,7 +27,10 @@ async fn both_client_habits_store_the_same_60_messages() {
     }
     // Front-end habit: only the newest message.
     for i in 1..=30 {
-        let messages = [json!({"role": "system", "content": "be brief"}), user(&format!("question {i}"))];
+        let messages = [
+            json!({"role": "system", "content": "be brief"}),
+            user(&format!("question {i}")),
+        ];
         let answer = chat(&proxy, "frontend", &body(&messages), &[]).await;
         assert_eq!(answer.header("x-memory-turns"), (2 * i).to_string());
     }
@@ -38,14 +41,19 @@ async fn both_client_habits_store_the_same_60_messages() {
     assert_eq!(sdk, frontend);
     assert_eq!(sdk[0], "user:question 1");
     assert_eq!(sdk[59], "assistant:reply to: question 30");
-    assert!(sdk.iter().all(|m| !m.starts_with("system:")), "instructions are not turns");
+    assert!(
+        sdk.iter().all(|m| !m.starts_with("system:")),
+        "instructions are not turns"
+    );
 
-    // The forwarded prompt is the system message, the last 10 stored, then the new message.
+    // The forwarded prompt is the system message, recalled older turns, the last 10 stored,
+    // then the new message.
     let forwarded = mock.last_messages();
-    assert_eq!(forwarded.len(), 1 + 10 + 1);
+    let recalled = usize::from(forwarded[1]["role"] == "system");
+    assert_eq!(forwarded.len(), 1 + recalled + 10 + 1);
     assert_eq!(role_content(&forwarded[0]), "system:be brief");
-    assert_eq!(role_content(&forwarded[1]), "user:question 25");
-    assert_eq!(role_content(&forwarded[11]), "user:question 30");
+    assert_eq!(role_content(&forwarded[1 + recalled]), "user:question 25");
+    assert_eq!(role_content(&forwarded[11 + recalled]), "user:question 30");
 }
 
 #[tokio::test]
@@ -91,7 +99,11 @@ async fn the_window_follows_recent_n_and_never_splits_tool_groups() {
     for round in 0..12 {
         history.push(user(&format!("task {round}")));
         mock.push(Reply::ToolCalls(vec![
-            (format!("call_{round}_a"), "lookup".into(), format!("{{\"q\":{round}}}")),
+            (
+                format!("call_{round}_a"),
+                "lookup".into(),
+                format!("{{\"q\":{round}}}"),
+            ),
             (format!("call_{round}_b"), "fetch".into(), "{}".into()),
         ]));
         let answer = chat(&proxy, "agent", &body(&history), &[]).await;
@@ -111,24 +123,45 @@ async fn the_window_follows_recent_n_and_never_splits_tool_groups() {
         let n = recent_n.to_string();
         let mut request = history.clone();
         request.push(user("next"));
-        chat(&proxy, "agent", &body(&request), &[("x-memory-recent-n", &n), ("x-memory-persist", "false")]).await;
+        chat(
+            &proxy,
+            "agent",
+            &body(&request),
+            &[("x-memory-recent-n", &n), ("x-memory-persist", "false")],
+        )
+        .await;
         let forwarded = mock.last_messages();
         check_tool_sequence(&forwarded).unwrap_or_else(|e| panic!("recent_n {recent_n}: {e}"));
         assert_eq!(forwarded[0]["role"], "user", "recent_n {recent_n}");
-        assert!(forwarded.len() - 1 >= recent_n, "recent_n {recent_n}: {}", forwarded.len());
+        assert!(
+            forwarded.len() > recent_n,
+            "recent_n {recent_n}: {}",
+            forwarded.len()
+        );
     }
 
     // Tool results arriving as the only new messages bring their call along, even with a
     // window of zero.
     history.push(user("one more"));
-    mock.push(Reply::ToolCalls(vec![("call_last".into(), "lookup".into(), "{}".into())]));
+    mock.push(Reply::ToolCalls(vec![(
+        "call_last".into(),
+        "lookup".into(),
+        "{}".into(),
+    )]));
     let answer = chat(&proxy, "agent", &body(&history), &[]).await;
     history.push(reply_message(&answer));
     let results = [json!({"role": "tool", "tool_call_id": "call_last", "content": "done"})];
-    chat(&proxy, "agent", &body(&results), &[("x-memory-recent-n", "0")]).await;
+    chat(
+        &proxy,
+        "agent",
+        &body(&results),
+        &[("x-memory-recent-n", "0")],
+    )
+    .await;
     let forwarded = mock.last_messages();
     check_tool_sequence(&forwarded).unwrap();
-    assert_eq!(role_content(&forwarded[0]), "user:one more");
+    let first_turn = forwarded.iter().find(|m| m["role"] != "system").unwrap();
+    assert_eq!(role_content(first_turn), "user:one more");
 }
 
 #[tokio::test]
@@ -137,8 +170,22 @@ async fn two_tokens_with_one_conversation_id_see_separate_histories() {
     let dir = tempfile::tempdir().unwrap();
     let proxy = Proxy::start(&mock, dir.path(), "").await;
 
-    chat_as(&proxy, "sk-alice", "shared", &body(&[user("alice's secret is 42")]), &[]).await;
-    let answer = chat_as(&proxy, "sk-bob", "shared", &body(&[user("what is the secret?")]), &[]).await;
+    chat_as(
+        &proxy,
+        "sk-alice",
+        "shared",
+        &body(&[user("alice's secret is 42")]),
+        &[],
+    )
+    .await;
+    let answer = chat_as(
+        &proxy,
+        "sk-bob",
+        "shared",
+        &body(&[user("what is the secret?")]),
+        &[],
+    )
+    .await;
     assert_eq!(answer.header("x-memory-turns"), "2");
     let forwarded = mock.last_messages();
     assert_eq!(forwarded.len(), 1);
@@ -180,18 +227,45 @@ async fn history_survives_a_restart() {
 async fn settings_from_config_and_headers_take_effect() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "[agents.short]\nrecent_n = 2\nmax_messages = 6\n[agents.off]\nenabled = false\n").await;
+    let proxy = Proxy::start(
+        &mock,
+        dir.path(),
+        "[agents.short]\nrecent_n = 2\nmax_messages = 6\n[agents.off]\nenabled = false\n",
+    )
+    .await;
 
     for i in 0..5 {
-        chat(&proxy, "s", &body(&[user(&format!("m{i}"))]), &[("x-memory-agent", "short")]).await;
+        chat(
+            &proxy,
+            "s",
+            &body(&[user(&format!("m{i}"))]),
+            &[("x-memory-agent", "short")],
+        )
+        .await;
         assert!(mock.last_messages().len() <= 3);
     }
     // max_messages trims whole rounds from the front.
     let stored = summarize(&proxy.stored_agent("short", "s"));
-    assert_eq!(stored, ["user:m2", "assistant:reply to: m2", "user:m3", "assistant:reply to: m3", "user:m4", "assistant:reply to: m4"]);
+    assert_eq!(
+        stored,
+        [
+            "user:m2",
+            "assistant:reply to: m2",
+            "user:m3",
+            "assistant:reply to: m3",
+            "user:m4",
+            "assistant:reply to: m4"
+        ]
+    );
 
     // persist=false uses memory but stores nothing.
-    let answer = chat(&proxy, "s", &body(&[user("ephemeral")]), &[("x-memory-agent", "short"), ("x-memory-persist", "false")]).await;
+    let answer = chat(
+        &proxy,
+        "s",
+        &body(&[user("ephemeral")]),
+        &[("x-memory-agent", "short"), ("x-memory-persist", "false")],
+    )
+    .await;
     assert_eq!(answer.header("x-memory-status"), "not-stored");
     assert_eq!(answer.header("x-memory-turns"), "6");
     assert_eq!(mock.last_messages().len(), 3);
@@ -201,7 +275,11 @@ async fn settings_from_config_and_headers_take_effect() {
     let answer = send(
         "POST",
         &proxy.url("/v1/chat/completions"),
-        &[("x-memory-conversation-id", "o"), ("x-memory-agent", "off"), ("content-type", "application/json")],
+        &[
+            ("x-memory-conversation-id", "o"),
+            ("x-memory-agent", "off"),
+            ("content-type", "application/json"),
+        ],
         raw,
     )
     .await;
@@ -214,7 +292,13 @@ async fn system_messages_go_first_and_are_not_stored() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = Proxy::start(&mock, dir.path(), "").await;
-    chat(&proxy, "sys", &body(&[json!({"role": "system", "content": "S"}), user("a")]), &[]).await;
+    chat(
+        &proxy,
+        "sys",
+        &body(&[json!({"role": "system", "content": "S"}), user("a")]),
+        &[],
+    )
+    .await;
     let messages = [
         json!({"role": "system", "content": "S"}),
         json!({"role": "developer", "content": "D"}),
@@ -224,7 +308,16 @@ async fn system_messages_go_first_and_are_not_stored() {
     ];
     chat(&proxy, "sys", &body(&messages), &[]).await;
     let forwarded: Vec<String> = mock.last_messages().iter().map(role_content).collect();
-    assert_eq!(forwarded, ["system:S", "developer:D", "user:a", "assistant:reply to: a", "user:b"]);
+    assert_eq!(
+        forwarded,
+        [
+            "system:S",
+            "developer:D",
+            "user:a",
+            "assistant:reply to: a",
+            "user:b"
+        ]
+    );
     assert_eq!(proxy.stored(Some(TOKEN), "sys").len(), 4);
 }
 
@@ -238,7 +331,13 @@ async fn concurrent_requests_on_one_conversation_store_each_message_once() {
     for i in 0..8 {
         let proxy = std::sync::Arc::clone(&proxy);
         joins.push(tokio::spawn(async move {
-            chat(&proxy, "busy", &body(&[user(&format!("parallel {i}"))]), &[]).await
+            chat(
+                &proxy,
+                "busy",
+                &body(&[user(&format!("parallel {i}"))]),
+                &[],
+            )
+            .await
         }));
     }
     for join in joins {
@@ -247,6 +346,12 @@ async fn concurrent_requests_on_one_conversation_store_each_message_once() {
     let stored = summarize(&proxy.stored(Some(TOKEN), "busy"));
     assert_eq!(stored.len(), 16);
     for i in 0..8 {
-        assert_eq!(stored.iter().filter(|m| **m == format!("user:parallel {i}")).count(), 1);
+        assert_eq!(
+            stored
+                .iter()
+                .filter(|m| **m == format!("user:parallel {i}"))
+                .count(),
+            1
+        );
     }
 }

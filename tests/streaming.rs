@@ -16,7 +16,11 @@ fn stream_body(text: &str) -> Value {
     json!({"model": "gpt-4o-mini", "stream": true, "stream_options": {"include_usage": true}, "messages": [user(text)]})
 }
 
-async fn open_stream(proxy: &Proxy, conversation: &str, body: &Value) -> http::Response<hyper::body::Incoming> {
+async fn open_stream(
+    proxy: &Proxy,
+    conversation: &str,
+    body: &Value,
+) -> http::Response<hyper::body::Incoming> {
     let request = http::Request::post(proxy.url("/v1/chat/completions"))
         .header("authorization", format!("Bearer {TOKEN}"))
         .header("accept", "application/json")
@@ -36,7 +40,12 @@ async fn a_stream_reaches_the_client_byte_identical_and_is_stored() {
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["x-memory-status"], "stored");
     assert_eq!(response.headers()["x-memory-turns"], "2");
-    assert!(response.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
     let through_proxy = response.into_body().collect().await.unwrap().to_bytes();
     // Stored by the time the client saw the end of the stream: no waiting.
     assert_eq!(
@@ -46,7 +55,13 @@ async fn a_stream_reaches_the_client_byte_identical_and_is_stored() {
 
     // The same forwarded request sent straight to the mock gives the same bytes.
     let forwarded = mock.chat_requests().pop().unwrap();
-    let direct = send("POST", &format!("{}/chat/completions", mock.base_url()), &[], forwarded.body.clone()).await;
+    let direct = send(
+        "POST",
+        &format!("{}/chat/completions", mock.base_url()),
+        &[],
+        forwarded.body.clone(),
+    )
+    .await;
     assert_eq!(through_proxy, direct.body);
     assert!(through_proxy.ends_with(b"data: [DONE]\n\n"));
 }
@@ -63,7 +78,9 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
     let proxy = Proxy::start(&mock, dir.path(), "").await;
 
     let started = Instant::now();
-    let mut body = open_stream(&proxy, "slow", &stream_body("one two three four five six")).await.into_body();
+    let mut body = open_stream(&proxy, "slow", &stream_body("one two three four five six"))
+        .await
+        .into_body();
     let mut arrivals = Vec::new();
     while let Some(frame) = body.frame().await {
         if frame.unwrap().data_ref().is_some() {
@@ -73,7 +90,12 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
     let total = *arrivals.last().unwrap();
     // Nine events at 150 ms apart: the first is in the client's hands long before the last.
     assert!(arrivals.len() >= 6, "{arrivals:?}");
-    assert!(arrivals[0] * 3 < total, "first {:?} of {:?}", arrivals[0], total);
+    assert!(
+        arrivals[0] * 3 < total,
+        "first {:?} of {:?}",
+        arrivals[0],
+        total
+    );
     assert_eq!(proxy.stored(Some(TOKEN), "slow").len(), 2);
 }
 
@@ -83,14 +105,23 @@ async fn streamed_tool_calls_are_merged_and_stored() {
     let dir = tempfile::tempdir().unwrap();
     let proxy = Proxy::start(&mock, dir.path(), "").await;
     mock.push(Reply::ToolCalls(vec![
-        ("call_1".into(), "get_weather".into(), r#"{"city":"Paris","unit":"c"}"#.into()),
+        (
+            "call_1".into(),
+            "get_weather".into(),
+            r#"{"city":"Paris","unit":"c"}"#.into(),
+        ),
         ("call_2".into(), "get_time".into(), r#"{"tz":"CET"}"#.into()),
     ]));
-    let body = open_stream(&proxy, "tools", &stream_body("weather?")).await.into_body();
+    let body = open_stream(&proxy, "tools", &stream_body("weather?"))
+        .await
+        .into_body();
     body.collect().await.unwrap();
     let stored = proxy.stored(Some(TOKEN), "tools");
     let reply: Value = serde_json::from_str(stored[1].message.get()).unwrap();
-    assert_eq!(reply["tool_calls"][0]["function"]["arguments"], r#"{"city":"Paris","unit":"c"}"#);
+    assert_eq!(
+        reply["tool_calls"][0]["function"]["arguments"],
+        r#"{"city":"Paris","unit":"c"}"#
+    );
     assert_eq!(reply["tool_calls"][1]["id"], "call_2");
 
     // The client continues with the tool results (full re-send habit, JSON this time).
@@ -117,7 +148,9 @@ async fn a_stream_cut_midway_or_unfinished_stores_nothing() {
     let proxy = Proxy::start(&mock, dir.path(), "").await;
 
     mock.push(Reply::CutStream { chunks: 2 });
-    let mut body = open_stream(&proxy, "cut", &stream_body("hi")).await.into_body();
+    let mut body = open_stream(&proxy, "cut", &stream_body("hi"))
+        .await
+        .into_body();
     let mut failed = false;
     let mut received = 0;
     while let Some(frame) = body.frame().await {
@@ -133,11 +166,21 @@ async fn a_stream_cut_midway_or_unfinished_stores_nothing() {
     assert!(failed, "the client sees the stream break");
 
     mock.push(Reply::UnfinishedStream);
-    open_stream(&proxy, "cut", &stream_body("hi")).await.into_body().collect().await.unwrap();
+    open_stream(&proxy, "cut", &stream_body("hi"))
+        .await
+        .into_body()
+        .collect()
+        .await
+        .unwrap();
     assert!(proxy.stored(Some(TOKEN), "cut").is_empty());
 
     // The conversation is intact: the next exchange stores normally.
-    open_stream(&proxy, "cut", &stream_body("hi")).await.into_body().collect().await.unwrap();
+    open_stream(&proxy, "cut", &stream_body("hi"))
+        .await
+        .into_body()
+        .collect()
+        .await
+        .unwrap();
     assert_eq!(proxy.stored(Some(TOKEN), "cut").len(), 2);
 }
 
@@ -152,7 +195,9 @@ async fn a_client_that_disconnects_mid_stream_stores_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let proxy = Proxy::start(&mock, dir.path(), "").await;
 
-    let mut body = open_stream(&proxy, "gone", &stream_body("a long answer please")).await.into_body();
+    let mut body = open_stream(&proxy, "gone", &stream_body("a long answer please"))
+        .await
+        .into_body();
     let first = body.frame().await.unwrap().unwrap();
     assert!(first.data_ref().is_some());
     drop(body);

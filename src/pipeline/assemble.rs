@@ -7,7 +7,21 @@
 
 use serde_json::value::RawValue;
 
+use super::recall::RECALL_MARKER;
 use crate::message::Message;
+
+/// How the summary message memproxy injects begins (the compression stage writes it).
+pub const SUMMARY_MARKER: &str = "[Summary of earlier conversation";
+
+/// True for a system message memproxy injected (recalled turns, a summary) that a client sent
+/// back: it is dropped, never stored or forwarded twice.
+pub fn is_injected_echo(message: &Message) -> bool {
+    if !message.role.is_instruction() {
+        return false;
+    }
+    let text = message.text();
+    text.starts_with(RECALL_MARKER) || text.starts_with(SUMMARY_MARKER)
+}
 
 /// The parts of the forwarded prompt.
 #[derive(Debug, Default)]
@@ -41,7 +55,10 @@ impl Prompt {
 /// `messages`; `messages.len()` when nothing is new): instructions before it go first; from it
 /// on, every message is forwarded in place. Already-stored messages before it are dropped: the
 /// window brings them back from the store.
-pub fn split_request(messages: Vec<Message>, first_new: usize) -> (Vec<Box<RawValue>>, Vec<Box<RawValue>>) {
+pub fn split_request(
+    messages: Vec<Message>,
+    first_new: usize,
+) -> (Vec<Box<RawValue>>, Vec<Box<RawValue>>) {
     let mut instructions = Vec::new();
     let mut incoming = Vec::new();
     for (i, message) in messages.into_iter().enumerate() {
@@ -66,7 +83,11 @@ mod tests {
     fn texts<'a>(list: impl Iterator<Item = &'a RawValue>) -> Vec<String> {
         list.map(|m| {
             let v: Value = serde_json::from_str(m.get()).unwrap();
-            format!("{}:{}", v["role"].as_str().unwrap(), v["content"].as_str().unwrap_or(""))
+            format!(
+                "{}:{}",
+                v["role"].as_str().unwrap(),
+                v["content"].as_str().unwrap_or("")
+            )
         })
         .collect()
     }

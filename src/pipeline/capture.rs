@@ -20,7 +20,7 @@ use super::commit::Exchange;
 use crate::body::BoxError;
 use crate::reply::StreamReply;
 use crate::sse::SseParser;
-use crate::store::Store;
+use crate::state::AppState;
 
 type CommitFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
@@ -32,7 +32,7 @@ pin_project! {
         parser: SseParser,
         reply: StreamReply,
         // What to commit when the stream completes; `None` when nothing is to be stored.
-        pending: Option<(Arc<Store>, Arc<Exchange>)>,
+        pending: Option<(Arc<AppState>, Arc<Exchange>)>,
         committing: Option<CommitFuture>,
         span: tracing::Span,
         done: bool,
@@ -40,7 +40,7 @@ pin_project! {
 }
 
 impl<B> TeeBody<B> {
-    pub fn new(inner: B, pending: Option<(Arc<Store>, Arc<Exchange>)>) -> TeeBody<B> {
+    pub fn new(inner: B, pending: Option<(Arc<AppState>, Arc<Exchange>)>) -> TeeBody<B> {
         TeeBody {
             inner,
             parser: SseParser::new(),
@@ -95,25 +95,25 @@ where
                     }
                     return Poll::Ready(Some(Err(err.into())));
                 }
-                None => {
-                    match this.pending.take() {
-                        Some((store, exchange)) if this.reply.is_complete() => {
-                            let reply = this.reply.to_message();
-                            let commit = async move {
-                                match exchange.commit(&store, reply).await {
-                                    Ok(count) => tracing::debug!(messages = count, "exchange stored"),
-                                    Err(err) => tracing::error!(error = %err, "storing the exchange failed"),
+                None => match this.pending.take() {
+                    Some((state, exchange)) if this.reply.is_complete() => {
+                        let reply = this.reply.to_message();
+                        let commit = async move {
+                            match exchange.commit(&state, reply).await {
+                                Ok(count) => tracing::debug!(messages = count, "exchange stored"),
+                                Err(err) => {
+                                    tracing::error!(error = %err, "storing the exchange failed")
                                 }
-                            };
-                            *this.committing = Some(Box::pin(commit.instrument(this.span.clone())));
-                        }
-                        Some(_) => {
-                            tracing::warn!(parent: &*this.span, "upstream stream ended without a finish; nothing stored");
-                            *this.done = true;
-                        }
-                        None => *this.done = true,
+                            }
+                        };
+                        *this.committing = Some(Box::pin(commit.instrument(this.span.clone())));
                     }
-                }
+                    Some(_) => {
+                        tracing::warn!(parent: &*this.span, "upstream stream ended without a finish; nothing stored");
+                        *this.done = true;
+                    }
+                    None => *this.done = true,
+                },
             }
         }
     }

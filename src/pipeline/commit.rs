@@ -14,7 +14,9 @@ use super::reconcile::{Alignment, Mark, align};
 use super::window::trim_start;
 use crate::identity::ConversationKey;
 use crate::message::{HasRole, Message, Role};
-use crate::store::{Change, Conversation, Entry, Origin, Store, StoreError, StoredMessage, lock, now_ms};
+use crate::recall::message_text;
+use crate::state::AppState;
+use crate::store::{Change, Conversation, Entry, Origin, StoreError, StoredMessage, lock, now_ms};
 use crate::tokens;
 
 /// How often a commit re-plans against a conversation that keeps changing under it.
@@ -31,6 +33,8 @@ pub struct Exchange {
     pub alignment: Alignment,
     /// The request's new messages: its conversation messages from `alignment.from()` on.
     pub new_turns: Vec<Message>,
+    /// Their token counts, taken once when planning.
+    pub new_tokens: Vec<u32>,
     /// The conversation's `next_turn` when the plan was made (`None`: not yet stored).
     pub planned_next_turn: Option<u64>,
     pub max_messages: usize,
@@ -40,15 +44,18 @@ pub struct Exchange {
 impl Exchange {
     /// Stores the new messages and `reply`, then waits for durability. Returns the number of
     /// messages the conversation holds afterwards.
-    pub async fn commit(&self, store: &Store, reply: Box<RawValue>) -> Result<usize, StoreError> {
+    pub async fn commit(&self, state: &AppState, reply: Box<RawValue>) -> Result<usize, StoreError> {
+        let store = &state.store;
         let model = self.model.as_deref();
         let reply = Message::parse(reply, "reply")
             .map_err(|err| StoreError::Corrupt(format!("the reply is not a message: {err}")))?;
-        let reply = stored_message(&reply, Origin::Reply, model);
+        let reply_tokens = tokens::count_message(model, &reply.text());
+        let reply = stored_message(&reply, Origin::Reply, reply_tokens);
         let new: Vec<StoredMessage> = self
             .new_turns
             .iter()
-            .map(|m| stored_message(m, Origin::Client, model))
+            .zip(&self.new_tokens)
+            .map(|(m, tokens)| stored_message(m, Origin::Client, *tokens))
             .collect();
 
         let message_count = {
@@ -67,8 +74,21 @@ impl Exchange {
                     )
                 };
                 let change = self.change(&conversation.entries, alignment, &new, &reply);
+                let removed = change.remove_turns.clone();
+                let added_count = change.add.len();
+                let added_texts: Vec<String> = change.add.iter().map(message_text).collect();
                 match store.commit(&mut conversation, change) {
-                    Ok(()) => break conversation.entries.len(),
+                    Ok(()) => {
+                        let entries = &conversation.entries;
+                        let added: Vec<(u64, String)> = entries[entries.len() - added_count..]
+                            .iter()
+                            .map(|e| e.turn)
+                            .zip(added_texts)
+                            .collect();
+                        let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
+                        state.recall.apply(&self.key, current, &removed, &added, after);
+                        break conversation.entries.len();
+                    }
                     Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
                         store.reload(&mut conversation)?;
                     }
@@ -144,14 +164,14 @@ pub fn last_is_reply(entries: &[Entry]) -> bool {
     entries.last().is_some_and(|e| e.origin == Origin::Reply)
 }
 
-/// A message ready to store; its token count is taken here, once.
-fn stored_message(message: &Message, origin: Origin, model: Option<&str>) -> StoredMessage {
+/// A message ready to store, with its token count.
+fn stored_message(message: &Message, origin: Origin, tokens: u32) -> StoredMessage {
     StoredMessage {
         turn: 0,
         role: message.role,
         origin,
         at_ms: now_ms(),
-        tokens: tokens::count_message(model, &message.text()),
+        tokens,
         fingerprint: message.fingerprint,
         message: message.raw.clone(),
     }

@@ -8,9 +8,7 @@ use http::HeaderMap;
 
 use crate::config::Config;
 use crate::error::ProxyError;
-use crate::identity::{
-    ConversationKey, DEFAULT_AGENT, TenantId, bearer_token, is_valid_id,
-};
+use crate::identity::{ConversationKey, DEFAULT_AGENT, TenantId, bearer_token, is_valid_id};
 use crate::settings::{self, MemorySettings, SettingError};
 
 pub const CONVERSATION_HEADER: &str = "x-memory-conversation-id";
@@ -82,7 +80,11 @@ pub fn identify(
 
     if let Some(ids) = path_ids {
         for (header, from_path, from_header) in [
-            (CONVERSATION_HEADER, ids.conversation, conversation.as_deref()),
+            (
+                CONVERSATION_HEADER,
+                ids.conversation,
+                conversation.as_deref(),
+            ),
             (AGENT_HEADER, ids.agent, agent.as_deref()),
         ] {
             if !is_valid_id(from_path) {
@@ -93,7 +95,10 @@ pub fn identify(
                 ));
             }
             if from_header.is_some_and(|h| h != from_path) {
-                return Err(bad_header(header, "disagrees with the id in the request path"));
+                return Err(bad_header(
+                    header,
+                    "disagrees with the id in the request path",
+                ));
             }
         }
         conversation = Some(ids.conversation.to_string());
@@ -107,7 +112,9 @@ pub fn identify(
         return Err(ProxyError::invalid(
             header.clone(),
             "header_overrides_disabled",
-            format!("`{header}` is not allowed: this memproxy does not accept settings from headers (memory.allow_header_overrides = false)"),
+            format!(
+                "`{header}` is not allowed: this memproxy does not accept settings from headers (memory.allow_header_overrides = false)"
+            ),
         ));
     }
     for (setting, header, value) in overrides {
@@ -206,28 +213,57 @@ mod tests {
     #[test]
     fn bad_headers_are_named() {
         let c = config();
-        assert_eq!(param_of(identify(&c, &headers(&[("x-memory-recent-n", "many")]), None)), "x-memory-recent-n");
-        assert_eq!(param_of(identify(&c, &headers(&[("x-memory-colour", "red")]), None)), "x-memory-colour");
-        assert_eq!(param_of(identify(&c, &headers(&[("x-memory-conversation-id", "../etc")]), None)), "x-memory-conversation-id");
         assert_eq!(
-            param_of(identify(&c, &headers(&[("x-memory-agent", "a"), ("x-memory-agent", "b")]), None)),
+            param_of(identify(
+                &c,
+                &headers(&[("x-memory-recent-n", "many")]),
+                None
+            )),
+            "x-memory-recent-n"
+        );
+        assert_eq!(
+            param_of(identify(&c, &headers(&[("x-memory-colour", "red")]), None)),
+            "x-memory-colour"
+        );
+        assert_eq!(
+            param_of(identify(
+                &c,
+                &headers(&[("x-memory-conversation-id", "../etc")]),
+                None
+            )),
+            "x-memory-conversation-id"
+        );
+        assert_eq!(
+            param_of(identify(
+                &c,
+                &headers(&[("x-memory-agent", "a"), ("x-memory-agent", "b")]),
+                None
+            )),
             "x-memory-agent"
         );
     }
 
     #[test]
     fn path_ids_are_equivalent_to_headers() {
-        let ids = PathIds { agent: "support", conversation: "p1" };
+        let ids = PathIds {
+            agent: "support",
+            conversation: "p1",
+        };
         let id = identify(&config(), &headers(&[]), Some(ids)).unwrap();
         assert_eq!(id.key.unwrap().conversation, "p1");
         assert_eq!(id.settings.recent_n, 3);
-        let clash = identify(&config(), &headers(&[("x-memory-conversation-id", "other")]), Some(ids));
+        let clash = identify(
+            &config(),
+            &headers(&[("x-memory-conversation-id", "other")]),
+            Some(ids),
+        );
         assert_eq!(param_of(clash), "x-memory-conversation-id");
     }
 
     #[test]
     fn overrides_can_be_disabled() {
-        let c = crate::config::from_toml("[memory]\nallow_header_overrides = false\n", &|_| None).unwrap();
+        let c = crate::config::from_toml("[memory]\nallow_header_overrides = false\n", &|_| None)
+            .unwrap();
         let result = identify(&c, &headers(&[("x-memory-recent-n", "2")]), None);
         assert_eq!(param_of(result), "x-memory-recent-n");
     }

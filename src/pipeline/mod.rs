@@ -3,8 +3,10 @@
 //! 1. [`identify`] — conversation key and settings from headers or the path form
 //!    (done by the router, which needs it for every route);
 //! 2. [`reconcile`] — which of the request's messages are new;
-//! 3. recall and summary stages fill their slots of the prompt (later stages);
-//! 4. [`window`] + [`assemble`] — the forwarded `messages`;
+//! 3. [`window`] — the recent window; [`recall`] — relevant older turns; [`budget`] — the
+//!    token budget; the summary stage fills its own slot of the prompt;
+//! 4. [`assemble`] — the forwarded `messages` ([`plan`] runs stages 2–4 under the
+//!    conversation's lock);
 //! 5. forward (here, through [`crate::upstream`]);
 //! 6. [`capture`] — the reply, read from JSON or teed from SSE;
 //! 7. [`commit`] — new messages and the reply, stored atomically and durably.
@@ -13,9 +15,12 @@
 //! request goes upstream with the client's own messages and `X-Memory-Status: degraded`.
 
 pub mod assemble;
+pub mod budget;
 pub mod capture;
 pub mod commit;
 pub mod identify;
+pub mod plan;
+pub mod recall;
 pub mod reconcile;
 pub mod window;
 
@@ -27,24 +32,26 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, request::Parts};
 use hyper::body::Incoming;
 
-use self::assemble::{Prompt, split_request};
+use http::HeaderMap;
+
 use self::capture::TeeBody;
-use self::commit::{Exchange, last_is_reply};
-use self::reconcile::{Mark, align};
-use self::window::window_start;
+use self::plan::Plan;
 use crate::body::{CollectError, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
-use crate::message::{ChatRequest, Message, Role};
+use crate::message::ChatRequest;
 use crate::reply::reply_from_json;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
-use crate::store::{Store, StoreError, lock};
 use crate::upstream::forwardable;
 
 pub const STATUS_HEADER: &str = "x-memory-status";
 pub const TURNS_HEADER: &str = "x-memory-turns";
 pub const CONVERSATION_ID_HEADER: &str = "x-memory-conversation-id";
+pub const RETRIEVED_HEADER: &str = "x-memory-retrieved";
+pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
+pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
+pub const BUDGET_HEADER: &str = "x-memory-budget";
 
 /// What happened to memory on a request, sent as `X-Memory-Status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,16 +75,6 @@ impl MemoryStatus {
             MemoryStatus::Degraded => "degraded",
         }
     }
-}
-
-/// A planned exchange: the prompt to forward and what to commit afterwards.
-struct Plan {
-    prompt: Prompt,
-    exchange: Exchange,
-    /// Messages stored now (before this exchange).
-    stored_count: usize,
-    /// Messages stored once this exchange commits as planned.
-    planned_count: usize,
 }
 
 /// Runs a chat completion with memory on. `upstream_path` is the `/v1/...` path and query.
@@ -105,12 +102,16 @@ pub async fn chat(
     }
 
     let messages = std::mem::take(&mut request.messages);
-    let planned = plan(&state.store, &key, &settings, request.model.clone(), messages);
+    let planned = plan::plan(state, &key, &settings, request.model.clone(), messages);
+    let mut plan_headers = HeaderMap::new();
     let (forward_body, plan) = match planned {
-        Ok(plan) => (
-            Bytes::from(request.body_with_messages(plan.prompt.messages())),
-            Some(plan),
-        ),
+        Ok(plan) => {
+            plan_headers = headers_of(&plan);
+            (
+                Bytes::from(request.body_with_messages(plan.prompt.messages())),
+                Some(plan),
+            )
+        }
         Err(err) => {
             tracing::error!(error = %err, "memory unavailable; forwarding the client's own messages");
             (bytes, None)
@@ -123,9 +124,15 @@ pub async fn chat(
     let headers = upstream_request.headers_mut();
     *headers = state.upstream.request_headers(&parts.headers);
     headers.remove(header::CONTENT_LENGTH);
-    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(forward_body.len()));
+    headers.insert(
+        header::CONTENT_LENGTH,
+        HeaderValue::from(forward_body.len()),
+    );
     // The reply must be read: ask for an uncompressed body. The client's leg is local.
-    headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
 
     let started = Instant::now();
     let response = state.upstream.send(upstream_request).await;
@@ -134,11 +141,17 @@ pub async fn chat(
 
     let (mut head, upstream_body) = response.into_parts();
     head.headers = forwardable(&head.headers);
+    head.headers.extend(plan_headers);
     let conversation_id = key.conversation.clone();
 
     let Some(plan) = plan else {
         let mut response = Response::from_parts(head, boxed(upstream_body));
-        set_memory_headers(&mut response, MemoryStatus::Degraded, &conversation_id, None);
+        set_memory_headers(
+            &mut response,
+            MemoryStatus::Degraded,
+            &conversation_id,
+            None,
+        );
         return Ok(response);
     };
 
@@ -161,7 +174,7 @@ pub async fn chat(
 
     if is_stream {
         let (status, turns, pending) = if settings.persist {
-            let pending = (Arc::clone(&state.store), Arc::new(plan.exchange));
+            let pending = (Arc::clone(state), Arc::new(plan.exchange));
             (MemoryStatus::Stored, plan.planned_count, Some(pending))
         } else {
             (MemoryStatus::NotStored, plan.stored_count, None)
@@ -183,7 +196,7 @@ pub async fn chat(
                 tracing::warn!("upstream answer has no choices[0].message; nothing stored");
                 (MemoryStatus::NotStored, plan.stored_count)
             }
-            Some(reply) => match plan.exchange.commit(&state.store, reply).await {
+            Some(reply) => match plan.exchange.commit(state, reply).await {
                 Ok(count) => (MemoryStatus::Stored, count),
                 Err(err) => {
                     tracing::error!(error = %err, "storing the exchange failed");
@@ -197,74 +210,26 @@ pub async fn chat(
     Ok(response)
 }
 
-/// Reconciles the request with the stored conversation and assembles the prompt.
-fn plan(
-    store: &Store,
-    key: &ConversationKey,
-    settings: &MemorySettings,
-    model: Option<String>,
-    messages: Vec<Message>,
-) -> Result<Plan, StoreError> {
-    let handle = store.conversation(key)?;
-    let conversation = lock(&handle);
-    let entries = &conversation.entries;
-
-    // The request's conversation messages (instructions are not turns), by request index.
-    let turn_index: Vec<usize> = messages
-        .iter()
-        .enumerate()
-        .filter(|(_, m)| !m.role.is_instruction())
-        .map(|(i, _)| i)
-        .collect();
-    let marks: Vec<Mark> = turn_index.iter().map(|&i| Mark::from(&messages[i])).collect();
-    let alignment = align(entries, last_is_reply(entries), &marks);
-    let from = alignment.from().min(marks.len());
-    let history = match alignment {
-        reconcile::Alignment::ReplaceLastReply { .. } => &entries[..entries.len() - 1],
-        reconcile::Alignment::Append { .. } => &entries[..],
-    };
-
-    // The window must hold the current round when the new messages continue it.
-    let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
-    let start = window_start(history, settings.recent_n, continue_round);
-    let window = store
-        .messages(&conversation, history[start..].iter().map(|e| e.turn))?
-        .into_iter()
-        .map(|m| m.message)
-        .collect();
-
-    let first_new = turn_index.get(from).copied().unwrap_or(messages.len());
-    let new_turns: Vec<Message> = turn_index[from..]
-        .iter()
-        .map(|&i| messages[i].clone())
-        .collect();
-    let (instructions, incoming) = split_request(messages, first_new);
-
-    let exchange = Exchange {
-        key: key.clone(),
-        handle: Arc::clone(&handle),
-        marks,
-        alignment,
-        new_turns,
-        planned_next_turn: conversation.meta.as_ref().map(|m| m.next_turn),
-        max_messages: settings.max_messages,
-        model,
-    };
-    let planned_count = exchange.planned_count(entries);
-    let stored_count = entries.len();
-    drop(conversation);
-    Ok(Plan {
-        prompt: Prompt {
-            instructions,
-            summary: None,
-            recalled: None,
-            window,
-            incoming,
-        },
-        exchange,
-        stored_count,
-        planned_count,
-    })
+/// The headers that describe a plan: what was recalled, the prompt's size, the budget.
+fn headers_of(plan: &Plan) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(RETRIEVED_HEADER, HeaderValue::from(plan.recalled_turns.len()));
+    let turns: Vec<String> = plan.recalled_turns.iter().map(u64::to_string).collect();
+    if let Ok(value) = HeaderValue::from_str(&turns.join(",")) {
+        headers.insert(RETRIEVED_TURNS_HEADER, value);
+    }
+    headers.insert(PROMPT_TOKENS_HEADER, HeaderValue::from(plan.prompt_tokens));
+    if let Some(fitted) = plan.fitted {
+        let verdict = if fitted.exceeded {
+            "exceeded"
+        } else if fitted.truncated || fitted.dropped_recalled > 0 || fitted.dropped_window > 0 {
+            "trimmed"
+        } else {
+            "fits"
+        };
+        headers.insert(BUDGET_HEADER, HeaderValue::from_static(verdict));
+    }
+    headers
 }
 
 /// Sets `X-Memory-Status`, `X-Memory-Conversation-Id` and `X-Memory-Turns`.

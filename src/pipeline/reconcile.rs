@@ -126,7 +126,8 @@ pub fn align<S: Marked, I: Marked>(stored: &[S], last_is_reply: bool, incoming: 
         // 3. The client holds a different version of the last reply (a regenerated answer):
         //    its version replaces ours, and what follows it is new.
         for p in (2..=m).rev() {
-            if incoming[p - 1].role() == Role::Assistant && ends_match(before_reply, incoming, p - 1)
+            if incoming[p - 1].role() == Role::Assistant
+                && ends_match(before_reply, incoming, p - 1)
             {
                 return Alignment::ReplaceLastReply { from: p - 1 };
             }
@@ -191,7 +192,11 @@ mod tests {
     fn check(stored: &str, incoming: &str, expected: Alignment) {
         let got = align(&marks(stored), true, &marks(incoming));
         // Nothing stored ends with a reply that is not there.
-        let got = if stored.is_empty() { align::<Mark, Mark>(&[], false, &marks(incoming)) } else { got };
+        let got = if stored.is_empty() {
+            align::<Mark, Mark>(&[], false, &marks(incoming))
+        } else {
+            got
+        };
         assert_eq!(got, expected, "stored [{stored}] incoming [{incoming}]");
     }
 
@@ -217,7 +222,11 @@ mod tests {
         check("u1 a1 u2 a2", "u1 a1 u2", ReplaceLastReply { from: 3 });
         check("u1 a1 u2 a2", "u2", ReplaceLastReply { from: 1 });
         // The client kept a regenerated reply.
-        check("u1 a1 u2 a2", "u1 a1 u2 a9 u3", ReplaceLastReply { from: 3 });
+        check(
+            "u1 a1 u2 a2",
+            "u1 a1 u2 a9 u3",
+            ReplaceLastReply { from: 3 },
+        );
         // An edited earlier message: the common run is not stored again.
         check("u1 a1 u2 a2", "u1 a1 u8", Append { from: 2 });
         // Same history re-sent with nothing new: nothing to add.

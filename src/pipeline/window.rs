@@ -26,7 +26,10 @@ pub fn window_start<R: HasRole>(roles: &[R], recent_n: usize, continue_round: bo
 
 /// The index of the last user message (the start of the last round), or 0.
 pub fn last_round_start<R: HasRole>(roles: &[R]) -> usize {
-    roles.iter().rposition(|r| r.role() == Role::User).unwrap_or(0)
+    roles
+        .iter()
+        .rposition(|r| r.role() == Role::User)
+        .unwrap_or(0)
 }
 
 /// The first index to keep when `roles` must shrink to `max` messages, cutting whole rounds:
@@ -67,7 +70,10 @@ mod tests {
         let r = roles(history);
         let start = window_start(&r, recent_n, continue_round);
         let window: String = history[start..].to_string();
-        assert_eq!(window, expected_window, "history {history} recent_n {recent_n}");
+        assert_eq!(
+            window, expected_window,
+            "history {history} recent_n {recent_n}"
+        );
     }
 
     #[test]

@@ -278,7 +278,11 @@ impl Store {
     /// added messages. Fails with [`StoreError::Stale`] when the stored conversation is not the
     /// one `conversation` holds; the caller then reloads and plans again. On success the
     /// in-memory index is updated to match; on any failure it is left as it was.
-    pub fn commit(&self, conversation: &mut Conversation, mut change: Change) -> Result<(), StoreError> {
+    pub fn commit(
+        &self,
+        conversation: &mut Conversation,
+        mut change: Change,
+    ) -> Result<(), StoreError> {
         let now = now_ms();
         let mut meta = match &conversation.meta {
             Some(meta) => meta.clone(),
@@ -455,11 +459,18 @@ mod tests {
         let store = open(dir.path());
         let handle = store.conversation(&key("c")).unwrap();
         let conv = lock(&handle);
-        assert_eq!(conv.entries.iter().map(|e| e.turn).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(
+            conv.entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
+            [1, 2]
+        );
         assert_eq!(conv.meta.as_ref().unwrap().total_tokens, 6);
         let loaded = store.messages(&conv, [2]).unwrap();
         assert!(loaded[0].message.get().contains("bb"));
-        assert!(lock(&store.conversation(&key("other")).unwrap()).entries.is_empty());
+        assert!(
+            lock(&store.conversation(&key("other")).unwrap())
+                .entries
+                .is_empty()
+        );
     }
 
     #[tokio::test]
@@ -469,19 +480,40 @@ mod tests {
         let mut first = store.load(&key("c")).unwrap();
         let mut second = store.load(&key("c")).unwrap();
         store
-            .commit(&mut first, Change { remove_turns: vec![], add: vec![message(Role::User, "a")] })
+            .commit(
+                &mut first,
+                Change {
+                    remove_turns: vec![],
+                    add: vec![message(Role::User, "a")],
+                },
+            )
             .unwrap();
         let err = store
-            .commit(&mut second, Change { remove_turns: vec![], add: vec![message(Role::User, "b")] })
+            .commit(
+                &mut second,
+                Change {
+                    remove_turns: vec![],
+                    add: vec![message(Role::User, "b")],
+                },
+            )
             .unwrap_err();
         assert!(matches!(err, StoreError::Stale));
         assert!(second.entries.is_empty());
         store.reload(&mut second).unwrap();
         assert_eq!(second.entries.len(), 1);
         store
-            .commit(&mut second, Change { remove_turns: vec![1], add: vec![message(Role::User, "b")] })
+            .commit(
+                &mut second,
+                Change {
+                    remove_turns: vec![1],
+                    add: vec![message(Role::User, "b")],
+                },
+            )
             .unwrap();
-        assert_eq!(second.entries.iter().map(|e| e.turn).collect::<Vec<_>>(), [2]);
+        assert_eq!(
+            second.entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
+            [2]
+        );
         assert_eq!(store.messages.len(), 1);
     }
 }

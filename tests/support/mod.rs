@@ -43,11 +43,13 @@ impl Proxy {
             mock.base_url(),
             data_dir.display()
         );
-        Proxy::start_config(config::from_toml(&text, &|name| match name {
-            "TEST_UPSTREAM_KEY" => Some("sk-proxy-held".to_string()),
-            _ => None,
-        })
-        .unwrap())
+        Proxy::start_config(
+            config::from_toml(&text, &|name| match name {
+                "TEST_UPSTREAM_KEY" => Some("sk-proxy-held".to_string()),
+                _ => None,
+            })
+            .unwrap(),
+        )
         .await
     }
 
@@ -93,7 +95,10 @@ impl Proxy {
 
     /// The stored messages of the test token's conversation under `agent`.
     pub fn stored_agent(&self, agent: &str, conversation: &str) -> Vec<StoredMessage> {
-        stored_by_key(&self.state.store, &key_for(Some(TOKEN), agent, conversation))
+        stored_by_key(
+            &self.state.store,
+            &key_for(Some(TOKEN), agent, conversation),
+        )
     }
 }
 
@@ -168,7 +173,10 @@ impl Answer {
 
     /// The error `param` of an OpenAI-shaped error body.
     pub fn error_param(&self) -> String {
-        self.json()["error"]["param"].as_str().unwrap_or("").to_string()
+        self.json()["error"]["param"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
     }
 }
 
@@ -177,7 +185,12 @@ pub fn client() -> Client<HttpConnector, Full<Bytes>> {
 }
 
 /// Sends a request and reads the whole answer.
-pub async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Answer {
+pub async fn send(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Answer {
     let mut request = Request::builder().method(method).uri(url);
     for (k, v) in headers {
         request = request.header(*k, *v);
@@ -194,11 +207,22 @@ pub async fn send(method: &str, url: &str, headers: &[(&str, &str)], body: impl 
 }
 
 /// Posts a chat completion for `conversation` with the test token and `extra` headers.
-pub async fn chat(proxy: &Proxy, conversation: &str, body: &Value, extra: &[(&str, &str)]) -> Answer {
+pub async fn chat(
+    proxy: &Proxy,
+    conversation: &str,
+    body: &Value,
+    extra: &[(&str, &str)],
+) -> Answer {
     chat_as(proxy, TOKEN, conversation, body, extra).await
 }
 
-pub async fn chat_as(proxy: &Proxy, token: &str, conversation: &str, body: &Value, extra: &[(&str, &str)]) -> Answer {
+pub async fn chat_as(
+    proxy: &Proxy,
+    token: &str,
+    conversation: &str,
+    body: &Value,
+    extra: &[(&str, &str)],
+) -> Answer {
     let auth = format!("Bearer {token}");
     let mut headers = vec![
         ("authorization", auth.as_str()),
@@ -206,7 +230,13 @@ pub async fn chat_as(proxy: &Proxy, token: &str, conversation: &str, body: &Valu
         ("x-memory-conversation-id", conversation),
     ];
     headers.extend_from_slice(extra);
-    send("POST", &proxy.url("/v1/chat/completions"), &headers, body.to_string()).await
+    send(
+        "POST",
+        &proxy.url("/v1/chat/completions"),
+        &headers,
+        body.to_string(),
+    )
+    .await
 }
 
 pub fn user(text: &str) -> Value {

@@ -1,0 +1,929 @@
+//! Recall evaluation: how much of the evidence for a question reaches the upstream model.
+//!
+//! ```text
+//! cargo run --release --example recall_eval -- ../shared/eval/locomo-dev.json
+//! cargo run --release --example recall_eval -- ../shared/eval/locomo-dev.json \
+//!     --conversations 1 --configs window,10 --max-context-tokens 4000 --json /tmp/recall.json
+//! ```
+//!
+//! The data file (LoCoMo format, see `../shared/eval/README.md`) is read from outside the
+//! repository and never copied into it. In-process, the program starts the mock upstream and a
+//! real memproxy (sled in a temporary directory), both on `127.0.0.1` with ephemeral ports, then:
+//!
+//! 1. replays each conversation into one memproxy conversation: `speaker_a` → `user`,
+//!    `speaker_b` → `assistant`, a run of consecutive turns by one speaker joined into one
+//!    message (one turn per line), sessions in numeric order. Each request carries only the
+//!    newest message(s), as a chat front-end does, and the mock is scripted to answer with the
+//!    real `speaker_b` text, so that text is what memproxy stores;
+//! 2. checks that the stored history is exactly what was replayed (one request with a window
+//!    larger than the conversation);
+//! 3. asks every question of categories 1–4 as a new, non-persisted user message under each
+//!    configuration (`window`: relevance off; `K`: relevance on with top-K), and looks at the
+//!    messages the proxy forwarded, the question itself left out:
+//!    - recall_any: at least one evidence turn's text appears in them verbatim;
+//!    - recall_all: every evidence turn's text does;
+//!    - prompt share: characters forwarded ÷ characters of the whole replayed history.
+//!
+//! It prints one table per configuration × category, and with `--json PATH` writes the same
+//! figures as JSON.
+#![allow(clippy::print_stdout)]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::error::Error;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use clap::Parser;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use memproxy::mock_upstream::{MockOptions, MockUpstream, Reply};
+use memproxy::state::AppState;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+type BoxResult<T> = Result<T, Box<dyn Error>>;
+
+/// The recent window used for every question, in messages.
+const RECENT_N: usize = 10;
+/// The categories that have an answer in the conversation (5 is adversarial).
+const CATEGORIES: [u8; 4] = [1, 2, 3, 4];
+const TOKEN: &str = "sk-eval";
+const MODEL: &str = "gpt-4o-mini";
+
+/// Measures how much of each question's evidence memproxy forwards upstream.
+#[derive(Debug, Parser)]
+#[command(name = "recall_eval")]
+struct Args {
+    /// The evaluation data (LoCoMo JSON), e.g. ../shared/eval/locomo-dev.json.
+    data: PathBuf,
+    /// Use only the first N conversations.
+    #[arg(long)]
+    conversations: Option<usize>,
+    /// Configurations, comma-separated: `window` (relevance off) or a top-K number
+    /// (relevance on).
+    #[arg(long, default_value = "window,5,10,20", value_delimiter = ',')]
+    configs: Vec<String>,
+    /// Sends `X-Memory-Max-Context-Tokens: N` with every question.
+    #[arg(long)]
+    max_context_tokens: Option<u64>,
+    /// Also write the figures as JSON to this path.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// One configuration: relevance off (`None`) or on with this top-K.
+#[derive(Debug, Clone, Copy)]
+struct EvalConfig {
+    top_k: Option<usize>,
+}
+
+impl EvalConfig {
+    fn parse(text: &str) -> BoxResult<EvalConfig> {
+        let text = text.trim();
+        if text.eq_ignore_ascii_case("window") {
+            return Ok(EvalConfig { top_k: None });
+        }
+        let text = text.strip_prefix("top-").unwrap_or(text);
+        match text.parse::<usize>() {
+            Ok(k) if k >= 1 => Ok(EvalConfig { top_k: Some(k) }),
+            _ => Err(
+                format!("--configs: `{text}` is neither `window` nor a top-K of at least 1").into(),
+            ),
+        }
+    }
+
+    fn name(self) -> String {
+        match self.top_k {
+            None => "window".to_string(),
+            Some(k) => format!("top-{k}"),
+        }
+    }
+}
+
+/// One message as replayed.
+#[derive(Debug, Clone)]
+struct Msg {
+    role: &'static str,
+    text: String,
+}
+
+#[derive(Debug)]
+struct Question {
+    category: u8,
+    text: String,
+    /// Valid evidence dia_ids, normalised and de-duplicated.
+    evidence: Vec<String>,
+}
+
+#[derive(Debug)]
+struct Conversation {
+    id: String,
+    messages: Vec<Msg>,
+    /// dia_id → turn text (as replayed).
+    turns: HashMap<String, String>,
+    questions: Vec<Question>,
+    /// Characters of the whole replayed history.
+    history_chars: usize,
+}
+
+/// Things about the data that had to be handled, for the report.
+#[derive(Debug, Default)]
+struct DataNotes {
+    /// Evidence entries rewritten to an existing dia_id: (conversation, raw, ids).
+    normalised: Vec<(String, String, Vec<String>)>,
+    /// Evidence entries (or parts of them) that name no turn: (conversation, raw).
+    dropped: Vec<(String, String)>,
+    /// Questions with no valid evidence left: (conversation, question).
+    skipped: Vec<(String, String)>,
+    /// Turns with an image caption appended.
+    captions: usize,
+    /// Conversations that start with `speaker_b`.
+    leading_assistant: Vec<String>,
+}
+
+/// Sums for one configuration × category.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    n: usize,
+    any: usize,
+    all: usize,
+    share: f64,
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.n += other.n;
+        self.any += other.any;
+        self.all += other.all;
+        self.share += other.share;
+    }
+
+    fn ratio(&self, count: usize) -> f64 {
+        if self.n == 0 {
+            0.0
+        } else {
+            count as f64 / self.n as f64
+        }
+    }
+
+    fn figures(&self) -> (f64, f64, f64) {
+        let share = if self.n == 0 {
+            0.0
+        } else {
+            self.share / self.n as f64
+        };
+        (self.ratio(self.any), self.ratio(self.all), share)
+    }
+}
+
+fn field<'a>(value: &'a Value, name: &str, what: &str) -> BoxResult<&'a Value> {
+    value
+        .get(name)
+        .ok_or_else(|| format!("{what}: no `{name}` field").into())
+}
+
+fn string_field(value: &Value, name: &str, what: &str) -> BoxResult<String> {
+    field(value, name, what)?
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| format!("{what}: `{name}` is not a string").into())
+}
+
+/// The turn's text as replayed: `text`, plus ` [image: caption]` when the turn shared an image.
+fn turn_text(turn: &Value, notes: &mut DataNotes) -> BoxResult<String> {
+    let mut text = string_field(turn, "text", "turn")?;
+    if let Some(caption) = turn.get("blip_caption").and_then(Value::as_str) {
+        let caption = caption.trim();
+        if !caption.is_empty() {
+            text.push_str(" [image: ");
+            text.push_str(caption);
+            text.push(']');
+            notes.captions += 1;
+        }
+    }
+    Ok(text)
+}
+
+/// The existing dia_ids an evidence entry names. Entries are trimmed, split on `;` and `,`,
+/// stripped of whitespace (`D1: 3` → `D1:3`) and, failing that, read as `D` followed by exactly
+/// two numbers with any separators (`D:11:26` → `D11:26`). Parts that name no turn are dropped.
+fn normalise_evidence(
+    raw: &str,
+    turns: &HashMap<String, String>,
+    conversation: &str,
+    notes: &mut DataNotes,
+) -> Vec<String> {
+    if turns.contains_key(raw) {
+        return vec![raw.to_string()];
+    }
+    let mut found = Vec::new();
+    for piece in raw.split([';', ',']) {
+        let compact: String = piece.chars().filter(|c| !c.is_whitespace()).collect();
+        if compact.is_empty() {
+            continue;
+        }
+        if turns.contains_key(&compact) {
+            found.push(compact);
+            continue;
+        }
+        let numbers: Vec<u64> = compact
+            .strip_prefix(['D', 'd'])
+            .map(|rest| {
+                rest.split(|c: char| !c.is_ascii_digit())
+                    .filter(|s| !s.is_empty())
+                    .filter_map(|s| s.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let candidate = match numbers.as_slice() {
+            [session, turn] => Some(format!("D{session}:{turn}")),
+            _ => None,
+        };
+        match candidate {
+            Some(id) if turns.contains_key(&id) => found.push(id),
+            _ => notes
+                .dropped
+                .push((conversation.to_string(), piece.trim().to_string())),
+        }
+    }
+    if !found.is_empty() {
+        notes
+            .normalised
+            .push((conversation.to_string(), raw.to_string(), found.clone()));
+    }
+    found
+}
+
+fn load(path: &Path, limit: Option<usize>, notes: &mut DataNotes) -> BoxResult<Vec<Conversation>> {
+    let text = std::fs::read_to_string(path).map_err(|err| format!("{}: {err}", path.display()))?;
+    let data: Value =
+        serde_json::from_str(&text).map_err(|err| format!("{}: {err}", path.display()))?;
+    let list = data
+        .as_array()
+        .ok_or_else(|| format!("{}: not a JSON array", path.display()))?;
+    let take = limit.unwrap_or(list.len()).min(list.len());
+    let mut out = Vec::with_capacity(take);
+    for sample in &list[..take] {
+        out.push(load_conversation(sample, notes)?);
+    }
+    Ok(out)
+}
+
+fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Conversation> {
+    let id = string_field(sample, "sample_id", "conversation")?;
+    let what = format!("conversation {id}");
+    let conversation = field(sample, "conversation", &what)?;
+    let speaker_a = string_field(conversation, "speaker_a", &what)?;
+    let speaker_b = string_field(conversation, "speaker_b", &what)?;
+    let sessions_object = conversation
+        .as_object()
+        .ok_or_else(|| format!("{what}: `conversation` is not an object"))?;
+
+    // `session_N` keys only (not `session_N_date_time`), in numeric order.
+    let mut sessions: Vec<(u64, &Value)> = sessions_object
+        .iter()
+        .filter_map(|(key, value)| {
+            let n = key.strip_prefix("session_")?;
+            if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            Some((n.parse().ok()?, value))
+        })
+        .collect();
+    sessions.sort_by_key(|(n, _)| *n);
+
+    let mut turns = HashMap::new();
+    let mut messages: Vec<Msg> = Vec::new();
+    for (n, session) in sessions {
+        let session_turns = session
+            .as_array()
+            .ok_or_else(|| format!("{what}: session_{n} is not a list"))?;
+        for turn in session_turns {
+            let speaker = string_field(turn, "speaker", &what)?;
+            let dia_id = string_field(turn, "dia_id", &what)?;
+            let text = turn_text(turn, notes)?;
+            let role = if speaker == speaker_a {
+                "user"
+            } else if speaker == speaker_b {
+                "assistant"
+            } else {
+                return Err(format!("{what}: {dia_id}: unknown speaker `{speaker}`").into());
+            };
+            match messages.last_mut() {
+                Some(last) if last.role == role => {
+                    last.text.push('\n');
+                    last.text.push_str(&text);
+                }
+                _ => messages.push(Msg {
+                    role,
+                    text: text.clone(),
+                }),
+            }
+            if turns.insert(dia_id.clone(), text).is_some() {
+                return Err(format!("{what}: dia_id {dia_id} appears twice").into());
+            }
+        }
+    }
+    if messages.is_empty() {
+        return Err(format!("{what}: no turns").into());
+    }
+    if messages.first().is_some_and(|m| m.role == "assistant") {
+        notes.leading_assistant.push(id.clone());
+    }
+    let history_chars = messages.iter().map(|m| m.text.chars().count()).sum();
+
+    let mut questions = Vec::new();
+    let qa = field(sample, "qa", &what)?
+        .as_array()
+        .ok_or_else(|| format!("{what}: `qa` is not a list"))?;
+    for q in qa {
+        let category = field(q, "category", &what)?
+            .as_u64()
+            .ok_or_else(|| format!("{what}: a question's category is not a number"))?;
+        let Some(category) = u8::try_from(category)
+            .ok()
+            .filter(|c| CATEGORIES.contains(c))
+        else {
+            continue;
+        };
+        let text = string_field(q, "question", &what)?;
+        let mut evidence = Vec::new();
+        let mut seen = HashSet::new();
+        for raw in field(q, "evidence", &what)?
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let Some(raw) = raw.as_str() else {
+                notes.dropped.push((id.clone(), raw.to_string()));
+                continue;
+            };
+            for found in normalise_evidence(raw.trim(), &turns, &id, notes) {
+                if seen.insert(found.clone()) {
+                    evidence.push(found);
+                }
+            }
+        }
+        if evidence.is_empty() {
+            notes.skipped.push((id.clone(), text));
+            continue;
+        }
+        questions.push(Question {
+            category,
+            text,
+            evidence,
+        });
+    }
+    Ok(Conversation {
+        id,
+        messages,
+        turns,
+        questions,
+        history_chars,
+    })
+}
+
+/// A message's text: string content, or the `text` of its content parts.
+fn content_text(message: &Value) -> String {
+    match message.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// A running memproxy against a mock upstream.
+struct Harness {
+    mock: MockUpstream,
+    base: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), String>>>,
+    _data_dir: tempfile::TempDir,
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "status {}, x-memory-status `{}`, body {}",
+            self.status,
+            self.header("x-memory-status"),
+            String::from_utf8_lossy(&self.body)
+        )
+    }
+}
+
+impl Harness {
+    async fn start() -> BoxResult<Harness> {
+        let mock = MockUpstream::start_with(
+            MockOptions {
+                record: true,
+                ..Default::default()
+            },
+            None,
+        )
+        .await?;
+        let data_dir = tempfile::tempdir()?;
+        // JSON string literals are valid TOML basic strings.
+        let text = format!(
+            "[upstream]\nbase_url = {}\ntimeout = \"PT60S\"\nconnect_timeout = \"PT5S\"\n\
+             [storage]\ndata_dir = {}\n\
+             [memory]\nrecent_n = {RECENT_N}\ncompression_enabled = false\nmax_messages = 100000\n",
+            serde_json::to_string(&mock.base_url())?,
+            serde_json::to_string(&data_dir.path().display().to_string())?,
+        );
+        let config = memproxy::config::from_toml(&text, &|_| None)
+            .map_err(|err| format!("config: {err}"))?;
+        let state = AppState::build(config).map_err(|err| format!("memproxy state: {err}"))?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server_state = Arc::clone(&state);
+        let task = tokio::spawn(async move {
+            memproxy::server::run(listener, server_state, async {
+                let _ = stopped.await;
+            })
+            .await
+            .map_err(|err| err.to_string())
+        });
+        Ok(Harness {
+            mock,
+            base: format!("http://{addr}"),
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            stop: Some(stop),
+            task: Some(task),
+            _data_dir: data_dir,
+        })
+    }
+
+    async fn chat(
+        &self,
+        conversation: &str,
+        messages: &[Value],
+        extra: &[(&str, String)],
+    ) -> BoxResult<Answer> {
+        let body = json!({"model": MODEL, "messages": messages}).to_string();
+        let mut request = Request::builder()
+            .method("POST")
+            .uri(format!("{}/v1/chat/completions", self.base))
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("content-type", "application/json")
+            .header("x-memory-conversation-id", conversation);
+        for (name, value) in extra {
+            request = request.header(*name, value.as_str());
+        }
+        let response = self
+            .client
+            .request(request.body(Full::new(Bytes::from(body)))?)
+            .await?;
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await?.to_bytes();
+        Ok(Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    }
+
+    /// Sends one exchange of the replay and checks it was stored with `reply` as the answer.
+    async fn exchange(&self, conversation: &str, messages: &[Value], reply: &str) -> BoxResult<()> {
+        self.mock.clear();
+        self.mock.push(Reply::Text(reply.to_string()));
+        let answer = self.chat(conversation, messages, &[]).await?;
+        if answer.status != StatusCode::OK || answer.header("x-memory-status") != "stored" {
+            return Err(format!(
+                "{conversation}: replay request not stored: {}",
+                answer.describe()
+            )
+            .into());
+        }
+        let body: Value = serde_json::from_slice(&answer.body)?;
+        if body
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            != Some(reply)
+        {
+            return Err(format!(
+                "{conversation}: replay answer is not the scripted reply: {}",
+                answer.describe()
+            )
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Asks `question` without storing it; returns the forwarded messages before the question.
+    async fn ask(
+        &self,
+        conversation: &str,
+        question: &str,
+        headers: &[(&str, String)],
+    ) -> BoxResult<Vec<Value>> {
+        self.mock.clear();
+        let answer = self
+            .chat(
+                conversation,
+                &[json!({"role": "user", "content": question})],
+                headers,
+            )
+            .await?;
+        if answer.status != StatusCode::OK || answer.header("x-memory-status") == "stored" {
+            return Err(format!(
+                "{conversation}: question request failed or was stored: {}",
+                answer.describe()
+            )
+            .into());
+        }
+        let mut forwarded = self.mock.last_messages();
+        self.mock.clear();
+        match forwarded.pop() {
+            Some(last) if last["role"] == "user" && content_text(&last) == question => {
+                Ok(forwarded)
+            }
+            other => Err(format!(
+                "{conversation}: the last forwarded message is not the question: {other:?}"
+            )
+            .into()),
+        }
+    }
+
+    async fn stop(mut self) -> BoxResult<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await?.map_err(|err| format!("memproxy: {err}"))?;
+        }
+        Ok(())
+    }
+}
+
+fn message_json(message: &Msg) -> Value {
+    json!({"role": message.role, "content": message.text})
+}
+
+/// Replays a conversation as a front-end would: each request carries only the newest message(s).
+async fn replay(harness: &Harness, conversation: &Conversation) -> BoxResult<()> {
+    let mut pending: Vec<Value> = Vec::new();
+    let mut i = 0;
+    let messages = &conversation.messages;
+    while i < messages.len() {
+        let message = &messages[i];
+        pending.push(message_json(message));
+        i += 1;
+        if message.role != "user" {
+            // A leading assistant message goes with the next user message.
+            continue;
+        }
+        let reply = match messages.get(i) {
+            Some(next) if next.role == "assistant" => {
+                i += 1;
+                next.text.as_str()
+            }
+            _ => "ok",
+        };
+        harness.exchange(&conversation.id, &pending, reply).await?;
+        pending.clear();
+    }
+    if !pending.is_empty() {
+        return Err(format!(
+            "{}: nothing to answer at the end of the replay",
+            conversation.id
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The messages a replay stores: the replayed ones, plus `ok` after a trailing user message.
+fn expected_history(conversation: &Conversation) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = conversation
+        .messages
+        .iter()
+        .map(|m| (m.role.to_string(), m.text.clone()))
+        .collect();
+    if conversation
+        .messages
+        .last()
+        .is_some_and(|m| m.role == "user")
+    {
+        out.push(("assistant".to_string(), "ok".to_string()));
+    }
+    out
+}
+
+/// Checks that memproxy holds exactly the replayed history, through a window wider than it.
+async fn check_history(harness: &Harness, conversation: &Conversation) -> BoxResult<()> {
+    let headers = [
+        ("x-memory-persist", "false".to_string()),
+        ("x-memory-recent-n", "10000".to_string()),
+        ("x-memory-relevance-enabled", "false".to_string()),
+        ("x-memory-max-context-tokens", "none".to_string()),
+    ];
+    let forwarded = harness
+        .ask(&conversation.id, "recall_eval: history check", &headers)
+        .await?;
+    let got: Vec<(String, String)> = forwarded
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap_or("?").to_string(),
+                content_text(m),
+            )
+        })
+        .collect();
+    let want = expected_history(conversation);
+    if got != want {
+        let first = got.iter().zip(&want).position(|(g, w)| g != w);
+        return Err(format!(
+            "{}: stored history differs from the replay ({} stored, {} replayed, first difference at {:?})",
+            conversation.id,
+            got.len(),
+            want.len(),
+            first
+        )
+        .into());
+    }
+    Ok(())
+}
+
+fn question_headers(
+    config: EvalConfig,
+    max_context_tokens: Option<u64>,
+) -> Vec<(&'static str, String)> {
+    let mut headers = vec![
+        ("x-memory-persist", "false".to_string()),
+        ("x-memory-recent-n", RECENT_N.to_string()),
+    ];
+    match config.top_k {
+        None => headers.push(("x-memory-relevance-enabled", "false".to_string())),
+        Some(k) => {
+            headers.push(("x-memory-relevance-enabled", "true".to_string()));
+            headers.push(("x-memory-relevance-top-k", k.to_string()));
+        }
+    }
+    if let Some(n) = max_context_tokens {
+        headers.push(("x-memory-max-context-tokens", n.to_string()));
+    }
+    headers
+}
+
+/// Scores one question from the messages forwarded before it.
+fn score(conversation: &Conversation, question: &Question, forwarded: &[Value]) -> Tally {
+    let texts: Vec<String> = forwarded.iter().map(content_text).collect();
+    let chars: usize = texts.iter().map(|t| t.chars().count()).sum();
+    let joined = texts.join("\n");
+    let hits = question
+        .evidence
+        .iter()
+        .filter(|id| {
+            conversation
+                .turns
+                .get(*id)
+                .is_some_and(|text| joined.contains(text.as_str()))
+        })
+        .count();
+    Tally {
+        n: 1,
+        any: usize::from(hits > 0),
+        all: usize::from(hits == question.evidence.len()),
+        share: if conversation.history_chars == 0 {
+            0.0
+        } else {
+            chars as f64 / conversation.history_chars as f64
+        },
+    }
+}
+
+/// Figures per configuration: category (1–4) → tally.
+type Results = Vec<(EvalConfig, BTreeMap<u8, Tally>)>;
+
+fn total(tallies: &BTreeMap<u8, Tally>) -> Tally {
+    let mut all = Tally::default();
+    for tally in tallies.values() {
+        all.add(*tally);
+    }
+    all
+}
+
+fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
+    let ks: Vec<String> = configs
+        .iter()
+        .filter_map(|c| c.top_k)
+        .map(|k| k.to_string())
+        .collect();
+    let budget = args
+        .max_context_tokens
+        .map_or_else(|| "none".to_string(), |n| n.to_string());
+    let file = args.data.file_name().map_or_else(
+        || args.data.display().to_string(),
+        |f| f.to_string_lossy().into_owned(),
+    );
+    format!(
+        "recall_eval  data={file}  recent_n={RECENT_N}  top-K={}  token budget={budget}",
+        if ks.is_empty() {
+            "-".to_string()
+        } else {
+            ks.join(",")
+        }
+    )
+}
+
+fn print_table(results: &Results) {
+    println!(
+        "{:<8} {:>4} {:>6} {:>10} {:>10} {:>12}",
+        "config", "cat", "n", "recall_any", "recall_all", "prompt_share"
+    );
+    for (config, tallies) in results {
+        let rows = CATEGORIES
+            .iter()
+            .map(|c| (c.to_string(), tallies.get(c).copied().unwrap_or_default()))
+            .chain(std::iter::once(("all".to_string(), total(tallies))));
+        for (label, tally) in rows {
+            let (any, all, share) = tally.figures();
+            println!(
+                "{:<8} {:>4} {:>6} {:>10.3} {:>10.3} {:>12.3}",
+                config.name(),
+                label,
+                tally.n,
+                any,
+                all,
+                share
+            );
+        }
+    }
+}
+
+fn results_json(
+    args: &Args,
+    results: &Results,
+    conversations: &[Conversation],
+    notes: &DataNotes,
+    wall_seconds: f64,
+) -> Value {
+    let configs: Vec<Value> = results
+        .iter()
+        .map(|(config, tallies)| {
+            let mut categories = serde_json::Map::new();
+            let rows = CATEGORIES
+                .iter()
+                .map(|c| (c.to_string(), tallies.get(c).copied().unwrap_or_default()))
+                .chain(std::iter::once(("all".to_string(), total(tallies))));
+            for (label, tally) in rows {
+                let (any, all, share) = tally.figures();
+                categories.insert(
+                    label,
+                    json!({"n": tally.n, "recall_any": any, "recall_all": all, "prompt_share": share}),
+                );
+            }
+            json!({
+                "name": config.name(),
+                "relevance_enabled": config.top_k.is_some(),
+                "top_k": config.top_k,
+                "categories": categories,
+            })
+        })
+        .collect();
+    json!({
+        "data_file": args.data.display().to_string(),
+        "settings": {
+            "recent_n": RECENT_N,
+            "max_context_tokens": args.max_context_tokens,
+            "compression_enabled": false,
+        },
+        "conversations": conversations.iter().map(|c| c.id.clone()).collect::<Vec<_>>(),
+        "skipped_questions": notes.skipped.len(),
+        "dropped_evidence": notes.dropped.len(),
+        "normalised_evidence": notes.normalised.len(),
+        "wall_seconds": wall_seconds,
+        "configs": configs,
+    })
+}
+
+fn print_notes(notes: &DataNotes) {
+    for (conversation, raw, ids) in &notes.normalised {
+        eprintln!(
+            "note: {conversation}: evidence `{raw}` read as {}",
+            ids.join(", ")
+        );
+    }
+    for (conversation, raw) in &notes.dropped {
+        eprintln!("note: {conversation}: evidence `{raw}` names no turn; dropped");
+    }
+    for (conversation, question) in &notes.skipped {
+        eprintln!("note: {conversation}: no valid evidence, question skipped: {question}");
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("recall_eval: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn Error>> {
+    let started = Instant::now();
+    let configs = args
+        .configs
+        .iter()
+        .filter(|c| !c.trim().is_empty())
+        .map(|c| EvalConfig::parse(c))
+        .collect::<BoxResult<Vec<_>>>()?;
+    if configs.is_empty() {
+        return Err("--configs: no configuration given".into());
+    }
+
+    let mut notes = DataNotes::default();
+    let conversations = load(&args.data, args.conversations, &mut notes)?;
+    print_notes(&notes);
+
+    let harness = Harness::start().await?;
+    let mut results: Results = configs.iter().map(|c| (*c, BTreeMap::new())).collect();
+    for conversation in &conversations {
+        let replay_started = Instant::now();
+        replay(&harness, conversation).await?;
+        check_history(&harness, conversation).await?;
+        let replayed = replay_started.elapsed();
+        for (config, tallies) in &mut results {
+            let headers = question_headers(*config, args.max_context_tokens);
+            for question in &conversation.questions {
+                let forwarded = harness
+                    .ask(&conversation.id, &question.text, &headers)
+                    .await?;
+                tallies.entry(question.category).or_default().add(score(
+                    conversation,
+                    question,
+                    &forwarded,
+                ));
+            }
+        }
+        eprintln!(
+            "{}: {} messages ({} chars) replayed in {:.1}s, {} questions × {} configs asked in {:.1}s",
+            conversation.id,
+            conversation.messages.len(),
+            conversation.history_chars,
+            replayed.as_secs_f64(),
+            conversation.questions.len(),
+            configs.len(),
+            (replay_started.elapsed() - replayed).as_secs_f64()
+        );
+    }
+    harness.stop().await?;
+    let wall = started.elapsed().as_secs_f64();
+
+    println!("{}", settings_line(&args, &configs));
+    let ids: Vec<&str> = conversations.iter().map(|c| c.id.as_str()).collect();
+    println!(
+        "conversations: {} ({})  questions (categories 1-4): {}",
+        conversations.len(),
+        ids.join(", "),
+        conversations
+            .iter()
+            .map(|c| c.questions.len())
+            .sum::<usize>()
+    );
+    print_table(&results);
+    println!(
+        "skipped: {} question(s) with no valid evidence; evidence entries normalised: {}, dropped: {}",
+        notes.skipped.len(),
+        notes.normalised.len(),
+        notes.dropped.len()
+    );
+    println!("wall time: {wall:.1}s");
+
+    if let Some(path) = &args.json {
+        let value = results_json(&args, &results, &conversations, &notes, wall);
+        std::fs::write(path, serde_json::to_string_pretty(&value)? + "\n")
+            .map_err(|err| format!("{}: {err}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! Plan: the stages before forwarding, run under the conversation's lock: reconcile the request
+//! with the stored history, pick the recent window, recall older turns, fit the token budget,
+//! and assemble the prompt. Produces the prompt to forward and the exchange to commit.
+
+use std::sync::Arc;
+
+use super::assemble::{Prompt, is_injected_echo, split_request};
+use super::budget::{self, Fitted};
+use super::commit::{Exchange, last_is_reply};
+use super::recall::{RecalledTurn, recalled_turns, render};
+use super::reconcile::{Alignment, Mark, align};
+use super::window::window_start;
+use crate::identity::ConversationKey;
+use crate::message::{Message, Role};
+use crate::settings::MemorySettings;
+use crate::state::AppState;
+use crate::store::{StoreError, StoredMessage, lock};
+use crate::tokens;
+
+/// A planned exchange: the prompt to forward and what to commit afterwards.
+#[derive(Debug)]
+pub struct Plan {
+    pub prompt: Prompt,
+    pub exchange: Exchange,
+    /// Messages stored now (before this exchange).
+    pub stored_count: usize,
+    /// Messages stored once this exchange commits as planned.
+    pub planned_count: usize,
+    /// Turns recalled into the prompt, oldest first.
+    pub recalled_turns: Vec<u64>,
+    /// The forwarded prompt's size in tokens, from stored counts.
+    pub prompt_tokens: u64,
+    /// What the token budget did, when one is set.
+    pub fitted: Option<Fitted>,
+}
+
+pub fn plan(
+    state: &AppState,
+    key: &ConversationKey,
+    settings: &MemorySettings,
+    model: Option<String>,
+    messages: Vec<Message>,
+) -> Result<Plan, StoreError> {
+    let store = &state.store;
+    let model_name = model.as_deref();
+    let handle = store.conversation(key)?;
+    let conversation = lock(&handle);
+    let entries = &conversation.entries;
+
+    // Messages memproxy itself injected, echoed back by a client, are neither stored nor sent
+    // twice.
+    let messages: Vec<Message> = messages
+        .into_iter()
+        .filter(|m| !is_injected_echo(m))
+        .collect();
+
+    // Reconcile: the request's conversation messages (instructions are not turns).
+    let turn_index: Vec<usize> = messages
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| !m.role.is_instruction())
+        .map(|(i, _)| i)
+        .collect();
+    let marks: Vec<Mark> = turn_index.iter().map(|&i| Mark::from(&messages[i])).collect();
+    let alignment = align(entries, last_is_reply(entries), &marks);
+    let from = alignment.from().min(marks.len());
+    let history = match alignment {
+        Alignment::ReplaceLastReply { .. } => &entries[..entries.len() - 1],
+        Alignment::Append { .. } => &entries[..],
+    };
+    let new_turns: Vec<Message> = turn_index[from..].iter().map(|&i| messages[i].clone()).collect();
+    let new_tokens: Vec<u32> = new_turns
+        .iter()
+        .map(|m| tokens::count_message(model_name, &m.text()))
+        .collect();
+
+    // Window: it must hold the current round when the new messages continue it.
+    let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
+    let start = window_start(history, settings.recent_n, continue_round);
+    let mut window: Vec<StoredMessage> =
+        store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
+
+    // Recall: the older pool is everything before the window.
+    let mut recalled: Vec<RecalledTurn> = Vec::new();
+    if settings.relevance_enabled && settings.relevance_top_k > 0 && start > 0 {
+        let query = query_text(&new_turns, &window);
+        let before_turn = history[start.min(history.len() - 1)].turn
+            + u64::from(start == history.len());
+        let hits = state.recall.search(
+            store,
+            &conversation,
+            settings.relevance_language,
+            &query,
+            before_turn,
+            settings.relevance_top_k,
+        )?;
+        let found = store.messages(&conversation, hits.iter().map(|h| h.turn))?;
+        recalled = recalled_turns(&hits, found);
+    }
+
+    // Budget: what cannot be cut is the client's instructions and new messages.
+    let first_new = turn_index.get(from).copied().unwrap_or(messages.len());
+    let mut new_iter = new_tokens.iter();
+    let fixed: u64 = messages
+        .iter()
+        .enumerate()
+        .filter(|(i, m)| *i >= first_new || m.role.is_instruction())
+        .map(|(_, m)| {
+            let counted = (!m.role.is_instruction()).then(|| new_iter.next()).flatten();
+            u64::from(counted.copied().unwrap_or_else(|| {
+                tokens::count_cached(model_name, m.fingerprint, &m.text())
+            }))
+        })
+        .sum();
+    let fitted = settings
+        .max_context_tokens
+        .map(|budget| budget::fit(budget, fixed, &mut recalled, &mut window, model_name));
+    let prompt_tokens = fitted.map_or_else(
+        || {
+            fixed
+                + window.iter().map(|m| u64::from(m.tokens)).sum::<u64>()
+                + recalled.iter().map(|r| u64::from(r.tokens)).sum::<u64>()
+        },
+        |f| f.total,
+    );
+
+    // Assemble.
+    let mut recalled_turns: Vec<u64> = recalled.iter().map(|r| r.turn).collect();
+    recalled_turns.sort_unstable();
+    let (instructions, incoming) = split_request(messages, first_new);
+    let exchange = Exchange {
+        key: key.clone(),
+        handle: Arc::clone(&handle),
+        marks,
+        alignment,
+        new_turns,
+        new_tokens,
+        planned_next_turn: conversation.meta.as_ref().map(|m| m.next_turn),
+        max_messages: settings.max_messages,
+        model,
+    };
+    let planned_count = exchange.planned_count(entries);
+    let stored_count = entries.len();
+    drop(conversation);
+    Ok(Plan {
+        prompt: Prompt {
+            instructions,
+            summary: None,
+            recalled: render(&recalled),
+            window: window.into_iter().map(|m| m.message).collect(),
+            incoming,
+        },
+        exchange,
+        stored_count,
+        planned_count,
+        recalled_turns,
+        prompt_tokens,
+        fitted,
+    })
+}
+
+/// What recall searches with: the new messages, and when they continue a round (tool results)
+/// the user message that opened it.
+fn query_text(new_turns: &[Message], window: &[StoredMessage]) -> String {
+    let mut query: Vec<String> = new_turns.iter().map(Message::text).collect();
+    if !new_turns.iter().any(|m| m.role == Role::User)
+        && let Some(opening) = window.iter().rev().find(|m| m.role == Role::User)
+        && let Ok(message) = Message::parse(opening.message.clone(), "window")
+    {
+        query.push(message.text());
+    }
+    query.join("\n")
+}

@@ -1,0 +1,149 @@
+//! Recall: older turns relevant to the new message, brought back into the prompt as one
+//! system message, oldest first, each line tagged `[earlier turn #N at TIME] role:`.
+//!
+//! Tool calls and tool results are written as text, never as raw `tool` messages, so the
+//! forwarded list stays valid. Only turns before the recent window are searched, so nothing in
+//! the window is repeated.
+
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use crate::message::{Role, text_of};
+use crate::recall::index::Hit;
+use crate::store::StoredMessage;
+
+/// How every recalled-turns message begins; also how an echo of one is recognised.
+pub const RECALL_MARKER: &str = "[Earlier in this conversation";
+
+/// Tokens a rendered line adds to its message's stored count (the tag and role).
+pub const LINE_OVERHEAD_TOKENS: u32 = 20;
+
+/// A recalled turn, ready to render.
+#[derive(Debug, Clone)]
+pub struct RecalledTurn {
+    pub turn: u64,
+    pub score: f32,
+    /// The stored token count plus the line overhead.
+    pub tokens: u32,
+    pub line: String,
+}
+
+/// Turns `hits` and their stored messages (same order) into recalled turns, best first.
+pub fn recalled_turns(hits: &[Hit], messages: Vec<StoredMessage>) -> Vec<RecalledTurn> {
+    hits.iter()
+        .zip(messages)
+        .map(|(hit, message)| RecalledTurn {
+            turn: hit.turn,
+            score: hit.score,
+            tokens: message.tokens + LINE_OVERHEAD_TOKENS,
+            line: render_line(&message),
+        })
+        .collect()
+}
+
+/// `[earlier turn #N at 2026-11-22T10:15:00Z] role: text`.
+pub fn render_line(message: &StoredMessage) -> String {
+    let at = OffsetDateTime::from_unix_timestamp(message.at_ms.div_euclid(1000))
+        .ok()
+        .and_then(|t| t.format(&Rfc3339).ok())
+        .unwrap_or_else(|| "unknown time".to_string());
+    let object: Map<String, Value> = serde_json::from_str(message.message.get()).unwrap_or_default();
+    let mut text = match object.get("content") {
+        Some(Value::Array(parts)) => {
+            let mut text = text_of(&object);
+            let images = parts.iter().filter(|p| p.get("type").and_then(Value::as_str) != Some("text")).count();
+            if images > 0 {
+                text.push_str(&format!(" [{images} non-text part(s)]"));
+            }
+            text
+        }
+        _ => match object.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            _ => String::new(),
+        },
+    };
+    if let Some(Value::Array(calls)) = object.get("tool_calls") {
+        for call in calls {
+            let name = call.pointer("/function/name").and_then(Value::as_str).unwrap_or("tool");
+            let args = call.pointer("/function/arguments").and_then(Value::as_str).unwrap_or("");
+            if !text.is_empty() {
+                text.push(' ');
+            }
+            text.push_str(&format!("[called {name}({args})]"));
+        }
+    }
+    let who = match message.role {
+        Role::Tool => {
+            let id = object.get("tool_call_id").and_then(Value::as_str).unwrap_or("?");
+            format!("tool result for {id}")
+        }
+        role => match object.get("name").and_then(Value::as_str) {
+            Some(name) => format!("{} ({name})", role.as_str()),
+            None => role.as_str().to_string(),
+        },
+    };
+    format!("[earlier turn #{} at {at}] {who}: {text}", message.turn)
+}
+
+/// The one system message holding `turns`, in chronological order.
+pub fn render(turns: &[RecalledTurn]) -> Option<Box<RawValue>> {
+    if turns.is_empty() {
+        return None;
+    }
+    let mut ordered: Vec<&RecalledTurn> = turns.iter().collect();
+    ordered.sort_by_key(|t| t.turn);
+    let mut content = format!(
+        "{RECALL_MARKER}: older turns relevant to the current message, oldest first]"
+    );
+    for turn in ordered {
+        content.push('\n');
+        content.push_str(&turn.line);
+    }
+    let message = serde_json::json!({"role": "system", "content": content});
+    RawValue::from_string(message.to_string()).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Origin;
+
+    fn stored(turn: u64, role: Role, message: Value) -> StoredMessage {
+        StoredMessage {
+            turn,
+            role,
+            origin: Origin::Client,
+            at_ms: 1_795_342_500_000,
+            tokens: 5,
+            fingerprint: 0,
+            message: RawValue::from_string(message.to_string()).unwrap(),
+        }
+    }
+
+    #[test]
+    fn lines_are_tagged_and_tools_become_text() {
+        let user = stored(3, Role::User, serde_json::json!({"role": "user", "content": "my account is 99812"}));
+        assert_eq!(render_line(&user), "[earlier turn #3 at 2026-11-22T10:15:00Z] user: my account is 99812");
+        let call = stored(4, Role::Assistant, serde_json::json!({"role": "assistant", "content": null,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"id\":1}"}}]}));
+        assert_eq!(render_line(&call), "[earlier turn #4 at 2026-11-22T10:15:00Z] assistant: [called lookup({\"id\":1})]");
+        let result = stored(5, Role::Tool, serde_json::json!({"role": "tool", "tool_call_id": "c1", "content": "found"}));
+        assert_eq!(render_line(&result), "[earlier turn #5 at 2026-11-22T10:15:00Z] tool result for c1: found");
+    }
+
+    #[test]
+    fn the_message_is_chronological() {
+        let turns = vec![
+            RecalledTurn { turn: 9, score: 3.0, tokens: 1, line: "nine".into() },
+            RecalledTurn { turn: 2, score: 1.0, tokens: 1, line: "two".into() },
+        ];
+        let message: Value = serde_json::from_str(render(&turns).unwrap().get()).unwrap();
+        assert_eq!(message["role"], "system");
+        let content = message["content"].as_str().unwrap();
+        assert!(content.starts_with(RECALL_MARKER));
+        assert!(content.ends_with("\ntwo\nnine"));
+        assert!(render(&[]).is_none());
+    }
+}

@@ -1,0 +1,217 @@
+//! Relevance recall: a BM25 index per conversation over its stored messages, held in a
+//! memory-weighted cache, updated at each commit and rebuilt from the store on a miss.
+//!
+//! The index covers every stored message; a search only considers those before the recent
+//! window (the older pool). This module searches and keeps indexes; choosing the window and
+//! rendering the recalled turns is the pipeline's job.
+
+pub mod index;
+pub mod tokenize;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde_json::{Map, Value};
+
+use self::index::{Hit, Index};
+use self::tokenize::{Lang, TextLanguage, detect, terms};
+use crate::identity::ConversationKey;
+use crate::message::text_of;
+use crate::store::{Conversation, Store, StoreError, StoredMessage};
+
+/// How much text `auto` language detection reads from the start of a conversation.
+const DETECTION_SAMPLE_CHARS: usize = 2000;
+
+/// One conversation's index and what it was built with.
+#[derive(Debug)]
+pub struct ConversationIndex {
+    /// The setting it was built for.
+    setting: TextLanguage,
+    /// The stemming language of Latin text (`None`: no stemming).
+    latin: Option<Lang>,
+    /// The conversation's `next_turn` the index reflects.
+    synced_next_turn: u64,
+    index: Index,
+}
+
+impl ConversationIndex {
+    fn terms(&self, text: &str) -> Vec<String> {
+        terms(text, self.latin)
+    }
+}
+
+/// The indexes of recently used conversations.
+pub struct Recall {
+    cache: moka::sync::Cache<ConversationKey, Arc<Mutex<ConversationIndex>>>,
+}
+
+impl std::fmt::Debug for Recall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recall")
+            .field("cached", &self.cache.entry_count())
+            .finish()
+    }
+}
+
+fn lock(index: &Mutex<ConversationIndex>) -> MutexGuard<'_, ConversationIndex> {
+    index.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The searchable text of a stored message: its content and tool calls, and its `name`.
+pub fn message_text(message: &StoredMessage) -> String {
+    match serde_json::from_str::<Map<String, Value>>(message.message.get()) {
+        Ok(object) => {
+            let mut text = text_of(&object);
+            if let Some(name) = object.get("name").and_then(Value::as_str) {
+                text.push(' ');
+                text.push_str(name);
+            }
+            text
+        }
+        Err(_) => String::new(),
+    }
+}
+
+impl Recall {
+    pub fn new(capacity_bytes: u64) -> Recall {
+        let cache = moka::sync::Cache::builder()
+            .max_capacity(capacity_bytes)
+            .weigher(|_key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
+                let bytes = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
+                u32::try_from(bytes).unwrap_or(u32::MAX)
+            })
+            .build();
+        Recall { cache }
+    }
+
+    /// The `k` stored messages most relevant to `query` among those with a turn below
+    /// `before_turn`, best first. Called with the conversation locked; builds the index from the
+    /// store when it is missing, stale or built for another language.
+    pub fn search(
+        &self,
+        store: &Store,
+        conversation: &Conversation,
+        language: TextLanguage,
+        query: &str,
+        before_turn: u64,
+        k: usize,
+    ) -> Result<Vec<Hit>, StoreError> {
+        let Some(meta) = &conversation.meta else {
+            return Ok(Vec::new());
+        };
+        let handle = match self.cache.get(&conversation.key) {
+            Some(handle) if {
+                let index = lock(&handle);
+                index.synced_next_turn == meta.next_turn && index.setting == language
+            } =>
+            {
+                handle
+            }
+            _ => {
+                let built = Arc::new(Mutex::new(build(store, conversation, language)?));
+                self.cache.insert(conversation.key.clone(), Arc::clone(&built));
+                built
+            }
+        };
+        let mut index = lock(&handle);
+        let query_terms = index.terms(query);
+        Ok(index.index.search(&query_terms, before_turn, k))
+    }
+
+    /// Brings a cached index up to date with a commit, under the conversation's lock:
+    /// `removed` turns were deleted, `added` (turn, text) appended, and the conversation's
+    /// `next_turn` went from `before` to `after`. An index that was not in step is dropped and
+    /// rebuilt on its next search.
+    pub fn apply(
+        &self,
+        key: &ConversationKey,
+        before: Option<u64>,
+        removed: &[u64],
+        added: &[(u64, String)],
+        after: u64,
+    ) {
+        let Some(handle) = self.cache.get(key) else {
+            return;
+        };
+        {
+            let mut index = lock(&handle);
+            if Some(index.synced_next_turn) != before {
+                drop(index);
+                self.cache.invalidate(key);
+                return;
+            }
+            let mut turns: Vec<u64> = index.index.turns().collect();
+            for turn in removed {
+                if turns.last() == Some(turn) {
+                    index.index.pop();
+                    turns.pop();
+                }
+            }
+            let front = turns.iter().take_while(|t| removed.contains(t)).count();
+            index.index.drop_front(front);
+            let leftover = turns[front..].iter().any(|t| removed.contains(t));
+            if leftover {
+                // A removal from the middle: not a shape commits make; rebuild to be safe.
+                drop(index);
+                self.cache.invalidate(key);
+                return;
+            }
+            for (turn, text) in added {
+                let terms = index.terms(text);
+                index.index.push(*turn, terms);
+            }
+            index.synced_next_turn = after;
+        }
+        // Re-insert so the cache weighs the grown index.
+        self.cache.insert(key.clone(), handle);
+    }
+
+    /// Drops a conversation's index.
+    pub fn forget(&self, key: &ConversationKey) {
+        self.cache.invalidate(key);
+    }
+
+    /// Heap bytes of all cached indexes (approximate).
+    pub fn weighted_size(&self) -> u64 {
+        self.cache.run_pending_tasks();
+        self.cache.weighted_size()
+    }
+}
+
+/// Builds a conversation's index from the store.
+fn build(
+    store: &Store,
+    conversation: &Conversation,
+    setting: TextLanguage,
+) -> Result<ConversationIndex, StoreError> {
+    let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
+    let messages = store.messages(conversation, turns)?;
+    let texts: Vec<(u64, String)> = messages
+        .iter()
+        .map(|m| (m.turn, message_text(m)))
+        .collect();
+    let latin = match setting {
+        TextLanguage::Plain => None,
+        TextLanguage::Fixed(lang) => Some(lang),
+        TextLanguage::Auto => {
+            let mut sample = String::new();
+            for (_, text) in &texts {
+                if sample.len() >= DETECTION_SAMPLE_CHARS {
+                    break;
+                }
+                sample.push_str(text);
+                sample.push('\n');
+            }
+            Some(detect(&sample))
+        }
+    };
+    let mut index = Index::new();
+    for (turn, text) in texts {
+        index.push(turn, terms(&text, latin));
+    }
+    Ok(ConversationIndex {
+        setting,
+        latin,
+        synced_next_turn: conversation.meta.as_ref().map_or(1, |m| m.next_turn),
+        index,
+    })
+}
