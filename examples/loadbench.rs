@@ -22,6 +22,8 @@
 //!   one new user message with `X-Memory-Persist: false`, so the conversation stays that size;
 //! - `mem-10-persist`, `mem-1k-persist`, `mem-10k-persist`: the same but stored (each request
 //!   appends 2 messages); each mode gets its own freshly pre-filled conversation;
+//! - `mem-10k-norecall`: `mem-10k` with `X-Memory-Relevance-Enabled: false` (diagnostic: how
+//!   much of the 10k cost is recall);
 //! - `stream-direct`, `stream-passthrough`, `stream-mem-1k`: `"stream": true`; the latency
 //!   columns are the time to the first body chunk; full-stream latency is printed separately.
 //!
@@ -68,7 +70,7 @@ const HIST_MAX_US: u64 = 600_000_000;
 /// Conversations per RSS-growth batch.
 const RSS_BATCH: usize = 1000;
 /// RSS-growth batches.
-const RSS_BATCHES: usize = 2;
+const RSS_BATCHES: usize = 3;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -464,6 +466,67 @@ fn machine_line() -> String {
     )
 }
 
+/// The git commit and uncommitted files of the crate, and whether `src/` changed after this
+/// binary was built (other work in progress would then not be what was measured).
+fn source_state() -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    let head = git(&["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".to_string());
+    let dirty: Vec<String> = git(&[
+        "status",
+        "--porcelain",
+        "--",
+        "src",
+        "Cargo.toml",
+        "Cargo.lock",
+    ])
+    .unwrap_or_default()
+    .lines()
+    .map(|l| l.get(3..).unwrap_or(l).to_string())
+    .collect();
+    fn newest(path: &Path) -> Option<std::time::SystemTime> {
+        let meta = std::fs::metadata(path).ok()?;
+        if !meta.is_dir() {
+            return meta.modified().ok();
+        }
+        std::fs::read_dir(path)
+            .ok()?
+            .flatten()
+            .filter_map(|e| newest(&e.path()))
+            .max()
+    }
+    let built = std::env::current_exe()
+        .ok()
+        .and_then(|exe| std::fs::metadata(exe).ok()?.modified().ok());
+    let freshness = match (newest(&root.join("src")), built) {
+        (Some(src), Some(built)) => match src.duration_since(built) {
+            Ok(newer) if newer > Duration::ZERO => format!(
+                "WARNING: src/ was modified {:.0} s after this binary was built; the results measure the older build",
+                newer.as_secs_f64()
+            ),
+            _ => "binary is newer than every file in src/".to_string(),
+        },
+        _ => "build freshness unknown".to_string(),
+    };
+    format!(
+        "git HEAD {head}; uncommitted: {}; {freshness}",
+        if dirty.is_empty() {
+            "none".to_string()
+        } else {
+            dirty.join(", ")
+        }
+    )
+}
+
 fn dir_size(path: &Path) -> u64 {
     let Ok(entries) = std::fs::read_dir(path) else {
         return 0;
@@ -670,6 +733,273 @@ const WORDS: &[&str] = &[
     "uploaded",
     "portal",
     "yesterday",
+    "kitchen",
+    "renovation",
+    "contractor",
+    "estimate",
+    "cabinets",
+    "countertop",
+    "granite",
+    "tiles",
+    "plumber",
+    "leak",
+    "faucet",
+    "sink",
+    "bathroom",
+    "paint",
+    "color",
+    "neutral",
+    "beige",
+    "living",
+    "room",
+    "sofa",
+    "delivery",
+    "delayed",
+    "warehouse",
+    "shipment",
+    "tracking",
+    "courier",
+    "package",
+    "damaged",
+    "replacement",
+    "warranty",
+    "claim",
+    "receipt",
+    "store",
+    "manager",
+    "phone",
+    "call",
+    "voicemail",
+    "callback",
+    "schedule",
+    "calendar",
+    "reminder",
+    "birthday",
+    "party",
+    "cake",
+    "candles",
+    "balloons",
+    "invitation",
+    "friends",
+    "family",
+    "cousin",
+    "wedding",
+    "venue",
+    "photographer",
+    "catering",
+    "menu",
+    "budget",
+    "guests",
+    "seating",
+    "chart",
+    "music",
+    "playlist",
+    "dance",
+    "speech",
+    "toast",
+    "anniversary",
+    "marathon",
+    "training",
+    "plan",
+    "running",
+    "shoes",
+    "knee",
+    "injury",
+    "physiotherapy",
+    "stretching",
+    "routine",
+    "gym",
+    "membership",
+    "swimming",
+    "cycling",
+    "route",
+    "mountain",
+    "trail",
+    "hiking",
+    "backpack",
+    "tent",
+    "sleeping",
+    "bag",
+    "campfire",
+    "lake",
+    "sunrise",
+    "photos",
+    "camera",
+    "lens",
+    "tripod",
+    "editing",
+    "software",
+    "subscription",
+    "license",
+    "renewal",
+    "laptop",
+    "battery",
+    "charger",
+    "keyboard",
+    "monitor",
+    "resolution",
+    "printer",
+    "cartridge",
+    "office",
+    "supplies",
+    "notebook",
+    "pencil",
+    "stapler",
+    "meeting",
+    "agenda",
+    "minutes",
+    "action",
+    "items",
+    "owner",
+    "quarterly",
+    "report",
+    "revenue",
+    "growth",
+    "margin",
+    "forecast",
+    "hiring",
+    "plan",
+    "interview",
+    "candidate",
+    "resume",
+    "reference",
+    "offer",
+    "salary",
+    "negotiation",
+    "onboarding",
+    "mentor",
+    "feedback",
+    "performance",
+    "review",
+    "promotion",
+    "goals",
+    "roadmap",
+    "milestone",
+    "launch",
+    "feature",
+    "flag",
+    "rollout",
+    "rollback",
+    "incident",
+    "postmortem",
+    "alert",
+    "pager",
+    "oncall",
+    "rotation",
+    "escalation",
+    "runbook",
+    "kubernetes",
+    "cluster",
+    "node",
+    "pod",
+    "container",
+    "image",
+    "registry",
+    "terraform",
+    "module",
+    "variable",
+    "secret",
+    "vault",
+    "certificate",
+    "expiry",
+    "rotation",
+    "domain",
+    "dns",
+    "record",
+    "propagation",
+    "firewall",
+    "rule",
+    "port",
+    "ingress",
+    "gateway",
+    "proxy",
+    "upstream",
+    "downstream",
+    "webhook",
+    "payload",
+    "signature",
+    "verification",
+    "token",
+    "refresh",
+    "session",
+    "cookie",
+    "browser",
+    "extension",
+    "mobile",
+    "app",
+    "release",
+    "store",
+    "review",
+    "rating",
+    "crash",
+    "report",
+    "stack",
+    "trace",
+    "symbol",
+    "memory",
+    "leak",
+    "garbage",
+    "collector",
+    "thread",
+    "pool",
+    "mutex",
+    "deadlock",
+    "race",
+    "condition",
+    "benchmark",
+    "regression",
+    "flamegraph",
+    "compiler",
+    "optimization",
+    "cache",
+    "miss",
+    "branch",
+    "prediction",
+    "vector",
+    "instruction",
+    "allocator",
+    "arena",
+    "fragmentation",
+    "page",
+    "table",
+    "kernel",
+    "scheduler",
+    "grandmother",
+    "soup",
+    "carrots",
+    "celery",
+    "onion",
+    "thyme",
+    "bay",
+    "leaf",
+    "simmer",
+    "hours",
+    "bread",
+    "sourdough",
+    "starter",
+    "flour",
+    "yeast",
+    "knead",
+    "proof",
+    "loaf",
+    "crust",
+    "crumb",
+    "butter",
+    "jam",
+    "strawberries",
+    "blueberries",
+    "yogurt",
+    "granola",
+    "breakfast",
+    "coffee",
+    "espresso",
+    "grinder",
+    "beans",
+    "roast",
+    "tea",
+    "kettle",
+    "mug",
+    "cup",
 ];
 
 /// xorshift64*: a small seeded generator, enough for varied benchmark text.
@@ -744,6 +1074,8 @@ struct Spec {
     uri: Uri,
     conversation: Option<String>,
     persist_false: bool,
+    /// Send `X-Memory-Relevance-Enabled: false` (diagnostic: memory without recall).
+    no_recall: bool,
     stream: bool,
     /// The `X-Memory-Status` every answer must carry (`None`: no such header).
     expect_memory: Option<&'static str>,
@@ -770,6 +1102,9 @@ fn chat_request(spec: &Spec, body: String) -> Result<Request<Full<Bytes>>, Strin
     if spec.persist_false {
         builder = builder.header("x-memory-persist", "false");
     }
+    if spec.no_recall {
+        builder = builder.header("x-memory-relevance-enabled", "false");
+    }
     builder
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| format!("building a request: {e}"))
@@ -793,6 +1128,8 @@ struct Outcome {
     status: u16,
     memory: Option<String>,
     turns: Option<u64>,
+    retrieved: Option<u64>,
+    prompt_tokens: Option<u64>,
     first_byte: Instant,
     done: Instant,
     body: Vec<u8>,
@@ -825,6 +1162,8 @@ async fn send(client: &HttpClient, request: Request<Full<Bytes>>) -> Result<Outc
     };
     let memory = header("x-memory-status");
     let turns = header("x-memory-turns").and_then(|t| t.parse().ok());
+    let retrieved = header("x-memory-retrieved").and_then(|t| t.parse().ok());
+    let prompt_tokens = header("x-memory-prompt-tokens").and_then(|t| t.parse().ok());
     let mut body = response.into_body();
     let mut first_byte = None;
     let mut bytes = Vec::new();
@@ -842,6 +1181,8 @@ async fn send(client: &HttpClient, request: Request<Full<Bytes>>) -> Result<Outc
         status,
         memory,
         turns,
+        retrieved,
+        prompt_tokens,
         first_byte: first_byte.unwrap_or(done),
         done,
         body: bytes,
@@ -872,7 +1213,10 @@ struct Tally {
     completed: u64,
     errors: u64,
     samples: Vec<String>,
+    /// Last `X-Memory-Turns`, `X-Memory-Retrieved`, `X-Memory-Prompt-Tokens` seen.
     turns: Option<u64>,
+    retrieved: Option<u64>,
+    prompt_tokens: Option<u64>,
 }
 
 impl Tally {
@@ -884,6 +1228,8 @@ impl Tally {
             errors: 0,
             samples: Vec::new(),
             turns: None,
+            retrieved: None,
+            prompt_tokens: None,
         }
     }
 
@@ -905,6 +1251,8 @@ impl Tally {
             }
         }
         self.turns = self.turns.max(other.turns);
+        self.retrieved = self.retrieved.max(other.retrieved);
+        self.prompt_tokens = self.prompt_tokens.max(other.prompt_tokens);
     }
 
     /// Checks and records one answer to a request whose latency counts from `origin`.
@@ -924,6 +1272,12 @@ impl Tally {
         };
         if outcome.turns.is_some() {
             self.turns = outcome.turns;
+        }
+        if outcome.retrieved.is_some() {
+            self.retrieved = outcome.retrieved;
+        }
+        if outcome.prompt_tokens.is_some() {
+            self.prompt_tokens = outcome.prompt_tokens;
         }
         if outcome.status != 200 {
             return self.error(format!("HTTP {}: {}", outcome.status, outcome.snippet()));
@@ -1207,6 +1561,8 @@ struct Scenario {
     prefill: usize,
     persist: bool,
     stream: bool,
+    /// Recall on (the default); off sends `X-Memory-Relevance-Enabled: false`.
+    recall: bool,
     baseline: &'static str,
 }
 
@@ -1217,6 +1573,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 0,
         persist: false,
         stream: false,
+        recall: true,
         baseline: "direct",
     },
     Scenario {
@@ -1225,6 +1582,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 0,
         persist: false,
         stream: false,
+        recall: true,
         baseline: "direct",
     },
     Scenario {
@@ -1233,6 +1591,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10,
         persist: false,
         stream: false,
+        recall: true,
         baseline: "direct",
     },
     Scenario {
@@ -1241,6 +1600,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10,
         persist: true,
         stream: false,
+        recall: true,
         baseline: "direct",
     },
     Scenario {
@@ -1249,6 +1609,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 1000,
         persist: false,
         stream: false,
+        recall: true,
         baseline: "direct",
     },
     Scenario {
@@ -1257,6 +1618,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 1000,
         persist: true,
         stream: false,
+        recall: true,
         baseline: "direct",
     },
     Scenario {
@@ -1265,6 +1627,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10_000,
         persist: false,
         stream: false,
+        recall: true,
         baseline: "direct",
     },
     Scenario {
@@ -1273,6 +1636,16 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10_000,
         persist: true,
         stream: false,
+        recall: true,
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-10k-norecall",
+        target: Target::Proxy,
+        prefill: 10_000,
+        persist: false,
+        stream: false,
+        recall: false,
         baseline: "direct",
     },
     Scenario {
@@ -1281,6 +1654,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 0,
         persist: false,
         stream: true,
+        recall: true,
         baseline: "stream-direct",
     },
     Scenario {
@@ -1289,6 +1663,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 0,
         persist: false,
         stream: true,
+        recall: true,
         baseline: "stream-direct",
     },
     Scenario {
@@ -1297,6 +1672,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 1000,
         persist: false,
         stream: true,
+        recall: true,
         baseline: "stream-direct",
     },
 ];
@@ -1326,6 +1702,7 @@ async fn prefill(ctx: &Ctx, conversation: &str, messages: usize) -> Result<Prefi
         uri: ctx.proxy_url.clone(),
         conversation: Some(conversation.to_string()),
         persist_false: false,
+        no_recall: false,
         stream: false,
         expect_memory: Some("stored"),
     };
@@ -1461,6 +1838,7 @@ async fn bench(args: Args) -> Result<(), String> {
     println!("memproxy load benchmark");
     println!("machine: {machine}");
     println!("command: {command}");
+    println!("source: {}", source_state());
     println!(
         "runs: {} s measured + {} s warm-up each; modes {}; open-loop rate {} req/s (max {} in flight); loopback only",
         measure_s,
@@ -1534,6 +1912,39 @@ async fn bench(args: Args) -> Result<(), String> {
         clk_tck: clock_ticks_per_second(),
     });
 
+    // RSS growth per 1,000 newly cached conversations (each stores one exchange), measured
+    // first, on a young heap: later, memory freed by the big scenarios is reused and hides it.
+    // One warm-up conversation first: the first request loads the tokenizers.
+    let warm_errors = new_conversations(&ctx, "warm", 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let proxy_warm_kb = status_kb(proxy.pid, "VmRSS");
+    println!(
+        "memproxy RSS after its first request (tokenizers loaded): {} MiB{}",
+        mib(proxy_warm_kb),
+        if warm_errors > 0 {
+            " (that request FAILED)"
+        } else {
+            ""
+        }
+    );
+    let mut growth: Vec<(u64, u64, u64, Duration)> = Vec::new();
+    for batch in 0..RSS_BATCHES {
+        let before = status_kb(proxy.pid, "VmRSS").unwrap_or(0);
+        let started = Instant::now();
+        let errors = new_conversations(&ctx, &batch.to_string(), RSS_BATCH).await;
+        let took = started.elapsed();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let after = status_kb(proxy.pid, "VmRSS").unwrap_or(0);
+        println!(
+            "  +{RSS_BATCH} new conversations ({:.1} s, {errors} errors): RSS {} -> {} MiB",
+            took.as_secs_f64(),
+            mib(Some(before)),
+            mib(Some(after))
+        );
+        growth.push((before, after, errors, took));
+        proxy.check_alive()?;
+    }
+
     let mut prefills: Vec<Prefill> = Vec::new();
     let mut prefilled: BTreeSet<String> = BTreeSet::new();
     let mut results: Vec<RunResult> = Vec::new();
@@ -1567,6 +1978,7 @@ async fn bench(args: Args) -> Result<(), String> {
                 },
                 conversation: conversation.clone(),
                 persist_false: conversation.is_some() && !scenario.persist,
+                no_recall: !scenario.recall,
                 stream: scenario.stream,
                 expect_memory: match (&conversation, scenario.persist) {
                     (None, _) => None,
@@ -1593,13 +2005,21 @@ async fn bench(args: Args) -> Result<(), String> {
             };
             let t = &result.output.tally;
             println!(
-                "  {:<19} {:<9} {:>9.0} req/s  p50 {:>7} µs  p99 {:>8} µs  errors {}{}",
+                "  {:<19} {:<9} {:>9.0} req/s  p50 {:>7} µs  p99 {:>8} µs  errors {}{}{}",
                 result.scenario,
                 mode.label(),
                 throughput,
                 fmt_us(quantile(&t.latency, 0.5)),
                 fmt_us(quantile(&t.latency, 0.99)),
                 t.errors,
+                match (t.retrieved, t.prompt_tokens) {
+                    (None, None) => String::new(),
+                    (r, p) => format!(
+                        "; X-Memory-Retrieved {}, X-Memory-Prompt-Tokens {}",
+                        fmt_us(r),
+                        fmt_us(p)
+                    ),
+                },
                 if t.samples.is_empty() {
                     String::new()
                 } else {
@@ -1613,19 +2033,6 @@ async fn bench(args: Args) -> Result<(), String> {
         }
     }
 
-    // RSS growth per 1,000 newly cached conversations (each stores one exchange).
-    let mut growth: Vec<(u64, u64, u64, Duration)> = Vec::new();
-    for batch in 0..RSS_BATCHES {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let before = status_kb(proxy.pid, "VmRSS").unwrap_or(0);
-        let started = Instant::now();
-        let errors = new_conversations(&ctx, batch, RSS_BATCH).await;
-        let took = started.elapsed();
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let after = status_kb(proxy.pid, "VmRSS").unwrap_or(0);
-        growth.push((before, after, errors, took));
-        proxy.check_alive()?;
-    }
     let final_rss = status_kb(proxy.pid, "VmRSS");
     let final_hwm = status_kb(proxy.pid, "VmHWM");
     let store_bytes = dir_size(&data_dir);
@@ -1639,7 +2046,11 @@ async fn bench(args: Args) -> Result<(), String> {
     print_report(&results, measure_s);
     println!();
     println!("memproxy memory:");
-    println!("  idle RSS right after start: {} MiB", mib(proxy_idle_kb));
+    println!(
+        "  idle RSS right after start: {} MiB; after its first request: {} MiB",
+        mib(proxy_idle_kb),
+        mib(proxy_warm_kb)
+    );
     for p in &prefills {
         println!(
             "  after pre-filling {:<26} ({:>6} messages, {:>5.0} ms): RSS {} MiB",
@@ -1651,7 +2062,7 @@ async fn bench(args: Args) -> Result<(), String> {
     }
     for (i, (before, after, errors, took)) in growth.iter().enumerate() {
         println!(
-            "  +{RSS_BATCH} new conversations (batch {}, {:.1} s, {errors} errors): RSS {} -> {} MiB, growth {:+.2} MiB per 1,000 conversations ({:+.0} bytes each)",
+            "  +{RSS_BATCH} new conversations (batch {}, before the scenarios, {:.1} s, {errors} errors): RSS {} -> {} MiB, growth {:+.2} MiB per 1,000 conversations ({:+.0} bytes each)",
             i + 1,
             took.as_secs_f64(),
             mib(Some(*before)),
@@ -1695,6 +2106,7 @@ async fn bench(args: Args) -> Result<(), String> {
             "wall_seconds": wall_s,
             "memproxy_config": config_text,
             "proxy_idle_rss_kb": proxy_idle_kb,
+            "proxy_rss_after_first_request_kb": proxy_warm_kb,
             "mock_idle_rss_kb": mock_idle_kb,
             "proxy_final_rss_kb": final_rss,
             "proxy_peak_rss_kb": final_hwm,
@@ -1718,7 +2130,7 @@ async fn bench(args: Args) -> Result<(), String> {
 }
 
 /// Sends one request each to `count` new conversations (8 at a time); returns the error count.
-async fn new_conversations(ctx: &Arc<Ctx>, batch: usize, count: usize) -> u64 {
+async fn new_conversations(ctx: &Arc<Ctx>, batch: &str, count: usize) -> u64 {
     let next = Arc::new(AtomicUsize::new(0));
     let window = Window {
         measure_start: Instant::now(),
@@ -1726,7 +2138,7 @@ async fn new_conversations(ctx: &Arc<Ctx>, batch: usize, count: usize) -> u64 {
     };
     let tasks: Vec<_> = (0..8)
         .map(|_| {
-            let (ctx, next) = (Arc::clone(ctx), Arc::clone(&next));
+            let (ctx, next, batch) = (Arc::clone(ctx), Arc::clone(&next), batch.to_string());
             tokio::spawn(async move {
                 let mut tally = Tally::new();
                 loop {
@@ -1738,6 +2150,7 @@ async fn new_conversations(ctx: &Arc<Ctx>, batch: usize, count: usize) -> u64 {
                         uri: ctx.proxy_url.clone(),
                         conversation: Some(format!("rss-{batch}-{i}")),
                         persist_false: false,
+                        no_recall: false,
                         stream: false,
                         expect_memory: Some("stored"),
                     };
@@ -1822,6 +2235,8 @@ fn result_json(r: &RunResult, all: &[RunResult]) -> Value {
         "proxy_peak_rss_kb": r.proxy_hwm_kb,
         "mock_rss_kb": r.mock_rss_kb,
         "conversation_messages_at_end": t.turns,
+        "x_memory_retrieved": t.retrieved,
+        "x_memory_prompt_tokens": t.prompt_tokens,
         "open_loop_send_lag_us": r.output.lag.as_ref().map(q),
     })
 }
