@@ -264,7 +264,10 @@ impl MemorySettings {
             ),
             ("compression_async", self.compression_async.to_string()),
             ("max_context_tokens", opt(&self.max_context_tokens)),
-            ("relevance_language", self.relevance_language.name().to_string()),
+            (
+                "relevance_language",
+                self.relevance_language.name().to_string(),
+            ),
         ]
     }
 }

@@ -92,6 +92,9 @@ mod tests {
         assert_eq!(keep_last_tokens(None, "short", 10), "short");
         let chinese = keep_last_tokens(None, "我的猫叫小白我的狗叫大黄", 4);
         assert!("我的猫叫小白我的狗叫大黄".ends_with(&chinese) && !chinese.is_empty());
-        assert_eq!(count_cached(None, 7, "hello world"), count_message(None, "hello world"));
+        assert_eq!(
+            count_cached(None, 7, "hello world"),
+            count_message(None, "hello world")
+        );
     }
 }

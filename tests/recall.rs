@@ -30,7 +30,13 @@ fn filler(i: usize) -> String {
 fn recalled_message(mock: &MockUpstream) -> Option<String> {
     mock.last_messages()
         .iter()
-        .find(|m| m["role"] == "system" && m["content"].as_str().unwrap_or("").starts_with("[Earlier in this conversation"))
+        .find(|m| {
+            m["role"] == "system"
+                && m["content"]
+                    .as_str()
+                    .unwrap_or("")
+                    .starts_with("[Earlier in this conversation")
+        })
         .map(|m| m["content"].as_str().unwrap().to_string())
 }
 
@@ -48,28 +54,55 @@ async fn the_turn_3_fact_comes_back_at_turn_30() {
     let proxy = Proxy::start(&mock, dir.path(), "").await;
 
     chat(&proxy, "fact", &body(&[user("Hello there")]), &[]).await;
-    chat(&proxy, "fact", &body(&[user("My savings account number is 4471-9920, keep it handy")]), &[]).await;
+    chat(
+        &proxy,
+        "fact",
+        &body(&[user(
+            "My savings account number is 4471-9920, keep it handy",
+        )]),
+        &[],
+    )
+    .await;
     for i in 0..13 {
         chat(&proxy, "fact", &body(&[user(&filler(i))]), &[]).await;
     }
-    let request = body(&[json!({"role": "system", "content": "You are a bank assistant."}), user("Which savings account number did I give you?")]);
+    let request = body(&[
+        json!({"role": "system", "content": "You are a bank assistant."}),
+        user("Which savings account number did I give you?"),
+    ]);
     let answer = chat(&proxy, "fact", &request, &[]).await;
     assert_eq!(answer.header("x-memory-retrieved"), "5");
-    let turns: Vec<u64> = answer.header("x-memory-retrieved-turns").split(',').map(|t| t.parse().unwrap()).collect();
+    let turns: Vec<u64> = answer
+        .header("x-memory-retrieved-turns")
+        .split(',')
+        .map(|t| t.parse().unwrap())
+        .collect();
     assert!(turns.contains(&3), "{turns:?}");
     assert!(turns.windows(2).all(|w| w[0] < w[1]));
 
     let forwarded = mock.last_messages();
     // Client system message · recalled turns · window · new message.
-    assert_eq!(role_content(&forwarded[0]), "system:You are a bank assistant.");
+    assert_eq!(
+        role_content(&forwarded[0]),
+        "system:You are a bank assistant."
+    );
     let recalled = forwarded[1]["content"].as_str().unwrap();
     assert!(recalled.starts_with("[Earlier in this conversation"));
     let lines: Vec<&str> = recalled.lines().skip(1).collect();
     assert_eq!(lines.len(), 5);
-    assert!(lines.iter().any(|l| l.starts_with("[earlier turn #3 at ") && l.contains("] user: My savings account number is 4471-9920")), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l.starts_with("[earlier turn #3 at ")
+            && l.contains("] user: My savings account number is 4471-9920")),
+        "{lines:?}"
+    );
     let mut previous = 0;
     for line in &lines {
-        let n: u64 = line["[earlier turn #".len()..].split(' ').next().unwrap().parse().unwrap();
+        let n: u64 = line["[earlier turn #".len()..]
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
         assert!(n > previous, "chronological: {lines:?}");
         previous = n;
         assert!(line.contains("T") && line.contains("Z] "), "{line}");
@@ -78,13 +111,28 @@ async fn the_turn_3_fact_comes_back_at_turn_30() {
     // Nothing recalled is also in the window.
     for window_message in &forwarded[2..12] {
         let text = window_message["content"].as_str().unwrap();
-        assert!(!lines.iter().any(|l| l.ends_with(&format!(": {text}"))), "{text} repeated");
+        assert!(
+            !lines.iter().any(|l| l.ends_with(&format!(": {text}"))),
+            "{text} repeated"
+        );
     }
 
     // Relevance off: no recalled message; top-k bounds the count.
-    chat(&proxy, "fact", &request, &[("x-memory-relevance-enabled", "false")]).await;
+    chat(
+        &proxy,
+        "fact",
+        &request,
+        &[("x-memory-relevance-enabled", "false")],
+    )
+    .await;
     assert!(recalled_message(&mock).is_none());
-    let answer = chat(&proxy, "fact", &request, &[("x-memory-relevance-top-k", "2")]).await;
+    let answer = chat(
+        &proxy,
+        "fact",
+        &request,
+        &[("x-memory-relevance-top-k", "2")],
+    )
+    .await;
     assert_eq!(answer.header("x-memory-retrieved"), "2");
 }
 
@@ -95,14 +143,18 @@ async fn tool_turns_come_back_as_text() {
     let proxy = Proxy::start(&mock, dir.path(), "").await;
 
     let mut history = vec![user("Look up the order status for order 88123")];
-    mock.push(Reply::ToolCalls(vec![("call_9".into(), "order_status".into(), r#"{"order":"88123"}"#.into())]));
+    mock.push(Reply::ToolCalls(vec![(
+        "call_9".into(),
+        "order_status".into(),
+        r#"{"order":"88123"}"#.into(),
+    )]));
     let answer = chat(&proxy, "tools", &body(&history), &[]).await;
     history.push(reply_message(&answer));
     history.push(json!({"role": "tool", "tool_call_id": "call_9", "content": "order 88123 shipped via courier"}));
     let answer = chat(&proxy, "tools", &body(&history), &[]).await;
     history.push(reply_message(&answer));
-    for i in 0..8 {
-        history.push(user(FILLER[i]));
+    for text in FILLER {
+        history.push(user(text));
         let answer = chat(&proxy, "tools", &body(&history), &[]).await;
         history.push(reply_message(&answer));
     }
@@ -110,10 +162,19 @@ async fn tool_turns_come_back_as_text() {
     chat(&proxy, "tools", &body(&history), &[]).await;
     let forwarded = mock.last_messages();
     check_tool_sequence(&forwarded).unwrap();
-    assert!(!forwarded.iter().any(|m| m["role"] == "tool"), "no raw tool messages outside the window");
+    assert!(
+        !forwarded.iter().any(|m| m["role"] == "tool"),
+        "no raw tool messages outside the window"
+    );
     let recalled = recalled_message(&mock).unwrap();
-    assert!(recalled.contains(r#"assistant: [called order_status({"order":"88123"})]"#), "{recalled}");
-    assert!(recalled.contains("tool result for call_9: order 88123 shipped via courier"), "{recalled}");
+    assert!(
+        recalled.contains(r#"assistant: [called order_status({"order":"88123"})]"#),
+        "{recalled}"
+    );
+    assert!(
+        recalled.contains("tool result for call_9: order 88123 shipped via courier"),
+        "{recalled}"
+    );
 }
 
 #[tokio::test]
@@ -135,7 +196,16 @@ async fn chinese_and_russian_conversations_find_their_turns() {
     for text in chinese {
         chat(&proxy, "zh", &body(&[user(text)]), &[]).await;
     }
-    chat(&proxy, "zh", &body(&[user("我的猫叫什么名字？")]), &[("x-memory-recent-n", "2"), ("x-memory-relevance-top-k", "1")]).await;
+    chat(
+        &proxy,
+        "zh",
+        &body(&[user("我的猫叫什么名字？")]),
+        &[
+            ("x-memory-recent-n", "2"),
+            ("x-memory-relevance-top-k", "1"),
+        ],
+    )
+    .await;
     let recalled = recalled_message(&mock).unwrap();
     assert!(recalled.contains("我的猫叫小白"), "{recalled}");
 
@@ -153,10 +223,28 @@ async fn chinese_and_russian_conversations_find_their_turns() {
         chat(&proxy, "ru", &body(&[user(text)]), &[]).await;
     }
     // Different word forms: "городе" / "город", "вырос" is not repeated.
-    chat(&proxy, "ru", &body(&[user("В каком городе я вырос?")]), &[("x-memory-recent-n", "2"), ("x-memory-relevance-top-k", "1")]).await;
+    chat(
+        &proxy,
+        "ru",
+        &body(&[user("В каком городе я вырос?")]),
+        &[
+            ("x-memory-recent-n", "2"),
+            ("x-memory-relevance-top-k", "1"),
+        ],
+    )
+    .await;
     let recalled = recalled_message(&mock).unwrap();
     assert!(recalled.contains("Новосибирск"), "{recalled}");
-    chat(&proxy, "ru", &body(&[user("Кем работает сестра?")]), &[("x-memory-recent-n", "2"), ("x-memory-relevance-top-k", "1")]).await;
+    chat(
+        &proxy,
+        "ru",
+        &body(&[user("Кем работает сестра?")]),
+        &[
+            ("x-memory-recent-n", "2"),
+            ("x-memory-relevance-top-k", "1"),
+        ],
+    )
+    .await;
     assert!(recalled_message(&mock).unwrap().contains("врачом"));
 }
 
@@ -168,41 +256,100 @@ async fn the_budget_drops_recalled_then_rounds_then_truncates() {
     fill(&proxy, "b", "My locker code is 5521", 12).await;
     let question = body(&[user("What is my locker code?")]);
 
-    let roomy = chat(&proxy, "b", &question, &[("x-memory-max-context-tokens", "100000")]).await;
+    let roomy = chat(
+        &proxy,
+        "b",
+        &question,
+        &[("x-memory-max-context-tokens", "100000")],
+    )
+    .await;
     assert_eq!(roomy.header("x-memory-budget"), "fits");
     let full_tokens: u64 = roomy.header("x-memory-prompt-tokens").parse().unwrap();
     let full_len = mock.last_messages().len();
 
     // A budget a little under the full prompt: recalled turns go first.
     let budget = (full_tokens - 30).to_string();
-    let answer = chat(&proxy, "b", &question, &[("x-memory-max-context-tokens", &budget)]).await;
+    let answer = chat(
+        &proxy,
+        "b",
+        &question,
+        &[("x-memory-max-context-tokens", &budget)],
+    )
+    .await;
     assert_eq!(answer.header("x-memory-budget"), "trimmed");
     let retrieved: usize = answer.header("x-memory-retrieved").parse().unwrap();
     assert!(retrieved < 5 && retrieved > 0, "{retrieved}");
     assert_eq!(mock.last_messages().len(), full_len, "window intact");
-    assert!(answer.header("x-memory-prompt-tokens").parse::<u64>().unwrap() <= full_tokens - 30);
+    assert!(
+        answer
+            .header("x-memory-prompt-tokens")
+            .parse::<u64>()
+            .unwrap()
+            <= full_tokens - 30
+    );
 
     // Tighter: no recalled turns, the oldest rounds go.
-    let answer = chat(&proxy, "b", &question, &[("x-memory-max-context-tokens", "120")]).await;
+    let answer = chat(
+        &proxy,
+        "b",
+        &question,
+        &[("x-memory-max-context-tokens", "120")],
+    )
+    .await;
     assert_eq!(answer.header("x-memory-retrieved"), "0");
     let forwarded = mock.last_messages();
     assert!(forwarded.len() < full_len - 1);
-    assert_eq!(forwarded[0]["role"], "user", "the window still starts a round");
-    assert_eq!(role_content(forwarded.last().unwrap()), "user:What is my locker code?");
+    assert_eq!(
+        forwarded[0]["role"], "user",
+        "the window still starts a round"
+    );
+    assert_eq!(
+        role_content(forwarded.last().unwrap()),
+        "user:What is my locker code?"
+    );
 
     // A huge last message: its end is kept behind the notice.
     let long: String = (0..600).map(|i| format!("item{i} ")).collect();
     chat(&proxy, "long", &body(&[user(&long)]), &[]).await;
-    let answer = chat(&proxy, "long", &body(&[user("and?")]), &[("x-memory-max-context-tokens", "200"), ("x-memory-recent-n", "1")]).await;
+    let answer = chat(
+        &proxy,
+        "long",
+        &body(&[user("and?")]),
+        &[
+            ("x-memory-max-context-tokens", "200"),
+            ("x-memory-recent-n", "1"),
+        ],
+    )
+    .await;
     assert_eq!(answer.header("x-memory-budget"), "trimmed");
     let forwarded = mock.last_messages();
-    let cut = forwarded.iter().find(|m| m["content"].as_str().unwrap_or("").starts_with(TRUNCATION_NOTICE)).unwrap();
+    let cut = forwarded
+        .iter()
+        .find(|m| {
+            m["content"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(TRUNCATION_NOTICE)
+        })
+        .unwrap();
     assert!(cut["content"].as_str().unwrap().ends_with("item599 "));
 
     // The client's own messages are never cut, even over budget.
-    let answer = chat(&proxy, "long", &body(&[user(&long)]), &[("x-memory-max-context-tokens", "50"), ("x-memory-persist", "false")]).await;
+    let answer = chat(
+        &proxy,
+        "long",
+        &body(&[user(&long)]),
+        &[
+            ("x-memory-max-context-tokens", "50"),
+            ("x-memory-persist", "false"),
+        ],
+    )
+    .await;
     assert_eq!(answer.header("x-memory-budget"), "exceeded");
-    assert_eq!(mock.last_messages().last().unwrap()["content"], Value::String(long));
+    assert_eq!(
+        mock.last_messages().last().unwrap()["content"],
+        Value::String(long)
+    );
 }
 
 #[tokio::test]
@@ -215,7 +362,13 @@ async fn a_restart_rebuilds_the_index() {
         proxy.stop().await;
     }
     let proxy = Proxy::start(&mock, dir.path(), "").await;
-    chat(&proxy, "r", &body(&[user("what was the wifi password?")]), &[]).await;
+    chat(
+        &proxy,
+        "r",
+        &body(&[user("what was the wifi password?")]),
+        &[],
+    )
+    .await;
     assert!(recalled_message(&mock).unwrap().contains("purple-otter-17"));
 }
 
@@ -231,16 +384,44 @@ async fn an_echoed_injected_message_is_not_stored_or_repeated() {
 
     // A client that sends back exactly what was forwarded, plus a new message.
     let mut echoed = forwarded.clone();
-    echoed.push(reply_message(&chat(&proxy, "echo", &body(&[user("noop")]), &[("x-memory-persist", "false")]).await));
+    echoed.push(reply_message(
+        &chat(
+            &proxy,
+            "echo",
+            &body(&[user("noop")]),
+            &[("x-memory-persist", "false")],
+        )
+        .await,
+    ));
     echoed.push(user("thanks, and the gate code again?"));
-    chat(&proxy, "echo", &json!({"model": "m", "messages": echoed}), &[]).await;
+    chat(
+        &proxy,
+        "echo",
+        &json!({"model": "m", "messages": echoed}),
+        &[],
+    )
+    .await;
     let recalled_count = mock
         .last_messages()
         .iter()
-        .filter(|m| m["content"].as_str().unwrap_or("").starts_with("[Earlier in this conversation"))
+        .filter(|m| {
+            m["content"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with("[Earlier in this conversation")
+        })
         .count();
     assert_eq!(recalled_count, 1);
     let stored = summarize(&proxy.stored(Some(TOKEN), "echo"));
-    assert!(stored.len() <= stored_before + 3, "{} → {}", stored_before, stored.len());
-    assert!(!stored.iter().any(|m| m.contains("[Earlier in this conversation")));
+    assert!(
+        stored.len() <= stored_before + 3,
+        "{} → {}",
+        stored_before,
+        stored.len()
+    );
+    assert!(
+        !stored
+            .iter()
+            .any(|m| m.contains("[Earlier in this conversation"))
+    );
 }

@@ -14,7 +14,8 @@ use crate::store::StoredMessage;
 use crate::tokens::{self, MESSAGE_OVERHEAD_TOKENS};
 
 /// Put in front of a message whose beginning was cut.
-pub const TRUNCATION_NOTICE: &str = "Notice: Chat history truncated due to maximum context window. ";
+pub const TRUNCATION_NOTICE: &str =
+    "Notice: Chat history truncated due to maximum context window. ";
 
 /// What fitting the budget did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -32,7 +33,8 @@ fn recalled_cost(recalled: &[RecalledTurn]) -> u64 {
     if recalled.is_empty() {
         0
     } else {
-        u64::from(MESSAGE_OVERHEAD_TOKENS) + recalled.iter().map(|r| u64::from(r.tokens)).sum::<u64>()
+        u64::from(MESSAGE_OVERHEAD_TOKENS)
+            + recalled.iter().map(|r| u64::from(r.tokens)).sum::<u64>()
     }
 }
 
@@ -129,7 +131,10 @@ mod tests {
             at_ms: 0,
             tokens,
             fingerprint: 0,
-            message: RawValue::from_string(json!({"role": role.as_str(), "content": text}).to_string()).unwrap(),
+            message: RawValue::from_string(
+                json!({"role": role.as_str(), "content": text}).to_string(),
+            )
+            .unwrap(),
         }
     }
 
@@ -137,7 +142,12 @@ mod tests {
         scores
             .iter()
             .enumerate()
-            .map(|(i, s)| RecalledTurn { turn: i as u64, score: *s, tokens: 10, line: String::new() })
+            .map(|(i, s)| RecalledTurn {
+                turn: i as u64,
+                score: *s,
+                tokens: 10,
+                line: String::new(),
+            })
             .collect()
     }
 
@@ -155,7 +165,11 @@ mod tests {
         let mut r = recalled(&[3.0, 2.0, 1.0]);
         let mut w = window();
         let fitted = fit(budget, 20, &mut r, &mut w, None);
-        assert_eq!((r.len(), w.len(), fitted.truncated, fitted.exceeded), expected, "budget {budget}");
+        assert_eq!(
+            (r.len(), w.len(), fitted.truncated, fitted.exceeded),
+            expected,
+            "budget {budget}"
+        );
         assert!(r.windows(2).all(|p| p[0].score >= p[1].score));
     }
 
@@ -177,7 +191,10 @@ mod tests {
 
     #[test]
     fn the_newest_message_keeps_its_end_behind_the_notice() {
-        let long = (0..400).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+        let long = (0..400)
+            .map(|i| format!("w{i}"))
+            .collect::<Vec<_>>()
+            .join(" ");
         let tokens = tokens::count_message(None, &long);
         let mut w = vec![msg(Role::User, &long, tokens)];
         let mut r = Vec::new();
@@ -197,10 +214,18 @@ mod tests {
             ..msg(Role::Assistant, "", 10)
         };
         let result = StoredMessage {
-            message: RawValue::from_string(json!({"role": "tool", "tool_call_id": "c", "content": "r"}).to_string()).unwrap(),
+            message: RawValue::from_string(
+                json!({"role": "tool", "tool_call_id": "c", "content": "r"}).to_string(),
+            )
+            .unwrap(),
             ..msg(Role::Tool, "r", 10)
         };
-        let mut w = vec![msg(Role::User, "u", 10), call, result, msg(Role::Assistant, "done", 10)];
+        let mut w = vec![
+            msg(Role::User, "u", 10),
+            call,
+            result,
+            msg(Role::Assistant, "done", 10),
+        ];
         let fitted = fit(25, 0, &mut Vec::new(), &mut w, None);
         assert_eq!(w.len(), 1, "{fitted:?}");
         assert_eq!(w[0].role, Role::Assistant);

@@ -44,7 +44,11 @@ pub struct Exchange {
 impl Exchange {
     /// Stores the new messages and `reply`, then waits for durability. Returns the number of
     /// messages the conversation holds afterwards.
-    pub async fn commit(&self, state: &AppState, reply: Box<RawValue>) -> Result<usize, StoreError> {
+    pub async fn commit(
+        &self,
+        state: &AppState,
+        reply: Box<RawValue>,
+    ) -> Result<usize, StoreError> {
         let store = &state.store;
         let model = self.model.as_deref();
         let reply = Message::parse(reply, "reply")
@@ -86,7 +90,9 @@ impl Exchange {
                             .zip(added_texts)
                             .collect();
                         let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
-                        state.recall.apply(&self.key, current, &removed, &added, after);
+                        state
+                            .recall
+                            .apply(&self.key, current, &removed, &added, after);
                         break conversation.entries.len();
                     }
                     Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {

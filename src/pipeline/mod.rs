@@ -213,7 +213,10 @@ pub async fn chat(
 /// The headers that describe a plan: what was recalled, the prompt's size, the budget.
 fn headers_of(plan: &Plan) -> HeaderMap {
     let mut headers = HeaderMap::new();
-    headers.insert(RETRIEVED_HEADER, HeaderValue::from(plan.recalled_turns.len()));
+    headers.insert(
+        RETRIEVED_HEADER,
+        HeaderValue::from(plan.recalled_turns.len()),
+    );
     let turns: Vec<String> = plan.recalled_turns.iter().map(u64::to_string).collect();
     if let Ok(value) = HeaderValue::from_str(&turns.join(",")) {
         headers.insert(RETRIEVED_TURNS_HEADER, value);

@@ -61,14 +61,20 @@ pub fn plan(
         .filter(|(_, m)| !m.role.is_instruction())
         .map(|(i, _)| i)
         .collect();
-    let marks: Vec<Mark> = turn_index.iter().map(|&i| Mark::from(&messages[i])).collect();
+    let marks: Vec<Mark> = turn_index
+        .iter()
+        .map(|&i| Mark::from(&messages[i]))
+        .collect();
     let alignment = align(entries, last_is_reply(entries), &marks);
     let from = alignment.from().min(marks.len());
     let history = match alignment {
         Alignment::ReplaceLastReply { .. } => &entries[..entries.len() - 1],
         Alignment::Append { .. } => &entries[..],
     };
-    let new_turns: Vec<Message> = turn_index[from..].iter().map(|&i| messages[i].clone()).collect();
+    let new_turns: Vec<Message> = turn_index[from..]
+        .iter()
+        .map(|&i| messages[i].clone())
+        .collect();
     let new_tokens: Vec<u32> = new_turns
         .iter()
         .map(|m| tokens::count_message(model_name, &m.text()))
@@ -84,8 +90,8 @@ pub fn plan(
     let mut recalled: Vec<RecalledTurn> = Vec::new();
     if settings.relevance_enabled && settings.relevance_top_k > 0 && start > 0 {
         let query = query_text(&new_turns, &window);
-        let before_turn = history[start.min(history.len() - 1)].turn
-            + u64::from(start == history.len());
+        let before_turn =
+            history[start.min(history.len() - 1)].turn + u64::from(start == history.len());
         let hits = state.recall.search(
             store,
             &conversation,
@@ -106,10 +112,14 @@ pub fn plan(
         .enumerate()
         .filter(|(i, m)| *i >= first_new || m.role.is_instruction())
         .map(|(_, m)| {
-            let counted = (!m.role.is_instruction()).then(|| new_iter.next()).flatten();
-            u64::from(counted.copied().unwrap_or_else(|| {
-                tokens::count_cached(model_name, m.fingerprint, &m.text())
-            }))
+            let counted = (!m.role.is_instruction())
+                .then(|| new_iter.next())
+                .flatten();
+            u64::from(
+                counted
+                    .copied()
+                    .unwrap_or_else(|| tokens::count_cached(model_name, m.fingerprint, &m.text())),
+            )
         })
         .sum();
     let fitted = settings

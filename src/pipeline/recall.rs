@@ -49,11 +49,15 @@ pub fn render_line(message: &StoredMessage) -> String {
         .ok()
         .and_then(|t| t.format(&Rfc3339).ok())
         .unwrap_or_else(|| "unknown time".to_string());
-    let object: Map<String, Value> = serde_json::from_str(message.message.get()).unwrap_or_default();
+    let object: Map<String, Value> =
+        serde_json::from_str(message.message.get()).unwrap_or_default();
     let mut text = match object.get("content") {
         Some(Value::Array(parts)) => {
             let mut text = text_of(&object);
-            let images = parts.iter().filter(|p| p.get("type").and_then(Value::as_str) != Some("text")).count();
+            let images = parts
+                .iter()
+                .filter(|p| p.get("type").and_then(Value::as_str) != Some("text"))
+                .count();
             if images > 0 {
                 text.push_str(&format!(" [{images} non-text part(s)]"));
             }
@@ -66,8 +70,14 @@ pub fn render_line(message: &StoredMessage) -> String {
     };
     if let Some(Value::Array(calls)) = object.get("tool_calls") {
         for call in calls {
-            let name = call.pointer("/function/name").and_then(Value::as_str).unwrap_or("tool");
-            let args = call.pointer("/function/arguments").and_then(Value::as_str).unwrap_or("");
+            let name = call
+                .pointer("/function/name")
+                .and_then(Value::as_str)
+                .unwrap_or("tool");
+            let args = call
+                .pointer("/function/arguments")
+                .and_then(Value::as_str)
+                .unwrap_or("");
             if !text.is_empty() {
                 text.push(' ');
             }
@@ -76,7 +86,10 @@ pub fn render_line(message: &StoredMessage) -> String {
     }
     let who = match message.role {
         Role::Tool => {
-            let id = object.get("tool_call_id").and_then(Value::as_str).unwrap_or("?");
+            let id = object
+                .get("tool_call_id")
+                .and_then(Value::as_str)
+                .unwrap_or("?");
             format!("tool result for {id}")
         }
         role => match object.get("name").and_then(Value::as_str) {
@@ -94,9 +107,8 @@ pub fn render(turns: &[RecalledTurn]) -> Option<Box<RawValue>> {
     }
     let mut ordered: Vec<&RecalledTurn> = turns.iter().collect();
     ordered.sort_by_key(|t| t.turn);
-    let mut content = format!(
-        "{RECALL_MARKER}: older turns relevant to the current message, oldest first]"
-    );
+    let mut content =
+        format!("{RECALL_MARKER}: older turns relevant to the current message, oldest first]");
     for turn in ordered {
         content.push('\n');
         content.push_str(&turn.line);
@@ -124,20 +136,51 @@ mod tests {
 
     #[test]
     fn lines_are_tagged_and_tools_become_text() {
-        let user = stored(3, Role::User, serde_json::json!({"role": "user", "content": "my account is 99812"}));
-        assert_eq!(render_line(&user), "[earlier turn #3 at 2026-11-22T10:15:00Z] user: my account is 99812");
-        let call = stored(4, Role::Assistant, serde_json::json!({"role": "assistant", "content": null,
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"id\":1}"}}]}));
-        assert_eq!(render_line(&call), "[earlier turn #4 at 2026-11-22T10:15:00Z] assistant: [called lookup({\"id\":1})]");
-        let result = stored(5, Role::Tool, serde_json::json!({"role": "tool", "tool_call_id": "c1", "content": "found"}));
-        assert_eq!(render_line(&result), "[earlier turn #5 at 2026-11-22T10:15:00Z] tool result for c1: found");
+        let user = stored(
+            3,
+            Role::User,
+            serde_json::json!({"role": "user", "content": "my account is 99812"}),
+        );
+        assert_eq!(
+            render_line(&user),
+            "[earlier turn #3 at 2026-11-22T10:15:00Z] user: my account is 99812"
+        );
+        let call = stored(
+            4,
+            Role::Assistant,
+            serde_json::json!({"role": "assistant", "content": null,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"id\":1}"}}]}),
+        );
+        assert_eq!(
+            render_line(&call),
+            "[earlier turn #4 at 2026-11-22T10:15:00Z] assistant: [called lookup({\"id\":1})]"
+        );
+        let result = stored(
+            5,
+            Role::Tool,
+            serde_json::json!({"role": "tool", "tool_call_id": "c1", "content": "found"}),
+        );
+        assert_eq!(
+            render_line(&result),
+            "[earlier turn #5 at 2026-11-22T10:15:00Z] tool result for c1: found"
+        );
     }
 
     #[test]
     fn the_message_is_chronological() {
         let turns = vec![
-            RecalledTurn { turn: 9, score: 3.0, tokens: 1, line: "nine".into() },
-            RecalledTurn { turn: 2, score: 1.0, tokens: 1, line: "two".into() },
+            RecalledTurn {
+                turn: 9,
+                score: 3.0,
+                tokens: 1,
+                line: "nine".into(),
+            },
+            RecalledTurn {
+                turn: 2,
+                score: 1.0,
+                tokens: 1,
+                line: "two".into(),
+            },
         ];
         let message: Value = serde_json::from_str(render(&turns).unwrap().get()).unwrap();
         assert_eq!(message["role"], "system");

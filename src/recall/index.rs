@@ -99,7 +99,9 @@ impl Index {
             *weights.entry(t).or_default() += OWN;
         }
         for (distance, weight) in NEIGHBOURS.into_iter().enumerate() {
-            let Some(previous) = doc_index.checked_sub(distance + 1) else { break };
+            let Some(previous) = doc_index.checked_sub(distance + 1) else {
+                break;
+            };
             if previous < self.first_live || weight == 0 {
                 break;
             }
@@ -155,7 +157,13 @@ impl Index {
                 }
                 (true, Err(i), Err(p)) => {
                     terms.insert(i, (t, w));
-                    postings.insert(p, Posting { doc: doc as u32, weight: w });
+                    postings.insert(
+                        p,
+                        Posting {
+                            doc: doc as u32,
+                            weight: w,
+                        },
+                    );
                     self.df[t as usize] += 1;
                 }
                 (false, Ok(i), Ok(p)) => {
@@ -197,7 +205,9 @@ impl Index {
         self.total_len -= u64::from(doc.len);
         let removed = self.docs.len();
         for (distance, weight) in NEIGHBOURS.into_iter().enumerate() {
-            let Some(previous) = removed.checked_sub(distance + 1) else { break };
+            let Some(previous) = removed.checked_sub(distance + 1) else {
+                break;
+            };
             if previous < self.first_live || weight == 0 {
                 break;
             }
@@ -330,7 +340,11 @@ impl Index {
     /// A canonical description of the live index, independent of history: for tests that check
     /// an incrementally kept index equals a fresh build.
     pub fn canonical(&self) -> Vec<CanonicalDoc> {
-        let names: HashMap<u32, &str> = self.term_ids.iter().map(|(k, v)| (*v, k.as_str())).collect();
+        let names: HashMap<u32, &str> = self
+            .term_ids
+            .iter()
+            .map(|(k, v)| (*v, k.as_str()))
+            .collect();
         self.live()
             .iter()
             .map(|d| {

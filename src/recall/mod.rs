@@ -53,7 +53,9 @@ impl std::fmt::Debug for Recall {
 }
 
 fn lock(index: &Mutex<ConversationIndex>) -> MutexGuard<'_, ConversationIndex> {
-    index.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    index
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The searchable text of a stored message: its content and tool calls, and its `name`.
@@ -75,10 +77,12 @@ impl Recall {
     pub fn new(capacity_bytes: u64) -> Recall {
         let cache = moka::sync::Cache::builder()
             .max_capacity(capacity_bytes)
-            .weigher(|_key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
-                let bytes = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
-                u32::try_from(bytes).unwrap_or(u32::MAX)
-            })
+            .weigher(
+                |_key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
+                    let bytes = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
+                    u32::try_from(bytes).unwrap_or(u32::MAX)
+                },
+            )
             .build();
         Recall { cache }
     }
@@ -99,16 +103,18 @@ impl Recall {
             return Ok(Vec::new());
         };
         let handle = match self.cache.get(&conversation.key) {
-            Some(handle) if {
-                let index = lock(&handle);
-                index.synced_next_turn == meta.next_turn && index.setting == language
-            } =>
+            Some(handle)
+                if {
+                    let index = lock(&handle);
+                    index.synced_next_turn == meta.next_turn && index.setting == language
+                } =>
             {
                 handle
             }
             _ => {
                 let built = Arc::new(Mutex::new(build(store, conversation, language)?));
-                self.cache.insert(conversation.key.clone(), Arc::clone(&built));
+                self.cache
+                    .insert(conversation.key.clone(), Arc::clone(&built));
                 built
             }
         };
@@ -185,10 +191,7 @@ fn build(
 ) -> Result<ConversationIndex, StoreError> {
     let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
     let messages = store.messages(conversation, turns)?;
-    let texts: Vec<(u64, String)> = messages
-        .iter()
-        .map(|m| (m.turn, message_text(m)))
-        .collect();
+    let texts: Vec<(u64, String)> = messages.iter().map(|m| (m.turn, message_text(m))).collect();
     let latin = match setting {
         TextLanguage::Plain => None,
         TextLanguage::Fixed(lang) => Some(lang),

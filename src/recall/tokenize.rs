@@ -97,7 +97,10 @@ impl TextLanguage {
 /// Languages written in another script fall back to English for their Latin words.
 pub fn detect(sample: &str) -> Lang {
     use whichlang::Lang as W;
-    let latin_letters = sample.chars().filter(|c| script_of(*c) == Script::Latin).count();
+    let latin_letters = sample
+        .chars()
+        .filter(|c| script_of(*c) == Script::Latin)
+        .count();
     if latin_letters < 20 {
         return Lang::English;
     }
@@ -130,8 +133,7 @@ enum Script {
 
 fn script_of(c: char) -> Script {
     let u = c as u32;
-    if c.is_ascii_alphabetic() || (0x00C0..=0x024F).contains(&u) || (0x1E00..=0x1EFF).contains(&u)
-    {
+    if c.is_ascii_alphabetic() || (0x00C0..=0x024F).contains(&u) || (0x1E00..=0x1EFF).contains(&u) {
         return if c == '×' || c == '÷' {
             Script::Neutral
         } else {
@@ -273,7 +275,10 @@ mod tests {
 
     #[test]
     fn english_is_stemmed_and_stopwords_dropped() {
-        let t = terms("The runners were running to the stations", Some(Lang::English));
+        let t = terms(
+            "The runners were running to the stations",
+            Some(Lang::English),
+        );
         assert_eq!(t, ["runner", "run", "station"]);
     }
 
@@ -286,9 +291,16 @@ mod tests {
 
     #[test]
     fn russian_keeps_cyrillic_and_stems_it() {
-        let a = terms("Мой номер счёта и любимый город — Новосибирск", Some(Lang::English));
+        let a = terms(
+            "Мой номер счёта и любимый город — Новосибирск",
+            Some(Lang::English),
+        );
         let b = terms("в каком городе я живу? Новосибирске", Some(Lang::English));
-        assert!(a.iter().all(|t| t.chars().any(|c| script_of(c) == Script::Cyrillic)), "{a:?}");
+        assert!(
+            a.iter()
+                .all(|t| t.chars().any(|c| script_of(c) == Script::Cyrillic)),
+            "{a:?}"
+        );
         // "город" and "городе" share a stem; so do the two forms of the city.
         let shared: Vec<_> = a.iter().filter(|t| b.contains(t)).collect();
         assert!(shared.len() >= 2, "{a:?} {b:?}");
@@ -307,10 +319,15 @@ mod tests {
     #[test]
     fn languages_parse_and_detect() {
         assert_eq!(TextLanguage::parse("auto"), Some(TextLanguage::Auto));
-        assert_eq!(TextLanguage::parse("German"), Some(TextLanguage::Fixed(Lang::German)));
+        assert_eq!(
+            TextLanguage::parse("German"),
+            Some(TextLanguage::Fixed(Lang::German))
+        );
         assert_eq!(TextLanguage::parse("klingon"), None);
         assert_eq!(
-            detect("Ich habe gestern mit meiner Schwester über den Urlaub in Italien gesprochen und wir haben viel gelacht"),
+            detect(
+                "Ich habe gestern mit meiner Schwester über den Urlaub in Italien gesprochen und wir haben viel gelacht"
+            ),
             Lang::German
         );
         assert_eq!(detect("hi"), Lang::English);
