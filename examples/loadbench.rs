@@ -478,9 +478,10 @@ fn source_state() -> String {
             .output()
             .ok()
             .filter(|out| out.status.success())
-            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+            .map(|out| String::from_utf8_lossy(&out.stdout).to_string())
     };
-    let head = git(&["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".to_string());
+    let head = git(&["rev-parse", "--short", "HEAD"])
+        .map_or_else(|| "unknown".to_string(), |h| h.trim().to_string());
     let dirty: Vec<String> = git(&[
         "status",
         "--porcelain",
@@ -491,7 +492,8 @@ fn source_state() -> String {
     ])
     .unwrap_or_default()
     .lines()
-    .map(|l| l.get(3..).unwrap_or(l).to_string())
+    .filter(|l| !l.trim().is_empty())
+    .map(|l| l.get(3..).unwrap_or(l).trim().to_string())
     .collect();
     fn newest(path: &Path) -> Option<std::time::SystemTime> {
         let meta = std::fs::metadata(path).ok()?;
@@ -525,6 +527,13 @@ fn source_state() -> String {
             dirty.join(", ")
         }
     )
+}
+
+/// `/proc/loadavg`: other work on the machine skews every number here.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".to_string())
 }
 
 fn dir_size(path: &Path) -> u64 {
@@ -1839,6 +1848,7 @@ async fn bench(args: Args) -> Result<(), String> {
     println!("machine: {machine}");
     println!("command: {command}");
     println!("source: {}", source_state());
+    println!("load average at start: {}", load_average());
     println!(
         "runs: {} s measured + {} s warm-up each; modes {}; open-loop rate {} req/s (max {} in flight); loopback only",
         measure_s,
@@ -2094,6 +2104,7 @@ async fn bench(args: Args) -> Result<(), String> {
         );
     }
     let wall_s = wall.elapsed().as_secs_f64();
+    println!("load average at the end: {}", load_average());
     println!("wall time: {wall_s:.1} s");
 
     if let Some(path) = &args.json {

@@ -143,9 +143,13 @@ impl Exchange {
 
     /// How many of the `kept` stored messages are trimmed when `added` roles join them: whole
     /// rounds, and never the exchange itself.
-    fn cut(&self, kept: &[Entry], added: impl Iterator<Item = Role>) -> usize {
-        let roles: Vec<Role> = kept.iter().map(HasRole::role).chain(added).collect();
-        trim_start(&roles, self.max_messages).min(kept.len())
+    fn cut<I>(&self, kept: &[Entry], added: I) -> usize
+    where
+        I: Iterator<Item = Role> + Clone,
+    {
+        let len = kept.len() + added.clone().count();
+        let roles = kept.iter().map(HasRole::role).chain(added);
+        trim_start(len, roles, self.max_messages).min(kept.len())
     }
 
     /// The number of messages the conversation will hold once this exchange is committed as

@@ -32,21 +32,24 @@ pub fn last_round_start<R: HasRole>(roles: &[R]) -> usize {
         .unwrap_or(0)
 }
 
-/// The first index to keep when `roles` must shrink to `max` messages, cutting whole rounds:
-/// the first user message at or after the cut, else the first non-tool message, else nothing
-/// is cut.
-pub fn trim_start<R: HasRole>(roles: &[R], max: usize) -> usize {
-    if roles.len() <= max {
+/// The first index to keep when `len` messages, whose roles `roles` yields oldest first, must
+/// shrink to `max`, cutting whole rounds: the first user message at or after the cut, else the
+/// first non-tool message, else nothing is cut. Only the roles from the cut on are read.
+pub fn trim_start<I>(len: usize, roles: I, max: usize) -> usize
+where
+    I: Iterator<Item = Role> + Clone,
+{
+    if len <= max {
         return 0;
     }
-    let need = roles.len() - max;
-    let after = &roles[need..];
-    if let Some(i) = after.iter().position(|r| r.role() == Role::User) {
+    let need = len - max;
+    let after = roles.skip(need);
+    if let Some(i) = after.clone().position(|r| r == Role::User) {
         return need + i;
     }
     after
-        .iter()
-        .position(|r| r.role() != Role::Tool)
+        .clone()
+        .position(|r| r != Role::Tool)
         .map_or(0, |i| need + i)
 }
 
@@ -98,12 +101,15 @@ mod tests {
 
     #[test]
     fn trimming_cuts_whole_rounds() {
-        let r = roles("uauctta");
-        assert_eq!(trim_start(&r, 7), 0);
-        assert_eq!(trim_start(&r, 6), 2);
-        assert_eq!(trim_start(&r, 5), 2);
+        let trim = |spec: &str, max: usize| {
+            let r = roles(spec);
+            trim_start(r.len(), r.iter().copied(), max)
+        };
+        assert_eq!(trim("uauctta", 7), 0);
+        assert_eq!(trim("uauctta", 6), 2);
+        assert_eq!(trim("uauctta", 5), 2);
         // No round start left to cut at: the first non-tool message.
-        assert_eq!(trim_start(&r, 2), 6);
-        assert_eq!(trim_start(&roles("cttt"), 2), 0);
+        assert_eq!(trim("uauctta", 2), 6);
+        assert_eq!(trim("cttt", 2), 0);
     }
 }

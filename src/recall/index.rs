@@ -81,6 +81,11 @@ impl Index {
         self.len() == 0
     }
 
+    /// The turn of the oldest live document.
+    pub fn first_turn(&self) -> Option<u64> {
+        self.live().first().map(|d| d.turn)
+    }
+
     /// The turn of the newest document.
     pub fn last_turn(&self) -> Option<u64> {
         self.live().last().map(|d| d.turn)

@@ -145,18 +145,18 @@ impl Recall {
                 self.cache.invalidate(key);
                 return;
             }
-            let mut turns: Vec<u64> = index.index.turns().collect();
-            for turn in removed {
-                if turns.last() == Some(turn) {
-                    index.index.pop();
-                    turns.pop();
-                }
+            // Commits remove the newest message (a replaced reply) and the oldest (trimmed
+            // rounds); anything else is not a shape commits make, so rebuild to be safe.
+            let mut unaccounted = removed.len();
+            if index.index.last_turn().is_some_and(|t| removed.contains(&t)) {
+                index.index.pop();
+                unaccounted -= 1;
             }
-            let front = turns.iter().take_while(|t| removed.contains(t)).count();
-            index.index.drop_front(front);
-            let leftover = turns[front..].iter().any(|t| removed.contains(t));
-            if leftover {
-                // A removal from the middle: not a shape commits make; rebuild to be safe.
+            while index.index.first_turn().is_some_and(|t| removed.contains(&t)) {
+                index.index.drop_front(1);
+                unaccounted -= 1;
+            }
+            if unaccounted > 0 {
                 drop(index);
                 self.cache.invalidate(key);
                 return;

@@ -299,20 +299,19 @@ impl Store {
             message.turn = meta.next_turn;
             meta.next_turn += 1;
         }
-        let removed: Vec<Entry> = conversation
-            .entries
+        // Entries are in turn order: each removed turn is found by binary search.
+        let removed: Vec<usize> = change
+            .remove_turns
             .iter()
-            .filter(|e| change.remove_turns.contains(&e.turn))
-            .copied()
+            .filter_map(|turn| conversation.entries.binary_search_by_key(turn, |e| e.turn).ok())
             .collect();
-        meta.message_count = (conversation.entries.len() - removed.len() + change.add.len()) as u64;
-        meta.total_tokens = conversation
-            .entries
+        let removed_tokens: u64 = removed
             .iter()
-            .filter(|e| !change.remove_turns.contains(&e.turn))
-            .map(|e| u64::from(e.tokens))
-            .chain(change.add.iter().map(|m| u64::from(m.tokens)))
+            .map(|&i| u64::from(conversation.entries[i].tokens))
             .sum();
+        let added_tokens: u64 = change.add.iter().map(|m| u64::from(m.tokens)).sum();
+        meta.message_count = (conversation.entries.len() - removed.len() + change.add.len()) as u64;
+        meta.total_tokens = meta.total_tokens - removed_tokens + added_tokens;
         meta.last_activity_ms = now;
 
         let key = conversation.key.to_bytes();
@@ -343,9 +342,11 @@ impl Store {
             Err(TransactionError::Storage(err)) => return Err(StoreError::Sled(err)),
         }
 
-        conversation
-            .entries
-            .retain(|e| !change.remove_turns.contains(&e.turn));
+        let mut removed = removed;
+        removed.sort_unstable();
+        for i in removed.into_iter().rev() {
+            conversation.entries.remove(i);
+        }
         conversation
             .entries
             .extend(change.add.iter().map(Entry::from));
