@@ -1,8 +1,14 @@
 //! The conversation store: sled on disk, and a cache of each conversation's in-memory index.
 //!
-//! Layout (two sled trees):
+//! Layout (sled trees):
 //! - `conversations`: `tenant \0 agent \0 conversation` → [`ConversationMeta`] (JSON).
 //! - `messages`: `conversation id (u64 BE) ++ turn (u64 BE)` → [`StoredMessage`] (JSON).
+//! - `summaries`: `conversation id (u64 BE) ++ summary number (u64 BE)` → summary record (JSON),
+//!   written by the compression stage.
+//!
+//! Files: each conversation may have a workspace folder, [`workspace_dir`], for copies meant
+//! for people (summaries as Markdown). Its path is derived so no id can escape the data
+//! directory.
 //!
 //! A commit writes its messages and the new meta in one sled transaction that first checks the
 //! meta is still the one the caller planned against, so history is never half-written and two
@@ -11,7 +17,7 @@
 
 mod flush;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -129,6 +135,8 @@ pub struct Store {
     db: sled::Db,
     conversations: sled::Tree,
     messages: sled::Tree,
+    summaries: sled::Tree,
+    data_dir: PathBuf,
     cache: moka::sync::Cache<ConversationKey, Handle>,
     flusher: Option<Arc<GroupFlusher>>,
     background: Mutex<Vec<JoinHandle<()>>>,
@@ -182,6 +190,7 @@ impl Store {
             .open()?;
         let conversations = db.open_tree("conversations")?;
         let messages = db.open_tree("messages")?;
+        let summaries = db.open_tree("summaries")?;
         let mut background = Vec::new();
         let flusher = match durability {
             Durability::Commit => {
@@ -203,6 +212,8 @@ impl Store {
             db,
             conversations,
             messages,
+            summaries,
+            data_dir: dir.to_path_buf(),
             cache,
             flusher,
             background: Mutex::new(background),
@@ -393,10 +404,47 @@ impl Store {
         Ok(())
     }
 
+    /// The data directory the store lives in.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// The `summaries` tree (read and written by the compression stage).
+    pub fn summaries_tree(&self) -> &sled::Tree {
+        &self.summaries
+    }
+
     /// Bytes the store takes on disk.
     pub fn size_on_disk(&self) -> u64 {
         self.db.size_on_disk().unwrap_or(0)
     }
+}
+
+/// The folder for a conversation's files: `{data_dir}/workspaces/{tenant}/{agent}/{conversation}`,
+/// each name reduced to `[A-Za-z0-9_-]` (at most 64 characters) and followed by a hash of the
+/// full id, so the path stays inside the data directory whatever the id (`..`, `/etc`, a very
+/// long id) and two ids never share a folder.
+pub fn workspace_dir(data_dir: &Path, key: &ConversationKey) -> PathBuf {
+    data_dir
+        .join("workspaces")
+        .join(safe_name(key.tenant.as_str()))
+        .join(safe_name(&key.agent))
+        .join(safe_name(&key.conversation))
+}
+
+fn safe_name(id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut name: String = id
+        .chars()
+        .take(64)
+        .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' })
+        .collect();
+    let digest = Sha256::digest(id.as_bytes());
+    name.push('-');
+    for b in &digest[..4] {
+        name.push_str(&format!("{b:02x}"));
+    }
+    name
 }
 
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
@@ -472,6 +520,27 @@ mod tests {
                 .entries
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn workspace_paths_stay_inside_the_data_directory() {
+        let data = Path::new("/data");
+        for hostile in ["..", "../../etc", "/etc/passwd", "a/b", "C:\\x", "", &"x".repeat(5000), "ok-id"] {
+            let key = ConversationKey {
+                tenant: TenantId::from_token(Some("t")),
+                agent: "..".into(),
+                conversation: hostile.to_string(),
+            };
+            let dir = workspace_dir(data, &key);
+            assert!(dir.starts_with("/data/workspaces"), "{dir:?}");
+            for part in dir.strip_prefix(data).unwrap().components() {
+                let part = part.as_os_str().to_str().unwrap();
+                assert!(part != ".." && part != "." && !part.contains('/') && part.len() <= 73, "{part}");
+            }
+        }
+        let a = workspace_dir(data, &key("a:b"));
+        let b = workspace_dir(data, &key("a@b"));
+        assert_ne!(a, b, "ids that reduce to the same name still get their own folder");
     }
 
     #[tokio::test]
