@@ -41,12 +41,14 @@ cargo clippy --all-targets -- -D warnings
 step "cargo build --bins --examples"
 cargo build --bins --examples
 
+# Unit and integration tests (lib, bins, tests/). Benchmarks and examples are compiled by the
+# clippy step above and run on their own (README: Performance, Recall evaluation).
 if cargo nextest --version >/dev/null 2>&1; then
-    step "cargo nextest run --all-targets"
-    cargo nextest run --all-targets
+    step "cargo nextest run"
+    cargo nextest run
 else
-    step "cargo test --all-targets (cargo-nextest not installed)"
-    cargo test --all-targets
+    step "cargo test (cargo-nextest not installed)"
+    cargo test
 fi
 
 step "python -m pytest -q tests/e2e"

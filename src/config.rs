@@ -637,6 +637,18 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_config_lists_every_setting_at_its_default() {
+        let text = include_str!("../config/memproxy.toml");
+        let config = from_toml(text, &no_env).unwrap();
+        assert_eq!(config.memory, MemorySettings::default());
+        assert_eq!(config.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(config.body_limit_bytes, DEFAULT_BODY_LIMIT_BYTES);
+        for (name, _) in settings::SETTINGS {
+            assert!(text.contains(&format!("\n{name} = ")), "{name} missing from config/memproxy.toml");
+        }
+    }
+
+    #[test]
     fn interval_durability_parses() {
         let config = from_toml(
             "[storage]\ndurability = \"interval\"\nflush_interval = \"PT5M\"\n",
