@@ -207,6 +207,7 @@ fn fixture(runtime: &tokio::runtime::Runtime, n: usize) -> Fixture {
                 Change {
                     remove_turns: vec![],
                     add,
+                    tokens_forwarded: 0,
                 },
             )
             .unwrap();

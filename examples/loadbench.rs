@@ -1348,6 +1348,22 @@ struct CpuUse {
     proxy: f64,
     mock: f64,
     generator: f64,
+    /// Every other process on the machine (from `/proc/stat`): other work skews the run.
+    other: f64,
+}
+
+/// Busy CPU time of the whole machine, in clock ticks (`/proc/stat`, first line).
+fn machine_busy_ticks() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = text.lines().next()?.strip_prefix("cpu ")?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    Some(
+        v.first()? + v.get(1)? + v.get(2)? + v.get(5)? + v.get(6)? + v.get(7).copied().unwrap_or(0),
+    )
 }
 
 /// CPU use (percent of one core) of the three processes over the measured window.
@@ -1358,6 +1374,7 @@ async fn cpu_over(ctx: &Ctx, window: Window) -> CpuUse {
         cpu_ticks(ctx.proxy_pid),
         cpu_ticks(ctx.mock_pid),
         cpu_ticks(me),
+        machine_busy_ticks(),
     );
     let started = Instant::now();
     tokio::time::sleep_until(window.end.into()).await;
@@ -1365,16 +1382,23 @@ async fn cpu_over(ctx: &Ctx, window: Window) -> CpuUse {
         cpu_ticks(ctx.proxy_pid),
         cpu_ticks(ctx.mock_pid),
         cpu_ticks(me),
+        machine_busy_ticks(),
     );
     let seconds = started.elapsed().as_secs_f64().max(1e-3);
     let pct = |a: Option<u64>, b: Option<u64>| match (a, b) {
         (Some(a), Some(b)) => b.saturating_sub(a) as f64 / ctx.clk_tck as f64 / seconds * 100.0,
         _ => f64::NAN,
     };
+    let (proxy, mock, generator) = (
+        pct(before.0, after.0),
+        pct(before.1, after.1),
+        pct(before.2, after.2),
+    );
     CpuUse {
-        proxy: pct(before.0, after.0),
-        mock: pct(before.1, after.1),
-        generator: pct(before.2, after.2),
+        proxy,
+        mock,
+        generator,
+        other: (pct(before.3, after.3) - proxy - mock - generator).max(0.0),
     }
 }
 
@@ -2241,7 +2265,7 @@ fn result_json(r: &RunResult, all: &[RunResult]) -> Value {
         "baseline": r.baseline,
         "added_p50_us": base.and_then(|b| Some(quantile(&t.latency, 0.5)? as i64 - quantile(&b.output.tally.latency, 0.5)? as i64)),
         "added_p99_us": base.and_then(|b| Some(quantile(&t.latency, 0.99)? as i64 - quantile(&b.output.tally.latency, 0.99)? as i64)),
-        "cpu_percent": {"memproxy": r.output.cpu.proxy, "mock": r.output.cpu.mock, "generator": r.output.cpu.generator},
+        "cpu_percent": {"memproxy": r.output.cpu.proxy, "mock": r.output.cpu.mock, "generator": r.output.cpu.generator, "other_processes": r.output.cpu.other},
         "proxy_rss_kb": r.proxy_rss_kb,
         "proxy_peak_rss_kb": r.proxy_hwm_kb,
         "mock_rss_kb": r.mock_rss_kb,
@@ -2255,10 +2279,10 @@ fn result_json(r: &RunResult, all: &[RunResult]) -> Value {
 fn print_report(results: &[RunResult], measure_s: f64) {
     println!();
     println!(
-        "Results ({measure_s} s measured per row; latency in µs; stream rows: time to first body byte; +p50/+p99: minus the baseline in the same mode; CPU in % of one core over the measured window; RSS of memproxy after the run)"
+        "Results ({measure_s} s measured per row; latency in µs; stream rows: time to first body byte; +p50/+p99: minus the baseline in the same mode; CPU in % of one core over the measured window, other% = every other process on the machine; RSS of memproxy after the run)"
     );
     let header = format!(
-        "{:<19} {:<9} {:>8} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>5} {:>6} {:>5} {:>5} {:>7} {:>7} {:>6}",
+        "{:<19} {:<9} {:>8} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>5} {:>6} {:>5} {:>5} {:>6} {:>7} {:>7} {:>6}",
         "scenario",
         "mode",
         "req/s",
@@ -2272,6 +2296,7 @@ fn print_report(results: &[RunResult], measure_s: f64) {
         "proxy%",
         "mock%",
         "gen%",
+        "other%",
         "RSS MiB",
         "HWM MiB",
         "conv"
@@ -2289,7 +2314,7 @@ fn print_report(results: &[RunResult], measure_s: f64) {
         });
         let is_base = r.scenario == r.baseline;
         println!(
-            "{:<19} {:<9} {:>8.0} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>5} {:>6} {:>5} {:>5} {:>7} {:>7} {:>6}",
+            "{:<19} {:<9} {:>8.0} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>5} {:>6} {:>5} {:>5} {:>6} {:>7} {:>7} {:>6}",
             r.scenario,
             r.mode.label(),
             r.throughput,
@@ -2311,6 +2336,7 @@ fn print_report(results: &[RunResult], measure_s: f64) {
             fmt_pct(r.output.cpu.proxy),
             fmt_pct(r.output.cpu.mock),
             fmt_pct(r.output.cpu.generator),
+            fmt_pct(r.output.cpu.other),
             mib(r.proxy_rss_kb),
             mib(r.proxy_hwm_kb),
             t.turns.map_or("-".to_string(), |n| n.to_string()),

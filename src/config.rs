@@ -33,6 +33,11 @@ pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 pub const DEFAULT_STORE_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 pub const DEFAULT_STATE_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 pub const DEFAULT_RECALL_CACHE_BYTES: u64 = 256 * 1024 * 1024;
+/// The environment variable holding the admin token when `admin.token_env` names none.
+pub const DEFAULT_ADMIN_TOKEN_ENV: &str = "MEMPROXY_ADMIN_TOKEN";
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(60);
+pub const DEFAULT_SWEEP_MAX_SCANNED: usize = 1000;
+pub const DEFAULT_SWEEP_MAX_DELETED: usize = 100;
 
 /// A secret string whose `Debug` never shows it.
 #[derive(Clone, PartialEq, Eq)]
@@ -92,6 +97,43 @@ pub struct Config {
     pub memory: MemorySettings,
     /// `[agents.NAME]` over `[memory]`.
     pub agents: BTreeMap<String, MemorySettings>,
+    /// The admin API's bearer token; `None`: the admin API is off (404).
+    pub admin_token: Option<Secret>,
+    /// `GET /metrics` requires the admin token too.
+    pub protect_metrics: bool,
+    pub sweeper: SweeperConfig,
+    pub compression: CompressionConfig,
+}
+
+/// How summaries are made (the compression stage).
+#[derive(Debug, Clone)]
+pub struct CompressionConfig {
+    /// The prompt template, with `{prev_summary}` and `{messages_joined}`.
+    pub prompt: String,
+    /// Longest wait for one summary call.
+    pub timeout: Duration,
+    /// Summary calls running at once.
+    pub concurrency: usize,
+    /// Jobs waiting, at most; past it new jobs are dropped (and counted).
+    pub queue_capacity: usize,
+    /// Wait after a failed summary before the conversation is tried again (doubles per failure,
+    /// up to 16 times).
+    pub retry_backoff: Duration,
+}
+
+pub const DEFAULT_SUMMARY_TIMEOUT: Duration = Duration::from_secs(120);
+pub const DEFAULT_SUMMARY_CONCURRENCY: usize = 2;
+pub const DEFAULT_SUMMARY_QUEUE: usize = 256;
+pub const DEFAULT_SUMMARY_BACKOFF: Duration = Duration::from_secs(60);
+
+/// The TTL sweeper's pace: one pass per `interval`, each bounded in work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SweeperConfig {
+    pub interval: Duration,
+    /// Conversations looked at per pass, at most.
+    pub max_scanned: usize,
+    /// Conversations deleted per pass, at most.
+    pub max_deleted: usize,
 }
 
 impl Config {
@@ -137,9 +179,26 @@ struct RawConfig {
     #[serde(default)]
     log: RawLog,
     #[serde(default)]
+    admin: RawAdmin,
+    #[serde(default)]
+    sweeper: RawSweeper,
+    #[serde(default)]
+    compression: RawCompression,
+    #[serde(default)]
     memory: toml::Table,
     #[serde(default)]
     agents: BTreeMap<String, toml::Table>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCompression {
+    prompt: Option<String>,
+    prompt_file: Option<String>,
+    timeout: Option<String>,
+    concurrency: Option<u64>,
+    queue_capacity: Option<u64>,
+    retry_backoff: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -183,6 +242,21 @@ struct RawStorage {
 #[serde(deny_unknown_fields)]
 struct RawLog {
     format: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    token_env: Option<String>,
+    protect_metrics: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSweeper {
+    interval: Option<String>,
+    max_scanned: Option<u64>,
+    max_deleted: Option<u64>,
 }
 
 /// Loads the configuration: the file named by `overrides.config_path` (or
@@ -405,6 +479,56 @@ fn check(
         agents.insert(name.clone(), profile);
     }
 
+    // The admin token: from the named variable (which must then be set), else from
+    // MEMPROXY_ADMIN_TOKEN when it is set; none means the admin API is off.
+    let admin_token = match raw.admin.token_env.filter(|name| !name.is_empty()) {
+        Some(name) => match env(&name).filter(|v| !v.trim().is_empty()) {
+            Some(value) => Some(Secret(value.trim().to_string())),
+            None => {
+                problems.push(format!(
+                    "admin.token_env: environment variable `{name}` is not set or empty"
+                ));
+                None
+            }
+        },
+        None => env(DEFAULT_ADMIN_TOKEN_ENV)
+            .filter(|v| !v.trim().is_empty())
+            .map(|v| Secret(v.trim().to_string())),
+    };
+    let protect_metrics = raw.admin.protect_metrics.unwrap_or(false);
+    let sweep_interval = duration(
+        "sweeper.interval",
+        raw.sweeper.interval,
+        DEFAULT_SWEEP_INTERVAL,
+        &mut problems,
+    );
+    if sweep_interval.is_zero() {
+        problems.push("sweeper.interval: must be longer than zero".to_string());
+    }
+    let mut sweep_limit = |key: &str, value: Option<u64>, default: usize| match value {
+        None => default,
+        Some(0) => {
+            problems.push(format!("sweeper.{key}: must be at least 1"));
+            default
+        }
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+    };
+    let sweeper = SweeperConfig {
+        interval: sweep_interval,
+        max_scanned: sweep_limit(
+            "max_scanned",
+            raw.sweeper.max_scanned,
+            DEFAULT_SWEEP_MAX_SCANNED,
+        ),
+        max_deleted: sweep_limit(
+            "max_deleted",
+            raw.sweeper.max_deleted,
+            DEFAULT_SWEEP_MAX_DELETED,
+        ),
+    };
+
+    let compression = check_compression(raw.compression, &mut problems);
+
     if !problems.is_empty() {
         return Err(ConfigError { problems });
     }
@@ -429,7 +553,73 @@ fn check(
         allow_header_overrides,
         memory,
         agents,
+        admin_token,
+        protect_metrics,
+        sweeper,
+        compression,
     })
+}
+
+fn check_compression(raw: RawCompression, problems: &mut Vec<String>) -> CompressionConfig {
+    let prompt = match (raw.prompt, raw.prompt_file) {
+        (Some(_), Some(_)) => {
+            problems.push(
+                "compression.prompt_file: set either prompt or prompt_file, not both".to_string(),
+            );
+            crate::summary::DEFAULT_PROMPT.to_string()
+        }
+        (Some(prompt), None) => prompt,
+        (None, Some(path)) => std::fs::read_to_string(&path).unwrap_or_else(|err| {
+            problems.push(format!(
+                "compression.prompt_file: cannot read {path}: {err}"
+            ));
+            crate::summary::DEFAULT_PROMPT.to_string()
+        }),
+        (None, None) => crate::summary::DEFAULT_PROMPT.to_string(),
+    };
+    for placeholder in ["{prev_summary}", "{messages_joined}"] {
+        if !prompt.contains(placeholder) {
+            problems.push(format!(
+                "compression.prompt: the template must contain {placeholder}"
+            ));
+        }
+    }
+    let count =
+        |key: &str, value: Option<u64>, default: usize, problems: &mut Vec<String>| match value {
+            None => default,
+            Some(0) => {
+                problems.push(format!("compression.{key}: must be at least 1"));
+                default
+            }
+            Some(n) => n as usize,
+        };
+    CompressionConfig {
+        prompt,
+        timeout: duration(
+            "compression.timeout",
+            raw.timeout,
+            DEFAULT_SUMMARY_TIMEOUT,
+            problems,
+        ),
+        concurrency: count(
+            "concurrency",
+            raw.concurrency,
+            DEFAULT_SUMMARY_CONCURRENCY,
+            problems,
+        ),
+        queue_capacity: count(
+            "queue_capacity",
+            raw.queue_capacity,
+            DEFAULT_SUMMARY_QUEUE,
+            problems,
+        ),
+        retry_backoff: duration(
+            "compression.retry_backoff",
+            raw.retry_backoff,
+            DEFAULT_SUMMARY_BACKOFF,
+            problems,
+        ),
+    }
 }
 
 /// SHA-256 of a client key: keys are compared as hashes, so the comparison's timing says
@@ -474,6 +664,7 @@ fn apply_table(
             ) => n.to_string(),
             (
                 settings::Kind::Duration
+                | settings::Kind::OptionalDuration
                 | settings::Kind::OptionalName
                 | settings::Kind::Language
                 | settings::Kind::OptionalInteger { .. },
@@ -644,7 +835,10 @@ mod tests {
         assert_eq!(config.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(config.body_limit_bytes, DEFAULT_BODY_LIMIT_BYTES);
         for (name, _) in settings::SETTINGS {
-            assert!(text.contains(&format!("\n{name} = ")), "{name} missing from config/memproxy.toml");
+            assert!(
+                text.contains(&format!("\n{name} = ")),
+                "{name} missing from config/memproxy.toml"
+            );
         }
     }
 

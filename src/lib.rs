@@ -11,7 +11,11 @@
 //!   forward → capture → commit, one file each;
 //! - [`upstream`] is the pooled HTTP/HTTPS client and the header rules;
 //! - [`store`] keeps conversations in sled, with an in-memory index per conversation;
-//! - [`recall`] keeps a BM25 index per conversation for relevance recall.
+//! - [`recall`] keeps a BM25 index per conversation for relevance recall;
+//! - [`summary`] makes progressive summaries of old history in the background.
+//!
+//! Operations: [`admin`] (the `/admin/v1/` API and what the offline CLI shares with it),
+//! [`metrics`] (`GET /metrics`), [`ttl`] (idle conversations deleted by a background sweeper).
 //!
 //! Supporting pieces: [`config`] and [`settings`] (configuration and per-request settings),
 //! [`identity`] (tenants and ids), [`message`] (the request's messages), [`reply`] and [`sse`]
@@ -19,12 +23,14 @@
 //! error), [`body`] (body types), [`state`] (what requests share), [`cli`] (flags).
 //! [`mock_upstream`] is a test double used by tests, the evaluation and benchmarks.
 
+pub mod admin;
 pub mod body;
 pub mod cli;
 pub mod config;
 pub mod error;
 pub mod identity;
 pub mod message;
+pub mod metrics;
 pub mod mock_upstream;
 pub mod pipeline;
 pub mod recall;
@@ -35,5 +41,7 @@ pub mod settings;
 pub mod sse;
 pub mod state;
 pub mod store;
+pub mod summary;
 pub mod tokens;
+pub mod ttl;
 pub mod upstream;

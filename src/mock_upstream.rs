@@ -88,6 +88,8 @@ impl Default for MockOptions {
 struct Shared {
     recorded: Mutex<Vec<Recorded>>,
     script: Mutex<VecDeque<Reply>>,
+    /// Answers to memproxy's summary calls (requests with `x-memproxy-task: summary`).
+    summary_script: Mutex<VecDeque<Reply>>,
 }
 
 /// A running mock upstream. Dropping it stops the server.
@@ -159,6 +161,19 @@ impl MockUpstream {
         lock(&self.shared.script).push_back(reply);
     }
 
+    /// Queues a scripted answer for the next summary call.
+    pub fn push_summary(&self, reply: Reply) {
+        lock(&self.shared.summary_script).push_back(reply);
+    }
+
+    /// The summary calls received so far.
+    pub fn summary_requests(&self) -> Vec<Recorded> {
+        self.recorded()
+            .into_iter()
+            .filter(is_summary_call)
+            .collect()
+    }
+
     /// Every request received so far.
     pub fn recorded(&self) -> Vec<Recorded> {
         lock(&self.shared.recorded).clone()
@@ -168,7 +183,7 @@ impl MockUpstream {
     pub fn chat_requests(&self) -> Vec<Recorded> {
         self.recorded()
             .into_iter()
-            .filter(|r| r.path.ends_with("/chat/completions"))
+            .filter(|r| r.path.ends_with("/chat/completions") && !is_summary_call(r))
             .collect()
     }
 
@@ -183,6 +198,12 @@ impl MockUpstream {
     pub fn clear(&self) {
         lock(&self.shared.recorded).clear();
     }
+}
+
+fn is_summary_call(r: &Recorded) -> bool {
+    r.headers
+        .get("x-memproxy-task")
+        .is_some_and(|v| v.as_bytes() == b"summary")
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -213,6 +234,13 @@ async fn answer(
         lock(&shared.recorded).push(recorded.clone());
     }
 
+    if parts.uri.path().ends_with("/chat/completions") && is_summary_call(&recorded) {
+        let request = recorded.json();
+        let reply = lock(&shared.summary_script)
+            .pop_front()
+            .unwrap_or_else(|| Reply::Text(default_summary(&last_user_text(&request))));
+        return chat_answer(&request, reply, options).await;
+    }
     if parts.uri.path().ends_with("/chat/completions") {
         let request = recorded.json();
         let reply = lock(&shared.script)
@@ -230,6 +258,30 @@ async fn answer(
         StatusCode::OK,
         json!({"method": recorded.method, "path": path, "body_len": body.len()}),
     )
+}
+
+/// A deterministic stand-in for a model's summary of a summary prompt: a count, the previous
+/// summary's lines, and every fourth new message line, so its size behaves like a real
+/// summary's (about a quarter of its input).
+fn default_summary(prompt: &str) -> String {
+    let lines: Vec<&str> = prompt
+        .lines()
+        .filter(|l| l.starts_with("[earlier turn #"))
+        .collect();
+    let previous: Vec<&str> = prompt
+        .split("Previous summary:\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n\nNew messages").next())
+        .filter(|p| *p != "(none yet)")
+        .map(|p| p.lines().skip(1).step_by(2).collect())
+        .unwrap_or_default();
+    let mut out = vec![format!("Summary of {} messages.", lines.len())];
+    out.extend(previous.iter().map(|l| l.to_string()));
+    out.extend(lines.iter().step_by(4).map(|l| {
+        let text = l.split("] ").nth(1).unwrap_or(l);
+        format!("- {text}")
+    }));
+    out.join("\n")
 }
 
 fn last_user_text(request: &Value) -> String {

@@ -14,6 +14,7 @@ use crate::body::{ProxyBody, boxed, full};
 use crate::config::hash_key;
 use crate::error::ProxyError;
 use crate::identity::{bearer_token, split_path_form};
+use crate::metrics::{Route, UpstreamTime};
 use crate::pipeline::identify::{PathIds, identify};
 use crate::pipeline::{self, MemoryStatus, set_memory_headers};
 use crate::state::AppState;
@@ -36,6 +37,7 @@ pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Respons
         upstream_ms = Empty,
         elapsed_ms = Empty,
     );
+    let metrics_route = Route::of(request.method(), request.uri().path());
     async move {
         let started = Instant::now();
         let mut response = match route(&state, request).await {
@@ -55,6 +57,9 @@ pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Respons
         let span = tracing::Span::current();
         span.record("status", response.status().as_u16());
         span.record("elapsed_ms", started.elapsed().as_millis() as u64);
+        state.metrics.request(metrics_route, response.status());
+        let upstream = response.extensions().get::<UpstreamTime>().map(|t| t.0);
+        state.metrics.timings(started.elapsed(), upstream);
         tracing::info!("request finished");
         response
     }
@@ -70,7 +75,11 @@ async fn route(
     match (request.method(), path) {
         (&Method::GET, "/healthz") => return Ok(json(StatusCode::OK, r#"{"status":"ok"}"#)),
         (&Method::GET, "/readyz") => return Ok(readiness(state)),
+        (&Method::GET, "/metrics") => return Ok(metrics(state, request.headers())),
         _ => {}
+    }
+    if path == "/admin" || path.starts_with("/admin/") {
+        return Ok(crate::admin::handle(state, request).await);
     }
 
     let (path_ids, api_path) = match split_path_form(path) {
@@ -105,6 +114,7 @@ async fn route(
 
     match identity.key {
         Some(key) if is_chat && identity.settings.enabled => {
+            crate::ttl::remember(state, &key, &identity.settings);
             let (parts, body) = request.into_parts();
             pipeline::chat(state, parts, body, key, identity.settings, &upstream_path).await
         }
@@ -133,6 +143,7 @@ async fn passthrough(
     let response = state.upstream.send(outgoing).await;
     tracing::Span::current().record("upstream_ms", started.elapsed().as_millis() as u64);
     let (mut head, body) = response?.into_parts();
+    state.metrics.upstream(&mut head.extensions, started.elapsed());
     head.headers = forwardable(&head.headers);
     Ok(Response::from_parts(head, boxed(body)))
 }
@@ -150,6 +161,20 @@ fn check_client_key(state: &AppState, headers: &http::HeaderMap) -> Result<(), P
         Some(token) if state.config.client_key_hashes.contains(&hash_key(token)) => Ok(()),
         _ => Err(ProxyError::Unauthorized),
     }
+}
+
+/// `GET /metrics`: Prometheus (OpenMetrics) text. Open like `/healthz`, unless
+/// `admin.protect_metrics` asks for the admin token.
+fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
+    if state.config.protect_metrics && !crate::admin::authorized(state, headers) {
+        return crate::admin::AdminError::Unauthorized.into_response();
+    }
+    let mut response = Response::new(full(state.metrics.render(state)));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+    );
+    response
 }
 
 fn readiness(state: &AppState) -> Response<ProxyBody> {

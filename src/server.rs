@@ -3,8 +3,10 @@
 //!
 //! Shutdown order, when the `shutdown` future completes:
 //! 1. stop accepting (the listener is dropped);
-//! 2. let in-flight requests and streams finish, up to the grace period;
-//! 3. flush the store, last, so every commit that completed is on disk.
+//! 2. stop the TTL sweeper (a pass in progress finishes), then let in-flight requests and
+//!    streams finish, up to the grace period;
+//! 3. let background summary jobs finish, up to the grace period, or cancel them;
+//! 4. flush the store, last, so every commit that completed is on disk.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -27,6 +29,7 @@ pub async fn run(
 ) -> Result<(), StoreError> {
     let builder = auto::Builder::new(TokioExecutor::new());
     let graceful = GracefulShutdown::new();
+    let sweeper = crate::ttl::Sweeper::start(Arc::clone(&state));
     tokio::pin!(shutdown);
 
     loop {
@@ -61,6 +64,8 @@ pub async fn run(
 
     // 1. Stop accepting.
     drop(listener);
+    // 2. Stop deleting idle conversations; then drain.
+    sweeper.stop().await;
     // 2. Drain within the grace period.
     let grace = state.config.shutdown_grace;
     tracing::info!(
@@ -71,7 +76,8 @@ pub async fn run(
         () = graceful.shutdown() => tracing::info!("all connections closed"),
         () = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),
     }
-    // 3. Flush the store last.
+    // 3. Let summary jobs in flight finish (or cancel them), then flush the store last.
+    state.summarizer.shutdown(grace).await;
     state.store.close().await?;
     tracing::info!("store flushed; bye");
     Ok(())

@@ -43,6 +43,8 @@ pub struct MemorySettings {
     pub max_context_tokens: Option<u64>,
     /// How Latin-script text is stemmed for recall: `auto` detects it per conversation.
     pub relevance_language: TextLanguage,
+    /// A conversation idle longer than this is deleted by the TTL sweeper; `None`: kept forever.
+    pub ttl: Option<Duration>,
 }
 
 impl Default for MemorySettings {
@@ -61,6 +63,7 @@ impl Default for MemorySettings {
             compression_async: true,
             max_context_tokens: None,
             relevance_language: TextLanguage::Auto,
+            ttl: None,
         }
     }
 }
@@ -80,6 +83,8 @@ pub enum Kind {
     },
     /// An ISO-8601 duration such as `PT1H`.
     Duration,
+    /// An ISO-8601 duration longer than zero, or `none` for unset.
+    OptionalDuration,
     /// A model name, or `none` / empty for unset.
     OptionalName,
     /// `auto`, `none`, or a language name.
@@ -94,6 +99,10 @@ impl Kind {
             Kind::Integer { min, max } => format!("an integer from {min} to {max}"),
             Kind::OptionalInteger { max } => format!("an integer from 1 to {max}, or `none`"),
             Kind::Duration => "an ISO-8601 duration such as `PT1H`, `PT30M` or `P1D`".to_string(),
+            Kind::OptionalDuration => {
+                "an ISO-8601 duration longer than zero such as `PT1H` or `P30D`, or `none`"
+                    .to_string()
+            }
             Kind::OptionalName => {
                 "a model name (printable ASCII, at most 256 characters), or `none`".to_string()
             }
@@ -145,6 +154,7 @@ pub const SETTINGS: &[(&str, Kind)] = &[
         Kind::OptionalInteger { max: 100_000_000 },
     ),
     ("relevance_language", Kind::Language),
+    ("ttl", Kind::OptionalDuration),
 ];
 
 /// Looks a setting up by its snake-case name.
@@ -158,6 +168,7 @@ enum Value {
     Integer(u64),
     OptionalInteger(Option<u64>),
     Duration(Duration),
+    OptionalDuration(Option<Duration>),
     OptionalName(Option<String>),
     Language(TextLanguage),
 }
@@ -185,6 +196,14 @@ fn parse_value(kind: Kind, text: &str) -> Option<Value> {
                 .map(|n| Value::OptionalInteger(Some(n)))
         }
         Kind::Duration => parse_iso8601_duration(text).map(Value::Duration),
+        Kind::OptionalDuration => {
+            if text.eq_ignore_ascii_case("none") {
+                return Some(Value::OptionalDuration(None));
+            }
+            parse_iso8601_duration(text)
+                .filter(|d| !d.is_zero())
+                .map(|d| Value::OptionalDuration(Some(d)))
+        }
         Kind::OptionalName => {
             if text.is_empty() || text.eq_ignore_ascii_case("none") {
                 return Some(Value::OptionalName(None));
@@ -231,6 +250,7 @@ impl MemorySettings {
             ("compression_async", Value::Bool(b)) => self.compression_async = b,
             ("max_context_tokens", Value::OptionalInteger(n)) => self.max_context_tokens = n,
             ("relevance_language", Value::Language(l)) => self.relevance_language = l,
+            ("ttl", Value::OptionalDuration(d)) => self.ttl = d,
             _ => return Err(bad()),
         }
         Ok(())
@@ -267,6 +287,11 @@ impl MemorySettings {
             (
                 "relevance_language",
                 self.relevance_language.name().to_string(),
+            ),
+            (
+                "ttl",
+                self.ttl
+                    .map_or_else(|| "none".to_string(), format_iso8601_duration),
             ),
         ]
     }

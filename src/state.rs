@@ -4,8 +4,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::Config;
+use crate::metrics::Metrics;
 use crate::recall::Recall;
 use crate::store::{Store, StoreError};
+use crate::summary::Summarizer;
+use crate::ttl::Clock;
 use crate::upstream::{Upstream, UpstreamSetupError};
 
 /// Why memproxy could not start.
@@ -29,20 +32,34 @@ pub struct AppState {
     pub store: Arc<Store>,
     pub upstream: Upstream,
     pub recall: Recall,
+    /// The Prometheus registry (`GET /metrics`).
+    pub metrics: Metrics,
+    /// The clock the TTL sweeper reads (tests move it forward).
+    pub clock: Clock,
+    pub summarizer: Arc<Summarizer>,
     next_request: AtomicU64,
     /// Distinguishes request ids across restarts.
     boot: u64,
 }
 
 impl AppState {
+    /// Must be called inside a tokio runtime: the summary worker starts here.
     pub fn new(config: Arc<Config>, store: Arc<Store>, upstream: Upstream) -> AppState {
         let boot = crate::store::now_ms() as u64 & 0xff_ffff;
         let recall = Recall::new(config.recall_cache_bytes);
+        let summarizer = Summarizer::start(
+            Arc::clone(&store),
+            upstream.clone(),
+            config.compression.clone(),
+        );
         AppState {
             config,
             store,
             upstream,
             recall,
+            metrics: Metrics::new(),
+            clock: Clock::default(),
+            summarizer,
             next_request: AtomicU64::new(1),
             boot,
         }

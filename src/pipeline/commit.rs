@@ -39,6 +39,8 @@ pub struct Exchange {
     pub planned_next_turn: Option<u64>,
     pub max_messages: usize,
     pub model: Option<String>,
+    /// Tokens of the prompt forwarded for this exchange.
+    pub prompt_tokens: u64,
 }
 
 impl Exchange {
@@ -138,7 +140,11 @@ impl Exchange {
         add.push(reply.clone());
         let cut = self.cut(&entries[..kept], add.iter().map(|m| m.role));
         remove_turns.extend(entries[..cut].iter().map(|e| e.turn));
-        Change { remove_turns, add }
+        Change {
+            remove_turns,
+            add,
+            tokens_forwarded: self.prompt_tokens,
+        }
     }
 
     /// How many of the `kept` stored messages are trimmed when `added` roles join them: whole

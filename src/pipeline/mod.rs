@@ -22,6 +22,7 @@ pub mod identify;
 pub mod plan;
 pub mod recall;
 pub mod reconcile;
+pub mod summary;
 pub mod window;
 
 use std::sync::Arc;
@@ -52,6 +53,7 @@ pub const RETRIEVED_HEADER: &str = "x-memory-retrieved";
 pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
 pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
 pub const BUDGET_HEADER: &str = "x-memory-budget";
+pub const SUMMARY_HEADER: &str = "x-memory-summary";
 
 /// What happened to memory on a request, sent as `X-Memory-Status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,8 +107,10 @@ pub async fn chat(
     let planned = plan::plan(state, &key, &settings, request.model.clone(), messages);
     let mut plan_headers = HeaderMap::new();
     let (forward_body, plan) = match planned {
-        Ok(plan) => {
+        Ok(mut plan) => {
+            summarize_if_due(state, &settings, &parts.headers, &mut plan).await;
             plan_headers = headers_of(&plan);
+            state.metrics.planned(&plan);
             (
                 Bytes::from(request.body_with_messages(plan.prompt.messages())),
                 Some(plan),
@@ -140,6 +144,9 @@ pub async fn chat(
     let response = response?;
 
     let (mut head, upstream_body) = response.into_parts();
+    state
+        .metrics
+        .upstream(&mut head.extensions, started.elapsed());
     head.headers = forwardable(&head.headers);
     head.headers.extend(plan_headers);
     let conversation_id = key.conversation.clone();
@@ -210,9 +217,47 @@ pub async fn chat(
     Ok(response)
 }
 
-/// The headers that describe a plan: what was recalled, the prompt's size, the budget.
+/// Starts a due summary: queued for the background worker, or with `compression_async = false`
+/// made now, so this request already carries it. A failure leaves the previous summary in place.
+async fn summarize_if_due(
+    state: &AppState,
+    settings: &MemorySettings,
+    request_headers: &HeaderMap,
+    plan: &mut Plan,
+) {
+    let Some(mut job) = plan.summary_due.take() else {
+        return;
+    };
+    // The triggering request's credentials, held in memory only for the call.
+    job.authorization = request_headers.get(header::AUTHORIZATION).cloned();
+    if settings.compression_async {
+        if !state.summarizer.enqueue(job) {
+            tracing::debug!("summary not queued: one is running or the queue is full");
+        }
+        return;
+    }
+    match state.summarizer.run_now(job).await {
+        Ok(record) => {
+            plan.prompt.summary = summary::render(&record);
+            plan.summary = Some(record);
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "synchronous summary failed; using the previous one")
+        }
+    }
+}
+
+/// The headers that describe a plan: what was recalled, the prompt's size, the budget, the
+/// summary.
 fn headers_of(plan: &Plan) -> HeaderMap {
     let mut headers = HeaderMap::new();
+    let label = plan
+        .summary
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |r| r.label());
+    if let Ok(value) = HeaderValue::from_str(&label) {
+        headers.insert(SUMMARY_HEADER, value);
+    }
     headers.insert(
         RETRIEVED_HEADER,
         HeaderValue::from(plan.recalled_turns.len()),

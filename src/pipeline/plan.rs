@@ -9,12 +9,14 @@ use super::budget::{self, Fitted};
 use super::commit::{Exchange, last_is_reply};
 use super::recall::{RecalledTurn, recalled_turns, render};
 use super::reconcile::{Alignment, Mark, align};
+use super::summary::plan_summary;
 use super::window::window_start;
 use crate::identity::ConversationKey;
 use crate::message::{Message, Role};
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::store::{StoreError, StoredMessage, lock};
+use crate::summary::{Job, SummaryRecord};
 use crate::tokens;
 
 /// A planned exchange: the prompt to forward and what to commit afterwards.
@@ -32,6 +34,10 @@ pub struct Plan {
     pub prompt_tokens: u64,
     /// What the token budget did, when one is set.
     pub fitted: Option<Fitted>,
+    /// The summary in the prompt.
+    pub summary: Option<SummaryRecord>,
+    /// A new summary is due: the job (without credentials; the caller adds them).
+    pub summary_due: Option<Job>,
 }
 
 pub fn plan(
@@ -86,6 +92,12 @@ pub fn plan(
     let mut window: Vec<StoredMessage> =
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
 
+    // Summary: the newest one goes in the prompt; a new one may be due.
+    let summary = plan_summary(state, &conversation, settings, start, model_name)?;
+    let summary_tokens = summary.current.as_ref().map_or(0, |r| {
+        u64::from(r.tokens) + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS) + 16
+    });
+
     // Recall: the older pool is everything before the window.
     let mut recalled: Vec<RecalledTurn> = Vec::new();
     if settings.relevance_enabled && settings.relevance_top_k > 0 && start > 0 {
@@ -121,7 +133,8 @@ pub fn plan(
                     .unwrap_or_else(|| tokens::count_cached(model_name, m.fingerprint, &m.text())),
             )
         })
-        .sum();
+        .sum::<u64>()
+        + summary_tokens;
     let fitted = settings
         .max_context_tokens
         .map(|budget| budget::fit(budget, fixed, &mut recalled, &mut window, model_name));
@@ -148,6 +161,7 @@ pub fn plan(
         planned_next_turn: conversation.meta.as_ref().map(|m| m.next_turn),
         max_messages: settings.max_messages,
         model,
+        prompt_tokens,
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
@@ -155,7 +169,7 @@ pub fn plan(
     Ok(Plan {
         prompt: Prompt {
             instructions,
-            summary: None,
+            summary: summary.current.as_ref().and_then(super::summary::render),
             recalled: render(&recalled),
             window: window.into_iter().map(|m| m.message).collect(),
             incoming,
@@ -166,6 +180,8 @@ pub fn plan(
         recalled_turns,
         prompt_tokens,
         fitted,
+        summary: summary.current,
+        summary_due: summary.due,
     })
 }
 

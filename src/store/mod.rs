@@ -15,9 +15,11 @@
 //! writers to one conversation cannot interleave. This module stores and loads; deciding what
 //! to store is the pipeline's job.
 
+mod admin;
 mod flush;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -27,6 +29,7 @@ use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 use tokio::task::JoinHandle;
 
+pub use admin::{ConversationSummary, Deleted, ImportMeta, Imported, TtlRecord};
 pub use flush::FlushError;
 use flush::GroupFlusher;
 
@@ -55,6 +58,9 @@ pub struct ConversationMeta {
     pub total_tokens: u64,
     pub created_ms: i64,
     pub last_activity_ms: i64,
+    /// Tokens of the prompts forwarded for this conversation's stored exchanges.
+    #[serde(default)]
+    pub tokens_forwarded: u64,
 }
 
 /// One stored message.
@@ -81,10 +87,14 @@ pub struct Entry {
     pub tokens: u32,
     pub fingerprint: u64,
     pub at_ms: i64,
+    /// Tokens of this message and every one before it still stored: the tokens of any run of
+    /// messages is a difference of two of these, with no scan.
+    pub cum_tokens: u64,
 }
 
-impl From<&StoredMessage> for Entry {
-    fn from(m: &StoredMessage) -> Entry {
+impl Entry {
+    /// The entry of `m`, stored after a message whose `cum_tokens` was `before`.
+    pub fn new(m: &StoredMessage, before: u64) -> Entry {
         Entry {
             turn: m.turn,
             role: m.role,
@@ -92,8 +102,22 @@ impl From<&StoredMessage> for Entry {
             tokens: m.tokens,
             fingerprint: m.fingerprint,
             at_ms: m.at_ms,
+            cum_tokens: before + u64::from(m.tokens),
         }
     }
+}
+
+/// Tokens of `entries[from..to]`, from their running totals.
+pub fn tokens_between(entries: &[Entry], from: usize, to: usize) -> u64 {
+    if from >= to {
+        return 0;
+    }
+    let before = if from == 0 {
+        entries[0].cum_tokens - u64::from(entries[0].tokens)
+    } else {
+        entries[from - 1].cum_tokens
+    };
+    entries[to - 1].cum_tokens - before
 }
 
 /// A conversation's in-memory index: its meta as last read or written, and one [`Entry`] per
@@ -114,6 +138,8 @@ pub struct Change {
     pub remove_turns: Vec<u64>,
     /// Messages to add, in order; their `turn` is assigned by the commit.
     pub add: Vec<StoredMessage>,
+    /// Tokens of the prompt forwarded for this exchange, added to the conversation's total.
+    pub tokens_forwarded: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +166,11 @@ pub struct Store {
     cache: moka::sync::Cache<ConversationKey, Handle>,
     flusher: Option<Arc<GroupFlusher>>,
     background: Mutex<Vec<JoinHandle<()>>>,
+    /// Lookups in `cache`, and those that missed (for metrics).
+    cache_lookups: AtomicU64,
+    cache_misses: AtomicU64,
+    /// The `ttl` tree: `tenant \0 agent \0 conversation` → [`TtlRecord`] (JSON).
+    ttl: sled::Tree,
 }
 
 impl std::fmt::Debug for Store {
@@ -191,6 +222,7 @@ impl Store {
         let conversations = db.open_tree("conversations")?;
         let messages = db.open_tree("messages")?;
         let summaries = db.open_tree("summaries")?;
+        let ttl = db.open_tree("ttl")?;
         let mut background = Vec::new();
         let flusher = match durability {
             Durability::Commit => {
@@ -217,14 +249,19 @@ impl Store {
             cache,
             flusher,
             background: Mutex::new(background),
+            cache_lookups: AtomicU64::new(0),
+            cache_misses: AtomicU64::new(0),
+            ttl,
         })
     }
 
     /// The conversation's handle, loading its index from disk on a cache miss.
     pub fn conversation(&self, key: &ConversationKey) -> Result<Handle, StoreError> {
+        self.cache_lookups.fetch_add(1, Ordering::Relaxed);
         if let Some(handle) = self.cache.get(key) {
             return Ok(handle);
         }
+        self.cache_misses.fetch_add(1, Ordering::Relaxed);
         let conversation = self.load(key)?;
         let handle = Arc::new(Mutex::new(conversation));
         // Two loaders racing keep one handle: the first inserted wins.
@@ -247,7 +284,8 @@ impl Store {
             for item in self.messages.scan_prefix(meta.id.to_be_bytes()) {
                 let (_, value) = item?;
                 let message: StoredMessage = decode(&value)?;
-                entries.push(Entry::from(&message));
+                let before = entries.last().map_or(0, |e: &Entry| e.cum_tokens);
+                entries.push(Entry::new(&message, before));
             }
         }
         Ok(Conversation {
@@ -304,6 +342,7 @@ impl Store {
                 total_tokens: 0,
                 created_ms: now,
                 last_activity_ms: now,
+                tokens_forwarded: 0,
             },
         };
         for message in &mut change.add {
@@ -314,7 +353,12 @@ impl Store {
         let removed: Vec<usize> = change
             .remove_turns
             .iter()
-            .filter_map(|turn| conversation.entries.binary_search_by_key(turn, |e| e.turn).ok())
+            .filter_map(|turn| {
+                conversation
+                    .entries
+                    .binary_search_by_key(turn, |e| e.turn)
+                    .ok()
+            })
             .collect();
         let removed_tokens: u64 = removed
             .iter()
@@ -324,6 +368,7 @@ impl Store {
         meta.message_count = (conversation.entries.len() - removed.len() + change.add.len()) as u64;
         meta.total_tokens = meta.total_tokens - removed_tokens + added_tokens;
         meta.last_activity_ms = now;
+        meta.tokens_forwarded += change.tokens_forwarded;
 
         let key = conversation.key.to_bytes();
         let meta_bytes = encode(&meta)?;
@@ -358,9 +403,10 @@ impl Store {
         for i in removed.into_iter().rev() {
             conversation.entries.remove(i);
         }
-        conversation
-            .entries
-            .extend(change.add.iter().map(Entry::from));
+        for message in &change.add {
+            let before = conversation.entries.last().map_or(0, |e| e.cum_tokens);
+            conversation.entries.push(Entry::new(message, before));
+        }
         conversation.meta = Some(meta);
         conversation.stored_meta = Some(sled::IVec::from(meta_bytes));
         Ok(())
@@ -437,7 +483,13 @@ fn safe_name(id: &str) -> String {
     let mut name: String = id
         .chars()
         .take(64)
-        .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect();
     let digest = Sha256::digest(id.as_bytes());
     name.push('-');
@@ -496,6 +548,7 @@ mod tests {
                 let handle = store.conversation(&key("c")).unwrap();
                 let mut conv = lock(&handle);
                 let change = Change {
+                    tokens_forwarded: 0,
                     remove_turns: vec![],
                     add: vec![message(Role::User, "a"), message(Role::Assistant, "bb")],
                 };
@@ -525,7 +578,16 @@ mod tests {
     #[test]
     fn workspace_paths_stay_inside_the_data_directory() {
         let data = Path::new("/data");
-        for hostile in ["..", "../../etc", "/etc/passwd", "a/b", "C:\\x", "", &"x".repeat(5000), "ok-id"] {
+        for hostile in [
+            "..",
+            "../../etc",
+            "/etc/passwd",
+            "a/b",
+            "C:\\x",
+            "",
+            &"x".repeat(5000),
+            "ok-id",
+        ] {
             let key = ConversationKey {
                 tenant: TenantId::from_token(Some("t")),
                 agent: "..".into(),
@@ -535,12 +597,18 @@ mod tests {
             assert!(dir.starts_with("/data/workspaces"), "{dir:?}");
             for part in dir.strip_prefix(data).unwrap().components() {
                 let part = part.as_os_str().to_str().unwrap();
-                assert!(part != ".." && part != "." && !part.contains('/') && part.len() <= 73, "{part}");
+                assert!(
+                    part != ".." && part != "." && !part.contains('/') && part.len() <= 73,
+                    "{part}"
+                );
             }
         }
         let a = workspace_dir(data, &key("a:b"));
         let b = workspace_dir(data, &key("a@b"));
-        assert_ne!(a, b, "ids that reduce to the same name still get their own folder");
+        assert_ne!(
+            a, b,
+            "ids that reduce to the same name still get their own folder"
+        );
     }
 
     #[tokio::test]
@@ -555,6 +623,7 @@ mod tests {
                 Change {
                     remove_turns: vec![],
                     add: vec![message(Role::User, "a")],
+                    tokens_forwarded: 0,
                 },
             )
             .unwrap();
@@ -564,6 +633,7 @@ mod tests {
                 Change {
                     remove_turns: vec![],
                     add: vec![message(Role::User, "b")],
+                    tokens_forwarded: 0,
                 },
             )
             .unwrap_err();
@@ -577,6 +647,7 @@ mod tests {
                 Change {
                     remove_turns: vec![1],
                     add: vec![message(Role::User, "b")],
+                    tokens_forwarded: 0,
                 },
             )
             .unwrap();

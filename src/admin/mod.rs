@@ -1,0 +1,298 @@
+//! The admin API under `/admin/v1/`: list, show, stats, preview, export, import and delete
+//! conversations, and delete a tenant. Documented in `docs/admin-openapi.yaml`.
+//!
+//! Access: `Authorization: Bearer <admin token>`, the token from `MEMPROXY_ADMIN_TOKEN` or the
+//! variable `admin.token_env` names. With no token configured every `/admin` path is 404, as if
+//! the API did not exist; a wrong or missing token is 401. Tokens are compared as SHA-256
+//! digests in constant time, so neither the timing nor the length says anything of the token.
+//!
+//! The operations on a store ([`ops`]) are shared with the offline CLI; this file adds HTTP,
+//! the recall index (which the store does not own) and metrics. It never forwards anything
+//! upstream: preview plans a request without sending or storing it.
+
+pub mod format;
+pub mod ops;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use serde_json::{Value, json};
+use subtle::ConstantTimeEq;
+
+use crate::body::{CollectError, ProxyBody, collect_limited, full};
+use crate::config::hash_key;
+use crate::identity::{ConversationKey, TenantId, bearer_token, is_valid_id};
+use crate::message::ChatRequest;
+use crate::pipeline::plan::plan;
+use crate::settings::{self, MemorySettings};
+use crate::state::AppState;
+use crate::store::StoreError;
+
+pub use ops::{AdminError, delete_conversation, delete_idle, delete_tenant};
+
+/// The prefix of every admin path.
+pub const PREFIX: &str = "/admin/v1/";
+
+/// Every route the admin API serves, as `(method, path template)`: the OpenAPI document is
+/// checked against this list by a test.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/admin/v1/conversations"),
+    ("GET", "/admin/v1/conversations/{tenant}/{agent}/{id}"),
+    ("DELETE", "/admin/v1/conversations/{tenant}/{agent}/{id}"),
+    ("GET", "/admin/v1/conversations/{tenant}/{agent}/{id}/stats"),
+    ("POST", "/admin/v1/conversations/{tenant}/{agent}/{id}/preview"),
+    ("GET", "/admin/v1/conversations/{tenant}/{agent}/{id}/export"),
+    ("POST", "/admin/v1/conversations/{tenant}/{agent}/{id}/import"),
+    ("DELETE", "/admin/v1/tenants/{tenant}"),
+];
+
+/// The default and largest page of a listing.
+pub const DEFAULT_PAGE: usize = 100;
+pub const MAX_PAGE: usize = 1000;
+
+/// True when `headers` carry the admin token (constant-time comparison of digests).
+pub fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    let Some(expected) = &state.config.admin_token else {
+        return false;
+    };
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer_token)
+        .unwrap_or("");
+    let expected = hash_key(&expected.0);
+    let presented = hash_key(presented);
+    bool::from(expected.ct_eq(&presented))
+}
+
+/// Answers one `/admin...` request. Never fails: errors are JSON responses.
+pub async fn handle(state: &Arc<AppState>, request: Request<Incoming>) -> Response<ProxyBody> {
+    if state.config.admin_token.is_none() {
+        return AdminError::NotFound("no such path".into()).into_response();
+    }
+    if !authorized(state, request.headers()) {
+        return AdminError::Unauthorized.into_response();
+    }
+    match route(state, request).await {
+        Ok(response) => response,
+        Err(err) => {
+            if err.status().is_server_error() {
+                tracing::warn!(error = %err, "admin request failed");
+            }
+            err.into_response()
+        }
+    }
+}
+
+async fn route(
+    state: &Arc<AppState>,
+    request: Request<Incoming>,
+) -> Result<Response<ProxyBody>, AdminError> {
+    let path = request.uri().path().to_string();
+    let query = request.uri().query().unwrap_or("").to_string();
+    let method = request.method().clone();
+    let rest = path
+        .strip_prefix(PREFIX)
+        .ok_or_else(|| AdminError::NotFound(format!("no admin route for {method} {path}")))?;
+    let parts: Vec<&str> = rest.split('/').collect();
+    let not_found = || AdminError::NotFound(format!("no admin route for {method} {path}"));
+    let wrong_method = |allowed: &str| AdminError::MethodNotAllowed(allowed.to_string());
+
+    match parts.as_slice() {
+        ["conversations"] => match method {
+            Method::GET => ok(ops::list(&state.store, &query)?),
+            _ => Err(wrong_method("GET")),
+        },
+        ["tenants", tenant] => match method {
+            Method::DELETE => {
+                let tenant = tenant_of(tenant)?;
+                let deleted = delete_tenant(state, &tenant)?;
+                ok(json!({"tenant": tenant.as_str(), "deleted_conversations": deleted}))
+            }
+            _ => Err(wrong_method("DELETE")),
+        },
+        ["conversations", tenant, agent, id] => {
+            let key = key_of(tenant, agent, id)?;
+            match method {
+                Method::GET => ok(ops::show(&state.store, &key)?),
+                Method::DELETE => {
+                    let deleted =
+                        delete_conversation(state, &key)?.ok_or_else(|| missing(&key))?;
+                    let mut value = format::address(&key);
+                    value["deleted"] = json!({
+                        "messages": deleted.messages,
+                        "summaries": deleted.summaries,
+                    });
+                    ok(value)
+                }
+                _ => Err(wrong_method("GET, DELETE")),
+            }
+        }
+        ["conversations", tenant, agent, id, action] => {
+            let key = key_of(tenant, agent, id)?;
+            match (*action, &method) {
+                ("stats", &Method::GET) => ok(ops::stats(
+                    &state.store,
+                    &key,
+                    state.config.profile(&key.agent),
+                )?),
+                ("export", &Method::GET) => {
+                    let export = ops::export(&state.store, &key)?;
+                    let text = serde_json::to_string(&export)
+                        .map_err(|err| AdminError::Internal(err.to_string()))?;
+                    Ok(json_response(StatusCode::OK, text))
+                }
+                ("import", &Method::POST) => {
+                    let force_tenant = query_flag(&query, "force_tenant");
+                    let (_, body) = request.into_parts();
+                    let bytes = read_body(state, body).await?;
+                    let imported = ops::import(&state.store, &key, &bytes, force_tenant)?;
+                    state.recall.forget(&key);
+                    ok(imported)
+                }
+                ("preview", &Method::POST) => {
+                    let (parts, body) = request.into_parts();
+                    let bytes = read_body(state, body).await?;
+                    ok(preview(state, &key, &parts.headers, &bytes)?)
+                }
+                ("stats" | "export", _) => Err(wrong_method("GET")),
+                ("import" | "preview", _) => Err(wrong_method("POST")),
+                _ => Err(not_found()),
+            }
+        }
+        _ => Err(not_found()),
+    }
+}
+
+fn ok(value: Value) -> Result<Response<ProxyBody>, AdminError> {
+    Ok(json_response(StatusCode::OK, value.to_string()))
+}
+
+fn json_response(status: StatusCode, body: impl Into<Bytes>) -> Response<ProxyBody> {
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn query_flag(query: &str, name: &str) -> bool {
+    query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .any(|(k, v)| k == name && (v == "true" || v == "1"))
+}
+
+fn missing(key: &ConversationKey) -> AdminError {
+    AdminError::NotFound(format!(
+        "no conversation {}/{}/{}",
+        key.tenant, key.agent, key.conversation
+    ))
+}
+
+fn tenant_of(text: &str) -> Result<TenantId, AdminError> {
+    TenantId::from_stored(text).ok_or_else(|| {
+        AdminError::BadRequest(
+            "a tenant is 32 lower-case hex characters or `anonymous`".to_string(),
+        )
+    })
+}
+
+/// The key addressed by `{tenant}/{agent}/{id}`, each part checked.
+pub fn key_of(tenant: &str, agent: &str, id: &str) -> Result<ConversationKey, AdminError> {
+    let tenant = tenant_of(tenant)?;
+    if !is_valid_id(agent) || !is_valid_id(id) {
+        return Err(AdminError::BadRequest(
+            "agent and conversation ids are 1-128 characters from A-Za-z0-9._:@-".to_string(),
+        ));
+    }
+    Ok(ConversationKey {
+        tenant,
+        agent: agent.to_string(),
+        conversation: id.to_string(),
+    })
+}
+
+async fn read_body(state: &AppState, body: Incoming) -> Result<Bytes, AdminError> {
+    collect_limited(body, state.config.body_limit_bytes)
+        .await
+        .map_err(|err| match err {
+            CollectError::TooLarge { limit } => AdminError::BadRequest(format!(
+                "the request body is larger than the limit of {limit} bytes"
+            )),
+            CollectError::Read(_) => {
+                AdminError::BadRequest("the request body could not be read".to_string())
+            }
+        })
+}
+
+/// The exact `messages` memproxy would forward for a chat-completions body, planned against
+/// the stored conversation without forwarding or storing anything. `X-Memory-*` setting
+/// headers on the admin request apply as they would on a chat request.
+fn preview(
+    state: &AppState,
+    key: &ConversationKey,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Value, AdminError> {
+    if state.store.meta(key)?.is_none() {
+        return Err(missing(key));
+    }
+    let settings = settings_for(state.config.profile(&key.agent).clone(), headers)?;
+    let mut request = ChatRequest::parse(body)
+        .map_err(|err| AdminError::BadRequest(format!("the chat-completions body: {err}")))?;
+    let messages = std::mem::take(&mut request.messages);
+    let planned = plan(state, key, &settings, request.model.clone(), messages)?;
+    let forwarded: Vec<Value> = planned
+        .prompt
+        .messages()
+        .map(|raw| serde_json::from_str(raw.get()).unwrap_or(Value::Null))
+        .collect();
+    let budget = planned.fitted.map(|fitted| {
+        if fitted.exceeded {
+            "exceeded"
+        } else if fitted.truncated || fitted.dropped_recalled > 0 || fitted.dropped_window > 0 {
+            "trimmed"
+        } else {
+            "fits"
+        }
+    });
+    Ok(json!({
+        "model": request.model,
+        "messages": forwarded,
+        "prompt_tokens": planned.prompt_tokens,
+        "recalled_turns": planned.recalled_turns,
+        "stored_messages": planned.stored_count,
+        "summary": planned.prompt.summary.is_some(),
+        "budget": budget,
+    }))
+}
+
+/// The agent's profile with the request's `X-Memory-*` setting headers applied.
+fn settings_for(
+    mut settings: MemorySettings,
+    headers: &HeaderMap,
+) -> Result<MemorySettings, AdminError> {
+    for (name, value) in headers {
+        let Some(setting) = settings::setting_for_header(name.as_str()) else {
+            continue;
+        };
+        let text = value.to_str().map_err(|_| {
+            AdminError::BadRequest(format!("header `{name}` must be visible ASCII"))
+        })?;
+        settings
+            .apply(setting, text)
+            .map_err(|err| AdminError::BadRequest(format!("header `{name}`: {err}")))?;
+    }
+    Ok(settings)
+}
+
+impl From<StoreError> for AdminError {
+    fn from(err: StoreError) -> AdminError {
+        AdminError::Internal(err.to_string())
+    }
+}

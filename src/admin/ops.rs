@@ -1,0 +1,407 @@
+//! The admin operations on a store, shared by the HTTP API and the offline CLI, and the
+//! deletes that also drop the recall index and count in metrics.
+
+use http::{HeaderValue, Response, StatusCode, header};
+use serde_json::{Value, json};
+
+use super::format::{self, EXPORT_FORMAT, Export};
+use super::{DEFAULT_PAGE, MAX_PAGE, key_of, tenant_of};
+use crate::body::{ProxyBody, full};
+use crate::identity::{ConversationKey, TenantId, is_valid_id};
+use crate::settings::MemorySettings;
+use crate::state::AppState;
+use crate::store::{Deleted, Store, StoreError, now_ms};
+
+/// An admin error: a JSON body `{"error":{"message","type","param","code"}}` and a status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("the admin token is missing or wrong: send `Authorization: Bearer <admin token>`")]
+    Unauthorized,
+    #[error("{0}")]
+    NotFound(String),
+    #[error("method not allowed here; allowed: {0}")]
+    MethodNotAllowed(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl AdminError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            AdminError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            AdminError::Unauthorized => StatusCode::UNAUTHORIZED,
+            AdminError::NotFound(_) => StatusCode::NOT_FOUND,
+            AdminError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            AdminError::Conflict(_) => StatusCode::CONFLICT,
+            AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn code(&self) -> &'static str {
+        match self {
+            AdminError::BadRequest(_) => "invalid_request",
+            AdminError::Unauthorized => "invalid_admin_token",
+            AdminError::NotFound(_) => "not_found",
+            AdminError::MethodNotAllowed(_) => "method_not_allowed",
+            AdminError::Conflict(_) => "conflict",
+            AdminError::Internal(_) => "internal_error",
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            AdminError::BadRequest(_)
+            | AdminError::MethodNotAllowed(_)
+            | AdminError::Conflict(_) => "invalid_request_error",
+            AdminError::Unauthorized => "authentication_error",
+            AdminError::NotFound(_) => "not_found_error",
+            AdminError::Internal(_) => "server_error",
+        }
+    }
+
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let body = json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.kind(),
+                "param": null,
+                "code": self.code(),
+            }
+        });
+        let mut response = Response::new(full(body.to_string()));
+        *response.status_mut() = self.status();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let AdminError::MethodNotAllowed(allowed) = &self
+            && let Ok(value) = HeaderValue::from_str(allowed)
+        {
+            response.headers_mut().insert(header::ALLOW, value);
+        }
+        if matches!(self, AdminError::Unauthorized) {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+fn missing(key: &ConversationKey) -> AdminError {
+    AdminError::NotFound(format!(
+        "no conversation {}/{}/{}",
+        key.tenant, key.agent, key.conversation
+    ))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// A listing filter and page, as the query string gives it.
+#[derive(Debug, Default, Clone)]
+pub struct ListQuery {
+    pub tenant: Option<TenantId>,
+    pub agent: Option<String>,
+    pub cursor: Option<Vec<u8>>,
+    pub limit: usize,
+}
+
+impl ListQuery {
+    /// Reads `tenant`, `agent`, `cursor` and `limit` from a query string.
+    pub fn parse(query: &str) -> Result<ListQuery, AdminError> {
+        let mut out = ListQuery {
+            limit: DEFAULT_PAGE,
+            ..ListQuery::default()
+        };
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            match name {
+                "tenant" => out.tenant = Some(tenant_of(value)?),
+                "agent" => {
+                    if !is_valid_id(value) {
+                        return Err(AdminError::BadRequest(
+                            "`agent` is 1-128 characters from A-Za-z0-9._:@-".into(),
+                        ));
+                    }
+                    out.agent = Some(value.to_string());
+                }
+                "cursor" => {
+                    out.cursor = Some(unhex(value).ok_or_else(|| {
+                        AdminError::BadRequest("`cursor` is not a cursor this API gave".into())
+                    })?);
+                }
+                "limit" => {
+                    out.limit = value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=MAX_PAGE).contains(n))
+                        .ok_or_else(|| {
+                            AdminError::BadRequest(format!(
+                                "`limit` must be an integer from 1 to {MAX_PAGE}"
+                            ))
+                        })?;
+                }
+                other => {
+                    return Err(AdminError::BadRequest(format!(
+                        "unknown query parameter `{other}`: accepted are tenant, agent, cursor, limit"
+                    )));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Lists conversations: `{"conversations":[...],"next_cursor":...}`.
+pub fn list(store: &Store, query: &str) -> Result<Value, AdminError> {
+    list_with(store, &ListQuery::parse(query)?)
+}
+
+pub fn list_with(store: &Store, query: &ListQuery) -> Result<Value, AdminError> {
+    let mut prefix = Vec::new();
+    if let Some(tenant) = &query.tenant {
+        prefix.extend_from_slice(tenant.as_str().as_bytes());
+        prefix.push(0);
+        if let Some(agent) = &query.agent {
+            prefix.extend_from_slice(agent.as_bytes());
+            prefix.push(0);
+        }
+    }
+    let (page, next) = store.list(
+        &prefix,
+        query.agent.as_deref(),
+        query.cursor.as_deref(),
+        query.limit.max(1),
+    )?;
+    Ok(json!({
+        "conversations": page.iter().map(format::listed).collect::<Vec<_>>(),
+        "next_cursor": next.map(|c| hex(&c)),
+    }))
+}
+
+/// A conversation whole: record, messages, summaries.
+pub fn show(store: &Store, key: &ConversationKey) -> Result<Value, AdminError> {
+    let meta = store.meta(key)?.ok_or_else(|| missing(key))?;
+    let messages = store.all_messages(&meta)?;
+    let summaries = store.summaries_of(&meta)?;
+    let ttl = store.ttl_of(key)?;
+    Ok(format::shown(key, &meta, &messages, &summaries, ttl.as_ref()))
+}
+
+/// A field of an opaque summary record, read leniently.
+fn summary_field(record: &serde_json::value::RawValue, field: &str) -> Option<u64> {
+    serde_json::from_str::<Value>(record.get())
+        .ok()?
+        .get(field)?
+        .as_u64()
+}
+
+/// A conversation's numbers: messages total/active/summarized, summaries, tokens, and how
+/// far it is into the context budget and towards the next summary.
+pub fn stats(
+    store: &Store,
+    key: &ConversationKey,
+    settings: &MemorySettings,
+) -> Result<Value, AdminError> {
+    let meta = store.meta(key)?.ok_or_else(|| missing(key))?;
+    let messages = store.all_messages(&meta)?;
+    let summaries = store.summaries_of(&meta)?;
+    // Messages up to the newest summary's last turn are summarized; the rest are active.
+    let summarized_to = summaries
+        .iter()
+        .filter_map(|(_, record)| summary_field(record, "to_turn"))
+        .max()
+        .unwrap_or(0);
+    let latest_summary_tokens = summaries
+        .iter()
+        .max_by_key(|(_, record)| summary_field(record, "to_turn").unwrap_or(0))
+        .and_then(|(_, record)| summary_field(record, "tokens"))
+        .unwrap_or(0);
+    let (summarized, active): (Vec<_>, Vec<_>) =
+        messages.iter().partition(|m| m.turn <= summarized_to);
+    let active_tokens: u64 = active.iter().map(|m| u64::from(m.tokens)).sum();
+    let percent = |part: u64, whole: u64| {
+        if whole == 0 {
+            Value::Null
+        } else {
+            json!(((part as f64) * 1000.0 / whole as f64).round() / 10.0)
+        }
+    };
+    let budget = settings.max_context_tokens;
+    let mut value = format::address(key);
+    value["messages"] = json!({
+        "total": messages.len(),
+        "active": active.len(),
+        "summarized": summarized.len(),
+    });
+    value["summaries"] = json!(summaries.len());
+    value["tokens"] = json!({
+        "total": meta.total_tokens,
+        "active": active_tokens,
+        "summary": latest_summary_tokens,
+    });
+    value["context_budget"] = json!({
+        "max_context_tokens": budget,
+        "used_percent": budget.map_or(Value::Null, |b| percent(active_tokens + latest_summary_tokens, b)),
+    });
+    value["next_summary"] = json!({
+        "enabled": settings.compression_enabled,
+        "threshold_tokens": settings.compression_threshold_tokens,
+        "percent": if settings.compression_enabled {
+            percent(active_tokens, settings.compression_threshold_tokens)
+        } else {
+            Value::Null
+        },
+    });
+    Ok(value)
+}
+
+/// A conversation in the export format.
+pub fn export(store: &Store, key: &ConversationKey) -> Result<Export, AdminError> {
+    let meta = store.meta(key)?.ok_or_else(|| missing(key))?;
+    let messages = store.all_messages(&meta)?;
+    let summaries = store.summaries_of(&meta)?;
+    Ok(format::export(key, &meta, &messages, summaries))
+}
+
+/// Imports an export (JSON `body`) into `key`. An export that names another tenant is refused
+/// unless `force_tenant`: moving data between tenants must be deliberate.
+pub fn import(
+    store: &Store,
+    key: &ConversationKey,
+    body: &[u8],
+    force_tenant: bool,
+) -> Result<Value, AdminError> {
+    let export: Export = serde_json::from_slice(body)
+        .map_err(|err| AdminError::BadRequest(format!("the body is not an export: {err}")))?;
+    if export.format != EXPORT_FORMAT {
+        return Err(AdminError::BadRequest(format!(
+            "`format` must be \"{EXPORT_FORMAT}\""
+        )));
+    }
+    if let Some(tenant) = &export.tenant
+        && tenant != key.tenant.as_str()
+        && !force_tenant
+    {
+        return Err(AdminError::Conflict(
+            "the export belongs to another tenant; add ?force_tenant=true to import it here"
+                .to_string(),
+        ));
+    }
+    let now = now_ms();
+    let messages = export
+        .messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| m.to_stored(i, now))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| AdminError::BadRequest(err.to_string()))?;
+    let summaries = export
+        .summaries
+        .into_iter()
+        .map(|s| (s.number, s.record))
+        .collect();
+    let hint = crate::store::ImportMeta {
+        created_ms: export.created_ms,
+        last_activity_ms: export.last_activity_ms,
+        next_turn: export.next_turn,
+    };
+    let imported = store.import_conversation(key, messages, summaries, hint)?;
+    let mut value = format::address(key);
+    value["added"] = json!(imported.added);
+    value["already_stored"] = json!(imported.already_stored);
+    value["summaries_added"] = json!(imported.summaries_added);
+    value["summaries_skipped"] = json!(imported.summaries_skipped);
+    Ok(value)
+}
+
+/// Deletes a conversation completely (store, workspace, cached state, recall index).
+pub fn delete_conversation(
+    state: &AppState,
+    key: &ConversationKey,
+) -> Result<Option<Deleted>, StoreError> {
+    let deleted = state.store.delete_conversation(key)?;
+    state.recall.forget(key);
+    if deleted.is_some() {
+        state.metrics.admin_deleted(1);
+        tracing::info!(agent = %key.agent, "conversation deleted by an operator");
+    }
+    Ok(deleted)
+}
+
+/// The TTL sweeper's delete: only if the conversation is still idle since before `cutoff_ms`.
+pub fn delete_idle(
+    state: &AppState,
+    key: &ConversationKey,
+    cutoff_ms: i64,
+) -> Result<bool, StoreError> {
+    let deleted = state.store.delete_idle_conversation(key, cutoff_ms)?;
+    if deleted.is_some() {
+        state.recall.forget(key);
+    }
+    Ok(deleted.is_some())
+}
+
+/// Deletes every conversation of a tenant; 404 when it has none.
+pub fn delete_tenant(state: &AppState, tenant: &TenantId) -> Result<usize, AdminError> {
+    let count = delete_tenant_in(&state.store, tenant, |key| state.recall.forget(key))?;
+    state.metrics.admin_deleted(count);
+    Ok(count)
+}
+
+/// Deletes every conversation of a tenant in `store`, calling `forget` for each; 404 when the
+/// tenant has none.
+pub fn delete_tenant_in(
+    store: &Store,
+    tenant: &TenantId,
+    forget: impl Fn(&ConversationKey),
+) -> Result<usize, AdminError> {
+    let mut prefix = tenant.as_str().as_bytes().to_vec();
+    prefix.push(0);
+    let mut count = 0;
+    loop {
+        let (page, _) = store.list(&prefix, None, None, MAX_PAGE)?;
+        if page.is_empty() {
+            break;
+        }
+        for summary in page {
+            if store.delete_conversation(&summary.key)?.is_some() {
+                count += 1;
+            }
+            forget(&summary.key);
+        }
+    }
+    if count == 0 {
+        return Err(AdminError::NotFound(format!(
+            "tenant {tenant} has no conversations"
+        )));
+    }
+    Ok(count)
+}
+
+/// Parses `{tenant}/{agent}/{id}` (the CLI's argument form).
+pub fn parse_address(text: &str) -> Result<ConversationKey, AdminError> {
+    let mut parts = text.splitn(3, '/');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(tenant), Some(agent), Some(id)) => key_of(tenant, agent, id),
+        _ => Err(AdminError::BadRequest(
+            "a conversation is addressed as TENANT/AGENT/ID".to_string(),
+        )),
+    }
+}

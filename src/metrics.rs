@@ -1,0 +1,519 @@
+//! Prometheus metrics: one registry per process, held in [`crate::state::AppState`] (never a
+//! global), rendered as OpenMetrics text by `GET /metrics`.
+//!
+//! Labels are closed sets chosen here (a route name, a status code, a stage, a cache name,
+//! an outcome). No label ever carries a conversation id, a tenant, a token or message text:
+//! that keeps cardinality bounded and the scrape free of anything private.
+//!
+//! The pipeline and the summary stage call the small recording methods below; the router
+//! records requests and the time memproxy adds; gauges that describe the store (size on disk,
+//! cached conversations) are read when the scrape happens.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+/// The content type of the scrape.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Which part of the API a request went to: the `route` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// `POST /v1/chat/completions` (header or path form), memory on or off.
+    Chat,
+    /// Any other `/v1/...` request, forwarded untouched.
+    Passthrough,
+    /// `/admin/...`.
+    Admin,
+    /// `/healthz`, `/readyz`.
+    Health,
+    /// `/metrics`.
+    Metrics,
+    /// Anything else (404).
+    Other,
+}
+
+impl Route {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Route::Chat => "chat",
+            Route::Passthrough => "passthrough",
+            Route::Admin => "admin",
+            Route::Health => "health",
+            Route::Metrics => "metrics",
+            Route::Other => "other",
+        }
+    }
+
+    /// The route of a request, from its method and path alone.
+    pub fn of(method: &http::Method, path: &str) -> Route {
+        match path {
+            "/healthz" | "/readyz" => return Route::Health,
+            "/metrics" => return Route::Metrics,
+            _ => {}
+        }
+        if path == "/admin" || path.starts_with("/admin/") {
+            return Route::Admin;
+        }
+        let api_path = match crate::identity::split_path_form(path) {
+            Some((_, _, rest)) => rest,
+            None => path,
+        };
+        if api_path != "/v1" && !api_path.starts_with("/v1/") {
+            return Route::Other;
+        }
+        if method == http::Method::POST && api_path == "/v1/chat/completions" {
+            Route::Chat
+        } else {
+            Route::Passthrough
+        }
+    }
+}
+
+/// A stage of the memory pipeline: the `stage` label of `memproxy_stage_duration_seconds`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    Reconcile,
+    Recall,
+    Assemble,
+    Commit,
+    Summary,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 5] = [
+        Stage::Reconcile,
+        Stage::Recall,
+        Stage::Assemble,
+        Stage::Commit,
+        Stage::Summary,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Reconcile => "reconcile",
+            Stage::Recall => "recall",
+            Stage::Assemble => "assemble",
+            Stage::Commit => "commit",
+            Stage::Summary => "summary",
+        }
+    }
+}
+
+/// A cache whose hits and misses are counted: the `cache` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cache {
+    /// The store's per-conversation state (turn index).
+    Conversation,
+    /// The per-conversation BM25 recall index.
+    Recall,
+}
+
+impl Cache {
+    fn as_str(self) -> &'static str {
+        match self {
+            Cache::Conversation => "conversation",
+            Cache::Recall => "recall",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: &'static str,
+    status: u16,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StageLabels {
+    stage: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheLabels {
+    cache: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+/// The time the upstream took to answer with its head, put into a response's extensions by
+/// whoever forwarded it, so the router can tell the time memproxy added.
+#[derive(Debug, Clone, Copy)]
+pub struct UpstreamTime(pub Duration);
+
+fn latency_buckets() -> Histogram {
+    // 1 ms … ~65 s.
+    Histogram::new([
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ])
+}
+
+fn added_buckets() -> Histogram {
+    // 50 µs … 5 s: what memproxy adds is meant to be small.
+    Histogram::new([
+        0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+        1.0, 5.0,
+    ])
+}
+
+/// Every metric memproxy exports.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    upstream_latency: Histogram,
+    added_time: Histogram,
+    stages: Family<StageLabels, Histogram, fn() -> Histogram>,
+    retrieved_turns: Histogram,
+    summaries: Family<ResultLabels, Counter>,
+    summary_input_tokens: Counter,
+    summary_output_tokens: Counter,
+    tokens_forwarded: Counter,
+    tokens_history: Counter,
+    store_size: Gauge,
+    cached_conversations: Gauge,
+    recall_cache_bytes: Gauge,
+    cache_lookups: Family<CacheLabels, Counter>,
+    cache_misses: Family<CacheLabels, Counter>,
+    ttl_deletions: Counter,
+    ttl_passes: Counter,
+    ttl_scanned: Counter,
+    admin_deletions: Counter,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("memproxy");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests answered, by route and HTTP status",
+            requests.clone(),
+        );
+        let upstream_latency = latency_buckets();
+        registry.register_with_unit(
+            "upstream_latency",
+            "Time the upstream took to answer with its response head",
+            Unit::Seconds,
+            upstream_latency.clone(),
+        );
+        let added_time = added_buckets();
+        registry.register_with_unit(
+            "added_time",
+            "Time memproxy added to a forwarded request: time to the response head minus the upstream's time",
+            Unit::Seconds,
+            added_time.clone(),
+        );
+        let stages: Family<StageLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(added_buckets);
+        registry.register_with_unit(
+            "stage_duration",
+            "Time spent in each memory stage (reconcile, recall, assemble, commit, summary)",
+            Unit::Seconds,
+            stages.clone(),
+        );
+        let retrieved_turns = Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 10.0, 15.0, 20.0]);
+        registry.register(
+            "retrieved_turns",
+            "Older turns recalled into a forwarded prompt",
+            retrieved_turns.clone(),
+        );
+        let summaries = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "summaries",
+            "Summaries attempted, by result (made, failed)",
+            summaries.clone(),
+        );
+        let summary_input_tokens = Counter::default();
+        registry.register(
+            "summary_input_tokens",
+            "Tokens of the history that summaries replaced",
+            summary_input_tokens.clone(),
+        );
+        let summary_output_tokens = Counter::default();
+        registry.register(
+            "summary_output_tokens",
+            "Tokens of the summaries made",
+            summary_output_tokens.clone(),
+        );
+        let tokens_forwarded = Counter::default();
+        registry.register(
+            "prompt_tokens_forwarded",
+            "Tokens of the prompts memproxy forwarded upstream",
+            tokens_forwarded.clone(),
+        );
+        let tokens_history = Counter::default();
+        registry.register(
+            "history_tokens",
+            "Tokens of the full history those prompts stood for (stored messages plus the new ones); the saving is this minus prompt_tokens_forwarded",
+            tokens_history.clone(),
+        );
+        let store_size = Gauge::default();
+        registry.register_with_unit(
+            "store_size",
+            "Size of the store on disk",
+            Unit::Bytes,
+            store_size.clone(),
+        );
+        let cached_conversations = Gauge::default();
+        registry.register(
+            "cached_conversations",
+            "Conversations whose state is held in memory",
+            cached_conversations.clone(),
+        );
+        let recall_cache_bytes = Gauge::default();
+        registry.register_with_unit(
+            "recall_cache",
+            "Approximate heap size of the cached recall indexes",
+            Unit::Bytes,
+            recall_cache_bytes.clone(),
+        );
+        let cache_lookups = Family::<CacheLabels, Counter>::default();
+        registry.register(
+            "cache_lookups",
+            "Lookups in memproxy's in-memory caches, by cache",
+            cache_lookups.clone(),
+        );
+        let cache_misses = Family::<CacheLabels, Counter>::default();
+        registry.register(
+            "cache_misses",
+            "Lookups that missed and loaded from the store, by cache",
+            cache_misses.clone(),
+        );
+        let ttl_deletions = Counter::default();
+        registry.register(
+            "ttl_deletions",
+            "Conversations deleted by the TTL sweeper",
+            ttl_deletions.clone(),
+        );
+        let ttl_passes = Counter::default();
+        registry.register(
+            "ttl_sweeps",
+            "Passes of the TTL sweeper",
+            ttl_passes.clone(),
+        );
+        let ttl_scanned = Counter::default();
+        registry.register(
+            "ttl_scanned",
+            "Conversations the TTL sweeper looked at",
+            ttl_scanned.clone(),
+        );
+        let admin_deletions = Counter::default();
+        registry.register(
+            "admin_deletions",
+            "Conversations deleted through the admin API or the CLI",
+            admin_deletions.clone(),
+        );
+        let metrics = Metrics {
+            registry,
+            requests,
+            upstream_latency,
+            added_time,
+            stages,
+            retrieved_turns,
+            summaries,
+            summary_input_tokens,
+            summary_output_tokens,
+            tokens_forwarded,
+            tokens_history,
+            store_size,
+            cached_conversations,
+            recall_cache_bytes,
+            cache_lookups,
+            cache_misses,
+            ttl_deletions,
+            ttl_passes,
+            ttl_scanned,
+            admin_deletions,
+        };
+        // Every labelled series exists from the start, so dashboards see zeros, not gaps.
+        for stage in Stage::ALL {
+            let _ = metrics.stage(stage);
+        }
+        for result in ["made", "failed"] {
+            let _ = metrics.summaries.get_or_create(&ResultLabels { result });
+        }
+        for cache in [Cache::Conversation, Cache::Recall] {
+            let labels = CacheLabels {
+                cache: cache.as_str(),
+            };
+            let _ = metrics.cache_lookups.get_or_create(&labels);
+            let _ = metrics.cache_misses.get_or_create(&labels);
+        }
+        metrics
+    }
+
+    /// Counts one answered request.
+    pub fn request(&self, route: Route, status: http::StatusCode) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.as_str(),
+                status: status.as_u16(),
+            })
+            .inc();
+    }
+
+    /// Records a request's timings: `total` to the response head, `upstream` the part the
+    /// upstream took (when it was called). Observes the time memproxy added.
+    pub fn timings(&self, total: Duration, upstream: Option<Duration>) {
+        if let Some(upstream) = upstream {
+            self.added_time
+                .observe(total.saturating_sub(upstream).as_secs_f64());
+        }
+    }
+
+    /// Records the upstream's time to its response head, and notes it in `extensions` (the
+    /// response's) so the router can tell the time memproxy added.
+    pub fn upstream(&self, extensions: &mut http::Extensions, elapsed: Duration) {
+        self.upstream_latency.observe(elapsed.as_secs_f64());
+        extensions.insert(UpstreamTime(elapsed));
+    }
+
+    /// The histogram of one stage's durations: `metrics.stage(Stage::Recall).observe(secs)`.
+    pub fn stage(&self, stage: Stage) -> impl std::ops::Deref<Target = Histogram> + '_ {
+        self.stages.get_or_create(&StageLabels {
+            stage: stage.as_str(),
+        })
+    }
+
+    /// Records the time one stage took.
+    pub fn observe_stage(&self, stage: Stage, elapsed: Duration) {
+        self.stage(stage).observe(elapsed.as_secs_f64());
+    }
+
+    /// Records a planned prompt: how many older turns were recalled, the tokens forwarded and
+    /// the tokens of the full history they stand for.
+    pub fn prompt(&self, retrieved_turns: usize, forwarded_tokens: u64, history_tokens: u64) {
+        self.retrieved_turns.observe(retrieved_turns as f64);
+        self.tokens_forwarded.inc_by(forwarded_tokens);
+        self.tokens_history
+            .inc_by(history_tokens.max(forwarded_tokens));
+    }
+
+    /// Records a plan made by [`crate::pipeline::plan::plan`]: recalled turns, forwarded tokens,
+    /// and the full history's tokens (stored total plus the new messages).
+    pub fn planned(&self, plan: &crate::pipeline::plan::Plan) {
+        let stored = crate::store::lock(&plan.exchange.handle)
+            .meta
+            .as_ref()
+            .map_or(0, |m| m.total_tokens);
+        let new: u64 = plan.exchange.new_tokens.iter().map(|&t| u64::from(t)).sum();
+        self.prompt(plan.recalled_turns.len(), plan.prompt_tokens, stored + new);
+    }
+
+    /// A summary was made: `input_tokens` of history replaced by `output_tokens` of summary.
+    pub fn summary_made(&self, input_tokens: u64, output_tokens: u64) {
+        self.summaries
+            .get_or_create(&ResultLabels { result: "made" })
+            .inc();
+        self.summary_input_tokens.inc_by(input_tokens);
+        self.summary_output_tokens.inc_by(output_tokens);
+    }
+
+    /// A summary attempt failed.
+    pub fn summary_failed(&self) {
+        self.summaries
+            .get_or_create(&ResultLabels { result: "failed" })
+            .inc();
+    }
+
+    /// Counts a cache lookup, and whether it missed.
+    pub fn cache_lookup(&self, cache: Cache, hit: bool) {
+        let labels = CacheLabels {
+            cache: cache.as_str(),
+        };
+        self.cache_lookups.get_or_create(&labels).inc();
+        if !hit {
+            self.cache_misses.get_or_create(&labels).inc();
+        }
+    }
+
+    /// Records one pass of the TTL sweeper.
+    pub fn ttl_pass(&self, scanned: usize, deleted: usize) {
+        self.ttl_passes.inc();
+        self.ttl_scanned.inc_by(scanned as u64);
+        self.ttl_deletions.inc_by(deleted as u64);
+    }
+
+    /// Counts conversations deleted by an operator.
+    pub fn admin_deleted(&self, count: usize) {
+        self.admin_deletions.inc_by(count as u64);
+    }
+
+    /// The scrape: OpenMetrics text, with the store gauges read now.
+    pub fn render(&self, state: &crate::state::AppState) -> String {
+        let store = &state.store;
+        self.store_size
+            .set(i64::try_from(store.size_on_disk()).unwrap_or(i64::MAX));
+        self.cached_conversations
+            .set(i64::try_from(store.cached_conversations()).unwrap_or(i64::MAX));
+        self.recall_cache_bytes
+            .set(i64::try_from(state.recall.weighted_size()).unwrap_or(i64::MAX));
+        let (lookups, misses) = store.cache_counts();
+        let labels = CacheLabels {
+            cache: Cache::Conversation.as_str(),
+        };
+        catch_up(&self.cache_lookups.get_or_create(&labels), lookups);
+        catch_up(&self.cache_misses.get_or_create(&labels), misses);
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// Brings a counter mirrored from elsewhere up to `value` (counters only grow).
+fn catch_up(counter: &Counter, value: u64) {
+    let current = counter.get();
+    if value > current {
+        counter.inc_by(value - current);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_are_named_from_the_path_alone() {
+        use http::Method;
+        let cases = [
+            (Method::POST, "/v1/chat/completions", Route::Chat),
+            (
+                Method::POST,
+                "/agents/a/conversations/c/v1/chat/completions",
+                Route::Chat,
+            ),
+            (Method::GET, "/v1/models", Route::Passthrough),
+            (Method::GET, "/v1/chat/completions", Route::Passthrough),
+            (Method::GET, "/healthz", Route::Health),
+            (Method::GET, "/readyz", Route::Health),
+            (Method::GET, "/metrics", Route::Metrics),
+            (Method::GET, "/admin/v1/conversations", Route::Admin),
+            (Method::GET, "/nope", Route::Other),
+        ];
+        for (method, path, route) in cases {
+            assert_eq!(Route::of(&method, path), route, "{path}");
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! Summary: the summary slot of the prompt, and whether a new summary is due.
+//!
+//! Runs under the conversation's lock as part of the plan: it reads the newest summary record,
+//! estimates the tokens of the older pool not yet covered (from stored counts, no scan), and
+//! decides. Making the summary is the summarizer's job, off the hot path (or, with
+//! `compression_async = false`, awaited by the request before it is forwarded).
+
+use serde_json::value::RawValue;
+
+use super::assemble::SUMMARY_MARKER;
+use crate::settings::MemorySettings;
+use crate::state::AppState;
+use crate::store::{Conversation, StoreError, now_ms, tokens_between};
+use crate::summary::{self, Job, SummaryRecord, heuristic};
+
+/// What the summary stage decided.
+#[derive(Debug, Default)]
+pub struct SummaryPlan {
+    /// The summary to put in the prompt.
+    pub current: Option<SummaryRecord>,
+    /// A new summary is due: the job to run (credentials are added by the caller).
+    pub due: Option<Job>,
+    /// Tokens of the older pool not covered by a model summary.
+    pub uncovered_tokens: u64,
+}
+
+/// Decides the summary stage for a conversation whose recent window starts at `pool_end`
+/// (an index into its entries).
+pub fn plan_summary(
+    state: &AppState,
+    conversation: &Conversation,
+    settings: &MemorySettings,
+    pool_end: usize,
+    request_model: Option<&str>,
+) -> Result<SummaryPlan, StoreError> {
+    let (Some(meta), true) = (&conversation.meta, settings.compression_enabled) else {
+        return Ok(SummaryPlan::default());
+    };
+    let store = &state.store;
+    let latest = summary::latest(store, meta.id)?;
+    let model_summary = latest.as_ref().filter(|r| !r.heuristic);
+    let covered_to = model_summary.map_or(0, |r| r.to_turn);
+    let entries = &conversation.entries;
+    let pool_end = pool_end.min(entries.len());
+    let from = entries
+        .partition_point(|e| e.turn <= covered_to)
+        .min(pool_end);
+    let uncovered_tokens = tokens_between(entries, from, pool_end);
+    let mut plan = SummaryPlan {
+        current: latest.clone(),
+        due: None,
+        uncovered_tokens,
+    };
+    if uncovered_tokens <= settings.compression_threshold_tokens {
+        return Ok(plan);
+    }
+
+    let throttled = model_summary.is_some_and(|r| {
+        let interval = settings.compression_interval.as_millis() as i64;
+        now_ms() - r.created_ms < interval
+    });
+    let model = settings.compression_model.as_deref().or(request_model);
+    if !throttled
+        && let Some(model) = model
+        && !state.summarizer.busy(&conversation.key)
+    {
+        plan.due = Some(Job {
+            key: conversation.key.clone(),
+            conversation_id: meta.id,
+            upto_turn: entries[pool_end - 1].turn,
+            model: model.to_string(),
+            authorization: None,
+        });
+    }
+
+    // No model summary yet: a heuristic one stands in, made once (not when this very request
+    // is about to wait for the model's).
+    let waits_for_model = plan.due.is_some() && !settings.compression_async;
+    if latest.is_none() && !waits_for_model {
+        let turns = entries[..pool_end].iter().map(|e| e.turn);
+        let messages = store.messages(conversation, turns)?;
+        if let Some(record) = heuristic::summarize(&messages, 1) {
+            match summary::save(store, &conversation.key, meta.id, &record) {
+                Ok(()) => plan.current = Some(record),
+                Err(err) => tracing::warn!(error = %err, "could not store the heuristic summary"),
+            }
+        }
+    }
+    Ok(plan)
+}
+
+/// The summary as one system message.
+pub fn render(record: &SummaryRecord) -> Option<Box<RawValue>> {
+    let kind = if record.heuristic {
+        ", heuristic: no model summary yet"
+    } else {
+        ""
+    };
+    let content = format!(
+        "{SUMMARY_MARKER} (turns {}–{}){kind}]\n{}",
+        record.from_turn, record.to_turn, record.text
+    );
+    let message = serde_json::json!({"role": "system", "content": content});
+    RawValue::from_string(message.to_string()).ok()
+}

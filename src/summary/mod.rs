@@ -1,0 +1,503 @@
+//! Summaries of old history: the records, the LLM call that makes them, and the background
+//! worker that runs those calls off the request path.
+//!
+//! A summary is progressive: the next one is made from the previous summary plus the messages
+//! that aged out since, with a prompt template holding `{prev_summary}` and
+//! `{messages_joined}`. Each is stored as a record in sled (`summaries` tree) and as Markdown
+//! in the conversation's workspace folder (`memory/summary-1-{n}.md`). When no model summary
+//! exists yet, a heuristic one (no LLM) stands in and is marked as such.
+//!
+//! The worker: a bounded queue, one job per conversation at a time, a concurrency limit, a
+//! back-off per conversation after a failure, and every job tracked so shutdown waits for it
+//! (within the grace period) or cancels it.
+
+pub mod heuristic;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http::{HeaderMap, HeaderValue, Request, header};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::body::{collect_limited, full};
+use crate::config::CompressionConfig;
+use crate::identity::ConversationKey;
+use crate::pipeline::recall::render_line;
+use crate::store::{Store, StoreError, StoredMessage, lock, now_ms, workspace_dir};
+use crate::tokens;
+use crate::upstream::Upstream;
+
+/// The default prompt: what a continuing conversation needs, in well under a third of the
+/// original's length.
+pub const DEFAULT_PROMPT: &str = "You maintain the running summary of a long conversation between a user and an AI assistant. \
+The summary replaces the old messages in the assistant's context, so keep everything a continuing conversation needs:
+- who the user is, and their preferences and constraints;
+- facts and identifiers stated (names, numbers, account ids, addresses, dates) exactly as written;
+- decisions made, and why;
+- tool calls made and their outcomes, errors and failures seen;
+- open tasks, promises and questions not yet answered.
+Merge the previous summary with the new messages into one updated summary. Drop small talk and repetition. \
+Write short factual bullet points in the conversation's language. Keep it under 30% of the length of the input below.
+
+Previous summary:
+{prev_summary}
+
+New messages (oldest first):
+{messages_joined}
+
+Updated summary:";
+
+/// The header memproxy's own upstream calls carry, so upstream logs (and the test mock) can
+/// tell them apart.
+pub const TASK_HEADER: &str = "x-memproxy-task";
+
+/// A stored summary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SummaryRecord {
+    /// 1, 2, 3… per conversation.
+    pub number: u64,
+    pub text: String,
+    /// The turns it covers: `from_turn..=to_turn`.
+    pub from_turn: u64,
+    pub to_turn: u64,
+    /// Tokens of `text`.
+    pub tokens: u32,
+    /// Tokens of what it was made from (previous summary + new messages).
+    pub original_tokens: u64,
+    /// `tokens / original_tokens`.
+    pub ratio: f64,
+    /// Time of the first and last covered message (UTC ms).
+    pub from_ms: i64,
+    pub to_ms: i64,
+    /// The model that wrote it (`heuristic` for the stand-in).
+    pub model: String,
+    pub created_ms: i64,
+    /// A stand-in made without an LLM.
+    pub heuristic: bool,
+    /// Upstream token usage of the call.
+    #[serde(default)]
+    pub usage_prompt_tokens: u64,
+    #[serde(default)]
+    pub usage_completion_tokens: u64,
+}
+
+impl SummaryRecord {
+    /// `1-120`, or `1-120 heuristic`: for `X-Memory-Summary`.
+    pub fn label(&self) -> String {
+        let range = format!("{}-{}", self.from_turn, self.to_turn);
+        if self.heuristic {
+            format!("{range} heuristic")
+        } else {
+            range
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SummaryError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("the summary call failed: {0}")]
+    Upstream(String),
+    #[error("the summary call took longer than {0:?}")]
+    Timeout(Duration),
+    #[error("nothing to summarize")]
+    Empty,
+    #[error("writing the summary file failed: {0}")]
+    File(#[from] std::io::Error),
+}
+
+fn summary_key(conversation_id: u64, number: u64) -> [u8; 16] {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&conversation_id.to_be_bytes());
+    key[8..].copy_from_slice(&number.to_be_bytes());
+    key
+}
+
+/// The conversation's newest summary record.
+pub fn latest(store: &Store, conversation_id: u64) -> Result<Option<SummaryRecord>, StoreError> {
+    match store
+        .summaries_tree()
+        .scan_prefix(conversation_id.to_be_bytes())
+        .next_back()
+    {
+        None => Ok(None),
+        Some(item) => {
+            let (_, value) = item?;
+            serde_json::from_slice(&value)
+                .map(Some)
+                .map_err(|err| StoreError::Corrupt(err.to_string()))
+        }
+    }
+}
+
+/// Every summary record of a conversation, oldest first.
+pub fn all(store: &Store, conversation_id: u64) -> Result<Vec<SummaryRecord>, StoreError> {
+    store
+        .summaries_tree()
+        .scan_prefix(conversation_id.to_be_bytes())
+        .map(|item| {
+            let (_, value) = item?;
+            serde_json::from_slice(&value).map_err(|err| StoreError::Corrupt(err.to_string()))
+        })
+        .collect()
+}
+
+/// Stores a record and writes its Markdown copy (`memory/summary-1-{to_turn}.md`).
+pub fn save(
+    store: &Store,
+    key: &ConversationKey,
+    conversation_id: u64,
+    record: &SummaryRecord,
+) -> Result<(), SummaryError> {
+    let value = serde_json::to_vec(record).map_err(|err| StoreError::Corrupt(err.to_string()))?;
+    store
+        .summaries_tree()
+        .insert(summary_key(conversation_id, record.number), value)
+        .map_err(StoreError::from)?;
+    let folder = workspace_dir(store.data_dir(), key).join("memory");
+    std::fs::create_dir_all(&folder)?;
+    let file = folder.join(format!(
+        "summary-{}-{}.md",
+        record.from_turn, record.to_turn
+    ));
+    let markdown = format!(
+        "# Summary of turns {}–{}{}\n\n- made: {} ms since epoch by {}\n- tokens: {} (from {}, ratio {:.2})\n\n{}\n",
+        record.from_turn,
+        record.to_turn,
+        if record.heuristic { " (heuristic)" } else { "" },
+        record.created_ms,
+        record.model,
+        record.tokens,
+        record.original_tokens,
+        record.ratio,
+        record.text
+    );
+    // Written aside and renamed, so a reader never sees half a file.
+    let partial = folder.join(format!(".summary-{}.partial", record.number));
+    std::fs::write(&partial, markdown)?;
+    std::fs::rename(&partial, &file)?;
+    Ok(())
+}
+
+/// What a summary job needs.
+#[derive(Debug)]
+pub struct Job {
+    pub key: ConversationKey,
+    pub conversation_id: u64,
+    /// The newest turn to cover (the last message before the recent window).
+    pub upto_turn: u64,
+    pub model: String,
+    /// The triggering request's credentials, held in memory only.
+    pub authorization: Option<HeaderValue>,
+}
+
+/// Counters of the summaries made.
+#[derive(Debug, Default)]
+pub struct SummaryCounters {
+    pub made: AtomicU64,
+    pub failed: AtomicU64,
+    pub dropped: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+}
+
+/// Runs summary jobs in the background.
+pub struct Summarizer {
+    store: Arc<Store>,
+    upstream: Upstream,
+    config: Arc<CompressionConfig>,
+    queue: Mutex<Option<mpsc::Sender<Job>>>,
+    in_flight: Mutex<HashSet<ConversationKey>>,
+    /// Failures in a row and when the conversation may be tried again.
+    backoff: Mutex<HashMap<ConversationKey, (u32, Instant)>>,
+    stop: Notify,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    pub counters: SummaryCounters,
+}
+
+impl std::fmt::Debug for Summarizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Summarizer").finish_non_exhaustive()
+    }
+}
+
+impl Summarizer {
+    /// Starts the worker. Must be called inside a tokio runtime.
+    pub fn start(
+        store: Arc<Store>,
+        upstream: Upstream,
+        config: CompressionConfig,
+    ) -> Arc<Summarizer> {
+        let (tx, rx) = mpsc::channel(config.queue_capacity);
+        let summarizer = Arc::new(Summarizer {
+            store,
+            upstream,
+            config: Arc::new(config),
+            queue: Mutex::new(Some(tx)),
+            in_flight: Mutex::new(HashSet::new()),
+            backoff: Mutex::new(HashMap::new()),
+            stop: Notify::new(),
+            worker: Mutex::new(None),
+            counters: SummaryCounters::default(),
+        });
+        let worker = tokio::spawn(Arc::clone(&summarizer).work(rx));
+        *guard(&summarizer.worker) = Some(worker);
+        summarizer
+    }
+
+    async fn work(self: Arc<Self>, mut rx: mpsc::Receiver<Job>) {
+        let permits = Arc::new(Semaphore::new(self.config.concurrency));
+        let mut jobs = JoinSet::new();
+        loop {
+            tokio::select! {
+                job = rx.recv() => {
+                    let Some(job) = job else { break };
+                    let Ok(permit) = Arc::clone(&permits).acquire_owned().await else { break };
+                    let me = Arc::clone(&self);
+                    jobs.spawn(async move {
+                        let _permit = permit;
+                        me.run(job).await;
+                    });
+                }
+                Some(_) = jobs.join_next(), if !jobs.is_empty() => {}
+                () = self.stop.notified() => break,
+            }
+        }
+        // Jobs still queued are not started; the ones running finish (or are aborted when the
+        // grace period ends and this task is dropped).
+        rx.close();
+        while jobs.join_next().await.is_some() {}
+    }
+
+    /// True when a job for `key` is queued or running, or the conversation is backing off.
+    pub fn busy(&self, key: &ConversationKey) -> bool {
+        if guard(&self.in_flight).contains(key) {
+            return true;
+        }
+        guard(&self.backoff)
+            .get(key)
+            .is_some_and(|(_, until)| Instant::now() < *until)
+    }
+
+    /// Queues a job; returns false when one is already running for the conversation, or the
+    /// queue is full or closed.
+    pub fn enqueue(&self, job: Job) -> bool {
+        if !guard(&self.in_flight).insert(job.key.clone()) {
+            return false;
+        }
+        let key = job.key.clone();
+        let sent = match &*guard(&self.queue) {
+            Some(tx) => tx.try_send(job).is_ok(),
+            None => false,
+        };
+        if !sent {
+            guard(&self.in_flight).remove(&key);
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        sent
+    }
+
+    /// Runs a job now and waits for it (synchronous compression). The job counts as in flight.
+    pub async fn run_now(&self, job: Job) -> Result<SummaryRecord, SummaryError> {
+        if !guard(&self.in_flight).insert(job.key.clone()) {
+            return Err(SummaryError::Upstream(
+                "a summary of this conversation is already running".into(),
+            ));
+        }
+        let key = job.key.clone();
+        let result = self.make(job).await;
+        self.finish(&key, &result);
+        result
+    }
+
+    async fn run(&self, job: Job) {
+        let key = job.key.clone();
+        let result = self.make(job).await;
+        self.finish(&key, &result);
+    }
+
+    fn finish(&self, key: &ConversationKey, result: &Result<SummaryRecord, SummaryError>) {
+        guard(&self.in_flight).remove(key);
+        match result {
+            Ok(record) => {
+                guard(&self.backoff).remove(key);
+                self.counters.made.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .prompt_tokens
+                    .fetch_add(record.usage_prompt_tokens, Ordering::Relaxed);
+                self.counters
+                    .completion_tokens
+                    .fetch_add(record.usage_completion_tokens, Ordering::Relaxed);
+                tracing::info!(
+                    summary = record.number,
+                    to_turn = record.to_turn,
+                    tokens = record.tokens,
+                    ratio = record.ratio,
+                    "summary stored"
+                );
+            }
+            Err(err) => {
+                self.counters.failed.fetch_add(1, Ordering::Relaxed);
+                let mut backoff = guard(&self.backoff);
+                let failures = backoff.get(key).map_or(0, |(n, _)| *n) + 1;
+                let wait = self.config.retry_backoff * 2u32.pow(failures.min(16) - 1);
+                backoff.insert(key.clone(), (failures, Instant::now() + wait));
+                tracing::warn!(error = %err, failures, retry_in_s = wait.as_secs(), "summary failed; the previous summary stays");
+            }
+        }
+    }
+
+    /// Makes and stores the next summary of a conversation.
+    async fn make(&self, job: Job) -> Result<SummaryRecord, SummaryError> {
+        let store = &self.store;
+        let previous = latest(store, job.conversation_id)?;
+        let previous_llm = previous.clone().filter(|r| !r.heuristic);
+        let covered_to = previous_llm.as_ref().map_or(0, |r| r.to_turn);
+
+        // The messages that aged out since the previous summary.
+        let messages: Vec<StoredMessage> = {
+            let handle = store.conversation(&job.key)?;
+            let conversation = lock(&handle);
+            let turns: Vec<u64> = conversation
+                .entries
+                .iter()
+                .map(|e| e.turn)
+                .filter(|t| *t > covered_to && *t <= job.upto_turn)
+                .collect();
+            store.messages(&conversation, turns)?
+        };
+        let (Some(first), Some(last)) = (messages.first(), messages.last()) else {
+            return Err(SummaryError::Empty);
+        };
+        let joined: Vec<String> = messages.iter().map(render_line).collect();
+        let joined = joined.join("\n");
+        let prev_text = previous_llm
+            .as_ref()
+            .map_or("(none yet)", |r| r.text.as_str());
+        let prompt = self
+            .config
+            .prompt
+            .replace("{prev_summary}", prev_text)
+            .replace("{messages_joined}", &joined);
+
+        let (text, usage) = tokio::time::timeout(self.config.timeout, self.call(&job, prompt))
+            .await
+            .map_err(|_| SummaryError::Timeout(self.config.timeout))??;
+
+        let model = Some(job.model.as_str());
+        let original_tokens = previous_llm.as_ref().map_or(0, |r| u64::from(r.tokens))
+            + messages.iter().map(|m| u64::from(m.tokens)).sum::<u64>();
+        let tokens = tokens::count_text(model, &text);
+        let record = SummaryRecord {
+            number: previous.as_ref().map_or(1, |r| r.number + 1),
+            from_turn: previous_llm.as_ref().map_or(first.turn, |r| r.from_turn),
+            to_turn: last.turn,
+            tokens,
+            original_tokens,
+            ratio: if original_tokens == 0 {
+                0.0
+            } else {
+                f64::from(tokens) / original_tokens as f64
+            },
+            from_ms: previous_llm.as_ref().map_or(first.at_ms, |r| r.from_ms),
+            to_ms: last.at_ms,
+            model: job.model.clone(),
+            created_ms: now_ms(),
+            heuristic: false,
+            usage_prompt_tokens: usage.0,
+            usage_completion_tokens: usage.1,
+            text,
+        };
+        save(store, &job.key, job.conversation_id, &record)?;
+        Ok(record)
+    }
+
+    /// One chat completion upstream; returns the text and (prompt, completion) token usage.
+    async fn call(&self, job: &Job, prompt: String) -> Result<(String, (u64, u64)), SummaryError> {
+        let body = json!({
+            "model": job.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream": false,
+        });
+        let mut client_headers = HeaderMap::new();
+        if let Some(auth) = &job.authorization {
+            client_headers.insert(header::AUTHORIZATION, auth.clone());
+        }
+        let mut request = Request::new(full(body.to_string()));
+        *request.method_mut() = http::Method::POST;
+        *request.uri_mut() = self
+            .upstream
+            .uri_for("/v1/chat/completions")
+            .map_err(|err| SummaryError::Upstream(err.to_string()))?;
+        let headers = request.headers_mut();
+        *headers = self.upstream.request_headers(&client_headers);
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        headers.insert(TASK_HEADER, HeaderValue::from_static("summary"));
+
+        let response = self
+            .upstream
+            .send(request)
+            .await
+            .map_err(|err| SummaryError::Upstream(err.to_string()))?;
+        let status = response.status();
+        let body = collect_limited(response.into_body(), 16 * 1024 * 1024)
+            .await
+            .map_err(|err| SummaryError::Upstream(err.to_string()))?;
+        if !status.is_success() {
+            return Err(SummaryError::Upstream(format!(
+                "upstream answered {status}"
+            )));
+        }
+        let value: Value = serde_json::from_slice(&body)
+            .map_err(|_| SummaryError::Upstream("the answer is not JSON".into()))?;
+        let text = value
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| SummaryError::Upstream("the answer has no text".into()))?
+            .to_string();
+        let usage = (
+            value
+                .pointer("/usage/prompt_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
+            value
+                .pointer("/usage/completion_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
+        );
+        Ok((text, usage))
+    }
+
+    /// Stops taking jobs and waits up to `grace` for running ones; then cancels them.
+    pub async fn shutdown(&self, grace: Duration) {
+        guard(&self.queue).take();
+        self.stop.notify_one();
+        let worker = guard(&self.worker).take();
+        if let Some(mut worker) = worker
+            && tokio::time::timeout(grace, &mut worker).await.is_err()
+        {
+            tracing::warn!("summary jobs still running at the end of the grace period; cancelled");
+            worker.abort();
+            let _ = worker.await;
+        }
+    }
+}
+
+fn guard<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

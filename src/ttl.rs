@@ -1,0 +1,175 @@
+//! Conversation TTL: remembering the TTL requests ask for, and the background sweeper that
+//! deletes conversations idle for longer than it.
+//!
+//! A conversation's TTL is the one its last request used (`ttl` setting or `X-Memory-Ttl`,
+//! remembered in the store's `ttl` tree), else its agent's configured `ttl`; none means it is
+//! kept forever. The sweeper walks the conversations in key order, a bounded slice per pass
+//! (`sweeper.max_scanned` looked at, `sweeper.max_deleted` deleted), resuming where the last
+//! pass stopped, and deletes through the same path as the admin API's `DELETE`. It only reads
+//! time through [`Clock`], so tests move time forward instead of sleeping.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::identity::ConversationKey;
+use crate::settings::MemorySettings;
+use crate::state::AppState;
+use crate::store::StoreError;
+
+/// Wall-clock time as the sweeper sees it: the real clock plus an offset tests can move.
+#[derive(Debug, Default)]
+pub struct Clock {
+    offset_ms: AtomicI64,
+}
+
+impl Clock {
+    /// UTC milliseconds since the epoch, plus the offset.
+    pub fn now_ms(&self) -> i64 {
+        crate::store::now_ms().saturating_add(self.offset_ms.load(Ordering::Relaxed))
+    }
+
+    /// Moves this clock forward (tests).
+    pub fn advance(&self, by: Duration) {
+        let ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
+        self.offset_ms.fetch_add(ms, Ordering::Relaxed);
+    }
+}
+
+/// Remembers the TTL a chat request ran with, when it stores anything. A failure is logged,
+/// never returned: TTL bookkeeping must not fail a chat request.
+pub fn remember(state: &AppState, key: &ConversationKey, settings: &MemorySettings) {
+    if !settings.enabled || !settings.persist {
+        return;
+    }
+    if let Err(err) = state.store.remember_ttl(key, settings.ttl) {
+        tracing::warn!(error = %err, "remembering the conversation's TTL failed");
+    }
+}
+
+/// Where the sweeper's walk stands between passes.
+#[derive(Debug, Default, Clone)]
+pub struct Cursor {
+    conversations: Option<Vec<u8>>,
+    ttl: Option<Vec<u8>>,
+}
+
+/// What one pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Pass {
+    /// Conversations looked at.
+    pub scanned: usize,
+    /// Conversations deleted.
+    pub deleted: usize,
+    /// TTL records dropped whose conversation was never stored.
+    pub orphans: usize,
+}
+
+/// One bounded pass of the sweeper.
+pub fn sweep_pass(state: &AppState, cursor: &mut Cursor) -> Result<Pass, StoreError> {
+    let limits = state.config.sweeper;
+    let now = state.clock.now_ms();
+    let store = &state.store;
+    let mut pass = Pass::default();
+
+    let (batch, more) = store.scan(cursor.conversations.as_deref(), limits.max_scanned)?;
+    let batch_len = batch.len();
+    for (key, meta) in batch {
+        if pass.deleted == limits.max_deleted {
+            break;
+        }
+        pass.scanned += 1;
+        cursor.conversations = Some(key.to_bytes());
+        let ttl = match store.ttl_of(&key)? {
+            Some(record) => record.ttl(),
+            None => state.config.profile(&key.agent).ttl,
+        };
+        let Some(ttl) = ttl else { continue };
+        let cutoff = now.saturating_sub(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
+        if meta.last_activity_ms < cutoff && crate::admin::delete_idle(state, &key, cutoff)? {
+            pass.deleted += 1;
+        }
+    }
+    if !more && pass.scanned == batch_len {
+        cursor.conversations = None;
+    }
+
+    // TTL records of conversations that were never stored (the request failed upstream, or
+    // stored nothing) are dropped once they are older than their TTL.
+    let (records, more) = store.scan_ttl(cursor.ttl.as_deref(), limits.max_scanned)?;
+    for (key, record) in &records {
+        let expired = record.ttl_ms.is_none_or(|ttl| {
+            now.saturating_sub(record.set_ms) > i64::try_from(ttl).unwrap_or(i64::MAX)
+        });
+        if expired && store.drop_orphan_ttl(key)? {
+            pass.orphans += 1;
+        }
+    }
+    cursor.ttl = if more {
+        records.last().map(|(key, _)| key.clone())
+    } else {
+        None
+    };
+
+    state.metrics.ttl_pass(pass.scanned, pass.deleted);
+    if pass.deleted > 0 {
+        tracing::info!(
+            deleted = pass.deleted,
+            scanned = pass.scanned,
+            "TTL sweeper deleted idle conversations"
+        );
+    }
+    Ok(pass)
+}
+
+/// The running sweeper: a tracked background task.
+#[derive(Debug)]
+pub struct Sweeper {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl Sweeper {
+    /// Starts the sweeper: one pass every `sweeper.interval`, the first one interval after
+    /// start. Each pass runs on the blocking pool (sled I/O).
+    pub fn start(state: Arc<AppState>) -> Sweeper {
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let every = state.config.sweeper.interval;
+            let mut cursor = Cursor::default();
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(every) => {}
+                    _ = &mut stopped => return,
+                }
+                let pass_state = Arc::clone(&state);
+                let mut pass_cursor = cursor.clone();
+                let outcome = tokio::task::spawn_blocking(move || {
+                    let result = sweep_pass(&pass_state, &mut pass_cursor);
+                    (result, pass_cursor)
+                })
+                .await;
+                match outcome {
+                    Ok((Ok(_), next)) => cursor = next,
+                    Ok((Err(err), next)) => {
+                        cursor = next;
+                        tracing::warn!(error = %err, "TTL sweep pass failed");
+                    }
+                    Err(err) => tracing::warn!(error = %err, "TTL sweep pass panicked"),
+                }
+            }
+        });
+        Sweeper { stop, task }
+    }
+
+    /// Stops the sweeper, waiting for a pass in progress to finish.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        if let Err(err) = self.task.await {
+            tracing::warn!(error = %err, "the TTL sweeper ended abnormally");
+        }
+    }
+}

@@ -1,0 +1,487 @@
+//! The admin API through the real proxy: access, listing, show, stats, preview, export and
+//! import, deletes (complete, and only of what was named), and cross-tenant attempts.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+#[path = "support/admin.rs"]
+mod support_admin;
+
+use memproxy::mock_upstream::MockUpstream;
+use memproxy::store::workspace_dir;
+use serde_json::{Value, json};
+use support::*;
+use support_admin::*;
+
+const OTHER: &str = "sk-test-other";
+
+/// Stores `turns` exchanges in a conversation of `token` (agent `agent`), each user message
+/// containing `marker`.
+async fn converse(proxy: &Proxy, token: &str, agent: &str, id: &str, marker: &str, turns: usize) {
+    let mut history = vec![json!({"role": "system", "content": "be brief"})];
+    for i in 1..=turns {
+        history.push(user(&format!("{marker} question {i}")));
+        let answer = chat_as(proxy, token, id, &body(&history), &[("x-memory-agent", agent)]).await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        assert_eq!(answer.header("x-memory-status"), "stored");
+        history.push(reply_message(&answer));
+    }
+}
+
+/// Writes a summary record for a conversation the way the compression stage does.
+fn put_summary(proxy: &Proxy, token: &str, agent: &str, id: &str, number: u64, to_turn: u64) {
+    let key = key_for(Some(token), agent, id);
+    let meta = proxy.state.store.meta(&key).unwrap().unwrap();
+    let mut k = meta.id.to_be_bytes().to_vec();
+    k.extend_from_slice(&number.to_be_bytes());
+    let record = json!({
+        "number": number, "text": format!("summary {number} of {id}"), "from_turn": 1,
+        "to_turn": to_turn, "tokens": 12, "original_tokens": 100, "ratio": 0.12,
+        "from_ms": 1, "to_ms": 2, "model": "m", "created_ms": 3, "heuristic": false
+    });
+    proxy
+        .state
+        .store
+        .summaries_tree()
+        .insert(k, record.to_string().as_bytes())
+        .unwrap();
+}
+
+#[tokio::test]
+async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let off = Proxy::start(&mock, dir.path(), "").await;
+    for path in ["/admin/v1/conversations", "/admin/v1/tenants/anonymous", "/admin"] {
+        let answer = admin(&off, "GET", path, "").await;
+        assert_eq!(answer.status, 404, "{path}");
+    }
+    off.stop().await;
+
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    for token in [None, Some("wrong"), Some(TOKEN), Some("admin-token-for-test")] {
+        let answer = admin_as(&proxy, token, "GET", "/admin/v1/conversations", "").await;
+        assert_eq!(answer.status, 401, "{token:?}");
+        assert_eq!(answer.json()["error"]["code"], "invalid_admin_token");
+        assert_eq!(answer.header("www-authenticate"), "Bearer");
+    }
+    let answer = admin(&proxy, "GET", "/admin/v1/conversations", "").await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json(), json!({"conversations": [], "next_cursor": null}));
+    assert_eq!(mock.recorded().len(), 0, "admin requests never go upstream");
+}
+
+#[tokio::test]
+async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    converse(&proxy, TOKEN, "default", "c1", "alpha", 2).await;
+    converse(&proxy, TOKEN, "default", "c2", "beta", 1).await;
+    converse(&proxy, TOKEN, "support", "c3", "gamma", 1).await;
+    converse(&proxy, OTHER, "default", "c1", "delta", 1).await;
+    put_summary(&proxy, TOKEN, "default", "c1", 1, 2);
+
+    let all = admin(&proxy, "GET", "/admin/v1/conversations", "").await.json();
+    assert_eq!(all["conversations"].as_array().unwrap().len(), 4);
+    let mine = admin(
+        &proxy,
+        "GET",
+        &format!("/admin/v1/conversations?tenant={}", tenant(TOKEN)),
+        "",
+    )
+    .await
+    .json();
+    let mine = mine["conversations"].as_array().unwrap().clone();
+    assert_eq!(mine.len(), 3);
+    let c1 = mine.iter().find(|c| c["id"] == "c1").unwrap();
+    assert_eq!(c1["message_count"], 4);
+    assert_eq!(c1["summary_count"], 1);
+    assert!(c1["total_tokens"].as_u64().unwrap() > 0);
+    assert!(c1["last_activity_ms"].as_i64().unwrap() > 0);
+    let support = admin(
+        &proxy,
+        "GET",
+        &format!("/admin/v1/conversations?tenant={}&agent=support", tenant(TOKEN)),
+        "",
+    )
+    .await
+    .json();
+    assert_eq!(support["conversations"].as_array().unwrap().len(), 1);
+    assert_eq!(support["conversations"][0]["id"], "c3");
+    let by_agent = admin(&proxy, "GET", "/admin/v1/conversations?agent=default", "")
+        .await
+        .json();
+    assert_eq!(by_agent["conversations"].as_array().unwrap().len(), 3);
+
+    // Cursor pagination visits every conversation once.
+    let mut seen = Vec::new();
+    let mut path = "/admin/v1/conversations?limit=3".to_string();
+    loop {
+        let page = admin(&proxy, "GET", &path, "").await.json();
+        for c in page["conversations"].as_array().unwrap() {
+            seen.push(format!("{}/{}/{}", c["tenant"], c["agent"], c["id"]));
+        }
+        match page["next_cursor"].as_str() {
+            Some(cursor) => path = format!("/admin/v1/conversations?limit=3&cursor={cursor}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 4);
+    seen.dedup();
+    assert_eq!(seen.len(), 4);
+
+    let shown = admin(&proxy, "GET", &conversation_path(TOKEN, "default", "c1"), "")
+        .await
+        .json();
+    let messages = shown["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 4);
+    assert_eq!(messages[0]["turn"], 1);
+    assert_eq!(messages[0]["role"], "user");
+    assert_eq!(messages[0]["content"], "alpha question 1");
+    assert!(messages[0]["at_ms"].as_i64().unwrap() > 0);
+    assert!(messages[0]["tokens"].as_u64().unwrap() > 0);
+    assert_eq!(messages[1]["role"], "assistant");
+    assert_eq!(shown["summaries"][0]["record"]["text"], "summary 1 of c1");
+
+    let stats = admin(
+        &proxy,
+        "GET",
+        &format!("{}/stats", conversation_path(TOKEN, "default", "c1")),
+        "",
+    )
+    .await
+    .json();
+    assert_eq!(stats["messages"], json!({"total": 4, "active": 2, "summarized": 2}));
+    assert_eq!(stats["summaries"], 1);
+    assert!(stats["tokens"]["active"].as_u64().unwrap() < stats["tokens"]["total"].as_u64().unwrap());
+    assert!(stats["next_summary"]["percent"].as_f64().unwrap() > 0.0);
+    assert_eq!(stats["context_budget"]["used_percent"], Value::Null);
+
+    for (path, status) in [
+        (conversation_path(TOKEN, "default", "nope"), 404),
+        (format!("{}/stats", conversation_path(TOKEN, "default", "nope")), 404),
+        (format!("{}/export", conversation_path(TOKEN, "default", "nope")), 404),
+        ("/admin/v1/conversations/not-a-tenant/default/c1".to_string(), 400),
+        (format!("/admin/v1/conversations/{}/bad%20agent/c1", tenant(TOKEN)), 400),
+        ("/admin/v1/conversations?limit=0".to_string(), 400),
+        ("/admin/v1/conversations?cursor=zz".to_string(), 400),
+        ("/admin/v1/conversations?bogus=1".to_string(), 400),
+        ("/admin/v1/nothing".to_string(), 404),
+        (format!("{}/nothing", conversation_path(TOKEN, "default", "c1")), 404),
+    ] {
+        let answer = admin(&proxy, "GET", &path, "").await;
+        assert_eq!(answer.status, status, "{path}: {:?}", answer.body);
+        assert!(answer.json()["error"]["message"].as_str().unwrap().len() > 5);
+    }
+    let answer = admin(&proxy, "PUT", "/admin/v1/conversations", "").await;
+    assert_eq!(answer.status, 405);
+    assert_eq!(answer.header("allow"), "GET");
+}
+
+#[tokio::test]
+async fn preview_shows_exactly_what_would_be_forwarded_without_sending_or_storing() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    converse(&proxy, TOKEN, "default", "c", "topic", 14).await;
+    let path = format!("{}/preview", conversation_path(TOKEN, "default", "c"));
+    let request = body(&[
+        json!({"role": "system", "content": "be brief"}),
+        user("what about topic question 2 again?"),
+    ]);
+
+    let requests_before = mock.recorded().len();
+    let stored_before = proxy.stored(Some(TOKEN), "c").len();
+    let preview = admin(&proxy, "POST", &path, &request.to_string()).await;
+    assert_eq!(preview.status, 200, "{:?}", preview.body);
+    let preview = preview.json();
+    assert_eq!(mock.recorded().len(), requests_before, "preview calls no upstream");
+    assert_eq!(proxy.stored(Some(TOKEN), "c").len(), stored_before, "preview stores nothing");
+    assert!(!preview["recalled_turns"].as_array().unwrap().is_empty());
+    assert!(preview["prompt_tokens"].as_u64().unwrap() > 0);
+
+    let answer = chat(&proxy, "c", &request, &[]).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        Value::Array(mock.last_messages()),
+        preview["messages"],
+        "the preview is what the chat request forwarded"
+    );
+    assert_eq!(
+        answer.header("x-memory-prompt-tokens"),
+        preview["prompt_tokens"].to_string()
+    );
+
+    // Settings headers apply as on a chat request; errors are clear.
+    let small = send(
+        "POST",
+        &proxy.url(&path),
+        &[
+            ("authorization", &format!("Bearer {ADMIN_TOKEN}")),
+            ("x-memory-recent-n", "2"),
+            ("x-memory-relevance-enabled", "false"),
+        ],
+        request.to_string(),
+    )
+    .await
+    .json();
+    assert_eq!(small["messages"].as_array().unwrap().len(), 1 + 2 + 1);
+    let bad = admin(&proxy, "POST", &path, "{not json").await;
+    assert_eq!(bad.status, 400);
+    let missing = admin(
+        &proxy,
+        "POST",
+        &format!("{}/preview", conversation_path(TOKEN, "default", "nope")),
+        &request.to_string(),
+    )
+    .await;
+    assert_eq!(missing.status, 404);
+    let answer = admin(&proxy, "GET", &path, "").await;
+    assert_eq!(answer.status, 405);
+}
+
+#[tokio::test]
+async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    converse(&proxy, TOKEN, "default", "c", "round", 3).await;
+    put_summary(&proxy, TOKEN, "default", "c", 1, 2);
+    let path = conversation_path(TOKEN, "default", "c");
+    let export = admin(&proxy, "GET", &format!("{path}/export"), "").await;
+    assert_eq!(export.status, 200);
+    let exported = export.json();
+    assert_eq!(exported["format"], "memproxy.conversation.v1");
+    assert_eq!(exported["messages"].as_array().unwrap().len(), 6);
+    assert_eq!(exported["summaries"][0]["number"], 1);
+    let shown_before = admin(&proxy, "GET", &path, "").await.json();
+    proxy.stop().await;
+
+    let empty = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, empty.path(), "").await;
+    let text = String::from_utf8(export.body.to_vec()).unwrap();
+    let imported = admin(&proxy, "POST", &format!("{path}/import"), &text).await;
+    assert_eq!(imported.status, 200, "{:?}", imported.body);
+    assert_eq!(imported.json()["added"], 6);
+    assert_eq!(imported.json()["summaries_added"], 1);
+    let again = admin(&proxy, "POST", &format!("{path}/import"), &text).await.json();
+    assert_eq!((again["added"].clone(), again["already_stored"].clone()), (json!(0), json!(6)));
+
+    let shown_after = admin(&proxy, "GET", &path, "").await.json();
+    assert_eq!(shown_after, shown_before, "the same conversation, timestamps and all");
+    let export_again = admin(&proxy, "GET", &format!("{path}/export"), "").await.json();
+    assert_eq!(export_again, exported);
+
+    // The imported conversation is live memory: the next request continues it.
+    let mut history: Vec<Value> = exported["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["message"].clone())
+        .collect();
+    history.push(user("round question 4"));
+    let answer = chat(&proxy, "c", &body(&history), &[]).await;
+    assert_eq!(answer.header("x-memory-turns"), "8");
+
+    // An import into a non-empty conversation appends only what is new.
+    let mut longer = exported.clone();
+    let messages = longer["messages"].as_array_mut().unwrap();
+    messages.push(json!({"role": "user", "content": "round question 4", "at_ms": 5}));
+    messages.push(json!({"role": "assistant", "content": "reply to: round question 4"}));
+    messages.push(json!({"role": "user", "content": "imported later", "at_ms": 7}));
+    let appended = admin(&proxy, "POST", &format!("{path}/import"), &longer.to_string())
+        .await
+        .json();
+    assert_eq!(appended["added"], 1, "{appended}");
+    let last = admin(&proxy, "GET", &path, "").await.json();
+    let last = last["messages"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["content"], "imported later");
+    assert_eq!(last["at_ms"], 7);
+    assert_eq!(last["turn"], 9);
+
+    for (body, status) in [
+        ("{}".to_string(), 400),
+        (json!({"format": "other", "messages": []}).to_string(), 400),
+        (
+            json!({"format": "memproxy.conversation.v1", "messages": [{"content": "no role"}]})
+                .to_string(),
+            400,
+        ),
+        (
+            json!({"format": "memproxy.conversation.v1", "messages": [{"role": "robot", "content": "x"}]})
+                .to_string(),
+            400,
+        ),
+    ] {
+        let answer = admin(&proxy, "POST", &format!("{path}/import"), &body).await;
+        assert_eq!(answer.status, status, "{body}");
+    }
+}
+
+#[tokio::test]
+async fn delete_removes_every_trace_and_nothing_else() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    converse(&proxy, TOKEN, "default", "gone", "zebra-secret", 12).await;
+    converse(&proxy, TOKEN, "default", "kept", "kept-text", 2).await;
+    converse(&proxy, OTHER, "default", "gone", "other-tenant-text", 2).await;
+    put_summary(&proxy, TOKEN, "default", "gone", 1, 4);
+    let key = key_for(Some(TOKEN), "default", "gone");
+    let workspace = workspace_dir(proxy.state.store.data_dir(), &key);
+    std::fs::create_dir_all(&workspace).unwrap();
+    std::fs::write(workspace.join("summary-1.md"), "zebra-secret summary").unwrap();
+    // Warm the recall index and the caches.
+    let preview_path = format!("{}/preview", conversation_path(TOKEN, "default", "gone"));
+    let probe = body(&[user("zebra-secret question 3?")]).to_string();
+    assert_eq!(admin(&proxy, "POST", &preview_path, &probe).await.status, 200);
+    assert!(store_contains(&proxy.state, "zebra-secret"));
+
+    let others_before = [
+        admin(&proxy, "GET", &format!("{}/export", conversation_path(TOKEN, "default", "kept")), "").await.body,
+        admin(&proxy, "GET", &format!("{}/export", conversation_path(OTHER, "default", "gone")), "").await.body,
+    ];
+
+    let deleted = admin(&proxy, "DELETE", &conversation_path(TOKEN, "default", "gone"), "").await;
+    assert_eq!(deleted.status, 200, "{:?}", deleted.body);
+    assert_eq!(deleted.json()["deleted"], json!({"messages": 24, "summaries": 1}));
+
+    assert!(!store_contains(&proxy.state, "zebra-secret"), "no trace in any tree");
+    assert!(!store_contains(&proxy.state, "summary 1 of gone"));
+    assert!(!workspace.exists(), "the workspace folder is gone");
+    assert!(proxy.state.store.meta(&key).unwrap().is_none());
+    for suffix in ["", "/stats", "/export"] {
+        let path = format!("{}{suffix}", conversation_path(TOKEN, "default", "gone"));
+        assert_eq!(admin(&proxy, "GET", &path, "").await.status, 404, "{path}");
+    }
+    assert_eq!(admin(&proxy, "POST", &preview_path, &probe).await.status, 404);
+    let again = admin(&proxy, "DELETE", &conversation_path(TOKEN, "default", "gone"), "").await;
+    assert_eq!(again.status, 404);
+
+    let others_after = [
+        admin(&proxy, "GET", &format!("{}/export", conversation_path(TOKEN, "default", "kept")), "").await.body,
+        admin(&proxy, "GET", &format!("{}/export", conversation_path(OTHER, "default", "gone")), "").await.body,
+    ];
+    assert_eq!(others_before, others_after, "no other conversation lost a byte");
+
+    // The same key starts afresh: no recall of the deleted history, turn numbers from 1.
+    let answer = chat(&proxy, "gone", &body(&[user("zebra-secret question 3?")]), &[]).await;
+    assert_eq!(answer.header("x-memory-turns"), "2");
+    assert_eq!(answer.header("x-memory-retrieved"), "0");
+    assert_eq!(mock.last_messages().len(), 1);
+    let shown = admin(&proxy, "GET", &conversation_path(TOKEN, "default", "gone"), "").await.json();
+    assert_eq!(shown["messages"][0]["turn"], 1);
+}
+
+#[tokio::test]
+async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = std::sync::Arc::new(start_admin(&mock, dir.path(), "").await);
+    converse(&proxy, TOKEN, "default", "busy", "busy", 3).await;
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let proxy = std::sync::Arc::clone(&proxy);
+        tasks.push(tokio::spawn(async move {
+            if i % 4 == 0 {
+                let path = conversation_path(TOKEN, "default", "busy");
+                let status = admin(&proxy, "DELETE", &path, "").await.status;
+                assert!(status == 200 || status == 404, "{status}");
+            } else {
+                let answer = chat(&proxy, "busy", &body(&[user(&format!("message {i}"))]), &[]).await;
+                assert_eq!(answer.status, 200);
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let key = key_for(Some(TOKEN), "default", "busy");
+    if let Some(meta) = proxy.state.store.meta(&key).unwrap() {
+        let messages = proxy.state.store.all_messages(&meta).unwrap();
+        assert_eq!(messages.len() as u64, meta.message_count);
+        assert_eq!(
+            messages.iter().map(|m| u64::from(m.tokens)).sum::<u64>(),
+            meta.total_tokens
+        );
+        assert!(messages.iter().all(|m| m.turn < meta.next_turn));
+        let cached = proxy.stored(Some(TOKEN), "busy");
+        assert_eq!(cached.len(), messages.len(), "the cached state matches the disk");
+    }
+}
+
+#[tokio::test]
+async fn cross_tenant_attempts_fail() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    converse(&proxy, TOKEN, "default", "mine", "private-of-one", 2).await;
+    converse(&proxy, OTHER, "default", "theirs", "private-of-other", 1).await;
+    let mine = conversation_path(TOKEN, "default", "mine");
+    let under_other = conversation_path(OTHER, "default", "mine");
+
+    // A client key is not the admin token, for any endpoint.
+    for (method, path) in [
+        ("GET", "/admin/v1/conversations".to_string()),
+        ("GET", mine.clone()),
+        ("DELETE", mine.clone()),
+        ("GET", format!("{mine}/export")),
+        ("POST", format!("{mine}/import")),
+        ("DELETE", format!("/admin/v1/tenants/{}", tenant(TOKEN))),
+    ] {
+        for token in [TOKEN, OTHER] {
+            let answer = admin_as(&proxy, Some(token), method, &path, "{}").await;
+            assert_eq!(answer.status, 401, "{method} {path}");
+        }
+    }
+
+    // Addressed under another tenant, a conversation does not exist.
+    for (method, path) in [
+        ("GET", under_other.clone()),
+        ("GET", format!("{under_other}/stats")),
+        ("GET", format!("{under_other}/export")),
+        ("DELETE", under_other.clone()),
+    ] {
+        assert_eq!(admin(&proxy, method, &path, "").await.status, 404, "{method} {path}");
+    }
+    let listed = admin(
+        &proxy,
+        "GET",
+        &format!("/admin/v1/conversations?tenant={}", tenant(OTHER)),
+        "",
+    )
+    .await
+    .json();
+    let ids: Vec<&str> = listed["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["theirs"]);
+
+    // Importing one tenant's export into another tenant's conversation is refused unless
+    // forced.
+    let export = admin(&proxy, "GET", &format!("{mine}/export"), "").await;
+    let text = String::from_utf8(export.body.to_vec()).unwrap();
+    let theirs = conversation_path(OTHER, "default", "theirs");
+    let refused = admin(&proxy, "POST", &format!("{theirs}/import"), &text).await;
+    assert_eq!(refused.status, 409);
+    assert_eq!(
+        admin(&proxy, "GET", &theirs, "").await.json()["message_count"],
+        2,
+        "nothing was imported"
+    );
+
+    // Deleting the other tenant leaves this one whole.
+    let before = admin(&proxy, "GET", &mine, "").await.body;
+    let gone = admin(&proxy, "DELETE", &format!("/admin/v1/tenants/{}", tenant(OTHER)), "").await;
+    assert_eq!(gone.status, 200);
+    assert_eq!(gone.json()["deleted_conversations"], 1);
+    assert!(!store_contains(&proxy.state, "private-of-other"));
+    assert_eq!(admin(&proxy, "GET", &mine, "").await.body, before);
+    let again = admin(&proxy, "DELETE", &format!("/admin/v1/tenants/{}", tenant(OTHER)), "").await;
+    assert_eq!(again.status, 404);
+    let bad = admin(&proxy, "DELETE", "/admin/v1/tenants/NOT-HEX", "").await;
+    assert_eq!(bad.status, 400);
+}

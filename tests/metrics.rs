@@ -1,0 +1,218 @@
+//! `GET /metrics` through the real proxy: the text parses with a Prometheus parser, every
+//! required family is there, counters move as requests flow, and no label carries a
+//! conversation id, a tenant, a token or message text.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+#[path = "support/admin.rs"]
+mod support_admin;
+
+use memproxy::mock_upstream::MockUpstream;
+use prometheus_parse::{Scrape, Value};
+use serde_json::json;
+use support::*;
+use support_admin::*;
+
+async fn scrape(proxy: &Proxy) -> (Scrape, String) {
+    let answer = send("GET", &proxy.url("/metrics"), &[], "").await;
+    assert_eq!(answer.status, 200);
+    assert!(
+        answer
+            .header("content-type")
+            .starts_with("application/openmetrics-text")
+    );
+    let text = String::from_utf8(answer.body.to_vec()).unwrap();
+    assert!(text.trim_end().ends_with("# EOF"), "a complete exposition");
+    let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap();
+    (scrape, text)
+}
+
+/// The value of a counter, gauge or untyped sample with exactly these labels (0 if absent).
+fn value(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == metric)
+        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match s.value {
+            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => v,
+            _ => panic!("{metric} is not a single value"),
+        })
+        .sum()
+}
+
+/// The observation count of a histogram (with these labels).
+fn observations(scrape: &Scrape, metric: &str, labels: &[(&str, &str)]) -> f64 {
+    value(scrape, &format!("{metric}_count"), labels)
+}
+
+fn has_histogram(scrape: &Scrape, metric: &str) -> bool {
+    scrape
+        .samples
+        .iter()
+        .any(|s| s.metric == metric && matches!(s.value, Value::Histogram(_)))
+}
+
+#[tokio::test]
+async fn metrics_parse_and_move_as_requests_flow() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+
+    let (before, _) = scrape(&proxy).await;
+    for family in [
+        "memproxy_upstream_latency_seconds",
+        "memproxy_added_time_seconds",
+        "memproxy_stage_duration_seconds",
+        "memproxy_retrieved_turns",
+    ] {
+        assert!(has_histogram(&before, family), "{family} missing");
+    }
+    for stage in ["reconcile", "recall", "assemble", "commit"] {
+        assert!(
+            before
+                .samples
+                .iter()
+                .any(|s| s.metric == "memproxy_stage_duration_seconds"
+                    && s.labels.get("stage") == Some(stage)),
+            "stage {stage} missing"
+        );
+    }
+    for family in [
+        "memproxy_summaries_total",
+        "memproxy_summary_input_tokens_total",
+        "memproxy_summary_output_tokens_total",
+        "memproxy_prompt_tokens_forwarded_total",
+        "memproxy_history_tokens_total",
+        "memproxy_store_size_bytes",
+        "memproxy_cache_lookups_total",
+        "memproxy_cache_misses_total",
+        "memproxy_ttl_deletions_total",
+        "memproxy_ttl_sweeps_total",
+        "memproxy_admin_deletions_total",
+    ] {
+        assert!(
+            before.samples.iter().any(|s| s.metric == family),
+            "{family} missing"
+        );
+    }
+    assert_eq!(value(&before, "memproxy_requests_total", &[("route", "chat")]), 0.0);
+
+    // Traffic: 12 chat exchanges (enough for recall), a pass-through, health checks, an admin
+    // call.
+    let secret_text = "the-private-message-text";
+    let mut history = Vec::new();
+    for i in 1..=12 {
+        history.push(user(&format!("{secret_text} number {i}")));
+        let answer = chat(
+            &proxy,
+            "metrics-conversation-id",
+            &body(&history),
+            &[("x-memory-recent-n", "4")],
+        )
+        .await;
+        assert_eq!(answer.status, 200);
+        history.push(reply_message(&answer));
+    }
+    let models = send("GET", &proxy.url("/v1/models"), &[("authorization", "Bearer x")], "").await;
+    assert_eq!(models.status, 200);
+    send("GET", &proxy.url("/healthz"), &[], "").await;
+    send("GET", &proxy.url("/nope"), &[], "").await;
+    admin(&proxy, "GET", "/admin/v1/conversations", "").await;
+
+    let (after, text) = scrape(&proxy).await;
+    let count = |route: &str, status: &str| {
+        value(
+            &after,
+            "memproxy_requests_total",
+            &[("route", route), ("status", status)],
+        )
+    };
+    assert_eq!(count("chat", "200"), 12.0);
+    assert_eq!(count("passthrough", "200"), 1.0);
+    assert_eq!(count("health", "200"), 1.0);
+    assert_eq!(count("other", "404"), 1.0);
+    assert_eq!(count("admin", "200"), 1.0);
+    assert_eq!(count("metrics", "200"), 1.0, "the first scrape counted");
+    assert_eq!(
+        observations(&after, "memproxy_upstream_latency_seconds", &[]),
+        13.0
+    );
+    assert_eq!(
+        observations(&after, "memproxy_added_time_seconds", &[]),
+        13.0
+    );
+    assert_eq!(observations(&after, "memproxy_retrieved_turns", &[]), 12.0);
+    let forwarded = value(&after, "memproxy_prompt_tokens_forwarded_total", &[]);
+    let history_tokens = value(&after, "memproxy_history_tokens_total", &[]);
+    assert!(forwarded > 0.0);
+    assert!(
+        history_tokens > forwarded,
+        "recent_n = 4 forwards less than the history: {history_tokens} vs {forwarded}"
+    );
+    assert!(value(&after, "memproxy_store_size_bytes", &[]) > 0.0);
+    assert!(
+        value(
+            &after,
+            "memproxy_cache_lookups_total",
+            &[("cache", "conversation")]
+        ) >= 12.0
+    );
+    assert!(
+        value(
+            &after,
+            "memproxy_cache_misses_total",
+            &[("cache", "conversation")]
+        ) >= 1.0
+    );
+
+    // Privacy and cardinality: nothing request-specific in any label or name.
+    let tenant_id = tenant(TOKEN);
+    for needle in [
+        "metrics-conversation-id",
+        secret_text,
+        TOKEN,
+        tenant_id.as_str(),
+        ADMIN_TOKEN,
+    ] {
+        assert!(!text.contains(needle), "{needle} leaked into /metrics");
+    }
+    let allowed = ["route", "status", "stage", "cache", "result", "le"];
+    for sample in &after.samples {
+        let labels = format!("{:?}", sample.labels);
+        for part in labels.split('"').skip(1).step_by(4) {
+            assert!(allowed.contains(&part), "unexpected label {part} on {}", sample.metric);
+        }
+    }
+
+    // More traffic moves the counters again.
+    let answer = chat(&proxy, "another", &body(&[user("hello")]), &[]).await;
+    assert_eq!(answer.status, 200);
+    let (later, _) = scrape(&proxy).await;
+    assert_eq!(
+        value(
+            &later,
+            "memproxy_requests_total",
+            &[("route", "chat"), ("status", "200")]
+        ),
+        13.0
+    );
+    assert!(value(&later, "memproxy_prompt_tokens_forwarded_total", &[]) > forwarded);
+    assert_eq!(value(&later, "memproxy_requests_total", &[("route", "metrics")]), 2.0);
+}
+
+#[tokio::test]
+async fn metrics_can_require_the_admin_token() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "[admin]\nprotect_metrics = true\n").await;
+    let open = send("GET", &proxy.url("/metrics"), &[], "").await;
+    assert_eq!(open.status, 401);
+    let wrong = send("GET", &proxy.url("/metrics"), &[("authorization", "Bearer nope")], "").await;
+    assert_eq!(wrong.status, 401);
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    let ok = send("GET", &proxy.url("/metrics"), &[("authorization", &auth)], "").await;
+    assert_eq!(ok.status, 200);
+    assert!(String::from_utf8_lossy(&ok.body).contains("memproxy_requests_total"));
+    let _ = json!({});
+}

@@ -1,0 +1,70 @@
+//! Helpers for the operations tests (admin API, metrics, TTL): a memproxy started with an
+//! admin token, and one helper that calls the admin API.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+
+use memproxy::config;
+use memproxy::identity::TenantId;
+use memproxy::mock_upstream::MockUpstream;
+
+use crate::support::{Answer, Proxy, send};
+
+pub const ADMIN_TOKEN: &str = "admin-token-for-tests";
+
+/// The config text [`Proxy::start`] uses, with `extra_toml` appended.
+pub fn config_text(mock: &MockUpstream, data_dir: &Path, extra_toml: &str) -> String {
+    format!(
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{extra_toml}",
+        mock.base_url(),
+        data_dir.display()
+    )
+}
+
+/// Starts memproxy with the admin token set (as `MEMPROXY_ADMIN_TOKEN`, through the config's
+/// environment function, never the real environment).
+pub async fn start_admin(mock: &MockUpstream, data_dir: &Path, extra_toml: &str) -> Proxy {
+    let text = config_text(mock, data_dir, extra_toml);
+    let config = config::from_toml(&text, &|name| match name {
+        "MEMPROXY_ADMIN_TOKEN" => Some(ADMIN_TOKEN.to_string()),
+        _ => None,
+    })
+    .unwrap();
+    Proxy::start_config(config).await
+}
+
+/// Calls the admin API with the admin token.
+pub async fn admin(proxy: &Proxy, method: &str, path: &str, body: &str) -> Answer {
+    admin_as(proxy, Some(ADMIN_TOKEN), method, path, body).await
+}
+
+/// Calls the admin API with `token` (or none).
+pub async fn admin_as(
+    proxy: &Proxy,
+    token: Option<&str>,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Answer {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(auth) = &auth {
+        headers.push(("authorization", auth.as_str()));
+    }
+    send(method, &proxy.url(path), &headers, body.to_string()).await
+}
+
+/// The tenant id of a client token, as the admin API shows it.
+pub fn tenant(token: &str) -> String {
+    TenantId::from_token(Some(token)).as_str().to_string()
+}
+
+/// The admin path of a conversation.
+pub fn conversation_path(token: &str, agent: &str, id: &str) -> String {
+    format!("/admin/v1/conversations/{}/{agent}/{id}", tenant(token))
+}
+
+/// True when `needle` occurs anywhere in the store (every tree, keys and values).
+pub fn store_contains(state: &memproxy::state::AppState, needle: &str) -> bool {
+    state.store.any_trace_of(needle.as_bytes()).unwrap()
+}
