@@ -40,6 +40,10 @@ pub enum Command {
     Serve,
     /// Validate the config and print the effective settings per agent.
     CheckConfig,
+    /// Inspect, export, import or delete conversations in the data directory of a stopped
+    /// memproxy (the admin API's operations, offline).
+    #[command(subcommand)]
+    Conversations(crate::admin::offline::ConversationsCommand),
 }
 
 impl Cli {

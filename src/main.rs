@@ -21,6 +21,9 @@ async fn main() -> ExitCode {
     };
     match cli.command {
         Some(Command::CheckConfig) => check_config(&config),
+        Some(Command::Conversations(command)) => {
+            memproxy::admin::offline::run(&config, command).await
+        }
         Some(Command::Serve) | None => serve(config).await,
     }
 }
@@ -105,6 +108,28 @@ fn check_config(config: &Config) -> ExitCode {
     );
     println!("data_dir = {}", config.data_dir.display());
     println!("allow_header_overrides = {}", config.allow_header_overrides);
+    println!(
+        "admin API = {}",
+        if config.admin_token.is_some() {
+            "on (token from environment)"
+        } else {
+            "off: no admin token"
+        }
+    );
+    println!(
+        "metrics = {}",
+        if config.protect_metrics {
+            "admin token required"
+        } else {
+            "open"
+        }
+    );
+    println!(
+        "sweeper = every {}, at most {} scanned and {} deleted per pass",
+        memproxy::settings::format_iso8601_duration(config.sweeper.interval),
+        config.sweeper.max_scanned,
+        config.sweeper.max_deleted
+    );
     let profiles = std::iter::once(("[memory] (any other agent)".to_string(), &config.memory))
         .chain(
             config

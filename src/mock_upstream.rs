@@ -61,6 +61,8 @@ pub enum Reply {
     CutStream { chunks: usize },
     /// A stream that sends content chunks, then ends cleanly without a finish or `[DONE]`.
     UnfinishedStream,
+    /// The mock's own default answer (useful inside `Delay`).
+    Auto,
 }
 
 /// How the default answers are shaped.
@@ -236,17 +238,17 @@ async fn answer(
 
     if parts.uri.path().ends_with("/chat/completions") && is_summary_call(&recorded) {
         let request = recorded.json();
+        let auto = Reply::Text(default_summary(&last_user_text(&request)));
         let reply = lock(&shared.summary_script)
             .pop_front()
-            .unwrap_or_else(|| Reply::Text(default_summary(&last_user_text(&request))));
-        return chat_answer(&request, reply, options).await;
+            .unwrap_or(Reply::Auto);
+        return chat_answer(&request, reply, auto, options).await;
     }
     if parts.uri.path().ends_with("/chat/completions") {
         let request = recorded.json();
-        let reply = lock(&shared.script)
-            .pop_front()
-            .unwrap_or_else(|| Reply::Text(format!("reply to: {}", last_user_text(&request))));
-        return chat_answer(&request, reply, options).await;
+        let auto = Reply::Text(format!("reply to: {}", last_user_text(&request)));
+        let reply = lock(&shared.script).pop_front().unwrap_or(Reply::Auto);
+        return chat_answer(&request, reply, auto, options).await;
     }
     if parts.uri.path().ends_with("/models") {
         return json_response(
@@ -296,11 +298,19 @@ fn last_user_text(request: &Value) -> String {
         .unwrap_or_default()
 }
 
-async fn chat_answer(request: &Value, reply: Reply, options: &MockOptions) -> Response<ProxyBody> {
+async fn chat_answer(
+    request: &Value,
+    reply: Reply,
+    auto: Reply,
+    options: &MockOptions,
+) -> Response<ProxyBody> {
     let mut reply = reply;
     while let Reply::Delay(delay, inner) = reply {
         tokio::time::sleep(delay).await;
         reply = *inner;
+    }
+    if let Reply::Auto = reply {
+        reply = auto;
     }
     let stream = request
         .get("stream")
@@ -405,7 +415,7 @@ fn sse_events(model: &str, reply: Reply, chunks: usize, usage: bool) -> Vec<Resu
             events.push(chunk(json!({"content": "half an answer"}), Value::Null));
             return events;
         }
-        Reply::Status(..) | Reply::Delay(..) => {}
+        Reply::Status(..) | Reply::Delay(..) | Reply::Auto => {}
     }
     if usage {
         events.push(Ok(format!(

@@ -143,7 +143,9 @@ async fn passthrough(
     let response = state.upstream.send(outgoing).await;
     tracing::Span::current().record("upstream_ms", started.elapsed().as_millis() as u64);
     let (mut head, body) = response?.into_parts();
-    state.metrics.upstream(&mut head.extensions, started.elapsed());
+    state
+        .metrics
+        .upstream(&mut head.extensions, started.elapsed());
     head.headers = forwardable(&head.headers);
     Ok(Response::from_parts(head, boxed(body)))
 }

@@ -20,7 +20,14 @@ async fn converse(proxy: &Proxy, token: &str, agent: &str, id: &str, marker: &st
     let mut history = vec![json!({"role": "system", "content": "be brief"})];
     for i in 1..=turns {
         history.push(user(&format!("{marker} question {i}")));
-        let answer = chat_as(proxy, token, id, &body(&history), &[("x-memory-agent", agent)]).await;
+        let answer = chat_as(
+            proxy,
+            token,
+            id,
+            &body(&history),
+            &[("x-memory-agent", agent)],
+        )
+        .await;
         assert_eq!(answer.status, 200, "{:?}", answer.body);
         assert_eq!(answer.header("x-memory-status"), "stored");
         history.push(reply_message(&answer));
@@ -51,14 +58,23 @@ async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let off = Proxy::start(&mock, dir.path(), "").await;
-    for path in ["/admin/v1/conversations", "/admin/v1/tenants/anonymous", "/admin"] {
+    for path in [
+        "/admin/v1/conversations",
+        "/admin/v1/tenants/anonymous",
+        "/admin",
+    ] {
         let answer = admin(&off, "GET", path, "").await;
         assert_eq!(answer.status, 404, "{path}");
     }
     off.stop().await;
 
     let proxy = start_admin(&mock, dir.path(), "").await;
-    for token in [None, Some("wrong"), Some(TOKEN), Some("admin-token-for-test")] {
+    for token in [
+        None,
+        Some("wrong"),
+        Some(TOKEN),
+        Some("admin-token-for-test"),
+    ] {
         let answer = admin_as(&proxy, token, "GET", "/admin/v1/conversations", "").await;
         assert_eq!(answer.status, 401, "{token:?}");
         assert_eq!(answer.json()["error"]["code"], "invalid_admin_token");
@@ -66,7 +82,10 @@ async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
     }
     let answer = admin(&proxy, "GET", "/admin/v1/conversations", "").await;
     assert_eq!(answer.status, 200);
-    assert_eq!(answer.json(), json!({"conversations": [], "next_cursor": null}));
+    assert_eq!(
+        answer.json(),
+        json!({"conversations": [], "next_cursor": null})
+    );
     assert_eq!(mock.recorded().len(), 0, "admin requests never go upstream");
 }
 
@@ -81,7 +100,9 @@ async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
     converse(&proxy, OTHER, "default", "c1", "delta", 1).await;
     put_summary(&proxy, TOKEN, "default", "c1", 1, 2);
 
-    let all = admin(&proxy, "GET", "/admin/v1/conversations", "").await.json();
+    let all = admin(&proxy, "GET", "/admin/v1/conversations", "")
+        .await
+        .json();
     assert_eq!(all["conversations"].as_array().unwrap().len(), 4);
     let mine = admin(
         &proxy,
@@ -101,7 +122,10 @@ async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
     let support = admin(
         &proxy,
         "GET",
-        &format!("/admin/v1/conversations?tenant={}&agent=support", tenant(TOKEN)),
+        &format!(
+            "/admin/v1/conversations?tenant={}&agent=support",
+            tenant(TOKEN)
+        ),
         "",
     )
     .await
@@ -130,9 +154,14 @@ async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
     seen.dedup();
     assert_eq!(seen.len(), 4);
 
-    let shown = admin(&proxy, "GET", &conversation_path(TOKEN, "default", "c1"), "")
-        .await
-        .json();
+    let shown = admin(
+        &proxy,
+        "GET",
+        &conversation_path(TOKEN, "default", "c1"),
+        "",
+    )
+    .await
+    .json();
     let messages = shown["messages"].as_array().unwrap();
     assert_eq!(messages.len(), 4);
     assert_eq!(messages[0]["turn"], 1);
@@ -151,23 +180,43 @@ async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
     )
     .await
     .json();
-    assert_eq!(stats["messages"], json!({"total": 4, "active": 2, "summarized": 2}));
+    assert_eq!(
+        stats["messages"],
+        json!({"total": 4, "active": 2, "summarized": 2})
+    );
     assert_eq!(stats["summaries"], 1);
-    assert!(stats["tokens"]["active"].as_u64().unwrap() < stats["tokens"]["total"].as_u64().unwrap());
+    assert!(
+        stats["tokens"]["active"].as_u64().unwrap() < stats["tokens"]["total"].as_u64().unwrap()
+    );
     assert!(stats["next_summary"]["percent"].as_f64().unwrap() > 0.0);
     assert_eq!(stats["context_budget"]["used_percent"], Value::Null);
 
     for (path, status) in [
         (conversation_path(TOKEN, "default", "nope"), 404),
-        (format!("{}/stats", conversation_path(TOKEN, "default", "nope")), 404),
-        (format!("{}/export", conversation_path(TOKEN, "default", "nope")), 404),
-        ("/admin/v1/conversations/not-a-tenant/default/c1".to_string(), 400),
-        (format!("/admin/v1/conversations/{}/bad%20agent/c1", tenant(TOKEN)), 400),
+        (
+            format!("{}/stats", conversation_path(TOKEN, "default", "nope")),
+            404,
+        ),
+        (
+            format!("{}/export", conversation_path(TOKEN, "default", "nope")),
+            404,
+        ),
+        (
+            "/admin/v1/conversations/not-a-tenant/default/c1".to_string(),
+            400,
+        ),
+        (
+            format!("/admin/v1/conversations/{}/bad%20agent/c1", tenant(TOKEN)),
+            400,
+        ),
         ("/admin/v1/conversations?limit=0".to_string(), 400),
         ("/admin/v1/conversations?cursor=zz".to_string(), 400),
         ("/admin/v1/conversations?bogus=1".to_string(), 400),
         ("/admin/v1/nothing".to_string(), 404),
-        (format!("{}/nothing", conversation_path(TOKEN, "default", "c1")), 404),
+        (
+            format!("{}/nothing", conversation_path(TOKEN, "default", "c1")),
+            404,
+        ),
     ] {
         let answer = admin(&proxy, "GET", &path, "").await;
         assert_eq!(answer.status, status, "{path}: {:?}", answer.body);
@@ -195,8 +244,16 @@ async fn preview_shows_exactly_what_would_be_forwarded_without_sending_or_storin
     let preview = admin(&proxy, "POST", &path, &request.to_string()).await;
     assert_eq!(preview.status, 200, "{:?}", preview.body);
     let preview = preview.json();
-    assert_eq!(mock.recorded().len(), requests_before, "preview calls no upstream");
-    assert_eq!(proxy.stored(Some(TOKEN), "c").len(), stored_before, "preview stores nothing");
+    assert_eq!(
+        mock.recorded().len(),
+        requests_before,
+        "preview calls no upstream"
+    );
+    assert_eq!(
+        proxy.stored(Some(TOKEN), "c").len(),
+        stored_before,
+        "preview stores nothing"
+    );
     assert!(!preview["recalled_turns"].as_array().unwrap().is_empty());
     assert!(preview["prompt_tokens"].as_u64().unwrap() > 0);
 
@@ -264,12 +321,22 @@ async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation
     assert_eq!(imported.status, 200, "{:?}", imported.body);
     assert_eq!(imported.json()["added"], 6);
     assert_eq!(imported.json()["summaries_added"], 1);
-    let again = admin(&proxy, "POST", &format!("{path}/import"), &text).await.json();
-    assert_eq!((again["added"].clone(), again["already_stored"].clone()), (json!(0), json!(6)));
+    let again = admin(&proxy, "POST", &format!("{path}/import"), &text)
+        .await
+        .json();
+    assert_eq!(
+        (again["added"].clone(), again["already_stored"].clone()),
+        (json!(0), json!(6))
+    );
 
     let shown_after = admin(&proxy, "GET", &path, "").await.json();
-    assert_eq!(shown_after, shown_before, "the same conversation, timestamps and all");
-    let export_again = admin(&proxy, "GET", &format!("{path}/export"), "").await.json();
+    assert_eq!(
+        shown_after, shown_before,
+        "the same conversation, timestamps and all"
+    );
+    let export_again = admin(&proxy, "GET", &format!("{path}/export"), "")
+        .await
+        .json();
     assert_eq!(export_again, exported);
 
     // The imported conversation is live memory: the next request continues it.
@@ -289,9 +356,14 @@ async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation
     messages.push(json!({"role": "user", "content": "round question 4", "at_ms": 5}));
     messages.push(json!({"role": "assistant", "content": "reply to: round question 4"}));
     messages.push(json!({"role": "user", "content": "imported later", "at_ms": 7}));
-    let appended = admin(&proxy, "POST", &format!("{path}/import"), &longer.to_string())
-        .await
-        .json();
+    let appended = admin(
+        &proxy,
+        "POST",
+        &format!("{path}/import"),
+        &longer.to_string(),
+    )
+    .await
+    .json();
     assert_eq!(appended["added"], 1, "{appended}");
     let last = admin(&proxy, "GET", &path, "").await.json();
     let last = last["messages"].as_array().unwrap().last().unwrap().clone();
@@ -334,19 +406,48 @@ async fn delete_removes_every_trace_and_nothing_else() {
     // Warm the recall index and the caches.
     let preview_path = format!("{}/preview", conversation_path(TOKEN, "default", "gone"));
     let probe = body(&[user("zebra-secret question 3?")]).to_string();
-    assert_eq!(admin(&proxy, "POST", &preview_path, &probe).await.status, 200);
+    assert_eq!(
+        admin(&proxy, "POST", &preview_path, &probe).await.status,
+        200
+    );
     assert!(store_contains(&proxy.state, "zebra-secret"));
 
     let others_before = [
-        admin(&proxy, "GET", &format!("{}/export", conversation_path(TOKEN, "default", "kept")), "").await.body,
-        admin(&proxy, "GET", &format!("{}/export", conversation_path(OTHER, "default", "gone")), "").await.body,
+        admin(
+            &proxy,
+            "GET",
+            &format!("{}/export", conversation_path(TOKEN, "default", "kept")),
+            "",
+        )
+        .await
+        .body,
+        admin(
+            &proxy,
+            "GET",
+            &format!("{}/export", conversation_path(OTHER, "default", "gone")),
+            "",
+        )
+        .await
+        .body,
     ];
 
-    let deleted = admin(&proxy, "DELETE", &conversation_path(TOKEN, "default", "gone"), "").await;
+    let deleted = admin(
+        &proxy,
+        "DELETE",
+        &conversation_path(TOKEN, "default", "gone"),
+        "",
+    )
+    .await;
     assert_eq!(deleted.status, 200, "{:?}", deleted.body);
-    assert_eq!(deleted.json()["deleted"], json!({"messages": 24, "summaries": 1}));
+    assert_eq!(
+        deleted.json()["deleted"],
+        json!({"messages": 24, "summaries": 1})
+    );
 
-    assert!(!store_contains(&proxy.state, "zebra-secret"), "no trace in any tree");
+    assert!(
+        !store_contains(&proxy.state, "zebra-secret"),
+        "no trace in any tree"
+    );
     assert!(!store_contains(&proxy.state, "summary 1 of gone"));
     assert!(!workspace.exists(), "the workspace folder is gone");
     assert!(proxy.state.store.meta(&key).unwrap().is_none());
@@ -354,22 +455,61 @@ async fn delete_removes_every_trace_and_nothing_else() {
         let path = format!("{}{suffix}", conversation_path(TOKEN, "default", "gone"));
         assert_eq!(admin(&proxy, "GET", &path, "").await.status, 404, "{path}");
     }
-    assert_eq!(admin(&proxy, "POST", &preview_path, &probe).await.status, 404);
-    let again = admin(&proxy, "DELETE", &conversation_path(TOKEN, "default", "gone"), "").await;
+    assert_eq!(
+        admin(&proxy, "POST", &preview_path, &probe).await.status,
+        404
+    );
+    let again = admin(
+        &proxy,
+        "DELETE",
+        &conversation_path(TOKEN, "default", "gone"),
+        "",
+    )
+    .await;
     assert_eq!(again.status, 404);
 
     let others_after = [
-        admin(&proxy, "GET", &format!("{}/export", conversation_path(TOKEN, "default", "kept")), "").await.body,
-        admin(&proxy, "GET", &format!("{}/export", conversation_path(OTHER, "default", "gone")), "").await.body,
+        admin(
+            &proxy,
+            "GET",
+            &format!("{}/export", conversation_path(TOKEN, "default", "kept")),
+            "",
+        )
+        .await
+        .body,
+        admin(
+            &proxy,
+            "GET",
+            &format!("{}/export", conversation_path(OTHER, "default", "gone")),
+            "",
+        )
+        .await
+        .body,
     ];
-    assert_eq!(others_before, others_after, "no other conversation lost a byte");
+    assert_eq!(
+        others_before, others_after,
+        "no other conversation lost a byte"
+    );
 
     // The same key starts afresh: no recall of the deleted history, turn numbers from 1.
-    let answer = chat(&proxy, "gone", &body(&[user("zebra-secret question 3?")]), &[]).await;
+    let answer = chat(
+        &proxy,
+        "gone",
+        &body(&[user("zebra-secret question 3?")]),
+        &[],
+    )
+    .await;
     assert_eq!(answer.header("x-memory-turns"), "2");
     assert_eq!(answer.header("x-memory-retrieved"), "0");
     assert_eq!(mock.last_messages().len(), 1);
-    let shown = admin(&proxy, "GET", &conversation_path(TOKEN, "default", "gone"), "").await.json();
+    let shown = admin(
+        &proxy,
+        "GET",
+        &conversation_path(TOKEN, "default", "gone"),
+        "",
+    )
+    .await
+    .json();
     assert_eq!(shown["messages"][0]["turn"], 1);
 }
 
@@ -388,7 +528,8 @@ async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
                 let status = admin(&proxy, "DELETE", &path, "").await.status;
                 assert!(status == 200 || status == 404, "{status}");
             } else {
-                let answer = chat(&proxy, "busy", &body(&[user(&format!("message {i}"))]), &[]).await;
+                let answer =
+                    chat(&proxy, "busy", &body(&[user(&format!("message {i}"))]), &[]).await;
                 assert_eq!(answer.status, 200);
             }
         }));
@@ -406,7 +547,11 @@ async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
         );
         assert!(messages.iter().all(|m| m.turn < meta.next_turn));
         let cached = proxy.stored(Some(TOKEN), "busy");
-        assert_eq!(cached.len(), messages.len(), "the cached state matches the disk");
+        assert_eq!(
+            cached.len(),
+            messages.len(),
+            "the cached state matches the disk"
+        );
     }
 }
 
@@ -442,7 +587,11 @@ async fn cross_tenant_attempts_fail() {
         ("GET", format!("{under_other}/export")),
         ("DELETE", under_other.clone()),
     ] {
-        assert_eq!(admin(&proxy, method, &path, "").await.status, 404, "{method} {path}");
+        assert_eq!(
+            admin(&proxy, method, &path, "").await.status,
+            404,
+            "{method} {path}"
+        );
     }
     let listed = admin(
         &proxy,
@@ -475,13 +624,157 @@ async fn cross_tenant_attempts_fail() {
 
     // Deleting the other tenant leaves this one whole.
     let before = admin(&proxy, "GET", &mine, "").await.body;
-    let gone = admin(&proxy, "DELETE", &format!("/admin/v1/tenants/{}", tenant(OTHER)), "").await;
+    let gone = admin(
+        &proxy,
+        "DELETE",
+        &format!("/admin/v1/tenants/{}", tenant(OTHER)),
+        "",
+    )
+    .await;
     assert_eq!(gone.status, 200);
     assert_eq!(gone.json()["deleted_conversations"], 1);
     assert!(!store_contains(&proxy.state, "private-of-other"));
     assert_eq!(admin(&proxy, "GET", &mine, "").await.body, before);
-    let again = admin(&proxy, "DELETE", &format!("/admin/v1/tenants/{}", tenant(OTHER)), "").await;
+    let again = admin(
+        &proxy,
+        "DELETE",
+        &format!("/admin/v1/tenants/{}", tenant(OTHER)),
+        "",
+    )
+    .await;
     assert_eq!(again.status, 404);
     let bad = admin(&proxy, "DELETE", "/admin/v1/tenants/NOT-HEX", "").await;
     assert_eq!(bad.status, 400);
+}
+
+/// The OpenAPI document lists exactly the routes the server serves, and every status it
+/// documents for an operation is produced by the server for a request made to get it.
+#[tokio::test]
+async fn the_openapi_document_matches_the_server() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/admin-openapi.json"
+    ))
+    .unwrap();
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    let mut documented = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, operation) in item.as_object().unwrap() {
+            if method == "parameters" {
+                continue;
+            }
+            let statuses: Vec<u16> = operation["responses"]
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(|s| s.parse().unwrap())
+                .collect();
+            documented.push((method.to_uppercase(), path.clone(), statuses));
+        }
+    }
+    let mut in_doc: Vec<(String, String)> = documented
+        .iter()
+        .map(|(m, p, _)| (m.clone(), p.clone()))
+        .collect();
+    let mut served: Vec<(String, String)> = memproxy::admin::ROUTES
+        .iter()
+        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .collect();
+    in_doc.sort();
+    served.sort();
+    assert_eq!(in_doc, served, "the document and the router disagree");
+
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    converse(&proxy, TOKEN, "default", "c", "openapi", 1).await;
+    converse(&proxy, TOKEN, "default", "del", "to delete", 1).await;
+    converse(&proxy, OTHER, "default", "theirs", "other", 1).await;
+    converse(&proxy, "sk-third", "default", "x", "third", 1).await;
+    let export = admin(
+        &proxy,
+        "GET",
+        &format!("{}/export", conversation_path(TOKEN, "default", "c")),
+        "",
+    )
+    .await
+    .body;
+    let export = String::from_utf8(export.to_vec()).unwrap();
+    let chat_body = body(&[user("hello")]).to_string();
+
+    let fill = |template: &str, tenant: &str, id: &str| {
+        template
+            .replace("{tenant}", tenant)
+            .replace("{agent}", "default")
+            .replace("{id}", id)
+    };
+    for (method, template, statuses) in &documented {
+        let is_tenant_route = template.starts_with("/admin/v1/tenants/");
+        let is_list = template == "/admin/v1/conversations";
+        let request_body = match template.rsplit('/').next() {
+            Some("preview") => chat_body.clone(),
+            Some("import") => export.clone(),
+            _ => String::new(),
+        };
+        for status in statuses {
+            let (path, token, body) = match status {
+                401 => (
+                    fill(template, &tenant(TOKEN), "c"),
+                    Some("wrong"),
+                    request_body.clone(),
+                ),
+                400 if is_list => (
+                    "/admin/v1/conversations?limit=0".to_string(),
+                    Some(ADMIN_TOKEN),
+                    String::new(),
+                ),
+                400 => (
+                    fill(template, "not-a-tenant", "c"),
+                    Some(ADMIN_TOKEN),
+                    request_body.clone(),
+                ),
+                404 if is_tenant_route => (
+                    fill(template, &tenant("sk-nobody"), "c"),
+                    Some(ADMIN_TOKEN),
+                    String::new(),
+                ),
+                404 => (
+                    fill(template, &tenant(TOKEN), "nope"),
+                    Some(ADMIN_TOKEN),
+                    request_body.clone(),
+                ),
+                409 => (
+                    fill(template, &tenant(OTHER), "theirs"),
+                    Some(ADMIN_TOKEN),
+                    request_body.clone(),
+                ),
+                200 if is_tenant_route => (
+                    fill(template, &tenant("sk-third"), "x"),
+                    Some(ADMIN_TOKEN),
+                    String::new(),
+                ),
+                200 if method == "DELETE" => (
+                    fill(template, &tenant(TOKEN), "del"),
+                    Some(ADMIN_TOKEN),
+                    String::new(),
+                ),
+                200 => (
+                    fill(template, &tenant(TOKEN), "c"),
+                    Some(ADMIN_TOKEN),
+                    request_body.clone(),
+                ),
+                other => panic!("no recipe for documented status {other} of {method} {template}"),
+            };
+            let answer = admin_as(&proxy, token, method, &path, &body).await;
+            assert_eq!(
+                answer.status.as_u16(),
+                *status,
+                "{method} {template} documents {status}; {path} gave {:?}",
+                answer.body
+            );
+            if *status != 200 {
+                assert!(answer.json()["error"]["message"].is_string());
+            }
+        }
+    }
 }

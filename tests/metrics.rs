@@ -96,7 +96,10 @@ async fn metrics_parse_and_move_as_requests_flow() {
             "{family} missing"
         );
     }
-    assert_eq!(value(&before, "memproxy_requests_total", &[("route", "chat")]), 0.0);
+    assert_eq!(
+        value(&before, "memproxy_requests_total", &[("route", "chat")]),
+        0.0
+    );
 
     // Traffic: 12 chat exchanges (enough for recall), a pass-through, health checks, an admin
     // call.
@@ -114,7 +117,13 @@ async fn metrics_parse_and_move_as_requests_flow() {
         assert_eq!(answer.status, 200);
         history.push(reply_message(&answer));
     }
-    let models = send("GET", &proxy.url("/v1/models"), &[("authorization", "Bearer x")], "").await;
+    let models = send(
+        "GET",
+        &proxy.url("/v1/models"),
+        &[("authorization", "Bearer x")],
+        "",
+    )
+    .await;
     assert_eq!(models.status, 200);
     send("GET", &proxy.url("/healthz"), &[], "").await;
     send("GET", &proxy.url("/nope"), &[], "").await;
@@ -181,7 +190,11 @@ async fn metrics_parse_and_move_as_requests_flow() {
     for sample in &after.samples {
         let labels = format!("{:?}", sample.labels);
         for part in labels.split('"').skip(1).step_by(4) {
-            assert!(allowed.contains(&part), "unexpected label {part} on {}", sample.metric);
+            assert!(
+                allowed.contains(&part),
+                "unexpected label {part} on {}",
+                sample.metric
+            );
         }
     }
 
@@ -198,7 +211,10 @@ async fn metrics_parse_and_move_as_requests_flow() {
         13.0
     );
     assert!(value(&later, "memproxy_prompt_tokens_forwarded_total", &[]) > forwarded);
-    assert_eq!(value(&later, "memproxy_requests_total", &[("route", "metrics")]), 2.0);
+    assert_eq!(
+        value(&later, "memproxy_requests_total", &[("route", "metrics")]),
+        2.0
+    );
 }
 
 #[tokio::test]
@@ -208,10 +224,22 @@ async fn metrics_can_require_the_admin_token() {
     let proxy = start_admin(&mock, dir.path(), "[admin]\nprotect_metrics = true\n").await;
     let open = send("GET", &proxy.url("/metrics"), &[], "").await;
     assert_eq!(open.status, 401);
-    let wrong = send("GET", &proxy.url("/metrics"), &[("authorization", "Bearer nope")], "").await;
+    let wrong = send(
+        "GET",
+        &proxy.url("/metrics"),
+        &[("authorization", "Bearer nope")],
+        "",
+    )
+    .await;
     assert_eq!(wrong.status, 401);
     let auth = format!("Bearer {ADMIN_TOKEN}");
-    let ok = send("GET", &proxy.url("/metrics"), &[("authorization", &auth)], "").await;
+    let ok = send(
+        "GET",
+        &proxy.url("/metrics"),
+        &[("authorization", &auth)],
+        "",
+    )
+    .await;
     assert_eq!(ok.status, 200);
     assert!(String::from_utf8_lossy(&ok.body).contains("memproxy_requests_total"));
     let _ = json!({});

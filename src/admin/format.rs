@@ -92,7 +92,8 @@ impl ExportMessage {
         let raw = match (&self.message, &self.role) {
             (Some(raw), _) => raw.clone(),
             (None, Some(role)) => {
-                let object = json!({"role": role, "content": self.content.clone().unwrap_or(Value::Null)});
+                let object =
+                    json!({"role": role, "content": self.content.clone().unwrap_or(Value::Null)});
                 RawValue::from_string(object.to_string()).map_err(|err| ImportError {
                     field: path.clone(),
                     why: err.to_string(),
@@ -140,9 +141,11 @@ pub fn address(key: &ConversationKey) -> Value {
 
 fn ttl_json(ttl: Option<&TtlRecord>) -> Value {
     match ttl {
-        Some(TtlRecord { ttl_ms: Some(ms), .. }) => {
-            Value::String(format_iso8601_duration(std::time::Duration::from_millis(*ms)))
-        }
+        Some(TtlRecord {
+            ttl_ms: Some(ms), ..
+        }) => Value::String(format_iso8601_duration(std::time::Duration::from_millis(
+            *ms,
+        ))),
         Some(TtlRecord { ttl_ms: None, .. }) => Value::String("none".into()),
         None => Value::Null,
     }

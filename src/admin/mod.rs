@@ -11,6 +11,7 @@
 //! upstream: preview plans a request without sending or storing it.
 
 pub mod format;
+pub mod offline;
 pub mod ops;
 
 use std::sync::Arc;
@@ -42,9 +43,18 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/admin/v1/conversations/{tenant}/{agent}/{id}"),
     ("DELETE", "/admin/v1/conversations/{tenant}/{agent}/{id}"),
     ("GET", "/admin/v1/conversations/{tenant}/{agent}/{id}/stats"),
-    ("POST", "/admin/v1/conversations/{tenant}/{agent}/{id}/preview"),
-    ("GET", "/admin/v1/conversations/{tenant}/{agent}/{id}/export"),
-    ("POST", "/admin/v1/conversations/{tenant}/{agent}/{id}/import"),
+    (
+        "POST",
+        "/admin/v1/conversations/{tenant}/{agent}/{id}/preview",
+    ),
+    (
+        "GET",
+        "/admin/v1/conversations/{tenant}/{agent}/{id}/export",
+    ),
+    (
+        "POST",
+        "/admin/v1/conversations/{tenant}/{agent}/{id}/import",
+    ),
     ("DELETE", "/admin/v1/tenants/{tenant}"),
 ];
 
@@ -118,8 +128,7 @@ async fn route(
             match method {
                 Method::GET => ok(ops::show(&state.store, &key)?),
                 Method::DELETE => {
-                    let deleted =
-                        delete_conversation(state, &key)?.ok_or_else(|| missing(&key))?;
+                    let deleted = delete_conversation(state, &key)?.ok_or_else(|| missing(&key))?;
                     let mut value = format::address(&key);
                     value["deleted"] = json!({
                         "messages": deleted.messages,

@@ -201,7 +201,13 @@ pub fn show(store: &Store, key: &ConversationKey) -> Result<Value, AdminError> {
     let messages = store.all_messages(&meta)?;
     let summaries = store.summaries_of(&meta)?;
     let ttl = store.ttl_of(key)?;
-    Ok(format::shown(key, &meta, &messages, &summaries, ttl.as_ref()))
+    Ok(format::shown(
+        key,
+        &meta,
+        &messages,
+        &summaries,
+        ttl.as_ref(),
+    ))
 }
 
 /// A field of an opaque summary record, read leniently.

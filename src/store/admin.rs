@@ -40,6 +40,9 @@ impl TtlRecord {
     }
 }
 
+/// A page of TTL records (key bytes and record), and whether more follow.
+pub type TtlPage = (Vec<(Vec<u8>, TtlRecord)>, bool);
+
 /// One conversation in a listing.
 #[derive(Debug, Clone)]
 pub struct ConversationSummary {
@@ -265,7 +268,7 @@ impl Store {
         &self,
         after: Option<&[u8]>,
         limit: usize,
-    ) -> Result<(Vec<(Vec<u8>, TtlRecord)>, bool), StoreError> {
+    ) -> Result<TtlPage, StoreError> {
         let range = match after {
             Some(after) => {
                 let mut start = after.to_vec();

@@ -1,0 +1,202 @@
+//! The offline CLI: `memproxy conversations list|show|export|import|delete` on the data
+//! directory of a stopped memproxy. The same operations and JSON shapes as the admin API.
+//!
+//! sled lets one process open a store at a time, so these commands refuse, with a clear
+//! message, to run while a server holds the data directory.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Subcommand;
+use serde_json::{Value, json};
+
+use super::ops::{self, AdminError, ListQuery, parse_address};
+use super::tenant_of;
+use crate::config::{Config, Durability};
+use crate::store::Store;
+
+/// `memproxy conversations ...`.
+#[derive(Debug, Subcommand)]
+pub enum ConversationsCommand {
+    /// List conversations (JSON, one page; follow `next_cursor` with --cursor).
+    List {
+        /// Only this tenant's (32 hex characters, or `anonymous`).
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only this agent's.
+        #[arg(long)]
+        agent: Option<String>,
+        /// Page size, 1 to 1000.
+        #[arg(long, default_value_t = super::DEFAULT_PAGE)]
+        limit: usize,
+        /// Where the previous page stopped.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Show a conversation's messages and summaries (JSON).
+    Show {
+        /// TENANT/AGENT/ID
+        address: String,
+    },
+    /// Export a conversation (JSON, the admin API's export format).
+    Export {
+        /// TENANT/AGENT/ID
+        address: String,
+        /// Write to this file instead of standard output.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
+    },
+    /// Import an export into a conversation (idempotent: what is stored already is skipped).
+    Import {
+        /// TENANT/AGENT/ID
+        address: String,
+        /// Read from this file instead of standard input.
+        #[arg(long, short)]
+        input: Option<PathBuf>,
+        /// Allow an export of another tenant.
+        #[arg(long)]
+        force_tenant: bool,
+    },
+    /// Delete a conversation completely, or with --tenant every conversation of a tenant.
+    Delete {
+        /// TENANT/AGENT/ID (or TENANT with --tenant).
+        address: String,
+        /// Delete every conversation of the tenant ADDRESS.
+        #[arg(long)]
+        tenant: bool,
+    },
+}
+
+/// Why an offline command failed.
+#[derive(Debug, thiserror::Error)]
+enum OfflineError {
+    #[error(
+        "cannot open the store in {dir}: {source}\n  The store can be used by one process at a time: if memproxy is running on this data directory, stop it first (or use the admin API)."
+    )]
+    Locked {
+        dir: String,
+        #[source]
+        source: crate::store::StoreError,
+    },
+    #[error("the data directory {0} does not exist")]
+    NoDataDir(String),
+    #[error("{0}")]
+    Admin(#[from] AdminError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Store(#[from] crate::store::StoreError),
+}
+
+/// Runs one command; prints JSON to standard output, errors to standard error.
+pub async fn run(config: &Config, command: ConversationsCommand) -> ExitCode {
+    match run_inner(config, command).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            let _ = writeln!(std::io::stderr(), "memproxy: {err}");
+            match err {
+                OfflineError::Admin(AdminError::NotFound(_)) => ExitCode::from(3),
+                OfflineError::Admin(AdminError::BadRequest(_) | AdminError::Conflict(_)) => {
+                    ExitCode::from(2)
+                }
+                _ => ExitCode::FAILURE,
+            }
+        }
+    }
+}
+
+fn open(dir: &Path) -> Result<Store, OfflineError> {
+    if !dir.join("store").exists() {
+        return Err(OfflineError::NoDataDir(dir.display().to_string()));
+    }
+    Store::open(dir, Durability::Commit, 16 * 1024 * 1024, 16 * 1024 * 1024).map_err(|source| {
+        OfflineError::Locked {
+            dir: dir.display().to_string(),
+            source,
+        }
+    })
+}
+
+fn print(value: &Value) -> Result<(), OfflineError> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, value).map_err(std::io::Error::other)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+async fn run_inner(config: &Config, command: ConversationsCommand) -> Result<(), OfflineError> {
+    let store = open(&config.data_dir)?;
+    let result = execute(&store, command);
+    // Flush whatever was written, whatever happened.
+    store.close().await?;
+    result
+}
+
+fn execute(store: &Store, command: ConversationsCommand) -> Result<(), OfflineError> {
+    match command {
+        ConversationsCommand::List {
+            tenant,
+            agent,
+            limit,
+            cursor,
+        } => {
+            let mut query = Vec::new();
+            if let Some(tenant) = tenant {
+                query.push(format!("tenant={tenant}"));
+            }
+            if let Some(agent) = agent {
+                query.push(format!("agent={agent}"));
+            }
+            if let Some(cursor) = cursor {
+                query.push(format!("cursor={cursor}"));
+            }
+            query.push(format!("limit={limit}"));
+            let parsed = ListQuery::parse(&query.join("&"))?;
+            print(&ops::list_with(store, &parsed)?)
+        }
+        ConversationsCommand::Show { address } => {
+            print(&ops::show(store, &parse_address(&address)?)?)
+        }
+        ConversationsCommand::Export { address, output } => {
+            let export = ops::export(store, &parse_address(&address)?)?;
+            let text = serde_json::to_string_pretty(&export).map_err(std::io::Error::other)?;
+            match output {
+                Some(path) => std::fs::write(path, text + "\n")?,
+                None => writeln!(std::io::stdout().lock(), "{text}")?,
+            }
+            Ok(())
+        }
+        ConversationsCommand::Import {
+            address,
+            input,
+            force_tenant,
+        } => {
+            let key = parse_address(&address)?;
+            let bytes = match input {
+                Some(path) => std::fs::read(path)?,
+                None => {
+                    let mut bytes = Vec::new();
+                    std::io::stdin().lock().read_to_end(&mut bytes)?;
+                    bytes
+                }
+            };
+            print(&ops::import(store, &key, &bytes, force_tenant)?)
+        }
+        ConversationsCommand::Delete { address, tenant } => {
+            if tenant {
+                let tenant = tenant_of(&address)?;
+                let count = ops::delete_tenant_in(store, &tenant, |_| {})?;
+                return print(&json!({"tenant": tenant.as_str(), "deleted_conversations": count}));
+            }
+            let key = parse_address(&address)?;
+            let deleted = store
+                .delete_conversation(&key)?
+                .ok_or_else(|| AdminError::NotFound(format!("no conversation {address}")))?;
+            let mut value = super::format::address(&key);
+            value["deleted"] =
+                json!({"messages": deleted.messages, "summaries": deleted.summaries});
+            print(&value)
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The offline CLI, run as the real binary on a data directory a stopped memproxy left:
+//! list, show, export, delete, import, and a clear error while a server holds the store;
+//! `check-config` prints the effective settings.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+#[path = "support/admin.rs"]
+mod support_admin;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use memproxy::mock_upstream::MockUpstream;
+use serde_json::Value;
+use support::*;
+use support_admin::*;
+
+/// Runs `memproxy --data-dir DIR ARGS...` in an empty working directory, with no MEMPROXY_*
+/// variables from the environment.
+fn memproxy(data_dir: &Path, args: &[&str]) -> Output {
+    let cwd = tempfile::tempdir().unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_memproxy"));
+    command
+        .current_dir(cwd.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(args)
+        .stdin(Stdio::null());
+    command.output().unwrap()
+}
+
+fn stdout_json(output: &Output) -> Value {
+    assert!(
+        output.status.success(),
+        "{:?}: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn conversations_commands_work_on_a_stopped_servers_data() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    for (id, text) in [
+        ("one", "first conversation"),
+        ("two", "second conversation"),
+    ] {
+        let answer = chat(&proxy, id, &body(&[user(text)]), &[]).await;
+        assert_eq!(answer.status, 200);
+    }
+
+    // While the server holds the store, the CLI refuses clearly.
+    let locked = memproxy(dir.path(), &["conversations", "list"]);
+    assert!(!locked.status.success());
+    let message = String::from_utf8_lossy(&locked.stderr);
+    assert!(message.contains("one process at a time"), "{message}");
+    proxy.stop().await;
+
+    let listed = stdout_json(&memproxy(dir.path(), &["conversations", "list"]));
+    let ids: Vec<&str> = listed["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["one", "two"]);
+    let paged = stdout_json(&memproxy(
+        dir.path(),
+        &["conversations", "list", "--limit", "1"],
+    ));
+    let cursor = paged["next_cursor"].as_str().unwrap().to_string();
+    let rest = stdout_json(&memproxy(
+        dir.path(),
+        &["conversations", "list", "--limit", "1", "--cursor", &cursor],
+    ));
+    assert_eq!(rest["conversations"][0]["id"], "two");
+
+    let address = format!("{}/default/one", tenant(TOKEN));
+    let shown = stdout_json(&memproxy(dir.path(), &["conversations", "show", &address]));
+    assert_eq!(shown["messages"][0]["content"], "first conversation");
+
+    let export_file = dir.path().join("one.json");
+    let exported = memproxy(
+        dir.path(),
+        &[
+            "conversations",
+            "export",
+            &address,
+            "--output",
+            export_file.to_str().unwrap(),
+        ],
+    );
+    assert!(exported.status.success());
+    let deleted = stdout_json(&memproxy(
+        dir.path(),
+        &["conversations", "delete", &address],
+    ));
+    assert_eq!(deleted["deleted"]["messages"], 2);
+    let missing = memproxy(dir.path(), &["conversations", "show", &address]);
+    assert_eq!(missing.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no conversation"));
+
+    let imported = stdout_json(&memproxy(
+        dir.path(),
+        &[
+            "conversations",
+            "import",
+            &address,
+            "--input",
+            export_file.to_str().unwrap(),
+        ],
+    ));
+    assert_eq!(imported["added"], 2);
+    let shown_again = stdout_json(&memproxy(dir.path(), &["conversations", "show", &address]));
+    assert_eq!(shown_again, shown);
+
+    let bad = memproxy(dir.path(), &["conversations", "show", "not-an-address"]);
+    assert_eq!(bad.status.code(), Some(2));
+    let tenant_gone = stdout_json(&memproxy(
+        dir.path(),
+        &["conversations", "delete", "--tenant", &tenant(TOKEN)],
+    ));
+    assert_eq!(tenant_gone["deleted_conversations"], 2);
+
+    // The server starts again on what the CLI left.
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    assert!(proxy.stored(Some(TOKEN), "one").is_empty());
+    proxy.stop().await;
+
+    let nowhere = memproxy(&dir.path().join("nothing-here"), &["conversations", "list"]);
+    assert!(!nowhere.status.success());
+    assert!(String::from_utf8_lossy(&nowhere.stderr).contains("does not exist"));
+}
+
+#[test]
+fn check_config_prints_the_effective_settings_per_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("m.toml");
+    std::fs::write(
+        &config,
+        "[memory]\nttl = \"P30D\"\n[agents.support]\nttl = \"PT1H\"\n[sweeper]\ninterval = \"PT5M\"\n",
+    )
+    .unwrap();
+    let output = memproxy(
+        dir.path(),
+        &["--config", config.to_str().unwrap(), "check-config"],
+    );
+    assert!(output.status.success());
+    let text = String::from_utf8(output.stdout).unwrap();
+    assert!(text.contains("config OK"));
+    assert!(text.contains("[agents.support]"));
+    assert!(text.contains("ttl = P30D"), "{text}");
+    assert!(text.contains("ttl = PT1H"));
+    assert!(text.contains("admin API = off"));
+    assert!(text.contains("sweeper = every PT5M"));
+
+    std::fs::write(&config, "[memory]\nttl = \"sometimes\"\n").unwrap();
+    let bad = memproxy(
+        dir.path(),
+        &["--config", config.to_str().unwrap(), "check-config"],
+    );
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("memory.ttl"));
+}
