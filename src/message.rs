@@ -554,4 +554,76 @@ mod tests {
         );
         assert_eq!(m.text(), "a\nb\nget({\"x\":1})");
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn json_value() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                any::<i64>().prop_map(|n| json!(n)),
+                "[a-z\\u{4e00}-\\u{4e05}\"\\\\]{0,8}".prop_map(Value::String),
+                prop_oneof![
+                    Just("user"),
+                    Just("assistant"),
+                    Just("tool"),
+                    Just("system")
+                ]
+                .prop_map(|r| json!(r)),
+            ];
+            leaf.prop_recursive(4, 32, 6, |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+                    proptest::collection::btree_map(
+                        prop_oneof![
+                            Just("role".to_string()),
+                            Just("content".to_string()),
+                            Just("tool_calls".to_string()),
+                            Just("tool_call_id".to_string()),
+                            Just("id".to_string()),
+                            Just("messages".to_string()),
+                            Just("stream".to_string()),
+                            Just("model".to_string()),
+                            "[a-z]{1,4}"
+                        ],
+                        inner,
+                        0..5,
+                    )
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        proptest! {
+            /// Any bytes: a parsed request or a 400 naming its cause; never a panic.
+            #[test]
+            fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+                if let Err(err) = ChatRequest::parse(&bytes) {
+                    prop_assert_eq!(err.status(), http::StatusCode::BAD_REQUEST);
+                }
+            }
+
+            /// Any JSON shape, including messages of every form: parsed, or a 400 with a
+            /// param; a parsed request writes back to valid JSON.
+            #[test]
+            fn arbitrary_json_is_parsed_or_refused_with_a_param(mut value in json_value(), messages in json_value()) {
+                if let Value::Object(map) = &mut value {
+                    map.insert("messages".into(), messages);
+                }
+                let body = value.to_string();
+                match ChatRequest::parse(body.as_bytes()) {
+                    Ok(request) => {
+                        let out = request.body_with_messages(request.messages.iter().map(|m| &*m.raw));
+                        prop_assert!(serde_json::from_slice::<Value>(&out).is_ok());
+                    }
+                    Err(ProxyError::InvalidRequest { param, code, .. }) => {
+                        prop_assert!(param.is_some() || code == "invalid_json");
+                    }
+                    Err(other) => prop_assert!(false, "{other:?}"),
+                }
+            }
+        }
+    }
 }

@@ -221,3 +221,40 @@ async fn persist_false_streams_without_storing() {
     response.into_body().collect().await.unwrap();
     assert!(proxy.stored(None, "p").is_empty());
 }
+
+#[tokio::test]
+async fn shutdown_lets_a_stream_in_flight_finish_and_stores_it() {
+    let options = MockOptions {
+        stream_chunks: 6,
+        chunk_delay: Duration::from_millis(100),
+        record: true,
+    };
+    let mock = MockUpstream::start_with(options, None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let state = std::sync::Arc::clone(&proxy.state);
+    let addr = proxy.addr;
+
+    let mut body = open_stream(&proxy, "drain", &stream_body("finish me please"))
+        .await
+        .into_body();
+    let first = body.frame().await.unwrap().unwrap();
+    assert!(first.data_ref().is_some());
+    // SIGTERM arrives mid-stream.
+    let stopping = tokio::spawn(proxy.stop());
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert!(
+        rest.ends_with(b"data: [DONE]\n\n"),
+        "the stream ran to its end"
+    );
+    stopping.await.unwrap();
+    assert_eq!(
+        summarize(&stored_in(&state.store, Some(TOKEN), "drain")),
+        [
+            "user:finish me please",
+            "assistant:reply to: finish me please"
+        ]
+    );
+    // No longer accepting.
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}

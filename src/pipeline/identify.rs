@@ -267,4 +267,24 @@ mod tests {
         let result = identify(&c, &headers(&[("x-memory-recent-n", "2")]), None);
         assert_eq!(param_of(result), "x-memory-recent-n");
     }
+
+    proptest::proptest! {
+        /// Any `x-memory-*` header with any visible value: accepted or a 400 naming it.
+        #[test]
+        fn arbitrary_memory_headers_are_accepted_or_named(
+            name in "x-memory-[a-z-]{1,24}",
+            value in "[ -~]{0,40}",
+        ) {
+            let mut map = HeaderMap::new();
+            let (Ok(header), Ok(v)) = (http::HeaderName::try_from(name.as_str()), HeaderValue::from_str(&value)) else {
+                return Ok(());
+            };
+            map.insert(header, v);
+            match identify(&config(), &map, None) {
+                Ok(_) => {}
+                Err(ProxyError::InvalidRequest { param, .. }) => proptest::prop_assert_eq!(param, Some(name.clone())),
+                Err(other) => proptest::prop_assert!(false, "{other:?}"),
+            }
+        }
+    }
 }
