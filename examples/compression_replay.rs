@@ -40,6 +40,9 @@ struct Args {
     /// How long the mock takes to write a summary.
     #[arg(long, default_value_t = 200)]
     summary_delay_ms: u64,
+    /// Pause between turns (a person typing; without it 500 turns run inside one summary call).
+    #[arg(long, default_value_t = 20)]
+    turn_pause_ms: u64,
     /// compression_threshold_tokens.
     #[arg(long, default_value_t = 8192)]
     threshold: u64,
@@ -163,6 +166,7 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
         } else {
             vec![message]
         };
+        tokio::time::sleep(Duration::from_millis(args.turn_pause_ms)).await;
         let body = json!({"model": "gpt-4o-mini", "messages": messages}).to_string();
         let mut request = http::Request::post(format!("http://{addr}/v1/chat/completions"))
             .header("content-type", "application/json")
@@ -219,8 +223,8 @@ async fn main() {
         .filter(|t| *t <= args.exchanges)
         .collect();
     println!(
-        "compression_replay  exchanges={}  threshold={} tokens  recent_n=10  top_k=5  summary call={} ms (mock)",
-        args.exchanges, args.threshold, args.summary_delay_ms
+        "compression_replay  exchanges={}  threshold={} tokens  recent_n=10  top_k=5  summary call={} ms (mock)  pause between turns={} ms",
+        args.exchanges, args.threshold, args.summary_delay_ms, args.turn_pause_ms
     );
     println!("forwarded prompt tokens at turn (o200k_base, content + 4 per message):");
     print!("{:<34}", "scenario");
@@ -246,6 +250,9 @@ async fn main() {
             outcome.tokens[last - 1] as f64 / outcome.tokens[49.min(last - 1)] as f64,
             outcome.summaries
         );
+        if !outcome.summary_turns.is_empty() {
+            println!("{:<34}summary in the prompt changed at turns {:?}", "", outcome.summary_turns);
+        }
         outcomes.push((scenario, outcome));
     }
     println!("\nlatency of the turns that triggered a summary vs the median turn:");

@@ -1139,6 +1139,7 @@ struct Outcome {
     turns: Option<u64>,
     retrieved: Option<u64>,
     prompt_tokens: Option<u64>,
+    summary: Option<String>,
     first_byte: Instant,
     done: Instant,
     body: Vec<u8>,
@@ -1173,6 +1174,7 @@ async fn send(client: &HttpClient, request: Request<Full<Bytes>>) -> Result<Outc
     let turns = header("x-memory-turns").and_then(|t| t.parse().ok());
     let retrieved = header("x-memory-retrieved").and_then(|t| t.parse().ok());
     let prompt_tokens = header("x-memory-prompt-tokens").and_then(|t| t.parse().ok());
+    let summary = header("x-memory-summary");
     let mut body = response.into_body();
     let mut first_byte = None;
     let mut bytes = Vec::new();
@@ -1192,6 +1194,7 @@ async fn send(client: &HttpClient, request: Request<Full<Bytes>>) -> Result<Outc
         turns,
         retrieved,
         prompt_tokens,
+        summary,
         first_byte: first_byte.unwrap_or(done),
         done,
         body: bytes,
@@ -1226,6 +1229,8 @@ struct Tally {
     turns: Option<u64>,
     retrieved: Option<u64>,
     prompt_tokens: Option<u64>,
+    /// Last `X-Memory-Summary` seen.
+    summary: Option<String>,
 }
 
 impl Tally {
@@ -1239,6 +1244,7 @@ impl Tally {
             turns: None,
             retrieved: None,
             prompt_tokens: None,
+            summary: None,
         }
     }
 
@@ -1262,6 +1268,9 @@ impl Tally {
         self.turns = self.turns.max(other.turns);
         self.retrieved = self.retrieved.max(other.retrieved);
         self.prompt_tokens = self.prompt_tokens.max(other.prompt_tokens);
+        if other.summary.is_some() {
+            self.summary = other.summary;
+        }
     }
 
     /// Checks and records one answer to a request whose latency counts from `origin`.
@@ -1272,7 +1281,7 @@ impl Tally {
         window: Window,
         result: Result<Result<Outcome, String>, tokio::time::error::Elapsed>,
     ) {
-        let outcome = match result {
+        let mut outcome = match result {
             Err(_) => {
                 return self.error(format!("no answer within {} s", REQUEST_TIMEOUT.as_secs()));
             }
@@ -1287,6 +1296,9 @@ impl Tally {
         }
         if outcome.prompt_tokens.is_some() {
             self.prompt_tokens = outcome.prompt_tokens;
+        }
+        if outcome.summary.is_some() {
+            self.summary = outcome.summary.take();
         }
         if outcome.status != 200 {
             return self.error(format!("HTTP {}: {}", outcome.status, outcome.snippet()));
@@ -2049,9 +2061,10 @@ async fn bench(args: Args) -> Result<(), String> {
                 match (t.retrieved, t.prompt_tokens) {
                     (None, None) => String::new(),
                     (r, p) => format!(
-                        "; X-Memory-Retrieved {}, X-Memory-Prompt-Tokens {}",
+                        "; X-Memory-Retrieved {}, X-Memory-Prompt-Tokens {}, X-Memory-Summary {}",
                         fmt_us(r),
-                        fmt_us(p)
+                        fmt_us(p),
+                        t.summary.as_deref().unwrap_or("-")
                     ),
                 },
                 if t.samples.is_empty() {
@@ -2272,6 +2285,7 @@ fn result_json(r: &RunResult, all: &[RunResult]) -> Value {
         "conversation_messages_at_end": t.turns,
         "x_memory_retrieved": t.retrieved,
         "x_memory_prompt_tokens": t.prompt_tokens,
+        "x_memory_summary": t.summary,
         "open_loop_send_lag_us": r.output.lag.as_ref().map(q),
     })
 }

@@ -481,6 +481,11 @@ fn check(
 
     // The admin token: from the named variable (which must then be set), else from
     // MEMPROXY_ADMIN_TOKEN when it is set; none means the admin API is off.
+    let token_env_named = raw
+        .admin
+        .token_env
+        .as_deref()
+        .is_some_and(|n| !n.is_empty());
     let admin_token = match raw.admin.token_env.filter(|name| !name.is_empty()) {
         Some(name) => match env(&name).filter(|v| !v.trim().is_empty()) {
             Some(value) => Some(Secret(value.trim().to_string())),
@@ -496,6 +501,11 @@ fn check(
             .map(|v| Secret(v.trim().to_string())),
     };
     let protect_metrics = raw.admin.protect_metrics.unwrap_or(false);
+    if protect_metrics && admin_token.is_none() && !token_env_named {
+        problems.push(format!(
+            "admin.protect_metrics: needs an admin token ({DEFAULT_ADMIN_TOKEN_ENV} or admin.token_env)"
+        ));
+    }
     let sweep_interval = duration(
         "sweeper.interval",
         raw.sweeper.interval,

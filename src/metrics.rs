@@ -5,10 +5,13 @@
 //! an outcome). No label ever carries a conversation id, a tenant, a token or message text:
 //! that keeps cardinality bounded and the scrape free of anything private.
 //!
-//! The pipeline and the summary stage call the small recording methods below; the router
-//! records requests and the time memproxy adds; gauges that describe the store (size on disk,
-//! cached conversations) are read when the scrape happens.
+//! The pipeline calls the small recording methods below; the router records requests and the
+//! time memproxy adds. What other parts count themselves (the store's cache lookups, the
+//! summarizer's jobs and tokens) and the gauges that describe the store (size on disk, cached
+//! conversations) are read when the scrape happens.
 
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -186,6 +189,8 @@ pub struct Metrics {
     ttl_passes: Counter,
     ttl_scanned: Counter,
     admin_deletions: Counter,
+    /// Held while a scrape mirrors counters kept elsewhere, so two scrapes never add twice.
+    scrape: Mutex<()>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -240,19 +245,19 @@ impl Metrics {
         let summaries = Family::<ResultLabels, Counter>::default();
         registry.register(
             "summaries",
-            "Summaries attempted, by result (made, failed)",
+            "Summary jobs by result: made, failed, dropped (queue full or shutting down)",
             summaries.clone(),
         );
         let summary_input_tokens = Counter::default();
         registry.register(
             "summary_input_tokens",
-            "Tokens of the history that summaries replaced",
+            "Prompt tokens the summary calls used (the upstream's usage)",
             summary_input_tokens.clone(),
         );
         let summary_output_tokens = Counter::default();
         registry.register(
             "summary_output_tokens",
-            "Tokens of the summaries made",
+            "Completion tokens of the summary calls (the upstream's usage)",
             summary_output_tokens.clone(),
         );
         let tokens_forwarded = Counter::default();
@@ -344,12 +349,13 @@ impl Metrics {
             ttl_passes,
             ttl_scanned,
             admin_deletions,
+            scrape: Mutex::new(()),
         };
         // Every labelled series exists from the start, so dashboards see zeros, not gaps.
         for stage in Stage::ALL {
             let _ = metrics.stage(stage);
         }
-        for result in ["made", "failed"] {
+        for result in ["made", "failed", "dropped"] {
             let _ = metrics.summaries.get_or_create(&ResultLabels { result });
         }
         for cache in [Cache::Conversation, Cache::Recall] {
@@ -420,22 +426,6 @@ impl Metrics {
         self.prompt(plan.recalled_turns.len(), plan.prompt_tokens, stored + new);
     }
 
-    /// A summary was made: `input_tokens` of history replaced by `output_tokens` of summary.
-    pub fn summary_made(&self, input_tokens: u64, output_tokens: u64) {
-        self.summaries
-            .get_or_create(&ResultLabels { result: "made" })
-            .inc();
-        self.summary_input_tokens.inc_by(input_tokens);
-        self.summary_output_tokens.inc_by(output_tokens);
-    }
-
-    /// A summary attempt failed.
-    pub fn summary_failed(&self) {
-        self.summaries
-            .get_or_create(&ResultLabels { result: "failed" })
-            .inc();
-    }
-
     /// Counts a cache lookup, and whether it missed.
     pub fn cache_lookup(&self, cache: Cache, hit: bool) {
         let labels = CacheLabels {
@@ -461,6 +451,10 @@ impl Metrics {
 
     /// The scrape: OpenMetrics text, with the store gauges read now.
     pub fn render(&self, state: &crate::state::AppState) -> String {
+        let _scrape = self
+            .scrape
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let store = &state.store;
         self.store_size
             .set(i64::try_from(store.size_on_disk()).unwrap_or(i64::MAX));
@@ -474,6 +468,26 @@ impl Metrics {
         };
         catch_up(&self.cache_lookups.get_or_create(&labels), lookups);
         catch_up(&self.cache_misses.get_or_create(&labels), misses);
+        // The summarizer keeps its own counters; they are mirrored here.
+        let counters = &state.summarizer.counters;
+        for (result, counter) in [
+            ("made", &counters.made),
+            ("failed", &counters.failed),
+            ("dropped", &counters.dropped),
+        ] {
+            catch_up(
+                &self.summaries.get_or_create(&ResultLabels { result }),
+                counter.load(Ordering::Relaxed),
+            );
+        }
+        catch_up(
+            &self.summary_input_tokens,
+            counters.prompt_tokens.load(Ordering::Relaxed),
+        );
+        catch_up(
+            &self.summary_output_tokens,
+            counters.completion_tokens.load(Ordering::Relaxed),
+        );
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();

@@ -450,6 +450,11 @@ async fn delete_removes_every_trace_and_nothing_else() {
     );
     assert!(!store_contains(&proxy.state, "summary 1 of gone"));
     assert!(!workspace.exists(), "the workspace folder is gone");
+    assert!(
+        !workspace.parent().unwrap().parent().unwrap().exists(),
+        "the tenant's empty workspace folder is gone too"
+    );
+    assert!(proxy.state.store.data_dir().join("workspaces").exists());
     assert!(proxy.state.store.meta(&key).unwrap().is_none());
     for suffix in ["", "/stats", "/export"] {
         let path = format!("{}{suffix}", conversation_path(TOKEN, "default", "gone"));
@@ -623,6 +628,17 @@ async fn cross_tenant_attempts_fail() {
     );
 
     // Deleting the other tenant leaves this one whole.
+    let their_files = workspace_dir(
+        proxy.state.store.data_dir(),
+        &key_for(Some(OTHER), "default", "theirs"),
+    );
+    std::fs::create_dir_all(&their_files).unwrap();
+    std::fs::write(their_files.join("notes.md"), "private-of-other").unwrap();
+    let my_files = workspace_dir(
+        proxy.state.store.data_dir(),
+        &key_for(Some(TOKEN), "default", "mine"),
+    );
+    std::fs::create_dir_all(&my_files).unwrap();
     let before = admin(&proxy, "GET", &mine, "").await.body;
     let gone = admin(
         &proxy,
@@ -634,6 +650,8 @@ async fn cross_tenant_attempts_fail() {
     assert_eq!(gone.status, 200);
     assert_eq!(gone.json()["deleted_conversations"], 1);
     assert!(!store_contains(&proxy.state, "private-of-other"));
+    assert!(!their_files.parent().unwrap().parent().unwrap().exists());
+    assert!(my_files.exists(), "another tenant's files are untouched");
     assert_eq!(admin(&proxy, "GET", &mine, "").await.body, before);
     let again = admin(
         &proxy,
@@ -777,4 +795,94 @@ async fn the_openapi_document_matches_the_server() {
             }
         }
     }
+}
+
+#[tokio::test]
+async fn preview_and_stats_show_the_summary() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let headers = [
+        ("x-memory-recent-n", "2"),
+        ("x-memory-compression-threshold-tokens", "20"),
+        ("x-memory-compression-async", "false"),
+        ("x-memory-compression-interval", "PT0S"),
+    ];
+    let mut history = Vec::new();
+    for i in 1..=8 {
+        history.push(user(&format!(
+            "a long enough message number {i} about the garden"
+        )));
+        let answer = chat(&proxy, "summed", &body(&history), &headers).await;
+        assert_eq!(answer.status, 200);
+        history.push(reply_message(&answer));
+    }
+    let path = conversation_path(TOKEN, "default", "summed");
+    let request = body(&[user("and the roses?")]).to_string();
+    let preview = send(
+        "POST",
+        &proxy.url(&format!("{path}/preview")),
+        &[
+            ("authorization", &format!("Bearer {ADMIN_TOKEN}")),
+            ("x-memory-recent-n", "2"),
+        ],
+        request,
+    )
+    .await
+    .json();
+    assert!(
+        preview["summary"]["number"].as_u64().unwrap() >= 1,
+        "{preview}"
+    );
+    let first = preview["messages"][0]["content"].as_str().unwrap();
+    assert!(
+        first.starts_with("[Summary of earlier conversation"),
+        "{first}"
+    );
+    let stats = admin(&proxy, "GET", &format!("{path}/stats"), "")
+        .await
+        .json();
+    assert!(stats["summaries"].as_u64().unwrap() >= 1);
+    assert!(
+        stats["messages"]["summarized"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
+    let shown = admin(&proxy, "GET", &path, "").await.json();
+    assert!(shown["summaries"][0]["record"]["text"].is_string());
+}
+
+/// A summary still being made when its conversation is deleted must leave nothing behind: no
+/// record, no Markdown copy. Needs the summary stage to write through
+/// `Store::put_summary_if_current` under the conversation's lock (see the report of issue 5);
+/// until then a summary finishing after the delete is written under the deleted id.
+#[tokio::test]
+#[ignore = "needs summary::save to check the conversation still exists (Store::put_summary_if_current)"]
+async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
+    use memproxy::mock_upstream::Reply;
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    mock.push_summary(Reply::Delay(
+        std::time::Duration::from_millis(500),
+        Box::new(Reply::Text("late-summary-text".into())),
+    ));
+    let headers = [
+        ("x-memory-recent-n", "2"),
+        ("x-memory-compression-threshold-tokens", "20"),
+        ("x-memory-compression-interval", "PT0S"),
+    ];
+    let mut history = Vec::new();
+    for i in 1..=6 {
+        history.push(user(&format!(
+            "a long enough message number {i} about the garden"
+        )));
+        let answer = chat(&proxy, "racing", &body(&history), &headers).await;
+        history.push(reply_message(&answer));
+    }
+    let path = conversation_path(TOKEN, "default", "racing");
+    assert_eq!(admin(&proxy, "DELETE", &path, "").await.status, 200);
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert!(!store_contains(&proxy.state, "late-summary-text"));
+    let key = key_for(Some(TOKEN), "default", "racing");
+    assert!(!workspace_dir(proxy.state.store.data_dir(), &key).exists());
 }

@@ -244,3 +244,41 @@ async fn metrics_can_require_the_admin_token() {
     assert!(String::from_utf8_lossy(&ok.body).contains("memproxy_requests_total"));
     let _ = json!({});
 }
+
+#[tokio::test]
+async fn summaries_made_are_counted_with_their_tokens() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let headers = [
+        ("x-memory-recent-n", "2"),
+        ("x-memory-compression-threshold-tokens", "20"),
+        ("x-memory-compression-async", "false"),
+        ("x-memory-compression-interval", "PT0S"),
+    ];
+    let mut history = Vec::new();
+    for i in 1..=8 {
+        history.push(user(&format!(
+            "a long enough message number {i} about the garden"
+        )));
+        let answer = chat(&proxy, "summarized", &body(&history), &headers).await;
+        assert_eq!(answer.status, 200);
+        history.push(reply_message(&answer));
+    }
+    let (scrape, _) = scrape(&proxy).await;
+    let made = value(&scrape, "memproxy_summaries_total", &[("result", "made")]);
+    assert!(made >= 1.0, "no summary counted");
+    assert_eq!(
+        value(&scrape, "memproxy_summaries_total", &[("result", "failed")]),
+        0.0
+    );
+    // The mock reports a usage of one prompt and one completion token per call.
+    assert_eq!(
+        value(&scrape, "memproxy_summary_input_tokens_total", &[]),
+        made
+    );
+    assert_eq!(
+        value(&scrape, "memproxy_summary_output_tokens_total", &[]),
+        made
+    );
+}

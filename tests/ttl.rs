@@ -68,6 +68,9 @@ fn ttl_is_a_setting_and_the_sweeper_is_configured() {
     })
     .unwrap();
     assert_eq!(named.admin_token.unwrap().0, "s3cret");
+    let unprotectable =
+        config::from_toml("[admin]\nprotect_metrics = true\n", &no_env).unwrap_err();
+    assert!(unprotectable.problems[0].contains("admin.protect_metrics"));
     assert!(
         !format!(
             "{:?}",
@@ -264,4 +267,65 @@ async fn the_background_sweeper_runs_on_its_interval_and_stops_with_the_server()
     let again = Proxy::start(&mock, dir.path(), "").await;
     assert!(!exists(&again, "default", "c"));
     again.stop().await;
+}
+
+/// The background sweeper on tokio's paused clock: nothing happens before its interval, and
+/// the pass at the interval deletes what is past its TTL.
+#[tokio::test(start_paused = true)]
+async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
+    use memproxy::identity::{ConversationKey, TenantId};
+    use memproxy::store::{ImportMeta, Origin, StoredMessage};
+    use memproxy::ttl::Sweeper;
+
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[storage]\ndata_dir = \"{}\"\n[memory]\nttl = \"PT1H\"\n[sweeper]\ninterval = \"PT10M\"\n",
+        dir.path().display()
+    );
+    let state =
+        memproxy::state::AppState::build(config::from_toml(&text, &no_env).unwrap()).unwrap();
+    let key = ConversationKey {
+        tenant: TenantId::from_token(Some(TOKEN)),
+        agent: "default".into(),
+        conversation: "paused".into(),
+    };
+    let message = StoredMessage {
+        turn: 1,
+        role: memproxy::message::Role::User,
+        origin: Origin::Client,
+        at_ms: state.clock.now_ms(),
+        tokens: 5,
+        fingerprint: 42,
+        message: serde_json::value::RawValue::from_string(
+            r#"{"role":"user","content":"paused secret"}"#.into(),
+        )
+        .unwrap(),
+    };
+    let hint = ImportMeta {
+        last_activity_ms: Some(state.clock.now_ms()),
+        ..ImportMeta::default()
+    };
+    state
+        .store
+        .import_conversation(&key, vec![message], vec![], hint)
+        .unwrap();
+    // Idle for two hours by the sweeper's clock, past the one-hour TTL.
+    state.clock.advance(Duration::from_secs(2 * 3600));
+
+    let sweeper = Sweeper::start(std::sync::Arc::clone(&state));
+    tokio::time::sleep(Duration::from_secs(9 * 60)).await;
+    assert!(
+        state.store.meta(&key).unwrap().is_some(),
+        "no pass before the interval"
+    );
+    tokio::time::sleep(Duration::from_secs(2 * 60)).await;
+    let mut waited = 0;
+    while state.store.meta(&key).unwrap().is_some() {
+        waited += 1;
+        assert!(waited < 100_000, "the pass at the interval did not delete");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(!state.store.any_trace_of(b"paused secret").unwrap());
+    sweeper.stop().await;
+    state.store.close().await.unwrap();
 }

@@ -276,7 +276,11 @@ fn preview(
         "prompt_tokens": planned.prompt_tokens,
         "recalled_turns": planned.recalled_turns,
         "stored_messages": planned.stored_count,
-        "summary": planned.prompt.summary.is_some(),
+        "summary": planned
+            .prompt
+            .summary
+            .is_some()
+            .then(|| serde_json::to_value(&planned.summary).unwrap_or(Value::Null)),
         "budget": budget,
     }))
 }

@@ -393,6 +393,24 @@ pub fn delete_tenant_in(
             forget(&summary.key);
         }
     }
+    // The tenant's whole workspace folder, with anything a conversation left there.
+    let probe = ConversationKey {
+        tenant: tenant.clone(),
+        agent: "probe".to_string(),
+        conversation: "probe".to_string(),
+    };
+    let conversation_dir = crate::store::workspace_dir(store.data_dir(), &probe);
+    if let Some(tenant_dir) = conversation_dir.parent().and_then(std::path::Path::parent) {
+        match std::fs::remove_dir_all(tenant_dir) {
+            Ok(()) => {}
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => {
+                return Err(AdminError::Internal(format!(
+                    "the tenant's workspace folder could not be removed: {err}"
+                )));
+            }
+        }
+    }
     if count == 0 {
         return Err(AdminError::NotFound(format!(
             "tenant {tenant} has no conversations"

@@ -21,6 +21,9 @@ use super::{
 };
 use crate::identity::ConversationKey;
 
+/// The most keys one listing call looks at.
+const MAX_LIST_SCAN: usize = 10_000;
+
 /// How often a delete or import retries when a commit changed the conversation under it.
 const MAX_ATTEMPTS: usize = 8;
 
@@ -139,6 +142,7 @@ impl Store {
         limit: usize,
     ) -> Result<(Vec<ConversationSummary>, Option<Vec<u8>>), StoreError> {
         let mut out: Vec<ConversationSummary> = Vec::new();
+        let mut last_scanned: Option<Vec<u8>> = None;
         let start: Vec<u8> = match after {
             Some(after) if after >= prefix => {
                 let mut start = after.to_vec();
@@ -147,11 +151,17 @@ impl Store {
             }
             _ => prefix.to_vec(),
         };
-        for item in self.conversations.range(start..) {
+        for (scanned, item) in self.conversations.range(start..).enumerate() {
             let (key_bytes, value) = item?;
             if !key_bytes.starts_with(prefix) {
                 break;
             }
+            // A filter that matches little must not walk the whole store in one call: the
+            // page ends early, with a cursor to go on from.
+            if scanned == MAX_LIST_SCAN {
+                return Ok((out, last_scanned));
+            }
+            last_scanned = Some(key_bytes.to_vec());
             let Some(key) = ConversationKey::from_bytes(&key_bytes) else {
                 continue;
             };
@@ -264,11 +274,7 @@ impl Store {
 
     /// Up to `limit` TTL records after `after`: the sweeper drops those whose conversation was
     /// never stored.
-    pub fn scan_ttl(
-        &self,
-        after: Option<&[u8]>,
-        limit: usize,
-    ) -> Result<TtlPage, StoreError> {
+    pub fn scan_ttl(&self, after: Option<&[u8]>, limit: usize) -> Result<TtlPage, StoreError> {
         let range = match after {
             Some(after) => {
                 let mut start = after.to_vec();
@@ -299,6 +305,40 @@ impl Store {
         });
         match result {
             Ok(removed) => Ok(removed),
+            Err(TransactionError::Abort(())) => Ok(false),
+            Err(TransactionError::Storage(err)) => Err(StoreError::Sled(err)),
+        }
+    }
+
+    /// Writes a summary record only if the conversation still has the record id
+    /// `conversation_id`, checked in the same transaction: a summary that finishes after its
+    /// conversation was deleted (or deleted and started afresh) is dropped, not left behind.
+    /// Returns false when it was dropped. Call it with the conversation's lock held and write
+    /// the Markdown copy under the same lock only when it returns true: a delete takes that
+    /// lock, so no file outlives its conversation.
+    pub fn put_summary_if_current(
+        &self,
+        key: &ConversationKey,
+        conversation_id: u64,
+        number: u64,
+        record: &[u8],
+    ) -> Result<bool, StoreError> {
+        let key_bytes = key.to_bytes();
+        let result = (&self.conversations, &self.summaries).transaction(|(convs, sums)| {
+            let current = match convs.get(&key_bytes)? {
+                None => None,
+                Some(bytes) => serde_json::from_slice::<ConversationMeta>(&bytes)
+                    .ok()
+                    .map(|m| m.id),
+            };
+            if current != Some(conversation_id) {
+                return Ok(false);
+            }
+            sums.insert(&message_key(conversation_id, number)[..], record)?;
+            Ok(true)
+        });
+        match result {
+            Ok(written) => Ok(written),
             Err(TransactionError::Abort(())) => Ok(false),
             Err(TransactionError::Storage(err)) => Err(StoreError::Sled(err)),
         }
@@ -356,6 +396,17 @@ impl Store {
                 return Err(StoreError::Corrupt(format!(
                     "the conversation's workspace folder could not be removed: {err}"
                 )));
+            }
+        }
+        // The agent's and the tenant's folders go too once empty: their names say the tenant
+        // and agent existed. Removing a folder that is not empty fails, harmlessly.
+        let workspaces = self.data_dir.join("workspaces");
+        for parent in dir.ancestors().skip(1) {
+            if parent == workspaces || !parent.starts_with(&workspaces) {
+                break;
+            }
+            if std::fs::remove_dir(parent).is_err() {
+                break;
             }
         }
         result
@@ -721,6 +772,28 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
+    }
+
+    #[tokio::test]
+    async fn a_summary_of_a_deleted_conversation_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), Durability::Commit, 1 << 20, 1 << 20).unwrap();
+        let k = key("c");
+        {
+            let handle = store.conversation(&k).unwrap();
+            let mut conv = lock(&handle);
+            let change = Change {
+                add: vec![message("a")],
+                ..Change::default()
+            };
+            store.commit(&mut conv, change).unwrap();
+        }
+        let id = store.meta(&k).unwrap().unwrap().id;
+        assert!(store.put_summary_if_current(&k, id, 1, b"{}").unwrap());
+        assert!(!store.put_summary_if_current(&k, id + 1, 2, b"{}").unwrap());
+        store.delete_conversation(&k).unwrap().unwrap();
+        assert!(!store.put_summary_if_current(&k, id, 2, b"{}").unwrap());
+        assert_eq!(store.summaries.len(), 0);
     }
 
     #[tokio::test]
