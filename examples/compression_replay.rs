@@ -251,7 +251,10 @@ async fn main() {
             outcome.summaries
         );
         if !outcome.summary_turns.is_empty() {
-            println!("{:<34}summary in the prompt changed at turns {:?}", "", outcome.summary_turns);
+            println!(
+                "{:<34}summary in the prompt changed at turns {:?}",
+                "", outcome.summary_turns
+            );
         }
         outcomes.push((scenario, outcome));
     }

@@ -468,6 +468,12 @@ impl Metrics {
         };
         catch_up(&self.cache_lookups.get_or_create(&labels), lookups);
         catch_up(&self.cache_misses.get_or_create(&labels), misses);
+        let (lookups, misses) = state.recall.cache_counts();
+        let labels = CacheLabels {
+            cache: Cache::Recall.as_str(),
+        };
+        catch_up(&self.cache_lookups.get_or_create(&labels), lookups);
+        catch_up(&self.cache_misses.get_or_create(&labels), misses);
         // The summarizer keeps its own counters; they are mirrored here.
         let counters = &state.summarizer.counters;
         for (result, counter) in [

@@ -856,7 +856,6 @@ async fn preview_and_stats_show_the_summary() {
 /// `Store::put_summary_if_current` under the conversation's lock (see the report of issue 5);
 /// until then a summary finishing after the delete is written under the deleted id.
 #[tokio::test]
-#[ignore = "needs summary::save to check the conversation still exists (Store::put_summary_if_current)"]
 async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
     use memproxy::mock_upstream::Reply;
     let mock = MockUpstream::start().await.unwrap();

@@ -275,6 +275,11 @@ fn preview(
         "messages": forwarded,
         "prompt_tokens": planned.prompt_tokens,
         "recalled_turns": planned.recalled_turns,
+        "recalled": planned
+            .recalled_scores
+            .iter()
+            .map(|(turn, score)| json!({"turn": turn, "score": score}))
+            .collect::<Vec<_>>(),
         "stored_messages": planned.stored_count,
         "summary": planned
             .prompt

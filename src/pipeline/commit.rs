@@ -51,6 +51,7 @@ impl Exchange {
         state: &AppState,
         reply: Box<RawValue>,
     ) -> Result<usize, StoreError> {
+        let started = std::time::Instant::now();
         let store = &state.store;
         let model = self.model.as_deref();
         let reply = Message::parse(reply, "reply")
@@ -106,6 +107,9 @@ impl Exchange {
         };
         store.touch(&self.key, &self.handle);
         store.sync().await?;
+        state
+            .metrics
+            .observe_stage(crate::metrics::Stage::Commit, started.elapsed());
         Ok(message_count)
     }
 

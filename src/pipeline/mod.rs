@@ -236,7 +236,12 @@ async fn summarize_if_due(
         }
         return;
     }
-    match state.summarizer.run_now(job).await {
+    let started = std::time::Instant::now();
+    let result = state.summarizer.run_now(job).await;
+    state
+        .metrics
+        .observe_stage(crate::metrics::Stage::Summary, started.elapsed());
+    match result {
         Ok(record) => {
             plan.prompt.summary = summary::render(&record);
             plan.summary = Some(record);

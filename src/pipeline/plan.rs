@@ -3,6 +3,7 @@
 //! and assemble the prompt. Produces the prompt to forward and the exchange to commit.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::assemble::{Prompt, is_injected_echo, split_request};
 use super::budget::{self, Fitted};
@@ -13,6 +14,7 @@ use super::summary::plan_summary;
 use super::window::window_start;
 use crate::identity::ConversationKey;
 use crate::message::{Message, Role};
+use crate::metrics::Stage;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::store::{StoreError, StoredMessage, lock};
@@ -30,6 +32,8 @@ pub struct Plan {
     pub planned_count: usize,
     /// Turns recalled into the prompt, oldest first.
     pub recalled_turns: Vec<u64>,
+    /// The recalled turns with their BM25 scores, best first.
+    pub recalled_scores: Vec<(u64, f32)>,
     /// The forwarded prompt's size in tokens, from stored counts.
     pub prompt_tokens: u64,
     /// What the token budget did, when one is set.
@@ -49,6 +53,7 @@ pub fn plan(
 ) -> Result<Plan, StoreError> {
     let store = &state.store;
     let model_name = model.as_deref();
+    let started = Instant::now();
     let handle = store.conversation(key)?;
     let conversation = lock(&handle);
     let entries = &conversation.entries;
@@ -86,6 +91,10 @@ pub fn plan(
         .map(|m| tokens::count_message(model_name, &m.text()))
         .collect();
 
+    state
+        .metrics
+        .observe_stage(Stage::Reconcile, started.elapsed());
+
     // Window: it must hold the current round when the new messages continue it.
     let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
     let start = window_start(history, settings.recent_n, continue_round);
@@ -99,6 +108,7 @@ pub fn plan(
     });
 
     // Recall: the older pool is everything before the window.
+    let started = Instant::now();
     let mut recalled: Vec<RecalledTurn> = Vec::new();
     if settings.relevance_enabled && settings.relevance_top_k > 0 && start > 0 {
         let query = query_text(&new_turns, &window);
@@ -116,7 +126,12 @@ pub fn plan(
         recalled = recalled_turns(&hits, found);
     }
 
+    state
+        .metrics
+        .observe_stage(Stage::Recall, started.elapsed());
+
     // Budget: what cannot be cut is the client's instructions and new messages.
+    let started = Instant::now();
     let first_new = turn_index.get(from).copied().unwrap_or(messages.len());
     let mut new_iter = new_tokens.iter();
     let fixed: u64 = messages
@@ -150,6 +165,7 @@ pub fn plan(
     // Assemble.
     let mut recalled_turns: Vec<u64> = recalled.iter().map(|r| r.turn).collect();
     recalled_turns.sort_unstable();
+    let recalled_scores: Vec<(u64, f32)> = recalled.iter().map(|r| (r.turn, r.score)).collect();
     let (instructions, incoming) = split_request(messages, first_new);
     let exchange = Exchange {
         key: key.clone(),
@@ -166,6 +182,9 @@ pub fn plan(
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
     drop(conversation);
+    state
+        .metrics
+        .observe_stage(Stage::Assemble, started.elapsed());
     Ok(Plan {
         prompt: Prompt {
             instructions,
@@ -178,6 +197,7 @@ pub fn plan(
         stored_count,
         planned_count,
         recalled_turns,
+        recalled_scores,
         prompt_tokens,
         fitted,
         summary: summary.current,

@@ -81,7 +81,8 @@ pub fn plan_summary(
         let messages = store.messages(conversation, turns)?;
         if let Some(record) = heuristic::summarize(&messages, 1) {
             match summary::save(store, &conversation.key, meta.id, &record) {
-                Ok(()) => plan.current = Some(record),
+                Ok(true) => plan.current = Some(record),
+                Ok(false) => {}
                 Err(err) => tracing::warn!(error = %err, "could not store the heuristic summary"),
             }
         }

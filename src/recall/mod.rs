@@ -8,6 +8,7 @@
 pub mod index;
 pub mod tokenize;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde_json::{Map, Value};
@@ -42,6 +43,8 @@ impl ConversationIndex {
 /// The indexes of recently used conversations.
 pub struct Recall {
     cache: moka::sync::Cache<ConversationKey, Arc<Mutex<ConversationIndex>>>,
+    lookups: AtomicU64,
+    misses: AtomicU64,
 }
 
 impl std::fmt::Debug for Recall {
@@ -84,7 +87,11 @@ impl Recall {
                 },
             )
             .build();
-        Recall { cache }
+        Recall {
+            cache,
+            lookups: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
     }
 
     /// The `k` stored messages most relevant to `query` among those with a turn below
@@ -102,6 +109,7 @@ impl Recall {
         let Some(meta) = &conversation.meta else {
             return Ok(Vec::new());
         };
+        self.lookups.fetch_add(1, Ordering::Relaxed);
         let handle = match self.cache.get(&conversation.key) {
             Some(handle)
                 if {
@@ -112,6 +120,7 @@ impl Recall {
                 handle
             }
             _ => {
+                self.misses.fetch_add(1, Ordering::Relaxed);
                 let built = Arc::new(Mutex::new(build(store, conversation, language)?));
                 self.cache
                     .insert(conversation.key.clone(), Arc::clone(&built));
@@ -148,11 +157,19 @@ impl Recall {
             // Commits remove the newest message (a replaced reply) and the oldest (trimmed
             // rounds); anything else is not a shape commits make, so rebuild to be safe.
             let mut unaccounted = removed.len();
-            if index.index.last_turn().is_some_and(|t| removed.contains(&t)) {
+            if index
+                .index
+                .last_turn()
+                .is_some_and(|t| removed.contains(&t))
+            {
                 index.index.pop();
                 unaccounted -= 1;
             }
-            while index.index.first_turn().is_some_and(|t| removed.contains(&t)) {
+            while index
+                .index
+                .first_turn()
+                .is_some_and(|t| removed.contains(&t))
+            {
                 index.index.drop_front(1);
                 unaccounted -= 1;
             }
@@ -169,6 +186,14 @@ impl Recall {
         }
         // Re-insert so the cache weighs the grown index.
         self.cache.insert(key.clone(), handle);
+    }
+
+    /// Searches and the ones that had to build an index: (lookups, misses).
+    pub fn cache_counts(&self) -> (u64, u64) {
+        (
+            self.lookups.load(Ordering::Relaxed),
+            self.misses.load(Ordering::Relaxed),
+        )
     }
 
     /// Drops a conversation's index.

@@ -412,9 +412,17 @@ impl Store {
         Ok(())
     }
 
-    /// Refreshes the cache's weight of a conversation after it grew.
+    /// Refreshes the cache's weight of a conversation after it grew. Only the handle the cache
+    /// still holds is put back: after a delete or an eviction a newer handle may be there, and
+    /// an old one must not replace it.
     pub fn touch(&self, key: &ConversationKey, handle: &Handle) {
-        self.cache.insert(key.clone(), Arc::clone(handle));
+        if self
+            .cache
+            .get(key)
+            .is_some_and(|current| Arc::ptr_eq(&current, handle))
+        {
+            self.cache.insert(key.clone(), Arc::clone(handle));
+        }
     }
 
     /// Waits until earlier commits are on disk (group commit). With interval durability this

@@ -108,15 +108,10 @@ pub enum SummaryError {
     Timeout(Duration),
     #[error("nothing to summarize")]
     Empty,
+    #[error("the conversation was deleted while its summary was being made")]
+    Gone,
     #[error("writing the summary file failed: {0}")]
     File(#[from] std::io::Error),
-}
-
-fn summary_key(conversation_id: u64, number: u64) -> [u8; 16] {
-    let mut key = [0u8; 16];
-    key[..8].copy_from_slice(&conversation_id.to_be_bytes());
-    key[8..].copy_from_slice(&number.to_be_bytes());
-    key
 }
 
 /// The conversation's newest summary record.
@@ -148,18 +143,20 @@ pub fn all(store: &Store, conversation_id: u64) -> Result<Vec<SummaryRecord>, St
         .collect()
 }
 
-/// Stores a record and writes its Markdown copy (`memory/summary-1-{to_turn}.md`).
+/// Stores a record and writes its Markdown copy (`memory/summary-1-{to_turn}.md`), unless the
+/// conversation was deleted (or replaced) meanwhile: then nothing is written and the result is
+/// `false`. The caller holds the conversation's lock, so a delete cannot run between the record
+/// and its file.
 pub fn save(
     store: &Store,
     key: &ConversationKey,
     conversation_id: u64,
     record: &SummaryRecord,
-) -> Result<(), SummaryError> {
+) -> Result<bool, SummaryError> {
     let value = serde_json::to_vec(record).map_err(|err| StoreError::Corrupt(err.to_string()))?;
-    store
-        .summaries_tree()
-        .insert(summary_key(conversation_id, record.number), value)
-        .map_err(StoreError::from)?;
+    if !store.put_summary_if_current(key, conversation_id, record.number, &value)? {
+        return Ok(false);
+    }
     let folder = workspace_dir(store.data_dir(), key).join("memory");
     std::fs::create_dir_all(&folder)?;
     let file = folder.join(format!(
@@ -182,7 +179,7 @@ pub fn save(
     let partial = folder.join(format!(".summary-{}.partial", record.number));
     std::fs::write(&partial, markdown)?;
     std::fs::rename(&partial, &file)?;
-    Ok(())
+    Ok(true)
 }
 
 /// What a summary job needs.
@@ -414,7 +411,11 @@ impl Summarizer {
             usage_completion_tokens: usage.1,
             text,
         };
-        save(store, &job.key, job.conversation_id, &record)?;
+        let handle = store.conversation(&job.key)?;
+        let _conversation = lock(&handle);
+        if !save(store, &job.key, job.conversation_id, &record)? {
+            return Err(SummaryError::Gone);
+        }
         Ok(record)
     }
 
