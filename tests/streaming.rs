@@ -87,15 +87,12 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
             arrivals.push(started.elapsed());
         }
     }
-    let total = *arrivals.last().unwrap();
-    // Nine events at 150 ms apart: the first is in the client's hands long before the last.
+    // Nine events sent 150 ms apart. Buffering would hand them over together; streamed, they
+    // arrive spread over about as long as the upstream took to send them. (Measured from the
+    // first frame, so a slow start on a busy machine does not matter.)
     assert!(arrivals.len() >= 6, "{arrivals:?}");
-    assert!(
-        arrivals[0] * 3 < total,
-        "first {:?} of {:?}",
-        arrivals[0],
-        total
-    );
+    let spread = *arrivals.last().unwrap() - arrivals[0];
+    assert!(spread >= Duration::from_millis(600), "frames arrived within {spread:?}: {arrivals:?}");
     assert_eq!(proxy.stored(Some(TOKEN), "slow").len(), 2);
 }
 
