@@ -115,7 +115,7 @@ async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
     let proxy = Proxy::start(&mock, dir.path(), SETTINGS).await;
     // The summarizer is slow: the triggering turn must not wait for it.
     mock.push_summary(Reply::Delay(
-        Duration::from_millis(600),
+        Duration::from_secs(3),
         Box::new(Reply::Text("Lanterns are on shelves 0 to 5.".into())),
     ));
 
@@ -127,7 +127,7 @@ async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
         if answer.header("x-memory-summary").contains("heuristic") {
             // A stand-in is used until the model summary is ready.
             assert!(
-                took < Duration::from_millis(500),
+                took < Duration::from_millis(2500),
                 "the triggering turn waited {took:?}"
             );
             triggered = Some(i);
