@@ -92,7 +92,10 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
     // first frame, so a slow start on a busy machine does not matter.)
     assert!(arrivals.len() >= 6, "{arrivals:?}");
     let spread = *arrivals.last().unwrap() - arrivals[0];
-    assert!(spread >= Duration::from_millis(600), "frames arrived within {spread:?}: {arrivals:?}");
+    assert!(
+        spread >= Duration::from_millis(600),
+        "frames arrived within {spread:?}: {arrivals:?}"
+    );
     assert_eq!(proxy.stored(Some(TOKEN), "slow").len(), 2);
 }
 
