@@ -22,8 +22,9 @@
 //!   one new user message with `X-Memory-Persist: false`, so the conversation stays that size;
 //! - `mem-10-persist`, `mem-1k-persist`, `mem-10k-persist`: the same but stored (each request
 //!   appends 2 messages); each mode gets its own freshly pre-filled conversation;
-//! - `mem-10k-norecall`: `mem-10k` with `X-Memory-Relevance-Enabled: false` (diagnostic: how
-//!   much of the 10k cost is recall);
+//! - `mem-10k-norecall`, `mem-10k-nocompress`: `mem-10k` with `X-Memory-Relevance-Enabled:
+//!   false` or `X-Memory-Compression-Enabled: false` (diagnostics: how much of the 10k cost is
+//!   recall, and the summary);
 //! - `stream-direct`, `stream-passthrough`, `stream-mem-1k`: `"stream": true`; the latency
 //!   columns are the time to the first body chunk; full-stream latency is printed separately.
 //!
@@ -1083,8 +1084,8 @@ struct Spec {
     uri: Uri,
     conversation: Option<String>,
     persist_false: bool,
-    /// Send `X-Memory-Relevance-Enabled: false` (diagnostic: memory without recall).
-    no_recall: bool,
+    /// Extra headers (diagnostic scenarios turn a memory stage off).
+    extra_headers: &'static [(&'static str, &'static str)],
     stream: bool,
     /// The `X-Memory-Status` every answer must carry (`None`: no such header).
     expect_memory: Option<&'static str>,
@@ -1111,8 +1112,8 @@ fn chat_request(spec: &Spec, body: String) -> Result<Request<Full<Bytes>>, Strin
     if spec.persist_false {
         builder = builder.header("x-memory-persist", "false");
     }
-    if spec.no_recall {
-        builder = builder.header("x-memory-relevance-enabled", "false");
+    for (name, value) in spec.extra_headers {
+        builder = builder.header(*name, *value);
     }
     builder
         .body(Full::new(Bytes::from(body)))
@@ -1606,8 +1607,8 @@ struct Scenario {
     prefill: usize,
     persist: bool,
     stream: bool,
-    /// Recall on (the default); off sends `X-Memory-Relevance-Enabled: false`.
-    recall: bool,
+    /// Extra headers: the diagnostic scenarios turn one memory stage off.
+    headers: &'static [(&'static str, &'static str)],
     baseline: &'static str,
 }
 
@@ -1618,7 +1619,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 0,
         persist: false,
         stream: false,
-        recall: true,
+        headers: &[],
         baseline: "direct",
     },
     Scenario {
@@ -1627,7 +1628,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 0,
         persist: false,
         stream: false,
-        recall: true,
+        headers: &[],
         baseline: "direct",
     },
     Scenario {
@@ -1636,7 +1637,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10,
         persist: false,
         stream: false,
-        recall: true,
+        headers: &[],
         baseline: "direct",
     },
     Scenario {
@@ -1645,7 +1646,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10,
         persist: true,
         stream: false,
-        recall: true,
+        headers: &[],
         baseline: "direct",
     },
     Scenario {
@@ -1654,7 +1655,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 1000,
         persist: false,
         stream: false,
-        recall: true,
+        headers: &[],
         baseline: "direct",
     },
     Scenario {
@@ -1663,7 +1664,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 1000,
         persist: true,
         stream: false,
-        recall: true,
+        headers: &[],
         baseline: "direct",
     },
     Scenario {
@@ -1672,7 +1673,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10_000,
         persist: false,
         stream: false,
-        recall: true,
+        headers: &[],
         baseline: "direct",
     },
     Scenario {
@@ -1681,7 +1682,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10_000,
         persist: true,
         stream: false,
-        recall: true,
+        headers: &[],
         baseline: "direct",
     },
     Scenario {
@@ -1690,7 +1691,16 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 10_000,
         persist: false,
         stream: false,
-        recall: false,
+        headers: &[("x-memory-relevance-enabled", "false")],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-10k-nocompress",
+        target: Target::Proxy,
+        prefill: 10_000,
+        persist: false,
+        stream: false,
+        headers: &[("x-memory-compression-enabled", "false")],
         baseline: "direct",
     },
     Scenario {
@@ -1699,7 +1709,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 0,
         persist: false,
         stream: true,
-        recall: true,
+        headers: &[],
         baseline: "stream-direct",
     },
     Scenario {
@@ -1708,7 +1718,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 0,
         persist: false,
         stream: true,
-        recall: true,
+        headers: &[],
         baseline: "stream-direct",
     },
     Scenario {
@@ -1717,7 +1727,7 @@ const SCENARIOS: &[Scenario] = &[
         prefill: 1000,
         persist: false,
         stream: true,
-        recall: true,
+        headers: &[],
         baseline: "stream-direct",
     },
 ];
@@ -1747,7 +1757,7 @@ async fn prefill(ctx: &Ctx, conversation: &str, messages: usize) -> Result<Prefi
         uri: ctx.proxy_url.clone(),
         conversation: Some(conversation.to_string()),
         persist_false: false,
-        no_recall: false,
+        extra_headers: &[],
         stream: false,
         expect_memory: Some("stored"),
     };
@@ -2024,7 +2034,7 @@ async fn bench(args: Args) -> Result<(), String> {
                 },
                 conversation: conversation.clone(),
                 persist_false: conversation.is_some() && !scenario.persist,
-                no_recall: !scenario.recall,
+                extra_headers: scenario.headers,
                 stream: scenario.stream,
                 expect_memory: match (&conversation, scenario.persist) {
                     (None, _) => None,
@@ -2198,7 +2208,7 @@ async fn new_conversations(ctx: &Arc<Ctx>, batch: &str, count: usize) -> u64 {
                         uri: ctx.proxy_url.clone(),
                         conversation: Some(format!("rss-{batch}-{i}")),
                         persist_false: false,
-                        no_recall: false,
+                        extra_headers: &[],
                         stream: false,
                         expect_memory: Some("stored"),
                     };
