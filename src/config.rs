@@ -119,12 +119,20 @@ pub struct CompressionConfig {
     /// Wait after a failed summary before the conversation is tried again (doubles per failure,
     /// up to 16 times).
     pub retry_backoff: Duration,
+    /// Tokens of new messages one summary call reads at most; a larger backlog is summarized
+    /// over several calls, oldest first, so no call overflows the model's context.
+    pub max_input_tokens: u64,
+    /// Longest summary kept (tokens); the prompt asks for it through `{max_summary_tokens}`
+    /// and a longer answer is cut to it. Bounds what every later prompt carries.
+    pub max_summary_tokens: u32,
 }
 
 pub const DEFAULT_SUMMARY_TIMEOUT: Duration = Duration::from_secs(120);
 pub const DEFAULT_SUMMARY_CONCURRENCY: usize = 2;
 pub const DEFAULT_SUMMARY_QUEUE: usize = 256;
 pub const DEFAULT_SUMMARY_BACKOFF: Duration = Duration::from_secs(60);
+pub const DEFAULT_SUMMARY_MAX_INPUT_TOKENS: u64 = 16_384;
+pub const DEFAULT_MAX_SUMMARY_TOKENS: u32 = 1024;
 
 /// The TTL sweeper's pace: one pass per `interval`, each bounded in work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,6 +207,8 @@ struct RawCompression {
     concurrency: Option<u64>,
     queue_capacity: Option<u64>,
     retry_backoff: Option<String>,
+    max_input_tokens: Option<u64>,
+    max_summary_tokens: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -629,6 +639,19 @@ fn check_compression(raw: RawCompression, problems: &mut Vec<String>) -> Compres
             DEFAULT_SUMMARY_BACKOFF,
             problems,
         ),
+        max_input_tokens: count(
+            "max_input_tokens",
+            raw.max_input_tokens,
+            DEFAULT_SUMMARY_MAX_INPUT_TOKENS as usize,
+            problems,
+        ) as u64,
+        max_summary_tokens: u32::try_from(count(
+            "max_summary_tokens",
+            raw.max_summary_tokens,
+            DEFAULT_MAX_SUMMARY_TOKENS as usize,
+            problems,
+        ))
+        .unwrap_or(u32::MAX),
     }
 }
 

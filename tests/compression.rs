@@ -354,3 +354,52 @@ async fn workspace_files_stay_inside_the_data_directory() {
     let answer = chat(&proxy, "../../etc", &body(&[user("x")]), &[]).await;
     assert_eq!(answer.status, 400);
 }
+
+#[tokio::test]
+async fn backlogs_are_summarized_in_bounded_calls_and_summaries_are_capped() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(
+        &mock,
+        dir.path(),
+        &format!("{SETTINGS}compression_async = false\ncompression_interval = \"PT0S\"\n[compression]\nmax_input_tokens = 100\nmax_summary_tokens = 40\n"),
+    )
+    .await;
+    // A whole backlog arrives at once (a client that re-sends a long history on its first call).
+    let history: Vec<Value> = (0..30)
+        .flat_map(|i| [user(&line(i)), assistant(&format!("Noted {i}."))])
+        .collect();
+    let mut request = history.clone();
+    request.push(user("go on"));
+    chat(&proxy, "backlog", &body(&request), &[]).await;
+    // The next request finds the pool over the threshold: the first call reads at most ~100
+    // tokens of it, not the whole backlog.
+    mock.push_summary(Reply::Text("word ".repeat(500)));
+    let answer = chat(&proxy, "backlog", &body(&[user("and?")]), &[]).await;
+    assert_ne!(answer.header("x-memory-summary"), "none");
+    let call = &mock.summary_requests()[0];
+    let prompt = call.json()["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let lines = prompt
+        .lines()
+        .filter(|l| l.starts_with("[earlier turn #"))
+        .count();
+    assert!((1..=8).contains(&lines), "{lines} messages in one call");
+    assert!(prompt.contains("under 40 tokens"));
+    let store = &proxy.state.store;
+    let handle = store.conversation(&key(Some(TOKEN), "backlog")).unwrap();
+    let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
+    let record = summary::latest(store, id).unwrap().unwrap();
+    assert!(record.tokens <= 40, "{} tokens kept", record.tokens);
+    assert!(
+        record.to_turn < 50,
+        "the backlog is left for later calls: {}",
+        record.to_turn
+    );
+    // Later requests carry on through the backlog, oldest first.
+    chat(&proxy, "backlog", &body(&[user("more")]), &[]).await;
+    let next = summary::latest(store, id).unwrap().unwrap();
+    assert!(next.to_turn > record.to_turn);
+}

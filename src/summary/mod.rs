@@ -42,7 +42,7 @@ The summary replaces the old messages in the assistant's context, so keep everyt
 - tool calls made and their outcomes, errors and failures seen;
 - open tasks, promises and questions not yet answered.
 Merge the previous summary with the new messages into one updated summary. Drop small talk and repetition. \
-Write short factual bullet points in the conversation's language. Keep it under 30% of the length of the input below.
+Write short factual bullet points in the conversation's language. Keep it under 30% of the length of the input below, and under {max_summary_tokens} tokens in all.
 
 Previous summary:
 {prev_summary}
@@ -361,11 +361,19 @@ impl Summarizer {
         let messages: Vec<StoredMessage> = {
             let handle = store.conversation(&job.key)?;
             let conversation = lock(&handle);
+            // Oldest first, up to the input cap (at least one message): a larger backlog is
+            // left to the next summary.
+            let mut budget = self.config.max_input_tokens;
             let turns: Vec<u64> = conversation
                 .entries
                 .iter()
+                .filter(|e| e.turn > covered_to && e.turn <= job.upto_turn)
+                .take_while(|e| {
+                    let fits = budget > 0;
+                    budget = budget.saturating_sub(u64::from(e.tokens));
+                    fits
+                })
                 .map(|e| e.turn)
-                .filter(|t| *t > covered_to && *t <= job.upto_turn)
                 .collect();
             store.messages(&conversation, turns)?
         };
@@ -381,13 +389,19 @@ impl Summarizer {
             .config
             .prompt
             .replace("{prev_summary}", prev_text)
-            .replace("{messages_joined}", &joined);
+            .replace("{messages_joined}", &joined)
+            .replace(
+                "{max_summary_tokens}",
+                &self.config.max_summary_tokens.to_string(),
+            );
 
         let (text, usage) = tokio::time::timeout(self.config.timeout, self.call(&job, prompt))
             .await
             .map_err(|_| SummaryError::Timeout(self.config.timeout))??;
 
         let model = Some(job.model.as_str());
+        // A model that ignores the length asked for is cut to it (keeping the start).
+        let text = cap_tokens(model, text, self.config.max_summary_tokens);
         let original_tokens = previous_llm.as_ref().map_or(0, |r| u64::from(r.tokens))
             + messages.iter().map(|m| u64::from(m.tokens)).sum::<u64>();
         let tokens = tokens::count_text(model, &text);
@@ -497,6 +511,22 @@ impl Summarizer {
             let _ = worker.await;
         }
     }
+}
+
+/// `text` cut to at most `max` tokens, keeping its start and ending with `…`.
+fn cap_tokens(model: Option<&str>, text: String, max: u32) -> String {
+    if tokens::count_text(model, &text) <= max {
+        return text;
+    }
+    let mut cut: String = text.chars().collect();
+    // Halve towards the cap; a few encodings at most.
+    let mut keep = cut.chars().count();
+    while keep > 0 && tokens::count_text(model, &cut) > max.saturating_sub(1) {
+        keep = keep * 3 / 4;
+        cut = text.chars().take(keep).collect();
+    }
+    cut.push('…');
+    cut
 }
 
 fn guard<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
