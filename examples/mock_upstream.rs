@@ -61,31 +61,7 @@ async fn main() -> ExitCode {
         eprintln!("mock_upstream: listening on {}", mock.base_url());
     }
     drop(stdout);
-    shutdown_signal().await;
+    memproxy::server::shutdown_signal().await;
     drop(mock);
     ExitCode::SUCCESS
-}
-
-/// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                tokio::select! {
-                    _ = interrupt => {}
-                    _ = terminate.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = interrupt.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = interrupt.await;
-    }
 }

@@ -48,36 +48,12 @@ async fn serve(config: Config) -> ExitCode {
     };
     let addr = listener.local_addr().map_or(listen, |a| a);
     tracing::info!(%addr, %upstream, "memproxy listening");
-    match server::run(listener, state, shutdown_signal()).await {
+    match server::run(listener, state, server::shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             tracing::error!(error = %err, "shutdown failed to flush the store");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Completes on SIGTERM or SIGINT.
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                tokio::select! {
-                    _ = interrupt => {}
-                    _ = terminate.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = interrupt.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = interrupt.await;
     }
 }
 

@@ -109,11 +109,7 @@ pub fn summarize(messages: &[StoredMessage], number: u64) -> Option<SummaryRecor
         to_turn: last.turn,
         tokens,
         original_tokens,
-        ratio: if original_tokens == 0 {
-            0.0
-        } else {
-            f64::from(tokens) / original_tokens as f64
-        },
+        ratio: super::ratio(tokens, original_tokens),
         from_ms: first.at_ms,
         to_ms: last.at_ms,
         model: "heuristic".to_string(),

@@ -411,11 +411,7 @@ impl Summarizer {
             to_turn: last.turn,
             tokens,
             original_tokens,
-            ratio: if original_tokens == 0 {
-                0.0
-            } else {
-                f64::from(tokens) / original_tokens as f64
-            },
+            ratio: ratio(tokens, original_tokens),
             from_ms: previous_llm.as_ref().map_or(first.at_ms, |r| r.from_ms),
             to_ms: last.at_ms,
             model: job.model.clone(),
@@ -510,6 +506,15 @@ impl Summarizer {
             worker.abort();
             let _ = worker.await;
         }
+    }
+}
+
+/// A summary's size as a share of what it was made from.
+pub fn ratio(tokens: u32, original_tokens: u64) -> f64 {
+    if original_tokens == 0 {
+        0.0
+    } else {
+        f64::from(tokens) / original_tokens as f64
     }
 }
 
