@@ -88,7 +88,15 @@ pub struct Message {
     pub tool_call_ids: Vec<String>,
     /// The `tool_call_id` a tool message answers.
     pub tool_call_id: Option<String>,
+    /// A system message memproxy itself injected (recalled turns, a summary), sent back by a
+    /// client: never stored or forwarded twice. Decided once, when the message is parsed.
+    pub injected: bool,
 }
+
+/// How the recalled-turns message memproxy injects begins.
+pub const RECALL_MARKER: &str = "[Earlier in this conversation";
+/// How the summary message memproxy injects begins.
+pub const SUMMARY_MARKER: &str = "[Summary of earlier conversation";
 
 /// Why a message could not be read; `index` is its position in `messages`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -134,12 +142,18 @@ impl Message {
         if role == Role::Tool && tool_call_id.is_none() {
             return Err(err(".tool_call_id", "is required on a tool message"));
         }
+        let injected = role.is_instruction()
+            && object
+                .get("content")
+                .and_then(Value::as_str)
+                .is_some_and(|c| c.starts_with(RECALL_MARKER) || c.starts_with(SUMMARY_MARKER));
         Ok(Message {
             fingerprint: fingerprint(role, &object),
             raw,
             role,
             tool_call_ids,
             tool_call_id,
+            injected,
         })
     }
 

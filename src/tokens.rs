@@ -53,7 +53,8 @@ pub fn keep_last_tokens(model: Option<&str>, text: &str, max_tokens: usize) -> S
 
 /// Token counts of instruction messages, which are re-sent with every request but never
 /// stored: counted once per distinct message and encoding, then looked up.
-pub fn count_cached(model: Option<&str>, fingerprint: u64, text: &str) -> u32 {
+/// `text` is only called on a miss, so a repeated system prompt is neither parsed nor encoded.
+pub fn count_cached(model: Option<&str>, fingerprint: u64, text: impl FnOnce() -> String) -> u32 {
     use std::sync::OnceLock;
     static CACHE: OnceLock<moka::sync::Cache<(u64, usize), u32>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| moka::sync::Cache::new(16_384));
@@ -62,7 +63,7 @@ pub fn count_cached(model: Option<&str>, fingerprint: u64, text: &str) -> u32 {
     if let Some(count) = cache.get(&key) {
         return count;
     }
-    let count = count_message(model, text);
+    let count = count_message(model, &text());
     cache.insert(key, count);
     count
 }
@@ -93,7 +94,7 @@ mod tests {
         let chinese = keep_last_tokens(None, "我的猫叫小白我的狗叫大黄", 4);
         assert!("我的猫叫小白我的狗叫大黄".ends_with(&chinese) && !chinese.is_empty());
         assert_eq!(
-            count_cached(None, 7, "hello world"),
+            count_cached(None, 7, || "hello world".to_string()),
             count_message(None, "hello world")
         );
     }

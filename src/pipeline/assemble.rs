@@ -7,20 +7,13 @@
 
 use serde_json::value::RawValue;
 
-use super::recall::RECALL_MARKER;
 use crate::message::Message;
-
-/// How the summary message memproxy injects begins (the compression stage writes it).
-pub const SUMMARY_MARKER: &str = "[Summary of earlier conversation";
+pub use crate::message::SUMMARY_MARKER;
 
 /// True for a system message memproxy injected (recalled turns, a summary) that a client sent
 /// back: it is dropped, never stored or forwarded twice.
 pub fn is_injected_echo(message: &Message) -> bool {
-    if !message.role.is_instruction() {
-        return false;
-    }
-    let text = message.text();
-    text.starts_with(RECALL_MARKER) || text.starts_with(SUMMARY_MARKER)
+    message.injected
 }
 
 /// The parts of the forwarded prompt.

@@ -134,22 +134,21 @@ pub fn plan(
     let started = Instant::now();
     let first_new = turn_index.get(from).copied().unwrap_or(messages.len());
     let mut new_iter = new_tokens.iter();
-    let fixed: u64 = messages
-        .iter()
-        .enumerate()
-        .filter(|(i, m)| *i >= first_new || m.role.is_instruction())
-        .map(|(_, m)| {
-            let counted = (!m.role.is_instruction())
-                .then(|| new_iter.next())
-                .flatten();
-            u64::from(
-                counted
-                    .copied()
-                    .unwrap_or_else(|| tokens::count_cached(model_name, m.fingerprint, &m.text())),
-            )
-        })
-        .sum::<u64>()
-        + summary_tokens;
+    let fixed: u64 =
+        messages
+            .iter()
+            .enumerate()
+            .filter(|(i, m)| *i >= first_new || m.role.is_instruction())
+            .map(|(_, m)| {
+                let counted = (!m.role.is_instruction())
+                    .then(|| new_iter.next())
+                    .flatten();
+                u64::from(counted.copied().unwrap_or_else(|| {
+                    tokens::count_cached(model_name, m.fingerprint, || m.text())
+                }))
+            })
+            .sum::<u64>()
+            + summary_tokens;
     let fitted = settings
         .max_context_tokens
         .map(|budget| budget::fit(budget, fixed, &mut recalled, &mut window, model_name));

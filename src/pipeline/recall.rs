@@ -15,7 +15,7 @@ use crate::recall::index::Hit;
 use crate::store::StoredMessage;
 
 /// How every recalled-turns message begins; also how an echo of one is recognised.
-pub const RECALL_MARKER: &str = "[Earlier in this conversation";
+pub use crate::message::RECALL_MARKER;
 
 /// Tokens a rendered line adds to its message's stored count (the tag and role).
 pub const LINE_OVERHEAD_TOKENS: u32 = 20;

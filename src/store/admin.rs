@@ -303,11 +303,7 @@ impl Store {
             }
             Ok(ttl.remove(key_bytes)?.is_some())
         });
-        match result {
-            Ok(removed) => Ok(removed),
-            Err(TransactionError::Abort(())) => Ok(false),
-            Err(TransactionError::Storage(err)) => Err(StoreError::Sled(err)),
-        }
+        done_or_false(result)
     }
 
     /// Writes a summary record only if the conversation still has the record id
@@ -337,11 +333,7 @@ impl Store {
             sums.insert(&message_key(conversation_id, number)[..], record)?;
             Ok(true)
         });
-        match result {
-            Ok(written) => Ok(written),
-            Err(TransactionError::Abort(())) => Ok(false),
-            Err(TransactionError::Storage(err)) => Err(StoreError::Sled(err)),
-        }
+        done_or_false(result)
     }
 
     /// Deletes a conversation completely: its record, messages, summaries and TTL record in one
@@ -651,6 +643,15 @@ pub fn already_stored(stored: &[u64], incoming: &[u64]) -> usize {
         }
     }
     0
+}
+
+/// The result of a transaction that answers `false` rather than aborting.
+fn done_or_false(result: Result<bool, TransactionError<()>>) -> Result<bool, StoreError> {
+    match result {
+        Ok(done) => Ok(done),
+        Err(TransactionError::Abort(())) => Ok(false),
+        Err(TransactionError::Storage(err)) => Err(StoreError::Sled(err)),
+    }
 }
 
 #[cfg(test)]
