@@ -46,6 +46,14 @@ struct Args {
     /// compression_threshold_tokens.
     #[arg(long, default_value_t = 8192)]
     threshold: u64,
+    /// Words in each assistant reply; 0: the mock echoes the question (`reply to: …`), so a
+    /// reply is as short as a question (about 37 tokens).
+    #[arg(long, default_value_t = 0)]
+    reply_words: usize,
+    /// Conversations grown until they trigger their first summary, per mode, for the
+    /// triggering turn's latency.
+    #[arg(long, default_value_t = 20)]
+    trigger_samples: usize,
 }
 
 const WORDS: &[&str] = &[
@@ -66,7 +74,10 @@ impl Rng {
         self.0
     }
     fn sentence(&mut self, turn: usize) -> String {
-        let words: Vec<&str> = (0..24)
+        self.words(turn, 24)
+    }
+    fn words(&mut self, turn: usize, n: usize) -> String {
+        let words: Vec<&str> = (0..n)
             .map(|_| WORDS[(self.next() % WORDS.len() as u64) as usize])
             .collect();
         format!(
@@ -111,50 +122,107 @@ impl Scenario {
 
 struct Outcome {
     tokens: Vec<u64>,
-    latency: Vec<Duration>,
     /// Turns whose answer carried a new summary label.
     summary_turns: Vec<usize>,
-    trigger_turns: Vec<usize>,
     summaries: usize,
 }
 
-async fn run(scenario: Scenario, args: &Args) -> Outcome {
-    let mock = MockUpstream::start().await.unwrap();
-    // Every summary call takes the configured time, like a model's, then the mock writes it.
-    for _ in 0..args.exchanges {
-        mock.push_summary(Reply::Delay(
-            Duration::from_millis(args.summary_delay_ms),
-            Box::new(Reply::Auto),
-        ));
+/// A mock upstream and a real memproxy in front of it, in this process.
+struct Harness {
+    mock: MockUpstream,
+    state: Arc<AppState>,
+    addr: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<Result<(), memproxy::store::StoreError>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Harness {
+    async fn start(scenario: Scenario, args: &Args, summaries: usize) -> Harness {
+        let mock = MockUpstream::start().await.unwrap();
+        // Every summary call takes the configured time, like a model's, then the mock writes it.
+        for _ in 0..summaries {
+            mock.push_summary(Reply::Delay(
+                Duration::from_millis(args.summary_delay_ms),
+                Box::new(Reply::Auto),
+            ));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (enabled, is_async) = match scenario {
+            Scenario::FullHistory | Scenario::WindowRecall => (false, true),
+            Scenario::Async => (true, true),
+            Scenario::Sync => (true, false),
+        };
+        let text = format!(
+            "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\n[memory]\ncompression_enabled = {enabled}\ncompression_async = {is_async}\ncompression_interval = \"PT0S\"\ncompression_threshold_tokens = {}\nmax_messages = 100000\n",
+            mock.base_url(),
+            dir.path().display(),
+            args.threshold
+        );
+        let config = memproxy::config::from_toml(&text, &|_| None).unwrap();
+        let state = AppState::build(config).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(memproxy::server::run(listener, Arc::clone(&state), async {
+            let _ = stopped.await;
+        }));
+        Harness {
+            mock,
+            state,
+            addr,
+            stop,
+            server,
+            _dir: dir,
+        }
     }
-    let dir = tempfile::tempdir().unwrap();
-    let (enabled, is_async) = match scenario {
-        Scenario::FullHistory | Scenario::WindowRecall => (false, true),
-        Scenario::Async => (true, true),
-        Scenario::Sync => (true, false),
-    };
-    let text = format!(
-        "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\n[memory]\ncompression_enabled = {enabled}\ncompression_async = {is_async}\ncompression_interval = \"PT0S\"\ncompression_threshold_tokens = {}\nmax_messages = 100000\n",
-        mock.base_url(),
-        dir.path().display(),
-        args.threshold
-    );
-    let config = memproxy::config::from_toml(&text, &|_| None).unwrap();
-    let state = AppState::build(config).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(memproxy::server::run(listener, Arc::clone(&state), async {
-        let _ = stopped.await;
-    }));
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.server.await;
+    }
+}
+
+type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+/// Sends one turn; returns the answer's `x-memory-summary` label, its body and the latency.
+async fn send(
+    client: &HttpClient,
+    addr: std::net::SocketAddr,
+    conversation: Option<&str>,
+    messages: &[Value],
+) -> (String, Value, Duration) {
+    let body = json!({"model": "gpt-4o-mini", "messages": messages}).to_string();
+    let mut request = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-replay");
+    if let Some(conversation) = conversation {
+        request = request.header("x-memory-conversation-id", conversation);
+    }
+    let started = Instant::now();
+    let response = client
+        .request(request.body(Full::new(Bytes::from(body))).unwrap())
+        .await
+        .unwrap();
+    let label = response
+        .headers()
+        .get("x-memory-summary")
+        .map_or("none", |v| v.to_str().unwrap())
+        .to_string();
+    let answer: Value =
+        serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    (label, answer, started.elapsed())
+}
+
+async fn run(scenario: Scenario, args: &Args) -> Outcome {
+    let harness = Harness::start(scenario, args, args.exchanges).await;
+    let (mock, addr) = (&harness.mock, harness.addr);
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let mut rng = Rng(42);
     let mut history: Vec<Value> = Vec::new();
     let mut outcome = Outcome {
         tokens: vec![],
-        latency: vec![],
         summary_turns: vec![],
-        trigger_turns: vec![],
         summaries: 0,
     };
     let mut last_label = "none".to_string();
@@ -166,34 +234,14 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
         } else {
             vec![message]
         };
+        if args.reply_words > 0 {
+            mock.push(Reply::Text(rng.words(turn, args.reply_words)));
+        }
         tokio::time::sleep(Duration::from_millis(args.turn_pause_ms)).await;
-        let body = json!({"model": "gpt-4o-mini", "messages": messages}).to_string();
-        let mut request = http::Request::post(format!("http://{addr}/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .header("authorization", "Bearer sk-replay");
-        if scenario != Scenario::FullHistory {
-            request = request.header("x-memory-conversation-id", "replay");
-        }
-        let started = Instant::now();
-        let response = client
-            .request(request.body(Full::new(Bytes::from(body))).unwrap())
-            .await
-            .unwrap();
-        let label = response
-            .headers()
-            .get("x-memory-summary")
-            .map_or("none", |v| v.to_str().unwrap())
-            .to_string();
-        let answer: Value =
-            serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes())
-                .unwrap();
-        outcome.latency.push(started.elapsed());
+        let conversation = (scenario != Scenario::FullHistory).then_some("replay");
+        let (label, answer, _) = send(&client, addr, conversation, &messages).await;
         // Summary calls received since the last turn (the mock records them on arrival).
-        let calls = mock.summary_requests().len();
-        if calls > 0 {
-            outcome.trigger_turns.push(turn);
-            outcome.summaries += calls;
-        }
+        outcome.summaries += mock.summary_requests().len();
         if label != last_label {
             outcome.summary_turns.push(turn);
             last_label = label;
@@ -204,14 +252,88 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
             history.push(answer["choices"][0]["message"].clone());
         }
     }
-    let _ = stop.send(());
-    let _ = server.await;
+    harness.stop().await;
     outcome
 }
 
-fn median(v: &mut [Duration]) -> Duration {
-    v.sort();
-    v[v.len() / 2]
+/// Turns before the trigger whose median latency is the baseline.
+const BEFORE: usize = 8;
+
+struct TriggerSample {
+    /// The turn that triggered the summary (1-based).
+    turn: usize,
+    trigger_ms: f64,
+    baseline_ms: f64,
+}
+
+impl TriggerSample {
+    fn added_ms(&self) -> f64 {
+        self.trigger_ms - self.baseline_ms
+    }
+}
+
+/// Grows `samples` conversations on one proxy until each triggers its first summary (or, with
+/// `at_turns`, to those turns) and compares that turn's latency with the turns before it.
+async fn trigger_latency(
+    scenario: Scenario,
+    samples: usize,
+    at_turns: &[usize],
+    args: &Args,
+) -> Vec<TriggerSample> {
+    let harness = Harness::start(scenario, args, samples * 4).await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let mut out = Vec::new();
+    for sample in 0..samples {
+        let id = format!("trigger-{sample}");
+        let key = memproxy::identity::ConversationKey {
+            tenant: memproxy::identity::TenantId::from_token(Some("sk-replay")),
+            agent: "default".into(),
+            conversation: id.clone(),
+        };
+        let mut rng = Rng(1000 + sample as u64);
+        let mut latency = Vec::new();
+        // Bounded: the threshold is crossed long before this.
+        for turn in 1..=args.exchanges.max(2000) {
+            if args.reply_words > 0 {
+                harness
+                    .mock
+                    .push(Reply::Text(rng.words(turn, args.reply_words)));
+            }
+            harness.mock.clear();
+            let message = json!({"role": "user", "content": rng.sentence(turn)});
+            tokio::time::sleep(Duration::from_millis(args.turn_pause_ms)).await;
+            let (_, _, took) = send(&client, harness.addr, Some(&id), &[message]).await;
+            latency.push(took.as_secs_f64() * 1e3);
+            let triggered = match at_turns.get(sample) {
+                Some(at) => turn == *at,
+                None => {
+                    harness.state.summarizer.in_flight(&key)
+                        || !harness.mock.summary_requests().is_empty()
+                }
+            };
+            if triggered {
+                if turn > BEFORE {
+                    let mut before = latency[turn - 1 - BEFORE..turn - 1].to_vec();
+                    before.sort_by(f64::total_cmp);
+                    out.push(TriggerSample {
+                        turn,
+                        trigger_ms: latency[turn - 1],
+                        baseline_ms: before[BEFORE / 2],
+                    });
+                }
+                break;
+            }
+        }
+        // Let the summary finish before the next conversation, so jobs do not overlap.
+        let started = Instant::now();
+        while harness.state.summarizer.in_flight(&key)
+            && started.elapsed() < Duration::from_secs(30)
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    harness.stop().await;
+    out
 }
 
 #[tokio::main]
@@ -258,31 +380,31 @@ async fn main() {
         }
         outcomes.push((scenario, outcome));
     }
-    println!("\nlatency of the turns that triggered a summary vs the median turn:");
-    for (scenario, outcome) in &mut outcomes {
-        if !matches!(scenario, Scenario::Async | Scenario::Sync) {
-            continue;
-        }
-        let triggers: Vec<Duration> = outcome
-            .trigger_turns
-            .iter()
-            .map(|t| outcome.latency[t - 1])
-            .collect();
-        let mut all = outcome.latency.clone();
-        let median_all = median(&mut all);
-        let mut t = triggers.clone();
-        let median_trigger = if t.is_empty() {
-            Duration::ZERO
-        } else {
-            median(&mut t)
-        };
+    println!(
+        "\nlatency of the turn that triggers a conversation's first summary, minus the median of the {BEFORE} turns before it\n({} conversations per mode; control: compression off, the same turns):",
+        args.trigger_samples
+    );
+    let asynchronous = trigger_latency(Scenario::Async, args.trigger_samples, &[], &args).await;
+    let turns: Vec<usize> = asynchronous.iter().map(|s| s.turn).collect();
+    let control = trigger_latency(Scenario::WindowRecall, turns.len(), &turns, &args).await;
+    let synchronous = trigger_latency(Scenario::Sync, args.trigger_samples, &[], &args).await;
+    for (name, samples) in [
+        ("control (compression off)", control),
+        ("compression async", asynchronous),
+        ("compression sync", synchronous),
+    ] {
+        let mut added: Vec<f64> = samples.iter().map(|s| s.added_ms()).collect();
+        added.sort_by(f64::total_cmp);
+        let mut trigger: Vec<f64> = samples.iter().map(|s| s.trigger_ms).collect();
+        trigger.sort_by(f64::total_cmp);
+        let at = |v: &[f64], q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
         println!(
-            "  {:<22} median turn {:>8.2} ms   triggering turns (n={}) median {:>8.2} ms   added {:>8.2} ms",
-            scenario.name(),
-            median_all.as_secs_f64() * 1e3,
-            triggers.len(),
-            median_trigger.as_secs_f64() * 1e3,
-            (median_trigger.as_secs_f64() - median_all.as_secs_f64()) * 1e3,
+            "  {name:<27} n={:<3} triggering turn median {:>8.3} ms   added: median {:>+8.3} ms  p10 {:>+8.3}  p90 {:>+8.3}",
+            samples.len(),
+            at(&trigger, 0.5),
+            at(&added, 0.5),
+            at(&added, 0.1),
+            at(&added, 0.9),
         );
     }
     println!("\nwall time {:.1} s", started.elapsed().as_secs_f64());

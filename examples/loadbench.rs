@@ -97,6 +97,9 @@ struct Args {
     /// Open-loop rate, requests per second.
     #[arg(long, default_value_t = 500)]
     rate: u64,
+    /// memproxy's `server.worker_threads` (0: one per CPU, as by default).
+    #[arg(long, default_value_t = 0)]
+    proxy_threads: usize,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -224,27 +227,32 @@ fn serve_proxy(config_path: &Path) -> ExitCode {
         .with_ansi(false)
         .with_writer(std::io::stderr)
         .init();
-    let Some(runtime) = child_runtime() else {
-        return ExitCode::FAILURE;
+    let text = match std::fs::read_to_string(config_path) {
+        Ok(text) => text,
+        Err(err) => {
+            eprintln!(
+                "loadbench proxy: cannot read {}: {err}",
+                config_path.display()
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let config = match memproxy::config::from_toml(&text, &|_| None) {
+        Ok(config) => config,
+        Err(err) => {
+            eprintln!("loadbench proxy: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // The runtime the memproxy binary builds from the same config.
+    let runtime = match memproxy::server::runtime(config.worker_threads) {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("loadbench proxy: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
     };
     let code = runtime.block_on(async {
-        let text = match std::fs::read_to_string(config_path) {
-            Ok(text) => text,
-            Err(err) => {
-                eprintln!(
-                    "loadbench proxy: cannot read {}: {err}",
-                    config_path.display()
-                );
-                return ExitCode::FAILURE;
-            }
-        };
-        let config = match memproxy::config::from_toml(&text, &|_| None) {
-            Ok(config) => config,
-            Err(err) => {
-                eprintln!("loadbench proxy: {err}");
-                return ExitCode::FAILURE;
-            }
-        };
         let state = match memproxy::state::AppState::build(config) {
             Ok(state) => state,
             Err(err) => {
@@ -1916,7 +1924,8 @@ async fn bench(args: Args) -> Result<(), String> {
     )?;
     let data_dir = dir.path().join("data");
     let config_text = format!(
-        "[server]\nbody_limit_bytes = 268435456\nshutdown_grace = \"PT5S\"\n\n[upstream]\nbase_url = \"http://127.0.0.1:{}/v1\"\nconnect_timeout = \"PT2S\"\ntimeout = \"PT120S\"\n\n[storage]\ndata_dir = {}\n\n[memory]\nmax_messages = 20000\n",
+        "[server]\nbody_limit_bytes = 268435456\nshutdown_grace = \"PT5S\"\nworker_threads = {}\n\n[upstream]\nbase_url = \"http://127.0.0.1:{}/v1\"\nconnect_timeout = \"PT2S\"\ntimeout = \"PT120S\"\n\n[storage]\ndata_dir = {}\n\n[memory]\nmax_messages = 20000\n",
+        args.proxy_threads,
         mock.port,
         toml::Value::String(data_dir.display().to_string())
     );

@@ -82,6 +82,8 @@ pub struct Config {
     pub body_limit_bytes: usize,
     pub response_limit_bytes: usize,
     pub shutdown_grace: Duration,
+    /// Threads serving requests; `None`: one per CPU the process may use.
+    pub worker_threads: Option<usize>,
     pub upstream: UpstreamConfig,
     /// SHA-256 of each accepted client key; empty = any client may call.
     pub client_key_hashes: HashSet<[u8; 32]>,
@@ -218,6 +220,7 @@ struct RawServer {
     body_limit_bytes: Option<u64>,
     response_limit_bytes: Option<u64>,
     shutdown_grace: Option<String>,
+    worker_threads: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -342,6 +345,16 @@ fn check(
         DEFAULT_SHUTDOWN_GRACE,
         &mut problems,
     );
+    let worker_threads = match raw.server.worker_threads {
+        None | Some(0) => None,
+        Some(n @ 1..=1024) => Some(n as usize),
+        Some(n) => {
+            problems.push(format!(
+                "server.worker_threads: {n} is too many (0 = one per CPU, at most 1024)"
+            ));
+            None
+        }
+    };
 
     let base_text = overrides
         .upstream
@@ -557,6 +570,7 @@ fn check(
         body_limit_bytes,
         response_limit_bytes,
         shutdown_grace,
+        worker_threads,
         upstream: UpstreamConfig {
             base_url,
             api_key,

@@ -9,8 +9,7 @@ use memproxy::server;
 use memproxy::state::AppState;
 use tokio::net::TcpListener;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let config = match config::load(&cli.overrides(), &|name| std::env::var(name).ok()) {
         Ok(config) => config,
@@ -19,13 +18,22 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match cli.command {
-        Some(Command::CheckConfig) => check_config(&config),
-        Some(Command::Conversations(command)) => {
-            memproxy::admin::offline::run(&config, command).await
+    let runtime = match server::runtime(config.worker_threads) {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("memproxy: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
         }
-        Some(Command::Serve) | None => serve(config).await,
-    }
+    };
+    runtime.block_on(async move {
+        match cli.command {
+            Some(Command::CheckConfig) => check_config(&config),
+            Some(Command::Conversations(command)) => {
+                memproxy::admin::offline::run(&config, command).await
+            }
+            Some(Command::Serve) | None => serve(config).await,
+        }
+    })
 }
 
 async fn serve(config: Config) -> ExitCode {

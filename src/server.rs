@@ -21,6 +21,15 @@ use crate::router;
 use crate::state::AppState;
 use crate::store::StoreError;
 
+/// The tokio runtime: `server.worker_threads` threads, or one per CPU.
+pub fn runtime(worker_threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = worker_threads {
+        builder.worker_threads(threads);
+    }
+    builder.enable_all().build()
+}
+
 /// Serves until `shutdown` completes, then drains and flushes.
 pub async fn run(
     listener: TcpListener,

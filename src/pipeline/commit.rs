@@ -17,6 +17,7 @@ use crate::message::{HasRole, Message, Role};
 use crate::recall::message_text;
 use crate::state::AppState;
 use crate::store::{Change, Conversation, Entry, Origin, StoreError, StoredMessage, lock, now_ms};
+use crate::summary::Job;
 use crate::tokens;
 
 /// How often a commit re-plans against a conversation that keeps changing under it.
@@ -41,6 +42,9 @@ pub struct Exchange {
     pub model: Option<String>,
     /// Tokens of the prompt forwarded for this exchange.
     pub prompt_tokens: u64,
+    /// A summary found due in async mode: queued once this exchange is stored (or known not to
+    /// be), so the summary's work never competes with the request that triggered it.
+    pub deferred_summary: Mutex<Option<Job>>,
 }
 
 impl Exchange {
@@ -110,7 +114,22 @@ impl Exchange {
         state
             .metrics
             .observe_stage(crate::metrics::Stage::Commit, started.elapsed());
+        self.queue_summary(state);
         Ok(message_count)
+    }
+
+    /// Hands the deferred summary job (if any) to the background worker.
+    pub fn queue_summary(&self, state: &AppState) {
+        let job = self
+            .deferred_summary
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(job) = job
+            && !state.summarizer.enqueue(job)
+        {
+            tracing::debug!("summary not queued: one is running or the queue is full");
+        }
     }
 
     /// Of the planned new messages, those still new under `alignment` (a concurrent commit may

@@ -163,6 +163,7 @@ pub async fn chat(
     };
 
     if !head.status.is_success() {
+        plan.exchange.queue_summary(state);
         let mut response = Response::from_parts(head, boxed(upstream_body));
         set_memory_headers(
             &mut response,
@@ -184,6 +185,7 @@ pub async fn chat(
             let pending = (Arc::clone(state), Arc::new(plan.exchange));
             (MemoryStatus::Stored, plan.planned_count, Some(pending))
         } else {
+            plan.exchange.queue_summary(state);
             (MemoryStatus::NotStored, plan.stored_count, None)
         };
         let mut response = Response::from_parts(head, boxed(TeeBody::new(upstream_body, pending)));
@@ -212,13 +214,16 @@ pub async fn chat(
             },
         }
     };
+    // Not stored (persist off, no reply): the summary is queued now.
+    plan.exchange.queue_summary(state);
     let mut response = Response::from_parts(head, full(body));
     set_memory_headers(&mut response, status, &conversation_id, Some(turns));
     Ok(response)
 }
 
-/// Starts a due summary: queued for the background worker, or with `compression_async = false`
-/// made now, so this request already carries it. A failure leaves the previous summary in place.
+/// Starts a due summary: queued for the background worker once the exchange is stored, or with
+/// `compression_async = false` made now, so this request already carries it. A failure leaves
+/// the previous summary in place.
 async fn summarize_if_due(
     state: &AppState,
     settings: &MemorySettings,
@@ -231,9 +236,12 @@ async fn summarize_if_due(
     // The triggering request's credentials, held in memory only for the call.
     job.authorization = request_headers.get(header::AUTHORIZATION).cloned();
     if settings.compression_async {
-        if !state.summarizer.enqueue(job) {
-            tracing::debug!("summary not queued: one is running or the queue is full");
-        }
+        // Queued when this exchange is done with (`Exchange::queue_summary`).
+        *plan
+            .exchange
+            .deferred_summary
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(job);
         return;
     }
     let started = std::time::Instant::now();

@@ -177,6 +177,7 @@ pub fn plan(
         max_messages: settings.max_messages,
         model,
         prompt_tokens,
+        deferred_summary: std::sync::Mutex::new(None),
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();

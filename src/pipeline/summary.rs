@@ -70,13 +70,16 @@ pub fn plan_summary(
             upto_turn: entries[pool_end - 1].turn,
             model: model.to_string(),
             authorization: None,
+            // With no summary at all yet, the background worker writes the heuristic stand-in
+            // before it calls the model: this request only queues the job.
+            stand_in: latest.is_none() && settings.compression_async,
         });
     }
 
-    // No model summary yet: a heuristic one stands in, made once (not when this very request
-    // is about to wait for the model's).
-    let waits_for_model = plan.due.is_some() && !settings.compression_async;
-    if latest.is_none() && !waits_for_model {
+    // No summary at all, and no job queued or running that will write the stand-in (a sync
+    // summary that failed and is backing off, or no model to ask): it is made here, once.
+    let covered_elsewhere = plan.due.is_some() || state.summarizer.in_flight(&conversation.key);
+    if latest.is_none() && !covered_elsewhere {
         let turns = entries[..pool_end].iter().map(|e| e.turn);
         let messages = store.messages(conversation, turns)?;
         if let Some(record) = heuristic::summarize(&messages, 1) {

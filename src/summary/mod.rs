@@ -192,6 +192,10 @@ pub struct Job {
     pub model: String,
     /// The triggering request's credentials, held in memory only.
     pub authorization: Option<HeaderValue>,
+    /// No summary exists yet: store the heuristic stand-in first, so the turns that come
+    /// while the model works carry it (async mode; the request that queued the job does not
+    /// wait for it).
+    pub stand_in: bool,
 }
 
 /// Counters of the summaries made.
@@ -272,9 +276,14 @@ impl Summarizer {
         while jobs.join_next().await.is_some() {}
     }
 
+    /// True when a job for `key` is queued or running.
+    pub fn in_flight(&self, key: &ConversationKey) -> bool {
+        guard(&self.in_flight).contains(key)
+    }
+
     /// True when a job for `key` is queued or running, or the conversation is backing off.
     pub fn busy(&self, key: &ConversationKey) -> bool {
-        if guard(&self.in_flight).contains(key) {
+        if self.in_flight(key) {
             return true;
         }
         guard(&self.backoff)
@@ -315,6 +324,11 @@ impl Summarizer {
 
     async fn run(&self, job: Job) {
         let key = job.key.clone();
+        if job.stand_in
+            && let Err(err) = self.stand_in(&job)
+        {
+            tracing::warn!(error = %err, "could not store the heuristic summary");
+        }
         let result = self.make(job).await;
         self.finish(&key, &result);
     }
@@ -348,6 +362,31 @@ impl Summarizer {
                 tracing::warn!(error = %err, failures, retry_in_s = wait.as_secs(), "summary failed; the previous summary stays");
             }
         }
+    }
+
+    /// Stores the heuristic stand-in for the turns a job covers, unless a summary exists by
+    /// now. Reads under the conversation's lock, summarizes without it, saves under it.
+    fn stand_in(&self, job: &Job) -> Result<(), SummaryError> {
+        let store = &self.store;
+        let handle = store.conversation(&job.key)?;
+        let messages = {
+            let conversation = lock(&handle);
+            let turns: Vec<u64> = conversation
+                .entries
+                .iter()
+                .take_while(|e| e.turn <= job.upto_turn)
+                .map(|e| e.turn)
+                .collect();
+            store.messages(&conversation, turns)?
+        };
+        let Some(record) = heuristic::summarize(&messages, 1) else {
+            return Ok(());
+        };
+        let _conversation = lock(&handle);
+        if latest(store, job.conversation_id)?.is_none() {
+            save(store, &job.key, job.conversation_id, &record)?;
+        }
+        Ok(())
     }
 
     /// Makes and stores the next summary of a conversation.
