@@ -4,12 +4,13 @@
 //!
 //! ```text
 //! cargo run --release --example compression_replay
+//! cargo run --release --example compression_replay -- --reply-words 150   # model-length replies
 //! cargo run --release --example compression_replay -- --exchanges 200 --summary-delay-ms 300
 //! ```
 //!
-//! In-process: the mock upstream (its summaries are about a quarter of their input, each made
-//! after `--summary-delay-ms`, like a real model call) and a real memproxy per scenario, on
-//! 127.0.0.1. A synthetic conversation is sent newest-message-only; the mock records what it is
+//! In one process: the mock upstream (its summaries are about a quarter of their input, each
+//! made after `--summary-delay-ms`, like a real model call) and a real memproxy per scenario on
+//! a runtime of its own, on 127.0.0.1. A synthetic conversation is sent newest-message-only; the mock records what it is
 //! sent, and the forwarded prompt's tokens are counted the same way for every scenario
 //! (tiktoken `o200k_base`, content text plus a per-message overhead):
 //! - `full history`: no memory; the client re-sends everything, as an SDK loop does;
@@ -17,6 +18,11 @@
 //! - `compression async` / `compression sync`: memproxy with compression on
 //!   (`compression_interval = PT0S`, so every time the unsummarized pool passes the threshold a
 //!   new summary is made).
+//!
+//! Then the triggering turn: `--trigger-samples` conversations per mode grow until one turn
+//! queues (async) or makes (sync) the conversation's first summary; that turn's latency minus
+//! the median of the 8 turns before it is what the summary adds. The control runs the same
+//! turns with compression off, so its spread is the noise.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
@@ -133,7 +139,7 @@ struct Harness {
     state: Arc<AppState>,
     addr: std::net::SocketAddr,
     stop: tokio::sync::oneshot::Sender<()>,
-    server: tokio::task::JoinHandle<Result<(), memproxy::store::StoreError>>,
+    server: std::thread::JoinHandle<Result<(), memproxy::store::StoreError>>,
     _dir: tempfile::TempDir,
 }
 
@@ -160,13 +166,25 @@ impl Harness {
             args.threshold
         );
         let config = memproxy::config::from_toml(&text, &|_| None).unwrap();
-        let state = AppState::build(config).unwrap();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        // memproxy runs on a runtime of its own, as the binary does, so the replay's client and
+        // mock do not share its threads.
+        let (ready, started) = std::sync::mpsc::channel();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(memproxy::server::run(listener, Arc::clone(&state), async {
-            let _ = stopped.await;
-        }));
+        let server = std::thread::spawn(move || {
+            let runtime = memproxy::server::runtime(None).unwrap();
+            runtime.block_on(async move {
+                let state = AppState::build(config).unwrap();
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                ready
+                    .send((Arc::clone(&state), listener.local_addr().unwrap()))
+                    .unwrap();
+                memproxy::server::run(listener, state, async {
+                    let _ = stopped.await;
+                })
+                .await
+            })
+        });
+        let (state, addr) = started.recv().unwrap();
         Harness {
             mock,
             state,
@@ -179,7 +197,8 @@ impl Harness {
 
     async fn stop(self) {
         let _ = self.stop.send(());
-        let _ = self.server.await;
+        let server = self.server;
+        let _ = tokio::task::spawn_blocking(move || server.join()).await;
     }
 }
 
@@ -240,8 +259,6 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
         tokio::time::sleep(Duration::from_millis(args.turn_pause_ms)).await;
         let conversation = (scenario != Scenario::FullHistory).then_some("replay");
         let (label, answer, _) = send(&client, addr, conversation, &messages).await;
-        // Summary calls received since the last turn (the mock records them on arrival).
-        outcome.summaries += mock.summary_requests().len();
         if label != last_label {
             outcome.summary_turns.push(turn);
             last_label = label;
@@ -252,6 +269,12 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
             history.push(answer["choices"][0]["message"].clone());
         }
     }
+    outcome.summaries = harness
+        .state
+        .summarizer
+        .counters
+        .made
+        .load(std::sync::atomic::Ordering::Relaxed) as usize;
     harness.stop().await;
     outcome
 }

@@ -34,6 +34,50 @@ where
     body.map_err(Into::into).boxed_unsync()
 }
 
+/// A body that runs `then` once it is dropped: after it was sent, or when the client went
+/// away. Work that must not compete with sending the response starts there.
+pub struct OnDrop {
+    inner: ProxyBody,
+    then: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl OnDrop {
+    pub fn new(inner: ProxyBody, then: impl FnOnce() + Send + 'static) -> OnDrop {
+        OnDrop {
+            inner,
+            then: Some(Box::new(then)),
+        }
+    }
+}
+
+impl http_body::Body for OnDrop {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        if let Some(then) = self.then.take() {
+            then();
+        }
+    }
+}
+
 /// Why [`collect_limited`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CollectError {
@@ -68,5 +112,20 @@ mod tests {
         assert_eq!(ok, Bytes::from("hello"));
         let err = collect_limited(full("hello!"), 5).await.unwrap_err();
         assert!(matches!(err, CollectError::TooLarge { limit: 5 }));
+    }
+
+    #[tokio::test]
+    async fn on_drop_runs_once_after_the_body_and_keeps_its_length() {
+        use http_body::Body;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let runs = std::sync::Arc::new(AtomicUsize::new(0));
+        let counter = std::sync::Arc::clone(&runs);
+        let body = OnDrop::new(full("hello"), move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+        });
+        assert_eq!(body.size_hint().exact(), Some(5));
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(bytes, Bytes::from("hello"));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 }

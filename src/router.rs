@@ -106,24 +106,21 @@ async fn route(
     if let Some(key) = &identity.key {
         span.record("conversation", key.conversation.as_str());
     }
-    let upstream_path = match request.uri().query() {
-        Some(query) => format!("{api_path}?{query}"),
-        None => api_path.to_string(),
-    };
+    let upstream_uri = state.upstream.uri_for(api_path, request.uri().query())?;
     let is_chat = request.method() == Method::POST && api_path == "/v1/chat/completions";
 
     match identity.key {
         Some(key) if is_chat && identity.settings.enabled => {
             crate::ttl::remember(state, &key, &identity.settings);
             let (parts, body) = request.into_parts();
-            pipeline::chat(state, parts, body, key, identity.settings, &upstream_path).await
+            pipeline::chat(state, parts, body, key, identity.settings, upstream_uri).await
         }
         Some(key) if is_chat => {
-            let mut response = passthrough(state, request, &upstream_path).await?;
+            let mut response = passthrough(state, request, upstream_uri).await?;
             set_memory_headers(&mut response, MemoryStatus::Off, &key.conversation, None);
             Ok(response)
         }
-        _ => passthrough(state, request, &upstream_path).await,
+        _ => passthrough(state, request, upstream_uri).await,
     }
 }
 
@@ -132,12 +129,12 @@ async fn route(
 async fn passthrough(
     state: &Arc<AppState>,
     request: Request<Incoming>,
-    upstream_path: &str,
+    upstream_uri: http::Uri,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (parts, body) = request.into_parts();
     let mut outgoing = Request::new(boxed(body));
     *outgoing.method_mut() = parts.method;
-    *outgoing.uri_mut() = state.upstream.uri_for(upstream_path)?;
+    *outgoing.uri_mut() = upstream_uri;
     *outgoing.headers_mut() = state.upstream.request_headers(&parts.headers);
     let started = Instant::now();
     let response = state.upstream.send(outgoing).await;

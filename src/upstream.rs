@@ -117,14 +117,26 @@ impl Upstream {
         })
     }
 
-    /// The upstream URI for a request path `/v1/X?q`: `{base_url}/X?q`.
-    pub fn uri_for(&self, path_and_query: &str) -> Result<Uri, ProxyError> {
-        let rest = path_and_query.strip_prefix("/v1").unwrap_or(path_and_query);
-        format!("{}{}{}", self.origin, self.base_path, rest)
-            .parse()
-            .map_err(|_| {
-                ProxyError::invalid("path", "invalid_path", "the request path is not valid")
-            })
+    /// The upstream URI for a request path `/v1/X` and query `q`: `{base_url}/X?q`, built
+    /// in one allocation.
+    pub fn uri_for(&self, path: &str, query: Option<&str>) -> Result<Uri, ProxyError> {
+        let rest = path.strip_prefix("/v1").unwrap_or(path);
+        let mut uri = String::with_capacity(
+            self.origin.len()
+                + self.base_path.len()
+                + rest.len()
+                + query.map_or(0, |q| q.len() + 1),
+        );
+        uri.push_str(&self.origin);
+        uri.push_str(&self.base_path);
+        uri.push_str(rest);
+        if let Some(query) = query {
+            uri.push('?');
+            uri.push_str(query);
+        }
+        Uri::try_from(uri).map_err(|_| {
+            ProxyError::invalid("path", "invalid_path", "the request path is not valid")
+        })
     }
 
     /// The headers to send upstream for a client request's headers.
@@ -202,16 +214,16 @@ mod tests {
     fn paths_map_onto_the_base_url() {
         let up = upstream("http://127.0.0.1:8000/v1", None);
         assert_eq!(
-            up.uri_for("/v1/chat/completions").unwrap(),
+            up.uri_for("/v1/chat/completions", None).unwrap(),
             "http://127.0.0.1:8000/v1/chat/completions"
         );
         assert_eq!(
-            up.uri_for("/v1/models?limit=2").unwrap(),
+            up.uri_for("/v1/models", Some("limit=2")).unwrap(),
             "http://127.0.0.1:8000/v1/models?limit=2"
         );
         let router = upstream("https://openrouter.example/api/v1", None);
         assert_eq!(
-            router.uri_for("/v1/models").unwrap(),
+            router.uri_for("/v1/models", None).unwrap(),
             "https://openrouter.example/api/v1/models"
         );
     }

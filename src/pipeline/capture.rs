@@ -105,6 +105,8 @@ where
                                     tracing::error!(error = %err, "storing the exchange failed")
                                 }
                             }
+                            // The stream is over but for its end: a due summary starts now.
+                            exchange.queue_summary(&state);
                         };
                         *this.committing = Some(Box::pin(commit.instrument(this.span.clone())));
                     }

@@ -23,6 +23,13 @@ use crate::tokens;
 /// How often a commit re-plans against a conversation that keeps changing under it.
 const MAX_ATTEMPTS: usize = 4;
 
+/// Hands a summary job to the background worker.
+pub fn queue(state: &AppState, job: Job) {
+    if !state.summarizer.enqueue(job) {
+        tracing::debug!("summary not queued: one is running or the queue is full");
+    }
+}
+
 /// Everything a commit needs, prepared before the request is forwarded.
 #[derive(Debug)]
 pub struct Exchange {
@@ -114,21 +121,21 @@ impl Exchange {
         state
             .metrics
             .observe_stage(crate::metrics::Stage::Commit, started.elapsed());
-        self.queue_summary(state);
         Ok(message_count)
     }
 
-    /// Hands the deferred summary job (if any) to the background worker.
-    pub fn queue_summary(&self, state: &AppState) {
-        let job = self
-            .deferred_summary
+    /// Takes the deferred summary job, if any.
+    pub fn take_summary(&self) -> Option<Job> {
+        self.deferred_summary
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(job) = job
-            && !state.summarizer.enqueue(job)
-        {
-            tracing::debug!("summary not queued: one is running or the queue is full");
+            .take()
+    }
+
+    /// Hands the deferred summary job (if any) to the background worker now.
+    pub fn queue_summary(&self, state: &AppState) {
+        if let Some(job) = self.take_summary() {
+            queue(state, job);
         }
     }
 

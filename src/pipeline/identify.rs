@@ -126,18 +126,20 @@ pub fn identify(
         })?;
     }
 
-    let tenant = TenantId::from_token(
-        headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(bearer_token),
-    );
+    // The tenant (a hash of the token) is only needed with a conversation: pass-through
+    // requests skip the hashing.
+    let key = conversation.map(|conversation| ConversationKey {
+        tenant: TenantId::from_token(
+            headers
+                .get(http::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(bearer_token),
+        ),
+        agent: agent.clone(),
+        conversation,
+    });
     Ok(Identity {
-        key: conversation.map(|conversation| ConversationKey {
-            tenant,
-            agent: agent.clone(),
-            conversation,
-        }),
+        key,
         agent,
         settings,
     })

@@ -37,7 +37,7 @@ use http::HeaderMap;
 
 use self::capture::TeeBody;
 use self::plan::Plan;
-use crate::body::{CollectError, ProxyBody, boxed, collect_limited, full};
+use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
 use crate::message::ChatRequest;
@@ -79,14 +79,14 @@ impl MemoryStatus {
     }
 }
 
-/// Runs a chat completion with memory on. `upstream_path` is the `/v1/...` path and query.
+/// Runs a chat completion with memory on, forwarded to `upstream_uri`.
 pub async fn chat(
     state: &Arc<AppState>,
     parts: Parts,
     body: Incoming,
     key: ConversationKey,
     settings: MemorySettings,
-    upstream_path: &str,
+    upstream_uri: http::Uri,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let bytes = collect_limited(body, state.config.body_limit_bytes)
         .await
@@ -124,7 +124,7 @@ pub async fn chat(
 
     let mut upstream_request = Request::new(full(forward_body.clone()));
     *upstream_request.method_mut() = parts.method.clone();
-    *upstream_request.uri_mut() = state.upstream.uri_for(upstream_path)?;
+    *upstream_request.uri_mut() = upstream_uri;
     let headers = upstream_request.headers_mut();
     *headers = state.upstream.request_headers(&parts.headers);
     headers.remove(header::CONTENT_LENGTH);
@@ -214,9 +214,16 @@ pub async fn chat(
             },
         }
     };
-    // Not stored (persist off, no reply): the summary is queued now.
-    plan.exchange.queue_summary(state);
-    let mut response = Response::from_parts(head, full(body));
+    // A due summary starts once the answer has been handed over, so its work never competes
+    // with the request that triggered it.
+    let body = match plan.exchange.take_summary() {
+        None => full(body),
+        Some(job) => {
+            let state = Arc::clone(state);
+            boxed(OnDrop::new(full(body), move || commit::queue(&state, job)))
+        }
+    };
+    let mut response = Response::from_parts(head, body);
     set_memory_headers(&mut response, status, &conversation_id, Some(turns));
     Ok(response)
 }

@@ -112,6 +112,8 @@ pub enum SummaryError {
     Gone,
     #[error("writing the summary file failed: {0}")]
     File(#[from] std::io::Error),
+    #[error("a background step failed: {0}")]
+    Task(String),
 }
 
 /// The conversation's newest summary record.
@@ -324,10 +326,12 @@ impl Summarizer {
 
     async fn run(&self, job: Job) {
         let key = job.key.clone();
-        if job.stand_in
-            && let Err(err) = self.stand_in(&job)
-        {
-            tracing::warn!(error = %err, "could not store the heuristic summary");
+        if job.stand_in {
+            let (store, key) = (Arc::clone(&self.store), job.key.clone());
+            let (id, upto) = (job.conversation_id, job.upto_turn);
+            if let Err(err) = blocking(move || stand_in(&store, &key, id, upto)).await {
+                tracing::warn!(error = %err, "could not store the heuristic summary");
+            }
         }
         let result = self.make(job).await;
         self.finish(&key, &result);
@@ -364,49 +368,27 @@ impl Summarizer {
         }
     }
 
-    /// Stores the heuristic stand-in for the turns a job covers, unless a summary exists by
-    /// now. Reads under the conversation's lock, summarizes without it, saves under it.
-    fn stand_in(&self, job: &Job) -> Result<(), SummaryError> {
-        let store = &self.store;
-        let handle = store.conversation(&job.key)?;
-        let messages = {
-            let conversation = lock(&handle);
-            let turns: Vec<u64> = conversation
-                .entries
-                .iter()
-                .take_while(|e| e.turn <= job.upto_turn)
-                .map(|e| e.turn)
-                .collect();
-            store.messages(&conversation, turns)?
-        };
-        let Some(record) = heuristic::summarize(&messages, 1) else {
-            return Ok(());
-        };
-        let _conversation = lock(&handle);
-        if latest(store, job.conversation_id)?.is_none() {
-            save(store, &job.key, job.conversation_id, &record)?;
-        }
-        Ok(())
-    }
-
     /// Makes and stores the next summary of a conversation.
     async fn make(&self, job: Job) -> Result<SummaryRecord, SummaryError> {
-        let store = &self.store;
-        let previous = latest(store, job.conversation_id)?;
-        let previous_llm = previous.clone().filter(|r| !r.heuristic);
-        let covered_to = previous_llm.as_ref().map_or(0, |r| r.to_turn);
-
-        // The messages that aged out since the previous summary.
-        let messages: Vec<StoredMessage> = {
-            let handle = store.conversation(&job.key)?;
+        // The previous summary and the messages that aged out since, read on the blocking pool.
+        let (store, key) = (Arc::clone(&self.store), job.key.clone());
+        let (id, upto_turn) = (job.conversation_id, job.upto_turn);
+        let max_input_tokens = self.config.max_input_tokens;
+        let (previous, messages) = blocking(move || {
+            let previous = latest(&store, id)?;
+            let covered_to = previous
+                .as_ref()
+                .filter(|r| !r.heuristic)
+                .map_or(0, |r| r.to_turn);
+            let handle = store.conversation(&key)?;
             let conversation = lock(&handle);
             // Oldest first, up to the input cap (at least one message): a larger backlog is
             // left to the next summary.
-            let mut budget = self.config.max_input_tokens;
+            let mut budget = max_input_tokens;
             let turns: Vec<u64> = conversation
                 .entries
                 .iter()
-                .filter(|e| e.turn > covered_to && e.turn <= job.upto_turn)
+                .filter(|e| e.turn > covered_to && e.turn <= upto_turn)
                 .take_while(|e| {
                     let fits = budget > 0;
                     budget = budget.saturating_sub(u64::from(e.tokens));
@@ -414,8 +396,11 @@ impl Summarizer {
                 })
                 .map(|e| e.turn)
                 .collect();
-            store.messages(&conversation, turns)?
-        };
+            let messages: Vec<StoredMessage> = store.messages(&conversation, turns)?;
+            Ok((previous, messages))
+        })
+        .await?;
+        let previous_llm = previous.clone().filter(|r| !r.heuristic);
         let (Some(first), Some(last)) = (messages.first(), messages.last()) else {
             return Err(SummaryError::Empty);
         };
@@ -460,12 +445,17 @@ impl Summarizer {
             usage_completion_tokens: usage.1,
             text,
         };
-        let handle = store.conversation(&job.key)?;
-        let _conversation = lock(&handle);
-        if !save(store, &job.key, job.conversation_id, &record)? {
-            return Err(SummaryError::Gone);
-        }
-        Ok(record)
+        let (store, key) = (Arc::clone(&self.store), job.key.clone());
+        blocking(move || {
+            let handle = store.conversation(&key)?;
+            let _conversation = lock(&handle);
+            if save(&store, &key, id, &record)? {
+                Ok(record)
+            } else {
+                Err(SummaryError::Gone)
+            }
+        })
+        .await
     }
 
     /// One chat completion upstream; returns the text and (prompt, completion) token usage.
@@ -483,7 +473,7 @@ impl Summarizer {
         *request.method_mut() = http::Method::POST;
         *request.uri_mut() = self
             .upstream
-            .uri_for("/v1/chat/completions")
+            .uri_for("/v1/chat/completions", None)
             .map_err(|err| SummaryError::Upstream(err.to_string()))?;
         let headers = request.headers_mut();
         *headers = self.upstream.request_headers(&client_headers);
@@ -546,6 +536,44 @@ impl Summarizer {
             let _ = worker.await;
         }
     }
+}
+
+/// Stores the heuristic stand-in for a conversation's turns up to `upto_turn`, unless a summary
+/// exists by now. Reads under the conversation's lock, summarizes without it, saves under it.
+fn stand_in(
+    store: &Store,
+    key: &ConversationKey,
+    conversation_id: u64,
+    upto_turn: u64,
+) -> Result<(), SummaryError> {
+    let handle = store.conversation(key)?;
+    let messages = {
+        let conversation = lock(&handle);
+        let turns: Vec<u64> = conversation
+            .entries
+            .iter()
+            .take_while(|e| e.turn <= upto_turn)
+            .map(|e| e.turn)
+            .collect();
+        store.messages(&conversation, turns)?
+    };
+    let Some(record) = heuristic::summarize(&messages, 1) else {
+        return Ok(());
+    };
+    let _conversation = lock(&handle);
+    if latest(store, conversation_id)?.is_none() {
+        save(store, key, conversation_id, &record)?;
+    }
+    Ok(())
+}
+
+/// Runs store and file work on the blocking pool, off the threads that serve requests.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, SummaryError> + Send + 'static,
+) -> Result<T, SummaryError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|err| SummaryError::Task(err.to_string()))?
 }
 
 /// A summary's size as a share of what it was made from.
