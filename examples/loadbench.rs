@@ -420,13 +420,18 @@ fn status_kb(pid: u32, field: &str) -> Option<u64> {
 
 /// user + system CPU time of a process, in clock ticks.
 fn cpu_ticks(pid: u32) -> Option<u64> {
+    sys_and_user_ticks(pid).map(|(sys, user)| sys + user)
+}
+
+/// (system, user) CPU time of a process, in clock ticks.
+fn sys_and_user_ticks(pid: u32) -> Option<(u64, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let after = &text[text.rfind(')')? + 1..];
     let fields: Vec<&str> = after.split_whitespace().collect();
     // After the command come fields 3.. of stat(5): utime is field 14, stime 15.
     let utime: u64 = fields.get(11)?.parse().ok()?;
     let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
+    Some((stime, utime))
 }
 
 fn clock_ticks_per_second() -> u64 {
@@ -1367,6 +1372,8 @@ impl Mode {
 #[derive(Debug, Clone, Copy, Default)]
 struct CpuUse {
     proxy: f64,
+    /// The part of `proxy` spent in the kernel (system time): sockets, wake-ups.
+    proxy_sys: f64,
     mock: f64,
     generator: f64,
     /// Every other process on the machine (from `/proc/stat`): other work skews the run.
@@ -1396,6 +1403,7 @@ async fn cpu_over(ctx: &Ctx, window: Window) -> CpuUse {
         cpu_ticks(ctx.mock_pid),
         cpu_ticks(me),
         machine_busy_ticks(),
+        sys_and_user_ticks(ctx.proxy_pid).map(|t| t.0),
     );
     let started = Instant::now();
     tokio::time::sleep_until(window.end.into()).await;
@@ -1404,6 +1412,7 @@ async fn cpu_over(ctx: &Ctx, window: Window) -> CpuUse {
         cpu_ticks(ctx.mock_pid),
         cpu_ticks(me),
         machine_busy_ticks(),
+        sys_and_user_ticks(ctx.proxy_pid).map(|t| t.0),
     );
     let seconds = started.elapsed().as_secs_f64().max(1e-3);
     let pct = |a: Option<u64>, b: Option<u64>| match (a, b) {
@@ -1417,6 +1426,7 @@ async fn cpu_over(ctx: &Ctx, window: Window) -> CpuUse {
     );
     CpuUse {
         proxy,
+        proxy_sys: pct(before.4, after.4),
         mock,
         generator,
         other: (pct(before.3, after.3) - proxy - mock - generator).max(0.0),
@@ -2297,7 +2307,7 @@ fn result_json(r: &RunResult, all: &[RunResult]) -> Value {
         "baseline": r.baseline,
         "added_p50_us": base.and_then(|b| Some(quantile(&t.latency, 0.5)? as i64 - quantile(&b.output.tally.latency, 0.5)? as i64)),
         "added_p99_us": base.and_then(|b| Some(quantile(&t.latency, 0.99)? as i64 - quantile(&b.output.tally.latency, 0.99)? as i64)),
-        "cpu_percent": {"memproxy": r.output.cpu.proxy, "mock": r.output.cpu.mock, "generator": r.output.cpu.generator, "other_processes": r.output.cpu.other},
+        "cpu_percent": {"memproxy": r.output.cpu.proxy, "memproxy_system": r.output.cpu.proxy_sys, "mock": r.output.cpu.mock, "generator": r.output.cpu.generator, "other_processes": r.output.cpu.other},
         "proxy_rss_kb": r.proxy_rss_kb,
         "proxy_peak_rss_kb": r.proxy_hwm_kb,
         "mock_rss_kb": r.mock_rss_kb,
@@ -2312,10 +2322,10 @@ fn result_json(r: &RunResult, all: &[RunResult]) -> Value {
 fn print_report(results: &[RunResult], measure_s: f64) {
     println!();
     println!(
-        "Results ({measure_s} s measured per row; latency in µs; stream rows: time to first body byte; +p50/+p99: minus the baseline in the same mode; CPU in % of one core over the measured window, other% = every other process on the machine; RSS of memproxy after the run)"
+        "Results ({measure_s} s measured per row; latency in µs; stream rows: time to first body byte; +p50/+p99: minus the baseline in the same mode; CPU in % of one core over the measured window, sys% = the part of proxy% spent in the kernel, other% = every other process on the machine; RSS of memproxy after the run)"
     );
     let header = format!(
-        "{:<19} {:<9} {:>8} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>5} {:>6} {:>5} {:>5} {:>6} {:>7} {:>7} {:>6}",
+        "{:<19} {:<9} {:>8} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>5} {:>6} {:>5} {:>5} {:>5} {:>6} {:>7} {:>7} {:>6}",
         "scenario",
         "mode",
         "req/s",
@@ -2327,6 +2337,7 @@ fn print_report(results: &[RunResult], measure_s: f64) {
         "+p99",
         "errs",
         "proxy%",
+        "sys%",
         "mock%",
         "gen%",
         "other%",
@@ -2347,7 +2358,7 @@ fn print_report(results: &[RunResult], measure_s: f64) {
         });
         let is_base = r.scenario == r.baseline;
         println!(
-            "{:<19} {:<9} {:>8.0} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>5} {:>6} {:>5} {:>5} {:>6} {:>7} {:>7} {:>6}",
+            "{:<19} {:<9} {:>8.0} {:>7} {:>7} {:>7} {:>8} {:>7} {:>7} {:>5} {:>6} {:>5} {:>5} {:>5} {:>6} {:>7} {:>7} {:>6}",
             r.scenario,
             r.mode.label(),
             r.throughput,
@@ -2367,12 +2378,40 @@ fn print_report(results: &[RunResult], measure_s: f64) {
             },
             t.errors,
             fmt_pct(r.output.cpu.proxy),
+            fmt_pct(r.output.cpu.proxy_sys),
             fmt_pct(r.output.cpu.mock),
             fmt_pct(r.output.cpu.generator),
             fmt_pct(r.output.cpu.other),
             mib(r.proxy_rss_kb),
             mib(r.proxy_hwm_kb),
             t.turns.map_or("-".to_string(), |n| n.to_string()),
+        );
+    }
+    println!();
+    println!(
+        "CPU per request (µs of CPU time per completed request, over the measured window; the closed-loop rows):"
+    );
+    println!(
+        "{:<19} {:<9} {:>9} {:>11} {:>8} {:>8}",
+        "scenario", "mode", "memproxy", "of it sys", "mock", "gen"
+    );
+    for r in results.iter().filter(|r| matches!(r.mode, Mode::Closed(_))) {
+        let per = |pct: f64| {
+            if r.throughput > 0.0 && pct.is_finite() {
+                format!("{:.1}", pct / 100.0 * 1e6 / r.throughput)
+            } else {
+                "-".to_string()
+            }
+        };
+        let cpu = &r.output.cpu;
+        println!(
+            "{:<19} {:<9} {:>9} {:>11} {:>8} {:>8}",
+            r.scenario,
+            r.mode.label(),
+            per(cpu.proxy),
+            per(cpu.proxy_sys),
+            per(cpu.mock),
+            per(cpu.generator)
         );
     }
     if results.iter().any(|r| r.stream) {

@@ -416,3 +416,58 @@ async fn backlogs_are_summarized_in_bounded_calls_and_summaries_are_capped() {
     let next = summary::latest(store, id).unwrap().unwrap();
     assert!(next.to_turn > record.to_turn);
 }
+
+#[tokio::test]
+async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // The default interval (one summary an hour) applies, but each call reads ~100 tokens.
+    let proxy = Proxy::start(
+        &mock,
+        dir.path(),
+        &format!("{SETTINGS}compression_async = false\n[compression]\nmax_input_tokens = 100\n"),
+    )
+    .await;
+    let history: Vec<Value> = (0..30)
+        .flat_map(|i| [user(&line(i)), assistant(&format!("Noted {i}."))])
+        .collect();
+    let mut request = history.clone();
+    request.push(user("go on"));
+    chat(&proxy, "catch-up", &body(&request), &[]).await;
+
+    let store = &proxy.state.store;
+    let handle = store.conversation(&key(Some(TOKEN), "catch-up")).unwrap();
+    let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
+    // Bounded: 62 messages at about 20 tokens, 100 tokens per call. Each request makes the
+    // next summary until what is left is under the threshold.
+    let mut made = Vec::new();
+    for i in 0..40 {
+        chat(
+            &proxy,
+            "catch-up",
+            &body(&[user(&format!("and {i}?"))]),
+            &[],
+        )
+        .await;
+        let records = summary::all(store, id).unwrap();
+        if records.len() == made.len() {
+            break;
+        }
+        let latest = records.last().unwrap().clone();
+        assert!(!latest.heuristic);
+        if let Some(previous) = made.last() {
+            let previous: &summary::SummaryRecord = previous;
+            assert!(
+                previous.partial,
+                "only a partial summary skips the interval"
+            );
+            assert!(latest.to_turn > previous.to_turn, "each call goes further");
+        }
+        made.push(latest);
+    }
+    assert!(
+        made.len() >= 3,
+        "{} summaries within one compression_interval",
+        made.len()
+    );
+}

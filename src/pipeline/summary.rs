@@ -55,9 +55,11 @@ pub fn plan_summary(
         return Ok(plan);
     }
 
+    // At most one summary per interval, except while a backlog larger than one call's input
+    // is worked through.
     let throttled = model_summary.is_some_and(|r| {
         let interval = settings.compression_interval.as_millis() as i64;
-        now_ms() - r.created_ms < interval
+        !r.partial && now_ms() - r.created_ms < interval
     });
     let model = settings.compression_model.as_deref().or(request_model);
     if !throttled

@@ -84,6 +84,10 @@ pub struct SummaryRecord {
     pub usage_prompt_tokens: u64,
     #[serde(default)]
     pub usage_completion_tokens: u64,
+    /// The call read `max_input_tokens` and stopped before the last turn that was due: the
+    /// next summary continues through the backlog without waiting for `compression_interval`.
+    #[serde(default)]
+    pub partial: bool,
 }
 
 impl SummaryRecord {
@@ -443,6 +447,7 @@ impl Summarizer {
             heuristic: false,
             usage_prompt_tokens: usage.0,
             usage_completion_tokens: usage.1,
+            partial: last.turn < job.upto_turn,
             text,
         };
         let (store, key) = (Arc::clone(&self.store), job.key.clone());
