@@ -214,11 +214,11 @@ impl Store {
             Durability::Commit => None,
             Durability::Interval(every) => Some(every.as_millis().max(1) as u64),
         };
-        let db = sled::Config::new()
+        let config = sled::Config::new()
             .path(dir.join("store"))
             .cache_capacity(store_cache_bytes)
-            .flush_every_ms(flush_every)
-            .open()?;
+            .flush_every_ms(flush_every);
+        let db = open_locked(&config)?;
         let conversations = db.open_tree("conversations")?;
         let messages = db.open_tree("messages")?;
         let summaries = db.open_tree("summaries")?;
@@ -513,6 +513,27 @@ fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
 
 fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|err| StoreError::Corrupt(err.to_string()))
+}
+
+/// How long [`open_locked`] waits for a previous holder of the database's file lock.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Opens the database. A store closed a moment ago in this process (a restart) can hold the
+/// file lock until sled's I/O threads let go of it, so a lock conflict is retried for a short
+/// while; a second process on the same data directory still gets the error.
+fn open_locked(config: &sled::Config) -> Result<sled::Db, sled::Error> {
+    let started = std::time::Instant::now();
+    loop {
+        match config.open() {
+            Err(sled::Error::Io(err))
+                if err.to_string().contains("could not acquire lock")
+                    && started.elapsed() < LOCK_WAIT =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            result => return result,
+        }
+    }
 }
 
 #[cfg(test)]
