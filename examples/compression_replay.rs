@@ -416,6 +416,10 @@ async fn main() {
         ("compression async", asynchronous),
         ("compression sync", synchronous),
     ] {
+        if samples.is_empty() {
+            println!("  {name:<27} n=0");
+            continue;
+        }
         let mut added: Vec<f64> = samples.iter().map(|s| s.added_ms()).collect();
         added.sort_by(f64::total_cmp);
         let mut trigger: Vec<f64> = samples.iter().map(|s| s.trigger_ms).collect();

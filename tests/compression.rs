@@ -458,7 +458,7 @@ async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval()
         if let Some(previous) = made.last() {
             let previous: &summary::SummaryRecord = previous;
             assert!(
-                previous.partial,
+                previous.partial(),
                 "only a partial summary skips the interval"
             );
             assert!(latest.to_turn > previous.to_turn, "each call goes further");
@@ -469,5 +469,46 @@ async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval()
         made.len() >= 3,
         "{} summaries within one compression_interval",
         made.len()
+    );
+    // Worked through: the 62 messages the first request brought are summarized, not only the
+    // ~100 tokens one call reads.
+    let last = made.last().unwrap();
+    assert!(
+        last.to_turn >= 62,
+        "the summaries stop at turn {}",
+        last.to_turn
+    );
+}
+
+#[tokio::test]
+async fn a_summary_due_on_a_failed_request_is_still_made() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), SETTINGS).await;
+    let history: Vec<Value> = (0..12)
+        .flat_map(|i| [user(&line(i)), assistant(&format!("Noted {i}."))])
+        .collect();
+    let mut request = history.clone();
+    request.push(user("go on"));
+    chat(&proxy, "failed", &body(&request), &[]).await;
+    mock.clear();
+    // The next request finds a summary due, and the upstream fails it.
+    mock.push(Reply::Status(500, r#"{"error":{"message":"boom"}}"#.into()));
+    let answer = chat(&proxy, "failed", &body(&[user("and?")]), &[]).await;
+    assert_eq!(answer.status, 500);
+    // The job went to the worker anyway: the stand-in, then the model's summary.
+    wait_for("the summary call", || !mock.summary_requests().is_empty()).await;
+    let store = &proxy.state.store;
+    let handle = store.conversation(&key(Some(TOKEN), "failed")).unwrap();
+    let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
+    wait_for("the model summary", || {
+        summary::latest(store, id)
+            .unwrap()
+            .is_some_and(|r| !r.heuristic)
+    })
+    .await;
+    assert!(
+        summary::all(store, id).unwrap()[0].heuristic,
+        "the stand-in came first"
     );
 }

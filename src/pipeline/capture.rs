@@ -106,7 +106,7 @@ where
                                 }
                             }
                             // The stream is over but for its end: a due summary starts now.
-                            exchange.queue_summary(&state);
+                            drop(exchange.take_summary());
                         };
                         *this.committing = Some(Box::pin(commit.instrument(this.span.clone())));
                     }

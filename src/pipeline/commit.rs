@@ -23,13 +23,6 @@ use crate::tokens;
 /// How often a commit re-plans against a conversation that keeps changing under it.
 const MAX_ATTEMPTS: usize = 4;
 
-/// Hands a summary job to the background worker.
-pub fn queue(state: &AppState, job: Job) {
-    if !state.summarizer.enqueue(job) {
-        tracing::debug!("summary not queued: one is running or the queue is full");
-    }
-}
-
 /// Everything a commit needs, prepared before the request is forwarded.
 #[derive(Debug)]
 pub struct Exchange {
@@ -49,9 +42,37 @@ pub struct Exchange {
     pub model: Option<String>,
     /// Tokens of the prompt forwarded for this exchange.
     pub prompt_tokens: u64,
-    /// A summary found due in async mode: queued once this exchange is stored (or known not to
-    /// be), so the summary's work never competes with the request that triggered it.
-    pub deferred_summary: Mutex<Option<Job>>,
+    /// A summary found due in async mode: queued once this exchange is done with, so the
+    /// summary's work never competes with the request that triggered it.
+    pub deferred_summary: Mutex<Option<DeferredSummary>>,
+}
+
+/// A summary job queued for the background worker when this value is dropped: after the
+/// answer was handed over, or whichever other way the request ends (an upstream error, a
+/// timeout, a client gone, a stream cut), so a due summary is never lost with its request.
+#[derive(Debug)]
+pub struct DeferredSummary {
+    state: Arc<AppState>,
+    job: Option<Job>,
+}
+
+impl DeferredSummary {
+    pub fn new(state: Arc<AppState>, job: Job) -> DeferredSummary {
+        DeferredSummary {
+            state,
+            job: Some(job),
+        }
+    }
+}
+
+impl Drop for DeferredSummary {
+    fn drop(&mut self) {
+        if let Some(job) = self.job.take()
+            && !self.state.summarizer.enqueue(job)
+        {
+            tracing::debug!("summary not queued: the queue is full or closed");
+        }
+    }
 }
 
 impl Exchange {
@@ -124,19 +145,12 @@ impl Exchange {
         Ok(message_count)
     }
 
-    /// Takes the deferred summary job, if any.
-    pub fn take_summary(&self) -> Option<Job> {
+    /// Takes the deferred summary, if any: it is queued when the caller drops it.
+    pub fn take_summary(&self) -> Option<DeferredSummary> {
         self.deferred_summary
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take()
-    }
-
-    /// Hands the deferred summary job (if any) to the background worker now.
-    pub fn queue_summary(&self, state: &AppState) {
-        if let Some(job) = self.take_summary() {
-            queue(state, job);
-        }
     }
 
     /// Of the planned new messages, those still new under `alignment` (a concurrent commit may

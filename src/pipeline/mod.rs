@@ -36,6 +36,7 @@ use hyper::body::Incoming;
 use http::HeaderMap;
 
 use self::capture::TeeBody;
+use self::commit::DeferredSummary;
 use self::plan::Plan;
 use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
@@ -163,7 +164,6 @@ pub async fn chat(
     };
 
     if !head.status.is_success() {
-        plan.exchange.queue_summary(state);
         let mut response = Response::from_parts(head, boxed(upstream_body));
         set_memory_headers(
             &mut response,
@@ -185,7 +185,6 @@ pub async fn chat(
             let pending = (Arc::clone(state), Arc::new(plan.exchange));
             (MemoryStatus::Stored, plan.planned_count, Some(pending))
         } else {
-            plan.exchange.queue_summary(state);
             (MemoryStatus::NotStored, plan.stored_count, None)
         };
         let mut response = Response::from_parts(head, boxed(TeeBody::new(upstream_body, pending)));
@@ -218,10 +217,7 @@ pub async fn chat(
     // with the request that triggered it.
     let body = match plan.exchange.take_summary() {
         None => full(body),
-        Some(job) => {
-            let state = Arc::clone(state);
-            boxed(OnDrop::new(full(body), move || commit::queue(&state, job)))
-        }
+        Some(summary) => boxed(OnDrop::new(full(body), move || drop(summary))),
     };
     let mut response = Response::from_parts(head, body);
     set_memory_headers(&mut response, status, &conversation_id, Some(turns));
@@ -232,7 +228,7 @@ pub async fn chat(
 /// `compression_async = false` made now, so this request already carries it. A failure leaves
 /// the previous summary in place.
 async fn summarize_if_due(
-    state: &AppState,
+    state: &Arc<AppState>,
     settings: &MemorySettings,
     request_headers: &HeaderMap,
     plan: &mut Plan,
@@ -243,12 +239,13 @@ async fn summarize_if_due(
     // The triggering request's credentials, held in memory only for the call.
     job.authorization = request_headers.get(header::AUTHORIZATION).cloned();
     if settings.compression_async {
-        // Queued when this exchange is done with (`Exchange::queue_summary`).
+        // Queued when this exchange is done with (`commit::DeferredSummary`).
         *plan
             .exchange
             .deferred_summary
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(job);
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(DeferredSummary::new(Arc::clone(state), job));
         return;
     }
     let started = std::time::Instant::now();

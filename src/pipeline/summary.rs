@@ -59,12 +59,15 @@ pub fn plan_summary(
     // is worked through.
     let throttled = model_summary.is_some_and(|r| {
         let interval = settings.compression_interval.as_millis() as i64;
-        !r.partial && now_ms() - r.created_ms < interval
+        !r.catching_up() && now_ms() - r.created_ms < interval
     });
     let model = settings.compression_model.as_deref().or(request_model);
+    // The reservation is taken here, under the conversation's lock, so two requests planned
+    // at once never both make the same summary.
     if !throttled
         && let Some(model) = model
-        && !state.summarizer.busy(&conversation.key)
+        && !state.summarizer.backing_off(&conversation.key)
+        && let Some(reservation) = state.summarizer.reserve(&conversation.key)
     {
         plan.due = Some(Job {
             key: conversation.key.clone(),
@@ -75,6 +78,7 @@ pub fn plan_summary(
             // With no summary at all yet, the background worker writes the heuristic stand-in
             // before it calls the model: this request only queues the job.
             stand_in: latest.is_none() && settings.compression_async,
+            reservation,
         });
     }
 

@@ -117,7 +117,7 @@ pub fn summarize(messages: &[StoredMessage], number: u64) -> Option<SummaryRecor
         heuristic: true,
         usage_prompt_tokens: 0,
         usage_completion_tokens: 0,
-        partial: false,
+        partial_run: 0,
         text,
     })
 }

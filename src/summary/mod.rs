@@ -84,13 +84,29 @@ pub struct SummaryRecord {
     pub usage_prompt_tokens: u64,
     #[serde(default)]
     pub usage_completion_tokens: u64,
-    /// The call read `max_input_tokens` and stopped before the last turn that was due: the
-    /// next summary continues through the backlog without waiting for `compression_interval`.
+    /// 0, or how many summaries in a row (this one included) read `max_input_tokens` and
+    /// stopped before the last turn that was due. While it is between 1 and
+    /// [`MAX_CATCH_UP_CALLS`], the next summary continues through the backlog without waiting
+    /// for `compression_interval`.
     #[serde(default)]
-    pub partial: bool,
+    pub partial_run: u32,
 }
 
+/// Summaries in a row that may skip `compression_interval` to work through a backlog larger
+/// than one call's input (64 calls of the default 16,384 tokens: about a million tokens).
+pub const MAX_CATCH_UP_CALLS: u32 = 64;
+
 impl SummaryRecord {
+    /// The call stopped before the last turn that was due.
+    pub fn partial(&self) -> bool {
+        self.partial_run > 0
+    }
+
+    /// The next summary may skip `compression_interval`: a backlog is being worked through.
+    pub fn catching_up(&self) -> bool {
+        (1..=MAX_CATCH_UP_CALLS).contains(&self.partial_run)
+    }
+
     /// `1-120`, or `1-120 heuristic`: for `X-Memory-Summary`.
     pub fn label(&self) -> String {
         let range = format!("{}-{}", self.from_turn, self.to_turn);
@@ -202,6 +218,28 @@ pub struct Job {
     /// while the model works carry it (async mode; the request that queued the job does not
     /// wait for it).
     pub stand_in: bool,
+    /// Marks the conversation busy from planning until the job is done or dropped.
+    pub reservation: Reservation,
+}
+
+/// A conversation's place in the summarizer's in-flight set, from the moment a job is planned
+/// until the job is finished or dropped (whichever way: never sent, refused by a full queue,
+/// cancelled at shutdown), so a job can never leave a conversation marked busy.
+pub struct Reservation {
+    in_flight: Arc<Mutex<HashSet<ConversationKey>>>,
+    key: ConversationKey,
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation").finish_non_exhaustive()
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        guard(&self.in_flight).remove(&self.key);
+    }
 }
 
 /// Counters of the summaries made.
@@ -220,7 +258,7 @@ pub struct Summarizer {
     upstream: Upstream,
     config: Arc<CompressionConfig>,
     queue: Mutex<Option<mpsc::Sender<Job>>>,
-    in_flight: Mutex<HashSet<ConversationKey>>,
+    in_flight: Arc<Mutex<HashSet<ConversationKey>>>,
     /// Failures in a row and when the conversation may be tried again.
     backoff: Mutex<HashMap<ConversationKey, (u32, Instant)>>,
     stop: Notify,
@@ -247,7 +285,7 @@ impl Summarizer {
             upstream,
             config: Arc::new(config),
             queue: Mutex::new(Some(tx)),
-            in_flight: Mutex::new(HashSet::new()),
+            in_flight: Arc::new(Mutex::new(HashSet::new())),
             backoff: Mutex::new(HashMap::new()),
             stop: Notify::new(),
             worker: Mutex::new(None),
@@ -282,54 +320,49 @@ impl Summarizer {
         while jobs.join_next().await.is_some() {}
     }
 
-    /// True when a job for `key` is queued or running.
+    /// True when a job for `key` is planned, queued or running.
     pub fn in_flight(&self, key: &ConversationKey) -> bool {
         guard(&self.in_flight).contains(key)
     }
 
-    /// True when a job for `key` is queued or running, or the conversation is backing off.
-    pub fn busy(&self, key: &ConversationKey) -> bool {
-        if self.in_flight(key) {
-            return true;
-        }
+    /// True while the conversation is backing off after a failed summary.
+    pub fn backing_off(&self, key: &ConversationKey) -> bool {
         guard(&self.backoff)
             .get(key)
             .is_some_and(|(_, until)| Instant::now() < *until)
     }
 
-    /// Queues a job; returns false when one is already running for the conversation, or the
-    /// queue is full or closed.
+    /// Marks `key` busy for a job about to be planned; `None` when a job for it already is.
+    pub fn reserve(&self, key: &ConversationKey) -> Option<Reservation> {
+        guard(&self.in_flight)
+            .insert(key.clone())
+            .then(|| Reservation {
+                in_flight: Arc::clone(&self.in_flight),
+                key: key.clone(),
+            })
+    }
+
+    /// Queues a job; returns false when the queue is full or closed (the job is dropped and
+    /// its reservation released).
     pub fn enqueue(&self, job: Job) -> bool {
-        if !guard(&self.in_flight).insert(job.key.clone()) {
-            return false;
-        }
-        let key = job.key.clone();
         let sent = match &*guard(&self.queue) {
             Some(tx) => tx.try_send(job).is_ok(),
             None => false,
         };
         if !sent {
-            guard(&self.in_flight).remove(&key);
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
         }
         sent
     }
 
-    /// Runs a job now and waits for it (synchronous compression). The job counts as in flight.
+    /// Runs a job now and waits for it (synchronous compression).
     pub async fn run_now(&self, job: Job) -> Result<SummaryRecord, SummaryError> {
-        if !guard(&self.in_flight).insert(job.key.clone()) {
-            return Err(SummaryError::Upstream(
-                "a summary of this conversation is already running".into(),
-            ));
-        }
-        let key = job.key.clone();
-        let result = self.make(job).await;
-        self.finish(&key, &result);
+        let result = self.make(&job).await;
+        self.finish(&job.key, &result);
         result
     }
 
     async fn run(&self, job: Job) {
-        let key = job.key.clone();
         if job.stand_in {
             let (store, key) = (Arc::clone(&self.store), job.key.clone());
             let (id, upto) = (job.conversation_id, job.upto_turn);
@@ -337,12 +370,13 @@ impl Summarizer {
                 tracing::warn!(error = %err, "could not store the heuristic summary");
             }
         }
-        let result = self.make(job).await;
-        self.finish(&key, &result);
+        let result = self.make(&job).await;
+        self.finish(&job.key, &result);
     }
 
+    /// Counts and logs a job's result and sets the back-off after a failure. The job's
+    /// reservation is released when the caller drops the job, after this.
     fn finish(&self, key: &ConversationKey, result: &Result<SummaryRecord, SummaryError>) {
-        guard(&self.in_flight).remove(key);
         match result {
             Ok(record) => {
                 guard(&self.backoff).remove(key);
@@ -361,6 +395,8 @@ impl Summarizer {
                     "summary stored"
                 );
             }
+            // Another summary covered these turns meanwhile: nothing to do, not a failure.
+            Err(SummaryError::Empty) => tracing::debug!("summary not needed any more"),
             Err(err) => {
                 self.counters.failed.fetch_add(1, Ordering::Relaxed);
                 let mut backoff = guard(&self.backoff);
@@ -373,7 +409,7 @@ impl Summarizer {
     }
 
     /// Makes and stores the next summary of a conversation.
-    async fn make(&self, job: Job) -> Result<SummaryRecord, SummaryError> {
+    async fn make(&self, job: &Job) -> Result<SummaryRecord, SummaryError> {
         // The previous summary and the messages that aged out since, read on the blocking pool.
         let (store, key) = (Arc::clone(&self.store), job.key.clone());
         let (id, upto_turn) = (job.conversation_id, job.upto_turn);
@@ -423,7 +459,7 @@ impl Summarizer {
                 &self.config.max_summary_tokens.to_string(),
             );
 
-        let (text, usage) = tokio::time::timeout(self.config.timeout, self.call(&job, prompt))
+        let (text, usage) = tokio::time::timeout(self.config.timeout, self.call(job, prompt))
             .await
             .map_err(|_| SummaryError::Timeout(self.config.timeout))??;
 
@@ -447,7 +483,11 @@ impl Summarizer {
             heuristic: false,
             usage_prompt_tokens: usage.0,
             usage_completion_tokens: usage.1,
-            partial: last.turn < job.upto_turn,
+            partial_run: if last.turn < job.upto_turn {
+                previous_llm.as_ref().map_or(0, |r| r.partial_run) + 1
+            } else {
+                0
+            },
             text,
         };
         let (store, key) = (Arc::clone(&self.store), job.key.clone());
