@@ -34,6 +34,16 @@ fn summary_message(messages: &[Value]) -> Option<String> {
         .map(|m| m["content"].as_str().unwrap().to_string())
 }
 
+/// A whole backlog at once (a client that re-sends a long history on its first call): `facts`
+/// exchanges, then one more question.
+async fn send_backlog(proxy: &Proxy, conversation: &str, facts: usize) {
+    let mut request: Vec<Value> = (0..facts)
+        .flat_map(|i| [user(&line(i)), assistant(&format!("Noted {i}."))])
+        .collect();
+    request.push(user("go on"));
+    chat(proxy, conversation, &body(&request), &[]).await;
+}
+
 async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     let started = Instant::now();
     while !done() {
@@ -379,12 +389,7 @@ async fn backlogs_are_summarized_in_bounded_calls_and_summaries_are_capped() {
     )
     .await;
     // A whole backlog arrives at once (a client that re-sends a long history on its first call).
-    let history: Vec<Value> = (0..30)
-        .flat_map(|i| [user(&line(i)), assistant(&format!("Noted {i}."))])
-        .collect();
-    let mut request = history.clone();
-    request.push(user("go on"));
-    chat(&proxy, "backlog", &body(&request), &[]).await;
+    send_backlog(&proxy, "backlog", 30).await;
     // The next request finds the pool over the threshold: the first call reads at most ~100
     // tokens of it, not the whole backlog.
     mock.push_summary(Reply::Text("word ".repeat(500)));
@@ -428,12 +433,7 @@ async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval()
         &format!("{SETTINGS}compression_async = false\n[compression]\nmax_input_tokens = 100\n"),
     )
     .await;
-    let history: Vec<Value> = (0..30)
-        .flat_map(|i| [user(&line(i)), assistant(&format!("Noted {i}."))])
-        .collect();
-    let mut request = history.clone();
-    request.push(user("go on"));
-    chat(&proxy, "catch-up", &body(&request), &[]).await;
+    send_backlog(&proxy, "catch-up", 30).await;
 
     let store = &proxy.state.store;
     let handle = store.conversation(&key(Some(TOKEN), "catch-up")).unwrap();
@@ -485,12 +485,7 @@ async fn a_summary_due_on_a_failed_request_is_still_made() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = Proxy::start(&mock, dir.path(), SETTINGS).await;
-    let history: Vec<Value> = (0..12)
-        .flat_map(|i| [user(&line(i)), assistant(&format!("Noted {i}."))])
-        .collect();
-    let mut request = history.clone();
-    request.push(user("go on"));
-    chat(&proxy, "failed", &body(&request), &[]).await;
+    send_backlog(&proxy, "failed", 12).await;
     mock.clear();
     // The next request finds a summary due, and the upstream fails it.
     mock.push(Reply::Status(500, r#"{"error":{"message":"boom"}}"#.into()));
