@@ -165,6 +165,34 @@ impl Message {
             Err(_) => String::new(),
         }
     }
+
+    /// The text (for token counts) and the searchable text (for recall), from one parse.
+    pub fn text_and_search_text(&self) -> (String, String) {
+        match serde_json::from_str::<Map<String, Value>>(self.raw.get()) {
+            Ok(object) => {
+                let text = text_of(&object);
+                let search = with_name(text.clone(), &object);
+                (text, search)
+            }
+            Err(_) => (String::new(), String::new()),
+        }
+    }
+}
+
+/// The searchable text of a raw stored message: [`text_of`] and its `name`.
+pub fn search_text(raw: &RawValue) -> String {
+    match serde_json::from_str::<Map<String, Value>>(raw.get()) {
+        Ok(object) => with_name(text_of(&object), &object),
+        Err(_) => String::new(),
+    }
+}
+
+fn with_name(mut text: String, object: &Map<String, Value>) -> String {
+    if let Some(name) = object.get("name").and_then(Value::as_str) {
+        text.push(' ');
+        text.push_str(name);
+    }
+    text
 }
 
 /// The text of a parsed message object (see [`Message::text`]).

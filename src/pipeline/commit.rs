@@ -14,7 +14,6 @@ use super::reconcile::{Alignment, Mark, align};
 use super::window::trim_start;
 use crate::identity::ConversationKey;
 use crate::message::{HasRole, Message, Role};
-use crate::recall::message_text;
 use crate::state::AppState;
 use crate::store::{Change, Conversation, Entry, Origin, StoreError, StoredMessage, lock, now_ms};
 use crate::summary::Job;
@@ -36,6 +35,8 @@ pub struct Exchange {
     pub new_turns: Vec<Message>,
     /// Their token counts, taken once when planning.
     pub new_tokens: Vec<u32>,
+    /// Their searchable text for the recall index, from the same parse.
+    pub new_texts: Vec<String>,
     /// The conversation's `next_turn` when the plan was made (`None`: not yet stored).
     pub planned_next_turn: Option<u64>,
     pub max_messages: usize,
@@ -88,7 +89,8 @@ impl Exchange {
         let model = self.model.as_deref();
         let reply = Message::parse(reply, "reply")
             .map_err(|err| StoreError::Corrupt(format!("the reply is not a message: {err}")))?;
-        let reply_tokens = tokens::count_message(model, &reply.text());
+        let (reply_text, reply_search) = reply.text_and_search_text();
+        let reply_tokens = tokens::count_message(model, &reply_text);
         let reply = stored_message(&reply, Origin::Reply, reply_tokens);
         let new: Vec<StoredMessage> = self
             .new_turns
@@ -115,7 +117,8 @@ impl Exchange {
                 let change = self.change(&conversation.entries, alignment, &new, &reply);
                 let removed = change.remove_turns.clone();
                 let added_count = change.add.len();
-                let added_texts: Vec<String> = change.add.iter().map(message_text).collect();
+                let mut added_texts = self.still_new(alignment, &self.new_texts).to_vec();
+                added_texts.push(reply_search.clone());
                 match store.commit(&mut conversation, change) {
                     Ok(()) => {
                         let entries = &conversation.entries;

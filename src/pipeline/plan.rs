@@ -86,9 +86,15 @@ pub fn plan(
         .iter()
         .map(|&i| messages[i].clone())
         .collect();
-    let new_tokens: Vec<u32> = new_turns
+    // One parse per new message gives its text (token count, recall query) and its recall
+    // text for the index at commit.
+    let texts: Vec<(String, String)> = new_turns
         .iter()
-        .map(|m| tokens::count_message(model_name, &m.text()))
+        .map(Message::text_and_search_text)
+        .collect();
+    let new_tokens: Vec<u32> = texts
+        .iter()
+        .map(|(text, _)| tokens::count_message(model_name, text))
         .collect();
 
     state
@@ -111,7 +117,7 @@ pub fn plan(
     let started = Instant::now();
     let mut recalled: Vec<RecalledTurn> = Vec::new();
     if settings.relevance_enabled && settings.relevance_top_k > 0 && start > 0 {
-        let query = query_text(&new_turns, &window);
+        let query = query_text(&new_turns, &texts, &window);
         let before_turn =
             history[start.min(history.len() - 1)].turn + u64::from(start == history.len());
         let hits = state.recall.search(
@@ -173,6 +179,7 @@ pub fn plan(
         alignment,
         new_turns,
         new_tokens,
+        new_texts: texts.into_iter().map(|(_, search)| search).collect(),
         planned_next_turn: conversation.meta.as_ref().map(|m| m.next_turn),
         max_messages: settings.max_messages,
         model,
@@ -207,8 +214,12 @@ pub fn plan(
 
 /// What recall searches with: the new messages, and when they continue a round (tool results)
 /// the user message that opened it.
-fn query_text(new_turns: &[Message], window: &[StoredMessage]) -> String {
-    let mut query: Vec<String> = new_turns.iter().map(Message::text).collect();
+fn query_text(
+    new_turns: &[Message],
+    texts: &[(String, String)],
+    window: &[StoredMessage],
+) -> String {
+    let mut query: Vec<String> = texts.iter().map(|(text, _)| text.clone()).collect();
     if !new_turns.iter().any(|m| m.role == Role::User)
         && let Some(opening) = window.iter().rev().find(|m| m.role == Role::User)
         && let Ok(message) = Message::parse(opening.message.clone(), "window")

@@ -11,13 +11,11 @@ pub mod tokenize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use serde_json::{Map, Value};
-
 use self::index::{Hit, Index};
 use self::tokenize::{Lang, TextLanguage, detect, terms};
 use crate::identity::ConversationKey;
-use crate::message::text_of;
-use crate::store::{Conversation, Store, StoreError, StoredMessage};
+use crate::message::search_text;
+use crate::store::{Conversation, Store, StoreError};
 
 /// How much text `auto` language detection reads from the start of a conversation.
 const DETECTION_SAMPLE_CHARS: usize = 2000;
@@ -59,21 +57,6 @@ fn lock(index: &Mutex<ConversationIndex>) -> MutexGuard<'_, ConversationIndex> {
     index
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// The searchable text of a stored message: its content and tool calls, and its `name`.
-pub fn message_text(message: &StoredMessage) -> String {
-    match serde_json::from_str::<Map<String, Value>>(message.message.get()) {
-        Ok(object) => {
-            let mut text = text_of(&object);
-            if let Some(name) = object.get("name").and_then(Value::as_str) {
-                text.push(' ');
-                text.push_str(name);
-            }
-            text
-        }
-        Err(_) => String::new(),
-    }
 }
 
 impl Recall {
@@ -216,7 +199,10 @@ fn build(
 ) -> Result<ConversationIndex, StoreError> {
     let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
     let messages = store.messages(conversation, turns)?;
-    let texts: Vec<(u64, String)> = messages.iter().map(|m| (m.turn, message_text(m))).collect();
+    let texts: Vec<(u64, String)> = messages
+        .iter()
+        .map(|m| (m.turn, search_text(&m.message)))
+        .collect();
     let latin = match setting {
         TextLanguage::Plain => None,
         TextLanguage::Fixed(lang) => Some(lang),

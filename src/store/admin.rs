@@ -190,14 +190,7 @@ impl Store {
         after: Option<&[u8]>,
         limit: usize,
     ) -> Result<(Vec<(ConversationKey, ConversationMeta)>, bool), StoreError> {
-        let range = match after {
-            Some(after) => {
-                let mut start = after.to_vec();
-                start.push(0);
-                self.conversations.range(start..)
-            }
-            None => self.conversations.iter(),
-        };
+        let range = keys_after(&self.conversations, after);
         let mut out = Vec::new();
         for item in range {
             if out.len() == limit {
@@ -275,14 +268,7 @@ impl Store {
     /// Up to `limit` TTL records after `after`: the sweeper drops those whose conversation was
     /// never stored.
     pub fn scan_ttl(&self, after: Option<&[u8]>, limit: usize) -> Result<TtlPage, StoreError> {
-        let range = match after {
-            Some(after) => {
-                let mut start = after.to_vec();
-                start.push(0);
-                self.ttl.range(start..)
-            }
-            None => self.ttl.iter(),
-        };
+        let range = keys_after(&self.ttl, after);
         let mut out = Vec::new();
         for item in range {
             if out.len() == limit {
@@ -654,21 +640,27 @@ fn done_or_false(result: Result<bool, TransactionError<()>>) -> Result<bool, Sto
     }
 }
 
+/// The entries of `tree` whose keys come after `after` (all of them without one): one page of
+/// a bounded walk.
+fn keys_after(tree: &sled::Tree, after: Option<&[u8]>) -> sled::Iter {
+    match after {
+        Some(after) => {
+            let mut start = after.to_vec();
+            start.push(0);
+            tree.range(start..)
+        }
+        None => tree.iter(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::Durability;
-    use crate::identity::TenantId;
     use crate::message::Role;
     use crate::store::{Change, Origin};
 
-    fn key(conversation: &str) -> ConversationKey {
-        ConversationKey {
-            tenant: TenantId::from_token(Some("t")),
-            agent: "default".into(),
-            conversation: conversation.into(),
-        }
-    }
+    use crate::store::tests::key;
 
     fn message(text: &str) -> StoredMessage {
         StoredMessage {

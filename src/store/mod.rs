@@ -541,7 +541,8 @@ mod tests {
     use super::*;
     use crate::identity::TenantId;
 
-    fn key(conversation: &str) -> ConversationKey {
+    /// A conversation of tenant `t`, agent `default` (also for `store::admin`'s tests).
+    pub(super) fn key(conversation: &str) -> ConversationKey {
         ConversationKey {
             tenant: TenantId::from_token(Some("t")),
             agent: "default".into(),
