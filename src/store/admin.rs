@@ -125,10 +125,7 @@ impl Store {
 
     /// The stored record of a conversation, read from disk (not the cache).
     pub fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError> {
-        match self.conversations.get(key.to_bytes())? {
-            None => Ok(None),
-            Some(bytes) => Ok(Some(decode(&bytes)?)),
-        }
+        read(&self.conversations, key)
     }
 
     /// Lists conversations whose key starts with `prefix` (a tenant, or tenant and agent, as
@@ -236,10 +233,7 @@ impl Store {
 
     /// The TTL last asked for by the conversation's requests, if any.
     pub fn ttl_of(&self, key: &ConversationKey) -> Result<Option<TtlRecord>, StoreError> {
-        match self.ttl.get(key.to_bytes())? {
-            None => Ok(None),
-            Some(bytes) => Ok(Some(decode(&bytes)?)),
-        }
+        read(&self.ttl, key)
     }
 
     /// Remembers the TTL a request used. Writes only when it changed, so a steady client costs
@@ -638,6 +632,16 @@ fn done_or_false(result: Result<bool, TransactionError<()>>) -> Result<bool, Sto
         Err(TransactionError::Abort(())) => Ok(false),
         Err(TransactionError::Storage(err)) => Err(StoreError::Sled(err)),
     }
+}
+
+/// The record stored under a conversation's key in `tree`, decoded.
+fn read<T: for<'de> serde::Deserialize<'de>>(
+    tree: &sled::Tree,
+    key: &ConversationKey,
+) -> Result<Option<T>, StoreError> {
+    tree.get(key.to_bytes())?
+        .map(|bytes| decode(&bytes))
+        .transpose()
 }
 
 /// The entries of `tree` whose keys come after `after` (all of them without one): one page of
