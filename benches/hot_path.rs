@@ -181,7 +181,7 @@ fn fixture(runtime: &tokio::runtime::Runtime, n: usize) -> Fixture {
         conversation: format!("bench-{n}"),
     };
     let history = conversation(n, 7 + n as u64);
-    let handle = state.store.conversation(&key).unwrap();
+    let handle = state.memory.store.conversation(&key).unwrap();
     {
         let mut conv = lock(&handle);
         let add = history
@@ -201,6 +201,7 @@ fn fixture(runtime: &tokio::runtime::Runtime, n: usize) -> Fixture {
             })
             .collect();
         state
+            .memory
             .store
             .commit(
                 &mut conv,
@@ -229,7 +230,7 @@ fn settings() -> MemorySettings {
 
 fn run_plan(f: &Fixture, question: &Message) -> usize {
     let p = plan(
-        &f.state,
+        &f.state.memory,
         &f.key,
         &settings(),
         Some("gpt-4o-mini".into()),
@@ -302,7 +303,7 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
     let mut group = c.benchmark_group("reconcile_full_resend");
     for n in [1_000usize, 10_000] {
         let f = fixture(runtime, n);
-        let handle = f.state.store.conversation(&f.key).unwrap();
+        let handle = f.state.memory.store.conversation(&f.key).unwrap();
         let conv = lock(&handle);
         let mut incoming: Vec<Mark> = f.history.iter().map(Mark::from).collect();
         incoming.push(Mark::from(&message(Role::User, "and one more thing")));
@@ -323,13 +324,13 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
     c.bench_function("commit_with_flush", |b| {
         b.iter(|| {
             let question = message(Role::User, &rng.sentence(12));
-            let p = plan(&f.state, &f.key, &settings(), None, vec![question]).unwrap();
+            let p = plan(&f.state.memory, &f.key, &settings(), None, vec![question]).unwrap();
             let reply = RawValue::from_string(
                 json!({"role": "assistant", "content": rng.sentence(12)}).to_string(),
             )
             .unwrap();
             runtime
-                .block_on(p.exchange.commit(&f.state, reply))
+                .block_on(p.exchange.commit(&f.state.memory, reply))
                 .unwrap()
         })
     });

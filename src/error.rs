@@ -1,19 +1,72 @@
-//! The one error type that reaches a client, and its OpenAI-shaped body.
+//! Errors at the HTTP edge, and the one place they become responses.
 //!
-//! Every layer has its own error enum (`store::StoreError`, `config::ConfigError`, …); the
-//! request path turns those into [`ProxyError`] at the server edge, where the status is chosen
-//! by where the error came from: the client (400/401/404/413), the upstream (502/504) or
-//! memproxy itself (500). Messages never carry secrets or message text: they name the field or
-//! header that was wrong and what it accepts.
+//! The core returns typed errors (`store::StoreError`, `message::InvalidRequest`,
+//! `upstream::UpstreamError`, …); the edge turns them into [`ProxyError`] (the proxy's routes)
+//! or `admin::AdminError` (the admin API). Both implement [`ApiError`], and [`respond`] makes
+//! every error response: an OpenAI-shaped JSON body `{"error":{"message","type","param","code"}}`
+//! with the status chosen by where the error came from: the client (400/401/404/413), the
+//! upstream (502/504) or memproxy itself (500). Messages never carry secrets or message text:
+//! they name the field or header that was wrong and what it accepts.
 
 use bytes::Bytes;
+use http::header::HeaderName;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde_json::json;
 
 use crate::body::{ProxyBody, full};
+use crate::message::InvalidRequest;
+use crate::upstream::UpstreamError;
 
-/// An error that becomes an HTTP response with an OpenAI-shaped JSON body:
-/// `{"error":{"message","type","param","code"}}`.
+/// An error a client sees.
+pub trait ApiError: std::fmt::Display {
+    fn status(&self) -> StatusCode;
+    /// `type`: `invalid_request_error`, `authentication_error`, …
+    fn kind(&self) -> &'static str;
+    fn code(&self) -> &'static str;
+    /// The field or header at fault, as the client would spell it.
+    fn param(&self) -> Option<&str> {
+        None
+    }
+    /// Headers the status calls for (`WWW-Authenticate`, `Allow`).
+    fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+        Vec::new()
+    }
+}
+
+/// The JSON body of an error: `{"error":{"message","type","param","code"}}`.
+pub fn body_of(err: &dyn ApiError) -> Bytes {
+    let value = json!({
+        "error": {
+            "message": err.to_string(),
+            "type": err.kind(),
+            "param": err.param(),
+            "code": err.code(),
+        }
+    });
+    Bytes::from(value.to_string())
+}
+
+/// The response for an error.
+pub fn respond(err: &dyn ApiError) -> Response<ProxyBody> {
+    let mut response = json_response(err.status(), body_of(err));
+    for (name, value) in err.headers() {
+        response.headers_mut().insert(name, value);
+    }
+    response
+}
+
+/// A JSON response: every response memproxy makes itself goes through here.
+pub fn json_response(status: StatusCode, body: impl Into<Bytes>) -> Response<ProxyBody> {
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// An error of the proxy's routes.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     /// The request itself is wrong: a bad header, malformed JSON, a missing field.
@@ -53,6 +106,21 @@ impl ProxyError {
     }
 
     pub fn status(&self) -> StatusCode {
+        ApiError::status(self)
+    }
+
+    /// The JSON body: `{"error":{"message","type","param","code"}}`.
+    pub fn body(&self) -> Bytes {
+        body_of(self)
+    }
+
+    pub fn into_response(self) -> Response<ProxyBody> {
+        respond(&self)
+    }
+}
+
+impl ApiError for ProxyError {
+    fn status(&self) -> StatusCode {
         match self {
             ProxyError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -90,36 +158,42 @@ impl ProxyError {
         }
     }
 
-    /// The JSON body: `{"error":{"message","type","param","code"}}`.
-    pub fn body(&self) -> Bytes {
-        let param = match self {
-            ProxyError::InvalidRequest { param, .. } => param.clone(),
+    fn param(&self) -> Option<&str> {
+        match self {
+            ProxyError::InvalidRequest { param, .. } => param.as_deref(),
             _ => None,
-        };
-        let value = json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.kind(),
-                "param": param,
-                "code": self.code(),
-            }
-        });
-        Bytes::from(value.to_string())
+        }
     }
 
-    pub fn into_response(self) -> Response<ProxyBody> {
-        let mut response = Response::new(full(self.body()));
-        *response.status_mut() = self.status();
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if matches!(self, ProxyError::Unauthorized) {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+        match self {
+            ProxyError::Unauthorized => {
+                vec![(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"))]
+            }
+            _ => Vec::new(),
         }
-        response
+    }
+}
+
+impl From<InvalidRequest> for ProxyError {
+    fn from(err: InvalidRequest) -> ProxyError {
+        ProxyError::InvalidRequest {
+            message: err.message,
+            param: err.param,
+            code: err.code,
+        }
+    }
+}
+
+impl From<UpstreamError> for ProxyError {
+    fn from(err: UpstreamError) -> ProxyError {
+        match err {
+            UpstreamError::BadPath => {
+                ProxyError::invalid("path", "invalid_path", "the request path is not valid")
+            }
+            UpstreamError::Unreachable(source) => ProxyError::UpstreamUnreachable(source),
+            UpstreamError::Timeout { seconds } => ProxyError::UpstreamTimeout { seconds },
+        }
     }
 }
 
@@ -136,6 +210,18 @@ mod tests {
         assert_eq!(value["error"]["param"], "x-memory-recent-n");
         assert_eq!(value["error"]["code"], "invalid_header");
         assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn an_invalid_request_is_a_400() {
+        let err = ProxyError::from(InvalidRequest {
+            message: "`stream` must be a boolean".into(),
+            param: Some("stream".into()),
+            code: "invalid_request_body",
+        });
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        let value: serde_json::Value = serde_json::from_slice(&err.body()).unwrap();
+        assert_eq!(value["error"]["param"], "stream");
     }
 
     #[test]

@@ -2,26 +2,26 @@
 //!
 //! # Layout
 //!
-//! The request path, in order (see `ARCHITECTURE.md` for the full map):
+//! From the edge down to the leaves (see `ARCHITECTURE.md` for the layers and the request
+//! path mapped to files):
 //!
-//! - [`server`] accepts connections and shuts down gracefully;
-//! - [`router`] answers health checks, checks client keys, and picks the memory pipeline for
+//! - [`server`] accepts connections, tracks them and shuts down gracefully; [`cli`] the flags;
+//! - [`router`] answers health checks, checks client keys, and picks memory for
 //!   `POST /v1/chat/completions` or pass-through for everything else;
-//! - [`pipeline`] runs the memory stages: identify → reconcile → (recall, summary) → assemble →
-//!   forward → capture → commit, one file each;
-//! - [`upstream`] is the pooled HTTP/HTTPS client and the header rules;
-//! - [`store`] keeps conversations in sled, with an in-memory index per conversation;
-//! - [`recall`] keeps a BM25 index per conversation for relevance recall;
-//! - [`summary`] makes progressive summaries of old history in the background.
-//!
-//! Operations: [`admin`] (the `/admin/v1/` API and what the offline CLI shares with it),
-//! [`metrics`] (`GET /metrics`), [`ttl`] (idle conversations deleted by a background sweeper).
-//!
-//! Supporting pieces: [`config`] and [`settings`] (configuration and per-request settings),
-//! [`identity`] (tenants and ids), [`message`] (the request's messages), [`reply`] and [`sse`]
-//! (reading the upstream's answer), [`tokens`] (tiktoken counts), [`error`] (the OpenAI-shaped
-//! error), [`body`] (body types), [`state`] (what requests share), [`cli`] (flags).
-//! [`mock_upstream`] is a test double used by tests, the evaluation and benchmarks.
+//! - [`admin`] is the `/admin/v1/` API (and what the offline CLI shares with it);
+//! - [`proxy`] is the HTTP edge of memory: identify, the `before`/`after` steps around the one
+//!   forward path, the SSE tee, the `X-Memory-*` headers;
+//! - [`state`] is what the edge shares: config, memory, upstream, metrics;
+//! - [`upstream`] (the client, header rules, the forward path, memproxy's model calls),
+//!   [`metrics`], [`error`] (every error response), [`body`], [`reply`] and [`sse`] are the
+//!   HTTP parts;
+//! - [`memory`] is the memory core's one value (store, recall, summaries, clock); [`ttl`] its
+//!   sweeper;
+//! - [`pipeline`] plans a prompt and commits an exchange, one stage per file;
+//! - [`summary`] makes summaries in the background; [`recall`] keeps BM25 indexes;
+//! - [`store`] keeps conversations behind a storage contract (sled by default);
+//! - leaves: [`config`], [`model`] (the model-call trait), [`settings`], [`identity`],
+//!   [`message`], [`tokens`].
 
 pub mod admin;
 pub mod body;
@@ -29,10 +29,14 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod identity;
+pub mod memory;
 pub mod message;
 pub mod metrics;
+#[doc(hidden)]
 pub mod mock_upstream;
+pub mod model;
 pub mod pipeline;
+pub mod proxy;
 pub mod recall;
 pub mod reply;
 pub mod router;

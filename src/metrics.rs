@@ -14,6 +14,8 @@ use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::memory::Memory;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -415,17 +417,6 @@ impl Metrics {
             .inc_by(history_tokens.max(forwarded_tokens));
     }
 
-    /// Records a plan made by [`crate::pipeline::plan::plan`]: recalled turns, forwarded tokens,
-    /// and the full history's tokens (stored total plus the new messages).
-    pub fn planned(&self, plan: &crate::pipeline::plan::Plan) {
-        let stored = crate::store::lock(&plan.exchange.handle)
-            .meta
-            .as_ref()
-            .map_or(0, |m| m.total_tokens);
-        let new: u64 = plan.exchange.new_tokens.iter().map(|&t| u64::from(t)).sum();
-        self.prompt(plan.recalled_turns.len(), plan.prompt_tokens, stored + new);
-    }
-
     /// Counts a cache lookup, and whether it missed.
     pub fn cache_lookup(&self, cache: Cache, hit: bool) {
         let labels = CacheLabels {
@@ -437,45 +428,42 @@ impl Metrics {
         }
     }
 
-    /// Records one pass of the TTL sweeper.
-    pub fn ttl_pass(&self, scanned: usize, deleted: usize) {
-        self.ttl_passes.inc();
-        self.ttl_scanned.inc_by(scanned as u64);
-        self.ttl_deletions.inc_by(deleted as u64);
-    }
-
     /// Counts conversations deleted by an operator.
     pub fn admin_deleted(&self, count: usize) {
         self.admin_deletions.inc_by(count as u64);
     }
 
-    /// The scrape: OpenMetrics text, with the store gauges read now.
-    pub fn render(&self, state: &crate::state::AppState) -> String {
+    /// The scrape: OpenMetrics text, with the memory core's gauges and counters read now.
+    pub fn render(&self, memory: &Memory) -> String {
         let _scrape = self
             .scrape
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let store = &state.store;
+        let store = &memory.store;
         self.store_size
             .set(i64::try_from(store.size_on_disk()).unwrap_or(i64::MAX));
         self.cached_conversations
             .set(i64::try_from(store.cached_conversations()).unwrap_or(i64::MAX));
         self.recall_cache_bytes
-            .set(i64::try_from(state.recall.weighted_size()).unwrap_or(i64::MAX));
+            .set(i64::try_from(memory.recall.weighted_size()).unwrap_or(i64::MAX));
         let (lookups, misses) = store.cache_counts();
         let labels = CacheLabels {
             cache: Cache::Conversation.as_str(),
         };
         catch_up(&self.cache_lookups.get_or_create(&labels), lookups);
         catch_up(&self.cache_misses.get_or_create(&labels), misses);
-        let (lookups, misses) = state.recall.cache_counts();
+        let (lookups, misses) = memory.recall.cache_counts();
         let labels = CacheLabels {
             cache: Cache::Recall.as_str(),
         };
         catch_up(&self.cache_lookups.get_or_create(&labels), lookups);
         catch_up(&self.cache_misses.get_or_create(&labels), misses);
-        // The summarizer keeps its own counters; they are mirrored here.
-        let counters = &state.summarizer.counters;
+        // The sweeper and the summarizer keep their own counters; they are mirrored here.
+        let sweeps = &memory.sweeps;
+        catch_up(&self.ttl_passes, sweeps.passes.load(Ordering::Relaxed));
+        catch_up(&self.ttl_scanned, sweeps.scanned.load(Ordering::Relaxed));
+        catch_up(&self.ttl_deletions, sweeps.deleted.load(Ordering::Relaxed));
+        let counters = &memory.summarizer.counters;
         for (result, counter) in [
             ("made", &counters.made),
             ("failed", &counters.failed),

@@ -10,15 +10,14 @@ use hyper::body::Incoming;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-use crate::body::{ProxyBody, boxed, full};
+use crate::body::{ProxyBody, full};
 use crate::config::hash_key;
-use crate::error::ProxyError;
+use crate::error::{ProxyError, json_response};
 use crate::identity::{bearer_token, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
-use crate::pipeline::identify::{PathIds, identify};
-use crate::pipeline::{self, MemoryStatus, set_memory_headers};
+use crate::proxy::identify::{PathIds, identify};
+use crate::proxy::{self, MemoryStatus, set_memory_headers};
 use crate::state::AppState;
-use crate::upstream::forwardable;
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
@@ -73,7 +72,9 @@ async fn route(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = request.uri().path();
     match (request.method(), path) {
-        (&Method::GET, "/healthz") => return Ok(json(StatusCode::OK, r#"{"status":"ok"}"#)),
+        (&Method::GET, "/healthz") => {
+            return Ok(json_response(StatusCode::OK, r#"{"status":"ok"}"#));
+        }
         (&Method::GET, "/readyz") => return Ok(readiness(state)),
         (&Method::GET, "/metrics") => return Ok(metrics(state, request.headers())),
         _ => {}
@@ -106,45 +107,23 @@ async fn route(
     if let Some(key) = &identity.key {
         span.record("conversation", key.conversation.as_str());
     }
-    let upstream_uri = state.upstream.uri_for(api_path, request.uri().query())?;
+    // A path the upstream URI cannot hold is refused before anything else happens.
+    state.upstream.uri_for(api_path, request.uri().query())?;
     let is_chat = request.method() == Method::POST && api_path == "/v1/chat/completions";
+    let api_path = api_path.to_string();
 
     match identity.key {
         Some(key) if is_chat && identity.settings.enabled => {
-            crate::ttl::remember(state, &key, &identity.settings);
             let (parts, body) = request.into_parts();
-            pipeline::chat(state, parts, body, key, identity.settings, upstream_uri).await
+            proxy::chat::chat(state, parts, body, key, identity.settings, &api_path).await
         }
         Some(key) if is_chat => {
-            let mut response = passthrough(state, request, upstream_uri).await?;
+            let mut response = proxy::passthrough(state, request, &api_path).await?;
             set_memory_headers(&mut response, MemoryStatus::Off, &key.conversation, None);
             Ok(response)
         }
-        _ => passthrough(state, request, upstream_uri).await,
+        _ => proxy::passthrough(state, request, &api_path).await,
     }
-}
-
-/// Forwards a request untouched: method, path, query, headers (less hop-by-hop and
-/// `x-memory-*`), body streamed both ways, status unchanged.
-async fn passthrough(
-    state: &Arc<AppState>,
-    request: Request<Incoming>,
-    upstream_uri: http::Uri,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    let (parts, body) = request.into_parts();
-    let mut outgoing = Request::new(boxed(body));
-    *outgoing.method_mut() = parts.method;
-    *outgoing.uri_mut() = upstream_uri;
-    *outgoing.headers_mut() = state.upstream.request_headers(&parts.headers);
-    let started = Instant::now();
-    let response = state.upstream.send(outgoing).await;
-    tracing::Span::current().record("upstream_ms", started.elapsed().as_millis() as u64);
-    let (mut head, body) = response?.into_parts();
-    state
-        .metrics
-        .upstream(&mut head.extensions, started.elapsed());
-    head.headers = forwardable(&head.headers);
-    Ok(Response::from_parts(head, boxed(body)))
 }
 
 /// With `auth.client_keys` set, only those bearer tokens may call.
@@ -168,7 +147,7 @@ fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
     if state.config.protect_metrics && !crate::admin::authorized(state, headers) {
         return crate::admin::AdminError::Unauthorized.into_response();
     }
-    let mut response = Response::new(full(state.metrics.render(state)));
+    let mut response = Response::new(full(state.metrics.render(&state.memory)));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
@@ -177,7 +156,7 @@ fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
 }
 
 fn readiness(state: &AppState) -> Response<ProxyBody> {
-    let store = state.store.is_ready();
+    let store = state.memory.store.is_ready();
     let body = format!(
         r#"{{"status":"{}","store":{store},"upstream":true}}"#,
         if store { "ready" } else { "unavailable" }
@@ -187,15 +166,5 @@ fn readiness(state: &AppState) -> Response<ProxyBody> {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    json(status, body)
-}
-
-fn json(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<ProxyBody> {
-    let mut response = Response::new(full(body));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
+    json_response(status, body)
 }

@@ -1,12 +1,17 @@
 //! The server: accept connections (HTTP/1.1 and h2c), serve each with the router, and shut
 //! down gracefully.
 //!
+//! Every connection is a task in one `JoinSet` the server owns: none outlives it.
+//!
 //! Shutdown order, when the `shutdown` future completes:
 //! 1. stop accepting (the listener is dropped);
-//! 2. stop the TTL sweeper (a pass in progress finishes), then let in-flight requests and
-//!    streams finish, up to the grace period;
-//! 3. let background summary jobs finish, up to the grace period, or cancel them;
-//! 4. flush the store, last, so every commit that completed is on disk.
+//! 2. stop the TTL sweeper (a pass in progress finishes);
+//! 3. drain: every connection finishes its in-flight requests and streams (a stream commits
+//!    before its end reaches the client) and closes, up to the grace period; a connection
+//!    still open then is cut, and its stream is not stored (nothing half-stored: a commit is
+//!    one atomic write, made before any await that could be cut);
+//! 4. let background summary jobs finish, up to the grace period, or cancel them;
+//! 5. flush and close the store, last, once no task can write to it.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -16,6 +21,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::task::JoinSet;
 
 use crate::router;
 use crate::state::AppState;
@@ -38,7 +44,8 @@ pub async fn run(
 ) -> Result<(), StoreError> {
     let builder = auto::Builder::new(TokioExecutor::new());
     let graceful = GracefulShutdown::new();
-    let sweeper = crate::ttl::Sweeper::start(Arc::clone(&state));
+    let mut connections: JoinSet<()> = JoinSet::new();
+    let sweeper = state.start_sweeper();
     tokio::pin!(shutdown);
 
     loop {
@@ -61,33 +68,45 @@ pub async fn run(
                 });
                 let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
                 let connection = graceful.watch(connection);
-                tokio::spawn(async move {
+                connections.spawn(async move {
                     if let Err(err) = connection.await {
                         tracing::debug!(error = %err, "connection ended with an error");
                     }
                 });
             }
+            // Finished connections are reaped as they end.
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
             () = &mut shutdown => break,
         }
     }
 
     // 1. Stop accepting.
     drop(listener);
-    // 2. Stop deleting idle conversations; then drain.
+    // 2. Stop deleting idle conversations.
     sweeper.stop().await;
-    // 2. Drain within the grace period.
+    // 3. Drain within the grace period: connections finish what they are serving and close.
     let grace = state.config.shutdown_grace;
     tracing::info!(
         grace_s = grace.as_secs(),
+        connections = connections.len(),
         "shutting down: draining connections"
     );
-    tokio::select! {
-        () = graceful.shutdown() => tracing::info!("all connections closed"),
-        () = tokio::time::sleep(grace) => tracing::warn!("grace period over; closing remaining connections"),
+    let drain = async {
+        graceful.shutdown().await;
+        while connections.join_next().await.is_some() {}
+    };
+    if tokio::time::timeout(grace, drain).await.is_ok() {
+        tracing::info!("all connections closed");
+    } else {
+        tracing::warn!(
+            remaining = connections.len(),
+            "grace period over; cutting the remaining connections (their open streams are not stored)"
+        );
+        connections.abort_all();
+        while connections.join_next().await.is_some() {}
     }
-    // 3. Let summary jobs in flight finish (or cancel them), then flush the store last.
-    state.summarizer.shutdown(grace).await;
-    state.store.close().await?;
+    // 4. and 5. Let summary jobs in flight finish (or cancel them), then flush the store last.
+    state.memory.shutdown(grace).await?;
     tracing::info!("store flushed; bye");
     Ok(())
 }

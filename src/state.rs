@@ -1,14 +1,14 @@
-//! What every request shares: the checked config, the store and the upstream client.
+//! What the HTTP edge shares (the server, the router, the admin API): the checked config, the
+//! memory core, the upstream client and the metrics. Nothing below the edge sees it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::Config;
+use crate::memory::{self, Memory};
 use crate::metrics::Metrics;
-use crate::recall::Recall;
 use crate::store::{Store, StoreError};
-use crate::summary::Summarizer;
-use crate::ttl::Clock;
+use crate::ttl::Sweeper;
 use crate::upstream::{Upstream, UpstreamSetupError};
 
 /// Why memproxy could not start.
@@ -29,14 +29,10 @@ pub enum StartError {
 #[derive(Debug)]
 pub struct AppState {
     pub config: Arc<Config>,
-    pub store: Arc<Store>,
+    pub memory: Arc<Memory>,
     pub upstream: Upstream,
-    pub recall: Recall,
     /// The Prometheus registry (`GET /metrics`).
     pub metrics: Metrics,
-    /// The clock the TTL sweeper reads (tests move it forward).
-    pub clock: Clock,
-    pub summarizer: Arc<Summarizer>,
     next_request: AtomicU64,
     /// Distinguishes request ids across restarts.
     boot: u64,
@@ -46,20 +42,17 @@ impl AppState {
     /// Must be called inside a tokio runtime: the summary worker starts here.
     pub fn new(config: Arc<Config>, store: Arc<Store>, upstream: Upstream) -> AppState {
         let boot = crate::store::now_ms() as u64 & 0xff_ffff;
-        let recall = Recall::new(config.recall_cache_bytes);
-        let summarizer = Summarizer::start(
-            Arc::clone(&store),
-            upstream.clone(),
+        let memory = Memory::new(
+            store,
+            Arc::new(upstream.clone()),
             config.compression.clone(),
+            config.recall_cache_bytes,
         );
         AppState {
             config,
-            store,
+            memory: Arc::new(memory),
             upstream,
-            recall,
             metrics: Metrics::new(),
-            clock: Clock::default(),
-            summarizer,
             next_request: AtomicU64::new(1),
             boot,
         }
@@ -72,18 +65,18 @@ impl AppState {
             path: config.data_dir.display().to_string(),
             source,
         })?;
-        let store = Store::open(
-            &config.data_dir,
-            config.durability,
-            config.store_cache_bytes,
-            config.state_cache_bytes,
-        )?;
+        let store = Store::open(&config.data_dir, memory::store_options(&config))?;
         let upstream = Upstream::new(&config.upstream)?;
         Ok(Arc::new(AppState::new(
             Arc::new(config),
             Arc::new(store),
             upstream,
         )))
+    }
+
+    /// Starts the TTL sweeper over this state's memory.
+    pub fn start_sweeper(&self) -> Sweeper {
+        Sweeper::start(Arc::clone(&self.memory), Arc::clone(&self.config))
     }
 
     /// A fresh request id, unique within this process and unlikely to repeat across restarts.

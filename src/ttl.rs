@@ -1,54 +1,22 @@
-//! Conversation TTL: remembering the TTL requests ask for, and the background sweeper that
-//! deletes conversations idle for longer than it.
+//! Conversation TTL: the background sweeper that deletes conversations idle for longer than
+//! their TTL.
 //!
 //! A conversation's TTL is the one its last request used (`ttl` setting or `X-Memory-Ttl`,
-//! remembered in the store's `ttl` tree), else its agent's configured `ttl`; none means it is
-//! kept forever. The sweeper walks the conversations in key order, a bounded slice per pass
-//! (`sweeper.max_scanned` looked at, `sweeper.max_deleted` deleted), resuming where the last
-//! pass stopped, and deletes through the same path as the admin API's `DELETE`. It only reads
-//! time through [`Clock`], so tests move time forward instead of sleeping.
+//! remembered in the store's TTL records by [`Memory::remember_ttl`]), else its agent's
+//! configured `ttl`; none means it is kept forever. The sweeper walks the conversations in key
+//! order, a bounded slice per pass (`sweeper.max_scanned` looked at, `sweeper.max_deleted`
+//! deleted), resuming where the last pass stopped, and deletes through the same path as the
+//! admin API's `DELETE`. It only reads time through [`crate::memory::Clock`], so tests move
+//! time forward instead of sleeping.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::identity::ConversationKey;
-use crate::settings::MemorySettings;
-use crate::state::AppState;
+use crate::config::Config;
+use crate::memory::Memory;
 use crate::store::StoreError;
-
-/// Wall-clock time as the sweeper sees it: the real clock plus an offset tests can move.
-#[derive(Debug, Default)]
-pub struct Clock {
-    offset_ms: AtomicI64,
-}
-
-impl Clock {
-    /// UTC milliseconds since the epoch, plus the offset.
-    pub fn now_ms(&self) -> i64 {
-        crate::store::now_ms().saturating_add(self.offset_ms.load(Ordering::Relaxed))
-    }
-
-    /// Moves this clock forward (tests).
-    pub fn advance(&self, by: Duration) {
-        let ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
-        self.offset_ms.fetch_add(ms, Ordering::Relaxed);
-    }
-}
-
-/// Remembers the TTL a chat request ran with, when it stores anything. A failure is logged,
-/// never returned: TTL bookkeeping must not fail a chat request.
-pub fn remember(state: &AppState, key: &ConversationKey, settings: &MemorySettings) {
-    if !settings.enabled || !settings.persist {
-        return;
-    }
-    if let Err(err) = state.store.remember_ttl(key, settings.ttl) {
-        tracing::warn!(error = %err, "remembering the conversation's TTL failed");
-    }
-}
 
 /// Where the sweeper's walk stands between passes.
 #[derive(Debug, Default, Clone)]
@@ -69,10 +37,14 @@ pub struct Pass {
 }
 
 /// One bounded pass of the sweeper.
-pub fn sweep_pass(state: &AppState, cursor: &mut Cursor) -> Result<Pass, StoreError> {
-    let limits = state.config.sweeper;
-    let now = state.clock.now_ms();
-    let store = &state.store;
+pub fn sweep_pass(
+    memory: &Memory,
+    config: &Config,
+    cursor: &mut Cursor,
+) -> Result<Pass, StoreError> {
+    let limits = config.sweeper;
+    let now = memory.clock.now_ms();
+    let store = &memory.store;
     let mut pass = Pass::default();
 
     let (batch, more) = store.scan(cursor.conversations.as_deref(), limits.max_scanned)?;
@@ -85,11 +57,11 @@ pub fn sweep_pass(state: &AppState, cursor: &mut Cursor) -> Result<Pass, StoreEr
         cursor.conversations = Some(key.to_bytes());
         let ttl = match store.ttl_of(&key)? {
             Some(record) => record.ttl(),
-            None => state.config.profile(&key.agent).ttl,
+            None => config.profile(&key.agent).ttl,
         };
         let Some(ttl) = ttl else { continue };
         let cutoff = now.saturating_sub(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX));
-        if meta.last_activity_ms < cutoff && crate::admin::delete_idle(state, &key, cutoff)? {
+        if meta.last_activity_ms < cutoff && memory.delete_idle(&key, cutoff)? {
             pass.deleted += 1;
         }
     }
@@ -99,7 +71,7 @@ pub fn sweep_pass(state: &AppState, cursor: &mut Cursor) -> Result<Pass, StoreEr
 
     // TTL records of conversations that were never stored (the request failed upstream, or
     // stored nothing) are dropped once they are older than their TTL.
-    let (records, more) = store.scan_ttl(cursor.ttl.as_deref(), limits.max_scanned)?;
+    let (records, next) = store.scan_ttl(cursor.ttl.as_deref(), limits.max_scanned)?;
     for (key, record) in &records {
         let expired = record.ttl_ms.is_none_or(|ttl| {
             now.saturating_sub(record.set_ms) > i64::try_from(ttl).unwrap_or(i64::MAX)
@@ -108,13 +80,9 @@ pub fn sweep_pass(state: &AppState, cursor: &mut Cursor) -> Result<Pass, StoreEr
             pass.orphans += 1;
         }
     }
-    cursor.ttl = if more {
-        records.last().map(|(key, _)| key.clone())
-    } else {
-        None
-    };
+    cursor.ttl = next;
 
-    state.metrics.ttl_pass(pass.scanned, pass.deleted);
+    memory.sweeps.record(pass.scanned, pass.deleted);
     if pass.deleted > 0 {
         tracing::info!(
             deleted = pass.deleted,
@@ -134,21 +102,21 @@ pub struct Sweeper {
 
 impl Sweeper {
     /// Starts the sweeper: one pass every `sweeper.interval`, the first one interval after
-    /// start. Each pass runs on the blocking pool (sled I/O).
-    pub fn start(state: Arc<AppState>) -> Sweeper {
+    /// start, each on the blocking pool (store I/O).
+    pub fn start(memory: Arc<Memory>, config: Arc<Config>) -> Sweeper {
         let (stop, mut stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
-            let every = state.config.sweeper.interval;
+            let every = config.sweeper.interval;
             let mut cursor = Cursor::default();
             loop {
                 tokio::select! {
                     () = tokio::time::sleep(every) => {}
                     _ = &mut stopped => return,
                 }
-                let pass_state = Arc::clone(&state);
+                let (memory, config) = (Arc::clone(&memory), Arc::clone(&config));
                 let mut pass_cursor = cursor.clone();
                 let outcome = tokio::task::spawn_blocking(move || {
-                    let result = sweep_pass(&pass_state, &mut pass_cursor);
+                    let result = sweep_pass(&memory, &config, &mut pass_cursor);
                     (result, pass_cursor)
                 })
                 .await;

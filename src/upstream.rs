@@ -1,5 +1,7 @@
 //! The upstream: one pooled HTTP/HTTPS client, the mapping of `/v1/X` onto the configured base
-//! URL, and the header rules for both directions.
+//! URL, the header rules for both directions, and the one forward path every upstream call
+//! takes ([`Upstream::forward`]): pass-through, memory, and memproxy's own model calls (the
+//! [`ModelCall`] implementation below).
 //!
 //! Header rules: hop-by-hop headers are dropped both ways; every `x-memory-*` request header is
 //! consumed by memproxy and never sent on; everything else (`x-stainless-*`,
@@ -7,19 +9,62 @@
 //! client's `Authorization`.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Response, Uri};
+use http::{Method, Request, Response, Uri};
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
 
-use crate::body::ProxyBody;
+use crate::body::{ProxyBody, collect_limited, full};
 use crate::config::UpstreamConfig;
-use crate::error::ProxyError;
+use crate::model::{ModelCall, ModelError, ModelFuture, ModelReply, ModelRequest};
+
+/// The header memproxy's own upstream calls carry (`summary`), so upstream logs (and the test
+/// mock) can tell them apart.
+pub const TASK_HEADER: &str = "x-memproxy-task";
+
+/// The largest answer memproxy reads from one of its own model calls.
+const MODEL_REPLY_LIMIT: usize = 16 * 1024 * 1024;
+
+/// Why an upstream call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("the request path is not valid")]
+    BadPath,
+    #[error("the upstream could not be reached")]
+    Unreachable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("the upstream did not answer within {seconds} seconds")]
+    Timeout { seconds: u64 },
+}
+
+/// One request to send upstream.
+pub struct Forward<'a> {
+    pub method: Method,
+    /// The client's path, `/v1/...` (the path form's prefix already removed).
+    pub path: &'a str,
+    pub query: Option<&'a str>,
+    /// The client's headers: the header rules choose what goes on.
+    pub headers: &'a HeaderMap,
+    pub body: ProxyBody,
+    /// The body's length, when memproxy made the body (it is sent as `Content-Length`).
+    pub body_len: Option<usize>,
+    /// memproxy reads the reply: ask for an uncompressed body (the client's leg is local).
+    pub read_reply: bool,
+    /// memproxy's own call: sent as `x-memproxy-task`.
+    pub task: Option<&'static str>,
+}
+
+/// The upstream's response head (its headers already filtered for the client) and body, and
+/// how long the head took.
+pub struct Forwarded {
+    pub response: Response<Incoming>,
+    pub elapsed: Duration,
+}
 
 /// Headers that describe one connection, not the message: never forwarded.
 const HOP_BY_HOP: &[&str] = &[
@@ -117,9 +162,42 @@ impl Upstream {
         })
     }
 
+    /// Sends one request upstream: its URI mapped onto the base URL, the header rules applied,
+    /// the head awaited at most the configured timeout, the time taken noted on the request's
+    /// span (`upstream_ms`), and the response's hop-by-hop headers dropped.
+    pub async fn forward(&self, forward: Forward<'_>) -> Result<Forwarded, UpstreamError> {
+        let mut request = Request::new(forward.body);
+        *request.method_mut() = forward.method;
+        *request.uri_mut() = self.uri_for(forward.path, forward.query)?;
+        let headers = request.headers_mut();
+        *headers = self.request_headers(forward.headers);
+        if let Some(len) = forward.body_len {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        }
+        if forward.read_reply {
+            headers.insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
+        }
+        if let Some(task) = forward.task {
+            headers.insert(TASK_HEADER, HeaderValue::from_static(task));
+        }
+        let started = Instant::now();
+        let result = self.send(request).await;
+        let elapsed = started.elapsed();
+        tracing::Span::current().record("upstream_ms", elapsed.as_millis() as u64);
+        let (mut head, body) = result?.into_parts();
+        head.headers = forwardable(&head.headers);
+        Ok(Forwarded {
+            response: Response::from_parts(head, body),
+            elapsed,
+        })
+    }
+
     /// The upstream URI for a request path `/v1/X` and query `q`: `{base_url}/X?q`, built
     /// in one allocation.
-    pub fn uri_for(&self, path: &str, query: Option<&str>) -> Result<Uri, ProxyError> {
+    pub fn uri_for(&self, path: &str, query: Option<&str>) -> Result<Uri, UpstreamError> {
         let rest = path.strip_prefix("/v1").unwrap_or(path);
         let mut uri = String::with_capacity(
             self.origin.len()
@@ -134,9 +212,7 @@ impl Upstream {
             uri.push('?');
             uri.push_str(query);
         }
-        Uri::try_from(uri).map_err(|_| {
-            ProxyError::invalid("path", "invalid_path", "the request path is not valid")
-        })
+        Uri::try_from(uri).map_err(|_| UpstreamError::BadPath)
     }
 
     /// The headers to send upstream for a client request's headers.
@@ -150,17 +226,84 @@ impl Upstream {
     }
 
     /// Sends a request, waiting at most the configured timeout for the response head.
-    pub async fn send(
-        &self,
-        request: Request<ProxyBody>,
-    ) -> Result<Response<Incoming>, ProxyError> {
+    async fn send(&self, request: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamError> {
         match tokio::time::timeout(self.timeout, self.client.request(request)).await {
-            Err(_) => Err(ProxyError::UpstreamTimeout {
+            Err(_) => Err(UpstreamError::Timeout {
                 seconds: self.timeout.as_secs(),
             }),
-            Ok(Err(err)) => Err(ProxyError::UpstreamUnreachable(Box::new(err))),
+            Ok(Err(err)) => Err(UpstreamError::Unreachable(Box::new(err))),
             Ok(Ok(response)) => Ok(response),
         }
+    }
+
+    /// One chat completion for memproxy itself, over [`Upstream::forward`].
+    async fn complete(&self, call: ModelRequest) -> Result<ModelReply, ModelError> {
+        let messages: Vec<Value> = call
+            .messages
+            .iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect();
+        let body = json!({"model": call.model, "messages": messages, "stream": false}).to_string();
+        let mut headers = HeaderMap::new();
+        for (name, value) in call.credentials.pairs() {
+            if let (Ok(name), Ok(mut value)) = (
+                HeaderName::try_from(name.as_str()),
+                HeaderValue::try_from(value.as_str()),
+            ) {
+                value.set_sensitive(true);
+                headers.insert(name, value);
+            }
+        }
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let forwarded = self
+            .forward(Forward {
+                method: Method::POST,
+                path: "/v1/chat/completions",
+                query: None,
+                headers: &headers,
+                body_len: Some(body.len()),
+                body: full(body),
+                read_reply: true,
+                task: Some(call.task),
+            })
+            .await
+            .map_err(|err| ModelError::Unreachable(err.to_string()))?;
+        let status = forwarded.response.status();
+        let body = collect_limited(forwarded.response.into_body(), MODEL_REPLY_LIMIT)
+            .await
+            .map_err(|err| ModelError::Unreachable(err.to_string()))?;
+        if !status.is_success() {
+            return Err(ModelError::Status(status.as_u16()));
+        }
+        let value: Value =
+            serde_json::from_slice(&body).map_err(|_| ModelError::BadAnswer("not JSON"))?;
+        let text = value
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or(ModelError::BadAnswer("no text"))?
+            .to_string();
+        let usage = |field: &str| {
+            value
+                .pointer(&format!("/usage/{field}"))
+                .and_then(Value::as_u64)
+                .unwrap_or(0)
+        };
+        Ok(ModelReply {
+            text,
+            prompt_tokens: usage("prompt_tokens"),
+            completion_tokens: usage("completion_tokens"),
+        })
+    }
+}
+
+impl ModelCall for Upstream {
+    fn complete(&self, request: ModelRequest) -> ModelFuture<'_> {
+        Box::pin(Upstream::complete(self, request))
     }
 }
 

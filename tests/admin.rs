@@ -37,20 +37,17 @@ async fn converse(proxy: &Proxy, token: &str, agent: &str, id: &str, marker: &st
 /// Writes a summary record for a conversation the way the compression stage does.
 fn put_summary(proxy: &Proxy, token: &str, agent: &str, id: &str, number: u64, to_turn: u64) {
     let key = key_for(Some(token), agent, id);
-    let meta = proxy.state.store.meta(&key).unwrap().unwrap();
-    let mut k = meta.id.to_be_bytes().to_vec();
-    k.extend_from_slice(&number.to_be_bytes());
+    let store = &proxy.state.memory.store;
+    let meta = store.meta(&key).unwrap().unwrap();
     let record = json!({
         "number": number, "text": format!("summary {number} of {id}"), "from_turn": 1,
         "to_turn": to_turn, "tokens": 12, "original_tokens": 100, "ratio": 0.12,
         "from_ms": 1, "to_ms": 2, "model": "m", "created_ms": 3, "heuristic": false
     });
-    proxy
-        .state
-        .store
-        .summaries_tree()
-        .insert(k, record.to_string().as_bytes())
-        .unwrap();
+    let record: memproxy::store::SummaryRecord = serde_json::from_value(record).unwrap();
+    let handle = store.conversation(&key).unwrap();
+    let conversation = memproxy::store::lock(&handle);
+    assert!(store.save_summary(&conversation, meta.id, &record).unwrap());
 }
 
 #[tokio::test]
@@ -400,7 +397,7 @@ async fn delete_removes_every_trace_and_nothing_else() {
     converse(&proxy, OTHER, "default", "gone", "other-tenant-text", 2).await;
     put_summary(&proxy, TOKEN, "default", "gone", 1, 4);
     let key = key_for(Some(TOKEN), "default", "gone");
-    let workspace = workspace_dir(proxy.state.store.data_dir(), &key);
+    let workspace = workspace_dir(proxy.state.memory.store.data_dir(), &key);
     std::fs::create_dir_all(&workspace).unwrap();
     std::fs::write(workspace.join("summary-1.md"), "zebra-secret summary").unwrap();
     // Warm the recall index and the caches.
@@ -454,8 +451,16 @@ async fn delete_removes_every_trace_and_nothing_else() {
         !workspace.parent().unwrap().parent().unwrap().exists(),
         "the tenant's empty workspace folder is gone too"
     );
-    assert!(proxy.state.store.data_dir().join("workspaces").exists());
-    assert!(proxy.state.store.meta(&key).unwrap().is_none());
+    assert!(
+        proxy
+            .state
+            .memory
+            .store
+            .data_dir()
+            .join("workspaces")
+            .exists()
+    );
+    assert!(proxy.state.memory.store.meta(&key).unwrap().is_none());
     for suffix in ["", "/stats", "/export"] {
         let path = format!("{}{suffix}", conversation_path(TOKEN, "default", "gone"));
         assert_eq!(admin(&proxy, "GET", &path, "").await.status, 404, "{path}");
@@ -543,8 +548,8 @@ async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
         task.await.unwrap();
     }
     let key = key_for(Some(TOKEN), "default", "busy");
-    if let Some(meta) = proxy.state.store.meta(&key).unwrap() {
-        let messages = proxy.state.store.all_messages(&meta).unwrap();
+    if let Some(meta) = proxy.state.memory.store.meta(&key).unwrap() {
+        let messages = proxy.state.memory.store.all_messages(&key, &meta).unwrap();
         assert_eq!(messages.len() as u64, meta.message_count);
         assert_eq!(
             messages.iter().map(|m| u64::from(m.tokens)).sum::<u64>(),
@@ -629,13 +634,13 @@ async fn cross_tenant_attempts_fail() {
 
     // Deleting the other tenant leaves this one whole.
     let their_files = workspace_dir(
-        proxy.state.store.data_dir(),
+        proxy.state.memory.store.data_dir(),
         &key_for(Some(OTHER), "default", "theirs"),
     );
     std::fs::create_dir_all(&their_files).unwrap();
     std::fs::write(their_files.join("notes.md"), "private-of-other").unwrap();
     let my_files = workspace_dir(
-        proxy.state.store.data_dir(),
+        proxy.state.memory.store.data_dir(),
         &key_for(Some(TOKEN), "default", "mine"),
     );
     std::fs::create_dir_all(&my_files).unwrap();
@@ -883,5 +888,5 @@ async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     assert!(!store_contains(&proxy.state, "late-summary-text"));
     let key = key_for(Some(TOKEN), "default", "racing");
-    assert!(!workspace_dir(proxy.state.store.data_dir(), &key).exists());
+    assert!(!workspace_dir(proxy.state.memory.store.data_dir(), &key).exists());
 }

@@ -102,10 +102,13 @@ async fn sync_mode_summarizes_on_the_turn_that_crosses_the_threshold() {
     assert!(prompt.contains("[earlier turn #1 at "));
 
     // The record and its Markdown copy.
-    let store = &proxy.state.store;
+    let store = &proxy.state.memory.store;
     let handle = store.conversation(&key(Some(TOKEN), "sync")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
-    let record = summary::latest(store, id).unwrap().unwrap();
+    let record = store
+        .latest_summary(&key(Some(TOKEN), "sync"), id)
+        .unwrap()
+        .unwrap();
     assert_eq!(record.from_turn, 1);
     assert!(record.original_tokens > 150 && record.ratio > 0.0);
     let file = workspace_dir(dir.path(), &key(Some(TOKEN), "sync"))
@@ -135,7 +138,7 @@ async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
         let started = Instant::now();
         let answer = chat(&proxy, "async", &body(&[user(&line(i))]), &[]).await;
         let took = started.elapsed();
-        if proxy.state.summarizer.in_flight(&conversation) {
+        if proxy.state.memory.summarizer.in_flight(&conversation) {
             // The triggering turn only queued the job: it neither waited for the model nor
             // made the stand-in itself.
             assert!(
@@ -150,19 +153,20 @@ async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
     let triggered = triggered.expect("the threshold was crossed");
     // While the model works, the worker's heuristic stand-in is in the prompt.
     wait_for("the stand-in", || {
-        let store = &proxy.state.store;
+        let store = &proxy.state.memory.store;
         let handle = store.conversation(&conversation).unwrap();
         let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
-        summary::latest(store, id).unwrap().is_some()
+        store.latest_summary(&conversation, id).unwrap().is_some()
     })
     .await;
     let answer = chat(&proxy, "async", &body(&[user(&line(triggered + 1))]), &[]).await;
     assert!(answer.header("x-memory-summary").ends_with("heuristic"));
     wait_for("the summary record", || {
-        let store = &proxy.state.store;
+        let store = &proxy.state.memory.store;
         let handle = store.conversation(&key(Some(TOKEN), "async")).unwrap();
         let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
-        summary::latest(store, id)
+        store
+            .latest_summary(&key(Some(TOKEN), "async"), id)
             .unwrap()
             .is_some_and(|r| !r.heuristic)
     })
@@ -233,10 +237,11 @@ async fn summaries_are_throttled_and_progressive() {
     let second = prompt(1);
     let second_turns = turns_in(&second);
     // The second prompt carries the first summary's text and only later turns.
-    let store = &proxy.state.store;
+    let store = &proxy.state.memory.store;
     let handle = store.conversation(&key(Some(TOKEN), "fast")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
-    let records: Vec<_> = summary::all(store, id)
+    let records: Vec<_> = store
+        .summaries(&key(Some(TOKEN), "fast"), id)
         .unwrap()
         .into_iter()
         .filter(|r| !r.heuristic)
@@ -288,6 +293,7 @@ async fn a_failing_summarizer_leaves_chat_working_with_a_heuristic_stand_in() {
     assert_eq!(
         proxy
             .state
+            .memory
             .summarizer
             .counters
             .failed
@@ -331,9 +337,16 @@ async fn shutdown_waits_for_a_summary_in_flight() {
     )
     .unwrap();
     let state = memproxy::state::AppState::build(config).unwrap();
-    let handle = state.store.conversation(&key(Some(TOKEN), "bye")).unwrap();
+    let handle = state
+        .memory
+        .store
+        .conversation(&key(Some(TOKEN), "bye"))
+        .unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
-    let texts: Vec<String> = summary::all(&state.store, id)
+    let texts: Vec<String> = state
+        .memory
+        .store
+        .summaries(&key(Some(TOKEN), "bye"), id)
         .unwrap()
         .into_iter()
         .map(|r| r.text)
@@ -406,10 +419,13 @@ async fn backlogs_are_summarized_in_bounded_calls_and_summaries_are_capped() {
         .count();
     assert!((1..=8).contains(&lines), "{lines} messages in one call");
     assert!(prompt.contains("under 40 tokens"));
-    let store = &proxy.state.store;
+    let store = &proxy.state.memory.store;
     let handle = store.conversation(&key(Some(TOKEN), "backlog")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
-    let record = summary::latest(store, id).unwrap().unwrap();
+    let record = store
+        .latest_summary(&key(Some(TOKEN), "backlog"), id)
+        .unwrap()
+        .unwrap();
     assert!(record.tokens <= 40, "{} tokens kept", record.tokens);
     assert!(
         record.to_turn < 50,
@@ -418,7 +434,10 @@ async fn backlogs_are_summarized_in_bounded_calls_and_summaries_are_capped() {
     );
     // Later requests carry on through the backlog, oldest first.
     chat(&proxy, "backlog", &body(&[user("more")]), &[]).await;
-    let next = summary::latest(store, id).unwrap().unwrap();
+    let next = store
+        .latest_summary(&key(Some(TOKEN), "backlog"), id)
+        .unwrap()
+        .unwrap();
     assert!(next.to_turn > record.to_turn);
 }
 
@@ -435,7 +454,7 @@ async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval()
     .await;
     send_backlog(&proxy, "catch-up", 30).await;
 
-    let store = &proxy.state.store;
+    let store = &proxy.state.memory.store;
     let handle = store.conversation(&key(Some(TOKEN), "catch-up")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
     // Bounded: 62 messages at about 20 tokens, 100 tokens per call. Each request makes the
@@ -449,7 +468,7 @@ async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval()
             &[],
         )
         .await;
-        let records = summary::all(store, id).unwrap();
+        let records = store.summaries(&key(Some(TOKEN), "catch-up"), id).unwrap();
         if records.len() == made.len() {
             break;
         }
@@ -493,17 +512,18 @@ async fn a_summary_due_on_a_failed_request_is_still_made() {
     assert_eq!(answer.status, 500);
     // The job went to the worker anyway: the stand-in, then the model's summary.
     wait_for("the summary call", || !mock.summary_requests().is_empty()).await;
-    let store = &proxy.state.store;
+    let store = &proxy.state.memory.store;
     let handle = store.conversation(&key(Some(TOKEN), "failed")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
     wait_for("the model summary", || {
-        summary::latest(store, id)
+        store
+            .latest_summary(&key(Some(TOKEN), "failed"), id)
             .unwrap()
             .is_some_and(|r| !r.heuristic)
     })
     .await;
     assert!(
-        summary::all(store, id).unwrap()[0].heuristic,
+        store.summaries(&key(Some(TOKEN), "failed"), id).unwrap()[0].heuristic,
         "the stand-in came first"
     );
 }

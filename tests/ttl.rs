@@ -26,7 +26,7 @@ async fn store_one(proxy: &Proxy, id: &str, text: &str, extra: &[(&str, &str)]) 
 
 fn exists(proxy: &Proxy, agent: &str, id: &str) -> bool {
     let key = key_for(Some(TOKEN), agent, id);
-    proxy.state.store.meta(&key).unwrap().is_some()
+    proxy.state.memory.store.meta(&key).unwrap().is_some()
 }
 
 #[test]
@@ -139,11 +139,11 @@ async fn idle_conversations_are_deleted_once_past_their_ttl() {
     assert_eq!(ttl_of("forever"), serde_json::Value::Null);
 
     let mut cursor = Cursor::default();
-    let pass = sweep_pass(state, &mut cursor).unwrap();
+    let pass = sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
     assert_eq!((pass.scanned, pass.deleted), (4, 0));
 
-    state.clock.advance(Duration::from_secs(2 * 3600));
-    let pass = sweep_pass(state, &mut cursor).unwrap();
+    state.memory.clock.advance(Duration::from_secs(2 * 3600));
+    let pass = sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
     assert_eq!(pass.deleted, 1);
     assert!(!exists(&proxy, "short", "profile-ttl"));
     assert!(
@@ -153,18 +153,21 @@ async fn idle_conversations_are_deleted_once_past_their_ttl() {
     assert!(exists(&proxy, "default", "header-ttl"));
     assert!(exists(&proxy, "short", "override"));
 
-    state.clock.advance(Duration::from_secs(86_400));
-    sweep_pass(state, &mut cursor).unwrap();
+    state.memory.clock.advance(Duration::from_secs(86_400));
+    sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
     assert!(!exists(&proxy, "default", "header-ttl"));
     assert!(!store_contains(state, "day-long secret"));
     assert!(exists(&proxy, "short", "override"));
     assert!(exists(&proxy, "default", "forever"));
 
-    state.clock.advance(Duration::from_secs(7 * 86_400));
-    sweep_pass(state, &mut cursor).unwrap();
+    state.memory.clock.advance(Duration::from_secs(7 * 86_400));
+    sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
     assert!(!exists(&proxy, "short", "override"));
-    state.clock.advance(Duration::from_secs(3650 * 86_400));
-    sweep_pass(state, &mut cursor).unwrap();
+    state
+        .memory
+        .clock
+        .advance(Duration::from_secs(3650 * 86_400));
+    sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
     assert!(exists(&proxy, "default", "forever"), "no TTL: kept forever");
 
     // A deleted conversation's id starts afresh.
@@ -186,6 +189,7 @@ async fn a_conversation_used_again_is_not_swept() {
     let key = key_for(Some(TOKEN), "default", "c");
     let before = proxy
         .state
+        .memory
         .store
         .meta(&key)
         .unwrap()
@@ -195,6 +199,7 @@ async fn a_conversation_used_again_is_not_swept() {
     assert!(
         proxy
             .state
+            .memory
             .store
             .delete_idle_conversation(&key, before)
             .unwrap()
@@ -204,6 +209,7 @@ async fn a_conversation_used_again_is_not_swept() {
     assert!(
         proxy
             .state
+            .memory
             .store
             .delete_idle_conversation(&key, before + 1)
             .unwrap()
@@ -225,11 +231,11 @@ async fn each_pass_is_bounded_and_the_walk_resumes() {
     for i in 0..7 {
         store_one(&proxy, &format!("c{i}"), &format!("message {i}"), &[]).await;
     }
-    proxy.state.clock.advance(Duration::from_secs(120));
+    proxy.state.memory.clock.advance(Duration::from_secs(120));
     let mut cursor = Cursor::default();
     let mut passes = 0;
     while (0..7).any(|i| exists(&proxy, "default", &format!("c{i}"))) {
-        let pass = sweep_pass(&proxy.state, &mut cursor).unwrap();
+        let pass = sweep_pass(&proxy.state.memory, &proxy.state.config, &mut cursor).unwrap();
         assert!(pass.scanned <= 3 && pass.deleted <= 2, "{pass:?}");
         passes += 1;
         assert!(passes < 20, "the sweeper makes progress");
@@ -253,7 +259,11 @@ async fn the_background_sweeper_runs_on_its_interval_and_stops_with_the_server()
     store_one(&proxy, "c", "background", &[]).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(exists(&proxy, "default", "c"), "not idle long enough yet");
-    proxy.state.clock.advance(Duration::from_secs(2 * 3600));
+    proxy
+        .state
+        .memory
+        .clock
+        .advance(Duration::from_secs(2 * 3600));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while exists(&proxy, "default", "c") {
         assert!(
@@ -275,7 +285,6 @@ async fn the_background_sweeper_runs_on_its_interval_and_stops_with_the_server()
 async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
     use memproxy::identity::{ConversationKey, TenantId};
     use memproxy::store::{ImportMeta, Origin, StoredMessage};
-    use memproxy::ttl::Sweeper;
 
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
@@ -293,7 +302,7 @@ async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
         turn: 1,
         role: memproxy::message::Role::User,
         origin: Origin::Client,
-        at_ms: state.clock.now_ms(),
+        at_ms: state.memory.clock.now_ms(),
         tokens: 5,
         fingerprint: 42,
         message: serde_json::value::RawValue::from_string(
@@ -302,30 +311,31 @@ async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
         .unwrap(),
     };
     let hint = ImportMeta {
-        last_activity_ms: Some(state.clock.now_ms()),
+        last_activity_ms: Some(state.memory.clock.now_ms()),
         ..ImportMeta::default()
     };
     state
+        .memory
         .store
         .import_conversation(&key, vec![message], vec![], hint)
         .unwrap();
     // Idle for two hours by the sweeper's clock, past the one-hour TTL.
-    state.clock.advance(Duration::from_secs(2 * 3600));
+    state.memory.clock.advance(Duration::from_secs(2 * 3600));
 
-    let sweeper = Sweeper::start(std::sync::Arc::clone(&state));
+    let sweeper = state.start_sweeper();
     tokio::time::sleep(Duration::from_secs(9 * 60)).await;
     assert!(
-        state.store.meta(&key).unwrap().is_some(),
+        state.memory.store.meta(&key).unwrap().is_some(),
         "no pass before the interval"
     );
     tokio::time::sleep(Duration::from_secs(2 * 60)).await;
     let mut waited = 0;
-    while state.store.meta(&key).unwrap().is_some() {
+    while state.memory.store.meta(&key).unwrap().is_some() {
         waited += 1;
         assert!(waited < 100_000, "the pass at the interval did not delete");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    assert!(!state.store.any_trace_of(b"paused secret").unwrap());
+    assert!(!state.memory.store.any_trace_of(b"paused secret").unwrap());
     sweeper.stop().await;
-    state.store.close().await.unwrap();
+    state.memory.store.close().await.unwrap();
 }

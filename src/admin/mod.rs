@@ -17,21 +17,21 @@ pub mod ops;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http::{HeaderMap, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 use subtle::ConstantTimeEq;
 
-use crate::body::{CollectError, ProxyBody, collect_limited, full};
+use crate::body::{CollectError, ProxyBody, collect_limited};
 use crate::config::hash_key;
+use crate::error::json_response;
 use crate::identity::{ConversationKey, TenantId, bearer_token, is_valid_id};
 use crate::message::ChatRequest;
 use crate::pipeline::plan::plan;
 use crate::settings::{self, MemorySettings};
 use crate::state::AppState;
-use crate::store::StoreError;
 
-pub use ops::{AdminError, delete_conversation, delete_idle, delete_tenant};
+pub use ops::AdminError;
 
 /// The prefix of every admin path.
 pub const PREFIX: &str = "/admin/v1/";
@@ -112,13 +112,16 @@ async fn route(
 
     match parts.as_slice() {
         ["conversations"] => match method {
-            Method::GET => ok(ops::list(&state.store, &query)?),
+            Method::GET => ok(ops::list(&state.memory.store, &query)?),
             _ => Err(wrong_method("GET")),
         },
         ["tenants", tenant] => match method {
             Method::DELETE => {
                 let tenant = tenant_of(tenant)?;
-                let deleted = delete_tenant(state, &tenant)?;
+                let memory = &state.memory;
+                let deleted =
+                    ops::delete_tenant_in(&memory.store, &tenant, |key| memory.recall.forget(key))?;
+                state.metrics.admin_deleted(deleted);
                 ok(json!({"tenant": tenant.as_str(), "deleted_conversations": deleted}))
             }
             _ => Err(wrong_method("DELETE")),
@@ -126,9 +129,14 @@ async fn route(
         ["conversations", tenant, agent, id] => {
             let key = key_of(tenant, agent, id)?;
             match method {
-                Method::GET => ok(ops::show(&state.store, &key)?),
+                Method::GET => ok(ops::show(&state.memory.store, &key)?),
                 Method::DELETE => {
-                    let deleted = delete_conversation(state, &key)?.ok_or_else(|| missing(&key))?;
+                    let deleted = state
+                        .memory
+                        .delete_conversation(&key)?
+                        .ok_or_else(|| missing(&key))?;
+                    state.metrics.admin_deleted(1);
+                    tracing::info!(agent = %key.agent, "conversation deleted by an operator");
                     let mut value = format::address(&key);
                     value["deleted"] = json!({
                         "messages": deleted.messages,
@@ -143,12 +151,12 @@ async fn route(
             let key = key_of(tenant, agent, id)?;
             match (*action, &method) {
                 ("stats", &Method::GET) => ok(ops::stats(
-                    &state.store,
+                    &state.memory.store,
                     &key,
                     state.config.profile(&key.agent),
                 )?),
                 ("export", &Method::GET) => {
-                    let export = ops::export(&state.store, &key)?;
+                    let export = ops::export(&state.memory.store, &key)?;
                     let text = serde_json::to_string(&export)
                         .map_err(|err| AdminError::Internal(err.to_string()))?;
                     Ok(json_response(StatusCode::OK, text))
@@ -157,8 +165,8 @@ async fn route(
                     let force_tenant = query_flag(&query, "force_tenant");
                     let (_, body) = request.into_parts();
                     let bytes = read_body(state, body).await?;
-                    let imported = ops::import(&state.store, &key, &bytes, force_tenant)?;
-                    state.recall.forget(&key);
+                    let imported = ops::import(&state.memory.store, &key, &bytes, force_tenant)?;
+                    state.memory.recall.forget(&key);
                     ok(imported)
                 }
                 ("preview", &Method::POST) => {
@@ -177,16 +185,6 @@ async fn route(
 
 fn ok(value: Value) -> Result<Response<ProxyBody>, AdminError> {
     Ok(json_response(StatusCode::OK, value.to_string()))
-}
-
-fn json_response(status: StatusCode, body: impl Into<Bytes>) -> Response<ProxyBody> {
-    let mut response = Response::new(full(body));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
 }
 
 fn query_flag(query: &str, name: &str) -> bool {
@@ -248,28 +246,26 @@ fn preview(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Value, AdminError> {
-    if state.store.meta(key)?.is_none() {
+    if state.memory.store.meta(key)?.is_none() {
         return Err(missing(key));
     }
     let settings = settings_for(state.config.profile(&key.agent).clone(), headers)?;
     let mut request = ChatRequest::parse(body)
         .map_err(|err| AdminError::BadRequest(format!("the chat-completions body: {err}")))?;
     let messages = std::mem::take(&mut request.messages);
-    let planned = plan(state, key, &settings, request.model.clone(), messages)?;
+    let planned = plan(
+        &state.memory,
+        key,
+        &settings,
+        request.model.clone(),
+        messages,
+    )?;
     let forwarded: Vec<Value> = planned
         .prompt
         .messages()
         .map(|raw| serde_json::from_str(raw.get()).unwrap_or(Value::Null))
         .collect();
-    let budget = planned.fitted.map(|fitted| {
-        if fitted.exceeded {
-            "exceeded"
-        } else if fitted.truncated || fitted.dropped_recalled > 0 || fitted.dropped_window > 0 {
-            "trimmed"
-        } else {
-            "fits"
-        }
-    });
+    let budget = planned.fitted.map(|fitted| fitted.verdict());
     Ok(json!({
         "model": request.model,
         "messages": forwarded,
@@ -307,10 +303,4 @@ fn settings_for(
             .map_err(|err| AdminError::BadRequest(format!("header `{name}`: {err}")))?;
     }
     Ok(settings)
-}
-
-impl From<StoreError> for AdminError {
-    fn from(err: StoreError) -> AdminError {
-        AdminError::Internal(err.to_string())
-    }
 }

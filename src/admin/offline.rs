@@ -13,8 +13,8 @@ use serde_json::{Value, json};
 
 use super::ops::{self, AdminError, ListQuery, parse_address};
 use super::tenant_of;
-use crate::config::{Config, Durability};
-use crate::store::Store;
+use crate::config::Config;
+use crate::store::{Durability, Store, StoreOptions};
 
 /// `memproxy conversations ...`.
 #[derive(Debug, Subcommand)]
@@ -110,11 +110,14 @@ fn open(dir: &Path) -> Result<Store, OfflineError> {
     if !dir.join("store").exists() {
         return Err(OfflineError::NoDataDir(dir.display().to_string()));
     }
-    Store::open(dir, Durability::Commit, 16 * 1024 * 1024, 16 * 1024 * 1024).map_err(|source| {
-        OfflineError::Locked {
-            dir: dir.display().to_string(),
-            source,
-        }
+    let options = StoreOptions {
+        durability: Durability::Commit,
+        page_cache_bytes: 16 * 1024 * 1024,
+        state_cache_bytes: 16 * 1024 * 1024,
+    };
+    Store::open(dir, options).map_err(|source| OfflineError::Locked {
+        dir: dir.display().to_string(),
+        source,
     })
 }
 

@@ -1,16 +1,17 @@
 //! The admin operations on a store, shared by the HTTP API and the offline CLI, and the
 //! deletes that also drop the recall index and count in metrics.
 
+use http::header::HeaderName;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde_json::{Value, json};
 
 use super::format::{self, EXPORT_FORMAT, Export};
 use super::{DEFAULT_PAGE, MAX_PAGE, key_of, tenant_of};
-use crate::body::{ProxyBody, full};
+use crate::body::ProxyBody;
+use crate::error::ApiError;
 use crate::identity::{ConversationKey, TenantId, is_valid_id};
 use crate::settings::MemorySettings;
-use crate::state::AppState;
-use crate::store::{Deleted, Store, StoreError, now_ms};
+use crate::store::{Scope, Store, StoreError, now_ms};
 
 /// An admin error: a JSON body `{"error":{"message","type","param","code"}}` and a status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,6 +32,16 @@ pub enum AdminError {
 
 impl AdminError {
     pub fn status(&self) -> StatusCode {
+        ApiError::status(self)
+    }
+
+    pub fn into_response(self) -> Response<ProxyBody> {
+        crate::error::respond(&self)
+    }
+}
+
+impl ApiError for AdminError {
+    fn status(&self) -> StatusCode {
         match self {
             AdminError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AdminError::Unauthorized => StatusCode::UNAUTHORIZED,
@@ -63,32 +74,22 @@ impl AdminError {
         }
     }
 
-    pub fn into_response(self) -> Response<ProxyBody> {
-        let body = json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.kind(),
-                "param": null,
-                "code": self.code(),
+    fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+        match self {
+            AdminError::MethodNotAllowed(allowed) => HeaderValue::from_str(allowed)
+                .map(|value| vec![(header::ALLOW, value)])
+                .unwrap_or_default(),
+            AdminError::Unauthorized => {
+                vec![(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"))]
             }
-        });
-        let mut response = Response::new(full(body.to_string()));
-        *response.status_mut() = self.status();
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if let AdminError::MethodNotAllowed(allowed) = &self
-            && let Ok(value) = HeaderValue::from_str(allowed)
-        {
-            response.headers_mut().insert(header::ALLOW, value);
+            _ => Vec::new(),
         }
-        if matches!(self, AdminError::Unauthorized) {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        response
+    }
+}
+
+impl From<StoreError> for AdminError {
+    fn from(err: StoreError) -> AdminError {
+        AdminError::Internal(err.to_string())
     }
 }
 
@@ -174,21 +175,11 @@ pub fn list(store: &Store, query: &str) -> Result<Value, AdminError> {
 }
 
 pub fn list_with(store: &Store, query: &ListQuery) -> Result<Value, AdminError> {
-    let mut prefix = Vec::new();
-    if let Some(tenant) = &query.tenant {
-        prefix.extend_from_slice(tenant.as_str().as_bytes());
-        prefix.push(0);
-        if let Some(agent) = &query.agent {
-            prefix.extend_from_slice(agent.as_bytes());
-            prefix.push(0);
-        }
-    }
-    let (page, next) = store.list(
-        &prefix,
-        query.agent.as_deref(),
-        query.cursor.as_deref(),
-        query.limit.max(1),
-    )?;
+    let scope = Scope {
+        tenant: query.tenant.as_ref(),
+        agent: query.agent.as_deref(),
+    };
+    let (page, next) = store.list(scope, query.cursor.as_deref(), query.limit.max(1))?;
     Ok(json!({
         "conversations": page.iter().map(format::listed).collect::<Vec<_>>(),
         "next_cursor": next.map(|c| hex(&c)),
@@ -198,8 +189,8 @@ pub fn list_with(store: &Store, query: &ListQuery) -> Result<Value, AdminError> 
 /// A conversation whole: record, messages, summaries.
 pub fn show(store: &Store, key: &ConversationKey) -> Result<Value, AdminError> {
     let meta = store.meta(key)?.ok_or_else(|| missing(key))?;
-    let messages = store.all_messages(&meta)?;
-    let summaries = store.summaries_of(&meta)?;
+    let messages = store.all_messages(key, &meta)?;
+    let summaries = store.raw_summaries(key, meta.id)?;
     let ttl = store.ttl_of(key)?;
     Ok(format::shown(
         key,
@@ -226,8 +217,8 @@ pub fn stats(
     settings: &MemorySettings,
 ) -> Result<Value, AdminError> {
     let meta = store.meta(key)?.ok_or_else(|| missing(key))?;
-    let messages = store.all_messages(&meta)?;
-    let summaries = store.summaries_of(&meta)?;
+    let messages = store.all_messages(key, &meta)?;
+    let summaries = store.raw_summaries(key, meta.id)?;
     // Messages up to the newest summary's last turn are summarized; the rest are active.
     let summarized_to = summaries
         .iter()
@@ -281,8 +272,8 @@ pub fn stats(
 /// A conversation in the export format.
 pub fn export(store: &Store, key: &ConversationKey) -> Result<Export, AdminError> {
     let meta = store.meta(key)?.ok_or_else(|| missing(key))?;
-    let messages = store.all_messages(&meta)?;
-    let summaries = store.summaries_of(&meta)?;
+    let messages = store.all_messages(key, &meta)?;
+    let summaries = store.raw_summaries(key, meta.id)?;
     Ok(format::export(key, &meta, &messages, summaries))
 }
 
@@ -337,80 +328,14 @@ pub fn import(
     Ok(value)
 }
 
-/// Deletes a conversation completely (store, workspace, cached state, recall index).
-pub fn delete_conversation(
-    state: &AppState,
-    key: &ConversationKey,
-) -> Result<Option<Deleted>, StoreError> {
-    let deleted = state.store.delete_conversation(key)?;
-    state.recall.forget(key);
-    if deleted.is_some() {
-        state.metrics.admin_deleted(1);
-        tracing::info!(agent = %key.agent, "conversation deleted by an operator");
-    }
-    Ok(deleted)
-}
-
-/// The TTL sweeper's delete: only if the conversation is still idle since before `cutoff_ms`.
-pub fn delete_idle(
-    state: &AppState,
-    key: &ConversationKey,
-    cutoff_ms: i64,
-) -> Result<bool, StoreError> {
-    let deleted = state.store.delete_idle_conversation(key, cutoff_ms)?;
-    if deleted.is_some() {
-        state.recall.forget(key);
-    }
-    Ok(deleted.is_some())
-}
-
-/// Deletes every conversation of a tenant; 404 when it has none.
-pub fn delete_tenant(state: &AppState, tenant: &TenantId) -> Result<usize, AdminError> {
-    let count = delete_tenant_in(&state.store, tenant, |key| state.recall.forget(key))?;
-    state.metrics.admin_deleted(count);
-    Ok(count)
-}
-
-/// Deletes every conversation of a tenant in `store`, calling `forget` for each; 404 when the
-/// tenant has none.
+/// Deletes every conversation of a tenant in `store` (see [`crate::memory::delete_tenant_in`]);
+/// 404 when the tenant has none.
 pub fn delete_tenant_in(
     store: &Store,
     tenant: &TenantId,
     forget: impl Fn(&ConversationKey),
 ) -> Result<usize, AdminError> {
-    let mut prefix = tenant.as_str().as_bytes().to_vec();
-    prefix.push(0);
-    let mut count = 0;
-    loop {
-        let (page, _) = store.list(&prefix, None, None, MAX_PAGE)?;
-        if page.is_empty() {
-            break;
-        }
-        for summary in page {
-            if store.delete_conversation(&summary.key)?.is_some() {
-                count += 1;
-            }
-            forget(&summary.key);
-        }
-    }
-    // The tenant's whole workspace folder, with anything a conversation left there.
-    let probe = ConversationKey {
-        tenant: tenant.clone(),
-        agent: "probe".to_string(),
-        conversation: "probe".to_string(),
-    };
-    let conversation_dir = crate::store::workspace_dir(store.data_dir(), &probe);
-    if let Some(tenant_dir) = conversation_dir.parent().and_then(std::path::Path::parent) {
-        match std::fs::remove_dir_all(tenant_dir) {
-            Ok(()) => {}
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-            Err(err) => {
-                return Err(AdminError::Internal(format!(
-                    "the tenant's workspace folder could not be removed: {err}"
-                )));
-            }
-        }
-    }
+    let count = crate::memory::delete_tenant_in(store, tenant, forget)?;
     if count == 0 {
         return Err(AdminError::NotFound(format!(
             "tenant {tenant} has no conversations"

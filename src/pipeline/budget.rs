@@ -29,6 +29,19 @@ pub struct Fitted {
     pub total: u64,
 }
 
+impl Fitted {
+    /// `fits`, `trimmed` or `exceeded`: for `X-Memory-Budget` and the admin preview.
+    pub fn verdict(&self) -> &'static str {
+        if self.exceeded {
+            "exceeded"
+        } else if self.truncated || self.dropped_recalled > 0 || self.dropped_window > 0 {
+            "trimmed"
+        } else {
+            "fits"
+        }
+    }
+}
+
 fn recalled_cost(recalled: &[RecalledTurn]) -> u64 {
     if recalled.is_empty() {
         0

@@ -13,10 +13,9 @@ use serde_json::value::RawValue;
 use super::reconcile::{Alignment, Mark, align};
 use super::window::trim_start;
 use crate::identity::ConversationKey;
+use crate::memory::Memory;
 use crate::message::{HasRole, Message, Role};
-use crate::state::AppState;
 use crate::store::{Change, Conversation, Entry, Origin, StoreError, StoredMessage, lock, now_ms};
-use crate::summary::Job;
 use crate::tokens;
 
 /// How often a commit re-plans against a conversation that keeps changing under it.
@@ -43,49 +42,13 @@ pub struct Exchange {
     pub model: Option<String>,
     /// Tokens of the prompt forwarded for this exchange.
     pub prompt_tokens: u64,
-    /// A summary found due in async mode: queued once this exchange is done with, so the
-    /// summary's work never competes with the request that triggered it.
-    pub deferred_summary: Mutex<Option<DeferredSummary>>,
-}
-
-/// A summary job queued for the background worker when this value is dropped: after the
-/// answer was handed over, or whichever other way the request ends (an upstream error, a
-/// timeout, a client gone, a stream cut), so a due summary is never lost with its request.
-#[derive(Debug)]
-pub struct DeferredSummary {
-    state: Arc<AppState>,
-    job: Option<Job>,
-}
-
-impl DeferredSummary {
-    pub fn new(state: Arc<AppState>, job: Job) -> DeferredSummary {
-        DeferredSummary {
-            state,
-            job: Some(job),
-        }
-    }
-}
-
-impl Drop for DeferredSummary {
-    fn drop(&mut self) {
-        if let Some(job) = self.job.take()
-            && !self.state.summarizer.enqueue(job)
-        {
-            tracing::debug!("summary not queued: the queue is full or closed");
-        }
-    }
 }
 
 impl Exchange {
     /// Stores the new messages and `reply`, then waits for durability. Returns the number of
     /// messages the conversation holds afterwards.
-    pub async fn commit(
-        &self,
-        state: &AppState,
-        reply: Box<RawValue>,
-    ) -> Result<usize, StoreError> {
-        let started = std::time::Instant::now();
-        let store = &state.store;
+    pub async fn commit(&self, memory: &Memory, reply: Box<RawValue>) -> Result<usize, StoreError> {
+        let store = &memory.store;
         let model = self.model.as_deref();
         let reply = Message::parse(reply, "reply")
             .map_err(|err| StoreError::Corrupt(format!("the reply is not a message: {err}")))?;
@@ -128,7 +91,7 @@ impl Exchange {
                             .zip(added_texts)
                             .collect();
                         let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
-                        state
+                        memory
                             .recall
                             .apply(&self.key, current, &removed, &added, after);
                         break conversation.entries.len();
@@ -142,18 +105,7 @@ impl Exchange {
         };
         store.touch(&self.key, &self.handle);
         store.sync().await?;
-        state
-            .metrics
-            .observe_stage(crate::metrics::Stage::Commit, started.elapsed());
         Ok(message_count)
-    }
-
-    /// Takes the deferred summary, if any: it is queued when the caller drops it.
-    pub fn take_summary(&self) -> Option<DeferredSummary> {
-        self.deferred_summary
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
     }
 
     /// Of the planned new messages, those still new under `alignment` (a concurrent commit may

@@ -3,7 +3,7 @@
 //! and assemble the prompt. Produces the prompt to forward and the exchange to commit.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::assemble::{Prompt, is_injected_echo, split_request};
 use super::budget::{self, Fitted};
@@ -13,13 +13,22 @@ use super::reconcile::{Alignment, Mark, align};
 use super::summary::plan_summary;
 use super::window::window_start;
 use crate::identity::ConversationKey;
+use crate::memory::Memory;
 use crate::message::{Message, Role};
-use crate::metrics::Stage;
 use crate::settings::MemorySettings;
-use crate::state::AppState;
 use crate::store::{StoreError, StoredMessage, lock};
 use crate::summary::{Job, SummaryRecord};
 use crate::tokens;
+
+/// How long the stages of a plan took (the edge reports them as metrics).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Timings {
+    pub reconcile: Duration,
+    pub recall: Duration,
+    pub assemble: Duration,
+    /// A summary made on the request's path (synchronous compression).
+    pub summary: Option<Duration>,
+}
 
 /// A planned exchange: the prompt to forward and what to commit afterwards.
 #[derive(Debug)]
@@ -42,16 +51,21 @@ pub struct Plan {
     pub summary: Option<SummaryRecord>,
     /// A new summary is due: the job (without credentials; the caller adds them).
     pub summary_due: Option<Job>,
+    /// Tokens of the whole history this prompt stands for: what is stored plus the new
+    /// messages.
+    pub history_tokens: u64,
+    pub timings: Timings,
 }
 
 pub fn plan(
-    state: &AppState,
+    memory: &Memory,
     key: &ConversationKey,
     settings: &MemorySettings,
     model: Option<String>,
     messages: Vec<Message>,
 ) -> Result<Plan, StoreError> {
-    let store = &state.store;
+    let store = &memory.store;
+    let mut timings = Timings::default();
     let model_name = model.as_deref();
     let started = Instant::now();
     let handle = store.conversation(key)?;
@@ -97,9 +111,7 @@ pub fn plan(
         .map(|(text, _)| tokens::count_message(model_name, text))
         .collect();
 
-    state
-        .metrics
-        .observe_stage(Stage::Reconcile, started.elapsed());
+    timings.reconcile = started.elapsed();
 
     // Window: it must hold the current round when the new messages continue it.
     let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
@@ -108,7 +120,7 @@ pub fn plan(
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
 
     // Summary: the newest one goes in the prompt; a new one may be due.
-    let summary = plan_summary(state, &conversation, settings, start, model_name)?;
+    let summary = plan_summary(memory, &conversation, settings, start, model_name)?;
     let summary_tokens = summary.current.as_ref().map_or(0, |r| {
         u64::from(r.tokens) + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS) + 16
     });
@@ -120,7 +132,7 @@ pub fn plan(
         let query = query_text(&new_turns, &texts, &window);
         let before_turn =
             history[start.min(history.len() - 1)].turn + u64::from(start == history.len());
-        let hits = state.recall.search(
+        let hits = memory.recall.search(
             store,
             &conversation,
             settings.relevance_language,
@@ -132,9 +144,7 @@ pub fn plan(
         recalled = recalled_turns(&hits, found);
     }
 
-    state
-        .metrics
-        .observe_stage(Stage::Recall, started.elapsed());
+    timings.recall = started.elapsed();
 
     // Budget: what cannot be cut is the client's instructions and new messages.
     let started = Instant::now();
@@ -184,14 +194,17 @@ pub fn plan(
         max_messages: settings.max_messages,
         model,
         prompt_tokens,
-        deferred_summary: std::sync::Mutex::new(None),
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
+    let history_tokens = conversation.meta.as_ref().map_or(0, |m| m.total_tokens)
+        + exchange
+            .new_tokens
+            .iter()
+            .map(|&t| u64::from(t))
+            .sum::<u64>();
     drop(conversation);
-    state
-        .metrics
-        .observe_stage(Stage::Assemble, started.elapsed());
+    timings.assemble = started.elapsed();
     Ok(Plan {
         prompt: Prompt {
             instructions,
@@ -209,6 +222,8 @@ pub fn plan(
         fitted,
         summary: summary.current,
         summary_due: summary.due,
+        history_tokens,
+        timings,
     })
 }
 

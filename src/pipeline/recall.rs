@@ -6,13 +6,10 @@
 //! the window is repeated.
 
 use serde_json::value::RawValue;
-use serde_json::{Map, Value};
-use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 
-use crate::message::{Role, text_of};
 use crate::recall::index::Hit;
 use crate::store::StoredMessage;
+pub use crate::store::transcript_line as render_line;
 
 /// How every recalled-turns message begins; also how an echo of one is recognised.
 pub use crate::message::RECALL_MARKER;
@@ -43,63 +40,6 @@ pub fn recalled_turns(hits: &[Hit], messages: Vec<StoredMessage>) -> Vec<Recalle
         .collect()
 }
 
-/// `[earlier turn #N at 2026-11-22T10:15:00Z] role: text`.
-pub fn render_line(message: &StoredMessage) -> String {
-    let at = OffsetDateTime::from_unix_timestamp(message.at_ms.div_euclid(1000))
-        .ok()
-        .and_then(|t| t.format(&Rfc3339).ok())
-        .unwrap_or_else(|| "unknown time".to_string());
-    let object: Map<String, Value> =
-        serde_json::from_str(message.message.get()).unwrap_or_default();
-    let mut text = match object.get("content") {
-        Some(Value::Array(parts)) => {
-            let mut text = text_of(&object);
-            let images = parts
-                .iter()
-                .filter(|p| p.get("type").and_then(Value::as_str) != Some("text"))
-                .count();
-            if images > 0 {
-                text.push_str(&format!(" [{images} non-text part(s)]"));
-            }
-            text
-        }
-        _ => match object.get("content") {
-            Some(Value::String(s)) => s.clone(),
-            _ => String::new(),
-        },
-    };
-    if let Some(Value::Array(calls)) = object.get("tool_calls") {
-        for call in calls {
-            let name = call
-                .pointer("/function/name")
-                .and_then(Value::as_str)
-                .unwrap_or("tool");
-            let args = call
-                .pointer("/function/arguments")
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            if !text.is_empty() {
-                text.push(' ');
-            }
-            text.push_str(&format!("[called {name}({args})]"));
-        }
-    }
-    let who = match message.role {
-        Role::Tool => {
-            let id = object
-                .get("tool_call_id")
-                .and_then(Value::as_str)
-                .unwrap_or("?");
-            format!("tool result for {id}")
-        }
-        role => match object.get("name").and_then(Value::as_str) {
-            Some(name) => format!("{} ({name})", role.as_str()),
-            None => role.as_str().to_string(),
-        },
-    };
-    format!("[earlier turn #{} at {at}] {who}: {text}", message.turn)
-}
-
 /// The one system message holding `turns`, in chronological order.
 pub fn render(turns: &[RecalledTurn]) -> Option<Box<RawValue>> {
     if turns.is_empty() {
@@ -120,7 +60,9 @@ pub fn render(turns: &[RecalledTurn]) -> Option<Box<RawValue>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::message::Role;
     use crate::store::Origin;
+    use serde_json::Value;
 
     fn stored(turn: u64, role: Role, message: Value) -> StoredMessage {
         StoredMessage {

@@ -5,13 +5,17 @@
 //! decides. Making the summary is the summarizer's job, off the hot path (or, with
 //! `compression_async = false`, awaited by the request before it is forwarded).
 
+use std::sync::Arc;
+
 use serde_json::value::RawValue;
 
 use super::assemble::SUMMARY_MARKER;
+use super::plan::Plan;
+use crate::memory::Memory;
+use crate::model::Credentials;
 use crate::settings::MemorySettings;
-use crate::state::AppState;
 use crate::store::{Conversation, StoreError, now_ms, tokens_between};
-use crate::summary::{self, Job, SummaryRecord, heuristic};
+use crate::summary::{DeferredSummary, Job, SummaryRecord, heuristic};
 
 /// What the summary stage decided.
 #[derive(Debug, Default)]
@@ -27,7 +31,7 @@ pub struct SummaryPlan {
 /// Decides the summary stage for a conversation whose recent window starts at `pool_end`
 /// (an index into its entries).
 pub fn plan_summary(
-    state: &AppState,
+    memory: &Memory,
     conversation: &Conversation,
     settings: &MemorySettings,
     pool_end: usize,
@@ -36,8 +40,9 @@ pub fn plan_summary(
     let (Some(meta), true) = (&conversation.meta, settings.compression_enabled) else {
         return Ok(SummaryPlan::default());
     };
-    let store = &state.store;
-    let latest = summary::latest(store, meta.id)?;
+    let store = &memory.store;
+    let summarizer = &memory.summarizer;
+    let latest = store.latest_summary(&conversation.key, meta.id)?;
     let model_summary = latest.as_ref().filter(|r| !r.heuristic);
     let covered_to = model_summary.map_or(0, |r| r.to_turn);
     let entries = &conversation.entries;
@@ -66,15 +71,15 @@ pub fn plan_summary(
     // at once never both make the same summary.
     if !throttled
         && let Some(model) = model
-        && !state.summarizer.backing_off(&conversation.key)
-        && let Some(reservation) = state.summarizer.reserve(&conversation.key)
+        && !summarizer.backing_off(&conversation.key)
+        && let Some(reservation) = summarizer.reserve(&conversation.key)
     {
         plan.due = Some(Job {
             key: conversation.key.clone(),
             conversation_id: meta.id,
             upto_turn: entries[pool_end - 1].turn,
             model: model.to_string(),
-            authorization: None,
+            credentials: Credentials::default(),
             // With no summary at all yet, the background worker writes the heuristic stand-in
             // before it calls the model: this request only queues the job.
             stand_in: latest.is_none() && settings.compression_async,
@@ -84,19 +89,47 @@ pub fn plan_summary(
 
     // No summary at all, and no job queued or running that will write the stand-in (a sync
     // summary that failed and is backing off, or no model to ask): it is made here, once.
-    let covered_elsewhere = plan.due.is_some() || state.summarizer.in_flight(&conversation.key);
-    if latest.is_none() && !covered_elsewhere {
-        let turns = entries[..pool_end].iter().map(|e| e.turn);
-        let messages = store.messages(conversation, turns)?;
-        if let Some(record) = heuristic::summarize(&messages, 1) {
-            match summary::save(store, &conversation.key, meta.id, &record) {
-                Ok(true) => plan.current = Some(record),
-                Ok(false) => {}
-                Err(err) => tracing::warn!(error = %err, "could not store the heuristic summary"),
-            }
+    let covered_elsewhere = plan.due.is_some() || summarizer.in_flight(&conversation.key);
+    if latest.is_none() && !covered_elsewhere && pool_end > 0 {
+        let upto = entries[pool_end - 1].turn;
+        match heuristic::store_stand_in(store, conversation, meta.id, upto) {
+            Ok(Some(record)) => plan.current = Some(record),
+            Ok(None) => {}
+            Err(err) => tracing::warn!(error = %err, "could not store the heuristic summary"),
         }
     }
     Ok(plan)
+}
+
+/// Starts the summary a plan found due, with the triggering request's `credentials`: with
+/// `compression_async` (the default) it is returned as a [`DeferredSummary`], which queues the
+/// job for the background worker once dropped (the caller moves it into the response, so the
+/// job starts when the request is over); otherwise it is made now, and this request's prompt
+/// already carries it. A failure leaves the previous summary in place.
+pub async fn start_due(
+    memory: &Memory,
+    settings: &MemorySettings,
+    plan: &mut Plan,
+    credentials: Credentials,
+) -> Option<DeferredSummary> {
+    let mut job = plan.summary_due.take()?;
+    job.credentials = credentials;
+    if settings.compression_async {
+        return Some(DeferredSummary::new(Arc::clone(&memory.summarizer), job));
+    }
+    let started = std::time::Instant::now();
+    let result = memory.summarizer.run_now(job).await;
+    plan.timings.summary = Some(started.elapsed());
+    match result {
+        Ok(record) => {
+            plan.prompt.summary = render(&record);
+            plan.summary = Some(record);
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "synchronous summary failed; using the previous one")
+        }
+    }
+    None
 }
 
 /// The summary as one system message.

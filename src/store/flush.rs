@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
+use super::engine::Engine;
+
 /// Why a flush failed.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("the store could not be flushed to disk: {0}")]
@@ -22,9 +24,9 @@ pub struct GroupFlusher {
 }
 
 impl GroupFlusher {
-    /// Starts the flushing task over `db`. The task ends when the returned flusher is dropped
+    /// Starts the flushing task over `engine`. The task ends when the returned flusher is dropped
     /// by every holder and the task is aborted by the store's shutdown.
-    pub fn start(db: sled::Db) -> (Arc<GroupFlusher>, JoinHandle<()>) {
+    pub fn start(engine: Arc<dyn Engine>) -> (Arc<GroupFlusher>, JoinHandle<()>) {
         let (done, _) = watch::channel((0, None));
         let flusher = Arc::new(GroupFlusher {
             requested: AtomicU64::new(0),
@@ -38,8 +40,8 @@ impl GroupFlusher {
                 // Every ticket up to `target` was taken after its writes were applied, so one
                 // flush starting now makes all of them durable.
                 let target = task_flusher.requested.load(Ordering::Acquire);
-                let db = db.clone();
-                let result = tokio::task::spawn_blocking(move || db.flush()).await;
+                let engine = Arc::clone(&engine);
+                let result = tokio::task::spawn_blocking(move || engine.flush()).await;
                 let error = match result {
                     Ok(Ok(_)) => None,
                     Ok(Err(err)) => Some(FlushError(err.to_string())),
@@ -73,14 +75,15 @@ mod tests {
     #[tokio::test]
     async fn concurrent_syncs_all_complete() {
         let dir = tempfile::tempdir().unwrap();
-        let db = sled::open(dir.path()).unwrap();
-        let (flusher, task) = GroupFlusher::start(db.clone());
+        let engine: Arc<dyn Engine> =
+            Arc::new(crate::store::SledEngine::open(dir.path(), 1 << 20, None).unwrap());
+        let (flusher, task) = GroupFlusher::start(Arc::clone(&engine));
         let mut joins = Vec::new();
-        for i in 0..32u32 {
+        for _ in 0..32 {
             let flusher = Arc::clone(&flusher);
-            let db = db.clone();
+            let engine = Arc::clone(&engine);
             joins.push(tokio::spawn(async move {
-                db.insert(i.to_be_bytes(), &b"v"[..]).unwrap();
+                engine.new_id().unwrap();
                 flusher.sync().await
             }));
         }

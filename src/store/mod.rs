@@ -1,134 +1,100 @@
-//! The conversation store: sled on disk, and a cache of each conversation's in-memory index.
+//! The conversation store: a storage [`Engine`] (sled by default) behind the memory core's
+//! view of it: a cache of each conversation's in-memory index, locked per conversation,
+//! optimistic commits against the version the request planned on, and group flushes.
 //!
-//! Layout (sled trees):
-//! - `conversations`: `tenant \0 agent \0 conversation` → [`ConversationMeta`] (JSON).
-//! - `messages`: `conversation id (u64 BE) ++ turn (u64 BE)` → [`StoredMessage`] (JSON).
-//! - `summaries`: `conversation id (u64 BE) ++ summary number (u64 BE)` → summary record (JSON),
-//!   written by the compression stage.
+//! - `engine.rs` — the storage contract every engine keeps (read it first);
+//! - `sled_engine.rs` — the embedded engine;
+//! - `records.rs` — what is stored (records, messages, summaries, TTL);
+//! - this file — the request path: handles, load, read, commit, durability;
+//! - `summaries.rs`, `ttl.rs`, `listing.rs`, `transfer.rs` — summary records (and their
+//!   Markdown copies), TTL records, listing and paging, export/import/delete;
+//! - `flush.rs` — the group flusher; `contract.rs` — the contract tests, run per engine.
 //!
 //! Files: each conversation may have a workspace folder, [`workspace_dir`], for copies meant
 //! for people (summaries as Markdown). Its path is derived so no id can escape the data
 //! directory.
 //!
-//! A commit writes its messages and the new meta in one sled transaction that first checks the
-//! meta is still the one the caller planned against, so history is never half-written and two
-//! writers to one conversation cannot interleave. This module stores and loads; deciding what
-//! to store is the pipeline's job.
+//! This module stores and loads; deciding what to store is the pipeline's job.
 
-mod admin;
+mod engine;
 mod flush;
+mod listing;
+mod records;
+mod sled_engine;
+mod summaries;
+mod transfer;
+mod ttl;
+
+#[cfg(test)]
+mod contract;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
-use sled::Transactional;
-use sled::transaction::{ConflictableTransactionError, TransactionError};
 use tokio::task::JoinHandle;
 
-pub use admin::{ConversationSummary, Deleted, ImportMeta, Imported, TtlRecord};
+pub use engine::{Engine, Loaded, Page, Scope, Version, Write};
 pub use flush::FlushError;
+pub use records::{
+    ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
+    MAX_CATCH_UP_CALLS, Origin, StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between,
+    transcript_line,
+};
+pub use sled_engine::SledEngine;
+pub use transfer::already_stored;
+
+use crate::identity::ConversationKey;
 use flush::GroupFlusher;
 
-use crate::config::Durability;
-use crate::identity::ConversationKey;
-use crate::message::Role;
-
-/// Where a stored message came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Origin {
-    /// Sent by the client in a request.
-    Client,
-    /// The upstream's reply, read from its response.
-    Reply,
-}
-
-/// A conversation's record in the `conversations` tree.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConversationMeta {
-    /// The number that prefixes the conversation's message keys.
-    pub id: u64,
-    /// The turn number the next stored message gets; turn numbers only grow.
-    pub next_turn: u64,
-    pub message_count: u64,
-    pub total_tokens: u64,
-    pub created_ms: i64,
-    pub last_activity_ms: i64,
-    /// Tokens of the prompts forwarded for this conversation's stored exchanges.
-    #[serde(default)]
-    pub tokens_forwarded: u64,
-}
-
-/// One stored message.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct StoredMessage {
-    pub turn: u64,
-    pub role: Role,
-    pub origin: Origin,
-    /// UTC milliseconds since the epoch when it was stored.
-    pub at_ms: i64,
-    /// Tokens counted once, when stored.
-    pub tokens: u32,
-    pub fingerprint: u64,
-    /// The message object as sent (or, for a reply, as rebuilt from the response).
-    pub message: Box<RawValue>,
-}
-
-/// What the request path needs of one stored message, kept in memory per conversation.
+/// When a commit is durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Entry {
-    pub turn: u64,
-    pub role: Role,
-    pub origin: Origin,
-    pub tokens: u32,
-    pub fingerprint: u64,
-    pub at_ms: i64,
-    /// Tokens of this message and every one before it still stored: the tokens of any run of
-    /// messages is a difference of two of these, with no scan.
-    pub cum_tokens: u64,
+pub enum Durability {
+    /// Before the response ends: commits wait for a (shared) flush.
+    Commit,
+    /// Within this interval: the engine flushes in the background.
+    Interval(Duration),
 }
 
-impl Entry {
-    /// The entry of `m`, stored after a message whose `cum_tokens` was `before`.
-    pub fn new(m: &StoredMessage, before: u64) -> Entry {
-        Entry {
-            turn: m.turn,
-            role: m.role,
-            origin: m.origin,
-            tokens: m.tokens,
-            fingerprint: m.fingerprint,
-            at_ms: m.at_ms,
-            cum_tokens: before + u64::from(m.tokens),
-        }
-    }
+/// How the store is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    pub durability: Durability,
+    /// The engine's page cache (sled).
+    pub page_cache_bytes: u64,
+    /// The cache of conversations' in-memory indexes.
+    pub state_cache_bytes: u64,
 }
 
-/// Tokens of `entries[from..to]`, from their running totals.
-pub fn tokens_between(entries: &[Entry], from: usize, to: usize) -> u64 {
-    if from >= to {
-        return 0;
-    }
-    let before = if from == 0 {
-        entries[0].cum_tokens - u64::from(entries[0].tokens)
-    } else {
-        entries[from - 1].cum_tokens
-    };
-    entries[to - 1].cum_tokens - before
-}
-
-/// A conversation's in-memory index: its meta as last read or written, and one [`Entry`] per
-/// stored message in turn order. Held behind a mutex that is never held across an `.await`.
+/// A conversation's in-memory index: its record and version as last read or written, and one
+/// [`Entry`] per stored message in turn order. Held behind a mutex that is never held across
+/// an `.await`.
 #[derive(Debug)]
 pub struct Conversation {
     pub key: ConversationKey,
     pub meta: Option<ConversationMeta>,
-    /// The meta's bytes as stored: the version a commit checks against.
-    stored_meta: Option<sled::IVec>,
+    /// The version a commit checks against.
+    version: Version,
     pub entries: Vec<Entry>,
+}
+
+impl Conversation {
+    fn from_loaded(key: ConversationKey, loaded: Loaded) -> Conversation {
+        Conversation {
+            key,
+            meta: loaded.meta,
+            version: loaded.version,
+            entries: loaded.entries,
+        }
+    }
+
+    /// Empties an in-memory conversation.
+    fn reset(&mut self) {
+        self.meta = None;
+        self.version = Version::absent();
+        self.entries.clear();
+    }
 }
 
 /// A change to one conversation, applied atomically by [`Store::commit`].
@@ -144,24 +110,23 @@ pub struct Change {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("sled: {0}")]
-    Sled(#[from] sled::Error),
+    #[error("storage engine: {0}")]
+    Engine(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("a stored record could not be decoded: {0}")]
     Corrupt(String),
     #[error("the conversation changed since it was read")]
     Stale,
     #[error(transparent)]
     Flush(#[from] FlushError),
+    #[error("writing a workspace file failed: {0}")]
+    File(#[from] std::io::Error),
 }
 
 /// Cached conversation handles.
-type Handle = Arc<Mutex<Conversation>>;
+pub type Handle = Arc<Mutex<Conversation>>;
 
 pub struct Store {
-    db: sled::Db,
-    conversations: sled::Tree,
-    messages: sled::Tree,
-    summaries: sled::Tree,
+    engine: Arc<dyn Engine>,
     data_dir: PathBuf,
     cache: moka::sync::Cache<ConversationKey, Handle>,
     flusher: Option<Arc<GroupFlusher>>,
@@ -169,13 +134,13 @@ pub struct Store {
     /// Lookups in `cache`, and those that missed (for metrics).
     cache_lookups: AtomicU64,
     cache_misses: AtomicU64,
-    /// The `ttl` tree: `tenant \0 agent \0 conversation` → [`TtlRecord`] (JSON).
-    ttl: sled::Tree,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").finish_non_exhaustive()
+        f.debug_struct("Store")
+            .field("engine", &self.engine.name())
+            .finish_non_exhaustive()
     }
 }
 
@@ -187,75 +152,50 @@ pub fn lock(handle: &Handle) -> MutexGuard<'_, Conversation> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// UTC milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
-fn message_key(id: u64, turn: u64) -> [u8; 16] {
-    let mut key = [0u8; 16];
-    key[..8].copy_from_slice(&id.to_be_bytes());
-    key[8..].copy_from_slice(&turn.to_be_bytes());
-    key
-}
-
 impl Store {
-    /// Opens (or creates) the store under `dir`. Must be called inside a tokio runtime: the
-    /// group flusher or the interval flusher runs as a task.
-    pub fn open(
-        dir: &Path,
-        durability: Durability,
-        store_cache_bytes: u64,
-        state_cache_bytes: u64,
-    ) -> Result<Store, StoreError> {
-        let flush_every = match durability {
+    /// Opens (or creates) the embedded store under `dir` (`dir/store`). Must be called inside
+    /// a tokio runtime: the group flusher runs as a task.
+    pub fn open(dir: &Path, options: StoreOptions) -> Result<Store, StoreError> {
+        let flush_every = match options.durability {
             Durability::Commit => None,
-            Durability::Interval(every) => Some(every.as_millis().max(1) as u64),
+            Durability::Interval(every) => Some(every),
         };
-        let config = sled::Config::new()
-            .path(dir.join("store"))
-            .cache_capacity(store_cache_bytes)
-            .flush_every_ms(flush_every);
-        let db = open_locked(&config)?;
-        let conversations = db.open_tree("conversations")?;
-        let messages = db.open_tree("messages")?;
-        let summaries = db.open_tree("summaries")?;
-        let ttl = db.open_tree("ttl")?;
+        let engine = SledEngine::open(&dir.join("store"), options.page_cache_bytes, flush_every)?;
+        Ok(Store::with_engine(Arc::new(engine), dir, options))
+    }
+
+    /// A store over `engine`, with workspace folders under `data_dir`. Must be called inside a
+    /// tokio runtime.
+    pub fn with_engine(engine: Arc<dyn Engine>, data_dir: &Path, options: StoreOptions) -> Store {
         let mut background = Vec::new();
-        let flusher = match durability {
+        let flusher = match options.durability {
             Durability::Commit => {
-                let (flusher, task) = GroupFlusher::start(db.clone());
+                let (flusher, task) = GroupFlusher::start(Arc::clone(&engine));
                 background.push(task);
                 Some(flusher)
             }
             Durability::Interval(_) => None,
         };
         let cache = moka::sync::Cache::builder()
-            .max_capacity(state_cache_bytes)
+            .max_capacity(options.state_cache_bytes)
             .weigher(|_key: &ConversationKey, handle: &Handle| {
                 // `try_lock`: the weigher may run while the caller holds the lock.
                 let entries = handle.try_lock().map_or(0, |c| c.entries.len());
                 u32::try_from(256 + entries * std::mem::size_of::<Entry>()).unwrap_or(u32::MAX)
             })
             .build();
-        Ok(Store {
-            db,
-            conversations,
-            messages,
-            summaries,
-            data_dir: dir.to_path_buf(),
+        Store {
+            engine,
+            data_dir: data_dir.to_path_buf(),
             cache,
             flusher,
             background: Mutex::new(background),
             cache_lookups: AtomicU64::new(0),
             cache_misses: AtomicU64::new(0),
-            ttl,
-        })
+        }
     }
 
-    /// The conversation's handle, loading its index from disk on a cache miss.
+    /// The conversation's handle, loading its index from the engine on a cache miss.
     pub fn conversation(&self, key: &ConversationKey) -> Result<Handle, StoreError> {
         self.cache_lookups.fetch_add(1, Ordering::Relaxed);
         if let Some(handle) = self.cache.get(key) {
@@ -273,27 +213,10 @@ impl Store {
     }
 
     fn load(&self, key: &ConversationKey) -> Result<Conversation, StoreError> {
-        let stored_meta = self.conversations.get(key.to_bytes())?;
-        let meta = match &stored_meta {
-            None => None,
-            Some(bytes) => Some(decode::<ConversationMeta>(bytes)?),
-        };
-        let mut entries = Vec::new();
-        if let Some(meta) = &meta {
-            entries.reserve(meta.message_count as usize);
-            for item in self.messages.scan_prefix(meta.id.to_be_bytes()) {
-                let (_, value) = item?;
-                let message: StoredMessage = decode(&value)?;
-                let before = entries.last().map_or(0, |e: &Entry| e.cum_tokens);
-                entries.push(Entry::new(&message, before));
-            }
-        }
-        Ok(Conversation {
-            key: key.clone(),
-            meta,
-            stored_meta,
-            entries,
-        })
+        Ok(Conversation::from_loaded(
+            key.clone(),
+            self.engine.load(key)?,
+        ))
     }
 
     /// Re-reads a conversation whose commit found it stale.
@@ -312,21 +235,14 @@ impl Store {
         let Some(meta) = &conversation.meta else {
             return Ok(Vec::new());
         };
-        let mut out = Vec::new();
-        for turn in turns {
-            let bytes = self
-                .messages
-                .get(message_key(meta.id, turn))?
-                .ok_or_else(|| StoreError::Corrupt(format!("turn {turn} is missing")))?;
-            out.push(decode(&bytes)?);
-        }
-        Ok(out)
+        let turns: Vec<u64> = turns.into_iter().collect();
+        self.engine.messages(&conversation.key, meta.id, &turns)
     }
 
-    /// Applies `change` to `conversation` in one transaction, assigning turn numbers to the
-    /// added messages. Fails with [`StoreError::Stale`] when the stored conversation is not the
-    /// one `conversation` holds; the caller then reloads and plans again. On success the
-    /// in-memory index is updated to match; on any failure it is left as it was.
+    /// Applies `change` to `conversation` atomically, assigning turn numbers to the added
+    /// messages. Fails with [`StoreError::Stale`] when the stored conversation is not the one
+    /// `conversation` holds; the caller then reloads and plans again. On success the in-memory
+    /// index is updated to match; on any failure it is left as it was.
     pub fn commit(
         &self,
         conversation: &mut Conversation,
@@ -335,22 +251,14 @@ impl Store {
         let now = now_ms();
         let mut meta = match &conversation.meta {
             Some(meta) => meta.clone(),
-            None => ConversationMeta {
-                id: self.db.generate_id()?,
-                next_turn: 1,
-                message_count: 0,
-                total_tokens: 0,
-                created_ms: now,
-                last_activity_ms: now,
-                tokens_forwarded: 0,
-            },
+            None => ConversationMeta::new(self.engine.new_id()?, now),
         };
         for message in &mut change.add {
             message.turn = meta.next_turn;
             meta.next_turn += 1;
         }
         // Entries are in turn order: each removed turn is found by binary search.
-        let removed: Vec<usize> = change
+        let mut removed: Vec<usize> = change
             .remove_turns
             .iter()
             .filter_map(|turn| {
@@ -370,35 +278,17 @@ impl Store {
         meta.last_activity_ms = now;
         meta.tokens_forwarded += change.tokens_forwarded;
 
-        let key = conversation.key.to_bytes();
-        let meta_bytes = encode(&meta)?;
-        let added = change
-            .add
-            .iter()
-            .map(|m| Ok((message_key(meta.id, m.turn), encode(m)?)))
-            .collect::<Result<Vec<_>, StoreError>>()?;
-        let expected = conversation.stored_meta.clone();
+        let version = self.engine.write(
+            &conversation.key,
+            &conversation.version,
+            Write {
+                meta: &meta,
+                remove_turns: &change.remove_turns,
+                add: &change.add,
+                summaries: &[],
+            },
+        )?;
 
-        let result = (&self.conversations, &self.messages).transaction(|(convs, msgs)| {
-            if convs.get(&key)? != expected {
-                return Err(ConflictableTransactionError::Abort(()));
-            }
-            for turn in &change.remove_turns {
-                msgs.remove(&message_key(meta.id, *turn)[..])?;
-            }
-            for (k, v) in &added {
-                msgs.insert(&k[..], v.as_slice())?;
-            }
-            convs.insert(key.as_slice(), meta_bytes.as_slice())?;
-            Ok(())
-        });
-        match result {
-            Ok(()) => {}
-            Err(TransactionError::Abort(())) => return Err(StoreError::Stale),
-            Err(TransactionError::Storage(err)) => return Err(StoreError::Sled(err)),
-        }
-
-        let mut removed = removed;
         removed.sort_unstable();
         for i in removed.into_iter().rev() {
             conversation.entries.remove(i);
@@ -408,7 +298,7 @@ impl Store {
             conversation.entries.push(Entry::new(message, before));
         }
         conversation.meta = Some(meta);
-        conversation.stored_meta = Some(sled::IVec::from(meta_bytes));
+        conversation.version = version;
         Ok(())
     }
 
@@ -425,7 +315,7 @@ impl Store {
         }
     }
 
-    /// Waits until earlier commits are on disk (group commit). With interval durability this
+    /// Waits until earlier commits are durable (group commit). With interval durability this
     /// returns at once: the background flush covers it.
     pub async fn sync(&self) -> Result<(), StoreError> {
         match &self.flusher {
@@ -436,12 +326,16 @@ impl Store {
 
     /// True when the store answers a read.
     pub fn is_ready(&self) -> bool {
-        self.conversations.get(b"\xff-readiness-probe").is_ok()
+        self.engine.is_ready()
+    }
+
+    /// The engine's name (`sled`).
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
     }
 
     /// Flushes everything and stops the background flushing: the last step of shutdown. The
-    /// background tasks are awaited, so once this returns they hold no handle on the database
-    /// and the store can be opened again by the same process.
+    /// background tasks are awaited, so once this returns they hold no handle on the engine.
     pub async fn close(&self) -> Result<(), StoreError> {
         let tasks = std::mem::take(
             &mut *self
@@ -454,23 +348,17 @@ impl Store {
             let _ = task.await;
         }
         self.cache.invalidate_all();
-        self.db.flush()?;
-        Ok(())
+        self.engine.flush()
     }
 
-    /// The data directory the store lives in.
+    /// The data directory the store's files live in.
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
     }
 
-    /// The `summaries` tree (read and written by the compression stage).
-    pub fn summaries_tree(&self) -> &sled::Tree {
-        &self.summaries
-    }
-
     /// Bytes the store takes on disk.
     pub fn size_on_disk(&self) -> u64 {
-        self.db.size_on_disk().unwrap_or(0)
+        self.engine.size_bytes()
     }
 }
 
@@ -507,42 +395,15 @@ fn safe_name(id: &str) -> String {
     name
 }
 
-fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
-    serde_json::to_vec(value).map_err(|err| StoreError::Corrupt(err.to_string()))
-}
-
-fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
-    serde_json::from_slice(bytes).map_err(|err| StoreError::Corrupt(err.to_string()))
-}
-
-/// How long [`open_locked`] waits for a previous holder of the database's file lock.
-const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// Opens the database. A store closed a moment ago in this process (a restart) can hold the
-/// file lock until sled's I/O threads let go of it, so a lock conflict is retried for a short
-/// while; a second process on the same data directory still gets the error.
-fn open_locked(config: &sled::Config) -> Result<sled::Db, sled::Error> {
-    let started = std::time::Instant::now();
-    loop {
-        match config.open() {
-            Err(sled::Error::Io(err))
-                if err.to_string().contains("could not acquire lock")
-                    && started.elapsed() < LOCK_WAIT =>
-            {
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            result => return result,
-        }
-    }
-}
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::identity::TenantId;
+    use crate::message::Role;
+    use serde_json::value::RawValue;
 
-    /// A conversation of tenant `t`, agent `default` (also for `store::admin`'s tests).
-    pub(super) fn key(conversation: &str) -> ConversationKey {
+    /// A conversation of tenant `t`, agent `default` (also for the other store tests).
+    pub(crate) fn key(conversation: &str) -> ConversationKey {
         ConversationKey {
             tenant: TenantId::from_token(Some("t")),
             agent: "default".into(),
@@ -550,7 +411,7 @@ mod tests {
         }
     }
 
-    fn message(role: Role, text: &str) -> StoredMessage {
+    pub(crate) fn message(role: Role, text: &str) -> StoredMessage {
         StoredMessage {
             turn: 0,
             role,
@@ -565,8 +426,16 @@ mod tests {
         }
     }
 
+    pub(crate) fn options() -> StoreOptions {
+        StoreOptions {
+            durability: Durability::Commit,
+            page_cache_bytes: 1 << 20,
+            state_cache_bytes: 1 << 20,
+        }
+    }
+
     fn open(dir: &Path) -> Store {
-        Store::open(dir, Durability::Commit, 1 << 20, 1 << 20).unwrap()
+        Store::open(dir, options()).unwrap()
     }
 
     #[tokio::test]
@@ -685,6 +554,7 @@ mod tests {
             second.entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
             [2]
         );
-        assert_eq!(store.messages.len(), 1);
+        let meta = second.meta.clone().unwrap();
+        assert_eq!(store.all_messages(&second.key, &meta).unwrap().len(), 1);
     }
 }

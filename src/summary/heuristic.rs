@@ -5,9 +5,8 @@ use std::collections::BTreeMap;
 
 use serde_json::{Map, Value};
 
-use super::SummaryRecord;
 use crate::message::{Role, text_of};
-use crate::store::{StoredMessage, now_ms};
+use crate::store::{Conversation, Store, StoreError, StoredMessage, SummaryRecord, now_ms};
 use crate::tokens;
 
 /// The longest excerpt of one message.
@@ -37,6 +36,33 @@ fn looks_like_error(text: &str) -> bool {
     ]
     .iter()
     .any(|w| lower.contains(w))
+}
+
+/// Stores the stand-in for the turns up to `upto_turn` of `conversation` (locked by the
+/// caller) whose id was `id`, unless a summary exists by now: the one writer of the stand-in,
+/// used by the summary worker before it calls the model and by a request that finds no job
+/// will write it. Returns the record stored.
+pub fn store_stand_in(
+    store: &Store,
+    conversation: &Conversation,
+    id: u64,
+    upto_turn: u64,
+) -> Result<Option<SummaryRecord>, StoreError> {
+    if store.latest_summary(&conversation.key, id)?.is_some() {
+        return Ok(None);
+    }
+    let turns = conversation
+        .entries
+        .iter()
+        .take_while(|e| e.turn <= upto_turn)
+        .map(|e| e.turn);
+    let messages = store.messages(conversation, turns)?;
+    let Some(record) = summarize(&messages, 1) else {
+        return Ok(None);
+    };
+    Ok(store
+        .save_summary(conversation, id, &record)?
+        .then_some(record))
 }
 
 /// A heuristic summary of `messages` (oldest first), numbered `number`.

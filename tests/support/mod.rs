@@ -90,13 +90,13 @@ impl Proxy {
 
     /// The stored messages of a conversation, read through the store's own API.
     pub fn stored(&self, token: Option<&str>, conversation: &str) -> Vec<StoredMessage> {
-        stored_in(&self.state.store, token, conversation)
+        stored_in(&self.state.memory.store, token, conversation)
     }
 
     /// The stored messages of the test token's conversation under `agent`.
     pub fn stored_agent(&self, agent: &str, conversation: &str) -> Vec<StoredMessage> {
         stored_by_key(
-            &self.state.store,
+            &self.state.memory.store,
             &key_for(Some(TOKEN), agent, conversation),
         )
     }

@@ -1,4 +1,5 @@
-//! Capture: read the assistant's reply from the upstream response.
+//! The tee: an upstream SSE body passed to the client frame by frame while the assistant's
+//! reply is read from the same frames.
 //!
 //! A stream is teed: each frame goes to the client as it arrives while its bytes feed the SSE
 //! parser. When the upstream ends the stream properly, the commit runs before the end of the
@@ -16,13 +17,20 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tracing::Instrument;
 
-use super::commit::Exchange;
 use crate::body::BoxError;
+use crate::pipeline::commit::Exchange;
 use crate::reply::StreamReply;
 use crate::sse::SseParser;
 use crate::state::AppState;
+use crate::summary::DeferredSummary;
 
 type CommitFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// What a completed stream commits.
+pub struct Pending {
+    pub state: Arc<AppState>,
+    pub exchange: Exchange,
+}
 
 pin_project! {
     /// An upstream SSE body passed through frame by frame, with the reply read on the way.
@@ -32,7 +40,9 @@ pin_project! {
         parser: SseParser,
         reply: StreamReply,
         // What to commit when the stream completes; `None` when nothing is to be stored.
-        pending: Option<(Arc<AppState>, Arc<Exchange>)>,
+        pending: Option<Pending>,
+        // A due summary, queued once the stream is committed, or when the body is dropped.
+        deferred: Option<DeferredSummary>,
         committing: Option<CommitFuture>,
         span: tracing::Span,
         done: bool,
@@ -40,12 +50,17 @@ pin_project! {
 }
 
 impl<B> TeeBody<B> {
-    pub fn new(inner: B, pending: Option<(Arc<AppState>, Arc<Exchange>)>) -> TeeBody<B> {
+    pub fn new(
+        inner: B,
+        pending: Option<Pending>,
+        deferred: Option<DeferredSummary>,
+    ) -> TeeBody<B> {
         TeeBody {
             inner,
             parser: SseParser::new(),
             reply: StreamReply::new(),
             pending,
+            deferred,
             committing: None,
             span: tracing::Span::current(),
             done: false,
@@ -96,17 +111,15 @@ where
                     return Poll::Ready(Some(Err(err.into())));
                 }
                 None => match this.pending.take() {
-                    Some((state, exchange)) if this.reply.is_complete() => {
+                    Some(Pending { state, exchange }) if this.reply.is_complete() => {
                         let reply = this.reply.to_message();
+                        let deferred = this.deferred.take();
                         let commit = async move {
-                            match exchange.commit(&state, reply).await {
-                                Ok(count) => tracing::debug!(messages = count, "exchange stored"),
-                                Err(err) => {
-                                    tracing::error!(error = %err, "storing the exchange failed")
-                                }
+                            if let Ok(count) = super::chat::commit(&state, &exchange, reply).await {
+                                tracing::debug!(messages = count, "exchange stored");
                             }
                             // The stream is over but for its end: a due summary starts now.
-                            drop(exchange.take_summary());
+                            drop(deferred);
                         };
                         *this.committing = Some(Box::pin(commit.instrument(this.span.clone())));
                     }

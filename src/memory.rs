@@ -1,0 +1,176 @@
+//! The memory core's one value: the store, the recall indexes, the summarizer and the clock.
+//! Core functions (the pipeline, the TTL sweeper, the admin operations) take a `&Memory`;
+//! nothing here knows HTTP. The HTTP edge holds it in `AppState`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::config::{self, CompressionConfig, Config};
+use crate::identity::{ConversationKey, TenantId};
+use crate::model::ModelCall;
+use crate::recall::Recall;
+use crate::settings::MemorySettings;
+use crate::store::{Deleted, Durability, Scope, Store, StoreError, StoreOptions, now_ms};
+use crate::summary::Summarizer;
+
+/// Wall-clock time as the TTL sweeper sees it: the real clock plus an offset tests can move.
+#[derive(Debug, Default)]
+pub struct Clock {
+    offset_ms: AtomicI64,
+}
+
+impl Clock {
+    /// UTC milliseconds since the epoch, plus the offset.
+    pub fn now_ms(&self) -> i64 {
+        now_ms().saturating_add(self.offset_ms.load(Ordering::Relaxed))
+    }
+
+    /// Moves this clock forward (tests).
+    pub fn advance(&self, by: Duration) {
+        let ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
+        self.offset_ms.fetch_add(ms, Ordering::Relaxed);
+    }
+}
+
+/// Counters of the TTL sweeper's passes (mirrored into the metrics at each scrape).
+#[derive(Debug, Default)]
+pub struct SweepCounters {
+    pub passes: AtomicU64,
+    pub scanned: AtomicU64,
+    pub deleted: AtomicU64,
+}
+
+impl SweepCounters {
+    pub fn record(&self, scanned: usize, deleted: usize) {
+        self.passes.fetch_add(1, Ordering::Relaxed);
+        self.scanned.fetch_add(scanned as u64, Ordering::Relaxed);
+        self.deleted.fetch_add(deleted as u64, Ordering::Relaxed);
+    }
+}
+
+/// Everything memory is made of.
+#[derive(Debug)]
+pub struct Memory {
+    pub store: Arc<Store>,
+    pub recall: Recall,
+    pub summarizer: Arc<Summarizer>,
+    pub clock: Clock,
+    pub sweeps: SweepCounters,
+}
+
+/// The store's options from the config.
+pub fn store_options(config: &Config) -> StoreOptions {
+    StoreOptions {
+        durability: match config.durability {
+            config::Durability::Commit => Durability::Commit,
+            config::Durability::Interval(every) => Durability::Interval(every),
+        },
+        page_cache_bytes: config.store_cache_bytes,
+        state_cache_bytes: config.state_cache_bytes,
+    }
+}
+
+impl Memory {
+    /// Memory over `store`, its summaries made by `model`. Must be called inside a tokio
+    /// runtime: the summary worker starts here.
+    pub fn new(
+        store: Arc<Store>,
+        model: Arc<dyn ModelCall>,
+        compression: CompressionConfig,
+        recall_cache_bytes: u64,
+    ) -> Memory {
+        Memory {
+            recall: Recall::new(recall_cache_bytes),
+            summarizer: Summarizer::start(Arc::clone(&store), model, compression),
+            store,
+            clock: Clock::default(),
+            sweeps: SweepCounters::default(),
+        }
+    }
+
+    /// Remembers the TTL a chat request ran with, when it stores anything. A failure is
+    /// logged, never returned: TTL bookkeeping must not fail a chat request.
+    pub fn remember_ttl(&self, key: &ConversationKey, settings: &MemorySettings) {
+        if !settings.enabled || !settings.persist {
+            return;
+        }
+        if let Err(err) = self.store.remember_ttl(key, settings.ttl) {
+            tracing::warn!(error = %err, "remembering the conversation's TTL failed");
+        }
+    }
+
+    /// Deletes a conversation completely (store, workspace, cached state, recall index).
+    pub fn delete_conversation(
+        &self,
+        key: &ConversationKey,
+    ) -> Result<Option<Deleted>, StoreError> {
+        let deleted = self.store.delete_conversation(key)?;
+        self.recall.forget(key);
+        Ok(deleted)
+    }
+
+    /// The TTL sweeper's delete: only if the conversation is still idle since before
+    /// `cutoff_ms`.
+    pub fn delete_idle(&self, key: &ConversationKey, cutoff_ms: i64) -> Result<bool, StoreError> {
+        let deleted = self.store.delete_idle_conversation(key, cutoff_ms)?;
+        if deleted.is_some() {
+            self.recall.forget(key);
+        }
+        Ok(deleted.is_some())
+    }
+
+    /// Deletes every conversation of a tenant, and the tenant's workspace folder; returns how
+    /// many conversations there were.
+    pub fn delete_tenant(&self, tenant: &TenantId) -> Result<usize, StoreError> {
+        delete_tenant_in(&self.store, tenant, |key| self.recall.forget(key))
+    }
+
+    /// Stops the summary worker (waiting up to `grace` for jobs in flight), then flushes and
+    /// closes the store: the last steps of shutdown.
+    pub async fn shutdown(&self, grace: Duration) -> Result<(), StoreError> {
+        self.summarizer.shutdown(grace).await;
+        self.store.close().await
+    }
+}
+
+/// Deletes every conversation of a tenant in `store`, calling `forget` for each, then the
+/// tenant's workspace folder with anything left in it. Shared with the offline CLI, which has
+/// no recall indexes.
+pub fn delete_tenant_in(
+    store: &Store,
+    tenant: &TenantId,
+    forget: impl Fn(&ConversationKey),
+) -> Result<usize, StoreError> {
+    let scope = Scope {
+        tenant: Some(tenant),
+        agent: None,
+    };
+    let mut count = 0;
+    loop {
+        let (page, _) = store.list(scope, None, 1000)?;
+        if page.is_empty() {
+            break;
+        }
+        for summary in page {
+            if store.delete_conversation(&summary.key)?.is_some() {
+                count += 1;
+            }
+            forget(&summary.key);
+        }
+    }
+    let probe = ConversationKey {
+        tenant: tenant.clone(),
+        agent: "probe".to_string(),
+        conversation: "probe".to_string(),
+    };
+    let conversation_dir = crate::store::workspace_dir(store.data_dir(), &probe);
+    if let Some(tenant_dir) = conversation_dir.parent().and_then(std::path::Path::parent) {
+        match std::fs::remove_dir_all(tenant_dir) {
+            Ok(()) => {}
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => return Err(StoreError::File(err)),
+        }
+    }
+    Ok(count)
+}

@@ -1,0 +1,251 @@
+//! A chat completion with memory on: a `before` step (collect the body, parse it, plan the
+//! prompt, start a due summary) and an `after` step (tee a stream, or read a JSON reply whole,
+//! then commit) around the one forward path.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap};
+use http::{Response, request::Parts};
+use hyper::body::Incoming;
+
+use super::tee::{Pending, TeeBody};
+use super::{MemoryStatus, headers_of, set_memory_headers};
+use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
+use crate::error::ProxyError;
+use crate::identity::ConversationKey;
+use crate::message::ChatRequest;
+use crate::metrics::Stage;
+use crate::model::Credentials;
+use crate::pipeline::plan::{self, Plan, Timings};
+use crate::pipeline::summary::start_due;
+use crate::reply::reply_from_json;
+use crate::settings::MemorySettings;
+use crate::state::AppState;
+use crate::summary::DeferredSummary;
+use crate::upstream::Forward;
+
+/// The request headers a summary call made on a request's behalf carries upstream.
+const CREDENTIAL_HEADERS: &[header::HeaderName] = &[header::AUTHORIZATION];
+
+/// What the `before` step made: the body to forward, and the plan (`None`: memory failed, the
+/// client's own body goes upstream).
+struct Before {
+    body: Bytes,
+    plan: Option<Plan>,
+    headers: HeaderMap,
+    deferred: Option<DeferredSummary>,
+}
+
+/// Runs a chat completion with memory on, forwarded to the upstream's `api_path`.
+pub async fn chat(
+    state: &Arc<AppState>,
+    parts: Parts,
+    body: Incoming,
+    key: ConversationKey,
+    settings: MemorySettings,
+    api_path: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let before = before(state, &parts, body, &key, &settings).await?;
+    let forwarded = state
+        .upstream
+        .forward(Forward {
+            method: parts.method.clone(),
+            path: api_path,
+            query: parts.uri.query(),
+            headers: &parts.headers,
+            body_len: Some(before.body.len()),
+            body: full(before.body),
+            read_reply: true,
+            task: None,
+        })
+        .await?;
+    let (mut head, upstream_body) = forwarded.response.into_parts();
+    state
+        .metrics
+        .upstream(&mut head.extensions, forwarded.elapsed);
+    head.headers.extend(before.headers);
+    let conversation_id = key.conversation.as_str();
+
+    let Some(plan) = before.plan else {
+        let mut response = Response::from_parts(head, boxed(upstream_body));
+        set_memory_headers(&mut response, MemoryStatus::Degraded, conversation_id, None);
+        return Ok(response);
+    };
+
+    if !head.status.is_success() {
+        let mut response = Response::from_parts(head, boxed(upstream_body));
+        set_memory_headers(
+            &mut response,
+            MemoryStatus::NotStored,
+            conversation_id,
+            Some(plan.stored_count),
+        );
+        return Ok(response);
+    }
+
+    let is_stream = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+
+    if is_stream {
+        let (status, turns, pending) = if settings.persist {
+            let pending = Pending {
+                state: Arc::clone(state),
+                exchange: plan.exchange,
+            };
+            (MemoryStatus::Stored, plan.planned_count, Some(pending))
+        } else {
+            (MemoryStatus::NotStored, plan.stored_count, None)
+        };
+        // The deferred summary rides with the stream: queued once it is committed or dropped.
+        let tee = TeeBody::new(upstream_body, pending, before.deferred);
+        let mut response = Response::from_parts(head, boxed(tee));
+        set_memory_headers(&mut response, status, conversation_id, Some(turns));
+        return Ok(response);
+    }
+
+    // A JSON reply is complete only at its end: read it, store it, then answer.
+    let body = collect_limited(upstream_body, state.config.response_limit_bytes)
+        .await
+        .map_err(|err| ProxyError::UpstreamUnreachable(Box::new(err)))?;
+    let (status, turns) = if !settings.persist {
+        (MemoryStatus::NotStored, plan.stored_count)
+    } else {
+        match reply_from_json(&body) {
+            None => {
+                tracing::warn!("upstream answer has no choices[0].message; nothing stored");
+                (MemoryStatus::NotStored, plan.stored_count)
+            }
+            Some(reply) => match commit(state, &plan.exchange, reply).await {
+                Ok(count) => (MemoryStatus::Stored, count),
+                Err(()) => (MemoryStatus::Degraded, plan.stored_count),
+            },
+        }
+    };
+    // A due summary starts once the answer has been handed over, so its work never competes
+    // with the request that triggered it.
+    let body = match before.deferred {
+        None => full(body),
+        Some(summary) => boxed(OnDrop::new(full(body), move || drop(summary))),
+    };
+    let mut response = Response::from_parts(head, body);
+    set_memory_headers(&mut response, status, conversation_id, Some(turns));
+    Ok(response)
+}
+
+/// The `before` step: the client's body read (within the limit) and parsed, the prompt
+/// planned from memory, a due summary started. A memory failure is not an error: the client's
+/// own body is forwarded.
+async fn before(
+    state: &AppState,
+    parts: &Parts,
+    body: Incoming,
+    key: &ConversationKey,
+    settings: &MemorySettings,
+) -> Result<Before, ProxyError> {
+    let bytes = collect_limited(body, state.config.body_limit_bytes)
+        .await
+        .map_err(|err| match err {
+            CollectError::TooLarge { limit } => ProxyError::PayloadTooLarge { limit },
+            CollectError::Read(err) => ProxyError::InvalidRequest {
+                message: format!("the request body could not be read: {err}"),
+                param: None,
+                code: "invalid_body",
+            },
+        })?;
+    let mut request = ChatRequest::parse(&bytes)?;
+    if let Some(model) = &request.model {
+        tracing::Span::current().record("model", model.as_str());
+    }
+    state.memory.remember_ttl(key, settings);
+
+    let messages = std::mem::take(&mut request.messages);
+    let memory = &state.memory;
+    match plan::plan(memory, key, settings, request.model.clone(), messages) {
+        Ok(mut plan) => {
+            let deferred =
+                start_due(memory, settings, &mut plan, credentials(&parts.headers)).await;
+            record_plan(state, &plan);
+            Ok(Before {
+                body: Bytes::from(request.body_with_messages(plan.prompt.messages())),
+                headers: headers_of(&plan),
+                plan: Some(plan),
+                deferred,
+            })
+        }
+        Err(err) => {
+            tracing::error!(error = %err, "memory unavailable; forwarding the client's own messages");
+            Ok(Before {
+                body: bytes,
+                plan: None,
+                headers: HeaderMap::new(),
+                deferred: None,
+            })
+        }
+    }
+}
+
+/// The `after` step's store: commits the exchange and records its time. A failure is logged
+/// here and becomes `X-Memory-Status: degraded`.
+pub async fn commit(
+    state: &AppState,
+    exchange: &crate::pipeline::commit::Exchange,
+    reply: Box<serde_json::value::RawValue>,
+) -> Result<usize, ()> {
+    let started = std::time::Instant::now();
+    match exchange.commit(&state.memory, reply).await {
+        Ok(count) => {
+            state
+                .metrics
+                .observe_stage(Stage::Commit, started.elapsed());
+            Ok(count)
+        }
+        Err(err) => {
+            tracing::error!(error = %err, "storing the exchange failed");
+            Err(())
+        }
+    }
+}
+
+/// The triggering request's credentials, held in memory only for a summary call.
+fn credentials(headers: &HeaderMap) -> Credentials {
+    Credentials::new(
+        CREDENTIAL_HEADERS
+            .iter()
+            .filter_map(|name| {
+                let value = headers.get(name)?.to_str().ok()?;
+                Some((name.as_str().to_string(), value.to_string()))
+            })
+            .collect(),
+    )
+}
+
+/// Reports a plan to the metrics: its stages' times, what was recalled, the tokens forwarded
+/// and the history's.
+fn record_plan(state: &AppState, plan: &Plan) {
+    let Timings {
+        reconcile,
+        recall,
+        assemble,
+        summary,
+    } = plan.timings;
+    let metrics = &state.metrics;
+    for (stage, took) in [
+        (Stage::Reconcile, Some(reconcile)),
+        (Stage::Recall, Some(recall)),
+        (Stage::Assemble, Some(assemble)),
+        (Stage::Summary, summary),
+    ] {
+        if let Some(took) = took {
+            metrics.observe_stage(stage, took);
+        }
+    }
+    metrics.prompt(
+        plan.recalled_turns.len(),
+        plan.prompt_tokens,
+        plan.history_tokens,
+    );
+}

@@ -1,0 +1,127 @@
+//! The HTTP edge of memory: what turns a chat request into a plan, a forward and a commit,
+//! and the `X-Memory-*` headers that say what happened.
+//!
+//! - [`identify`] — `X-Memory-*` headers and the path form → conversation key and settings;
+//! - [`chat`] — memory around the one forward path: a `before` step (collect the body, parse,
+//!   plan, start a due summary) and an `after` step (tee or collect the reply, commit);
+//! - [`tee`] — an SSE body passed through frame by frame while the reply is read from it;
+//! - [`passthrough`] — everything else, forwarded untouched.
+
+pub mod chat;
+pub mod identify;
+pub mod tee;
+
+use http::header::HeaderValue;
+use http::{HeaderMap, Request, Response};
+use hyper::body::Incoming;
+
+use crate::body::{ProxyBody, boxed};
+use crate::error::ProxyError;
+use crate::pipeline::plan::Plan;
+use crate::state::AppState;
+use crate::upstream::Forward;
+
+pub const STATUS_HEADER: &str = "x-memory-status";
+pub const TURNS_HEADER: &str = "x-memory-turns";
+pub const CONVERSATION_ID_HEADER: &str = "x-memory-conversation-id";
+pub const RETRIEVED_HEADER: &str = "x-memory-retrieved";
+pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
+pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
+pub const BUDGET_HEADER: &str = "x-memory-budget";
+pub const SUMMARY_HEADER: &str = "x-memory-summary";
+
+/// What happened to memory on a request, sent as `X-Memory-Status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryStatus {
+    /// The exchange was (or, for a stream, will be once it completes) stored.
+    Stored,
+    /// Memory was used but nothing stored (`persist` off, or an upstream error).
+    NotStored,
+    /// Memory is off for this request.
+    Off,
+    /// The store failed; the request went through with the client's own messages.
+    Degraded,
+}
+
+impl MemoryStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryStatus::Stored => "stored",
+            MemoryStatus::NotStored => "not-stored",
+            MemoryStatus::Off => "off",
+            MemoryStatus::Degraded => "degraded",
+        }
+    }
+}
+
+/// Forwards a request untouched: method, path, query, headers (less hop-by-hop and
+/// `x-memory-*`), body streamed both ways, status unchanged.
+pub async fn passthrough(
+    state: &AppState,
+    request: Request<Incoming>,
+    api_path: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let query = request.uri().query().map(str::to_string);
+    let (parts, body) = request.into_parts();
+    let forwarded = state
+        .upstream
+        .forward(Forward {
+            method: parts.method,
+            path: api_path,
+            query: query.as_deref(),
+            headers: &parts.headers,
+            body: boxed(body),
+            body_len: None,
+            read_reply: false,
+            task: None,
+        })
+        .await?;
+    let (mut head, body) = forwarded.response.into_parts();
+    state
+        .metrics
+        .upstream(&mut head.extensions, forwarded.elapsed);
+    Ok(Response::from_parts(head, boxed(body)))
+}
+
+/// The headers that describe a plan: what was recalled, the prompt's size, the budget, the
+/// summary.
+pub fn headers_of(plan: &Plan) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let label = plan
+        .summary
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |r| r.label());
+    if let Ok(value) = HeaderValue::from_str(&label) {
+        headers.insert(SUMMARY_HEADER, value);
+    }
+    headers.insert(
+        RETRIEVED_HEADER,
+        HeaderValue::from(plan.recalled_turns.len()),
+    );
+    let turns: Vec<String> = plan.recalled_turns.iter().map(u64::to_string).collect();
+    if let Ok(value) = HeaderValue::from_str(&turns.join(",")) {
+        headers.insert(RETRIEVED_TURNS_HEADER, value);
+    }
+    headers.insert(PROMPT_TOKENS_HEADER, HeaderValue::from(plan.prompt_tokens));
+    if let Some(verdict) = plan.fitted.map(|f| f.verdict()) {
+        headers.insert(BUDGET_HEADER, HeaderValue::from_static(verdict));
+    }
+    headers
+}
+
+/// Sets `X-Memory-Status`, `X-Memory-Conversation-Id` and `X-Memory-Turns`.
+pub fn set_memory_headers(
+    response: &mut Response<ProxyBody>,
+    status: MemoryStatus,
+    conversation: &str,
+    turns: Option<usize>,
+) {
+    let headers = response.headers_mut();
+    headers.insert(STATUS_HEADER, HeaderValue::from_static(status.as_str()));
+    if let Ok(value) = HeaderValue::from_str(conversation) {
+        headers.insert(CONVERSATION_ID_HEADER, value);
+    }
+    if let Some(turns) = turns {
+        headers.insert(TURNS_HEADER, HeaderValue::from(turns));
+    }
+}

@@ -1,0 +1,374 @@
+//! The storage contract (`engine.rs`), tested once for every engine: each test is a function of
+//! `&dyn Engine`, and `contract_tests!` runs all of them against one engine. A new engine adds
+//! one line at the bottom.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::value::RawValue;
+
+use super::engine::{Engine, Scope, Version, Write};
+use super::records::{ConversationMeta, Origin, StoredMessage, TtlRecord};
+use super::{Durability, StoreError};
+use crate::identity::{ConversationKey, TenantId};
+use crate::message::Role;
+
+fn key(tenant: &str, agent: &str, conversation: &str) -> ConversationKey {
+    ConversationKey {
+        tenant: TenantId::from_token(Some(tenant)),
+        agent: agent.into(),
+        conversation: conversation.into(),
+    }
+}
+
+fn message(turn: u64, text: &str) -> StoredMessage {
+    StoredMessage {
+        turn,
+        role: if turn % 2 == 1 {
+            Role::User
+        } else {
+            Role::Assistant
+        },
+        origin: Origin::Client,
+        at_ms: 1_000 + turn as i64,
+        tokens: 2,
+        fingerprint: turn * 7,
+        message: RawValue::from_string(
+            serde_json::json!({"role": "user", "content": text}).to_string(),
+        )
+        .unwrap(),
+    }
+}
+
+fn meta(id: u64, next_turn: u64, count: u64) -> ConversationMeta {
+    let mut meta = ConversationMeta::new(id, 1_000);
+    meta.next_turn = next_turn;
+    meta.message_count = count;
+    meta.total_tokens = count * 2;
+    meta
+}
+
+/// Stores turns `1..=n` in a new conversation at `key`; returns its id and version.
+fn create(engine: &dyn Engine, key: &ConversationKey, n: u64) -> (u64, Version) {
+    let id = engine.new_id().unwrap();
+    let messages: Vec<StoredMessage> = (1..=n).map(|t| message(t, &format!("m{t}"))).collect();
+    let version = engine
+        .write(
+            key,
+            &Version::absent(),
+            Write {
+                meta: &meta(id, n + 1, n),
+                remove_turns: &[],
+                add: &messages,
+                summaries: &[],
+            },
+        )
+        .unwrap();
+    (id, version)
+}
+
+fn texts(messages: &[StoredMessage]) -> Vec<String> {
+    messages
+        .iter()
+        .map(|m| {
+            let value: serde_json::Value = serde_json::from_str(m.message.get()).unwrap();
+            value["content"].as_str().unwrap().to_string()
+        })
+        .collect()
+}
+
+pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    assert!(engine.load(&k).unwrap().meta.is_none());
+    let (id, v1) = create(engine, &k, 2);
+    // Creating again against `absent` is stale: it exists now.
+    let again = engine.write(
+        &k,
+        &Version::absent(),
+        Write {
+            meta: &meta(id, 3, 2),
+            remove_turns: &[],
+            add: &[message(1, "other")],
+            summaries: &[],
+        },
+    );
+    assert!(matches!(again, Err(StoreError::Stale)));
+    let v2 = engine
+        .write(
+            &k,
+            &v1,
+            Write {
+                meta: &meta(id, 4, 3),
+                remove_turns: &[],
+                add: &[message(3, "m3")],
+                summaries: &[],
+            },
+        )
+        .unwrap();
+    assert_ne!(v1, v2);
+    // A writer that planned on v1 is refused and changes nothing.
+    let stale = engine.write(
+        &k,
+        &v1,
+        Write {
+            meta: &meta(id, 5, 2),
+            remove_turns: &[1, 2],
+            add: &[message(4, "lost")],
+            summaries: &[(1, b"{}")],
+        },
+    );
+    assert!(matches!(stale, Err(StoreError::Stale)));
+    let loaded = engine.load(&k).unwrap();
+    assert_eq!(loaded.version, v2);
+    assert_eq!(loaded.meta.as_ref().unwrap().next_turn, 4);
+    assert_eq!(
+        loaded.entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+    assert!(engine.summaries(&k, id).unwrap().is_empty());
+    assert!(!engine.any_trace_of(b"lost").unwrap());
+}
+
+pub fn a_write_removes_adds_and_counts_atomically(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, v1) = create(engine, &k, 4);
+    engine
+        .write(
+            &k,
+            &v1,
+            Write {
+                meta: &meta(id, 6, 3),
+                remove_turns: &[1, 2],
+                add: &[message(5, "m5")],
+                summaries: &[(1, br#"{"n":1}"#)],
+            },
+        )
+        .unwrap();
+    let loaded = engine.load(&k).unwrap();
+    let entries = &loaded.entries;
+    assert_eq!(
+        entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
+        [3, 4, 5]
+    );
+    assert_eq!(
+        entries.iter().map(|e| e.cum_tokens).collect::<Vec<_>>(),
+        [2, 4, 6]
+    );
+    assert_eq!(entries[0].fingerprint, 21);
+    assert_eq!(entries[2].role, Role::User);
+    assert_eq!(engine.summaries(&k, id).unwrap().len(), 1);
+    assert!(!engine.any_trace_of(b"\"m1\"").unwrap());
+}
+
+pub fn reads_are_ordered(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, _) = create(engine, &k, 6);
+    let asked = engine.messages(&k, id, &[5, 2, 3]).unwrap();
+    assert_eq!(texts(&asked), ["m5", "m2", "m3"]);
+    assert_eq!(asked[0].turn, 5);
+    assert!(matches!(
+        engine.messages(&k, id, &[2, 99]),
+        Err(StoreError::Corrupt(_))
+    ));
+    assert_eq!(
+        texts(&engine.range(&k, id, 2, 4).unwrap()),
+        ["m2", "m3", "m4"]
+    );
+    assert_eq!(engine.range(&k, id, 0, u64::MAX).unwrap().len(), 6);
+    assert!(engine.range(&k, id, 5, 4).unwrap().is_empty());
+    // Another conversation's id reads nothing of this one.
+    let (other, _) = create(engine, &key("t", "a", "d"), 1);
+    assert_eq!(
+        texts(&engine.range(&k, other, 0, u64::MAX).unwrap()),
+        ["m1"]
+    );
+}
+
+pub fn ids_are_never_reused(engine: &dyn Engine) {
+    let a = engine.new_id().unwrap();
+    let b = engine.new_id().unwrap();
+    assert_ne!(a, b);
+    let k = key("t", "a", "c");
+    let (first, _) = create(engine, &k, 1);
+    engine.delete(&k, None).unwrap().unwrap();
+    let (second, _) = create(engine, &k, 1);
+    assert_ne!(first, second);
+}
+
+pub fn summaries_are_fenced_by_the_conversation_id(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, _) = create(engine, &k, 2);
+    assert!(engine.latest_summary(&k, id).unwrap().is_none());
+    assert!(engine.put_summary(&k, id, 1, b"{\"n\":1}").unwrap());
+    assert!(engine.put_summary(&k, id, 2, b"{\"n\":2}").unwrap());
+    assert!(!engine.put_summary(&k, id + 1_000, 3, b"{}").unwrap());
+    assert!(
+        !engine
+            .put_summary(&key("t", "a", "nothing"), id, 1, b"{}")
+            .unwrap()
+    );
+    let all = engine.summaries(&k, id).unwrap();
+    assert_eq!(
+        all.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
+        [1, 2],
+        "oldest first"
+    );
+    assert_eq!(
+        engine.latest_summary(&k, id).unwrap().unwrap(),
+        b"{\"n\":2}".to_vec()
+    );
+    engine.delete(&k, None).unwrap().unwrap();
+    assert!(!engine.put_summary(&k, id, 3, b"{}").unwrap());
+    assert!(engine.summaries(&k, id).unwrap().is_empty());
+}
+
+pub fn ttl_records_page_and_orphans_go(engine: &dyn Engine) {
+    let record = |ms| TtlRecord {
+        ttl_ms: Some(ms),
+        set_ms: 5,
+    };
+    let stored = key("t", "a", "stored");
+    create(engine, &stored, 1);
+    engine.put_ttl(&stored, &record(10)).unwrap();
+    for i in 0..5 {
+        engine
+            .put_ttl(&key("t", "a", &format!("orphan{i}")), &record(20))
+            .unwrap();
+    }
+    assert_eq!(engine.ttl(&stored).unwrap(), Some(record(10)));
+    engine.put_ttl(&stored, &record(11)).unwrap();
+    assert_eq!(engine.ttl(&stored).unwrap(), Some(record(11)));
+    let mut seen = Vec::new();
+    let mut cursor: Option<Vec<u8>> = None;
+    for _ in 0..10 {
+        let (page, next) = engine.ttl_page(cursor.as_deref(), 2).unwrap();
+        assert!(page.len() <= 2);
+        seen.extend(page.into_iter().map(|(k, _)| k.conversation));
+        match next {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    seen.sort();
+    assert_eq!(seen.len(), 6, "{seen:?}");
+    assert!(!engine.drop_orphan_ttl(&stored).unwrap());
+    assert!(engine.drop_orphan_ttl(&key("t", "a", "orphan0")).unwrap());
+    assert!(!engine.drop_orphan_ttl(&key("t", "a", "orphan0")).unwrap());
+    assert!(engine.ttl(&key("t", "a", "orphan0")).unwrap().is_none());
+}
+
+pub fn listing_filters_and_pages(engine: &dyn Engine) {
+    for conversation in ["c1", "c2", "c3"] {
+        create(engine, &key("t1", "a", conversation), 1);
+    }
+    create(engine, &key("t1", "b", "c1"), 1);
+    create(engine, &key("t2", "a", "c1"), 1);
+    let t1 = TenantId::from_token(Some("t1"));
+    let scope = |agent| Scope {
+        tenant: Some(&t1),
+        agent,
+    };
+    let (all, next) = engine.list(scope(None), None, 100, 10_000).unwrap();
+    assert_eq!(all.len(), 4);
+    assert!(next.is_none());
+    assert!(all.iter().all(|(k, _)| k.tenant == t1));
+    let (agent_a, _) = engine.list(scope(Some("a")), None, 100, 10_000).unwrap();
+    assert_eq!(agent_a.len(), 3);
+    let (anyone, _) = engine.list(Scope::default(), None, 100, 10_000).unwrap();
+    assert_eq!(anyone.len(), 5);
+    // Pages of two, in key order, nothing seen twice.
+    let mut seen = Vec::new();
+    let mut cursor: Option<Vec<u8>> = None;
+    loop {
+        let (page, next) = engine
+            .list(scope(Some("a")), cursor.as_deref(), 2, 10_000)
+            .unwrap();
+        assert!(page.len() <= 2);
+        seen.extend(page.into_iter().map(|(k, _)| k.conversation));
+        match next {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["c1", "c2", "c3"]);
+    // A page that looked at its most keys ends early, with a cursor to go on from.
+    let (few, next) = engine.list(Scope::default(), None, 100, 2).unwrap();
+    assert!(few.len() <= 2);
+    assert!(next.is_some());
+}
+
+pub fn a_delete_leaves_nothing(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, _) = create(engine, &k, 3);
+    assert!(engine.put_summary(&k, id, 1, b"{\"secret\":1}").unwrap());
+    engine
+        .put_ttl(
+            &k,
+            &TtlRecord {
+                ttl_ms: None,
+                set_ms: 1,
+            },
+        )
+        .unwrap();
+    let kept = key("t", "a", "kept");
+    create(engine, &kept, 1);
+    // Not idle since before 0: kept.
+    assert!(engine.delete(&k, Some(0)).unwrap().is_none());
+    let deleted = engine.delete(&k, None).unwrap().unwrap();
+    assert_eq!((deleted.messages, deleted.summaries), (3, 1));
+    assert!(engine.load(&k).unwrap().meta.is_none());
+    assert!(engine.meta(&k).unwrap().is_none());
+    assert!(engine.ttl(&k).unwrap().is_none());
+    assert!(engine.range(&k, id, 0, u64::MAX).unwrap().is_empty());
+    for needle in [&b"\"m2\""[..], b"secret", b"\0c\0"] {
+        assert!(!engine.any_trace_of(needle).unwrap(), "{needle:?}");
+    }
+    assert!(engine.delete(&k, None).unwrap().is_none());
+    assert!(engine.meta(&kept).unwrap().is_some());
+    // Idle since before the cutoff: deleted.
+    assert!(engine.delete(&kept, Some(i64::MAX)).unwrap().is_some());
+}
+
+pub fn flush_and_readiness(engine: &dyn Engine) {
+    create(engine, &key("t", "a", "c"), 2);
+    engine.flush().unwrap();
+    assert!(engine.is_ready());
+    assert!(!engine.name().is_empty());
+}
+
+/// Runs every contract test against the engine `$make()` returns (with a guard that keeps its
+/// resources alive).
+macro_rules! contract_tests {
+    ($engine:ident, $make:expr) => {
+        mod $engine {
+            contract_tests!(@each $make;
+                a_write_is_checked_against_the_version,
+                a_write_removes_adds_and_counts_atomically,
+                reads_are_ordered,
+                ids_are_never_reused,
+                summaries_are_fenced_by_the_conversation_id,
+                ttl_records_page_and_orphans_go,
+                listing_filters_and_pages,
+                a_delete_leaves_nothing,
+                flush_and_readiness
+            );
+        }
+    };
+    (@each $make:expr; $($test:ident),*) => {
+        $(
+            #[test]
+            fn $test() {
+                let (engine, _guard) = ($make)();
+                super::$test(&*engine);
+            }
+        )*
+    };
+}
+
+fn sled() -> (Box<dyn Engine>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = super::SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+    let _ = Durability::Commit;
+    (Box::new(engine), dir)
+}
+
+contract_tests!(sled_engine, super::sled);

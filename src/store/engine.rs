@@ -1,0 +1,208 @@
+//! The storage contract: what the memory core needs of a storage engine, named from the
+//! caller's side. sled (embedded, the default) implements it in `sled_engine.rs`; a shared
+//! engine for several replicas (Redis) implements the same trait and runs the same contract
+//! tests (`contract.rs`, one line per engine).
+//!
+//! # The contract
+//!
+//! - **Conversations** are addressed by [`ConversationKey`] (tenant, agent, conversation). A
+//!   conversation's record ([`ConversationMeta`]) carries an `id` that names this life of the
+//!   conversation: ids come from [`Engine::new_id`], are never reused, and a conversation
+//!   deleted and started again gets a new one. Its messages are numbered by `turn`, which only
+//!   grows.
+//! - **Versions.** [`Engine::load`] returns the conversation as stored and its [`Version`].
+//!   [`Engine::write`] applies one [`Write`] (the new record, turns removed, messages added,
+//!   summaries added) atomically, and only if the stored version is still the one given:
+//!   otherwise it fails with [`StoreError::Stale`] and changes nothing. Readers never see half a
+//!   write. A write against [`Version::absent`] creates the conversation, and fails as stale if
+//!   it exists by then.
+//! - **Ordered reads.** [`Engine::messages`] reads the turns asked for, in the order asked; a
+//!   missing turn is [`StoreError::Corrupt`] (the caller's index said it was there).
+//!   [`Engine::range`] reads every stored turn in `from..=to`, in turn order.
+//! - **Summaries** are numbered records (opaque bytes) per conversation id. [`Engine::put_summary`]
+//!   writes one only if the conversation still has that id, checked atomically with the write,
+//!   so a summary finishing after a delete leaves nothing behind.
+//! - **TTL records** are one per conversation key, written without a version (last writer
+//!   wins); [`Engine::drop_orphan_ttl`] removes one only if its conversation does not exist,
+//!   checked atomically.
+//! - **Listing** walks conversations in key order ([`ConversationKey::to_bytes`]), filtered by
+//!   tenant and agent, a bounded page at a time. A cursor is the key bytes of the last
+//!   conversation a page looked at; a page may end early (few matches among many keys) and
+//!   then returns a cursor all the same.
+//! - **Delete** removes a conversation's record, messages, summaries and TTL record in one
+//!   atomic step; with `idle_before_ms` only if its last activity is older (checked in the same
+//!   step). Nothing of it is readable afterwards through any method.
+//! - **Durability**: a write is visible to every later read at once; [`Engine::flush`] returns
+//!   once every write acknowledged before it was called survives a crash of this process.
+//! - Every method may block (disk or network I/O): callers on an async runtime run them
+//!   where blocking is allowed.
+
+use crate::identity::{ConversationKey, TenantId};
+
+use super::StoreError;
+use super::records::{ConversationMeta, Deleted, Entry, StoredMessage, TtlRecord};
+
+/// A conversation's version as an engine last read it: a write is checked against it. Opaque
+/// to callers; two versions are equal only when nothing was written in between.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Version(Option<Vec<u8>>);
+
+impl Version {
+    /// The version of a conversation that is not stored.
+    pub fn absent() -> Version {
+        Version(None)
+    }
+
+    /// An engine's version token (for engines only).
+    pub fn of(token: impl Into<Vec<u8>>) -> Version {
+        Version(Some(token.into()))
+    }
+
+    /// The engine's token; `None` for a conversation that is not stored.
+    pub fn token(&self) -> Option<&[u8]> {
+        self.0.as_deref()
+    }
+}
+
+/// A conversation as stored: its record, its version, and one [`Entry`] per message in turn
+/// order.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub meta: Option<ConversationMeta>,
+    pub version: Version,
+    pub entries: Vec<Entry>,
+}
+
+/// One atomic change to a conversation.
+#[derive(Debug, Clone, Copy)]
+pub struct Write<'a> {
+    /// The conversation's record after the change.
+    pub meta: &'a ConversationMeta,
+    /// Turns to delete.
+    pub remove_turns: &'a [u64],
+    /// Messages to add, with their turns assigned.
+    pub add: &'a [StoredMessage],
+    /// Summary records to add, by number.
+    pub summaries: &'a [(u64, &'a [u8])],
+}
+
+/// Which conversations a listing covers.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Scope<'a> {
+    pub tenant: Option<&'a TenantId>,
+    pub agent: Option<&'a str>,
+}
+
+impl Scope<'_> {
+    /// True when `key` is in scope.
+    pub fn covers(&self, key: &ConversationKey) -> bool {
+        self.tenant.is_none_or(|t| *t == key.tenant) && self.agent.is_none_or(|a| a == key.agent)
+    }
+}
+
+/// A page of a bounded walk, and the cursor to go on from (`None`: the walk is over).
+pub type Page<T> = (Vec<T>, Option<Vec<u8>>);
+
+/// A storage engine. See the module documentation for the contract every engine keeps.
+pub trait Engine: Send + Sync + 'static {
+    /// The engine's name, for logs and `/readyz`.
+    fn name(&self) -> &'static str;
+
+    /// A conversation as stored (an empty [`Loaded`] when it is not).
+    fn load(&self, key: &ConversationKey) -> Result<Loaded, StoreError>;
+
+    /// The conversation's record as stored.
+    fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError>;
+
+    /// The messages of conversation `id` at `turns`, in the order asked.
+    fn messages(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        turns: &[u64],
+    ) -> Result<Vec<StoredMessage>, StoreError>;
+
+    /// Every stored message of conversation `id` with a turn in `from..=to`, in turn order.
+    fn range(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<StoredMessage>, StoreError>;
+
+    /// A conversation id never handed out before.
+    fn new_id(&self) -> Result<u64, StoreError>;
+
+    /// Applies `write` if the stored version is `expected`; returns the new version.
+    fn write(
+        &self,
+        key: &ConversationKey,
+        expected: &Version,
+        write: Write<'_>,
+    ) -> Result<Version, StoreError>;
+
+    /// Deletes everything of a conversation (see the contract); `None` when it was not
+    /// stored, or (with `idle_before_ms`) was used since.
+    fn delete(
+        &self,
+        key: &ConversationKey,
+        idle_before_ms: Option<i64>,
+    ) -> Result<Option<Deleted>, StoreError>;
+
+    /// The summary records of conversation `id`, by number, oldest first.
+    fn summaries(&self, key: &ConversationKey, id: u64) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
+
+    /// The newest summary record of conversation `id`.
+    fn latest_summary(&self, key: &ConversationKey, id: u64)
+    -> Result<Option<Vec<u8>>, StoreError>;
+
+    /// Writes summary `number` if the conversation at `key` still has the id `id`; false when
+    /// it does not (deleted, or started afresh).
+    fn put_summary(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        number: u64,
+        record: &[u8],
+    ) -> Result<bool, StoreError>;
+
+    /// The conversation's TTL record.
+    fn ttl(&self, key: &ConversationKey) -> Result<Option<TtlRecord>, StoreError>;
+
+    /// Writes the conversation's TTL record.
+    fn put_ttl(&self, key: &ConversationKey, record: &TtlRecord) -> Result<(), StoreError>;
+
+    /// Up to `limit` TTL records after the cursor `after`, in key order.
+    fn ttl_page(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError>;
+
+    /// Removes the TTL record of `key` if no conversation is stored there; true if removed.
+    fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError>;
+
+    /// Up to `limit` conversations in `scope` after the cursor `after`, in key order, looking
+    /// at no more than `max_scan` keys.
+    fn list(
+        &self,
+        scope: Scope<'_>,
+        after: Option<&[u8]>,
+        limit: usize,
+        max_scan: usize,
+    ) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError>;
+
+    /// Makes every write acknowledged so far durable.
+    fn flush(&self) -> Result<(), StoreError>;
+
+    /// True when the engine answers a read.
+    fn is_ready(&self) -> bool;
+
+    /// Bytes the engine takes (on disk, or in the server's memory).
+    fn size_bytes(&self) -> u64;
+
+    /// True when `needle` occurs in any stored key or value: a full scan, to prove a deletion
+    /// left no trace (tests, audits).
+    fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError>;
+}

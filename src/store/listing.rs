@@ -1,0 +1,88 @@
+//! Reading the store as an operator does: a conversation's record, all its messages,
+//! listing and paging by tenant and agent, the sweeper's walk, cache figures, and the full scan
+//! that proves a deletion left no trace.
+
+use std::sync::atomic::Ordering;
+
+use super::engine::{Page, Scope};
+use super::records::{ConversationMeta, ConversationSummary, StoredMessage};
+use super::{Store, StoreError};
+use crate::identity::ConversationKey;
+
+/// The most keys one listing call looks at.
+const MAX_LIST_SCAN: usize = 10_000;
+
+impl Store {
+    /// The stored record of a conversation, read from the engine (not the cache).
+    pub fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError> {
+        self.engine.meta(key)
+    }
+
+    /// Every stored message of the conversation `key` with record `meta`, in turn order.
+    pub fn all_messages(
+        &self,
+        key: &ConversationKey,
+        meta: &ConversationMeta,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        self.engine.range(key, meta.id, 0, u64::MAX)
+    }
+
+    /// Lists conversations in `scope` after the cursor `after`, at most `limit`, with their
+    /// summary counts and TTL records. Returns the page and the cursor of the next one.
+    pub fn list(
+        &self,
+        scope: Scope<'_>,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<ConversationSummary>, StoreError> {
+        let (page, next) = self.engine.list(scope, after, limit, MAX_LIST_SCAN)?;
+        let mut out = Vec::with_capacity(page.len());
+        for (key, meta) in page {
+            out.push(ConversationSummary {
+                summary_count: self.engine.summaries(&key, meta.id)?.len(),
+                ttl: self.engine.ttl(&key)?,
+                key,
+                meta,
+            });
+        }
+        Ok((out, next))
+    }
+
+    /// Up to `limit` conversations (key and record) after the cursor `after`, in key order:
+    /// the sweeper's bounded walk. The second value is false when the walk reached the end.
+    pub fn scan(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<(Vec<(ConversationKey, ConversationMeta)>, bool), StoreError> {
+        let (page, next) = self
+            .engine
+            .list(Scope::default(), after, limit, usize::MAX)?;
+        Ok((page, next.is_some()))
+    }
+
+    /// Conversations whose state is cached in memory.
+    pub fn cached_conversations(&self) -> u64 {
+        self.cache.run_pending_tasks();
+        self.cache.entry_count()
+    }
+
+    /// Lookups in the conversation cache so far, and how many missed.
+    pub fn cache_counts(&self) -> (u64, u64) {
+        (
+            self.cache_lookups.load(Ordering::Relaxed),
+            self.cache_misses.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Drops a conversation's cached state (it is read from the engine on next use).
+    pub fn invalidate(&self, key: &ConversationKey) {
+        self.cache.invalidate(key);
+    }
+
+    /// True when `needle` occurs in any stored key or value: a full scan, to prove a deletion
+    /// left no trace (tests, audits). Slow on a large store.
+    pub fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
+        self.engine.any_trace_of(needle)
+    }
+}

@@ -1,0 +1,497 @@
+//! The embedded engine: sled, in the data directory's `store/` folder. The default.
+//!
+//! Trees:
+//! - `conversations`: `tenant \0 agent \0 conversation` → [`ConversationMeta`] (JSON); the
+//!   record's bytes are the conversation's [`Version`];
+//! - `messages`: `conversation id (u64 BE) ++ turn (u64 BE)` → [`StoredMessage`] (JSON);
+//! - `summaries`: `conversation id (u64 BE) ++ summary number (u64 BE)` → record (JSON);
+//! - `ttl`: `tenant \0 agent \0 conversation` → [`TtlRecord`] (JSON).
+//!
+//! Every conditional write is one sled transaction over the trees it touches that first checks
+//! the conversation's record.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use sled::Transactional;
+use sled::transaction::{ConflictableTransactionError, TransactionError};
+
+use super::StoreError;
+use super::engine::{Engine, Loaded, Page, Scope, Version, Write};
+use super::records::{ConversationMeta, Deleted, Entry, StoredMessage, TtlRecord};
+use crate::identity::ConversationKey;
+
+/// How often a delete retries when a commit changed the conversation under it.
+const MAX_ATTEMPTS: usize = 8;
+
+/// How long [`open_locked`] waits for a previous holder of the database's file lock.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The sled engine.
+pub struct SledEngine {
+    db: sled::Db,
+    conversations: sled::Tree,
+    messages: sled::Tree,
+    summaries: sled::Tree,
+    ttl: sled::Tree,
+}
+
+impl std::fmt::Debug for SledEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SledEngine").finish_non_exhaustive()
+    }
+}
+
+impl From<sled::Error> for StoreError {
+    fn from(err: sled::Error) -> StoreError {
+        StoreError::Engine(Box::new(err))
+    }
+}
+
+fn message_key(id: u64, turn: u64) -> [u8; 16] {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&id.to_be_bytes());
+    key[8..].copy_from_slice(&turn.to_be_bytes());
+    key
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(value).map_err(|err| StoreError::Corrupt(err.to_string()))
+}
+
+fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|err| StoreError::Corrupt(err.to_string()))
+}
+
+/// The result of a transaction that answers `false` rather than aborting.
+fn done_or_false(result: Result<bool, TransactionError<()>>) -> Result<bool, StoreError> {
+    match result {
+        Ok(done) => Ok(done),
+        Err(TransactionError::Abort(())) => Ok(false),
+        Err(TransactionError::Storage(err)) => Err(err.into()),
+    }
+}
+
+/// The entries of `tree` whose keys come after `after` (all of them without one).
+fn keys_after(tree: &sled::Tree, after: Option<&[u8]>) -> sled::Iter {
+    match after {
+        Some(after) => {
+            let mut start = after.to_vec();
+            start.push(0);
+            tree.range(start..)
+        }
+        None => tree.iter(),
+    }
+}
+
+impl SledEngine {
+    /// Opens (or creates) the database in `dir`. `cache_bytes` is sled's page cache;
+    /// `flush_every` its own background flush (`None`: only explicit flushes).
+    pub fn open(
+        dir: &Path,
+        cache_bytes: u64,
+        flush_every: Option<std::time::Duration>,
+    ) -> Result<SledEngine, StoreError> {
+        let config = sled::Config::new()
+            .path(dir)
+            .cache_capacity(cache_bytes)
+            .flush_every_ms(flush_every.map(|d| d.as_millis().max(1) as u64));
+        let db = open_locked(&config)?;
+        Ok(SledEngine {
+            conversations: db.open_tree("conversations")?,
+            messages: db.open_tree("messages")?,
+            summaries: db.open_tree("summaries")?,
+            ttl: db.open_tree("ttl")?,
+            db,
+        })
+    }
+
+    fn remove_prefix(tree: &sled::Tree, prefix: &[u8]) -> Result<usize, StoreError> {
+        let mut batch = sled::Batch::default();
+        let mut count = 0;
+        for key in tree.scan_prefix(prefix).keys() {
+            batch.remove(key?);
+            count += 1;
+        }
+        if count > 0 {
+            tree.apply_batch(batch)?;
+        }
+        Ok(count)
+    }
+}
+
+impl Engine for SledEngine {
+    fn name(&self) -> &'static str {
+        "sled"
+    }
+
+    fn load(&self, key: &ConversationKey) -> Result<Loaded, StoreError> {
+        let Some(stored) = self.conversations.get(key.to_bytes())? else {
+            return Ok(Loaded::default());
+        };
+        let meta: ConversationMeta = decode(&stored)?;
+        let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
+        for item in self.messages.scan_prefix(meta.id.to_be_bytes()) {
+            let (_, value) = item?;
+            let message: StoredMessage = decode(&value)?;
+            let before = entries.last().map_or(0, |e| e.cum_tokens);
+            entries.push(Entry::new(&message, before));
+        }
+        Ok(Loaded {
+            meta: Some(meta),
+            version: Version::of(stored.to_vec()),
+            entries,
+        })
+    }
+
+    fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError> {
+        self.conversations
+            .get(key.to_bytes())?
+            .map(|bytes| decode(&bytes))
+            .transpose()
+    }
+
+    fn messages(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+        turns: &[u64],
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        turns
+            .iter()
+            .map(|&turn| {
+                let bytes = self
+                    .messages
+                    .get(message_key(id, turn))?
+                    .ok_or_else(|| StoreError::Corrupt(format!("turn {turn} is missing")))?;
+                decode(&bytes)
+            })
+            .collect()
+    }
+
+    fn range(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        if from > to {
+            return Ok(Vec::new());
+        }
+        self.messages
+            .range(message_key(id, from)..=message_key(id, to))
+            .map(|item| decode(&item?.1))
+            .collect()
+    }
+
+    fn new_id(&self) -> Result<u64, StoreError> {
+        Ok(self.db.generate_id()?)
+    }
+
+    fn write(
+        &self,
+        key: &ConversationKey,
+        expected: &Version,
+        write: Write<'_>,
+    ) -> Result<Version, StoreError> {
+        let key = key.to_bytes();
+        let id = write.meta.id;
+        let meta_bytes = encode(write.meta)?;
+        let added = write
+            .add
+            .iter()
+            .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let expected = expected.token();
+        let result = (&self.conversations, &self.messages, &self.summaries).transaction(
+            |(convs, msgs, sums)| {
+                if convs.get(&key)?.as_deref() != expected {
+                    return Err(ConflictableTransactionError::Abort(()));
+                }
+                for turn in write.remove_turns {
+                    msgs.remove(&message_key(id, *turn)[..])?;
+                }
+                for (k, v) in &added {
+                    msgs.insert(&k[..], v.as_slice())?;
+                }
+                for (number, record) in write.summaries {
+                    sums.insert(&message_key(id, *number)[..], *record)?;
+                }
+                convs.insert(key.as_slice(), meta_bytes.as_slice())?;
+                Ok(())
+            },
+        );
+        match result {
+            Ok(()) => Ok(Version::of(meta_bytes)),
+            Err(TransactionError::Abort(())) => Err(StoreError::Stale),
+            Err(TransactionError::Storage(err)) => Err(err.into()),
+        }
+    }
+
+    fn delete(
+        &self,
+        key: &ConversationKey,
+        idle_before_ms: Option<i64>,
+    ) -> Result<Option<Deleted>, StoreError> {
+        let key_bytes = key.to_bytes();
+        for _ in 0..MAX_ATTEMPTS {
+            let Some(stored_meta) = self.conversations.get(&key_bytes)? else {
+                self.ttl.remove(&key_bytes)?;
+                return Ok(None);
+            };
+            let meta: ConversationMeta = decode(&stored_meta)?;
+            if idle_before_ms.is_some_and(|cutoff| meta.last_activity_ms >= cutoff) {
+                return Ok(None);
+            }
+            let prefix = meta.id.to_be_bytes();
+            let message_keys = self
+                .messages
+                .scan_prefix(prefix)
+                .keys()
+                .collect::<Result<Vec<_>, _>>()?;
+            let summary_keys = self
+                .summaries
+                .scan_prefix(prefix)
+                .keys()
+                .collect::<Result<Vec<_>, _>>()?;
+            let result = (
+                &self.conversations,
+                &self.messages,
+                &self.summaries,
+                &self.ttl,
+            )
+                .transaction(|(convs, msgs, sums, ttl)| {
+                    if convs.get(&key_bytes)?.as_ref() != Some(&stored_meta) {
+                        return Err(ConflictableTransactionError::Abort(()));
+                    }
+                    for k in &message_keys {
+                        msgs.remove(k)?;
+                    }
+                    for k in &summary_keys {
+                        sums.remove(k)?;
+                    }
+                    convs.remove(key_bytes.as_slice())?;
+                    ttl.remove(key_bytes.as_slice())?;
+                    Ok(())
+                });
+            match result {
+                Ok(()) => {
+                    // A writer that does not check the record (a summary written in the
+                    // background) may have added one since the scan: ids are never reused,
+                    // so anything left under this id is removed too.
+                    let late = Self::remove_prefix(&self.messages, &prefix)?
+                        + Self::remove_prefix(&self.summaries, &prefix)?;
+                    if late > 0 {
+                        tracing::debug!(late, "removed records written during a delete");
+                    }
+                    return Ok(Some(Deleted {
+                        messages: message_keys.len(),
+                        summaries: summary_keys.len(),
+                    }));
+                }
+                Err(TransactionError::Abort(())) => continue,
+                Err(TransactionError::Storage(err)) => return Err(err.into()),
+            }
+        }
+        Err(StoreError::Stale)
+    }
+
+    fn summaries(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+    ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        let mut out = Vec::new();
+        for item in self.summaries.scan_prefix(id.to_be_bytes()) {
+            let (key, value) = item?;
+            let number = key
+                .get(8..16)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_be_bytes);
+            out.push((number, value.to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn latest_summary(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        match self.summaries.scan_prefix(id.to_be_bytes()).next_back() {
+            None => Ok(None),
+            Some(item) => Ok(Some(item?.1.to_vec())),
+        }
+    }
+
+    fn put_summary(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        number: u64,
+        record: &[u8],
+    ) -> Result<bool, StoreError> {
+        let key_bytes = key.to_bytes();
+        let result = (&self.conversations, &self.summaries).transaction(|(convs, sums)| {
+            let current = match convs.get(&key_bytes)? {
+                None => None,
+                Some(bytes) => serde_json::from_slice::<ConversationMeta>(&bytes)
+                    .ok()
+                    .map(|m| m.id),
+            };
+            if current != Some(id) {
+                return Ok(false);
+            }
+            sums.insert(&message_key(id, number)[..], record)?;
+            Ok(true)
+        });
+        done_or_false(result)
+    }
+
+    fn ttl(&self, key: &ConversationKey) -> Result<Option<TtlRecord>, StoreError> {
+        self.ttl
+            .get(key.to_bytes())?
+            .map(|bytes| decode(&bytes))
+            .transpose()
+    }
+
+    fn put_ttl(&self, key: &ConversationKey, record: &TtlRecord) -> Result<(), StoreError> {
+        self.ttl.insert(key.to_bytes(), encode(record)?)?;
+        Ok(())
+    }
+
+    fn ttl_page(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
+        let mut out = Vec::new();
+        let mut last: Option<Vec<u8>> = None;
+        for item in keys_after(&self.ttl, after) {
+            if out.len() == limit {
+                return Ok((out, last));
+            }
+            let (key, value) = item?;
+            last = Some(key.to_vec());
+            if let Some(key) = ConversationKey::from_bytes(&key) {
+                out.push((key, decode(&value)?));
+            }
+        }
+        Ok((out, None))
+    }
+
+    fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError> {
+        let key_bytes = key.to_bytes();
+        let result = (&self.conversations, &self.ttl).transaction(|(convs, ttl)| {
+            if convs.get(&key_bytes)?.is_some() {
+                return Ok(false);
+            }
+            Ok(ttl.remove(key_bytes.as_slice())?.is_some())
+        });
+        done_or_false(result)
+    }
+
+    fn list(
+        &self,
+        scope: Scope<'_>,
+        after: Option<&[u8]>,
+        limit: usize,
+        max_scan: usize,
+    ) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError> {
+        // A tenant (and agent) is a key prefix: the walk starts there and ends past it.
+        let mut prefix = Vec::new();
+        if let Some(tenant) = scope.tenant {
+            prefix.extend_from_slice(tenant.as_str().as_bytes());
+            prefix.push(0);
+            if let Some(agent) = scope.agent {
+                prefix.extend_from_slice(agent.as_bytes());
+                prefix.push(0);
+            }
+        }
+        let start: Vec<u8> = match after {
+            Some(after) if after >= prefix.as_slice() => {
+                let mut start = after.to_vec();
+                start.push(0);
+                start
+            }
+            _ => prefix.clone(),
+        };
+        let mut out = Vec::new();
+        let mut last: Option<Vec<u8>> = None;
+        for (scanned, item) in self.conversations.range(start..).enumerate() {
+            let (key_bytes, value) = item?;
+            if !key_bytes.starts_with(&prefix) {
+                break;
+            }
+            // A filter that matches little must not walk the whole store in one call: the
+            // page ends early, with a cursor to go on from.
+            if scanned == max_scan {
+                return Ok((out, last));
+            }
+            let Some(key) = ConversationKey::from_bytes(&key_bytes) else {
+                last = Some(key_bytes.to_vec());
+                continue;
+            };
+            if !scope.covers(&key) {
+                last = Some(key_bytes.to_vec());
+                continue;
+            }
+            if out.len() == limit {
+                let cursor = out.last().map(|(k, _): &(ConversationKey, _)| k.to_bytes());
+                return Ok((out, cursor));
+            }
+            last = Some(key_bytes.to_vec());
+            out.push((key, decode(&value)?));
+        }
+        Ok((out, None))
+    }
+
+    fn flush(&self) -> Result<(), StoreError> {
+        self.db.flush()?;
+        Ok(())
+    }
+
+    fn is_ready(&self) -> bool {
+        self.conversations.get(b"\xff-readiness-probe").is_ok()
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.db.size_on_disk().unwrap_or(0)
+    }
+
+    fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
+        if needle.is_empty() {
+            return Ok(true);
+        }
+        let found = |bytes: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+        for name in self.db.tree_names() {
+            let tree = self.db.open_tree(&name)?;
+            for item in tree.iter() {
+                let (key, value) = item?;
+                if found(&key) || found(&value) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+}
+
+/// Opens the database. A store closed a moment ago in this process (a restart) can hold the
+/// file lock until sled's I/O threads let go of it, so a lock conflict is retried for a short
+/// while; a second process on the same data directory still gets the error.
+fn open_locked(config: &sled::Config) -> Result<sled::Db, sled::Error> {
+    let started = std::time::Instant::now();
+    loop {
+        match config.open() {
+            Err(sled::Error::Io(err))
+                if err.to_string().contains("could not acquire lock")
+                    && started.elapsed() < LOCK_WAIT =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            result => return result,
+        }
+    }
+}

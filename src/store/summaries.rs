@@ -1,0 +1,101 @@
+//! Summary records: stored by the engine under the conversation's id, each with a Markdown copy
+//! in the conversation's workspace folder for people to read
+//! (`memory/summary-{from}-{to}.md`).
+
+use serde_json::value::RawValue;
+
+use super::records::SummaryRecord;
+use super::{Conversation, Store, StoreError, workspace_dir};
+use crate::identity::ConversationKey;
+
+fn decode(bytes: &[u8]) -> Result<SummaryRecord, StoreError> {
+    serde_json::from_slice(bytes).map_err(|err| StoreError::Corrupt(err.to_string()))
+}
+
+impl Store {
+    /// The newest summary record of conversation `id`.
+    pub fn latest_summary(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+    ) -> Result<Option<SummaryRecord>, StoreError> {
+        self.engine
+            .latest_summary(key, id)?
+            .map(|bytes| decode(&bytes))
+            .transpose()
+    }
+
+    /// Every summary record of conversation `id`, oldest first.
+    pub fn summaries(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+    ) -> Result<Vec<SummaryRecord>, StoreError> {
+        self.engine
+            .summaries(key, id)?
+            .iter()
+            .map(|(_, bytes)| decode(bytes))
+            .collect()
+    }
+
+    /// The summary records of conversation `id` as stored (opaque JSON), by number: what an
+    /// export carries.
+    pub fn raw_summaries(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+    ) -> Result<Vec<(u64, Box<RawValue>)>, StoreError> {
+        self.engine
+            .summaries(key, id)?
+            .into_iter()
+            .map(|(number, bytes)| {
+                let text = String::from_utf8(bytes)
+                    .map_err(|_| StoreError::Corrupt("a summary record is not UTF-8".into()))?;
+                let raw = RawValue::from_string(text)
+                    .map_err(|err| StoreError::Corrupt(format!("a summary record: {err}")))?;
+                Ok((number, raw))
+            })
+            .collect()
+    }
+
+    /// Stores `record` for the conversation whose id was `id`, and writes its Markdown copy,
+    /// unless the conversation was deleted (or started afresh) meanwhile: then nothing is
+    /// written and the result is `false`. `conversation` is the locked conversation: a delete
+    /// takes the same lock, so no file outlives its conversation.
+    pub fn save_summary(
+        &self,
+        conversation: &Conversation,
+        id: u64,
+        record: &SummaryRecord,
+    ) -> Result<bool, StoreError> {
+        let key = &conversation.key;
+        let value =
+            serde_json::to_vec(record).map_err(|err| StoreError::Corrupt(err.to_string()))?;
+        if !self.engine.put_summary(key, id, record.number, &value)? {
+            return Ok(false);
+        }
+        let folder = workspace_dir(&self.data_dir, key).join("memory");
+        std::fs::create_dir_all(&folder)?;
+        let file = folder.join(format!(
+            "summary-{}-{}.md",
+            record.from_turn, record.to_turn
+        ));
+        let markdown = format!(
+            "# Summary of turns {}–{}{}\n\n- made: {} ms since epoch by {}\n- tokens: {} (from {}, ratio {:.2})\n\n{}\n",
+            record.from_turn,
+            record.to_turn,
+            if record.heuristic { " (heuristic)" } else { "" },
+            record.created_ms,
+            record.model,
+            record.tokens,
+            record.original_tokens,
+            record.ratio,
+            record.text
+        );
+        // Written aside and renamed, so a reader never sees half a file.
+        let partial = folder.join(format!(".summary-{}.partial", record.number));
+        std::fs::write(&partial, markdown)?;
+        std::fs::rename(&partial, &file)?;
+        Ok(true)
+    }
+}
