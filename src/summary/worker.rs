@@ -309,3 +309,163 @@ impl Summarizer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex as StdMutex;
+
+    use serde_json::value::RawValue;
+
+    use super::*;
+    use crate::identity::TenantId;
+    use crate::message::Role;
+    use crate::model::{Credentials, ModelError, ModelFuture, ModelReply};
+    use crate::store::{Change, Durability, Origin, StoreOptions};
+
+    /// A model that answers from a closure and remembers what it was asked: the summarizer is
+    /// tested without a socket.
+    struct FakeModel {
+        answer: Result<String, ModelError>,
+        asked: StdMutex<Vec<ModelRequest>>,
+    }
+
+    impl ModelCall for FakeModel {
+        fn complete(&self, request: ModelRequest) -> ModelFuture<'_> {
+            self.asked.lock().unwrap().push(request);
+            let answer = self.answer.clone().map(|text| ModelReply {
+                text,
+                prompt_tokens: 100,
+                completion_tokens: 10,
+            });
+            Box::pin(async move { answer })
+        }
+    }
+
+    fn config() -> CompressionConfig {
+        CompressionConfig {
+            prompt: "prev={prev_summary}\n{messages_joined}\nmax={max_summary_tokens}".into(),
+            timeout: Duration::from_secs(5),
+            concurrency: 1,
+            queue_capacity: 4,
+            retry_backoff: Duration::from_secs(60),
+            max_input_tokens: 10_000,
+            max_summary_tokens: 50,
+        }
+    }
+
+    /// A store holding one conversation of four messages; its key and id.
+    fn store_with_history(dir: &std::path::Path) -> (Arc<Store>, ConversationKey, u64) {
+        let options = StoreOptions {
+            durability: Durability::Interval(Duration::from_secs(1)),
+            page_cache_bytes: 1 << 20,
+            state_cache_bytes: 1 << 20,
+        };
+        let store = Arc::new(Store::open(dir, options).unwrap());
+        let key = ConversationKey {
+            tenant: TenantId::from_token(Some("t")),
+            agent: "a".into(),
+            conversation: "c".into(),
+        };
+        let add = (1..=4)
+            .map(|i| StoredMessage {
+                turn: 0,
+                role: if i % 2 == 1 {
+                    Role::User
+                } else {
+                    Role::Assistant
+                },
+                origin: Origin::Client,
+                at_ms: 1_000,
+                tokens: 5,
+                fingerprint: i,
+                message: RawValue::from_string(format!(
+                    r#"{{"role":"user","content":"fact {i}"}}"#
+                ))
+                .unwrap(),
+            })
+            .collect();
+        let handle = store.conversation(&key).unwrap();
+        let mut conversation = lock(&handle);
+        store
+            .commit(
+                &mut conversation,
+                Change {
+                    add,
+                    ..Change::default()
+                },
+            )
+            .unwrap();
+        let id = conversation.meta.as_ref().unwrap().id;
+        drop(conversation);
+        (store, key, id)
+    }
+
+    fn job(summarizer: &Summarizer, key: &ConversationKey, id: u64) -> Job {
+        Job {
+            key: key.clone(),
+            conversation_id: id,
+            upto_turn: 3,
+            model: "small".into(),
+            credentials: Credentials::new(vec![("authorization".into(), "Bearer k".into())]),
+            stand_in: false,
+            reservation: summarizer.reserve(key).unwrap(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_summary_is_made_through_the_model_trait_and_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, key, id) = store_with_history(dir.path());
+        let model = Arc::new(FakeModel {
+            answer: Ok("the user stated facts 1 to 3".into()),
+            asked: StdMutex::new(Vec::new()),
+        });
+        let summarizer = Summarizer::start(Arc::clone(&store), model.clone(), config());
+        let job = job(&summarizer, &key, id);
+        assert!(summarizer.in_flight(&key));
+        let record = summarizer.run_now(job).await.unwrap();
+        assert!(
+            !summarizer.in_flight(&key),
+            "the reservation went with the job"
+        );
+        assert_eq!((record.from_turn, record.to_turn), (1, 3));
+        assert_eq!(record.text, "the user stated facts 1 to 3");
+        assert_eq!(record.usage_prompt_tokens, 100);
+        assert_eq!(store.latest_summary(&key, id).unwrap(), Some(record));
+
+        let asked = model.asked.lock().unwrap();
+        let request = &asked[0];
+        assert_eq!((request.model.as_str(), request.task), ("small", TASK));
+        assert_eq!(request.credentials.pairs()[0].1, "Bearer k");
+        let prompt = &request.messages[0].content;
+        assert!(prompt.starts_with("prev=(none yet)\n"), "{prompt}");
+        assert!(prompt.contains("fact 1") && prompt.contains("fact 3"));
+        assert!(!prompt.contains("fact 4"), "only up to the job's turn");
+        assert!(prompt.ends_with("max=50"));
+        assert!(
+            !format!("{:?}", request.credentials).contains("Bearer"),
+            "credentials never print"
+        );
+        summarizer.shutdown(Duration::from_secs(1)).await;
+    }
+
+    #[tokio::test]
+    async fn a_failed_call_stores_nothing_and_backs_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, key, id) = store_with_history(dir.path());
+        let model = Arc::new(FakeModel {
+            answer: Err(ModelError::Status(503)),
+            asked: StdMutex::new(Vec::new()),
+        });
+        let summarizer = Summarizer::start(Arc::clone(&store), model, config());
+        let job = job(&summarizer, &key, id);
+        assert!(matches!(
+            summarizer.run_now(job).await,
+            Err(SummaryError::Model(ModelError::Status(503)))
+        ));
+        assert!(store.latest_summary(&key, id).unwrap().is_none());
+        assert!(summarizer.backing_off(&key));
+        assert_eq!(summarizer.counters.failed.load(Ordering::Relaxed), 1);
+        summarizer.shutdown(Duration::from_secs(1)).await;
+    }
+}

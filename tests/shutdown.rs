@@ -1,0 +1,129 @@
+//! Shutdown that loses nothing: streams in flight at SIGTERM finish and are stored before the
+//! store closes; a stream still open when the grace period ends is cut and stores nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use memproxy::config;
+use memproxy::mock_upstream::{MockOptions, MockUpstream};
+use memproxy::store::{Durability, Store, StoreOptions};
+use serde_json::json;
+use support::*;
+
+/// A proxy in front of `mock` with its data under `dir` and the given grace period.
+async fn start(mock: &MockUpstream, dir: &std::path::Path, grace: &str) -> Proxy {
+    let text = format!(
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"{grace}\"\n",
+        mock.base_url(),
+        dir.display()
+    );
+    Proxy::start_config(config::from_toml(&text, &|_| None).unwrap()).await
+}
+
+async fn open_stream(proxy: &Proxy, conversation: &str) -> hyper::body::Incoming {
+    let body = json!({"model": "gpt-4o-mini", "stream": true,
+        "messages": [user(&format!("question of {conversation}"))]});
+    let request = http::Request::post(proxy.url("/v1/chat/completions"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header("x-memory-conversation-id", conversation)
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let response = client().request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-memory-status"], "stored");
+    response.into_body()
+}
+
+/// The store of a stopped proxy, opened again as a restart would.
+fn reopen(dir: &std::path::Path) -> Store {
+    let options = StoreOptions {
+        durability: Durability::Commit,
+        page_cache_bytes: 1 << 20,
+        state_cache_bytes: 1 << 20,
+    };
+    Store::open(dir, options).unwrap()
+}
+
+#[tokio::test]
+async fn twenty_streams_in_flight_at_sigterm_all_complete_and_are_stored() {
+    let options = MockOptions {
+        stream_chunks: 8,
+        chunk_delay: Duration::from_millis(100),
+        record: false,
+    };
+    let mock = MockUpstream::start_with(options, None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, dir.path(), "PT20S").await;
+
+    let mut bodies = Vec::new();
+    for i in 0..20 {
+        let mut body = open_stream(&proxy, &format!("s{i}")).await;
+        // Each stream is under way: its first frame has arrived.
+        assert!(body.frame().await.unwrap().unwrap().data_ref().is_some());
+        bodies.push(body);
+    }
+    // SIGTERM with all 20 in flight.
+    let stopping = tokio::spawn(proxy.stop());
+    let readers: Vec<_> = bodies
+        .into_iter()
+        .map(|body| tokio::spawn(async move { body.collect().await.unwrap().to_bytes() }))
+        .collect();
+    for reader in readers {
+        let rest = reader.await.unwrap();
+        assert!(
+            rest.ends_with(b"data: [DONE]\n\n"),
+            "every stream ran to its end"
+        );
+    }
+    stopping.await.unwrap();
+
+    let store = reopen(dir.path());
+    for i in 0..20 {
+        let conversation = format!("s{i}");
+        assert_eq!(
+            summarize(&stored_in(&store, Some(TOKEN), &conversation)),
+            [
+                format!("user:question of {conversation}"),
+                format!("assistant:reply to: question of {conversation}")
+            ],
+            "{conversation}"
+        );
+    }
+    store.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_stream_open_past_the_grace_period_is_cut_and_stores_nothing() {
+    let options = MockOptions {
+        stream_chunks: 20,
+        chunk_delay: Duration::from_millis(300),
+        record: false,
+    };
+    let mock = MockUpstream::start_with(options, None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, dir.path(), "PT1S").await;
+
+    let mut body = open_stream(&proxy, "slow").await;
+    assert!(body.frame().await.unwrap().unwrap().data_ref().is_some());
+    let started = Instant::now();
+    let stopping = tokio::spawn(proxy.stop());
+    // The client sees the stream cut, never its end.
+    let rest = body.collect().await;
+    assert!(
+        rest.is_err() || !rest.unwrap().to_bytes().ends_with(b"data: [DONE]\n\n"),
+        "the stream was cut"
+    );
+    stopping.await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "shutdown waited for the grace period only, not for the stream ({:?})",
+        started.elapsed()
+    );
+    let store = reopen(dir.path());
+    assert!(stored_in(&store, Some(TOKEN), "slow").is_empty());
+    store.close().await.unwrap();
+}
