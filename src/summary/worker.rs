@@ -433,8 +433,7 @@ mod tests {
         assert_eq!(record.usage_prompt_tokens, 100);
         assert_eq!(store.latest_summary(&key, id).unwrap(), Some(record));
 
-        let asked = model.asked.lock().unwrap();
-        let request = &asked[0];
+        let request = model.asked.lock().unwrap()[0].clone();
         assert_eq!((request.model.as_str(), request.task), ("small", TASK));
         assert_eq!(request.credentials.pairs()[0].1, "Bearer k");
         let prompt = &request.messages[0].content;
