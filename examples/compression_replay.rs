@@ -33,10 +33,13 @@ use clap::Parser;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use memproxy::mock_upstream::{MockUpstream, Reply};
 use memproxy::state::AppState;
 use memproxy::tokens;
 use serde_json::{Value, json};
+
+#[path = "../tests/support/mock_upstream.rs"]
+mod mock_upstream;
+use mock_upstream::{MockUpstream, Reply};
 
 #[derive(Parser)]
 struct Args {

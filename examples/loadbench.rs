@@ -51,10 +51,13 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use memproxy::mock_upstream::{MockOptions, MockUpstream};
 use serde_json::{Value, json};
 use tokio::io::AsyncReadExt;
 use tokio::sync::Semaphore;
+
+#[path = "../tests/support/mock_upstream.rs"]
+mod mock_upstream;
+use mock_upstream::{MockOptions, MockUpstream};
 
 /// Every request gives up after this long.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);

@@ -21,7 +21,6 @@
 //! [`identity`] (tenants and ids), [`message`] (the request's messages), [`reply`] and [`sse`]
 //! (reading the upstream's answer), [`tokens`] (tiktoken counts), [`error`] (the OpenAI-shaped
 //! error), [`body`] (body types), [`state`] (what requests share), [`cli`] (flags).
-//! [`mock_upstream`] is a test double used by tests, the evaluation and benchmarks.
 
 pub mod admin;
 pub mod body;
@@ -31,7 +30,6 @@ pub mod error;
 pub mod identity;
 pub mod message;
 pub mod metrics;
-pub mod mock_upstream;
 pub mod pipeline;
 pub mod recall;
 pub mod reply;
