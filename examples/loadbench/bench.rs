@@ -19,9 +19,10 @@ use crate::machine::{
     clock_ticks_per_second, dir_size, load_average, machine_line, source_state, status_kb,
 };
 use crate::report::{RunResult, fmt_us, mib, print_report, quantile, report_log, result_json};
+use crate::rng::Rng;
 use crate::scenarios::{Prefill, Target, prefill};
 use crate::tally::{Tally, Window};
-use crate::text::{Rng, sentence};
+use crate::text::sentence;
 
 /// Conversations per RSS-growth batch.
 pub const RSS_BATCH: usize = 1000;

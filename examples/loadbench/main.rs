@@ -38,7 +38,8 @@
 //! - [`args`]: the flags, and the modes and scenarios they select;
 //! - [`children`]: the two child processes (the mock upstream and memproxy) and their guard;
 //! - [`machine`]: what is read of the machine and its processes (`/proc`, git);
-//! - [`text`]: the synthetic message text (the word list is `words.txt`);
+//! - [`text`]: the synthetic message text (the word list is `words.txt`), drawn with [`rng`],
+//!   the seeded generator the benches and examples share;
 //! - [`client`]: one benchmark request, sent and read whole;
 //! - [`tally`]: what a run's answers add up to (latency histograms, errors);
 //! - [`load`]: the closed and open load loops, and CPU use over a run;
@@ -56,6 +57,8 @@ mod machine;
 #[path = "../../tests/support/mock_upstream.rs"]
 mod mock_upstream;
 mod report;
+#[path = "../../tests/support/rng.rs"]
+mod rng;
 mod scenarios;
 mod tally;
 mod text;

@@ -7,7 +7,8 @@ use serde_json::{Value, json};
 
 use crate::client::{Ctx, Spec, chat_request, send};
 use crate::machine::status_kb;
-use crate::text::{Rng, fnv, sentence};
+use crate::rng::Rng;
+use crate::text::{fnv, sentence};
 
 /// A pre-fill request (up to 10,000 messages at once) gives up after this long.
 pub const PREFILL_TIMEOUT: Duration = Duration::from_secs(300);

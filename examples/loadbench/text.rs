@@ -3,39 +3,19 @@
 
 use std::sync::LazyLock;
 
+use crate::rng::Rng;
+
 /// The words of the benchmark's text, one a line in `words.txt`; common words appear more than
 /// once, so they are drawn more often.
 static WORDS: LazyLock<Vec<&'static str>> =
     LazyLock::new(|| include_str!("words.txt").lines().collect());
-
-/// xorshift64*: a small seeded generator, enough for varied benchmark text.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 /// About 20 words (16 to 24) from [`WORDS`], as a sentence.
 pub fn sentence(rng: &mut Rng) -> String {
     let count = 16 + rng.below(9);
     let mut text = String::with_capacity(count * 8);
     for i in 0..count {
-        let word = WORDS[rng.below(WORDS.len())];
+        let word = *rng.pick(&WORDS);
         if i == 0 {
             let mut chars = word.chars();
             if let Some(first) = chars.next() {

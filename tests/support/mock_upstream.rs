@@ -1,8 +1,8 @@
 //! A mock OpenAI-compatible upstream, for tests, the recall evaluation and benchmarks. Never
 //! used on the proxy's request path, and not part of the memproxy crate: the integration tests
-//! reach it through `tests/support/mod.rs`, the examples and benches include this file with
-//! `#[path = ".../tests/support/mock_upstream.rs"] mod mock_upstream;`. It therefore imports
-//! nothing from memproxy, so that it stays a stand-in for an upstream the proxy does not know.
+//! reach it through `tests/support/mod.rs`, and the examples include this file with
+//! `#[path = ".../tests/support/mock_upstream.rs"] mod mock_upstream;`. It imports nothing from
+//! memproxy: it stands in for an upstream that knows nothing of the proxy.
 //!
 //! It listens on `127.0.0.1`, records every request it receives, and answers chat completions
 //! with JSON or SSE. By default the reply is `reply to: <last user text>`; tests queue scripted
