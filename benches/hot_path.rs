@@ -27,6 +27,10 @@ use memproxy::tokens;
 use serde_json::json;
 use serde_json::value::RawValue;
 
+#[path = "../tests/support/rng.rs"]
+mod rng;
+use rng::Rng;
+
 /// A question naming two rare words and two everyday ones.
 const QUESTION: &str = "what did we decide about the garden budget for enkaka and lomiter?";
 
@@ -97,32 +101,21 @@ const WORDS: &[&str] = &[
     "team",
 ];
 
-/// A deterministic generator (xorshift), so every run benchmarks the same text.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Half everyday words, half drawn from a long, skewed tail of 4,000 rarer ones (names,
-    /// numbers, topics), as conversation text is: most words are common, most content is rare.
-    fn sentence(&mut self, words: usize) -> String {
-        (0..words)
-            .map(|i| {
-                if i % 2 == 0 {
-                    WORDS[(self.next() % WORDS.len() as u64) as usize].to_string()
-                } else {
-                    let u = (self.next() % 1_000_000) as f64 / 1_000_000.0;
-                    rare_word((u * u * 4000.0) as usize)
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(" ")
-    }
+/// `words` words drawn with the seeded `rng`, so every run benchmarks the same text: half
+/// everyday words, half drawn from a long, skewed tail of 4,000 rarer ones (names, numbers,
+/// topics), as conversation text is: most words are common, most content is rare.
+fn sentence(rng: &mut Rng, words: usize) -> String {
+    (0..words)
+        .map(|i| {
+            if i % 2 == 0 {
+                rng.pick(WORDS).to_string()
+            } else {
+                let u = rng.below(1_000_000) as f64 / 1_000_000.0;
+                rare_word((u * u * 4000.0) as usize)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// A pronounceable made-up word for rank `n`.
@@ -146,7 +139,7 @@ fn message(role: Role, text: &str) -> Message {
 }
 
 fn conversation(n: usize, seed: u64) -> Vec<Message> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     (0..n)
         .map(|i| {
             let role = if i % 2 == 0 {
@@ -154,7 +147,7 @@ fn conversation(n: usize, seed: u64) -> Vec<Message> {
             } else {
                 Role::Assistant
             };
-            message(role, &rng.sentence(20))
+            message(role, &sentence(&mut rng, 20))
         })
         .collect()
 }
@@ -313,20 +306,20 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
     }
     group.finish();
 
-    let text = Rng(11).sentence(60);
+    let text = sentence(&mut Rng::new(11), 60);
     c.bench_function("tokens_new_message_60_words", |b| {
         b.iter(|| black_box(tokens::count_message(Some("gpt-4o"), &text)))
     });
 
     // A commit of one exchange (user message + reply) with its group flush to disk.
     let f = fixture(runtime, 10);
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     c.bench_function("commit_with_flush", |b| {
         b.iter(|| {
-            let question = message(Role::User, &rng.sentence(12));
+            let question = message(Role::User, &sentence(&mut rng, 12));
             let p = plan(&f.state.memory, &f.key, &settings(), None, vec![question]).unwrap();
             let reply = RawValue::from_string(
-                json!({"role": "assistant", "content": rng.sentence(12)}).to_string(),
+                json!({"role": "assistant", "content": sentence(&mut rng, 12)}).to_string(),
             )
             .unwrap();
             runtime

@@ -33,10 +33,16 @@ use clap::Parser;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use memproxy::mock_upstream::{MockUpstream, Reply};
 use memproxy::state::AppState;
 use memproxy::tokens;
 use serde_json::{Value, json};
+
+#[path = "../tests/support/mock_upstream.rs"]
+mod mock_upstream;
+#[path = "../tests/support/rng.rs"]
+mod rng;
+use mock_upstream::{MockUpstream, Reply};
+use rng::Rng;
 
 #[derive(Parser)]
 struct Args {
@@ -70,28 +76,15 @@ const WORDS: &[&str] = &[
     "address", "phone", "concert", "team", "plan", "idea", "price", "review", "lesson",
 ];
 
-struct Rng(u64);
+/// The user message of turn `turn`: 24 words.
+fn sentence(rng: &mut Rng, turn: usize) -> String {
+    words(rng, turn, 24)
+}
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn sentence(&mut self, turn: usize) -> String {
-        self.words(turn, 24)
-    }
-    fn words(&mut self, turn: usize, n: usize) -> String {
-        let words: Vec<&str> = (0..n)
-            .map(|_| WORDS[(self.next() % WORDS.len() as u64) as usize])
-            .collect();
-        format!(
-            "Turn {turn}: {} ({}).",
-            words.join(" "),
-            self.next() % 100_000
-        )
-    }
+/// `Turn N: `, `n` words and a number, so that no two texts are alike.
+fn words(rng: &mut Rng, turn: usize, n: usize) -> String {
+    let words: Vec<&str> = (0..n).map(|_| *rng.pick(WORDS)).collect();
+    format!("Turn {turn}: {} ({}).", words.join(" "), rng.below(100_000))
 }
 
 fn prompt_tokens(messages: &[Value]) -> u64 {
@@ -237,7 +230,7 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
     let harness = Harness::start(scenario, args, args.exchanges).await;
     let (mock, addr) = (&harness.mock, harness.addr);
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     let mut history: Vec<Value> = Vec::new();
     let mut outcome = Outcome {
         tokens: vec![],
@@ -246,7 +239,7 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
     };
     let mut last_label = "none".to_string();
     for turn in 1..=args.exchanges {
-        let message = json!({"role": "user", "content": rng.sentence(turn)});
+        let message = json!({"role": "user", "content": sentence(&mut rng, turn)});
         let messages = if scenario == Scenario::FullHistory {
             history.push(message);
             history.clone()
@@ -254,7 +247,7 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
             vec![message]
         };
         if args.reply_words > 0 {
-            mock.push(Reply::Text(rng.words(turn, args.reply_words)));
+            mock.push(Reply::Text(words(&mut rng, turn, args.reply_words)));
         }
         tokio::time::sleep(Duration::from_millis(args.turn_pause_ms)).await;
         let conversation = (scenario != Scenario::FullHistory).then_some("replay");
@@ -314,17 +307,17 @@ async fn trigger_latency(
             agent: "default".into(),
             conversation: id.clone(),
         };
-        let mut rng = Rng(1000 + sample as u64);
+        let mut rng = Rng::new(1000 + sample as u64);
         let mut latency = Vec::new();
         // Bounded: the threshold is crossed long before this.
         for turn in 1..=args.exchanges.max(2000) {
             if args.reply_words > 0 {
                 harness
                     .mock
-                    .push(Reply::Text(rng.words(turn, args.reply_words)));
+                    .push(Reply::Text(words(&mut rng, turn, args.reply_words)));
             }
             harness.mock.clear();
-            let message = json!({"role": "user", "content": rng.sentence(turn)});
+            let message = json!({"role": "user", "content": sentence(&mut rng, turn)});
             tokio::time::sleep(Duration::from_millis(args.turn_pause_ms)).await;
             let (_, _, took) = send(&client, harness.addr, Some(&id), &[message]).await;
             latency.push(took.as_secs_f64() * 1e3);

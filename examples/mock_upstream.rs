@@ -1,5 +1,6 @@
-//! Runs the in-library mock OpenAI-compatible upstream as a standalone server, for end-to-end
-//! tests with real SDKs (see `tests/e2e/`) and for trying memproxy by hand.
+//! Runs the mock OpenAI-compatible upstream of the tests (`tests/support/mock_upstream.rs`) as a
+//! standalone server, for end-to-end tests with real SDKs (see `tests/e2e/`) and for trying
+//! memproxy by hand.
 //!
 //! ```text
 //! cargo run --example mock_upstream -- --listen 127.0.0.1:9000
@@ -17,7 +18,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use memproxy::mock_upstream::{MockOptions, MockUpstream};
+
+#[path = "../tests/support/mock_upstream.rs"]
+mod mock_upstream;
+use mock_upstream::{MockOptions, MockUpstream};
 
 /// A mock OpenAI-compatible upstream for memproxy's end-to-end tests.
 #[derive(Debug, Parser)]

@@ -42,11 +42,14 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use memproxy::mock_upstream::{MockOptions, MockUpstream, Reply};
 use memproxy::state::AppState;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
+
+#[path = "../tests/support/mock_upstream.rs"]
+mod mock_upstream;
+use mock_upstream::{MockOptions, MockUpstream, Reply};
 
 type BoxResult<T> = Result<T, Box<dyn Error>>;
 

@@ -32,8 +32,6 @@ pub mod identity;
 pub mod memory;
 pub mod message;
 pub mod metrics;
-#[doc(hidden)]
-pub mod mock_upstream;
 pub mod model;
 pub mod pipeline;
 pub mod proxy;

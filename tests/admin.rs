@@ -6,9 +6,9 @@ mod support;
 #[path = "support/admin.rs"]
 mod support_admin;
 
-use memproxy::mock_upstream::MockUpstream;
 use memproxy::store::workspace_dir;
 use serde_json::{Value, json};
+use support::mock_upstream::MockUpstream;
 use support::*;
 use support_admin::*;
 
@@ -862,7 +862,7 @@ async fn preview_and_stats_show_the_summary() {
 /// until then a summary finishing after the delete is written under the deleted id.
 #[tokio::test]
 async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
-    use memproxy::mock_upstream::Reply;
+    use support::mock_upstream::Reply;
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = start_admin(&mock, dir.path(), "").await;

@@ -10,8 +10,8 @@ mod support_admin;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use memproxy::mock_upstream::MockUpstream;
 use serde_json::Value;
+use support::mock_upstream::MockUpstream;
 use support::*;
 use support_admin::*;
 

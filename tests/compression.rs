@@ -7,10 +7,10 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use memproxy::mock_upstream::{MockUpstream, Reply};
 use memproxy::store::workspace_dir;
 use memproxy::summary;
 use serde_json::{Value, json};
+use support::mock_upstream::{MockUpstream, Reply};
 use support::*;
 
 /// A small threshold so a few exchanges cross it.

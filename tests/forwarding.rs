@@ -6,8 +6,8 @@ mod support;
 
 use std::time::Duration;
 
-use memproxy::mock_upstream::{MockUpstream, Reply};
 use serde_json::json;
+use support::mock_upstream::{MockUpstream, Reply};
 use support::*;
 
 #[tokio::test]

@@ -5,8 +5,8 @@
 mod support;
 
 use memproxy::message::check_tool_sequence;
-use memproxy::mock_upstream::{MockUpstream, Reply};
 use serde_json::{Value, json};
+use support::mock_upstream::{MockUpstream, Reply};
 use support::*;
 
 #[tokio::test]

@@ -7,9 +7,9 @@ mod support;
 #[path = "support/admin.rs"]
 mod support_admin;
 
-use memproxy::mock_upstream::MockUpstream;
 use prometheus_parse::{Scrape, Value};
 use serde_json::json;
+use support::mock_upstream::MockUpstream;
 use support::*;
 use support_admin::*;
 

@@ -5,9 +5,9 @@
 mod support;
 
 use memproxy::message::check_tool_sequence;
-use memproxy::mock_upstream::{MockUpstream, Reply};
 use memproxy::pipeline::budget::TRUNCATION_NOTICE;
 use serde_json::{Value, json};
+use support::mock_upstream::{MockUpstream, Reply};
 use support::*;
 
 const FILLER: [&str; 8] = [

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use memproxy::config;
-use memproxy::mock_upstream::{MockOptions, MockUpstream};
 use memproxy::store::{Durability, Store, StoreOptions};
 use serde_json::json;
+use support::mock_upstream::{MockOptions, MockUpstream};
 use support::*;
 
 /// A proxy in front of `mock` with its data under `dir` and the given grace period.

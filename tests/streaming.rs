@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use memproxy::mock_upstream::{MockOptions, MockUpstream, Reply};
 use serde_json::{Value, json};
+use support::mock_upstream::{MockOptions, MockUpstream, Reply};
 use support::*;
 
 fn stream_body(text: &str) -> Value {

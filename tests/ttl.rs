@@ -9,8 +9,8 @@ mod support_admin;
 use std::time::Duration;
 
 use memproxy::config;
-use memproxy::mock_upstream::MockUpstream;
 use memproxy::ttl::{Cursor, sweep_pass};
+use support::mock_upstream::MockUpstream;
 use support::*;
 use support_admin::*;
 

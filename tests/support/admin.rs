@@ -4,11 +4,10 @@
 
 use std::path::Path;
 
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::{Answer, Proxy, send};
 use memproxy::config;
 use memproxy::identity::TenantId;
-use memproxy::mock_upstream::MockUpstream;
-
-use crate::support::{Answer, Proxy, send};
 
 pub const ADMIN_TOKEN: &str = "admin-token-for-tests";
 

@@ -1,6 +1,9 @@
 //! Shared helpers for the integration tests: a real memproxy started in-process on
-//! `127.0.0.1:0` against the in-process mock upstream, and one HTTP client helper.
+//! `127.0.0.1:0` against the in-process mock upstream ([`mock_upstream`]), and one HTTP client
+//! helper.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+pub mod mock_upstream;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -14,7 +17,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use memproxy::config::{self, Config};
 use memproxy::identity::{ConversationKey, TenantId};
-use memproxy::mock_upstream::MockUpstream;
 use memproxy::server;
 use memproxy::state::AppState;
 use memproxy::store::{Store, StoredMessage, lock};
@@ -22,6 +24,8 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+
+use self::mock_upstream::MockUpstream;
 
 pub const TOKEN: &str = "sk-test-one";
 

@@ -1,11 +1,16 @@
 //! A mock OpenAI-compatible upstream, for tests, the recall evaluation and benchmarks. Never
-//! used on the proxy's request path.
+//! used on the proxy's request path, and not part of the memproxy crate: the integration tests
+//! reach it through `tests/support/mod.rs`, and the examples include this file with
+//! `#[path = ".../tests/support/mock_upstream.rs"] mod mock_upstream;`. It imports nothing from
+//! memproxy: it stands in for an upstream that knows nothing of the proxy.
 //!
 //! It listens on `127.0.0.1`, records every request it receives, and answers chat completions
 //! with JSON or SSE. By default the reply is `reply to: <last user text>`; tests queue scripted
 //! replies (text, tool calls, an error status, a delay, a stream cut midway) with
 //! [`MockUpstream::push`]. `GET /v1/models` lists one model; any other path echoes its method,
 //! path and body length as JSON.
+// Each target that includes this file uses a different part of it.
+#![allow(dead_code)]
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -18,7 +23,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode, header};
 use http_body::{Body, Frame};
-use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -27,7 +33,20 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
-use crate::body::{BoxError, ProxyBody, boxed, full};
+/// The header memproxy marks its own summary calls with (mirrors
+/// `memproxy::upstream::TASK_HEADER`); its value is `summary`.
+const TASK_HEADER: &str = "x-memproxy-task";
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The mock's response body: one buffer, or SSE events fed by a channel.
+type MockBody = UnsyncBoxBody<Bytes, BoxError>;
+
+fn full(bytes: impl Into<Bytes>) -> MockBody {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
 
 /// A request the mock received.
 #[derive(Debug, Clone)]
@@ -90,7 +109,7 @@ impl Default for MockOptions {
 struct Shared {
     recorded: Mutex<Vec<Recorded>>,
     script: Mutex<VecDeque<Reply>>,
-    /// Answers to memproxy's summary calls (requests with `x-memproxy-task: summary`).
+    /// Answers to memproxy's summary calls (requests whose [`TASK_HEADER`] is `summary`).
     summary_script: Mutex<VecDeque<Reply>>,
 }
 
@@ -204,7 +223,7 @@ impl MockUpstream {
 
 fn is_summary_call(r: &Recorded) -> bool {
     r.headers
-        .get("x-memproxy-task")
+        .get(TASK_HEADER)
         .is_some_and(|v| v.as_bytes() == b"summary")
 }
 
@@ -216,7 +235,7 @@ async fn answer(
     shared: &Shared,
     options: &MockOptions,
     request: Request<Incoming>,
-) -> Response<ProxyBody> {
+) -> Response<MockBody> {
     let (parts, body) = request.into_parts();
     let body = match body.collect().await {
         Ok(collected) => collected.to_bytes(),
@@ -303,7 +322,7 @@ async fn chat_answer(
     reply: Reply,
     auto: Reply,
     options: &MockOptions,
-) -> Response<ProxyBody> {
+) -> Response<MockBody> {
     let mut reply = reply;
     while let Reply::Delay(delay, inner) = reply {
         tokio::time::sleep(delay).await;
@@ -428,7 +447,7 @@ fn sse_events(model: &str, reply: Reply, chunks: usize, usage: bool) -> Vec<Resu
     events
 }
 
-fn json_response(status: StatusCode, value: Value) -> Response<ProxyBody> {
+fn json_response(status: StatusCode, value: Value) -> Response<MockBody> {
     let mut response = Response::new(full(value.to_string()));
     *response.status_mut() = status;
     response.headers_mut().insert(
@@ -438,7 +457,7 @@ fn json_response(status: StatusCode, value: Value) -> Response<ProxyBody> {
     response
 }
 
-fn sse_response(events: Vec<Result<String, ()>>, delay: Duration) -> Response<ProxyBody> {
+fn sse_response(events: Vec<Result<String, ()>>, delay: Duration) -> Response<MockBody> {
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
     tokio::spawn(async move {
         for (i, event) in events.into_iter().enumerate() {
@@ -454,7 +473,7 @@ fn sse_response(events: Vec<Result<String, ()>>, delay: Duration) -> Response<Pr
             }
         }
     });
-    let mut response = Response::new(boxed(ChannelBody { rx }));
+    let mut response = Response::new(ChannelBody { rx }.boxed_unsync());
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("text/event-stream"),

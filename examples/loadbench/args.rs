@@ -1,0 +1,89 @@
+//! The command line: the flags, and the modes and scenarios they select.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::load::Mode;
+use crate::scenarios::{SCENARIOS, Scenario};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "loadbench",
+    about = "Load benchmark: memproxy vs the mock upstream alone"
+)]
+pub struct Args {
+    /// Measured seconds per run (per scenario and mode).
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+    /// Warm-up seconds per run, not measured.
+    #[arg(long, default_value_t = 1.0)]
+    pub warmup: f64,
+    /// Smoke test: 1 s measured, 0.2 s warm-up per run.
+    #[arg(long)]
+    pub quick: bool,
+    /// Scenarios to run, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub scenarios: Option<Vec<String>>,
+    /// Modes, comma-separated: `cN` (closed loop, N tasks) and `open` (fixed rate).
+    #[arg(long, value_delimiter = ',', default_value = "c1,c64,open")]
+    pub modes: Vec<String>,
+    /// Open-loop rate, requests per second.
+    #[arg(long, default_value_t = 500)]
+    pub rate: u64,
+    /// memproxy's `server.worker_threads` (0: one per CPU, as by default).
+    #[arg(long, default_value_t = 0)]
+    pub proxy_threads: usize,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Internal: serve memproxy with this config file, print `port N`, serve until stdin closes.
+    #[arg(long, hide = true)]
+    pub serve_proxy: Option<PathBuf>,
+    /// Internal: serve the mock upstream, print `port N`, serve until stdin closes.
+    #[arg(long, hide = true)]
+    pub serve_mock: bool,
+}
+
+pub fn parse_modes(args: &Args) -> Result<Vec<Mode>, String> {
+    args.modes
+        .iter()
+        .map(|m| {
+            let m = m.trim();
+            if m == "open" {
+                return Ok(Mode::Open(args.rate.max(1)));
+            }
+            m.strip_prefix('c')
+                .and_then(|n| n.parse::<usize>().ok())
+                .filter(|&n| (1..=4096).contains(&n))
+                .map(Mode::Closed)
+                .ok_or_else(|| format!("unknown mode `{m}`: use cN (1..=4096) or open"))
+        })
+        .collect()
+}
+
+pub fn select_scenarios(args: &Args) -> Result<Vec<Scenario>, String> {
+    let Some(names) = &args.scenarios else {
+        return Ok(SCENARIOS.to_vec());
+    };
+    let wanted: BTreeSet<&str> = names
+        .iter()
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
+        .collect();
+    for name in &wanted {
+        if !SCENARIOS.iter().any(|s| s.name == *name) {
+            let all: Vec<&str> = SCENARIOS.iter().map(|s| s.name).collect();
+            return Err(format!(
+                "unknown scenario `{name}`; known: {}",
+                all.join(", ")
+            ));
+        }
+    }
+    Ok(SCENARIOS
+        .iter()
+        .filter(|s| wanted.contains(s.name))
+        .copied()
+        .collect())
+}

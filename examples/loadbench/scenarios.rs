@@ -1,0 +1,212 @@
+//! The scenarios (what is sent, to which process, against how much stored history) and the
+//! pre-filling of a scenario's conversation.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::client::{Ctx, Spec, chat_request, send};
+use crate::machine::status_kb;
+use crate::rng::Rng;
+use crate::text::{fnv, sentence};
+
+/// A pre-fill request (up to 10,000 messages at once) gives up after this long.
+pub const PREFILL_TIMEOUT: Duration = Duration::from_secs(300);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    Mock,
+    Proxy,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Scenario {
+    pub name: &'static str,
+    pub target: Target,
+    /// Messages stored in the conversation before the run (0: no conversation id).
+    pub prefill: usize,
+    pub persist: bool,
+    pub stream: bool,
+    /// Extra headers: the diagnostic scenarios turn one memory stage off.
+    pub headers: &'static [(&'static str, &'static str)],
+    pub baseline: &'static str,
+}
+
+pub const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "direct",
+        target: Target::Mock,
+        prefill: 0,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "passthrough",
+        target: Target::Proxy,
+        prefill: 0,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-10",
+        target: Target::Proxy,
+        prefill: 10,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-10-persist",
+        target: Target::Proxy,
+        prefill: 10,
+        persist: true,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-1k",
+        target: Target::Proxy,
+        prefill: 1000,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-1k-persist",
+        target: Target::Proxy,
+        prefill: 1000,
+        persist: true,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-10k",
+        target: Target::Proxy,
+        prefill: 10_000,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-10k-persist",
+        target: Target::Proxy,
+        prefill: 10_000,
+        persist: true,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-10k-norecall",
+        target: Target::Proxy,
+        prefill: 10_000,
+        persist: false,
+        stream: false,
+        headers: &[("x-memory-relevance-enabled", "false")],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "mem-10k-nocompress",
+        target: Target::Proxy,
+        prefill: 10_000,
+        persist: false,
+        stream: false,
+        headers: &[("x-memory-compression-enabled", "false")],
+        baseline: "direct",
+    },
+    Scenario {
+        name: "stream-direct",
+        target: Target::Mock,
+        prefill: 0,
+        persist: false,
+        stream: true,
+        headers: &[],
+        baseline: "stream-direct",
+    },
+    Scenario {
+        name: "stream-passthrough",
+        target: Target::Proxy,
+        prefill: 0,
+        persist: false,
+        stream: true,
+        headers: &[],
+        baseline: "stream-direct",
+    },
+    Scenario {
+        name: "stream-mem-1k",
+        target: Target::Proxy,
+        prefill: 1000,
+        persist: false,
+        stream: true,
+        headers: &[],
+        baseline: "stream-direct",
+    },
+];
+
+pub struct Prefill {
+    pub conversation: String,
+    pub messages: usize,
+    pub body_bytes: usize,
+    pub took: Duration,
+    pub turns: Option<u64>,
+    pub proxy_rss_after_kb: Option<u64>,
+}
+
+/// Stores `messages` messages in `conversation` with one request: `messages - 1` alternating
+/// user/assistant messages ending with a user message, plus the reply memproxy stores.
+pub async fn prefill(ctx: &Ctx, conversation: &str, messages: usize) -> Result<Prefill, String> {
+    let mut rng = Rng::new(fnv(conversation));
+    let list: Vec<Value> = (0..messages.saturating_sub(1))
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            json!({"role": role, "content": format!("{} [{conversation} #{i}]", sentence(&mut rng))})
+        })
+        .collect();
+    let body = json!({"model": "gpt-4o-mini", "messages": list}).to_string();
+    let body_bytes = body.len();
+    let spec = Spec {
+        uri: ctx.proxy_url.clone(),
+        conversation: Some(conversation.to_string()),
+        persist_false: false,
+        extra_headers: &[],
+        stream: false,
+        expect_memory: Some("stored"),
+    };
+    let request = chat_request(&spec, body)?;
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(PREFILL_TIMEOUT, send(&ctx.client, request))
+        .await
+        .map_err(|_| {
+            format!(
+                "pre-filling {conversation}: no answer within {} s",
+                PREFILL_TIMEOUT.as_secs()
+            )
+        })?
+        .map_err(|e| format!("pre-filling {conversation}: {e}"))?;
+    let took = started.elapsed();
+    if outcome.status != 200 || outcome.memory.as_deref() != Some("stored") {
+        return Err(format!(
+            "pre-filling {conversation}: HTTP {}, x-memory-status {:?}: {}",
+            outcome.status,
+            outcome.memory,
+            outcome.snippet()
+        ));
+    }
+    Ok(Prefill {
+        conversation: conversation.to_string(),
+        messages,
+        body_bytes,
+        took,
+        turns: outcome.turns,
+        proxy_rss_after_kb: status_kb(ctx.proxy_pid, "VmRSS"),
+    })
+}
