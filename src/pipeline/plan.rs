@@ -15,9 +15,10 @@ use super::window::window_start;
 use crate::identity::ConversationKey;
 use crate::memory::Memory;
 use crate::message::{Message, Role};
+use crate::model::Credentials;
 use crate::settings::MemorySettings;
 use crate::store::{StoreError, StoredMessage, lock};
-use crate::summary::{Job, SummaryRecord};
+use crate::summary::{DeferredSummary, Job, SummaryRecord};
 use crate::tokens;
 
 /// How long the stages of a plan took (the edge reports them as metrics).
@@ -225,6 +226,37 @@ pub fn plan(
         history_tokens,
         timings,
     })
+}
+
+/// Starts the summary a plan found due, with the triggering request's `credentials`: with
+/// `compression_async` (the default) it is returned as a [`DeferredSummary`], which queues the
+/// job for the background worker once dropped (the caller moves it into the response, so the
+/// job starts when the request is over); otherwise it is made now, and this request's prompt
+/// already carries it. A failure leaves the previous summary in place.
+pub async fn start_due(
+    memory: &Memory,
+    settings: &MemorySettings,
+    plan: &mut Plan,
+    credentials: Credentials,
+) -> Option<DeferredSummary> {
+    let mut job = plan.summary_due.take()?;
+    job.credentials = credentials;
+    if settings.compression_async {
+        return Some(DeferredSummary::new(Arc::clone(&memory.summarizer), job));
+    }
+    let started = std::time::Instant::now();
+    let result = memory.summarizer.run_now(job).await;
+    plan.timings.summary = Some(started.elapsed());
+    match result {
+        Ok(record) => {
+            plan.prompt.summary = super::summary::render(&record);
+            plan.summary = Some(record);
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "synchronous summary failed; using the previous one")
+        }
+    }
+    None
 }
 
 /// What recall searches with: the new messages, and when they continue a round (tool results)

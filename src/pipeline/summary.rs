@@ -5,17 +5,14 @@
 //! decides. Making the summary is the summarizer's job, off the hot path (or, with
 //! `compression_async = false`, awaited by the request before it is forwarded).
 
-use std::sync::Arc;
-
 use serde_json::value::RawValue;
 
 use super::assemble::SUMMARY_MARKER;
-use super::plan::Plan;
 use crate::memory::Memory;
 use crate::model::Credentials;
 use crate::settings::MemorySettings;
 use crate::store::{Conversation, StoreError, now_ms, tokens_between};
-use crate::summary::{DeferredSummary, Job, SummaryRecord, heuristic};
+use crate::summary::{Job, SummaryRecord, heuristic};
 
 /// What the summary stage decided.
 #[derive(Debug, Default)]
@@ -99,37 +96,6 @@ pub fn plan_summary(
         }
     }
     Ok(plan)
-}
-
-/// Starts the summary a plan found due, with the triggering request's `credentials`: with
-/// `compression_async` (the default) it is returned as a [`DeferredSummary`], which queues the
-/// job for the background worker once dropped (the caller moves it into the response, so the
-/// job starts when the request is over); otherwise it is made now, and this request's prompt
-/// already carries it. A failure leaves the previous summary in place.
-pub async fn start_due(
-    memory: &Memory,
-    settings: &MemorySettings,
-    plan: &mut Plan,
-    credentials: Credentials,
-) -> Option<DeferredSummary> {
-    let mut job = plan.summary_due.take()?;
-    job.credentials = credentials;
-    if settings.compression_async {
-        return Some(DeferredSummary::new(Arc::clone(&memory.summarizer), job));
-    }
-    let started = std::time::Instant::now();
-    let result = memory.summarizer.run_now(job).await;
-    plan.timings.summary = Some(started.elapsed());
-    match result {
-        Ok(record) => {
-            plan.prompt.summary = render(&record);
-            plan.summary = Some(record);
-        }
-        Err(err) => {
-            tracing::warn!(error = %err, "synchronous summary failed; using the previous one")
-        }
-    }
-    None
 }
 
 /// The summary as one system message.

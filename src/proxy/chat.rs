@@ -10,15 +10,15 @@ use http::{Response, request::Parts};
 use hyper::body::Incoming;
 
 use super::tee::{Pending, TeeBody};
-use super::{MemoryStatus, headers_of, set_memory_headers};
+use super::{MemoryStatus, commit, headers_of, set_memory_headers};
 use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
 use crate::message::ChatRequest;
 use crate::metrics::Stage;
 use crate::model::Credentials;
+use crate::pipeline::plan::start_due;
 use crate::pipeline::plan::{self, Plan, Timings};
-use crate::pipeline::summary::start_due;
 use crate::reply::reply_from_json;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
@@ -184,28 +184,6 @@ async fn before(
                 headers: HeaderMap::new(),
                 deferred: None,
             })
-        }
-    }
-}
-
-/// The `after` step's store: commits the exchange and records its time. A failure is logged
-/// here and becomes `X-Memory-Status: degraded`.
-pub async fn commit(
-    state: &AppState,
-    exchange: &crate::pipeline::commit::Exchange,
-    reply: Box<serde_json::value::RawValue>,
-) -> Result<usize, ()> {
-    let started = std::time::Instant::now();
-    match exchange.commit(&state.memory, reply).await {
-        Ok(count) => {
-            state
-                .metrics
-                .observe_stage(Stage::Commit, started.elapsed());
-            Ok(count)
-        }
-        Err(err) => {
-            tracing::error!(error = %err, "storing the exchange failed");
-            Err(())
         }
     }
 }

@@ -17,6 +17,7 @@ use hyper::body::Incoming;
 
 use crate::body::{ProxyBody, boxed};
 use crate::error::ProxyError;
+use crate::metrics::Stage;
 use crate::pipeline::plan::Plan;
 use crate::state::AppState;
 use crate::upstream::Forward;
@@ -81,6 +82,28 @@ pub async fn passthrough(
         .metrics
         .upstream(&mut head.extensions, forwarded.elapsed);
     Ok(Response::from_parts(head, boxed(body)))
+}
+
+/// The `after` step's store: commits the exchange and records its time. A failure is logged
+/// here and becomes `X-Memory-Status: degraded`.
+pub async fn commit(
+    state: &AppState,
+    exchange: &crate::pipeline::commit::Exchange,
+    reply: Box<serde_json::value::RawValue>,
+) -> Result<usize, ()> {
+    let started = std::time::Instant::now();
+    match exchange.commit(&state.memory, reply).await {
+        Ok(count) => {
+            state
+                .metrics
+                .observe_stage(Stage::Commit, started.elapsed());
+            Ok(count)
+        }
+        Err(err) => {
+            tracing::error!(error = %err, "storing the exchange failed");
+            Err(())
+        }
+    }
 }
 
 /// The headers that describe a plan: what was recalled, the prompt's size, the budget, the

@@ -1,11 +1,10 @@
 //! A summary job, from the moment a request finds one due until the worker is done with it:
-//! the [`Job`], the [`Reservation`] that marks its conversation busy, and the
-//! [`DeferredSummary`] that queues it once the request that found it is over.
+//! the [`Job`] and the [`Reservation`] that marks its conversation busy. (The
+//! `DeferredSummary` that queues a job once its request is over is the worker's.)
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use super::worker::Summarizer;
 use crate::identity::ConversationKey;
 use crate::model::Credentials;
 
@@ -44,34 +43,5 @@ impl std::fmt::Debug for Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         super::guard(&self.in_flight).remove(&self.key);
-    }
-}
-
-/// A summary job queued for the background worker when this value is dropped: after the
-/// answer was handed over, or whichever other way the request ends (an upstream error, a
-/// timeout, a client gone, a stream cut), so a due summary is never lost with its request.
-/// It moves with the response body, so "dropped" means "the request is over".
-#[derive(Debug)]
-pub struct DeferredSummary {
-    summarizer: Arc<Summarizer>,
-    job: Option<Job>,
-}
-
-impl DeferredSummary {
-    pub fn new(summarizer: Arc<Summarizer>, job: Job) -> DeferredSummary {
-        DeferredSummary {
-            summarizer,
-            job: Some(job),
-        }
-    }
-}
-
-impl Drop for DeferredSummary {
-    fn drop(&mut self) {
-        if let Some(job) = self.job.take()
-            && !self.summarizer.enqueue(job)
-        {
-            tracing::debug!("summary not queued: the queue is full or closed");
-        }
     }
 }

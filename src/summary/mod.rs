@@ -16,10 +16,12 @@ mod worker;
 use std::sync::Mutex;
 use std::time::Duration;
 
-pub use job::{DeferredSummary, Job, Reservation};
-pub use prompt::{DEFAULT_PROMPT, ratio};
-pub use worker::{Summarizer, SummaryCounters};
+pub use job::{Job, Reservation};
+pub use prompt::ratio;
+pub use worker::{DeferredSummary, Summarizer, SummaryCounters};
 
+/// The default summary prompt (it lives with the config, which must not import this module).
+pub use crate::config::DEFAULT_PROMPT;
 use crate::model::ModelError;
 use crate::store::StoreError;
 pub use crate::store::{MAX_CATCH_UP_CALLS, SummaryRecord};

@@ -4,26 +4,6 @@
 use crate::store::{StoredMessage, transcript_line};
 use crate::tokens;
 
-/// The default prompt: what a continuing conversation needs, in well under a third of the
-/// original's length.
-pub const DEFAULT_PROMPT: &str = "You maintain the running summary of a long conversation between a user and an AI assistant. \
-The summary replaces the old messages in the assistant's context, so keep everything a continuing conversation needs:
-- who the user is, and their preferences and constraints;
-- facts and identifiers stated (names, numbers, account ids, addresses, dates) exactly as written;
-- decisions made, and why;
-- tool calls made and their outcomes, errors and failures seen;
-- open tasks, promises and questions not yet answered.
-Merge the previous summary with the new messages into one updated summary. Drop small talk and repetition. \
-Write short factual bullet points in the conversation's language. Keep it under 30% of the length of the input below, and under {max_summary_tokens} tokens in all.
-
-Previous summary:
-{prev_summary}
-
-New messages (oldest first):
-{messages_joined}
-
-Updated summary:";
-
 /// The template filled in: `{prev_summary}` (or "(none yet)"), `{messages_joined}` (one
 /// transcript line per message) and `{max_summary_tokens}`.
 pub fn fill(

@@ -310,6 +310,35 @@ impl Summarizer {
     }
 }
 
+/// A summary job queued for the background worker when this value is dropped: after the
+/// answer was handed over, or whichever other way the request ends (an upstream error, a
+/// timeout, a client gone, a stream cut), so a due summary is never lost with its request.
+/// It moves with the response body, so "dropped" means "the request is over".
+#[derive(Debug)]
+pub struct DeferredSummary {
+    summarizer: Arc<Summarizer>,
+    job: Option<Job>,
+}
+
+impl DeferredSummary {
+    pub fn new(summarizer: Arc<Summarizer>, job: Job) -> DeferredSummary {
+        DeferredSummary {
+            summarizer,
+            job: Some(job),
+        }
+    }
+}
+
+impl Drop for DeferredSummary {
+    fn drop(&mut self) {
+        if let Some(job) = self.job.take()
+            && !self.summarizer.enqueue(job)
+        {
+            tracing::debug!("summary not queued: the queue is full or closed");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex as StdMutex;

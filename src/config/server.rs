@@ -1,0 +1,114 @@
+//! `[server]` (the listener, body limits, shutdown, threads) and `[log]`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::values::duration;
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+pub const DEFAULT_BODY_LIMIT_BYTES: usize = 32 * 1024 * 1024;
+/// The largest upstream JSON (non-streaming) chat response memproxy reads to capture a reply.
+pub const DEFAULT_RESPONSE_LIMIT_BYTES: usize = 64 * 1024 * 1024;
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    listen: Option<String>,
+    body_limit_bytes: Option<u64>,
+    response_limit_bytes: Option<u64>,
+    shutdown_grace: Option<String>,
+    worker_threads: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLog {
+    format: Option<String>,
+}
+
+/// `[server]`, checked.
+pub(super) struct Server {
+    pub listen: SocketAddr,
+    pub body_limit_bytes: usize,
+    pub response_limit_bytes: usize,
+    pub shutdown_grace: Duration,
+    pub worker_threads: Option<usize>,
+}
+
+/// Checks `[server]`; `listen` (from a flag or the environment) wins over the file.
+pub(super) fn check_server(
+    raw: RawServer,
+    listen: Option<String>,
+    problems: &mut Vec<String>,
+) -> Server {
+    let listen_text = listen
+        .or(raw.listen)
+        .unwrap_or_else(|| DEFAULT_LISTEN.to_string());
+    let listen = listen_text.parse::<SocketAddr>().unwrap_or_else(|_| {
+        problems.push(format!(
+            "server.listen: `{listen_text}` is not an address such as 127.0.0.1:8080"
+        ));
+        SocketAddr::from(([127, 0, 0, 1], 8080))
+    });
+
+    let body_limit_bytes = raw
+        .body_limit_bytes
+        .map_or(DEFAULT_BODY_LIMIT_BYTES, |n| n as usize);
+    if body_limit_bytes == 0 {
+        problems.push("server.body_limit_bytes: must be at least 1".to_string());
+    }
+    let response_limit_bytes = raw
+        .response_limit_bytes
+        .map_or(DEFAULT_RESPONSE_LIMIT_BYTES, |n| n as usize);
+    let shutdown_grace = duration(
+        "server.shutdown_grace",
+        raw.shutdown_grace,
+        DEFAULT_SHUTDOWN_GRACE,
+        problems,
+    );
+    let worker_threads = match raw.worker_threads {
+        None | Some(0) => None,
+        Some(n @ 1..=1024) => Some(n as usize),
+        Some(n) => {
+            problems.push(format!(
+                "server.worker_threads: {n} is too many (0 = one per CPU, at most 1024)"
+            ));
+            None
+        }
+    };
+    Server {
+        listen,
+        body_limit_bytes,
+        response_limit_bytes,
+        shutdown_grace,
+        worker_threads,
+    }
+}
+
+/// Checks `[log]`; `format` (from a flag or the environment) wins over the file.
+pub(super) fn check_log(
+    raw: RawLog,
+    format: Option<String>,
+    problems: &mut Vec<String>,
+) -> LogFormat {
+    let format_text = format.or(raw.format).unwrap_or_else(|| "text".to_string());
+    match format_text.as_str() {
+        "text" => LogFormat::Text,
+        "json" => LogFormat::Json,
+        other => {
+            problems.push(format!(
+                "log.format: `{other}` must be \"text\" or \"json\""
+            ));
+            LogFormat::Text
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! `[upstream]`: where requests go, with which key, and how long memproxy waits.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::values::{Secret, duration, secret_from_env};
+
+pub const DEFAULT_UPSTREAM: &str = "https://api.openai.com/v1";
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    /// The base URL including its version path, like an SDK's `base_url`.
+    pub base_url: http::Uri,
+    /// The key memproxy sends instead of the client's `Authorization`, when configured.
+    pub api_key: Option<Secret>,
+    pub connect_timeout: Duration,
+    /// How long to wait for the upstream's response head.
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUpstream {
+    base_url: Option<String>,
+    api_key_env: Option<String>,
+    connect_timeout: Option<String>,
+    timeout: Option<String>,
+}
+
+/// Checks `[upstream]`; `base_url` (from a flag or the environment) wins over the file, and
+/// `env` reads the variable `api_key_env` names.
+pub(super) fn check_upstream(
+    raw: RawUpstream,
+    base_url: Option<String>,
+    env: &dyn Fn(&str) -> Option<String>,
+    problems: &mut Vec<String>,
+) -> UpstreamConfig {
+    let base_text = base_url
+        .or(raw.base_url)
+        .unwrap_or_else(|| DEFAULT_UPSTREAM.to_string());
+    let base_url = parse_base_url(&base_text).unwrap_or_else(|why| {
+        problems.push(format!("upstream.base_url: `{base_text}` {why}"));
+        http::Uri::from_static(DEFAULT_UPSTREAM)
+    });
+    let api_key = raw
+        .api_key_env
+        .filter(|name| !name.is_empty())
+        .and_then(|name| secret_from_env("upstream.api_key_env", &name, env, problems));
+    UpstreamConfig {
+        base_url,
+        api_key,
+        connect_timeout: duration(
+            "upstream.connect_timeout",
+            raw.connect_timeout,
+            DEFAULT_CONNECT_TIMEOUT,
+            problems,
+        ),
+        timeout: duration(
+            "upstream.timeout",
+            raw.timeout,
+            DEFAULT_UPSTREAM_TIMEOUT,
+            problems,
+        ),
+    }
+}
+
+/// Checks an upstream base URL: `http` or `https`, a host, and a path (the version path) with
+/// no query.
+fn parse_base_url(text: &str) -> Result<http::Uri, &'static str> {
+    let uri: http::Uri = text
+        .trim_end_matches('/')
+        .parse()
+        .map_err(|_| "is not a URL")?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        _ => return Err("must start with http:// or https://"),
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err("has no host");
+    }
+    if uri.query().is_some() {
+        return Err("must not have a query");
+    }
+    Ok(uri)
+}
