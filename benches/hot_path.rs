@@ -18,6 +18,7 @@ use memproxy::identity::{ConversationKey, TenantId};
 use memproxy::message::{Message, Role};
 use memproxy::pipeline::plan::plan;
 use memproxy::pipeline::reconcile::{Mark, align};
+use memproxy::proxy::chat::limits;
 use memproxy::recall::index::Index;
 use memproxy::recall::tokenize::{Lang, terms};
 use memproxy::settings::MemorySettings;
@@ -226,6 +227,7 @@ fn run_plan(f: &Fixture, question: &Message) -> usize {
         &f.state.memory,
         &f.key,
         &settings(),
+        limits(&f.state),
         Some("gpt-4o-mini".into()),
         vec![question.clone()],
     )
@@ -317,13 +319,21 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
     c.bench_function("commit_with_flush", |b| {
         b.iter(|| {
             let question = message(Role::User, &sentence(&mut rng, 12));
-            let p = plan(&f.state.memory, &f.key, &settings(), None, vec![question]).unwrap();
+            let p = plan(
+                &f.state.memory,
+                &f.key,
+                &settings(),
+                limits(&f.state),
+                None,
+                vec![question],
+            )
+            .unwrap();
             let reply = RawValue::from_string(
                 json!({"role": "assistant", "content": sentence(&mut rng, 12)}).to_string(),
             )
             .unwrap();
             runtime
-                .block_on(p.exchange.commit(&f.state.memory, reply))
+                .block_on(p.exchange.commit(Arc::clone(&f.state.memory), reply))
                 .unwrap()
         })
     });

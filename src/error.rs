@@ -79,6 +79,9 @@ pub enum ProxyError {
     },
     #[error("request body is larger than the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
+    /// The request adds more to memory than one request may (`[limits]`).
+    #[error("{message}")]
+    LimitExceeded { message: String, code: &'static str },
     #[error("a valid client key is required: send `Authorization: Bearer <key>`")]
     Unauthorized,
     #[error("no route for {method} {path}")]
@@ -123,7 +126,9 @@ impl ApiError for ProxyError {
     fn status(&self) -> StatusCode {
         match self {
             ProxyError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
-            ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::PayloadTooLarge { .. } | ProxyError::LimitExceeded { .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
             ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
@@ -134,9 +139,9 @@ impl ApiError for ProxyError {
 
     fn kind(&self) -> &'static str {
         match self {
-            ProxyError::InvalidRequest { .. } | ProxyError::PayloadTooLarge { .. } => {
-                "invalid_request_error"
-            }
+            ProxyError::InvalidRequest { .. }
+            | ProxyError::PayloadTooLarge { .. }
+            | ProxyError::LimitExceeded { .. } => "invalid_request_error",
             ProxyError::Unauthorized => "authentication_error",
             ProxyError::NotFound { .. } => "not_found_error",
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout { .. } => {
@@ -150,6 +155,7 @@ impl ApiError for ProxyError {
         match self {
             ProxyError::InvalidRequest { code, .. } => code,
             ProxyError::PayloadTooLarge { .. } => "request_too_large",
+            ProxyError::LimitExceeded { code, .. } => code,
             ProxyError::Unauthorized => "invalid_api_key",
             ProxyError::NotFound { .. } => "not_found",
             ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
@@ -161,6 +167,7 @@ impl ApiError for ProxyError {
     fn param(&self) -> Option<&str> {
         match self {
             ProxyError::InvalidRequest { param, .. } => param.as_deref(),
+            ProxyError::LimitExceeded { .. } => Some("messages"),
             _ => None,
         }
     }

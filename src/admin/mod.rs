@@ -27,7 +27,7 @@ use crate::config::hash_key;
 use crate::error::json_response;
 use crate::identity::{ConversationKey, TenantId, bearer_token, is_valid_id};
 use crate::message::ChatRequest;
-use crate::pipeline::plan::plan;
+use crate::pipeline::plan::{PlanError, plan};
 use crate::settings::{self, MemorySettings};
 use crate::state::AppState;
 
@@ -253,13 +253,19 @@ fn preview(
     let mut request = ChatRequest::parse(body)
         .map_err(|err| AdminError::BadRequest(format!("the chat-completions body: {err}")))?;
     let messages = std::mem::take(&mut request.messages);
+    let limits = crate::proxy::chat::limits(state);
     let planned = plan(
         &state.memory,
         key,
         &settings,
+        limits,
         request.model.clone(),
         messages,
-    )?;
+    )
+    .map_err(|err| match err {
+        PlanError::Store(err) => AdminError::from(err),
+        limit => AdminError::BadRequest(limit.to_string()),
+    })?;
     let forwarded: Vec<Value> = planned
         .prompt
         .messages()

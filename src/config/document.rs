@@ -20,6 +20,7 @@ use super::ConfigError;
 use super::admin::RawAdmin;
 use super::auth::RawAuth;
 use super::compression::RawCompression;
+use super::limits::RawLimits;
 use super::server::{RawLog, RawServer};
 use super::storage::RawStorage;
 use super::sweeper::RawSweeper;
@@ -36,6 +37,7 @@ pub(super) struct RawConfig {
     pub admin: RawAdmin,
     pub sweeper: RawSweeper,
     pub compression: RawCompression,
+    pub limits: RawLimits,
     /// `[memory]`: checked key by key against the settings table.
     pub memory: toml::Table,
     /// `[agents.NAME]`: checked like `[memory]`.
@@ -64,6 +66,7 @@ impl RawConfig {
             admin: document.section("admin"),
             sweeper: document.section("sweeper"),
             compression: document.section("compression"),
+            limits: document.section("limits"),
             memory: document.section("memory"),
             agents: document.section("agents"),
         };

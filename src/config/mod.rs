@@ -11,7 +11,7 @@
 //! Order: built-in defaults ← config file ← overrides (`--flag` / `MEMPROXY_*`).
 //!
 //! Files: `document.rs` reads the TOML; `server.rs` (`[server]`, `[log]`), `upstream.rs`,
-//! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `compression.rs` (with the built-in
+//! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `compression.rs` (with the built-in
 //! summary prompt) and `agents.rs` (`[memory]`, `[agents.NAME]`) each hold a section's raw
 //! struct and its check; `values.rs` the checks they share (durations, counts, secrets). This
 //! module imports only the leaves `settings` and `identity`: configuration is read by every
@@ -22,6 +22,7 @@ mod agents;
 mod auth;
 mod compression;
 mod document;
+mod limits;
 mod server;
 mod storage;
 mod sweeper;
@@ -42,6 +43,7 @@ pub use compression::{
     DEFAULT_SUMMARY_CONCURRENCY, DEFAULT_SUMMARY_MAX_INPUT_TOKENS, DEFAULT_SUMMARY_QUEUE,
     DEFAULT_SUMMARY_TIMEOUT,
 };
+pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
 pub use server::{
     DEFAULT_BODY_LIMIT_BYTES, DEFAULT_LISTEN, DEFAULT_RESPONSE_LIMIT_BYTES, DEFAULT_SHUTDOWN_GRACE,
     LogFormat,
@@ -91,6 +93,8 @@ pub struct Config {
     pub protect_metrics: bool,
     pub sweeper: SweeperConfig,
     pub compression: CompressionConfig,
+    /// What one request may add to memory.
+    pub limits: LimitsConfig,
 }
 
 impl Config {
@@ -172,6 +176,7 @@ fn check(
     let admin = admin::check_admin(raw.admin, env, &mut problems);
     let sweeper = sweeper::check_sweeper(raw.sweeper, &mut problems);
     let compression = compression::check_compression(raw.compression, &mut problems);
+    let limits = limits::check_limits(raw.limits, &mut problems);
 
     if !problems.is_empty() {
         return Err(ConfigError { problems });
@@ -197,6 +202,7 @@ fn check(
         protect_metrics: admin.protect_metrics,
         sweeper,
         compression,
+        limits,
     })
 }
 

@@ -21,6 +21,17 @@ use crate::tokens;
 /// How often a commit re-plans against a conversation that keeps changing under it.
 const MAX_ATTEMPTS: usize = 4;
 
+/// The most stored messages one write trims; a longer trim goes in batches of this size.
+pub const TRIM_BATCH: usize = 512;
+
+/// A planned write: the change, how many stored messages it trims, and how many of the
+/// exchange's own oldest messages are left out to stay within `max_messages`.
+struct Planned {
+    change: Change,
+    trimmed: usize,
+    dropped_new: usize,
+}
+
 /// Everything a commit needs, prepared before the request is forwarded.
 #[derive(Debug)]
 pub struct Exchange {
@@ -45,9 +56,26 @@ pub struct Exchange {
 }
 
 impl Exchange {
-    /// Stores the new messages and `reply`, then waits for durability. Returns the number of
-    /// messages the conversation holds afterwards.
-    pub async fn commit(&self, memory: &Memory, reply: Box<RawValue>) -> Result<usize, StoreError> {
+    /// Stores the new messages and `reply` (on the blocking pool: the store's I/O and the wait
+    /// for the conversation's lock never hold a runtime thread), then waits for durability.
+    /// Returns the number of messages the conversation holds afterwards.
+    pub async fn commit(
+        self,
+        memory: Arc<Memory>,
+        reply: Box<RawValue>,
+    ) -> Result<usize, StoreError> {
+        let store = Arc::clone(&memory.store);
+        let count = tokio::task::spawn_blocking(move || self.write(&memory, reply))
+            .await
+            .map_err(|err| StoreError::Engine(Box::new(err)))??;
+        store.sync().await?;
+        Ok(count)
+    }
+
+    /// The commit's writes, under the conversation's lock: trims past [`TRIM_BATCH`] messages
+    /// go first in batches of their own (each an atomic write of whole old messages), then the
+    /// exchange and what is left to trim, in one atomic write.
+    fn write(&self, memory: &Memory, reply: Box<RawValue>) -> Result<usize, StoreError> {
         let store = &memory.store;
         let model = self.model.as_deref();
         let reply = Message::parse(reply, "reply")
@@ -62,50 +90,75 @@ impl Exchange {
             .map(|(m, tokens)| stored_message(m, Origin::Client, *tokens))
             .collect();
 
-        let message_count = {
-            let mut conversation = lock(&self.handle);
-            let mut attempt = 0;
-            loop {
-                attempt += 1;
-                let current = conversation.meta.as_ref().map(|m| m.next_turn);
-                let alignment = if current == self.planned_next_turn {
-                    self.alignment
-                } else {
-                    align(
-                        &conversation.entries,
-                        last_is_reply(&conversation.entries),
-                        &self.marks,
-                    )
+        let mut conversation = lock(&self.handle);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let current = conversation.meta.as_ref().map(|m| m.next_turn);
+            let alignment = if current == self.planned_next_turn {
+                self.alignment
+            } else {
+                align(
+                    &conversation.entries,
+                    last_is_reply(&conversation.entries),
+                    &self.marks,
+                )
+            };
+            let planned = self.change(&conversation.entries, alignment, &new, &reply);
+            if planned.trimmed > TRIM_BATCH {
+                // A long trim (a conversation far over `max_messages`) goes in batches, so no
+                // one write grows with it.
+                let batch: Vec<u64> = conversation.entries[..TRIM_BATCH]
+                    .iter()
+                    .map(|e| e.turn)
+                    .collect();
+                let trim = Change {
+                    remove_turns: batch.clone(),
+                    ..Change::default()
                 };
-                let change = self.change(&conversation.entries, alignment, &new, &reply);
-                let removed = change.remove_turns.clone();
-                let added_count = change.add.len();
-                let mut added_texts = self.still_new(alignment, &self.new_texts).to_vec();
-                added_texts.push(reply_search.clone());
-                match store.commit(&mut conversation, change) {
+                match store.commit(&mut conversation, trim) {
                     Ok(()) => {
-                        let entries = &conversation.entries;
-                        let added: Vec<(u64, String)> = entries[entries.len() - added_count..]
-                            .iter()
-                            .map(|e| e.turn)
-                            .zip(added_texts)
-                            .collect();
                         let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
-                        memory
-                            .recall
-                            .apply(&self.key, current, &removed, &added, after);
-                        break conversation.entries.len();
+                        memory.recall.apply(&self.key, current, &batch, &[], after);
+                        attempt = 0;
+                        continue;
                     }
                     Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
                         store.reload(&mut conversation)?;
+                        continue;
                     }
                     Err(err) => return Err(err),
                 }
             }
-        };
+            let removed = planned.change.remove_turns.clone();
+            let added_count = planned.change.add.len();
+            let still_new = self.still_new(alignment, &self.new_texts);
+            let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
+            added_texts.push(reply_search.clone());
+            match store.commit(&mut conversation, planned.change) {
+                Ok(()) => {
+                    let entries = &conversation.entries;
+                    let added: Vec<(u64, String)> = entries[entries.len() - added_count..]
+                        .iter()
+                        .map(|e| e.turn)
+                        .zip(added_texts)
+                        .collect();
+                    let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
+                    memory
+                        .recall
+                        .apply(&self.key, current, &removed, &added, after);
+                    break;
+                }
+                Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
+                    store.reload(&mut conversation)?;
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        let count = conversation.entries.len();
+        drop(conversation);
         store.touch(&self.key, &self.handle);
-        store.sync().await?;
-        Ok(message_count)
+        Ok(count)
     }
 
     /// Of the planned new messages, those still new under `alignment` (a concurrent commit may
@@ -119,14 +172,16 @@ impl Exchange {
     }
 
     /// The change that applies `alignment` and the reply to `entries`, trimming the oldest
-    /// rounds past `max_messages`.
+    /// rounds past `max_messages`: stored ones first, then, when the exchange alone is longer,
+    /// its own oldest messages (the reply is always kept), so a commit never leaves more than
+    /// `max_messages`.
     fn change(
         &self,
         entries: &[Entry],
         alignment: Alignment,
         new: &[StoredMessage],
         reply: &StoredMessage,
-    ) -> Change {
+    ) -> Planned {
         let mut remove_turns = Vec::new();
         let mut kept = entries.len();
         if let Alignment::ReplaceLastReply { .. } = alignment
@@ -138,23 +193,30 @@ impl Exchange {
         let mut add: Vec<StoredMessage> = self.still_new(alignment, new).to_vec();
         add.push(reply.clone());
         let cut = self.cut(&entries[..kept], add.iter().map(|m| m.role));
-        remove_turns.extend(entries[..cut].iter().map(|e| e.turn));
-        Change {
-            remove_turns,
-            add,
-            tokens_forwarded: self.prompt_tokens,
+        let trimmed = cut.min(kept);
+        remove_turns.extend(entries[..trimmed].iter().map(|e| e.turn));
+        let dropped_new = (cut - trimmed).min(add.len() - 1);
+        add.drain(..dropped_new);
+        Planned {
+            change: Change {
+                remove_turns,
+                add,
+                tokens_forwarded: self.prompt_tokens,
+            },
+            trimmed,
+            dropped_new,
         }
     }
 
-    /// How many of the `kept` stored messages are trimmed when `added` roles join them: whole
-    /// rounds, and never the exchange itself.
+    /// How many of the `kept` stored messages and then the `added` ones are trimmed when they
+    /// join: whole rounds, to at most `max_messages`.
     fn cut<I>(&self, kept: &[Entry], added: I) -> usize
     where
         I: Iterator<Item = Role> + Clone,
     {
         let len = kept.len() + added.clone().count();
         let roles = kept.iter().map(HasRole::role).chain(added);
-        trim_start(len, roles, self.max_messages).min(kept.len())
+        trim_start(len, roles, self.max_messages).min(len.saturating_sub(1))
     }
 
     /// The number of messages the conversation will hold once this exchange is committed as

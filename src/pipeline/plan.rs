@@ -58,13 +58,39 @@ pub struct Plan {
     pub timings: Timings,
 }
 
+/// What one request may add to memory; past it the request is refused before its new
+/// messages are counted further or stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_new_messages: usize,
+    pub max_new_tokens: u64,
+}
+
+/// Why a plan could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// Memory is unavailable: the request goes on with the client's own messages.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The request adds more than a limit allows: refused.
+    #[error(
+        "the request adds {count} new messages to the conversation; at most {limit} may be added by one request (limits.max_new_messages)"
+    )]
+    TooManyMessages { count: usize, limit: usize },
+    #[error(
+        "the request's new messages hold more than {limit} tokens; one request may add at most that many (limits.max_new_tokens)"
+    )]
+    TooManyTokens { limit: u64 },
+}
+
 pub fn plan(
     memory: &Memory,
     key: &ConversationKey,
     settings: &MemorySettings,
+    limits: Limits,
     model: Option<String>,
     messages: Vec<Message>,
-) -> Result<Plan, StoreError> {
+) -> Result<Plan, PlanError> {
     let store = &memory.store;
     let mut timings = Timings::default();
     let model_name = model.as_deref();
@@ -97,20 +123,34 @@ pub fn plan(
         Alignment::ReplaceLastReply { .. } => &entries[..entries.len() - 1],
         Alignment::Append { .. } => &entries[..],
     };
+    let new_count = turn_index.len() - from;
+    if new_count > limits.max_new_messages {
+        return Err(PlanError::TooManyMessages {
+            count: new_count,
+            limit: limits.max_new_messages,
+        });
+    }
     let new_turns: Vec<Message> = turn_index[from..]
         .iter()
         .map(|&i| messages[i].clone())
         .collect();
     // One parse per new message gives its text (token count, recall query) and its recall
-    // text for the index at commit.
-    let texts: Vec<(String, String)> = new_turns
-        .iter()
-        .map(Message::text_and_search_text)
-        .collect();
-    let new_tokens: Vec<u32> = texts
-        .iter()
-        .map(|(text, _)| tokens::count_message(model_name, text))
-        .collect();
+    // text for the index at commit. Counting stops at the token limit.
+    let mut texts: Vec<(String, String)> = Vec::with_capacity(new_count);
+    let mut new_tokens: Vec<u32> = Vec::with_capacity(new_count);
+    let mut new_total: u64 = 0;
+    for message in &new_turns {
+        let (text, search) = message.text_and_search_text();
+        let counted = tokens::count_message(model_name, &text);
+        new_total += u64::from(counted);
+        if new_total > limits.max_new_tokens {
+            return Err(PlanError::TooManyTokens {
+                limit: limits.max_new_tokens,
+            });
+        }
+        texts.push((text, search));
+        new_tokens.push(counted);
+    }
 
     timings.reconcile = started.elapsed();
 

@@ -18,7 +18,7 @@ use crate::message::ChatRequest;
 use crate::metrics::Stage;
 use crate::model::Credentials;
 use crate::pipeline::plan::start_due;
-use crate::pipeline::plan::{self, Plan, Timings};
+use crate::pipeline::plan::{self, Limits, Plan, PlanError, Timings};
 use crate::reply::reply_from_json;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
@@ -119,7 +119,7 @@ pub async fn chat(
                 tracing::warn!("upstream answer has no choices[0].message; nothing stored");
                 (MemoryStatus::NotStored, plan.stored_count)
             }
-            Some(reply) => match commit(state, &plan.exchange, reply).await {
+            Some(reply) => match commit(state, plan.exchange, reply).await {
                 Ok(count) => (MemoryStatus::Stored, count),
                 Err(()) => (MemoryStatus::Degraded, plan.stored_count),
             },
@@ -156,15 +156,27 @@ async fn before(
                 code: "invalid_body",
             },
         })?;
-    let mut request = ChatRequest::parse(&bytes)?;
+    // Parsing and planning are CPU and store work, and planning waits for the conversation's
+    // lock: both run on the blocking pool, never on a thread that serves other requests.
+    let limits = limits(state);
+    let (memory, job_key, job_settings) =
+        (Arc::clone(&state.memory), key.clone(), settings.clone());
+    let (request, planned, bytes) = tokio::task::spawn_blocking(move || {
+        let mut request = ChatRequest::parse(&bytes)?;
+        let messages = std::mem::take(&mut request.messages);
+        let model = request.model.clone();
+        let planned = plan::plan(&memory, &job_key, &job_settings, limits, model, messages);
+        Ok::<_, ProxyError>((request, planned, bytes))
+    })
+    .await
+    .map_err(|err| ProxyError::Internal(Box::new(err)))??;
     if let Some(model) = &request.model {
         tracing::Span::current().record("model", model.as_str());
     }
     state.memory.remember_ttl(key, settings);
 
-    let messages = std::mem::take(&mut request.messages);
     let memory = &state.memory;
-    match plan::plan(memory, key, settings, request.model.clone(), messages) {
+    match planned {
         Ok(mut plan) => {
             let deferred =
                 start_due(memory, settings, &mut plan, credentials(&parts.headers)).await;
@@ -176,7 +188,7 @@ async fn before(
                 deferred,
             })
         }
-        Err(err) => {
+        Err(PlanError::Store(err)) => {
             tracing::error!(error = %err, "memory unavailable; forwarding the client's own messages");
             Ok(Before {
                 body: bytes,
@@ -185,6 +197,23 @@ async fn before(
                 deferred: None,
             })
         }
+        Err(limit @ (PlanError::TooManyMessages { .. } | PlanError::TooManyTokens { .. })) => {
+            Err(ProxyError::LimitExceeded {
+                message: limit.to_string(),
+                code: match limit {
+                    PlanError::TooManyMessages { .. } => "too_many_new_messages",
+                    _ => "too_many_new_tokens",
+                },
+            })
+        }
+    }
+}
+
+/// The per-request limits from the config.
+pub fn limits(state: &AppState) -> Limits {
+    Limits {
+        max_new_messages: state.config.limits.max_new_messages,
+        max_new_tokens: state.config.limits.max_new_tokens as u64,
     }
 }
 

@@ -88,11 +88,14 @@ pub async fn passthrough(
 /// here and becomes `X-Memory-Status: degraded`.
 pub async fn commit(
     state: &AppState,
-    exchange: &crate::pipeline::commit::Exchange,
+    exchange: crate::pipeline::commit::Exchange,
     reply: Box<serde_json::value::RawValue>,
 ) -> Result<usize, ()> {
     let started = std::time::Instant::now();
-    match exchange.commit(&state.memory, reply).await {
+    match exchange
+        .commit(std::sync::Arc::clone(&state.memory), reply)
+        .await
+    {
         Ok(count) => {
             state
                 .metrics

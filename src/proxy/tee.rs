@@ -115,7 +115,7 @@ where
                         let reply = this.reply.to_message();
                         let deferred = this.deferred.take();
                         let commit = async move {
-                            if let Ok(count) = super::commit(&state, &exchange, reply).await {
+                            if let Ok(count) = super::commit(&state, exchange, reply).await {
                                 tracing::debug!(messages = count, "exchange stored");
                             }
                             // The stream is over but for its end: a due summary starts now.
