@@ -164,12 +164,16 @@ pub fn delete_tenant_in(
         agent: "probe".to_string(),
         conversation: "probe".to_string(),
     };
-    let conversation_dir = crate::store::workspace_dir(store.data_dir(), &probe);
-    if let Some(tenant_dir) = conversation_dir.parent().and_then(std::path::Path::parent) {
-        match std::fs::remove_dir_all(tenant_dir) {
-            Ok(()) => {}
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-            Err(err) => return Err(StoreError::File(err)),
+    for conversation_dir in [
+        crate::store::workspace_dir(store.data_dir(), &probe),
+        crate::store::legacy_workspace_dir(store.data_dir(), &probe),
+    ] {
+        if let Some(tenant_dir) = conversation_dir.parent().and_then(std::path::Path::parent) {
+            match std::fs::remove_dir_all(tenant_dir) {
+                Ok(()) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(StoreError::File(err)),
+            }
         }
     }
     Ok(count)

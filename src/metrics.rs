@@ -149,6 +149,23 @@ struct ResultLabels {
     result: &'static str,
 }
 
+/// How the reply of an exchange came: a JSON body, or a stream (whose `X-Memory-Status:
+/// stored` was sent before the commit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyKind {
+    Json,
+    Stream,
+}
+
+impl ReplyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplyKind::Json => "json",
+            ReplyKind::Stream => "stream",
+        }
+    }
+}
+
 /// The time the upstream took to answer with its head, put into a response's extensions by
 /// whoever forwarded it, so the router can tell the time memproxy added.
 #[derive(Debug, Clone, Copy)]
@@ -191,6 +208,8 @@ pub struct Metrics {
     ttl_passes: Counter,
     ttl_scanned: Counter,
     admin_deletions: Counter,
+    commit_failures: Counter,
+    stream_commit_failures: Counter,
     /// Held while a scrape mirrors counters kept elsewhere, so two scrapes never add twice.
     scrape: Mutex<()>,
 }
@@ -330,6 +349,18 @@ impl Metrics {
             "Conversations deleted through the admin API or the CLI",
             admin_deletions.clone(),
         );
+        let commit_failures = Counter::default();
+        registry.register(
+            "commit_failures",
+            "Exchanges that could not be stored",
+            commit_failures.clone(),
+        );
+        let stream_commit_failures = Counter::default();
+        registry.register(
+            "stream_commit_failures",
+            "Streamed exchanges that could not be stored after X-Memory-Status: stored was sent",
+            stream_commit_failures.clone(),
+        );
         let metrics = Metrics {
             registry,
             requests,
@@ -351,6 +382,8 @@ impl Metrics {
             ttl_passes,
             ttl_scanned,
             admin_deletions,
+            commit_failures,
+            stream_commit_failures,
             scrape: Mutex::new(()),
         };
         // Every labelled series exists from the start, so dashboards see zeros, not gaps.
@@ -425,6 +458,14 @@ impl Metrics {
         self.cache_lookups.get_or_create(&labels).inc();
         if !hit {
             self.cache_misses.get_or_create(&labels).inc();
+        }
+    }
+
+    /// Counts an exchange that could not be stored.
+    pub fn commit_failed(&self, kind: ReplyKind) {
+        self.commit_failures.inc();
+        if kind == ReplyKind::Stream {
+            self.stream_commit_failures.inc();
         }
     }
 

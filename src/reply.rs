@@ -20,6 +20,9 @@ pub struct StreamReply {
     finish_reason: Option<String>,
     done: bool,
     failed: bool,
+    /// Bytes of text assembled so far, and the most kept (`0`: no limit).
+    bytes: usize,
+    max_bytes: usize,
 }
 
 #[derive(Debug, Default)]
@@ -35,8 +38,30 @@ impl StreamReply {
         StreamReply::default()
     }
 
+    /// A reply assembled up to `max_bytes` of text: past it the reply is unusable (nothing is
+    /// stored; the stream still reaches the client) and what was assembled is freed.
+    pub fn with_limit(max_bytes: usize) -> StreamReply {
+        StreamReply {
+            max_bytes,
+            ..StreamReply::default()
+        }
+    }
+
     /// Takes the data of one SSE event.
     pub fn on_event(&mut self, data: &str) {
+        if self.failed {
+            return;
+        }
+        self.read_event(data);
+        if self.max_bytes > 0 && self.bytes > self.max_bytes {
+            self.fail();
+            self.content = String::new();
+            self.refusal = String::new();
+            self.tool_calls.clear();
+        }
+    }
+
+    fn read_event(&mut self, data: &str) {
         if data.trim() == "[DONE]" {
             self.done = true;
             return;
@@ -65,9 +90,11 @@ impl StreamReply {
             };
             if let Some(text) = delta.get("content").and_then(Value::as_str) {
                 self.content.push_str(text);
+                self.bytes += text.len();
             }
             if let Some(text) = delta.get("refusal").and_then(Value::as_str) {
                 self.refusal.push_str(text);
+                self.bytes += text.len();
             }
             if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
                 for (position, call) in calls.iter().enumerate() {
@@ -88,6 +115,7 @@ impl StreamReply {
                         }
                         if let Some(args) = function.get("arguments").and_then(Value::as_str) {
                             entry.arguments.push_str(args);
+                            self.bytes += args.len();
                         }
                     }
                 }
@@ -176,6 +204,23 @@ fn assistant_message(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_reply_past_its_limit_is_unusable_and_freed() {
+        let mut reply = StreamReply::with_limit(10);
+        for _ in 0..5 {
+            reply.on_event(r#"{"choices":[{"index":0,"delta":{"content":"abcd"}}]}"#);
+        }
+        reply.on_event(r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#);
+        reply.on_event("[DONE]");
+        assert!(!reply.is_complete());
+        assert!(reply.content.is_empty());
+        let mut within = StreamReply::with_limit(10);
+        within.on_event(r#"{"choices":[{"index":0,"delta":{"content":"abcd"}}]}"#);
+        within.on_event("[DONE]");
+        assert!(within.is_complete());
+    }
+
     use super::*;
 
     fn as_value(raw: &RawValue) -> Value {

@@ -157,11 +157,13 @@ fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
 
 fn readiness(state: &AppState) -> Response<ProxyBody> {
     let store = state.memory.store.is_ready();
+    let tokenizer = crate::tokens::is_warm();
+    let ready = store && tokenizer;
     let body = format!(
-        r#"{{"status":"{}","store":{store},"upstream":true}}"#,
-        if store { "ready" } else { "unavailable" }
+        r#"{{"status":"{}","store":{store},"tokenizer":{tokenizer},"upstream":true}}"#,
+        if ready { "ready" } else { "unavailable" }
     );
-    let status = if store {
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

@@ -46,6 +46,8 @@ pub async fn run(
     let graceful = GracefulShutdown::new();
     let mut connections: JoinSet<()> = JoinSet::new();
     let sweeper = state.start_sweeper();
+    // The tokenizer loads now, not on the first request; `/readyz` says ready once it has.
+    let warming = tokio::task::spawn_blocking(crate::tokens::warm);
     tokio::pin!(shutdown);
 
     loop {
@@ -82,8 +84,9 @@ pub async fn run(
 
     // 1. Stop accepting.
     drop(listener);
-    // 2. Stop deleting idle conversations.
+    // 2. Stop deleting idle conversations (and let the tokenizer's load end).
     sweeper.stop().await;
+    let _ = warming.await;
     // 3. Drain within the grace period: connections finish what they are serving and close.
     let grace = state.config.shutdown_grace;
     tracing::info!(

@@ -4,10 +4,11 @@
 //! is read in bounded memory (a single line is capped at [`MAX_LINE_BYTES`]). Chunks may split
 //! anywhere, inside a line, a `\r\n` pair or a UTF-8 sequence.
 
-/// The longest line kept; a longer one marks the stream as unreadable rather than growing.
+/// The longest line, and the longest event's data, kept by default; past it the stream is
+/// marked unreadable rather than growing.
 pub const MAX_LINE_BYTES: usize = 16 * 1024 * 1024;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseParser {
     line: Vec<u8>,
     data: Vec<u8>,
@@ -15,6 +16,14 @@ pub struct SseParser {
     /// The previous chunk ended with `\r`: a `\n` starting the next one belongs to it.
     after_cr: bool,
     overflow: bool,
+    /// The longest line and the longest event data kept.
+    max_bytes: usize,
+}
+
+impl Default for SseParser {
+    fn default() -> SseParser {
+        SseParser::with_limit(MAX_LINE_BYTES)
+    }
 }
 
 impl SseParser {
@@ -22,7 +31,20 @@ impl SseParser {
         SseParser::default()
     }
 
-    /// True once a line passed [`MAX_LINE_BYTES`]; the parser then yields nothing more.
+    /// A parser that keeps at most `max_bytes` of one line and of one event's data.
+    pub fn with_limit(max_bytes: usize) -> SseParser {
+        SseParser {
+            line: Vec::new(),
+            data: Vec::new(),
+            has_data: false,
+            after_cr: false,
+            overflow: false,
+            max_bytes,
+        }
+    }
+
+    /// True once a line or an event's data passed the limit; the parser then yields nothing
+    /// more.
     pub fn overflowed(&self) -> bool {
         self.overflow
     }
@@ -53,7 +75,7 @@ impl SseParser {
             chunk = rest;
         }
         self.line.extend_from_slice(chunk);
-        if self.line.len() > MAX_LINE_BYTES {
+        if self.line.len() > self.max_bytes || self.data.len() > self.max_bytes {
             self.overflow = true;
             self.line = Vec::new();
             self.data = Vec::new();
@@ -102,6 +124,29 @@ mod tests {
             parser.feed(chunk, |e| out.push(e.to_string()));
         }
         out
+    }
+
+    #[test]
+    fn an_event_past_the_limit_overflows_instead_of_growing() {
+        // Many short data lines of one event that never ends: its data is capped too.
+        let mut parser = SseParser::with_limit(64);
+        let mut seen = 0;
+        for _ in 0..100 {
+            parser.feed(b"data: 0123456789\n", |_| seen += 1);
+        }
+        assert!(parser.overflowed());
+        assert!(parser.data.capacity() <= 1024);
+        parser.feed(b"\ndata: after\n\n", |_| seen += 1);
+        assert_eq!(seen, 0, "nothing more is yielded once overflowed");
+        // A long line alone.
+        let mut parser = SseParser::with_limit(64);
+        parser.feed(&[b'x'; 100], |_| {});
+        assert!(parser.overflowed());
+        // Within the limit: as before.
+        let mut parser = SseParser::with_limit(64);
+        let mut out = Vec::new();
+        parser.feed(b"data: short\n\n", |e| out.push(e.to_string()));
+        assert_eq!(out, ["short"]);
     }
 
     #[test]

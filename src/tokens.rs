@@ -2,8 +2,25 @@
 //! unknown. A message is counted once, when it is stored; nothing on the request path counts a
 //! stored message again.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use tiktoken_rs::CoreBPE;
 use tiktoken_rs::tokenizer::{Tokenizer, get_tokenizer};
+
+/// Set once the default encoder is loaded (by [`warm`] or by a first count).
+static WARM: AtomicBool = AtomicBool::new(false);
+
+/// Loads the default encoder (`o200k_base`, a few hundred milliseconds): the server does it at
+/// start, before `/readyz` answers ready, so no request pays for it.
+pub fn warm() {
+    let _ = encoder(None).encode_ordinary("warm");
+    WARM.store(true, Ordering::Release);
+}
+
+/// True once the default encoder is loaded.
+pub fn is_warm() -> bool {
+    WARM.load(Ordering::Acquire)
+}
 
 /// Tokens added per message for the role and separators (OpenAI's chat format uses 3–4).
 pub const MESSAGE_OVERHEAD_TOKENS: u32 = 4;
@@ -26,6 +43,12 @@ pub fn count_text(model: Option<&str>, text: &str) -> u32 {
         return 0;
     }
     let n = encoder(model).encode_with_special_tokens(text).len();
+    if matches!(
+        model.and_then(get_tokenizer),
+        Some(Tokenizer::O200kBase) | None
+    ) {
+        WARM.store(true, Ordering::Release);
+    }
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
@@ -83,6 +106,12 @@ mod tests {
             count_text(Some("gpt-4o"), "tokenization")
         );
         assert_eq!(count_message(None, "hi"), 1 + MESSAGE_OVERHEAD_TOKENS);
+    }
+
+    #[test]
+    fn warming_loads_the_default_encoder() {
+        warm();
+        assert!(is_warm());
     }
 
     #[test]

@@ -890,3 +890,35 @@ async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
     let key = key_for(Some(TOKEN), "default", "racing");
     assert!(!workspace_dir(proxy.state.memory.store.data_dir(), &key).exists());
 }
+
+#[tokio::test]
+async fn preview_writes_no_summary_not_even_the_heuristic_stand_in() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    converse(&proxy, TOKEN, "default", "c", "topic", 14).await;
+    let path = format!("{}/preview", conversation_path(TOKEN, "default", "c"));
+    // No model to summarize with and a pool far over the threshold: a chat request would
+    // write the heuristic stand-in; a preview must not.
+    let request = json!({"messages": [user("and now?")]});
+    let preview = send(
+        "POST",
+        &proxy.url(&path),
+        &[
+            ("authorization", &format!("Bearer {ADMIN_TOKEN}")),
+            ("x-memory-recent-n", "2"),
+            ("x-memory-compression-threshold-tokens", "10"),
+        ],
+        request.to_string(),
+    )
+    .await;
+    assert_eq!(preview.status, 200, "{:?}", preview.body);
+    let store = &proxy.state.memory.store;
+    let key = key_for(Some(TOKEN), "default", "c");
+    let id = store.meta(&key).unwrap().unwrap().id;
+    assert!(
+        store.latest_summary(&key, id).unwrap().is_none(),
+        "the preview stored a summary"
+    );
+    assert!(!proxy.state.memory.summarizer.in_flight(&key));
+}

@@ -386,3 +386,24 @@ async fn h2c_clients_are_served() {
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["x-memory-status"], "stored");
 }
+
+#[tokio::test]
+async fn readyz_waits_for_the_tokenizer_which_loads_at_start() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    // No request has counted a token: the server loads the tokenizer by itself.
+    let mut ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    for _ in 0..600 {
+        if ready.status == 200 {
+            break;
+        }
+        assert_eq!(ready.status, 503);
+        assert_eq!(ready.json()["tokenizer"], false);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    }
+    assert_eq!(ready.status, 200);
+    assert_eq!(ready.json()["tokenizer"], true);
+    assert_eq!(ready.json()["store"], true);
+}

@@ -253,7 +253,11 @@ fn preview(
     let mut request = ChatRequest::parse(body)
         .map_err(|err| AdminError::BadRequest(format!("the chat-completions body: {err}")))?;
     let messages = std::mem::take(&mut request.messages);
-    let limits = crate::proxy::chat::limits(state);
+    // A preview stores nothing: no summary job, no heuristic stand-in.
+    let limits = crate::pipeline::plan::Limits {
+        writes: false,
+        ..crate::proxy::chat::limits(state)
+    };
     let planned = plan(
         &state.memory,
         key,

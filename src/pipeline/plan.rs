@@ -64,6 +64,9 @@ pub struct Plan {
 pub struct Limits {
     pub max_new_messages: usize,
     pub max_new_tokens: u64,
+    /// A plan for a request that will be forwarded (it may reserve a summary job and write
+    /// the heuristic stand-in); `false` for a preview, which stores nothing.
+    pub writes: bool,
 }
 
 /// Why a plan could not be made.
@@ -161,7 +164,14 @@ pub fn plan(
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
 
     // Summary: the newest one goes in the prompt; a new one may be due.
-    let summary = plan_summary(memory, &conversation, settings, start, model_name)?;
+    let summary = plan_summary(
+        memory,
+        &conversation,
+        settings,
+        start,
+        model_name,
+        limits.writes,
+    )?;
     let summary_tokens = summary.current.as_ref().map_or(0, |r| {
         u64::from(r.tokens) + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS) + 16
     });

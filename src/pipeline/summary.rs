@@ -26,13 +26,14 @@ pub struct SummaryPlan {
 }
 
 /// Decides the summary stage for a conversation whose recent window starts at `pool_end`
-/// (an index into its entries).
+/// (an index into its entries). Without `writes` (a preview) nothing is reserved or stored.
 pub fn plan_summary(
     memory: &Memory,
     conversation: &Conversation,
     settings: &MemorySettings,
     pool_end: usize,
     request_model: Option<&str>,
+    writes: bool,
 ) -> Result<SummaryPlan, StoreError> {
     let (Some(meta), true) = (&conversation.meta, settings.compression_enabled) else {
         return Ok(SummaryPlan::default());
@@ -67,6 +68,7 @@ pub fn plan_summary(
     // The reservation is taken here, under the conversation's lock, so two requests planned
     // at once never both make the same summary.
     if !throttled
+        && writes
         && let Some(model) = model
         && !summarizer.backing_off(&conversation.key)
         && let Some(reservation) = summarizer.reserve(&conversation.key)
@@ -87,7 +89,7 @@ pub fn plan_summary(
     // No summary at all, and no job queued or running that will write the stand-in (a sync
     // summary that failed and is backing off, or no model to ask): it is made here, once.
     let covered_elsewhere = plan.due.is_some() || summarizer.in_flight(&conversation.key);
-    if latest.is_none() && !covered_elsewhere && pool_end > 0 {
+    if latest.is_none() && !covered_elsewhere && writes && pool_end > 0 {
         let upto = entries[pool_end - 1].turn;
         match heuristic::store_stand_in(store, conversation, meta.id, upto) {
             Ok(Some(record)) => plan.current = Some(record),

@@ -15,7 +15,7 @@ use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full}
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
 use crate::message::ChatRequest;
-use crate::metrics::Stage;
+use crate::metrics::{ReplyKind, Stage};
 use crate::model::Credentials;
 use crate::pipeline::plan::start_due;
 use crate::pipeline::plan::{self, Limits, Plan, PlanError, Timings};
@@ -101,7 +101,13 @@ pub async fn chat(
             (MemoryStatus::NotStored, plan.stored_count, None)
         };
         // The deferred summary rides with the stream: queued once it is committed or dropped.
-        let tee = TeeBody::new(upstream_body, pending, before.deferred);
+        let tee = TeeBody::new(
+            upstream_body,
+            pending,
+            before.deferred,
+            state.config.limits.max_sse_event_bytes,
+            state.config.response_limit_bytes,
+        );
         let mut response = Response::from_parts(head, boxed(tee));
         set_memory_headers(&mut response, status, conversation_id, Some(turns));
         return Ok(response);
@@ -119,7 +125,7 @@ pub async fn chat(
                 tracing::warn!("upstream answer has no choices[0].message; nothing stored");
                 (MemoryStatus::NotStored, plan.stored_count)
             }
-            Some(reply) => match commit(state, plan.exchange, reply).await {
+            Some(reply) => match commit(state, plan.exchange, reply, ReplyKind::Json).await {
                 Ok(count) => (MemoryStatus::Stored, count),
                 Err(()) => (MemoryStatus::Degraded, plan.stored_count),
             },
@@ -214,6 +220,7 @@ pub fn limits(state: &AppState) -> Limits {
     Limits {
         max_new_messages: state.config.limits.max_new_messages,
         max_new_tokens: state.config.limits.max_new_tokens as u64,
+        writes: true,
     }
 }
 

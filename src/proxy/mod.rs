@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 
 use crate::body::{ProxyBody, boxed};
 use crate::error::ProxyError;
-use crate::metrics::Stage;
+use crate::metrics::{ReplyKind, Stage};
 use crate::pipeline::plan::Plan;
 use crate::state::AppState;
 use crate::upstream::Forward;
@@ -90,6 +90,7 @@ pub async fn commit(
     state: &AppState,
     exchange: crate::pipeline::commit::Exchange,
     reply: Box<serde_json::value::RawValue>,
+    kind: ReplyKind,
 ) -> Result<usize, ()> {
     let started = std::time::Instant::now();
     match exchange
@@ -103,7 +104,8 @@ pub async fn commit(
             Ok(count)
         }
         Err(err) => {
-            tracing::error!(error = %err, "storing the exchange failed");
+            state.metrics.commit_failed(kind);
+            tracing::error!(error = %err, reply = kind.as_str(), "storing the exchange failed");
             Err(())
         }
     }

@@ -18,6 +18,7 @@ use pin_project_lite::pin_project;
 use tracing::Instrument;
 
 use crate::body::BoxError;
+use crate::metrics::ReplyKind;
 use crate::pipeline::commit::Exchange;
 use crate::reply::StreamReply;
 use crate::sse::SseParser;
@@ -50,15 +51,20 @@ pin_project! {
 }
 
 impl<B> TeeBody<B> {
+    /// Tees `inner`, reading the reply with an SSE line/event limit of `max_event_bytes` and
+    /// an assembled reply of at most `max_reply_bytes`: past either the stream still reaches
+    /// the client whole, and nothing is stored.
     pub fn new(
         inner: B,
         pending: Option<Pending>,
         deferred: Option<DeferredSummary>,
+        max_event_bytes: usize,
+        max_reply_bytes: usize,
     ) -> TeeBody<B> {
         TeeBody {
             inner,
-            parser: SseParser::new(),
-            reply: StreamReply::new(),
+            parser: SseParser::with_limit(max_event_bytes),
+            reply: StreamReply::with_limit(max_reply_bytes),
             pending,
             deferred,
             committing: None,
@@ -115,7 +121,9 @@ where
                         let reply = this.reply.to_message();
                         let deferred = this.deferred.take();
                         let commit = async move {
-                            if let Ok(count) = super::commit(&state, exchange, reply).await {
+                            if let Ok(count) =
+                                super::commit(&state, exchange, reply, ReplyKind::Stream).await
+                            {
                                 tracing::debug!(messages = count, "exchange stored");
                             }
                             // The stream is over but for its end: a due summary starts now.

@@ -363,22 +363,32 @@ impl Store {
 }
 
 /// The folder for a conversation's files: `{data_dir}/workspaces/{tenant}/{agent}/{conversation}`,
-/// each name reduced to `[A-Za-z0-9_-]` (at most 64 characters) and followed by a hash of the
-/// full id, so the path stays inside the data directory whatever the id (`..`, `/etc`, a very
-/// long id) and two ids never share a folder.
+/// each name reduced to `[A-Za-z0-9_-]` (at most 40 characters) and followed by 128 bits of a
+/// SHA-256 of the full id, so the path stays inside the data directory whatever the id (`..`,
+/// `/etc`, a very long id) and two ids never share a folder.
 pub fn workspace_dir(data_dir: &Path, key: &ConversationKey) -> PathBuf {
-    data_dir
-        .join("workspaces")
-        .join(safe_name(key.tenant.as_str()))
-        .join(safe_name(&key.agent))
-        .join(safe_name(&key.conversation))
+    workspace_path(data_dir, key, 40, 16)
 }
 
-fn safe_name(id: &str) -> String {
+/// The folder earlier versions used (64 characters and a 32-bit hash, which two ids could
+/// share): only removed, never written.
+pub fn legacy_workspace_dir(data_dir: &Path, key: &ConversationKey) -> PathBuf {
+    workspace_path(data_dir, key, 64, 4)
+}
+
+fn workspace_path(data_dir: &Path, key: &ConversationKey, chars: usize, hash: usize) -> PathBuf {
+    data_dir
+        .join("workspaces")
+        .join(safe_name(key.tenant.as_str(), chars, hash))
+        .join(safe_name(&key.agent, chars, hash))
+        .join(safe_name(&key.conversation, chars, hash))
+}
+
+fn safe_name(id: &str, chars: usize, hash_bytes: usize) -> String {
     use sha2::{Digest, Sha256};
     let mut name: String = id
         .chars()
-        .take(64)
+        .take(chars)
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
                 c
@@ -389,7 +399,7 @@ fn safe_name(id: &str) -> String {
         .collect();
     let digest = Sha256::digest(id.as_bytes());
     name.push('-');
-    for b in &digest[..4] {
+    for b in &digest[..hash_bytes] {
         name.push_str(&format!("{b:02x}"));
     }
     name
@@ -508,6 +518,10 @@ pub(crate) mod tests {
             a, b,
             "ids that reduce to the same name still get their own folder"
         );
+        // The hash that tells them apart is 128 bits, not the 32 of earlier versions.
+        let name = a.file_name().unwrap().to_str().unwrap();
+        assert_eq!(name.len(), "a_b-".len() + 32, "{name}");
+        assert_ne!(a, legacy_workspace_dir(data, &key("a:b")));
     }
 
     #[tokio::test]

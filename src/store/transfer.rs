@@ -10,7 +10,7 @@ use serde_json::value::RawValue;
 
 use super::engine::Write;
 use super::records::{ConversationMeta, Deleted, ImportMeta, Imported, StoredMessage, now_ms};
-use super::{Conversation, Handle, Store, StoreError, lock, workspace_dir};
+use super::{Conversation, Handle, Store, StoreError, legacy_workspace_dir, lock, workspace_dir};
 use crate::identity::ConversationKey;
 
 /// How often an import retries when a commit changed the conversation under it.
@@ -61,21 +61,26 @@ impl Store {
             return result;
         }
         self.cache.invalidate(key);
-        let dir = workspace_dir(&self.data_dir, key);
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => {}
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
-            Err(err) => return Err(StoreError::File(err)),
-        }
-        // The agent's and the tenant's folders go too once empty: their names say the tenant
-        // and agent existed. Removing a folder that is not empty fails, harmlessly.
-        let workspaces = self.data_dir.join("workspaces");
-        for parent in dir.ancestors().skip(1) {
-            if parent == workspaces || !parent.starts_with(&workspaces) {
-                break;
+        // The folder, and the one an earlier version may have written under its old name.
+        for dir in [
+            workspace_dir(&self.data_dir, key),
+            legacy_workspace_dir(&self.data_dir, key),
+        ] {
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => return Err(StoreError::File(err)),
             }
-            if std::fs::remove_dir(parent).is_err() {
-                break;
+            // The agent's and the tenant's folders go too once empty: their names say the
+            // tenant and agent existed. Removing a folder that is not empty fails, harmlessly.
+            let workspaces = self.data_dir.join("workspaces");
+            for parent in dir.ancestors().skip(1) {
+                if parent == workspaces || !parent.starts_with(&workspaces) {
+                    break;
+                }
+                if std::fs::remove_dir(parent).is_err() {
+                    break;
+                }
             }
         }
         result
@@ -336,6 +341,34 @@ mod tests {
                 .delete_conversation(&key("nothing"))
                 .unwrap()
                 .is_none()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_delete_removes_the_workspace_under_its_old_name_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), options()).unwrap();
+        let k = key("c");
+        {
+            let handle = store.conversation(&k).unwrap();
+            let mut conv = lock(&handle);
+            let change = Change {
+                add: vec![message("a")],
+                ..Change::default()
+            };
+            store.commit(&mut conv, change).unwrap();
+        }
+        let legacy = legacy_workspace_dir(dir.path(), &k).join("memory");
+        std::fs::create_dir_all(&legacy).unwrap();
+        std::fs::write(legacy.join("summary-1-2.md"), "old copy").unwrap();
+        store.delete_conversation(&k).unwrap().unwrap();
+        assert!(!legacy.exists());
+        assert!(
+            !dir.path()
+                .join("workspaces")
+                .read_dir()
+                .unwrap()
+                .any(|_| true)
         );
     }
 
