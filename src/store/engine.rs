@@ -36,6 +36,9 @@
 //!   once every write acknowledged before it was called survives a crash of this process.
 //! - Every method may block (disk or network I/O): callers on an async runtime run them
 //!   where blocking is allowed.
+//!
+//! Message bodies ([`StoredMessage::message`]) and summary records reach an engine sealed by
+//! the store (`seal.rs`): an engine stores them as given and never reads inside them.
 
 use crate::identity::{ConversationKey, TenantId};
 

@@ -6,11 +6,15 @@ use std::sync::atomic::Ordering;
 
 use super::engine::{Page, Scope};
 use super::records::{ConversationMeta, ConversationSummary, StoredMessage};
+use super::seal::{open_message, open_summary};
 use super::{Store, StoreError};
 use crate::identity::ConversationKey;
 
 /// The most keys one listing call looks at.
 const MAX_LIST_SCAN: usize = 10_000;
+
+/// Conversations read per page by a walk over the whole store.
+const WALK_PAGE: usize = 1000;
 
 impl Store {
     /// The stored record of a conversation, read from the engine (not the cache).
@@ -18,13 +22,16 @@ impl Store {
         self.engine.meta(key)
     }
 
-    /// Every stored message of the conversation `key` with record `meta`, in turn order.
+    /// Every stored message of the conversation `key` with record `meta`, in turn order, their
+    /// bodies opened.
     pub fn all_messages(
         &self,
         key: &ConversationKey,
         meta: &ConversationMeta,
     ) -> Result<Vec<StoredMessage>, StoreError> {
-        self.engine.range(key, meta.id, 0, u64::MAX)
+        let mut messages = self.engine.range(key, meta.id, 0, u64::MAX)?;
+        self.open_messages(meta.id, &mut messages)?;
+        Ok(messages)
     }
 
     /// Lists conversations in `scope` after the cursor `after`, at most `limit`, with their
@@ -80,9 +87,62 @@ impl Store {
         self.cache.invalidate(key);
     }
 
-    /// True when `needle` occurs in any stored key or value: a full scan, to prove a deletion
-    /// left no trace (tests, audits). Slow on a large store.
+    /// Calls `visit` with every stored conversation (key and record), in key order, a page at
+    /// a time, until it returns false.
+    pub(super) fn for_each_conversation(
+        &self,
+        mut visit: impl FnMut(&ConversationKey, &ConversationMeta) -> Result<bool, StoreError>,
+    ) -> Result<(), StoreError> {
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let (page, next) =
+                self.engine
+                    .list(Scope::default(), after.as_deref(), WALK_PAGE, usize::MAX)?;
+            for (key, meta) in &page {
+                if !visit(key, meta)? {
+                    return Ok(());
+                }
+            }
+            match next {
+                Some(cursor) => after = Some(cursor),
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// True when `needle` can be read anywhere in the store: in any stored key or value as the
+    /// engine holds it, or in any message body or summary record once opened with its
+    /// conversation's key. A full scan, to prove a deletion left no trace (tests, audits).
+    /// Slow on a large store. What the engine holds sealed cannot show `needle`: the bytes on
+    /// disk are a separate question, answered by the key's removal.
     pub fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
-        self.engine.any_trace_of(needle)
+        if self.engine.any_trace_of(needle)? {
+            return Ok(true);
+        }
+        let found = |bytes: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+        let mut seen = false;
+        self.for_each_conversation(|key, meta| {
+            // A value that cannot be opened (its key is gone) is no readable trace; one stored
+            // in plaintext was looked at above.
+            let secret = self.keys.get(meta.id)?;
+            let secret = secret.as_deref();
+            seen =
+                self.engine
+                    .range(key, meta.id, 0, u64::MAX)?
+                    .iter()
+                    .any(|m| match open_message(secret, meta.id, &m.message) {
+                        Ok(Some(body)) => found(body.get().as_bytes()),
+                        Ok(None) | Err(_) => false,
+                    })
+                    || self
+                        .engine
+                        .summaries(key, meta.id)?
+                        .into_iter()
+                        .any(|(_, bytes)| {
+                            open_summary(secret, meta.id, bytes).is_ok_and(|b| found(&b))
+                        });
+            Ok(!seen)
+        })?;
+        Ok(seen)
     }
 }

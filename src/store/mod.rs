@@ -8,7 +8,9 @@
 //! - this file — the request path: handles, load, read, commit, durability;
 //! - `summaries.rs`, `ttl.rs`, `listing.rs`, `transfer.rs` — summary records (and their
 //!   Markdown copies), TTL records, listing and paging, export/import/delete;
-//! - `flush.rs` — the group flusher; `contract.rs` — the contract tests, run per engine.
+//! - `flush.rs` — the group flusher; `contract.rs` — the contract tests, run per engine;
+//! - `seal.rs`, `keys.rs` — message bodies and summary records encrypted with a key per
+//!   conversation, kept in its own file, so that a delete leaves nothing readable on disk.
 //!
 //! Files: each conversation may have a workspace folder, [`workspace_dir`], for copies meant
 //! for people (summaries as Markdown). Its path is derived so no id can escape the data
@@ -18,8 +20,10 @@
 
 mod engine;
 mod flush;
+mod keys;
 mod listing;
 mod records;
+mod seal;
 mod sled_engine;
 mod summaries;
 mod transfer;
@@ -47,6 +51,7 @@ pub use transfer::already_stored;
 
 use crate::identity::ConversationKey;
 use flush::GroupFlusher;
+use keys::KeyFiles;
 
 /// When a commit is durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,6 +125,12 @@ pub enum StoreError {
     Flush(#[from] FlushError),
     #[error("writing a workspace file failed: {0}")]
     File(#[from] std::io::Error),
+    #[error("a conversation key file could not be read or written: {0}")]
+    KeyFile(#[source] std::io::Error),
+    #[error("the key of conversation {0} is missing: its sealed messages cannot be read")]
+    KeyMissing(u64),
+    #[error("encryption failed: {0}")]
+    Crypto(&'static str),
 }
 
 /// Cached conversation handles.
@@ -128,6 +139,8 @@ pub type Handle = Arc<Mutex<Conversation>>;
 pub struct Store {
     engine: Arc<dyn Engine>,
     data_dir: PathBuf,
+    /// The conversations' keys (`{data_dir}/keys/`).
+    keys: KeyFiles,
     cache: moka::sync::Cache<ConversationKey, Handle>,
     flusher: Option<Arc<GroupFlusher>>,
     background: Mutex<Vec<JoinHandle<()>>>,
@@ -161,12 +174,18 @@ impl Store {
             Durability::Interval(every) => Some(every),
         };
         let engine = SledEngine::open(&dir.join("store"), options.page_cache_bytes, flush_every)?;
-        Ok(Store::with_engine(Arc::new(engine), dir, options))
+        Store::with_engine(Arc::new(engine), dir, options)
     }
 
-    /// A store over `engine`, with workspace folders under `data_dir`. Must be called inside a
-    /// tokio runtime.
-    pub fn with_engine(engine: Arc<dyn Engine>, data_dir: &Path, options: StoreOptions) -> Store {
+    /// A store over `engine`, with workspace folders and conversation keys under `data_dir`.
+    /// Keys of conversations the engine no longer holds are removed here, before any write.
+    /// Must be called inside a tokio runtime.
+    pub fn with_engine(
+        engine: Arc<dyn Engine>,
+        data_dir: &Path,
+        options: StoreOptions,
+    ) -> Result<Store, StoreError> {
+        let keys = KeyFiles::open(data_dir.join("keys"))?;
         let mut background = Vec::new();
         let flusher = match options.durability {
             Durability::Commit => {
@@ -184,15 +203,18 @@ impl Store {
                 u32::try_from(256 + entries * std::mem::size_of::<Entry>()).unwrap_or(u32::MAX)
             })
             .build();
-        Store {
+        let store = Store {
             engine,
             data_dir: data_dir.to_path_buf(),
+            keys,
             cache,
             flusher,
             background: Mutex::new(background),
             cache_lookups: AtomicU64::new(0),
             cache_misses: AtomicU64::new(0),
-        }
+        };
+        store.remove_orphan_keys();
+        Ok(store)
     }
 
     /// The conversation's handle, loading its index from the engine on a cache miss.
@@ -225,8 +247,8 @@ impl Store {
         Ok(())
     }
 
-    /// Reads stored messages by turn, in the order asked. A turn that is missing is an error:
-    /// the index said it was there.
+    /// Reads stored messages by turn, in the order asked, their bodies opened. A turn that is
+    /// missing is an error: the index said it was there.
     pub fn messages(
         &self,
         conversation: &Conversation,
@@ -236,13 +258,16 @@ impl Store {
             return Ok(Vec::new());
         };
         let turns: Vec<u64> = turns.into_iter().collect();
-        self.engine.messages(&conversation.key, meta.id, &turns)
+        let mut messages = self.engine.messages(&conversation.key, meta.id, &turns)?;
+        self.open_messages(meta.id, &mut messages)?;
+        Ok(messages)
     }
 
     /// Applies `change` to `conversation` atomically, assigning turn numbers to the added
-    /// messages. Fails with [`StoreError::Stale`] when the stored conversation is not the one
-    /// `conversation` holds; the caller then reloads and plans again. On success the in-memory
-    /// index is updated to match; on any failure it is left as it was.
+    /// messages and sealing their bodies with the conversation's key (created first for a new
+    /// conversation). Fails with [`StoreError::Stale`] when the stored conversation is not the
+    /// one `conversation` holds; the caller then reloads and plans again. On success the
+    /// in-memory index is updated to match; on any failure it is left as it was.
     pub fn commit(
         &self,
         conversation: &mut Conversation,
@@ -278,7 +303,13 @@ impl Store {
         meta.last_activity_ms = now;
         meta.tokens_forwarded += change.tokens_forwarded;
 
-        let version = self.engine.write(
+        let mut created_key = false;
+        if !change.add.is_empty() {
+            let (key, created) = self.sealing_key(meta.id)?;
+            created_key = created;
+            seal::seal_messages(&key, &mut change.add)?;
+        }
+        let version = self.write_sealed(
             &conversation.key,
             &conversation.version,
             Write {
@@ -287,6 +318,7 @@ impl Store {
                 add: &change.add,
                 summaries: &[],
             },
+            (created_key && conversation.meta.is_none()).then_some(meta.id),
         )?;
 
         removed.sort_unstable();
@@ -302,16 +334,17 @@ impl Store {
         Ok(())
     }
 
-    /// Refreshes the cache's weight of a conversation after it grew. Only the handle the cache
-    /// still holds is put back: after a delete or an eviction a newer handle may be there, and
-    /// an old one must not replace it.
+    /// After a commit through `handle`: refreshes the cache's weight of the conversation when
+    /// the cache still holds that handle. After a delete or an eviction the cache may hold a
+    /// newer handle, loaded before this commit and so missing it: that one is dropped, and the
+    /// next request reads the conversation again (an old handle never replaces a newer one).
     pub fn touch(&self, key: &ConversationKey, handle: &Handle) {
-        if self
-            .cache
-            .get(key)
-            .is_some_and(|current| Arc::ptr_eq(&current, handle))
-        {
-            self.cache.insert(key.clone(), Arc::clone(handle));
+        match self.cache.get(key) {
+            Some(current) if Arc::ptr_eq(&current, handle) => {
+                self.cache.insert(key.clone(), Arc::clone(handle));
+            }
+            Some(_) => self.cache.invalidate(key),
+            None => {}
         }
     }
 

@@ -1,10 +1,12 @@
-//! Summary records: stored by the engine under the conversation's id, each with a Markdown copy
-//! in the conversation's workspace folder for people to read
-//! (`memory/summary-{from}-{to}.md`).
+//! Summary records: stored by the engine under the conversation's id, sealed with the
+//! conversation's key (`seal.rs`), each with a Markdown copy in the conversation's workspace
+//! folder for people to read (`memory/summary-{from}-{to}.md`). The copy is plaintext, as
+//! meant: it is a file of the conversation's own folder, removed with it on delete.
 
 use serde_json::value::RawValue;
 
 use super::records::SummaryRecord;
+use super::seal::seal_summary;
 use super::{Conversation, Store, StoreError, workspace_dir};
 use crate::identity::ConversationKey;
 
@@ -21,7 +23,7 @@ impl Store {
     ) -> Result<Option<SummaryRecord>, StoreError> {
         self.engine
             .latest_summary(key, id)?
-            .map(|bytes| decode(&bytes))
+            .map(|bytes| decode(&self.open_summary(id, bytes)?))
             .transpose()
     }
 
@@ -33,13 +35,13 @@ impl Store {
     ) -> Result<Vec<SummaryRecord>, StoreError> {
         self.engine
             .summaries(key, id)?
-            .iter()
-            .map(|(_, bytes)| decode(bytes))
+            .into_iter()
+            .map(|(_, bytes)| decode(&self.open_summary(id, bytes)?))
             .collect()
     }
 
-    /// The summary records of conversation `id` as stored (opaque JSON), by number: what an
-    /// export carries.
+    /// The summary records of conversation `id` as stored (opaque JSON, opened), by number:
+    /// what an export carries.
     pub fn raw_summaries(
         &self,
         key: &ConversationKey,
@@ -49,7 +51,7 @@ impl Store {
             .summaries(key, id)?
             .into_iter()
             .map(|(number, bytes)| {
-                let text = String::from_utf8(bytes)
+                let text = String::from_utf8(self.open_summary(id, bytes)?)
                     .map_err(|_| StoreError::Corrupt("a summary record is not UTF-8".into()))?;
                 let raw = RawValue::from_string(text)
                     .map_err(|err| StoreError::Corrupt(format!("a summary record: {err}")))?;
@@ -71,7 +73,13 @@ impl Store {
         let key = &conversation.key;
         let value =
             serde_json::to_vec(record).map_err(|err| StoreError::Corrupt(err.to_string()))?;
-        if !self.engine.put_summary(key, id, record.number, &value)? {
+        let (secret, created) = self.sealing_key(id)?;
+        let sealed = seal_summary(&secret, &value)?;
+        if !self.engine.put_summary(key, id, record.number, &sealed)? {
+            // The conversation is gone (ids are never reused): a key made for it now goes too.
+            if created {
+                self.drop_unused_key(id);
+            }
             return Ok(false);
         }
         let folder = workspace_dir(&self.data_dir, key).join("memory");

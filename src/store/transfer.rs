@@ -1,5 +1,9 @@
 //! Whole conversations in and out: complete deletion and idempotent import.
 //!
+//! A delete removes the conversation's key after the engine's step is durable (`seal.rs`), so
+//! whatever the engine's files still hold of it can no longer be read; an import seals what it
+//! stores like a commit.
+//!
 //! Everything that changes a conversation here takes the conversation's lock (the same handle
 //! the request path uses) and writes in one atomic engine step checked against the version it
 //! read, exactly like a commit: no reader ever sees a half-deleted or half-imported
@@ -10,6 +14,7 @@ use serde_json::value::RawValue;
 
 use super::engine::Write;
 use super::records::{ConversationMeta, Deleted, ImportMeta, Imported, StoredMessage, now_ms};
+use super::seal::{seal_messages, seal_summary};
 use super::{Conversation, Handle, Store, StoreError, legacy_workspace_dir, lock, workspace_dir};
 use crate::identity::ConversationKey;
 
@@ -18,9 +23,10 @@ const MAX_ATTEMPTS: usize = 8;
 
 impl Store {
     /// Deletes a conversation completely: its record, messages, summaries and TTL record in one
-    /// atomic step, under the conversation's lock; then its cached state and its workspace
-    /// folder. `None` when it did not exist (its TTL record and cache entry are dropped all the
-    /// same). The recall index is not the store's: the caller forgets it.
+    /// atomic step, under the conversation's lock; once that is durable its key, so that no
+    /// byte the engine's files still hold of it can be read; then its cached state and its
+    /// workspace folder. `None` when it did not exist (its TTL record and cache entry are
+    /// dropped all the same). The recall index is not the store's: the caller forgets it.
     pub fn delete_conversation(
         &self,
         key: &ConversationKey,
@@ -45,16 +51,21 @@ impl Store {
         cutoff_ms: Option<i64>,
     ) -> Result<Option<Deleted>, StoreError> {
         let handle = self.conversation(key)?;
-        let result = {
+        let (result, erased) = {
             let mut conversation = lock(&handle);
+            let id = self.engine.meta(key)?.map(|meta| meta.id);
             let result = self.engine.delete(key, cutoff_ms);
+            let erased = match (&result, id) {
+                (Ok(Some(_)), Some(id)) => self.erase_key(id),
+                _ => Ok(()),
+            };
             // Whatever happened in the engine, the in-memory state is read again from it: an
             // empty conversation after a delete, so a request holding this handle starts afresh.
             if let Err(err) = self.reload(&mut conversation) {
                 tracing::warn!(error = %err, "reloading a deleted conversation failed");
                 conversation.reset();
             }
-            result
+            (result, erased)
         };
         // A kept idle conversation (it was used meanwhile) is left alone.
         if cutoff_ms.is_some() && !matches!(result, Ok(Some(_))) {
@@ -83,6 +94,9 @@ impl Store {
                 }
             }
         }
+        // A key that could not be removed leaves the delete incomplete: said here, and the key
+        // file is removed when the store next opens (its conversation is gone).
+        erased?;
         result
     }
 
@@ -178,19 +192,27 @@ impl Store {
                 .map(|(number, _)| number)
                 .collect()
         };
-        let mut summary_rows: Vec<(u64, &[u8])> = Vec::new();
-        for (number, record) in summaries {
-            if empty && !existing.contains(number) {
-                summary_rows.push((*number, record.get().as_bytes()));
-            } else {
-                imported.summaries_skipped += 1;
-            }
-        }
-        imported.summaries_added = summary_rows.len();
-        if added.is_empty() && summary_rows.is_empty() {
+        let wanted: Vec<(u64, &[u8])> = summaries
+            .iter()
+            .filter(|(number, _)| empty && !existing.contains(number))
+            .map(|(number, record)| (*number, record.get().as_bytes()))
+            .collect();
+        imported.summaries_skipped = summaries.len() - wanted.len();
+        imported.summaries_added = wanted.len();
+        if added.is_empty() && wanted.is_empty() {
             return Ok(imported);
         }
-        self.engine.write(
+        let (secret, created_key) = self.sealing_key(meta.id)?;
+        seal_messages(&secret, &mut added)?;
+        let sealed_summaries = wanted
+            .into_iter()
+            .map(|(number, record)| Ok((number, seal_summary(&secret, record)?)))
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let summary_rows: Vec<(u64, &[u8])> = sealed_summaries
+            .iter()
+            .map(|(number, record)| (*number, record.as_slice()))
+            .collect();
+        self.write_sealed(
             &conversation.key,
             &conversation.version,
             Write {
@@ -199,6 +221,7 @@ impl Store {
                 add: &added,
                 summaries: &summary_rows,
             },
+            (created_key && empty).then_some(meta.id),
         )?;
         Ok(imported)
     }
