@@ -13,9 +13,9 @@ use tracing::field::Empty;
 use crate::body::{ProxyBody, full};
 use crate::config::hash_key;
 use crate::error::{ProxyError, json_response};
-use crate::identity::{bearer_token, split_path_form};
+use crate::identity::{Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
-use crate::proxy::identify::{PathIds, identify};
+use crate::proxy::identify::{PathIds, credential_of, identify};
 use crate::proxy::{self, MemoryStatus, set_memory_headers};
 use crate::state::AppState;
 
@@ -101,42 +101,41 @@ async fn route(
     }
     check_client_key(state, request.headers())?;
 
-    let identity = identify(&state.config, request.headers(), path_ids)?;
+    let is_chat = request.method() == Method::POST && api_path == "/v1/chat/completions";
+    let identity = identify(&state.config, request.headers(), path_ids, is_chat)?;
     let span = tracing::Span::current();
     span.record("agent", identity.agent.as_str());
-    if let Some(key) = &identity.key {
-        span.record("conversation", key.conversation.as_str());
+    if let Some(conversation) = &identity.conversation {
+        span.record("conversation", conversation.as_str());
     }
     // A path the upstream URI cannot hold is refused before anything else happens.
     state.upstream.uri_for(api_path, request.uri().query())?;
-    let is_chat = request.method() == Method::POST && api_path == "/v1/chat/completions";
     let api_path = api_path.to_string();
 
-    match identity.key {
-        Some(key) if is_chat && identity.settings.enabled => {
+    match (identity.key, identity.conversation) {
+        (Some(key), _) => {
             let (parts, body) = request.into_parts();
             proxy::chat::chat(state, parts, body, key, identity.settings, &api_path).await
         }
-        Some(key) if is_chat => {
+        (None, Some(conversation)) if is_chat => {
             let mut response = proxy::passthrough(state, request, &api_path).await?;
-            set_memory_headers(&mut response, MemoryStatus::Off, &key.conversation, None);
+            set_memory_headers(&mut response, MemoryStatus::Off, &conversation, None);
             Ok(response)
         }
         _ => proxy::passthrough(state, request, &api_path).await,
     }
 }
 
-/// With `auth.client_keys` set, only those bearer tokens may call.
+/// With `auth.client_keys` set, only those keys may call, sent in any of the credential
+/// headers (`Authorization: Bearer`, `api-key`, `x-api-key`). A request presenting two
+/// different credentials is refused (400), so an allowed key can never carry another upstream.
 fn check_client_key(state: &AppState, headers: &http::HeaderMap) -> Result<(), ProxyError> {
     if state.config.client_key_hashes.is_empty() {
         return Ok(());
     }
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(bearer_token);
-    match token {
-        Some(token) if state.config.client_key_hashes.contains(&hash_key(token)) => Ok(()),
+    let credential = credential_of(headers)?;
+    match credential.as_ref().and_then(Credential::key) {
+        Some(key) if state.config.client_key_hashes.contains(&hash_key(key)) => Ok(()),
         _ => Err(ProxyError::Unauthorized),
     }
 }

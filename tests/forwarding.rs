@@ -76,7 +76,8 @@ async fn other_routes_pass_through_untouched() {
 async fn unknown_request_fields_reach_the_upstream_unchanged() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    // It sends no credential: memory for such requests must be allowed.
+    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
     let raw = r#"{"model":"gpt-4o","temperature":0.70,"seed":1e3,"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"z":1,"a":2}}}],"x_vendor":{"keep":[1.50,true,null]},"stream_options":null}"#;
     let answer = send(
         "POST",
@@ -117,7 +118,8 @@ async fn unknown_request_fields_reach_the_upstream_unchanged() {
 async fn bad_headers_and_bodies_get_400_naming_the_cause() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    // It sends no credential: memory for such requests must be allowed.
+    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
     let ok_body = body(&[user("hi")]);
 
     type Case<'a> = (Vec<(&'a str, &'a str)>, String, &'a str);
@@ -371,7 +373,8 @@ async fn the_body_limit_gives_413() {
 async fn h2c_clients_are_served() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    // It sends no credential: memory for such requests must be allowed.
+    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .http2_only(true)
         .build_http::<http_body_util::Full<bytes::Bytes>>();
