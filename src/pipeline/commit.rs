@@ -5,8 +5,12 @@
 //! The plan made before forwarding is reused when the conversation has not changed since; when
 //! another request committed in between, the request is aligned again against what is stored
 //! now, so concurrent requests never store a message twice.
+//!
+//! The TTL the request ran with is remembered here too, and only here: once its exchange is
+//! stored. A request refused or failed (bad body, upstream error, a stream cut) writes nothing.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde_json::value::RawValue;
 
@@ -42,11 +46,14 @@ pub struct Exchange {
     pub model: Option<String>,
     /// Tokens of the prompt forwarded for this exchange.
     pub prompt_tokens: u64,
+    /// The TTL the request ran with (`ttl` setting or `X-Memory-Ttl`), remembered for the
+    /// conversation once the exchange is stored.
+    pub ttl: Option<Duration>,
 }
 
 impl Exchange {
-    /// Stores the new messages and `reply`, then waits for durability. Returns the number of
-    /// messages the conversation holds afterwards.
+    /// Stores the new messages and `reply` and remembers the request's TTL, then waits for
+    /// durability. Returns the number of messages the conversation holds afterwards.
     pub async fn commit(&self, memory: &Memory, reply: Box<RawValue>) -> Result<usize, StoreError> {
         let store = &memory.store;
         let model = self.model.as_deref();
@@ -65,7 +72,7 @@ impl Exchange {
         let message_count = {
             let mut conversation = lock(&self.handle);
             let mut attempt = 0;
-            loop {
+            let count = loop {
                 attempt += 1;
                 let current = conversation.meta.as_ref().map(|m| m.next_turn);
                 let alignment = if current == self.planned_next_turn {
@@ -101,7 +108,11 @@ impl Exchange {
                     }
                     Err(err) => return Err(err),
                 }
-            }
+            };
+            // Under the conversation's lock, so a delete cannot come between the exchange and
+            // its TTL record; the flush below makes both durable.
+            memory.remember_ttl(&self.key, self.ttl);
+            count
         };
         store.touch(&self.key, &self.handle);
         store.sync().await?;

@@ -158,7 +158,6 @@ async fn before(
     if let Some(model) = &request.model {
         tracing::Span::current().record("model", model.as_str());
     }
-    state.memory.remember_ttl(key, settings);
 
     let messages = std::mem::take(&mut request.messages);
     let memory = &state.memory;
