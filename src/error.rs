@@ -82,8 +82,16 @@ pub enum ProxyError {
     /// The request adds more to memory than one request may (`[limits]`).
     #[error("{message}")]
     LimitExceeded { message: String, code: &'static str },
-    #[error("a valid client key is required: send `Authorization: Bearer <key>`")]
+    #[error(
+        "a valid client key is required: send it as `Authorization: Bearer <key>`, `api-key` or `x-api-key`"
+    )]
     Unauthorized,
+    /// A request with a conversation id presents no credential, and `auth.allow_anonymous` is
+    /// off: memory could not keep it apart from other tenants.
+    #[error(
+        "memory needs a credential to tell tenants apart: send `Authorization`, `api-key` or `x-api-key`, or set `auth.allow_anonymous = true` to give requests without one a shared memory"
+    )]
+    NoCredential,
     #[error("no route for {method} {path}")]
     NotFound { method: String, path: String },
     #[error("the upstream could not be reached")]
@@ -129,7 +137,7 @@ impl ApiError for ProxyError {
             ProxyError::PayloadTooLarge { .. } | ProxyError::LimitExceeded { .. } => {
                 StatusCode::PAYLOAD_TOO_LARGE
             }
-            ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ProxyError::Unauthorized | ProxyError::NoCredential => StatusCode::UNAUTHORIZED,
             ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
             ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -142,7 +150,7 @@ impl ApiError for ProxyError {
             ProxyError::InvalidRequest { .. }
             | ProxyError::PayloadTooLarge { .. }
             | ProxyError::LimitExceeded { .. } => "invalid_request_error",
-            ProxyError::Unauthorized => "authentication_error",
+            ProxyError::Unauthorized | ProxyError::NoCredential => "authentication_error",
             ProxyError::NotFound { .. } => "not_found_error",
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout { .. } => {
                 "upstream_error"
@@ -157,6 +165,7 @@ impl ApiError for ProxyError {
             ProxyError::PayloadTooLarge { .. } => "request_too_large",
             ProxyError::LimitExceeded { code, .. } => code,
             ProxyError::Unauthorized => "invalid_api_key",
+            ProxyError::NoCredential => "missing_credential",
             ProxyError::NotFound { .. } => "not_found",
             ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
             ProxyError::UpstreamTimeout { .. } => "upstream_timeout",
@@ -174,7 +183,7 @@ impl ApiError for ProxyError {
 
     fn headers(&self) -> Vec<(HeaderName, HeaderValue)> {
         match self {
-            ProxyError::Unauthorized => {
+            ProxyError::Unauthorized | ProxyError::NoCredential => {
                 vec![(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"))]
             }
             _ => Vec::new(),

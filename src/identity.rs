@@ -1,9 +1,31 @@
-//! Who a request belongs to: the tenant (from the bearer token), the agent and the
-//! conversation, and the rules their names follow.
+//! Who a request belongs to: the tenant (from the credential the request presents), the agent
+//! and the conversation, and the rules their names follow.
 //!
-//! The tenant is a hash of the bearer token, never the token itself, so the store and the logs
-//! hold nothing that could be replayed upstream, and two keys that use the same conversation id
-//! never share a history.
+//! The tenant is a hash of the credential, never the credential itself, so the store and the
+//! logs hold nothing that could be replayed upstream, and two credentials that use the same
+//! conversation id never share a history.
+//!
+//! # Which credential, and what is hashed
+//!
+//! A request presents its credential in `Authorization` (any scheme), `api-key` (Azure) or
+//! `x-api-key` (Anthropic). What is hashed is the credential in a canonical form
+//! ([`Credential`]):
+//!
+//! - an **API key** — `Authorization: Bearer K`, `api-key: K`, `x-api-key: K`, or a bare
+//!   `Authorization: K` — is the key `K` alone, whichever header carried it. They are the same
+//!   secret in the header style of another SDK: an agent that moves from the OpenAI SDK to the
+//!   Azure or Anthropic one keeps its memory, and whoever knows `K` can send it in any of them
+//!   anyway, so telling them apart would protect nothing. The hash is the one bearer tokens have
+//!   always had, so conversations stored before keep their tenant.
+//! - **any other `Authorization` scheme** (`Basic`, `Digest`, a vendor's own) is the scheme,
+//!   lower-cased, and the credentials after it, hashed in a separate domain: `Basic x` and
+//!   `Bearer x` are two tenants. A `Basic` credential is a user and password, not a key; no
+//!   upstream takes one for the other, so memproxy does not either. (A scheme whose credentials
+//!   change on every request, such as `Digest` or a request signature, gets a new tenant each
+//!   time: such clients have no lasting memory.)
+//!
+//! Credentials are compared in that canonical form: the same key in `Authorization` and
+//! `x-api-key` is one credential; two different ones are refused by the caller.
 
 use sha2::{Digest, Sha256};
 
@@ -22,26 +44,115 @@ pub fn is_valid_id(id: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'@' | b'-'))
 }
 
-/// A tenant: 32 hex characters of SHA-256 over the client's bearer token.
+/// The tenant of requests that present no credential (with `auth.allow_anonymous`).
+pub const ANONYMOUS: &str = "anonymous";
+
+/// What every tenant hash starts with.
+const TENANT_DOMAIN: &[u8] = b"memproxy-tenant-v1\0";
+
+/// A credential a request presents, in the canonical form its tenant is the hash of (see the
+/// module's documentation). `Debug` never shows the secret.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Credential {
+    /// An API key, whichever header carried it.
+    Key(String),
+    /// Any other `Authorization` scheme: the scheme lower-cased, and its credentials as sent.
+    Scheme { scheme: String, credentials: String },
+}
+
+impl Credential {
+    /// The credential of an `Authorization` value: `Bearer K` and a bare `K` (as some gateways
+    /// accept) are the key `K`, any other `Scheme C` is that scheme's. `None` for an empty value
+    /// or `Bearer`/`Basic` with nothing after it (`Bearer ` is what an SDK sends for an empty
+    /// key): it presents no secret, and is not taken for a key named `Bearer`.
+    pub fn from_authorization(value: &str) -> Option<Credential> {
+        let value = value.trim();
+        match value.split_once([' ', '\t']) {
+            Some((scheme, credentials)) => {
+                let credentials = credentials.trim();
+                if credentials.is_empty() {
+                    None
+                } else if scheme.eq_ignore_ascii_case("bearer") {
+                    Some(Credential::Key(credentials.to_string()))
+                } else {
+                    Some(Credential::Scheme {
+                        scheme: scheme.to_ascii_lowercase(),
+                        credentials: credentials.to_string(),
+                    })
+                }
+            }
+            None if value.is_empty()
+                || value.eq_ignore_ascii_case("bearer")
+                || value.eq_ignore_ascii_case("basic") =>
+            {
+                None
+            }
+            None => Some(Credential::Key(value.to_string())),
+        }
+    }
+
+    /// The credential of an `api-key` or `x-api-key` value: the key, or `None` when empty.
+    pub fn from_key(value: &str) -> Option<Credential> {
+        let value = value.trim();
+        (!value.is_empty()).then(|| Credential::Key(value.to_string()))
+    }
+
+    /// The API key, for the `auth.client_keys` allow-list (which lists keys only).
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Credential::Key(key) => Some(key),
+            Credential::Scheme { .. } => None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credential::Key(_) => f.write_str("Credential::Key(..)"),
+            Credential::Scheme { scheme, .. } => write!(f, "Credential::Scheme({scheme}, ..)"),
+        }
+    }
+}
+
+/// A tenant: 32 hex characters of SHA-256 over the request's credential, or `anonymous`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TenantId(String);
 
 impl TenantId {
-    /// The tenant of a request; requests without a bearer token share the tenant `anonymous`.
+    /// The tenant of a request's credential; `None` is the shared tenant `anonymous`.
+    pub fn of(credential: Option<&Credential>) -> TenantId {
+        let digest = match credential {
+            None => return TenantId(ANONYMOUS.to_string()),
+            // Keys hash as bearer tokens always have. Header values never hold a NUL, so the
+            // other schemes' input, which starts with one, can never equal a key's.
+            Some(Credential::Key(key)) => Sha256::digest([TENANT_DOMAIN, key.as_bytes()].concat()),
+            Some(Credential::Scheme {
+                scheme,
+                credentials,
+            }) => Sha256::digest(
+                [
+                    TENANT_DOMAIN,
+                    b"\0",
+                    scheme.as_bytes(),
+                    b"\0",
+                    credentials.as_bytes(),
+                ]
+                .concat(),
+            ),
+        };
+        TenantId(hex(&digest[..16]))
+    }
+
+    /// The tenant of an API key (`None`: `anonymous`).
     pub fn from_token(token: Option<&str>) -> TenantId {
-        match token {
-            None => TenantId("anonymous".to_string()),
-            Some(token) => {
-                let digest = Sha256::digest([b"memproxy-tenant-v1\0", token.as_bytes()].concat());
-                TenantId(hex(&digest[..16]))
-            }
-        }
+        TenantId::of(token.map(|t| Credential::Key(t.to_string())).as_ref())
     }
 
     /// A tenant id as shown by the admin API and stored in keys.
     pub fn from_stored(text: &str) -> Option<TenantId> {
-        let ok = text == "anonymous"
-            || (text.len() == 32 && text.bytes().all(|b| b.is_ascii_hexdigit()));
+        let ok =
+            text == ANONYMOUS || (text.len() == 32 && text.bytes().all(|b| b.is_ascii_hexdigit()));
         ok.then(|| TenantId(text.to_string()))
     }
 
@@ -144,6 +255,54 @@ mod tests {
         assert_eq!(a, TenantId::from_token(Some("sk-aaa")));
         assert_eq!(TenantId::from_stored(a.as_str()), Some(a));
         assert_eq!(TenantId::from_token(None).as_str(), "anonymous");
+    }
+
+    #[test]
+    fn credentials_are_canonical_whichever_header_carries_them() {
+        let key = Credential::from_key("sk-1");
+        assert!(key.is_some());
+        assert_eq!(Credential::from_authorization("Bearer sk-1"), key);
+        assert_eq!(Credential::from_authorization("bearer \t sk-1 "), key);
+        assert_eq!(Credential::from_authorization("sk-1"), key);
+        assert_eq!(Credential::from_key(" sk-1 "), key);
+        let basic = Credential::from_authorization("Basic dXNlcjpwdw==");
+        assert_eq!(
+            basic,
+            Some(Credential::Scheme {
+                scheme: "basic".into(),
+                credentials: "dXNlcjpwdw==".into()
+            })
+        );
+        assert_eq!(Credential::from_authorization("BASIC dXNlcjpwdw=="), basic);
+        for empty in ["", "  ", "Bearer", "Bearer   ", "basic "] {
+            assert_eq!(Credential::from_authorization(empty), None, "{empty:?}");
+        }
+        assert_eq!(Credential::from_key(""), None);
+        assert_eq!(key.as_ref().and_then(Credential::key), Some("sk-1"));
+        assert_eq!(basic.as_ref().and_then(Credential::key), None);
+        assert!(!format!("{key:?}{basic:?}").contains("sk-1"));
+        assert!(!format!("{basic:?}").contains("dXNl"));
+    }
+
+    #[test]
+    fn a_scheme_is_part_of_the_tenant_but_the_key_header_is_not() {
+        let tenant = |value: &str| TenantId::of(Credential::from_authorization(value).as_ref());
+        assert_eq!(tenant("Bearer x"), TenantId::from_token(Some("x")));
+        assert_eq!(
+            tenant("Bearer x"),
+            TenantId::of(Credential::from_key("x").as_ref())
+        );
+        assert_ne!(tenant("Basic x"), tenant("Bearer x"));
+        assert_ne!(tenant("Basic x"), tenant("Digest x"));
+        assert_ne!(tenant("Basic x"), tenant("Basic y"));
+        assert_eq!(tenant("basic x"), tenant("Basic x"));
+        // A key that spells out a scheme is still not that scheme's credential.
+        assert_ne!(
+            tenant("Basic x"),
+            TenantId::of(Credential::from_key("basic x").as_ref())
+        );
+        assert_eq!(TenantId::of(None).as_str(), ANONYMOUS);
+        assert!(TenantId::from_stored(tenant("Basic x").as_str()).is_some());
     }
 
     #[test]

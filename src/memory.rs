@@ -10,7 +10,6 @@ use crate::config::{self, CompressionConfig, Config};
 use crate::identity::{ConversationKey, TenantId};
 use crate::model::ModelCall;
 use crate::recall::Recall;
-use crate::settings::MemorySettings;
 use crate::store::{Deleted, Durability, Scope, Store, StoreError, StoreOptions, now_ms};
 use crate::summary::Summarizer;
 
@@ -89,13 +88,11 @@ impl Memory {
         }
     }
 
-    /// Remembers the TTL a chat request ran with, when it stores anything. A failure is
+    /// Remembers the TTL a chat request ran with; called by the commit once the request's
+    /// exchange is stored, so a request that stores nothing writes no TTL either. A failure is
     /// logged, never returned: TTL bookkeeping must not fail a chat request.
-    pub fn remember_ttl(&self, key: &ConversationKey, settings: &MemorySettings) {
-        if !settings.enabled || !settings.persist {
-            return;
-        }
-        if let Err(err) = self.store.remember_ttl(key, settings.ttl) {
+    pub fn remember_ttl(&self, key: &ConversationKey, ttl: Option<Duration>) {
+        if let Err(err) = self.store.remember_ttl(key, ttl) {
             tracing::warn!(error = %err, "remembering the conversation's TTL failed");
         }
     }

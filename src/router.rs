@@ -1,6 +1,10 @@
-//! The router: health checks, client-key checks, the path form, and the choice between the
-//! memory pipeline and plain pass-through. Errors become responses here, and are logged here,
-//! once.
+//! The router: the path check, health checks, client-key checks, the path form, and the choice
+//! between the memory pipeline and plain pass-through. Errors become responses here, and are
+//! logged here, once.
+//!
+//! Every path is checked before it is routed: a `.` or `..` segment (also percent-encoded) or
+//! an encoded slash or backslash is a 400, so no path can climb out of the upstream's `/v1`
+//! (with memproxy's own upstream key, when one is configured) or out of an admin route.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,9 +17,9 @@ use tracing::field::Empty;
 use crate::body::{ProxyBody, full};
 use crate::config::hash_key;
 use crate::error::{ProxyError, json_response};
-use crate::identity::{bearer_token, split_path_form};
+use crate::identity::{Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
-use crate::proxy::identify::{PathIds, identify};
+use crate::proxy::identify::{PathIds, credential_of, identify};
 use crate::proxy::{self, MemoryStatus, set_memory_headers};
 use crate::state::AppState;
 
@@ -71,6 +75,7 @@ async fn route(
     request: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = request.uri().path();
+    check_path(path)?;
     match (request.method(), path) {
         (&Method::GET, "/healthz") => {
             return Ok(json_response(StatusCode::OK, r#"{"status":"ok"}"#));
@@ -101,44 +106,85 @@ async fn route(
     }
     check_client_key(state, request.headers())?;
 
-    let identity = identify(&state.config, request.headers(), path_ids)?;
+    let is_chat = request.method() == Method::POST && api_path == "/v1/chat/completions";
+    let identity = identify(&state.config, request.headers(), path_ids, is_chat)?;
     let span = tracing::Span::current();
     span.record("agent", identity.agent.as_str());
-    if let Some(key) = &identity.key {
-        span.record("conversation", key.conversation.as_str());
+    if let Some(conversation) = &identity.conversation {
+        span.record("conversation", conversation.as_str());
     }
     // A path the upstream URI cannot hold is refused before anything else happens.
     state.upstream.uri_for(api_path, request.uri().query())?;
-    let is_chat = request.method() == Method::POST && api_path == "/v1/chat/completions";
     let api_path = api_path.to_string();
 
-    match identity.key {
-        Some(key) if is_chat && identity.settings.enabled => {
+    match (identity.key, identity.conversation) {
+        (Some(key), _) => {
             let (parts, body) = request.into_parts();
             proxy::chat::chat(state, parts, body, key, identity.settings, &api_path).await
         }
-        Some(key) if is_chat => {
+        (None, Some(conversation)) if is_chat => {
             let mut response = proxy::passthrough(state, request, &api_path).await?;
-            set_memory_headers(&mut response, MemoryStatus::Off, &key.conversation, None);
+            set_memory_headers(&mut response, MemoryStatus::Off, &conversation, None);
             Ok(response)
         }
         _ => proxy::passthrough(state, request, &api_path).await,
     }
 }
 
-/// With `auth.client_keys` set, only those bearer tokens may call.
+/// With `auth.client_keys` set, only those keys may call, sent in any of the credential
+/// headers (`Authorization: Bearer`, `api-key`, `x-api-key`). A request presenting two
+/// different credentials is refused (400), so an allowed key can never carry another upstream.
 fn check_client_key(state: &AppState, headers: &http::HeaderMap) -> Result<(), ProxyError> {
     if state.config.client_key_hashes.is_empty() {
         return Ok(());
     }
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(bearer_token);
-    match token {
-        Some(token) if state.config.client_key_hashes.contains(&hash_key(token)) => Ok(()),
+    let credential = credential_of(headers)?;
+    match credential.as_ref().and_then(Credential::key) {
+        Some(key) if state.config.client_key_hashes.contains(&hash_key(key)) => Ok(()),
         _ => Err(ProxyError::Unauthorized),
     }
+}
+
+/// Refuses a path with a dot segment (`.`, `..`, percent-encoded in any case or mix, also before
+/// a `;` parameter as some servers read it) or an encoded slash or backslash (`%2F`, `%5C`), or
+/// a raw backslash: an upstream that normalises or decodes the path would read it as a climb out
+/// of `/v1`.
+fn check_path(path: &str) -> Result<(), ProxyError> {
+    let bad = |message: &str| Err(ProxyError::invalid("path", "invalid_path", message));
+    if path.contains('\\') || contains_encoded_separator(path) {
+        return bad("the request path must not contain encoded slashes or backslashes (%2F, %5C)");
+    }
+    if path.split('/').any(is_dot_segment) {
+        return bad(
+            "the request path must not contain `.` or `..` segments (also percent-encoded)",
+        );
+    }
+    Ok(())
+}
+
+/// True for `%2F`/`%5C` in any case.
+fn contains_encoded_separator(path: &str) -> bool {
+    path.as_bytes().windows(3).any(|w| {
+        w[0] == b'%'
+            && ((w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'f'))
+                || (w[1] == b'5' && w[2].eq_ignore_ascii_case(&b'c')))
+    })
+}
+
+/// True when a path segment is `.` or `..` once `%2E`/`%2e` are decoded, or before a `;`.
+fn is_dot_segment(segment: &str) -> bool {
+    let segment = segment.split(';').next().unwrap_or(segment);
+    let mut dots = 0;
+    let mut rest = segment.as_bytes();
+    while !rest.is_empty() {
+        match rest {
+            [b'.', tail @ ..] => rest = tail,
+            [b'%', b'2', e, tail @ ..] if e.eq_ignore_ascii_case(&b'e') => rest = tail,
+            _ => return false,
+        }
+        dots += 1;
+    }
+    dots == 1 || dots == 2
 }
 
 /// `GET /metrics`: Prometheus (OpenMetrics) text. Open like `/healthz`, unless
@@ -169,4 +215,60 @@ fn readiness(state: &AppState) -> Response<ProxyBody> {
         StatusCode::SERVICE_UNAVAILABLE
     };
     json_response(status, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_segments_and_encoded_separators_are_refused() {
+        for bad in [
+            "/v1/../../internal/admin",
+            "/v1/%2e%2e/%2e%2e/internal",
+            "/v1/%2E%2E/internal",
+            "/v1/.%2e/internal",
+            "/v1/%2E./internal",
+            "/v1/./models",
+            "/v1/%2e/models",
+            "/v1/models/.",
+            "/v1/models/..",
+            "/v1/..;x=1/internal",
+            "/v1/files%2f..%2finternal",
+            "/v1/files%2F",
+            "/v1/files%5cx",
+            "/v1/files%5C",
+            "/v1/files\\x",
+            "/agents/a/conversations/c/v1/../../internal",
+            "/agents/%2e%2e/conversations/c/v1/chat/completions",
+            "/admin/v1/../../v1/models",
+        ] {
+            let err = check_path(bad).unwrap_err();
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{bad}");
+            match err {
+                ProxyError::InvalidRequest { param, .. } => {
+                    assert_eq!(param.as_deref(), Some("path"), "{bad}");
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn dots_inside_names_are_fine() {
+        for good in [
+            "/v1/models/gpt-4.1",
+            "/v1/files/a..b",
+            "/v1/files/...",
+            "/v1/files/.hidden",
+            "/v1/files/x%2e",
+            "/v1/files/%2e%2e%2e",
+            "/v1/files/%25%32%65",
+            "/agents/a.b/conversations/c..d/v1/chat/completions",
+            "/v1/",
+            "/",
+        ] {
+            assert!(check_path(good).is_ok(), "{good}");
+        }
+    }
 }

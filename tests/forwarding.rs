@@ -76,7 +76,8 @@ async fn other_routes_pass_through_untouched() {
 async fn unknown_request_fields_reach_the_upstream_unchanged() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    // It sends no credential: memory for such requests must be allowed.
+    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
     let raw = r#"{"model":"gpt-4o","temperature":0.70,"seed":1e3,"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"z":1,"a":2}}}],"x_vendor":{"keep":[1.50,true,null]},"stream_options":null}"#;
     let answer = send(
         "POST",
@@ -117,7 +118,8 @@ async fn unknown_request_fields_reach_the_upstream_unchanged() {
 async fn bad_headers_and_bodies_get_400_naming_the_cause() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    // It sends no credential: memory for such requests must be allowed.
+    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
     let ok_body = body(&[user("hi")]);
 
     type Case<'a> = (Vec<(&'a str, &'a str)>, String, &'a str);
@@ -371,7 +373,8 @@ async fn the_body_limit_gives_413() {
 async fn h2c_clients_are_served() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    // It sends no credential: memory for such requests must be allowed.
+    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .http2_only(true)
         .build_http::<http_body_util::Full<bytes::Bytes>>();
@@ -406,4 +409,79 @@ async fn readyz_waits_for_the_tokenizer_which_loads_at_start() {
     assert_eq!(ready.status, 200);
     assert_eq!(ready.json()["tokenizer"], true);
     assert_eq!(ready.json()["store"], true);
+}
+
+/// Sends one request over a raw TCP connection, so the path reaches memproxy exactly as
+/// written (no client normalises it), and returns the status and the body.
+async fn raw_request(proxy: &Proxy, method: &str, path: &str, body: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {TOKEN}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"));
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (status, body)
+}
+
+#[tokio::test]
+async fn dot_segments_and_encoded_slashes_never_reach_the_upstream() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let chat_body = body(&[user("hi")]).to_string();
+
+    for (method, path) in [
+        ("POST", "/v1/../../internal/admin?x=1"),
+        ("GET", "/v1/%2e%2e/%2e%2e/internal"),
+        ("GET", "/v1/%2E%2E/internal"),
+        ("GET", "/v1/.%2e/internal"),
+        ("GET", "/v1/%2e./internal"),
+        ("GET", "/v1/./models"),
+        ("GET", "/v1/models/.."),
+        ("GET", "/v1/..;x/internal"),
+        ("GET", "/v1/files%2f..%2finternal"),
+        ("GET", "/v1/files%2F..%2Finternal"),
+        ("GET", "/v1/files%5c..%5cinternal"),
+        ("POST", "/v1/chat/completions/.."),
+        ("POST", "/v1/chat/../chat/completions"),
+        ("POST", "/agents/a/conversations/c/v1/../../internal"),
+        (
+            "POST",
+            "/agents/a/conversations/c/v1/%2e%2e/chat/completions",
+        ),
+        ("POST", "/agents/%2e%2e/conversations/c/v1/chat/completions"),
+        ("GET", "/admin/v1/../../v1/models"),
+    ] {
+        let (status, body) = raw_request(&proxy, method, path, &chat_body).await;
+        assert_eq!(status, 400, "{method} {path}: {body}");
+        let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["error"]["param"], "path", "{path}");
+        assert_eq!(error["error"]["code"], "invalid_path", "{path}");
+    }
+    assert!(
+        mock.recorded().is_empty(),
+        "forwarded: {:?}",
+        mock.recorded()
+            .iter()
+            .map(|r| r.path.clone())
+            .collect::<Vec<_>>()
+    );
+    assert!(proxy.stored(Some(TOKEN), "c").is_empty());
+
+    // Dots inside a name are no segment of their own: forwarded as they are.
+    let (status, _) = raw_request(&proxy, "GET", "/v1/models/gpt-4.1..x", "").await;
+    assert_eq!(status, 200);
+    assert_eq!(mock.recorded()[0].path, "/v1/models/gpt-4.1..x");
 }

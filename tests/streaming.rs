@@ -210,7 +210,8 @@ async fn a_client_that_disconnects_mid_stream_stores_nothing() {
 async fn persist_false_streams_without_storing() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    // It sends no credential: memory for such requests must be allowed.
+    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
     let request = http::Request::post(proxy.url("/v1/chat/completions"))
         .header("x-memory-conversation-id", "p")
         .header("x-memory-persist", "false")

@@ -339,3 +339,104 @@ async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
     sweeper.stop().await;
     state.memory.store.close().await.unwrap();
 }
+
+/// True when the store holds anything of conversation `id`: its TTL record, its record, its
+/// messages (the id is in every key).
+fn any_trace(proxy: &Proxy, id: &str) -> bool {
+    proxy
+        .state
+        .memory
+        .store
+        .any_trace_of(id.as_bytes())
+        .unwrap()
+}
+
+fn ttl_record(proxy: &Proxy, id: &str) -> Option<memproxy::store::TtlRecord> {
+    let key = key_for(Some(TOKEN), "default", id);
+    proxy.state.memory.store.ttl_of(&key).unwrap()
+}
+
+#[tokio::test]
+async fn a_refused_or_failed_request_writes_no_ttl() {
+    use support::mock_upstream::Reply;
+
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let ttl = [("x-memory-ttl", "P36500D")];
+
+    // Bodies memproxy refuses: nothing is planned, forwarded or written.
+    for (i, malformed) in [
+        r#"{"messages": [oops"#,
+        r#"{"model":"m"}"#,
+        r#"{"messages":[{"content":"no role"}]}"#,
+        r#"{"messages":[],"stream":"yes"}"#,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("ttl-malformed-{i}");
+        let answer = send(
+            "POST",
+            &proxy.url("/v1/chat/completions"),
+            &[
+                ("authorization", &format!("Bearer {TOKEN}")),
+                ("x-memory-conversation-id", &id),
+                ("x-memory-ttl", "P36500D"),
+            ],
+            malformed,
+        )
+        .await;
+        assert_eq!(answer.status, 400, "{malformed}");
+        assert_eq!(ttl_record(&proxy, &id), None, "{malformed}");
+        assert!(!any_trace(&proxy, &id), "{malformed}");
+    }
+    assert!(mock.recorded().is_empty());
+
+    // Bodies memproxy can parse but the upstream refuses or fails on.
+    for status in [400, 500] {
+        let id = format!("ttl-upstream-{status}");
+        mock.push(Reply::Status(
+            status,
+            r#"{"error":{"message":"no"}}"#.into(),
+        ));
+        let failed = chat(&proxy, &id, &body(&[user("hi")]), &ttl).await;
+        assert_eq!(failed.status, status);
+        assert_eq!(failed.header("x-memory-status"), "not-stored");
+        assert_eq!(ttl_record(&proxy, &id), None, "{status}");
+        assert!(!exists(&proxy, "default", &id), "{status}");
+        assert!(!any_trace(&proxy, &id), "{status}");
+    }
+
+    // A stream that ends without finishing stores nothing, so no TTL either.
+    mock.push(Reply::UnfinishedStream);
+    let mut streamed = body(&[user("hi")]);
+    streamed["stream"] = serde_json::Value::Bool(true);
+    let unfinished = chat(&proxy, "ttl-cut-stream", &streamed, &ttl).await;
+    assert_eq!(unfinished.status, 200);
+    assert_eq!(ttl_record(&proxy, "ttl-cut-stream"), None);
+    assert!(!any_trace(&proxy, "ttl-cut-stream"));
+
+    // persist=false stores nothing, so no TTL either.
+    let ephemeral = chat(
+        &proxy,
+        "ttl-ephemeral",
+        &body(&[user("hi")]),
+        &[("x-memory-ttl", "P36500D"), ("x-memory-persist", "false")],
+    )
+    .await;
+    assert_eq!(ephemeral.status, 200);
+    assert!(!any_trace(&proxy, "ttl-ephemeral"));
+
+    // A request that stores its exchange, JSON or stream, records its TTL with it.
+    store_one(&proxy, "ttl-stored", "hi", &ttl).await;
+    let record = ttl_record(&proxy, "ttl-stored").unwrap();
+    assert_eq!(record.ttl_ms, Some(36_500 * 86_400_000));
+    let stream = chat(&proxy, "ttl-stream", &streamed, &ttl).await;
+    assert_eq!(stream.status, 200);
+    assert_eq!(stream.header("x-memory-status"), "stored");
+    assert_eq!(
+        ttl_record(&proxy, "ttl-stream").unwrap().ttl_ms,
+        Some(36_500 * 86_400_000)
+    );
+}

@@ -1,4 +1,5 @@
-//! `[auth]`: the keys clients must present, kept only as hashes.
+//! `[auth]`: the keys clients must present, kept only as hashes, and whether requests without
+//! any credential get a memory.
 
 use std::collections::HashSet;
 
@@ -11,15 +12,26 @@ pub(super) struct RawAuth {
     #[serde(default)]
     client_keys: Vec<String>,
     client_keys_env: Option<String>,
+    #[serde(default)]
+    allow_anonymous: bool,
+}
+
+/// `[auth]`, checked.
+pub(super) struct Auth {
+    /// SHA-256 of each accepted client key; empty: any client may call.
+    pub client_key_hashes: HashSet<[u8; 32]>,
+    /// Requests with a conversation id but no credential share the tenant `anonymous`;
+    /// otherwise they are refused (401).
+    pub allow_anonymous: bool,
 }
 
 /// Checks `[auth]`: the SHA-256 of each accepted client key (empty: any client may call), from
-/// the file and the comma-separated variable `client_keys_env` names.
+/// the file and the comma-separated variable `client_keys_env` names; `allow_anonymous`.
 pub(super) fn check_auth(
     raw: RawAuth,
     env: &dyn Fn(&str) -> Option<String>,
     problems: &mut Vec<String>,
-) -> HashSet<[u8; 32]> {
+) -> Auth {
     let mut client_keys = raw.client_keys;
     if let Some(name) = raw.client_keys_env.filter(|n| !n.is_empty()) {
         match env(&name) {
@@ -37,7 +49,10 @@ pub(super) fn check_auth(
             client_key_hashes.insert(hash_key(key));
         }
     }
-    client_key_hashes
+    Auth {
+        client_key_hashes,
+        allow_anonymous: raw.allow_anonymous,
+    }
 }
 
 /// SHA-256 of a client key: keys are compared as hashes, so the comparison's timing says

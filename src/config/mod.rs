@@ -75,6 +75,9 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     /// SHA-256 of each accepted client key; empty = any client may call.
     pub client_key_hashes: HashSet<[u8; 32]>,
+    /// Requests with a conversation id but no credential get the shared tenant `anonymous`
+    /// (`auth.allow_anonymous`); otherwise they are refused with a 401.
+    pub allow_anonymous: bool,
     pub data_dir: PathBuf,
     pub durability: Durability,
     pub store_cache_bytes: u64,
@@ -169,7 +172,7 @@ fn check(
     let server = server::check_server(raw.server, overrides.listen.clone(), &mut problems);
     let upstream =
         upstream::check_upstream(raw.upstream, overrides.upstream.clone(), env, &mut problems);
-    let client_key_hashes = auth::check_auth(raw.auth, env, &mut problems);
+    let auth = auth::check_auth(raw.auth, env, &mut problems);
     let storage = storage::check_storage(raw.storage, overrides.data_dir.clone(), &mut problems);
     let log_format = server::check_log(raw.log, overrides.log_format.clone(), &mut problems);
     let profiles = agents::check_profiles(raw.memory, &raw.agents, &mut problems);
@@ -188,7 +191,8 @@ fn check(
         shutdown_grace: server.shutdown_grace,
         worker_threads: server.worker_threads,
         upstream,
-        client_key_hashes,
+        client_key_hashes: auth.client_key_hashes,
+        allow_anonymous: auth.allow_anonymous,
         data_dir: storage.data_dir,
         durability: storage.durability,
         store_cache_bytes: storage.store_cache_bytes,
@@ -234,6 +238,13 @@ mod tests {
         assert_eq!(config.durability, Durability::Commit);
         assert!(config.allow_header_overrides);
         assert!(config.upstream.api_key.is_none());
+        assert!(!config.allow_anonymous);
+        assert!(
+            from_toml("[auth]\nallow_anonymous = true\n", &no_env)
+                .unwrap()
+                .allow_anonymous
+        );
+        assert_refused("[auth]\nallow_anonymous = \"yes\"\n", &["allow_anonymous"]);
     }
 
     #[test]

@@ -5,8 +5,12 @@
 //! The plan made before forwarding is reused when the conversation has not changed since; when
 //! another request committed in between, the request is aligned again against what is stored
 //! now, so concurrent requests never store a message twice.
+//!
+//! The TTL the request ran with is remembered here too, and only here: once its exchange is
+//! stored. A request refused or failed (bad body, upstream error, a stream cut) writes nothing.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use serde_json::value::RawValue;
 
@@ -53,11 +57,15 @@ pub struct Exchange {
     pub model: Option<String>,
     /// Tokens of the prompt forwarded for this exchange.
     pub prompt_tokens: u64,
+    /// The TTL the request ran with (`ttl` setting or `X-Memory-Ttl`), remembered for the
+    /// conversation once the exchange is stored.
+    pub ttl: Option<Duration>,
 }
 
 impl Exchange {
-    /// Stores the new messages and `reply` (on the blocking pool: the store's I/O and the wait
-    /// for the conversation's lock never hold a runtime thread), then waits for durability.
+    /// Stores the new messages and `reply` and remembers the request's TTL (on the blocking
+    /// pool: the store's I/O and the wait for the conversation's lock never hold a runtime
+    /// thread), then waits for durability.
     /// Returns the number of messages the conversation holds afterwards.
     pub async fn commit(
         self,
@@ -155,6 +163,9 @@ impl Exchange {
                 Err(err) => return Err(err),
             }
         }
+        // Under the conversation's lock, so a delete cannot come between the exchange and its
+        // TTL record; the flush after this makes both durable.
+        memory.remember_ttl(&self.key, self.ttl);
         let count = conversation.entries.len();
         drop(conversation);
         store.touch(&self.key, &self.handle);

@@ -245,6 +245,7 @@ pub fn plan(
         max_messages: settings.max_messages,
         model,
         prompt_tokens,
+        ttl: settings.ttl,
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();

@@ -9,6 +9,7 @@ use http::header::{self, HeaderMap};
 use http::{Response, request::Parts};
 use hyper::body::Incoming;
 
+use super::identify::CREDENTIAL_HEADERS;
 use super::tee::{Pending, TeeBody};
 use super::{MemoryStatus, commit, headers_of, set_memory_headers};
 use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
@@ -24,9 +25,6 @@ use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::summary::DeferredSummary;
 use crate::upstream::Forward;
-
-/// The request headers a summary call made on a request's behalf carries upstream.
-const CREDENTIAL_HEADERS: &[header::HeaderName] = &[header::AUTHORIZATION];
 
 /// What the `before` step made: the body to forward, and the plan (`None`: memory failed, the
 /// client's own body goes upstream).
@@ -179,7 +177,6 @@ async fn before(
     if let Some(model) = &request.model {
         tracing::Span::current().record("model", model.as_str());
     }
-    state.memory.remember_ttl(key, settings);
 
     let memory = &state.memory;
     match planned {
@@ -224,7 +221,8 @@ pub fn limits(state: &AppState) -> Limits {
     }
 }
 
-/// The triggering request's credentials, held in memory only for a summary call.
+/// The triggering request's credentials (every one of [`CREDENTIAL_HEADERS`] it sent), held in
+/// memory only for a summary call.
 fn credentials(headers: &HeaderMap) -> Credentials {
     Credentials::new(
         CREDENTIAL_HEADERS

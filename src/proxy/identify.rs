@@ -1,24 +1,43 @@
-//! Identify: which conversation a request belongs to and the settings it runs with.
+//! Identify: which conversation a request belongs to, whose it is, and the settings it runs
+//! with.
 //!
 //! Reads the `X-Memory-*` headers (and the path form's ids), checks every one, and merges the
 //! settings: the agent's profile from the config, then the headers. Any header memproxy does not
 //! know, or a bad value, is a 400 that names the header and what it accepts.
+//!
+//! The tenant is the hash of the credential the request presents in any of
+//! [`CREDENTIAL_HEADERS`] (`identity::Credential` says what is hashed): two different ones are
+//! a 400 naming the headers, none a 401 unless `auth.allow_anonymous` is set. Only a request
+//! with a conversation id needs a tenant; pass-through requests are not looked at.
 
 use http::HeaderMap;
+use http::header::{AUTHORIZATION, HeaderName};
 
 use crate::config::Config;
 use crate::error::ProxyError;
-use crate::identity::{ConversationKey, DEFAULT_AGENT, TenantId, bearer_token, is_valid_id};
+use crate::identity::{ConversationKey, Credential, DEFAULT_AGENT, TenantId, is_valid_id};
 use crate::settings::{self, MemorySettings, SettingError};
 
 pub const CONVERSATION_HEADER: &str = "x-memory-conversation-id";
 pub const AGENT_HEADER: &str = "x-memory-agent";
 
+/// The headers a client may present its credential in: `Authorization` (any scheme), `api-key`
+/// (Azure) and `x-api-key` (Anthropic). A summary call made on a request's behalf carries them
+/// upstream too.
+pub static CREDENTIAL_HEADERS: [HeaderName; 3] = [
+    AUTHORIZATION,
+    HeaderName::from_static("api-key"),
+    HeaderName::from_static("x-api-key"),
+];
+
 /// Who the request is for and how memory behaves for it.
 #[derive(Debug, Clone)]
 pub struct Identity {
-    /// `None` when the request carries no conversation id: it is forwarded untouched.
+    /// The conversation memory runs for: a chat completion with a conversation id and memory
+    /// on. `None`: the request is forwarded untouched.
     pub key: Option<ConversationKey>,
+    /// The conversation id the request names, also when memory does not run for it.
+    pub conversation: Option<String>,
     pub agent: String,
     pub settings: MemorySettings,
 }
@@ -30,10 +49,13 @@ pub struct PathIds<'a> {
     pub conversation: &'a str,
 }
 
+/// Identifies a request. `is_chat`: it is a chat completion, the one route memory runs for, so
+/// the only one whose tenant is looked for.
 pub fn identify(
     config: &Config,
     headers: &HeaderMap,
     path_ids: Option<PathIds<'_>>,
+    is_chat: bool,
 ) -> Result<Identity, ProxyError> {
     let mut conversation: Option<String> = None;
     let mut agent: Option<String> = None;
@@ -126,23 +148,72 @@ pub fn identify(
         })?;
     }
 
-    // The tenant (a hash of the token) is only needed with a conversation: pass-through
-    // requests skip the hashing.
-    let key = conversation.map(|conversation| ConversationKey {
-        tenant: TenantId::from_token(
-            headers
-                .get(http::header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(bearer_token),
-        ),
-        agent: agent.clone(),
-        conversation,
-    });
+    // The tenant (a hash of the credential) is only needed when memory runs: pass-through
+    // requests, and chat with memory off, skip the hashing and need no credential.
+    let key = match &conversation {
+        Some(conversation) if is_chat && settings.enabled => {
+            let credential = credential_of(headers)?;
+            if credential.is_none() && !config.allow_anonymous {
+                return Err(ProxyError::NoCredential);
+            }
+            Some(ConversationKey {
+                tenant: TenantId::of(credential.as_ref()),
+                agent: agent.clone(),
+                conversation: conversation.clone(),
+            })
+        }
+        _ => None,
+    };
     Ok(Identity {
         key,
+        conversation,
         agent,
         settings,
     })
+}
+
+/// The one credential a request presents in its [`CREDENTIAL_HEADERS`] (each may be given more
+/// than once), or `None`. The same credential in several of them is one credential; two
+/// different ones, or a value that is not visible ASCII, are a 400 naming the headers. Never
+/// puts a value in the error.
+pub fn credential_of(headers: &HeaderMap) -> Result<Option<Credential>, ProxyError> {
+    let mut found: Option<(Credential, &HeaderName)> = None;
+    for name in &CREDENTIAL_HEADERS {
+        for value in headers.get_all(name) {
+            let Ok(value) = value.to_str() else {
+                return Err(bad_header(name.as_str(), "must be visible ASCII"));
+            };
+            let credential = if name == AUTHORIZATION {
+                Credential::from_authorization(value)
+            } else {
+                Credential::from_key(value)
+            };
+            let Some(credential) = credential else {
+                continue;
+            };
+            match &found {
+                None => found = Some((credential, name)),
+                Some((first, _)) if *first == credential => {}
+                Some((_, first_name)) => {
+                    let names = if *first_name == name {
+                        name.to_string()
+                    } else {
+                        format!("{first_name}, {name}")
+                    };
+                    return Err(ProxyError::invalid(
+                        names.clone(),
+                        "conflicting_credentials",
+                        format!(
+                            "the request presents two different credentials ({names}): memory \
+                             cannot tell whose conversation it is; send one credential, or the \
+                             same one in each header"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(found.map(|(credential, _)| credential))
 }
 
 fn bad_header(name: &str, why: &str) -> ProxyError {
@@ -174,7 +245,17 @@ mod tests {
     }
 
     fn config() -> Config {
-        crate::config::from_toml("[agents.support]\nrecent_n = 3\n", &|_| None).unwrap()
+        crate::config::from_toml(
+            "[auth]\nallow_anonymous = true\n[agents.support]\nrecent_n = 3\n",
+            &|_| None,
+        )
+        .unwrap()
+    }
+
+    fn tenant_of(pairs: &[(&'static str, &'static str)]) -> Result<TenantId, ProxyError> {
+        let mut pairs = pairs.to_vec();
+        pairs.push(("x-memory-conversation-id", "c"));
+        identify(&config(), &headers(&pairs), None, true).map(|id| id.key.unwrap().tenant)
     }
 
     fn param_of(result: Result<Identity, ProxyError>) -> String {
@@ -195,6 +276,7 @@ mod tests {
                 ("authorization", "Bearer sk-1"),
             ]),
             None,
+            true,
         )
         .unwrap();
         let key = id.key.unwrap();
@@ -207,7 +289,7 @@ mod tests {
 
     #[test]
     fn no_conversation_means_no_key() {
-        let id = identify(&config(), &headers(&[]), None).unwrap();
+        let id = identify(&config(), &headers(&[]), None, true).unwrap();
         assert!(id.key.is_none());
         assert_eq!(id.agent, "default");
     }
@@ -219,19 +301,26 @@ mod tests {
             param_of(identify(
                 &c,
                 &headers(&[("x-memory-recent-n", "many")]),
-                None
+                None,
+                true,
             )),
             "x-memory-recent-n"
         );
         assert_eq!(
-            param_of(identify(&c, &headers(&[("x-memory-colour", "red")]), None)),
+            param_of(identify(
+                &c,
+                &headers(&[("x-memory-colour", "red")]),
+                None,
+                true
+            )),
             "x-memory-colour"
         );
         assert_eq!(
             param_of(identify(
                 &c,
                 &headers(&[("x-memory-conversation-id", "../etc")]),
-                None
+                None,
+                true,
             )),
             "x-memory-conversation-id"
         );
@@ -239,7 +328,8 @@ mod tests {
             param_of(identify(
                 &c,
                 &headers(&[("x-memory-agent", "a"), ("x-memory-agent", "b")]),
-                None
+                None,
+                true,
             )),
             "x-memory-agent"
         );
@@ -251,22 +341,104 @@ mod tests {
             agent: "support",
             conversation: "p1",
         };
-        let id = identify(&config(), &headers(&[]), Some(ids)).unwrap();
+        let id = identify(&config(), &headers(&[]), Some(ids), true).unwrap();
         assert_eq!(id.key.unwrap().conversation, "p1");
         assert_eq!(id.settings.recent_n, 3);
         let clash = identify(
             &config(),
             &headers(&[("x-memory-conversation-id", "other")]),
             Some(ids),
+            true,
         );
         assert_eq!(param_of(clash), "x-memory-conversation-id");
+    }
+
+    #[test]
+    fn the_tenant_comes_from_whichever_header_carries_the_credential() {
+        let key = TenantId::from_token(Some("sk-1"));
+        for pairs in [
+            &[("authorization", "Bearer sk-1")][..],
+            &[("api-key", "sk-1")],
+            &[("x-api-key", "sk-1")],
+            &[("authorization", "Bearer sk-1"), ("x-api-key", "sk-1")],
+            &[("api-key", "sk-1"), ("api-key", "sk-1")],
+            // An empty bearer (an SDK with no key) presents nothing next to a real key.
+            &[("authorization", "Bearer"), ("api-key", "sk-1")],
+        ] {
+            assert_eq!(tenant_of(pairs).unwrap(), key, "{pairs:?}");
+        }
+        let basic = tenant_of(&[("authorization", "Basic dXNlcjpwdw==")]).unwrap();
+        assert_ne!(basic, key);
+        assert_ne!(
+            basic,
+            tenant_of(&[("authorization", "Basic b3RoZXI6cHc=")]).unwrap()
+        );
+        assert_eq!(tenant_of(&[]).unwrap().as_str(), "anonymous");
+    }
+
+    #[test]
+    fn two_different_credentials_are_a_400_naming_both_headers() {
+        for (pairs, named) in [
+            (
+                &[("authorization", "Bearer a"), ("x-api-key", "b")][..],
+                "authorization, x-api-key",
+            ),
+            (
+                &[("api-key", "a"), ("x-api-key", "b")],
+                "api-key, x-api-key",
+            ),
+            (&[("api-key", "a"), ("api-key", "b")], "api-key"),
+            (
+                &[("authorization", "Basic a"), ("x-api-key", "a")],
+                "authorization, x-api-key",
+            ),
+        ] {
+            let err = tenant_of(pairs).unwrap_err();
+            assert!(!err.to_string().contains(" a"), "{err}");
+            match err {
+                ProxyError::InvalidRequest { param, code, .. } => {
+                    assert_eq!(param.as_deref(), Some(named));
+                    assert_eq!(code, "conflicting_credentials");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // Pass-through requests are not looked at.
+        let through = headers(&[("api-key", "a"), ("x-api-key", "b")]);
+        assert!(
+            identify(&config(), &through, None, true)
+                .unwrap()
+                .key
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn no_credential_is_refused_unless_anonymous_memory_is_allowed() {
+        let strict = crate::config::from_toml("", &|_| None).unwrap();
+        let none = headers(&[("x-memory-conversation-id", "c")]);
+        let err = identify(&strict, &none, None, true).unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::UNAUTHORIZED);
+        assert!(err.to_string().contains("auth.allow_anonymous"), "{err}");
+        let keyed = headers(&[("x-memory-conversation-id", "c"), ("x-api-key", "k")]);
+        assert!(identify(&strict, &keyed, None, true).is_ok());
+        assert!(identify(&strict, &headers(&[]), None, true).is_ok());
+        // Only memory needs a tenant: not another route, not memory switched off.
+        let other_route = identify(&strict, &none, None, false).unwrap();
+        assert!(other_route.key.is_none());
+        assert_eq!(other_route.conversation.as_deref(), Some("c"));
+        let off = headers(&[
+            ("x-memory-conversation-id", "c"),
+            ("x-memory-enabled", "false"),
+        ]);
+        assert!(identify(&strict, &off, None, true).unwrap().key.is_none());
     }
 
     #[test]
     fn overrides_can_be_disabled() {
         let c = crate::config::from_toml("[memory]\nallow_header_overrides = false\n", &|_| None)
             .unwrap();
-        let result = identify(&c, &headers(&[("x-memory-recent-n", "2")]), None);
+        let result = identify(&c, &headers(&[("x-memory-recent-n", "2")]), None, true);
         assert_eq!(param_of(result), "x-memory-recent-n");
     }
 
@@ -282,7 +454,7 @@ mod tests {
                 return Ok(());
             };
             map.insert(header, v);
-            match identify(&config(), &map, None) {
+            match identify(&config(), &map, None, true) {
                 Ok(_) => {}
                 Err(ProxyError::InvalidRequest { param, .. }) => proptest::prop_assert_eq!(param, Some(name.clone())),
                 Err(other) => proptest::prop_assert!(false, "{other:?}"),

@@ -29,6 +29,9 @@ use self::mock_upstream::MockUpstream;
 
 pub const TOKEN: &str = "sk-test-one";
 
+/// Config for tests whose requests send no credential: memory for them must be allowed.
+pub const ANONYMOUS_MEMORY: &str = "[auth]\nallow_anonymous = true\n";
+
 /// A running memproxy.
 pub struct Proxy {
     pub addr: SocketAddr,
