@@ -148,15 +148,16 @@ async fn a_passthrough_answer_that_stalls_is_cut() {
 #[tokio::test]
 async fn a_slow_but_steady_stream_is_not_cut() {
     let options = support::mock_upstream::MockOptions {
-        stream_chunks: 5,
-        chunk_delay: Duration::from_millis(300),
+        stream_chunks: 6,
+        chunk_delay: Duration::from_millis(500),
         record: true,
     };
     let mock = MockUpstream::start_with(options, None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_IDLE, "").await;
+    let two_seconds = "read_timeout = \"PT30S\"\nidle_timeout = \"PT2S\"\n";
+    let proxy = Proxy::start_with_upstream(&mock, dir.path(), two_seconds, "").await;
 
-    // About 2 s in all, never more than 300 ms between chunks: under the 1 s idle timeout.
+    // About 4 s in all, longer than the 2 s idle timeout, but 500 ms between two chunks.
     let (status, bytes, failed) = send_and_read(
         &proxy,
         &[("x-memory-conversation-id", "steady")],
@@ -167,4 +168,31 @@ async fn a_slow_but_steady_stream_is_not_cut() {
     assert!(!failed);
     assert!(bytes.ends_with(b"data: [DONE]\n\n"));
     assert_eq!(proxy.stored(Some(TOKEN), "steady").len(), 2);
+}
+
+#[tokio::test]
+async fn a_summary_call_that_stalls_fails_at_the_read_timeout_and_chat_goes_on() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Summaries made on the request's path (sync), due after a few exchanges; the summary
+    // call's own timeout (`compression.timeout`, 2 minutes) is far longer than the bound.
+    let memory = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\ncompression_async = false\ncompression_interval = \"PT0S\"\n";
+    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_READ, memory).await;
+
+    mock.push_summary(Reply::Stall { chunks: 1 });
+    let mut stand_in_seen = false;
+    for i in 0..12 {
+        let text = format!("Fact number {i}: the blue lantern stands on shelf {i}");
+        let answer = tokio::time::timeout(BOUND, chat(&proxy, "sum", &body(&[user(&text)]), &[]))
+            .await
+            .expect("a chat request waited on a stalled summary call");
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.header("x-memory-status"), "stored");
+        if answer.header("x-memory-summary").ends_with("heuristic") {
+            stand_in_seen = true;
+            break;
+        }
+    }
+    assert!(stand_in_seen, "the stalled summary call never failed");
+    assert_eq!(mock.summary_requests().len(), 1);
 }
