@@ -4,9 +4,11 @@
 //! `upstream::UpstreamError`, …); the edge turns them into [`ProxyError`] (the proxy's routes)
 //! or `admin::AdminError` (the admin API). Both implement [`ApiError`], and [`respond`] makes
 //! every error response: an OpenAI-shaped JSON body `{"error":{"message","type","param","code"}}`
-//! with the status chosen by where the error came from: the client (400/401/404/413), the
-//! upstream (502/504) or memproxy itself (500). Messages never carry secrets or message text:
+//! with the status chosen by where the error came from: the client (400/401/404/408/413), the
+//! upstream (502/504) or memproxy itself (500, 503). Messages never carry secrets or message text:
 //! they name the field or header that was wrong and what it accepts.
+
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::HeaderName;
@@ -82,6 +84,9 @@ pub enum ProxyError {
     /// The request adds more to memory than one request may (`[limits]`).
     #[error("{message}")]
     LimitExceeded { message: String, code: &'static str },
+    /// The client did not send its body in time (`server.body_read_timeout`).
+    #[error("the request body was not received within {} seconds", .within.as_secs_f64())]
+    RequestTimeout { within: Duration },
     #[error(
         "a valid client key is required: send it as `Authorization: Bearer <key>`, `api-key` or `x-api-key`"
     )]
@@ -98,9 +103,19 @@ pub enum ProxyError {
     UpstreamUnreachable(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("the upstream did not answer within {seconds} seconds")]
     UpstreamTimeout { seconds: u64 },
+    /// The upstream sent its head, then not the rest of its answer in time
+    /// (`upstream.read_timeout`, `upstream.idle_timeout`).
+    #[error("the upstream's answer was not received within {} seconds", .within.as_secs_f64())]
+    UpstreamReadTimeout { within: Duration },
+    /// `server.max_connections` connections are open: answered on the connection itself.
+    #[error("memproxy is serving its maximum of {max} connections; retry shortly")]
+    Overloaded { max: usize },
     #[error("internal error in memproxy")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
+
+/// Seconds a client refused for too many connections is asked to wait (`Retry-After`).
+pub const OVERLOADED_RETRY_AFTER_SECONDS: u64 = 1;
 
 impl ProxyError {
     /// A 400 that names the header or field at fault.
@@ -137,10 +152,14 @@ impl ApiError for ProxyError {
             ProxyError::PayloadTooLarge { .. } | ProxyError::LimitExceeded { .. } => {
                 StatusCode::PAYLOAD_TOO_LARGE
             }
+            ProxyError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Unauthorized | ProxyError::NoCredential => StatusCode::UNAUTHORIZED,
             ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
             ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
-            ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::UpstreamTimeout { .. } | ProxyError::UpstreamReadTimeout { .. } => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+            ProxyError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -149,13 +168,14 @@ impl ApiError for ProxyError {
         match self {
             ProxyError::InvalidRequest { .. }
             | ProxyError::PayloadTooLarge { .. }
-            | ProxyError::LimitExceeded { .. } => "invalid_request_error",
+            | ProxyError::LimitExceeded { .. }
+            | ProxyError::RequestTimeout { .. } => "invalid_request_error",
             ProxyError::Unauthorized | ProxyError::NoCredential => "authentication_error",
             ProxyError::NotFound { .. } => "not_found_error",
-            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout { .. } => {
-                "upstream_error"
-            }
-            ProxyError::Internal(_) => "server_error",
+            ProxyError::UpstreamUnreachable(_)
+            | ProxyError::UpstreamTimeout { .. }
+            | ProxyError::UpstreamReadTimeout { .. } => "upstream_error",
+            ProxyError::Overloaded { .. } | ProxyError::Internal(_) => "server_error",
         }
     }
 
@@ -164,11 +184,15 @@ impl ApiError for ProxyError {
             ProxyError::InvalidRequest { code, .. } => code,
             ProxyError::PayloadTooLarge { .. } => "request_too_large",
             ProxyError::LimitExceeded { code, .. } => code,
+            ProxyError::RequestTimeout { .. } => "request_timeout",
             ProxyError::Unauthorized => "invalid_api_key",
             ProxyError::NoCredential => "missing_credential",
             ProxyError::NotFound { .. } => "not_found",
             ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
-            ProxyError::UpstreamTimeout { .. } => "upstream_timeout",
+            ProxyError::UpstreamTimeout { .. } | ProxyError::UpstreamReadTimeout { .. } => {
+                "upstream_timeout"
+            }
+            ProxyError::Overloaded { .. } => "server_overloaded",
             ProxyError::Internal(_) => "internal_error",
         }
     }
@@ -186,6 +210,17 @@ impl ApiError for ProxyError {
             ProxyError::Unauthorized | ProxyError::NoCredential => {
                 vec![(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"))]
             }
+            // The rest of the body may still be on its way: the connection cannot be reused.
+            ProxyError::RequestTimeout { .. } => {
+                vec![(header::CONNECTION, HeaderValue::from_static("close"))]
+            }
+            ProxyError::Overloaded { .. } => vec![
+                (
+                    header::RETRY_AFTER,
+                    HeaderValue::from(OVERLOADED_RETRY_AFTER_SECONDS),
+                ),
+                (header::CONNECTION, HeaderValue::from_static("close")),
+            ],
             _ => Vec::new(),
         }
     }
@@ -209,6 +244,10 @@ impl From<UpstreamError> for ProxyError {
             }
             UpstreamError::Unreachable(source) => ProxyError::UpstreamUnreachable(source),
             UpstreamError::Timeout { seconds } => ProxyError::UpstreamTimeout { seconds },
+            UpstreamError::ReadTimeout { within } => ProxyError::UpstreamReadTimeout { within },
+            UpstreamError::RequestBodyStalled { idle } => {
+                ProxyError::RequestTimeout { within: idle }
+            }
         }
     }
 }
@@ -250,5 +289,33 @@ mod tests {
         assert_eq!(unreachable.status(), StatusCode::BAD_GATEWAY);
         let value: serde_json::Value = serde_json::from_slice(&unreachable.body()).unwrap();
         assert_eq!(value["error"]["param"], serde_json::Value::Null);
+        let stalled = ProxyError::from(UpstreamError::ReadTimeout {
+            within: Duration::from_secs(2),
+        });
+        assert_eq!(stalled.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(ApiError::code(&stalled), "upstream_timeout");
+    }
+
+    #[test]
+    fn timeouts_and_overload_say_what_to_do() {
+        let slow_client = ProxyError::RequestTimeout {
+            within: Duration::from_secs(30),
+        };
+        assert_eq!(slow_client.status(), StatusCode::REQUEST_TIMEOUT);
+        let value: serde_json::Value = serde_json::from_slice(&slow_client.body()).unwrap();
+        assert_eq!(value["error"]["code"], "request_timeout");
+        assert!(
+            value["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("30 seconds")
+        );
+        let response = respond(&slow_client);
+        assert_eq!(response.headers()[header::CONNECTION], "close");
+
+        let busy = respond(&ProxyError::Overloaded { max: 2 });
+        assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(busy.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(busy.headers()[header::CONNECTION], "close");
     }
 }

@@ -5,7 +5,8 @@
 //! From the edge down to the leaves (see `ARCHITECTURE.md` for the layers and the request
 //! path mapped to files):
 //!
-//! - [`server`] accepts connections, tracks them and shuts down gracefully; [`cli`] the flags;
+//! - [`server`] accepts connections (at most `server.max_connections`), times out clients
+//!   that stall, tracks the connections and shuts down gracefully; [`cli`] the flags;
 //! - [`router`] answers health checks, checks client keys, and picks memory for
 //!   `POST /v1/chat/completions` or pass-through for everything else;
 //! - [`admin`] is the `/admin/v1/` API (and what the offline CLI shares with it);

@@ -80,8 +80,23 @@ fn init_tracing(format: LogFormat) {
 #[allow(clippy::print_stdout)]
 fn check_config(config: &Config) -> ExitCode {
     println!("config OK");
+    let iso = memproxy::settings::format_iso8601_duration;
     println!("listen = {}", config.listen);
+    println!(
+        "clients = at most {} connections; head within {}, body within {}, idle for {}",
+        config.max_connections,
+        iso(config.header_read_timeout),
+        iso(config.body_read_timeout),
+        iso(config.idle_timeout)
+    );
     println!("upstream = {}", config.upstream.base_url);
+    println!(
+        "upstream timeouts = connect {}, head {}, JSON answer {}, idle {}",
+        iso(config.upstream.connect_timeout),
+        iso(config.upstream.timeout),
+        iso(config.upstream.read_timeout),
+        iso(config.upstream.idle_timeout)
+    );
     println!(
         "upstream key = {}",
         if config.upstream.api_key.is_some() {
@@ -110,7 +125,7 @@ fn check_config(config: &Config) -> ExitCode {
     );
     println!(
         "sweeper = every {}, at most {} scanned and {} deleted per pass",
-        memproxy::settings::format_iso8601_duration(config.sweeper.interval),
+        iso(config.sweeper.interval),
         config.sweeper.max_scanned,
         config.sweeper.max_deleted
     );

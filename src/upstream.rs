@@ -3,6 +3,12 @@
 //! takes ([`Upstream::forward`]): pass-through, memory, and memproxy's own model calls (the
 //! [`ModelCall`] implementation below).
 //!
+//! Time limits: `upstream.timeout` bounds the wait for a response head; every response body
+//! is an [`IdleTimeout`] (`upstream.idle_timeout` between two frames), and a body memproxy
+//! reads whole ([`Upstream::read_answer`]) must come within `upstream.read_timeout`. A client's
+//! body streamed upstream that stalls (see `proxy::passthrough`) is reported as
+//! [`UpstreamError::RequestBodyStalled`], the client's fault, not the upstream's.
+//!
 //! Header rules: hop-by-hop headers are dropped both ways; every `x-memory-*` request header is
 //! consumed by memproxy and never sent on; everything else (`x-stainless-*`,
 //! `OpenAI-Organization`, …) is forwarded. When memproxy holds an upstream key, it replaces the
@@ -11,6 +17,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, Uri};
 use hyper::body::Incoming;
@@ -20,7 +27,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
-use crate::body::{ProxyBody, collect_limited, full};
+use crate::body::{CollectError, IdleTimeout, ProxyBody, Stalled, collect_limited, full};
 use crate::config::UpstreamConfig;
 use crate::model::{ModelCall, ModelError, ModelFuture, ModelReply, ModelRequest};
 
@@ -40,7 +47,17 @@ pub enum UpstreamError {
     Unreachable(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("the upstream did not answer within {seconds} seconds")]
     Timeout { seconds: u64 },
+    /// The head came, the rest of an answer memproxy reads did not in time.
+    #[error("the upstream's answer was not received within {} seconds", .within.as_secs_f64())]
+    ReadTimeout { within: Duration },
+    /// The client's body, streamed upstream, stalled: the upstream request was cut.
+    #[error("the request body stalled for {} seconds", .idle.as_secs_f64())]
+    RequestBodyStalled { idle: Duration },
 }
+
+/// An upstream response body: failing with `body::Stalled` when a frame takes longer than
+/// `upstream.idle_timeout` to come.
+pub type UpstreamBody = IdleTimeout<Incoming>;
 
 /// One request to send upstream.
 pub struct Forward<'a> {
@@ -62,7 +79,7 @@ pub struct Forward<'a> {
 /// The upstream's response head (its headers already filtered for the client) and body, and
 /// how long the head took.
 pub struct Forwarded {
-    pub response: Response<Incoming>,
+    pub response: Response<UpstreamBody>,
     pub elapsed: Duration,
 }
 
@@ -97,6 +114,8 @@ pub struct Upstream {
     base_path: String,
     authorization: Option<HeaderValue>,
     timeout: Duration,
+    read_timeout: Duration,
+    idle_timeout: Duration,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -159,12 +178,15 @@ impl Upstream {
             base_path: base.path().trim_end_matches('/').to_string(),
             authorization,
             timeout: config.timeout,
+            read_timeout: config.read_timeout,
+            idle_timeout: config.idle_timeout,
         })
     }
 
     /// Sends one request upstream: its URI mapped onto the base URL, the header rules applied,
     /// the head awaited at most the configured timeout, the time taken noted on the request's
-    /// span (`upstream_ms`), and the response's hop-by-hop headers dropped.
+    /// span (`upstream_ms`), the response's hop-by-hop headers dropped, and its body bounded
+    /// by the idle timeout.
     pub async fn forward(&self, forward: Forward<'_>) -> Result<Forwarded, UpstreamError> {
         let mut request = Request::new(forward.body);
         *request.method_mut() = forward.method;
@@ -190,9 +212,23 @@ impl Upstream {
         let (mut head, body) = result?.into_parts();
         head.headers = forwardable(&head.headers);
         Ok(Forwarded {
-            response: Response::from_parts(head, body),
+            response: Response::from_parts(head, IdleTimeout::new(body, self.idle_timeout)),
             elapsed,
         })
+    }
+
+    /// Reads an answer's whole body, at most `limit` bytes, within the read timeout.
+    pub async fn read_answer(
+        &self,
+        body: UpstreamBody,
+        limit: usize,
+    ) -> Result<Bytes, UpstreamError> {
+        collect_limited(body, limit, self.read_timeout)
+            .await
+            .map_err(|err| match err {
+                CollectError::TimedOut { within } => UpstreamError::ReadTimeout { within },
+                other => UpstreamError::Unreachable(Box::new(other)),
+            })
     }
 
     /// The upstream URI for a request path `/v1/X` and query `q`: `{base_url}/X?q`, built
@@ -231,7 +267,10 @@ impl Upstream {
             Err(_) => Err(UpstreamError::Timeout {
                 seconds: self.timeout.as_secs(),
             }),
-            Ok(Err(err)) => Err(UpstreamError::Unreachable(Box::new(err))),
+            Ok(Err(err)) => match Stalled::caused(&err) {
+                Some(stalled) => Err(UpstreamError::RequestBodyStalled { idle: stalled.idle }),
+                None => Err(UpstreamError::Unreachable(Box::new(err))),
+            },
             Ok(Ok(response)) => Ok(response),
         }
     }
@@ -272,7 +311,8 @@ impl Upstream {
             .await
             .map_err(|err| ModelError::Unreachable(err.to_string()))?;
         let status = forwarded.response.status();
-        let body = collect_limited(forwarded.response.into_body(), MODEL_REPLY_LIMIT)
+        let body = self
+            .read_answer(forwarded.response.into_body(), MODEL_REPLY_LIMIT)
             .await
             .map_err(|err| ModelError::Unreachable(err.to_string()))?;
         if !status.is_success() {
@@ -349,6 +389,8 @@ mod tests {
             api_key: key.map(|k| Secret(k.to_string())),
             connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
+            read_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
         })
         .unwrap()
     }

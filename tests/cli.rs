@@ -158,6 +158,11 @@ fn check_config_prints_the_effective_settings_per_agent() {
     assert!(text.contains("ttl = PT1H"));
     assert!(text.contains("admin API = off"));
     assert!(text.contains("sweeper = every PT5M"));
+    assert!(
+        text.contains("clients = at most 1024 connections; head within PT10S, body within PT30S, idle for PT1M"),
+        "{text}"
+    );
+    assert!(text.contains("JSON answer PT5M, idle PT2M"), "{text}");
 
     std::fs::write(&config, "[memory]\nttl = \"sometimes\"\n").unwrap();
     let bad = memproxy(

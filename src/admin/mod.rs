@@ -225,11 +225,16 @@ pub fn key_of(tenant: &str, agent: &str, id: &str) -> Result<ConversationKey, Ad
 }
 
 async fn read_body(state: &AppState, body: Incoming) -> Result<Bytes, AdminError> {
-    collect_limited(body, state.config.body_limit_bytes)
+    let config = &state.config;
+    collect_limited(body, config.body_limit_bytes, config.body_read_timeout)
         .await
         .map_err(|err| match err {
             CollectError::TooLarge { limit } => AdminError::BadRequest(format!(
                 "the request body is larger than the limit of {limit} bytes"
+            )),
+            CollectError::TimedOut { within } => AdminError::RequestTimeout(format!(
+                "the request body was not received within {} seconds",
+                within.as_secs_f64()
             )),
             CollectError::Read(_) => {
                 AdminError::BadRequest("the request body could not be read".to_string())

@@ -26,6 +26,9 @@ pub enum AdminError {
     MethodNotAllowed(String),
     #[error("{0}")]
     Conflict(String),
+    /// The request body did not come within `server.body_read_timeout`.
+    #[error("{0}")]
+    RequestTimeout(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -48,6 +51,7 @@ impl ApiError for AdminError {
             AdminError::NotFound(_) => StatusCode::NOT_FOUND,
             AdminError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             AdminError::Conflict(_) => StatusCode::CONFLICT,
+            AdminError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -59,6 +63,7 @@ impl ApiError for AdminError {
             AdminError::NotFound(_) => "not_found",
             AdminError::MethodNotAllowed(_) => "method_not_allowed",
             AdminError::Conflict(_) => "conflict",
+            AdminError::RequestTimeout(_) => "request_timeout",
             AdminError::Internal(_) => "internal_error",
         }
     }
@@ -67,7 +72,8 @@ impl ApiError for AdminError {
         match self {
             AdminError::BadRequest(_)
             | AdminError::MethodNotAllowed(_)
-            | AdminError::Conflict(_) => "invalid_request_error",
+            | AdminError::Conflict(_)
+            | AdminError::RequestTimeout(_) => "invalid_request_error",
             AdminError::Unauthorized => "authentication_error",
             AdminError::NotFound(_) => "not_found_error",
             AdminError::Internal(_) => "server_error",
@@ -81,6 +87,10 @@ impl ApiError for AdminError {
                 .unwrap_or_default(),
             AdminError::Unauthorized => {
                 vec![(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"))]
+            }
+            // The rest of the body may still be on its way: the connection cannot be reused.
+            AdminError::RequestTimeout(_) => {
+                vec![(header::CONNECTION, HeaderValue::from_static("close"))]
             }
             _ => Vec::new(),
         }

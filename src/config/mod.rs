@@ -45,8 +45,9 @@ pub use compression::{
 };
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
 pub use server::{
-    DEFAULT_BODY_LIMIT_BYTES, DEFAULT_LISTEN, DEFAULT_RESPONSE_LIMIT_BYTES, DEFAULT_SHUTDOWN_GRACE,
-    LogFormat,
+    DEFAULT_BODY_LIMIT_BYTES, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS, DEFAULT_RESPONSE_LIMIT_BYTES,
+    DEFAULT_SHUTDOWN_GRACE, LogFormat,
 };
 pub use storage::{
     DEFAULT_DATA_DIR, DEFAULT_FLUSH_INTERVAL, DEFAULT_RECALL_CACHE_BYTES,
@@ -56,7 +57,8 @@ pub use sweeper::{
     DEFAULT_SWEEP_INTERVAL, DEFAULT_SWEEP_MAX_DELETED, DEFAULT_SWEEP_MAX_SCANNED, SweeperConfig,
 };
 pub use upstream::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_UPSTREAM, DEFAULT_UPSTREAM_TIMEOUT, UpstreamConfig,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_UPSTREAM, DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+    DEFAULT_UPSTREAM_READ_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, UpstreamConfig,
 };
 pub use values::Secret;
 
@@ -72,6 +74,16 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// Threads serving requests; `None`: one per CPU the process may use.
     pub worker_threads: Option<usize>,
+    /// Time to send a whole request head (from the connection's start, or from the first byte
+    /// of a later request); then the connection is closed.
+    pub header_read_timeout: Duration,
+    /// Time to send a body memproxy reads whole (then 408), and the longest pause between two
+    /// frames of a body streamed through (then the upstream request is cut).
+    pub body_read_timeout: Duration,
+    /// How long a connection with no request in flight stays open.
+    pub idle_timeout: Duration,
+    /// Connections served at once; past it a new one is answered 503 and closed.
+    pub max_connections: usize,
     pub upstream: UpstreamConfig,
     /// SHA-256 of each accepted client key; empty = any client may call.
     pub client_key_hashes: HashSet<[u8; 32]>,
@@ -190,6 +202,10 @@ fn check(
         response_limit_bytes: server.response_limit_bytes,
         shutdown_grace: server.shutdown_grace,
         worker_threads: server.worker_threads,
+        header_read_timeout: server.header_read_timeout,
+        body_read_timeout: server.body_read_timeout,
+        idle_timeout: server.idle_timeout,
+        max_connections: server.max_connections,
         upstream,
         client_key_hashes: auth.client_key_hashes,
         allow_anonymous: auth.allow_anonymous,
@@ -385,12 +401,68 @@ mod tests {
         assert_eq!(config.memory, MemorySettings::default());
         assert_eq!(config.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(config.body_limit_bytes, DEFAULT_BODY_LIMIT_BYTES);
+        assert_default_time_limits(&config);
         for (name, _) in settings::SETTINGS {
             assert!(
                 text.contains(&format!("\n{name} = ")),
                 "{name} missing from config/memproxy.toml"
             );
         }
+    }
+
+    /// Checks the client and upstream time limits and the connection cap are the defaults.
+    fn assert_default_time_limits(config: &Config) {
+        assert_eq!(config.header_read_timeout, DEFAULT_HEADER_READ_TIMEOUT);
+        assert_eq!(config.body_read_timeout, DEFAULT_BODY_READ_TIMEOUT);
+        assert_eq!(config.idle_timeout, DEFAULT_IDLE_TIMEOUT);
+        assert_eq!(config.max_connections, DEFAULT_MAX_CONNECTIONS);
+        assert_eq!(config.upstream.timeout, DEFAULT_UPSTREAM_TIMEOUT);
+        assert_eq!(config.upstream.read_timeout, DEFAULT_UPSTREAM_READ_TIMEOUT);
+        assert_eq!(config.upstream.idle_timeout, DEFAULT_UPSTREAM_IDLE_TIMEOUT);
+    }
+
+    #[test]
+    fn client_and_upstream_timeouts_default_and_are_checked() {
+        assert_default_time_limits(&from_toml("", &no_env).unwrap());
+
+        let set = from_toml(
+            "[server]\nheader_read_timeout = \"PT1S\"\nbody_read_timeout = \"PT2S\"\nidle_timeout = \"PT0.5S\"\nmax_connections = 2\n[upstream]\nread_timeout = \"PT3S\"\nidle_timeout = \"PT4S\"\n",
+            &no_env,
+        )
+        .unwrap();
+        assert_eq!(set.header_read_timeout, Duration::from_secs(1));
+        assert_eq!(set.body_read_timeout, Duration::from_secs(2));
+        assert_eq!(set.idle_timeout, Duration::from_millis(500));
+        assert_eq!(set.max_connections, 2);
+        assert_eq!(set.upstream.read_timeout, Duration::from_secs(3));
+        assert_eq!(set.upstream.idle_timeout, Duration::from_secs(4));
+
+        let text = r#"
+            [server]
+            header_read_timeout = "PT0S"
+            body_read_timeout = "soon"
+            idle_timeout = "PT0S"
+            max_connections = 0
+            [upstream]
+            read_timeout = "PT0S"
+            idle_timeout = "later"
+        "#;
+        let err = assert_refused(
+            text,
+            &[
+                "server.header_read_timeout: must be longer than zero",
+                "server.body_read_timeout: `soon`",
+                "server.idle_timeout: must be longer than zero",
+                "server.max_connections: must be at least 1",
+                "upstream.read_timeout: must be longer than zero",
+                "upstream.idle_timeout: `later`",
+            ],
+        );
+        assert_eq!(err.problems.len(), 6, "{err}");
+        assert_refused(
+            "[server]\nmax_connections = 2000000\n",
+            &["server.max_connections: 2000000 is too many"],
+        );
     }
 
     #[test]

@@ -1,17 +1,30 @@
-//! `[server]` (the listener, body limits, shutdown, threads) and `[log]`.
+//! `[server]` (the listener, body limits, client timeouts and the connection cap, shutdown,
+//! threads) and `[log]`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::values::duration;
+use super::values::{at_least_one, duration, nonzero_duration};
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_BODY_LIMIT_BYTES: usize = 32 * 1024 * 1024;
 /// The largest upstream JSON (non-streaming) chat response memproxy reads to capture a reply.
 pub const DEFAULT_RESPONSE_LIMIT_BYTES: usize = 64 * 1024 * 1024;
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// Time a client has to send a whole request head, from the connection's start or from the
+/// first byte of the next request on a kept-alive connection.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a client has to send a body memproxy reads whole, and the longest pause between two
+/// pieces of a body it streams through.
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a connection with no request in flight stays open.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Connections served at once; past it a new connection is answered 503 and closed.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// The largest `max_connections` accepted: far past what one sidecar's file descriptors allow.
+const MAX_MAX_CONNECTIONS: usize = 1_000_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -27,6 +40,10 @@ pub(super) struct RawServer {
     response_limit_bytes: Option<u64>,
     shutdown_grace: Option<String>,
     worker_threads: Option<u64>,
+    header_read_timeout: Option<String>,
+    body_read_timeout: Option<String>,
+    idle_timeout: Option<String>,
+    max_connections: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -42,6 +59,10 @@ pub(super) struct Server {
     pub response_limit_bytes: usize,
     pub shutdown_grace: Duration,
     pub worker_threads: Option<usize>,
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
 }
 
 /// Checks `[server]`; `listen` (from a flag or the environment) wins over the file.
@@ -85,12 +106,43 @@ pub(super) fn check_server(
             None
         }
     };
+    let mut max_connections = at_least_one(
+        "server.max_connections",
+        raw.max_connections,
+        DEFAULT_MAX_CONNECTIONS,
+        problems,
+    );
+    if max_connections > MAX_MAX_CONNECTIONS {
+        problems.push(format!(
+            "server.max_connections: {max_connections} is too many (at most {MAX_MAX_CONNECTIONS})"
+        ));
+        max_connections = DEFAULT_MAX_CONNECTIONS;
+    }
     Server {
         listen,
         body_limit_bytes,
         response_limit_bytes,
         shutdown_grace,
         worker_threads,
+        header_read_timeout: nonzero_duration(
+            "server.header_read_timeout",
+            raw.header_read_timeout,
+            DEFAULT_HEADER_READ_TIMEOUT,
+            problems,
+        ),
+        body_read_timeout: nonzero_duration(
+            "server.body_read_timeout",
+            raw.body_read_timeout,
+            DEFAULT_BODY_READ_TIMEOUT,
+            problems,
+        ),
+        idle_timeout: nonzero_duration(
+            "server.idle_timeout",
+            raw.idle_timeout,
+            DEFAULT_IDLE_TIMEOUT,
+            problems,
+        ),
+        max_connections,
     }
 }
 

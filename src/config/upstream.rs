@@ -4,11 +4,18 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::values::{Secret, duration, secret_from_env};
+use super::values::{Secret, duration, nonzero_duration, secret_from_env};
 
 pub const DEFAULT_UPSTREAM: &str = "https://api.openai.com/v1";
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+/// Time allowed for a JSON answer's body once its head arrived. Upstreams send a non-streaming
+/// answer's head when the completion is done, so its body follows at once; a long completion
+/// is bounded by `timeout`, not by this.
+pub const DEFAULT_UPSTREAM_READ_TIMEOUT: Duration = Duration::from_secs(300);
+/// The longest pause between two pieces of an upstream body (an SSE stream, a pass-through
+/// download). Models send SSE chunks (or keep-alive comments) far more often than this.
+pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
@@ -19,6 +26,11 @@ pub struct UpstreamConfig {
     pub connect_timeout: Duration,
     /// How long to wait for the upstream's response head.
     pub timeout: Duration,
+    /// How long to wait for the whole body of an answer memproxy reads (JSON), once its head
+    /// arrived.
+    pub read_timeout: Duration,
+    /// The longest pause between two frames of any upstream body.
+    pub idle_timeout: Duration,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -28,6 +40,8 @@ pub(super) struct RawUpstream {
     api_key_env: Option<String>,
     connect_timeout: Option<String>,
     timeout: Option<String>,
+    read_timeout: Option<String>,
+    idle_timeout: Option<String>,
 }
 
 /// Checks `[upstream]`; `base_url` (from a flag or the environment) wins over the file, and
@@ -62,6 +76,18 @@ pub(super) fn check_upstream(
             "upstream.timeout",
             raw.timeout,
             DEFAULT_UPSTREAM_TIMEOUT,
+            problems,
+        ),
+        read_timeout: nonzero_duration(
+            "upstream.read_timeout",
+            raw.read_timeout,
+            DEFAULT_UPSTREAM_READ_TIMEOUT,
+            problems,
+        ),
+        idle_timeout: nonzero_duration(
+            "upstream.idle_timeout",
+            raw.idle_timeout,
+            DEFAULT_UPSTREAM_IDLE_TIMEOUT,
             problems,
         ),
     }

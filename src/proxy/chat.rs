@@ -112,9 +112,11 @@ pub async fn chat(
     }
 
     // A JSON reply is complete only at its end: read it, store it, then answer.
-    let body = collect_limited(upstream_body, state.config.response_limit_bytes)
-        .await
-        .map_err(|err| ProxyError::UpstreamUnreachable(Box::new(err)))?;
+    // Within `upstream.read_timeout`: a stalled answer is a 504 and stores nothing.
+    let body = state
+        .upstream
+        .read_answer(upstream_body, state.config.response_limit_bytes)
+        .await?;
     let (status, turns) = if !settings.persist {
         (MemoryStatus::NotStored, plan.stored_count)
     } else {
@@ -140,9 +142,9 @@ pub async fn chat(
     Ok(response)
 }
 
-/// The `before` step: the client's body read (within the limit) and parsed, the prompt
-/// planned from memory, a due summary started. A memory failure is not an error: the client's
-/// own body is forwarded.
+/// The `before` step: the client's body read (within the size limit and the body read timeout)
+/// and parsed, the prompt planned from memory, a due summary started. A memory failure is not
+/// an error: the client's own body is forwarded.
 async fn before(
     state: &AppState,
     parts: &Parts,
@@ -150,10 +152,12 @@ async fn before(
     key: &ConversationKey,
     settings: &MemorySettings,
 ) -> Result<Before, ProxyError> {
-    let bytes = collect_limited(body, state.config.body_limit_bytes)
+    let config = &state.config;
+    let bytes = collect_limited(body, config.body_limit_bytes, config.body_read_timeout)
         .await
         .map_err(|err| match err {
             CollectError::TooLarge { limit } => ProxyError::PayloadTooLarge { limit },
+            CollectError::TimedOut { within } => ProxyError::RequestTimeout { within },
             CollectError::Read(err) => ProxyError::InvalidRequest {
                 message: format!("the request body could not be read: {err}"),
                 param: None,

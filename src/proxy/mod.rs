@@ -15,7 +15,7 @@ use http::header::HeaderValue;
 use http::{HeaderMap, Request, Response};
 use hyper::body::Incoming;
 
-use crate::body::{ProxyBody, boxed};
+use crate::body::{IdleTimeout, ProxyBody, boxed};
 use crate::error::ProxyError;
 use crate::metrics::{ReplyKind, Stage};
 use crate::pipeline::plan::Plan;
@@ -56,7 +56,9 @@ impl MemoryStatus {
 }
 
 /// Forwards a request untouched: method, path, query, headers (less hop-by-hop and
-/// `x-memory-*`), body streamed both ways, status unchanged.
+/// `x-memory-*`), body streamed both ways, status unchanged. A request body that pauses longer
+/// than `server.body_read_timeout` cuts the upstream request (408); the answer's body is
+/// bounded by `upstream.idle_timeout` (see `upstream.rs`).
 pub async fn passthrough(
     state: &AppState,
     request: Request<Incoming>,
@@ -71,7 +73,7 @@ pub async fn passthrough(
             path: api_path,
             query: query.as_deref(),
             headers: &parts.headers,
-            body: boxed(body),
+            body: boxed(IdleTimeout::new(body, state.config.body_read_timeout)),
             body_len: None,
             read_reply: false,
             task: None,

@@ -6,7 +6,8 @@
 //!
 //! It listens on `127.0.0.1`, records every request it receives, and answers chat completions
 //! with JSON or SSE. By default the reply is `reply to: <last user text>`; tests queue scripted
-//! replies (text, tool calls, an error status, a delay, a stream cut midway) with
+//! replies (text, tool calls, an error status, a delay, a stream cut midway, an answer that
+//! stalls after its head) with
 //! [`MockUpstream::push`]. `GET /v1/models` lists one model; any other path echoes its method,
 //! path and body length as JSON.
 // Each target that includes this file uses a different part of it.
@@ -80,6 +81,10 @@ pub enum Reply {
     CutStream { chunks: usize },
     /// A stream that sends content chunks, then ends cleanly without a finish or `[DONE]`.
     UnfinishedStream,
+    /// An answer that sends its head, then `chunks` pieces of its body, then nothing more until
+    /// the caller gives up and closes the connection. Streamed: the role chunk and `chunks`
+    /// content chunks; JSON: `chunks` > 0 sends the start of the JSON object.
+    Stall { chunks: usize },
     /// The mock's own default answer (useful inside `Delay`).
     Auto,
 }
@@ -376,6 +381,22 @@ async fn chat_answer(
                 }),
             )
         }
+        Reply::Stall { chunks } if !stream => {
+            let start = Ok(r#"{"id": "chatcmpl-mock", "object": "chat.completion", "#.to_string());
+            let events = if chunks > 0 { vec![start] } else { Vec::new() };
+            channel_response("application/json", events, Duration::ZERO, true)
+        }
+        Reply::Stall { chunks } => channel_response(
+            "text/event-stream",
+            sse_events(
+                &model,
+                Reply::Stall { chunks },
+                options.stream_chunks,
+                usage,
+            ),
+            options.chunk_delay,
+            true,
+        ),
         other => sse_response(
             sse_events(&model, other, options.stream_chunks, usage),
             options.chunk_delay,
@@ -434,6 +455,12 @@ fn sse_events(model: &str, reply: Reply, chunks: usize, usage: bool) -> Vec<Resu
             events.push(chunk(json!({"content": "half an answer"}), Value::Null));
             return events;
         }
+        Reply::Stall { chunks: n } => {
+            for i in 0..n {
+                events.push(chunk(json!({"content": format!("part{i} ")}), Value::Null));
+            }
+            return events;
+        }
         Reply::Status(..) | Reply::Delay(..) | Reply::Auto => {}
     }
     if usage {
@@ -458,6 +485,18 @@ fn json_response(status: StatusCode, value: Value) -> Response<MockBody> {
 }
 
 fn sse_response(events: Vec<Result<String, ()>>, delay: Duration) -> Response<MockBody> {
+    channel_response("text/event-stream", events, delay, false)
+}
+
+/// A response whose body sends `events` as they come (`delay` apart), then ends; with `stall`,
+/// it sends nothing more and never ends, until the caller drops the body. SSE responses carry
+/// `Cache-Control: no-cache`.
+fn channel_response(
+    content_type: &'static str,
+    events: Vec<Result<String, ()>>,
+    delay: Duration,
+    stall: bool,
+) -> Response<MockBody> {
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(4);
     tokio::spawn(async move {
         for (i, event) in events.into_iter().enumerate() {
@@ -472,16 +511,21 @@ fn sse_response(events: Vec<Result<String, ()>>, delay: Duration) -> Response<Mo
                 return;
             }
         }
+        if stall {
+            tx.closed().await;
+        }
     });
     let mut response = Response::new(ChannelBody { rx }.boxed_unsync());
     response.headers_mut().insert(
         header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/event-stream"),
+        header::HeaderValue::from_static(content_type),
     );
-    response.headers_mut().insert(
-        header::CACHE_CONTROL,
-        header::HeaderValue::from_static("no-cache"),
-    );
+    if content_type == "text/event-stream" {
+        response.headers_mut().insert(
+            header::CACHE_CONTROL,
+            header::HeaderValue::from_static("no-cache"),
+        );
+    }
     response
 }
 

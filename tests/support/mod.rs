@@ -45,8 +45,18 @@ impl Proxy {
     /// its data under `data_dir`. The template ends inside `[server]`, so bare keys at the start
     /// of `extra_toml` are server settings.
     pub async fn start(mock: &MockUpstream, data_dir: &Path, extra_toml: &str) -> Proxy {
+        Proxy::start_with_upstream(mock, data_dir, "", extra_toml).await
+    }
+
+    /// [`Proxy::start`] with `upstream_toml` added to the `[upstream]` section.
+    pub async fn start_with_upstream(
+        mock: &MockUpstream,
+        data_dir: &Path,
+        upstream_toml: &str,
+        extra_toml: &str,
+    ) -> Proxy {
         let text = format!(
-            "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{extra_toml}",
+            "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{extra_toml}",
             mock.base_url(),
             data_dir.display()
         );

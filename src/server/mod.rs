@@ -1,29 +1,41 @@
 //! The server: accept connections (HTTP/1.1 and h2c), serve each with the router, and shut
 //! down gracefully.
 //!
-//! Every connection is a task in one `JoinSet` the server owns: none outlives it.
+//! Every connection is a task in one `JoinSet` the server owns: none outlives it. At most
+//! `server.max_connections` are served at once; a connection past that is answered 503 and
+//! closed on a short task of its own (`admission.rs`), so the accept loop never waits. Each
+//! served connection is watched for the client time limits (`connection.rs`: the head, idle
+//! keep-alive; request bodies are bounded in `body.rs`).
 //!
 //! Shutdown order, when the `shutdown` future completes:
 //! 1. stop accepting (the listener is dropped);
 //! 2. stop the TTL sweeper (a pass in progress finishes);
-//! 3. drain: every connection finishes its in-flight requests and streams (a stream commits
-//!    before its end reaches the client) and closes, up to the grace period; a connection
-//!    still open then is cut, and its stream is not stored (nothing half-stored: a commit is
-//!    one atomic write, made before any await that could be cut);
+//! 3. drain: every connection is told to shut down gracefully, finishes its in-flight requests
+//!    and streams (a stream commits before its end reaches the client) and closes, up to the
+//!    grace period; a connection still open then is cut, and its stream is not stored
+//!    (nothing half-stored: a commit is one atomic write, made before any await that could be
+//!    cut);
 //! 4. let background summary jobs finish, up to the grace period, or cancel them;
 //! 5. flush and close the store, last, once no task can write to it.
+//!
+//! The drain is a `watch` channel each connection task listens to, not hyper-util's
+//! `GracefulShutdown`: a connection's task also shuts it down gracefully when it goes idle,
+//! which needs the connection itself, not a watcher wrapped around it.
+
+mod admission;
+mod connection;
 
 use std::future::Future;
 use std::sync::Arc;
 
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::router;
+use self::admission::{Admission, Admit};
+use crate::config::Config;
 use crate::state::AppState;
 use crate::store::StoreError;
 
@@ -36,14 +48,29 @@ pub fn runtime(worker_threads: Option<usize>) -> std::io::Result<tokio::runtime:
     builder.enable_all().build()
 }
 
+/// The HTTP/1.1 + h2c connection builder. hyper's own HTTP/1.1 head timeout stays off: it
+/// would also close idle kept-alive connections after the head timeout; `connection.rs`
+/// applies both limits apart. h2c connections are pinged every `idle_timeout`.
+fn http_builder(config: &Config) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().header_read_timeout(None);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(config.idle_timeout)
+        .keep_alive_timeout(connection::H2_PING_TIMEOUT);
+    builder
+}
+
 /// Serves until `shutdown` completes, then drains and flushes.
 pub async fn run(
     listener: TcpListener,
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), StoreError> {
-    let builder = auto::Builder::new(TokioExecutor::new());
-    let graceful = GracefulShutdown::new();
+    let builder = http_builder(&state.config);
+    let mut admission = Admission::new(state.config.max_connections);
+    let (stop, stopping) = watch::channel(false);
     let mut connections: JoinSet<()> = JoinSet::new();
     let sweeper = state.start_sweeper();
     // The tokenizer loads now, not on the first request; `/readyz` says ready once it has.
@@ -63,18 +90,16 @@ pub async fn run(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let state = Arc::clone(&state);
-                let service = service_fn(move |request| {
-                    let state = Arc::clone(&state);
-                    async move { Ok::<_, std::convert::Infallible>(router::handle(state, request).await) }
-                });
-                let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                let connection = graceful.watch(connection);
-                connections.spawn(async move {
-                    if let Err(err) = connection.await {
-                        tracing::debug!(error = %err, "connection ended with an error");
+                match admission.admit() {
+                    Admit::Serve(slot) => {
+                        let state = Arc::clone(&state);
+                        connections.spawn(connection::serve(&builder, stream, state, stopping.clone(), slot));
                     }
-                });
+                    Admit::Refuse(refusal) => {
+                        connections.spawn(refusal.answer(stream));
+                    }
+                    Admit::Close => drop(stream),
+                }
             }
             // Finished connections are reaped as they end.
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -94,10 +119,8 @@ pub async fn run(
         connections = connections.len(),
         "shutting down: draining connections"
     );
-    let drain = async {
-        graceful.shutdown().await;
-        while connections.join_next().await.is_some() {}
-    };
+    let _ = stop.send(true);
+    let drain = async { while connections.join_next().await.is_some() {} };
     if tokio::time::timeout(grace, drain).await.is_ok() {
         tracing::info!("all connections closed");
     } else {
