@@ -252,10 +252,14 @@ impl Upstream {
     }
 
     /// The headers to send upstream for a client request's headers.
+    /// When memproxy holds the upstream key, it is the only credential sent: the client's
+    /// `Authorization`, `api-key` and `x-api-key` never reach the upstream.
     pub fn request_headers(&self, incoming: &HeaderMap) -> HeaderMap {
         let mut out = forwardable(incoming);
         drop_memory_headers(&mut out);
         if let Some(auth) = &self.authorization {
+            out.remove("api-key");
+            out.remove("x-api-key");
             out.insert(header::AUTHORIZATION, auth.clone());
         }
         out
@@ -441,5 +445,12 @@ mod tests {
         }
         let keyed = upstream("http://127.0.0.1:1/v1", Some("sk-proxy")).request_headers(&incoming);
         assert_eq!(keyed["authorization"], "Bearer sk-proxy");
+        // With memproxy's own key, no client credential of any kind goes upstream.
+        incoming.insert("api-key", HeaderValue::from_static("client-azure"));
+        incoming.insert("x-api-key", HeaderValue::from_static("client-anthropic"));
+        let keyed = upstream("http://127.0.0.1:1/v1", Some("sk-proxy")).request_headers(&incoming);
+        assert!(!keyed.contains_key("api-key") && !keyed.contains_key("x-api-key"));
+        let plain = upstream("http://127.0.0.1:1/v1", None).request_headers(&incoming);
+        assert_eq!(plain["x-api-key"], "client-anthropic");
     }
 }
