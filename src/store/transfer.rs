@@ -9,7 +9,9 @@
 use serde_json::value::RawValue;
 
 use super::engine::Write;
-use super::records::{ConversationMeta, Deleted, ImportMeta, Imported, StoredMessage, now_ms};
+use super::records::{
+    ConversationMeta, Deleted, ImportMeta, Imported, StoredBranch, StoredMessage, now_ms,
+};
 use super::{Conversation, Handle, Store, StoreError, legacy_workspace_dir, lock, workspace_dir};
 use crate::identity::ConversationKey;
 
@@ -86,23 +88,24 @@ impl Store {
         result
     }
 
-    /// Imports messages (and, into an empty conversation, summaries) idempotently: messages
-    /// already stored (matched by fingerprint and position) are not stored again; the rest
-    /// are appended with their timestamps and token counts. Into an empty conversation the
-    /// exported turn numbers and record times are kept, so export then import gives back the
-    /// same conversation.
+    /// Imports messages (and, into an empty conversation, summaries and closed branches)
+    /// idempotently: messages already stored (matched by fingerprint and position) are not
+    /// stored again; the rest are appended with their timestamps and token counts. Into an
+    /// empty conversation the exported turn numbers, record times and branches are kept, so
+    /// export then import gives back the same conversation.
     pub fn import_conversation(
         &self,
         key: &ConversationKey,
         messages: Vec<StoredMessage>,
         summaries: Vec<(u64, Box<RawValue>)>,
+        branches: Vec<StoredBranch>,
         hint: ImportMeta,
     ) -> Result<Imported, StoreError> {
         let handle: Handle = self.conversation(key)?;
         let mut conversation = lock(&handle);
         for _ in 0..MAX_ATTEMPTS {
             self.reload(&mut conversation)?;
-            match self.import_once(&conversation, &messages, &summaries, hint) {
+            match self.import_once(&conversation, &messages, &summaries, &branches, hint) {
                 Ok(imported) => {
                     self.reload(&mut conversation)?;
                     return Ok(imported);
@@ -119,6 +122,7 @@ impl Store {
         conversation: &Conversation,
         messages: &[StoredMessage],
         summaries: &[(u64, Box<RawValue>)],
+        branches: &[StoredBranch],
         hint: ImportMeta,
     ) -> Result<Imported, StoreError> {
         let now = now_ms();
@@ -187,7 +191,19 @@ impl Store {
             }
         }
         imported.summaries_added = summary_rows.len();
-        if added.is_empty() && summary_rows.is_empty() {
+        // Closed branches go into an empty conversation only, like summaries: their turns
+        // name the exported main line.
+        let branch_rows: &[StoredBranch] = if empty { branches } else { &[] };
+        imported.branches_added = branch_rows.len();
+        imported.branches_skipped = branches.len() - branch_rows.len();
+        for branch in branch_rows {
+            meta.branches = meta.branches.max(branch.record.number);
+            // Turn numbers only grow, branches' included.
+            if let Some(last) = branch.messages.last() {
+                meta.next_turn = meta.next_turn.max(last.turn + 1);
+            }
+        }
+        if added.is_empty() && summary_rows.is_empty() && branch_rows.is_empty() {
             return Ok(imported);
         }
         self.engine.write(
@@ -198,6 +214,8 @@ impl Store {
                 remove_turns: &[],
                 add: &added,
                 summaries: &summary_rows,
+                remove_summaries: &[],
+                branches: branch_rows,
             },
         )?;
         Ok(imported)
@@ -303,7 +321,8 @@ mod tests {
             deleted,
             Deleted {
                 messages: 2,
-                summaries: 1
+                summaries: 1,
+                branches: 0
             }
         );
         assert!(store.meta(&k).unwrap().is_none());
@@ -410,11 +429,17 @@ mod tests {
             next_turn: Some(8),
         };
         let first = store
-            .import_conversation(&k, messages.clone(), vec![(1, summary.clone())], hint)
+            .import_conversation(
+                &k,
+                messages.clone(),
+                vec![(1, summary.clone())],
+                vec![],
+                hint,
+            )
             .unwrap();
         assert_eq!((first.added, first.summaries_added), (3, 1));
         let again = store
-            .import_conversation(&k, messages.clone(), vec![(1, summary)], hint)
+            .import_conversation(&k, messages.clone(), vec![(1, summary)], vec![], hint)
             .unwrap();
         assert_eq!((again.added, again.already_stored), (0, 3));
         assert_eq!(again.summaries_skipped, 1);
@@ -435,7 +460,7 @@ mod tests {
         assert_eq!(lock(&store.conversation(&k).unwrap()).entries.len(), 3);
         messages.push(message("dddd"));
         let more = store
-            .import_conversation(&k, messages, vec![], ImportMeta::default())
+            .import_conversation(&k, messages, vec![], vec![], ImportMeta::default())
             .unwrap();
         assert_eq!((more.added, more.already_stored), (1, 3));
         let meta = store.meta(&k).unwrap().unwrap();
