@@ -203,6 +203,7 @@ fn fixture(runtime: &tokio::runtime::Runtime, n: usize) -> Fixture {
                     remove_turns: vec![],
                     add,
                     tokens_forwarded: 0,
+                    branch_from_turn: None,
                 },
             )
             .unwrap();

@@ -56,6 +56,8 @@ pub struct Memory {
     pub summarizer: Arc<Summarizer>,
     pub clock: Clock,
     pub sweeps: SweepCounters,
+    /// Branches closed by commits (a client's history left the stored line).
+    pub branches_closed: AtomicU64,
 }
 
 /// The store's options from the config.
@@ -85,6 +87,7 @@ impl Memory {
             store,
             clock: Clock::default(),
             sweeps: SweepCounters::default(),
+            branches_closed: AtomicU64::new(0),
         }
     }
 

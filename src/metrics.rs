@@ -209,6 +209,7 @@ pub struct Metrics {
     ttl_scanned: Counter,
     admin_deletions: Counter,
     commit_failures: Counter,
+    branches_closed: Counter,
     stream_commit_failures: Counter,
     /// Held while a scrape mirrors counters kept elsewhere, so two scrapes never add twice.
     scrape: Mutex<()>,
@@ -349,6 +350,12 @@ impl Metrics {
             "Conversations deleted through the admin API or the CLI",
             admin_deletions.clone(),
         );
+        let branches_closed = Counter::default();
+        registry.register(
+            "branches_closed",
+            "Branches closed: requests whose re-sent history left the stored line (an edited earlier message, a regenerated earlier reply)",
+            branches_closed.clone(),
+        );
         let commit_failures = Counter::default();
         registry.register(
             "commit_failures",
@@ -383,6 +390,7 @@ impl Metrics {
             ttl_scanned,
             admin_deletions,
             commit_failures,
+            branches_closed,
             stream_commit_failures,
             scrape: Mutex::new(()),
         };
@@ -504,6 +512,10 @@ impl Metrics {
         catch_up(&self.ttl_passes, sweeps.passes.load(Ordering::Relaxed));
         catch_up(&self.ttl_scanned, sweeps.scanned.load(Ordering::Relaxed));
         catch_up(&self.ttl_deletions, sweeps.deleted.load(Ordering::Relaxed));
+        catch_up(
+            &self.branches_closed,
+            memory.branches_closed.load(Ordering::Relaxed),
+        );
         let counters = &memory.summarizer.counters;
         for (result, counter) in [
             ("made", &counters.made),

@@ -670,16 +670,21 @@ async fn cross_tenant_attempts_fail() {
     assert_eq!(bad.status, 400);
 }
 
-/// The OpenAPI document lists exactly the routes the server serves, and every status it
-/// documents for an operation is produced by the server for a request made to get it.
-#[tokio::test]
-async fn the_openapi_document_matches_the_server() {
+/// `docs/admin-openapi.json`, parsed.
+fn openapi_document() -> Value {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/docs/admin-openapi.json"
     ))
     .unwrap();
-    let doc: Value = serde_json::from_str(&text).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The OpenAPI document lists exactly the routes the server serves, and every status it
+/// documents for an operation is produced by the server for a request made to get it.
+#[tokio::test]
+async fn the_openapi_document_matches_the_server() {
+    let doc = openapi_document();
     let mut documented = Vec::new();
     for (path, item) in doc["paths"].as_object().unwrap() {
         for (method, operation) in item.as_object().unwrap() {
@@ -921,4 +926,76 @@ async fn preview_writes_no_summary_not_even_the_heuristic_stand_in() {
         "the preview stored a summary"
     );
     assert!(!proxy.state.memory.summarizer.in_flight(&key));
+}
+
+/// The property names `schema` documents, through `$ref` and `allOf`, with their schemas.
+fn documented_properties(doc: &Value, schema: &Value) -> Vec<(String, Value)> {
+    if let Some(reference) = schema["$ref"].as_str() {
+        let name = reference.rsplit('/').next().unwrap();
+        return documented_properties(doc, &doc["components"]["schemas"][name]);
+    }
+    let mut out = Vec::new();
+    for part in schema["allOf"].as_array().into_iter().flatten() {
+        out.extend(documented_properties(doc, part));
+    }
+    for (name, property) in schema["properties"].as_object().into_iter().flatten() {
+        out.push((name.clone(), property.clone()));
+    }
+    out
+}
+
+/// Fails on any field of `value` (and of the objects in it) that `schema` does not document;
+/// objects documented as opaque (no properties) are not looked into.
+fn assert_documented(doc: &Value, schema: &Value, value: &Value, at: &str) {
+    let properties = documented_properties(doc, schema);
+    if properties.is_empty() {
+        return;
+    }
+    for (name, field) in value.as_object().unwrap() {
+        let path = format!("{at}.{name}");
+        let (_, property) = properties
+            .iter()
+            .find(|(documented, _)| documented == name)
+            .unwrap_or_else(|| panic!("{path} is sent but not documented"));
+        match field {
+            Value::Object(_) => assert_documented(doc, property, field, &path),
+            Value::Array(items) if !items.is_empty() && items[0].is_object() => {
+                assert_documented(doc, &property["items"], &items[0], &format!("{path}[0]"))
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Every field the show, export, import and delete answers carry is in the OpenAPI document,
+/// a closed branch's included.
+#[tokio::test]
+async fn the_openapi_document_names_every_field_the_server_sends() {
+    let doc = openapi_document();
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let mut history = Vec::new();
+    for i in 1..=3 {
+        history.push(user(&format!("question {i}")));
+        let answer = chat(&proxy, "fields", &body(&history), &[]).await;
+        history.push(reply_message(&answer));
+    }
+    // An earlier reply regenerated: a closed branch.
+    chat(&proxy, "fields", &body(&history[..3]), &[]).await;
+
+    let schema = |name: &str| json!({"$ref": format!("#/components/schemas/{name}")});
+    let path = conversation_path(TOKEN, "default", "fields");
+    let shown = admin(&proxy, "GET", &path, "").await.json();
+    assert_eq!(shown["branches"].as_array().unwrap().len(), 1);
+    assert_documented(&doc, &schema("Conversation"), &shown, "show");
+    let export = admin(&proxy, "GET", &format!("{path}/export"), "").await;
+    assert_documented(&doc, &schema("Export"), &export.json(), "export");
+    let copy = conversation_path(TOKEN, "default", "fields-copy");
+    let export_text = String::from_utf8(export.body.to_vec()).unwrap();
+    let imported = admin(&proxy, "POST", &format!("{copy}/import"), &export_text).await;
+    assert_documented(&doc, &schema("Imported"), &imported.json(), "import");
+    let deleted = admin(&proxy, "DELETE", &path, "").await.json();
+    assert_eq!(deleted["deleted"]["branches"], 1);
+    assert_documented(&doc, &schema("Deleted"), &deleted, "delete");
 }

@@ -142,7 +142,7 @@ async fn a_long_trim_goes_in_batches_and_ends_within_max_messages() {
         .state
         .memory
         .store
-        .import_conversation(&key, messages, vec![], ImportMeta::default())
+        .import_conversation(&key, messages, vec![], vec![], ImportMeta::default())
         .unwrap();
     let answer = chat(
         &proxy,

@@ -317,7 +317,7 @@ async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
     state
         .memory
         .store
-        .import_conversation(&key, vec![message], vec![], hint)
+        .import_conversation(&key, vec![message], vec![], vec![], hint)
         .unwrap();
     // Idle for two hours by the sweeper's clock, past the one-hour TTL.
     state.memory.clock.advance(Duration::from_secs(2 * 3600));

@@ -3,7 +3,9 @@
 //!
 //! The export keeps each message as the raw object that was stored (so tool calls, names and
 //! any field memproxy does not know survive), with its turn, timestamp and token count, and
-//! each summary record as stored, opaque.
+//! each summary record as stored, opaque. Closed branches (stored messages that left the main
+//! line when a client's history diverged from it) are shown and exported in the same shapes,
+//! apart from the main line.
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -12,7 +14,10 @@ use serde_json::{Value, json};
 use crate::identity::ConversationKey;
 use crate::message::{Message, Role};
 use crate::settings::format_iso8601_duration;
-use crate::store::{ConversationMeta, ConversationSummary, Origin, StoredMessage, TtlRecord};
+use crate::store::{
+    BranchRecord, ConversationMeta, ConversationSummary, Deleted, Origin, StoredBranch,
+    StoredMessage, TtlRecord,
+};
 
 /// The `format` of an export.
 pub const EXPORT_FORMAT: &str = "memproxy.conversation.v1";
@@ -33,6 +38,22 @@ pub struct Export {
     pub last_activity_ms: Option<i64>,
     #[serde(default)]
     pub next_turn: Option<u64>,
+    pub messages: Vec<ExportMessage>,
+    #[serde(default)]
+    pub summaries: Vec<ExportSummary>,
+    /// Closed branches, oldest first (absent in exports made before branches existed).
+    #[serde(default)]
+    pub branches: Vec<ExportBranch>,
+}
+
+/// One exported closed branch: its record, its messages (each with its `turn`) and the
+/// summary records it took along.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ExportBranch {
+    pub number: u64,
+    pub forked_after_turn: u64,
+    #[serde(default)]
+    pub closed_ms: Option<i64>,
     pub messages: Vec<ExportMessage>,
     #[serde(default)]
     pub summaries: Vec<ExportSummary>,
@@ -88,7 +109,11 @@ impl ExportMessage {
 
     /// The message ready to store; `index` names it in errors.
     pub fn to_stored(&self, index: usize, now_ms: i64) -> Result<StoredMessage, ImportError> {
-        let path = format!("messages[{index}]");
+        self.to_stored_at(format!("messages[{index}]"), now_ms)
+    }
+
+    /// The message ready to store; `path` names it in errors.
+    fn to_stored_at(&self, path: String, now_ms: i64) -> Result<StoredMessage, ImportError> {
         let raw = match (&self.message, &self.role) {
             (Some(raw), _) => raw.clone(),
             (None, Some(role)) => {
@@ -126,6 +151,58 @@ impl ExportMessage {
             tokens,
             fingerprint: parsed.fingerprint,
             message: parsed.raw,
+        })
+    }
+}
+
+impl ExportBranch {
+    pub fn of(branch: &StoredBranch) -> ExportBranch {
+        ExportBranch {
+            number: branch.record.number,
+            forked_after_turn: branch.record.forked_after_turn,
+            closed_ms: Some(branch.record.closed_ms),
+            messages: branch.messages.iter().map(ExportMessage::of).collect(),
+            summaries: branch
+                .summaries
+                .iter()
+                .filter_map(|(number, bytes)| {
+                    let text = String::from_utf8(bytes.clone()).ok()?;
+                    let record = RawValue::from_string(text).ok()?;
+                    Some(ExportSummary {
+                        number: *number,
+                        record,
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// The branch ready to store; `index` names it in errors. Its messages keep their turns,
+    /// which every one of them must carry.
+    pub fn to_stored(&self, index: usize, now_ms: i64) -> Result<StoredBranch, ImportError> {
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for (i, message) in self.messages.iter().enumerate() {
+            let path = format!("branches[{index}].messages[{i}]");
+            if message.turn.is_none() {
+                return Err(ImportError {
+                    field: path,
+                    why: "a branch's message needs its `turn`".into(),
+                });
+            }
+            messages.push(message.to_stored_at(path, now_ms)?);
+        }
+        Ok(StoredBranch {
+            record: BranchRecord {
+                number: self.number,
+                forked_after_turn: self.forked_after_turn,
+                closed_ms: self.closed_ms.unwrap_or(now_ms),
+            },
+            messages,
+            summaries: self
+                .summaries
+                .iter()
+                .map(|s| (s.number, s.record.get().as_bytes().to_vec()))
+                .collect(),
         })
     }
 }
@@ -172,12 +249,38 @@ fn content_text(message: &StoredMessage) -> Value {
     }
 }
 
-/// A conversation shown whole: its record, messages and summaries.
+/// A stored message as the admin API shows it.
+fn shown_message(m: &StoredMessage) -> Value {
+    json!({
+        "turn": m.turn,
+        "role": m.role.as_str(),
+        "origin": m.origin,
+        "content": content_text(m),
+        "at_ms": m.at_ms,
+        "tokens": m.tokens,
+        "message": serde_json::from_str::<Value>(m.message.get()).unwrap_or(Value::Null),
+    })
+}
+
+/// Summary records as the admin API shows them.
+fn shown_summaries<'a>(summaries: impl Iterator<Item = (u64, &'a str)>) -> Value {
+    summaries
+        .map(|(number, record)| {
+            json!({
+                "number": number,
+                "record": serde_json::from_str::<Value>(record).unwrap_or(Value::Null),
+            })
+        })
+        .collect()
+}
+
+/// A conversation shown whole: its record, messages, summaries and closed branches.
 pub fn shown(
     key: &ConversationKey,
     meta: &ConversationMeta,
     messages: &[StoredMessage],
     summaries: &[(u64, Box<RawValue>)],
+    branches: &[StoredBranch],
     ttl: Option<&TtlRecord>,
 ) -> Value {
     let mut value = address(key);
@@ -186,29 +289,36 @@ pub fn shown(
     value["created_ms"] = json!(meta.created_ms);
     value["last_activity_ms"] = json!(meta.last_activity_ms);
     value["ttl"] = ttl_json(ttl);
-    value["messages"] = messages
+    value["messages"] = messages.iter().map(shown_message).collect();
+    value["summaries"] = shown_summaries(summaries.iter().map(|(n, r)| (*n, r.get())));
+    value["branches"] = branches
         .iter()
-        .map(|m| {
+        .map(|branch| {
             json!({
-                "turn": m.turn,
-                "role": m.role.as_str(),
-                "origin": m.origin,
-                "content": content_text(m),
-                "at_ms": m.at_ms,
-                "tokens": m.tokens,
-                "message": serde_json::from_str::<Value>(m.message.get()).unwrap_or(Value::Null),
+                "number": branch.record.number,
+                "forked_after_turn": branch.record.forked_after_turn,
+                "closed_ms": branch.record.closed_ms,
+                "messages": branch.messages.iter().map(shown_message).collect::<Vec<_>>(),
+                "summaries": shown_summaries(branch.summaries.iter().map(|(n, bytes)| {
+                    (*n, std::str::from_utf8(bytes).unwrap_or("null"))
+                })),
             })
         })
         .collect();
-    value["summaries"] = summaries
-        .iter()
-        .map(|(number, record)| {
-            json!({
-                "number": number,
-                "record": serde_json::from_str::<Value>(record.get()).unwrap_or(Value::Null),
-            })
-        })
-        .collect();
+    value
+}
+
+/// What a delete removed, as the admin API and the CLI report it: main-line messages and
+/// summaries, and (when there were any) closed branches.
+pub fn deleted(key: &ConversationKey, deleted: &Deleted) -> Value {
+    let mut value = address(key);
+    value["deleted"] = json!({
+        "messages": deleted.messages,
+        "summaries": deleted.summaries,
+    });
+    if deleted.branches > 0 {
+        value["deleted"]["branches"] = json!(deleted.branches);
+    }
     value
 }
 
@@ -218,6 +328,7 @@ pub fn export(
     meta: &ConversationMeta,
     messages: &[StoredMessage],
     summaries: Vec<(u64, Box<RawValue>)>,
+    branches: &[StoredBranch],
 ) -> Export {
     Export {
         format: EXPORT_FORMAT.to_string(),
@@ -232,5 +343,6 @@ pub fn export(
             .into_iter()
             .map(|(number, record)| ExportSummary { number, record })
             .collect(),
+        branches: branches.iter().map(ExportBranch::of).collect(),
     }
 }

@@ -137,12 +137,7 @@ async fn route(
                         .ok_or_else(|| missing(&key))?;
                     state.metrics.admin_deleted(1);
                     tracing::info!(agent = %key.agent, "conversation deleted by an operator");
-                    let mut value = format::address(&key);
-                    value["deleted"] = json!({
-                        "messages": deleted.messages,
-                        "summaries": deleted.summaries,
-                    });
-                    ok(value)
+                    ok(format::deleted(&key, &deleted))
                 }
                 _ => Err(wrong_method("GET, DELETE")),
             }

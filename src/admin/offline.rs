@@ -196,10 +196,7 @@ fn execute(store: &Store, command: ConversationsCommand) -> Result<(), OfflineEr
             let deleted = store
                 .delete_conversation(&key)?
                 .ok_or_else(|| AdminError::NotFound(format!("no conversation {address}")))?;
-            let mut value = super::format::address(&key);
-            value["deleted"] =
-                json!({"messages": deleted.messages, "summaries": deleted.summaries});
-            print(&value)
+            print(&super::format::deleted(&key, &deleted))
         }
     }
 }

@@ -196,17 +196,19 @@ pub fn list_with(store: &Store, query: &ListQuery) -> Result<Value, AdminError> 
     }))
 }
 
-/// A conversation whole: record, messages, summaries.
+/// A conversation whole: record, messages, summaries, closed branches.
 pub fn show(store: &Store, key: &ConversationKey) -> Result<Value, AdminError> {
     let meta = store.meta(key)?.ok_or_else(|| missing(key))?;
     let messages = store.all_messages(key, &meta)?;
     let summaries = store.raw_summaries(key, meta.id)?;
+    let branches = store.branches(key, meta.id)?;
     let ttl = store.ttl_of(key)?;
     Ok(format::shown(
         key,
         &meta,
         &messages,
         &summaries,
+        &branches,
         ttl.as_ref(),
     ))
 }
@@ -284,7 +286,8 @@ pub fn export(store: &Store, key: &ConversationKey) -> Result<Export, AdminError
     let meta = store.meta(key)?.ok_or_else(|| missing(key))?;
     let messages = store.all_messages(key, &meta)?;
     let summaries = store.raw_summaries(key, meta.id)?;
-    Ok(format::export(key, &meta, &messages, summaries))
+    let branches = store.branches(key, meta.id)?;
+    Ok(format::export(key, &meta, &messages, summaries, &branches))
 }
 
 /// Imports an export (JSON `body`) into `key`. An export that names another tenant is refused
@@ -312,13 +315,8 @@ pub fn import(
         ));
     }
     let now = now_ms();
-    let messages = export
-        .messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| m.to_stored(i, now))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|err| AdminError::BadRequest(err.to_string()))?;
+    let messages = all_stored(&export.messages, |i, m| m.to_stored(i, now))?;
+    let branches = all_stored(&export.branches, |i, b| b.to_stored(i, now))?;
     let summaries = export
         .summaries
         .into_iter()
@@ -329,13 +327,28 @@ pub fn import(
         last_activity_ms: export.last_activity_ms,
         next_turn: export.next_turn,
     };
-    let imported = store.import_conversation(key, messages, summaries, hint)?;
+    let imported = store.import_conversation(key, messages, summaries, branches, hint)?;
     let mut value = format::address(key);
     value["added"] = json!(imported.added);
     value["already_stored"] = json!(imported.already_stored);
     value["summaries_added"] = json!(imported.summaries_added);
     value["summaries_skipped"] = json!(imported.summaries_skipped);
+    value["branches_added"] = json!(imported.branches_added);
+    value["branches_skipped"] = json!(imported.branches_skipped);
     Ok(value)
+}
+
+/// Every item of an export made ready to store; the first one that cannot be is a 400 naming it.
+fn all_stored<T, U>(
+    items: &[T],
+    to_stored: impl Fn(usize, &T) -> Result<U, format::ImportError>,
+) -> Result<Vec<U>, AdminError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| to_stored(i, item))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| AdminError::BadRequest(err.to_string()))
 }
 
 /// Deletes every conversation of a tenant in `store` (see [`crate::memory::delete_tenant_in`]);

@@ -8,6 +8,10 @@
 //!
 //! The TTL the request ran with is remembered here too, and only here: once its exchange is
 //! stored. A request refused or failed (bad body, upstream error, a stream cut) writes nothing.
+//!
+//! A branch (the client's history left the stored line) is closed in the same write as the
+//! exchange: the stored messages past the shared run leave the main line, kept as a closed
+//! branch with the summaries that reach them.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -100,17 +104,20 @@ impl Exchange {
 
         let mut conversation = lock(&self.handle);
         let mut attempt = 0;
+        // Stored messages this commit's own trim batches removed from the front.
+        let mut batched = 0;
         loop {
             attempt += 1;
             let current = conversation.meta.as_ref().map(|m| m.next_turn);
             let alignment = if current == self.planned_next_turn {
-                self.alignment
+                after_trim(self.alignment, batched)
             } else {
-                align(
+                let now = align(
                     &conversation.entries,
                     last_is_reply(&conversation.entries),
                     &self.marks,
-                )
+                );
+                Alignment::settle(self.alignment, now)
             };
             let planned = self.change(&conversation.entries, alignment, &new, &reply);
             if planned.trimmed > TRIM_BATCH {
@@ -128,6 +135,7 @@ impl Exchange {
                     Ok(()) => {
                         let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
                         memory.recall.apply(&self.key, current, &batch, &[], after);
+                        batched += batch.len();
                         attempt = 0;
                         continue;
                     }
@@ -138,13 +146,33 @@ impl Exchange {
                     Err(err) => return Err(err),
                 }
             }
-            let removed = planned.change.remove_turns.clone();
+            let mut removed = planned.change.remove_turns.clone();
+            let closed: Vec<u64> = planned
+                .change
+                .branch_from_turn
+                .map(|from| {
+                    let entries = &conversation.entries;
+                    let first = entries.partition_point(|e| e.turn < from);
+                    entries[first..].iter().map(|e| e.turn).collect()
+                })
+                .unwrap_or_default();
+            removed.extend(&closed);
             let added_count = planned.change.add.len();
             let still_new = self.still_new(alignment, &self.new_texts);
             let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
             added_texts.push(reply_search.clone());
             match store.commit(&mut conversation, planned.change) {
                 Ok(()) => {
+                    if !closed.is_empty() {
+                        memory
+                            .branches_closed
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::info!(
+                            closed = closed.len(),
+                            branch = conversation.meta.as_ref().map_or(0, |m| m.branches),
+                            "the client's history left the stored line: a branch was closed"
+                        );
+                    }
                     let entries = &conversation.entries;
                     let added: Vec<(u64, String)> = entries[entries.len() - added_count..]
                         .iter()
@@ -185,7 +213,7 @@ impl Exchange {
     /// The change that applies `alignment` and the reply to `entries`, trimming the oldest
     /// rounds past `max_messages`: stored ones first, then, when the exchange alone is longer,
     /// its own oldest messages (the reply is always kept), so a commit never leaves more than
-    /// `max_messages`.
+    /// `max_messages`. A branch's stored messages leave the main line in the same change.
     fn change(
         &self,
         entries: &[Entry],
@@ -194,12 +222,14 @@ impl Exchange {
         reply: &StoredMessage,
     ) -> Planned {
         let mut remove_turns = Vec::new();
-        let mut kept = entries.len();
-        if let Alignment::ReplaceLastReply { .. } = alignment
-            && let Some(last) = entries.last()
-        {
-            remove_turns.push(last.turn);
-            kept -= 1;
+        let kept = alignment.kept(entries.len());
+        let mut branch_from_turn = None;
+        match alignment {
+            Alignment::ReplaceLastReply { .. } => {
+                remove_turns.extend(entries.last().map(|e| e.turn))
+            }
+            Alignment::Branch { .. } => branch_from_turn = entries.get(kept).map(|e| e.turn),
+            Alignment::Append { .. } => {}
         }
         let mut add: Vec<StoredMessage> = self.still_new(alignment, new).to_vec();
         add.push(reply.clone());
@@ -213,6 +243,7 @@ impl Exchange {
                 remove_turns,
                 add,
                 tokens_forwarded: self.prompt_tokens,
+                branch_from_turn,
             },
             trimmed,
             dropped_new,
@@ -233,10 +264,7 @@ impl Exchange {
     /// The number of messages the conversation will hold once this exchange is committed as
     /// planned (for `X-Memory-Turns` on a stream, sent before the commit).
     pub fn planned_count(&self, entries: &[Entry]) -> usize {
-        let kept = match self.alignment {
-            Alignment::ReplaceLastReply { .. } => entries.len().saturating_sub(1),
-            Alignment::Append { .. } => entries.len(),
-        };
+        let kept = self.alignment.kept(entries.len());
         let added = self
             .new_turns
             .iter()
@@ -244,6 +272,18 @@ impl Exchange {
             .chain(std::iter::once(Role::Assistant));
         let cut = self.cut(&entries[..kept], added);
         kept + self.new_turns.len() + 1 - cut
+    }
+}
+
+/// `alignment` once this commit's own trim batches removed the `trimmed` oldest stored
+/// messages: a branch's index into the stored line moves down with them.
+fn after_trim(alignment: Alignment, trimmed: usize) -> Alignment {
+    match alignment {
+        Alignment::Branch { keep, from } => Alignment::Branch {
+            keep: keep.saturating_sub(trimmed),
+            from,
+        },
+        other => other,
     }
 }
 

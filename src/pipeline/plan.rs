@@ -17,7 +17,7 @@ use crate::memory::Memory;
 use crate::message::{Message, Role};
 use crate::model::Credentials;
 use crate::settings::MemorySettings;
-use crate::store::{StoreError, StoredMessage, lock};
+use crate::store::{StoreError, StoredMessage, lock, tokens_between};
 use crate::summary::{DeferredSummary, Job, SummaryRecord};
 use crate::tokens;
 
@@ -122,9 +122,13 @@ pub fn plan(
         .collect();
     let alignment = align(entries, last_is_reply(entries), &marks);
     let from = alignment.from().min(marks.len());
-    let history = match alignment {
-        Alignment::ReplaceLastReply { .. } => &entries[..entries.len() - 1],
-        Alignment::Append { .. } => &entries[..],
+    // What stays on the main line: a replaced reply and the stored line past a branch are
+    // not part of this request's history.
+    let history = &entries[..alignment.kept(entries.len())];
+    // A branch: the first stored turn that leaves the main line with it.
+    let closing_from = match alignment {
+        Alignment::Branch { .. } => entries.get(history.len()).map(|e| e.turn),
+        Alignment::Append { .. } | Alignment::ReplaceLastReply { .. } => None,
     };
     let new_count = turn_index.len() - from;
     if new_count > limits.max_new_messages {
@@ -163,12 +167,14 @@ pub fn plan(
     let mut window: Vec<StoredMessage> =
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
 
-    // Summary: the newest one goes in the prompt; a new one may be due.
+    // Summary: the newest one goes in the prompt (of a branch: the newest that covers only
+    // turns it keeps); a new one may be due.
     let summary = plan_summary(
         memory,
         &conversation,
         settings,
         start,
+        closing_from,
         model_name,
         limits.writes,
     )?;
@@ -249,7 +255,11 @@ pub fn plan(
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
-    let history_tokens = conversation.meta.as_ref().map_or(0, |m| m.total_tokens)
+    let history_tokens = conversation
+        .meta
+        .as_ref()
+        .map_or(0, |m| m.total_tokens)
+        .saturating_sub(tokens_between(entries, history.len(), entries.len()))
         + exchange
             .new_tokens
             .iter()

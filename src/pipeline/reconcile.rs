@@ -6,10 +6,21 @@
 //! A retry of the last request (identical messages, nothing new past the stored reply) replaces
 //! that reply instead of storing the exchange twice.
 //!
+//! A re-sent history that leaves the stored line before its end (the user edited an earlier
+//! message or regenerated an earlier reply, and the client sends its history up to there) is a
+//! branch: the client's history is the truth, so the stored messages after the shared run leave
+//! the main line (the commit keeps them as a closed branch) and what follows the run in the
+//! request is new.
+//!
 //! Pure functions over fingerprints: no I/O, so every case is a table-driven test.
 
 use crate::message::{HasRole, Message, Role};
 use crate::store::Entry;
+
+/// The fewest messages a request must share with the stored line, in one run, for a divergence
+/// to be a branch: a user message and its reply. One shared message is no evidence of a re-sent
+/// history (a front-end may put the same greeting first in every request).
+const MIN_BRANCH_RUN: usize = 2;
 
 /// How many trailing messages an alignment compares at most. Sixty-four matching 64-bit
 /// fingerprints in a row do not happen by chance, and the bound keeps a 10,000-message re-send
@@ -77,13 +88,43 @@ pub enum Alignment {
     /// are new. A retry of the last request has `from` equal to the message count: only the new
     /// reply will be stored, in place of the old one.
     ReplaceLastReply { from: usize },
+    /// The request's history leaves the stored line: it shares the stored messages before index
+    /// `keep` and then ends or differs while the stored line goes on. The stored messages from
+    /// `keep` on leave the main line (a closed branch), and the request's messages from `from`
+    /// on are new.
+    Branch { keep: usize, from: usize },
 }
 
 impl Alignment {
     /// The index of the first new message.
     pub fn from(self) -> usize {
         match self {
-            Alignment::Append { from } | Alignment::ReplaceLastReply { from } => from,
+            Alignment::Append { from }
+            | Alignment::ReplaceLastReply { from }
+            | Alignment::Branch { from, .. } => from,
+        }
+    }
+
+    /// How many of `stored` stored messages stay on the main line: all of them, all but the
+    /// replaced reply, or those before a branch.
+    pub fn kept(self, stored: usize) -> usize {
+        match self {
+            Alignment::Append { .. } => stored,
+            Alignment::ReplaceLastReply { .. } => stored.saturating_sub(1),
+            Alignment::Branch { keep, .. } => keep.min(stored),
+        }
+    }
+
+    /// The alignment a commit applies when the conversation changed after the plan and
+    /// aligning again gave `now`. A branch is closed only when the plan found one: a branch
+    /// that appears only now comes from a concurrent commit (another request continued the
+    /// line meanwhile), not from the client's history, and the exchange is appended after what
+    /// is stored instead, as before branches existed.
+    pub fn settle(planned: Alignment, now: Alignment) -> Alignment {
+        match (planned, now) {
+            (Alignment::Branch { .. }, now) => now,
+            (_, Alignment::Branch { from, .. }) => Alignment::Append { from },
+            (_, now) => now,
         }
     }
 }
@@ -134,34 +175,83 @@ pub fn align<S: Marked, I: Marked>(stored: &[S], last_is_reply: bool, incoming: 
         }
     }
 
-    // 4. The request re-sends history that diverges from ours (an edited earlier message): the
-    //    longest run of it that we hold is not stored again; what follows the run is new. A
-    //    lone message is always new: a front-end may repeat an earlier message on purpose.
+    // 4. The request re-sends history that leaves ours (an edited earlier message, a
+    //    regenerated earlier reply): the client's history is the truth. The stored messages
+    //    after the longest run it shares with us leave the main line; what follows the run in
+    //    the request is new. A lone message is always new: a front-end may repeat an earlier
+    //    message on purpose (the newest-only habit is never a branch).
     if m >= 2 {
-        let run = longest_stored_prefix(stored, incoming);
-        if run > 0 {
-            return Alignment::Append { from: run };
+        let runs = shared_runs(stored, incoming);
+        if let Some(run) = runs.iter().max_by_key(|r| (r.len, r.keep))
+            && run.len >= MIN_BRANCH_RUN
+            && run.keep < stored.len()
+        {
+            return Alignment::Branch {
+                keep: run.keep,
+                from: run.from,
+            };
+        }
+        // A shorter run at the request's start is not stored again.
+        let prefix = runs
+            .iter()
+            .filter(|r| r.from == r.len)
+            .map(|r| r.len)
+            .max()
+            .unwrap_or(0);
+        if prefix > 0 {
+            return Alignment::Append { from: prefix };
         }
     }
     Alignment::Append { from: 0 }
 }
 
-/// The length of the longest prefix of `incoming` found as a contiguous run in `stored`.
-fn longest_stored_prefix<S: Marked, I: Marked>(stored: &[S], incoming: &[I]) -> usize {
+/// A run of the request's messages equal to a run of stored messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    /// Messages in the run.
+    len: usize,
+    /// The stored index just past the run.
+    keep: usize,
+    /// The request's index just past the run.
+    from: usize,
+}
+
+/// The runs a re-sent history can share with the stored line, each as long as it goes: those
+/// that start at the request's first message (wherever it is stored: a full or a tail re-send),
+/// and those that start at the first stored message (found later in the request: the store
+/// trimmed its oldest messages, the client did not). One pass over each side per candidate
+/// start; only requests that neither continue nor retry the stored line come here.
+fn shared_runs<S: Marked, I: Marked>(stored: &[S], incoming: &[I]) -> Vec<Run> {
+    let common = |a: &[S], b: &[I]| {
+        a.iter()
+            .zip(b)
+            .take_while(|(x, y)| x.fingerprint() == y.fingerprint())
+            .count()
+    };
+    let mut runs = Vec::new();
     let first = incoming[0].fingerprint();
-    let mut best = 0;
     for start in 0..stored.len() {
-        if stored[start].fingerprint() != first {
-            continue;
+        if stored[start].fingerprint() == first {
+            let len = common(&stored[start..], incoming);
+            runs.push(Run {
+                len,
+                keep: start + len,
+                from: len,
+            });
         }
-        let run = stored[start..]
-            .iter()
-            .zip(incoming)
-            .take_while(|(a, b)| a.fingerprint() == b.fingerprint())
-            .count();
-        best = best.max(run);
     }
-    best
+    let stored_first = stored[0].fingerprint();
+    for start in 1..incoming.len() {
+        if incoming[start].fingerprint() == stored_first {
+            let len = common(stored, &incoming[start..]);
+            runs.push(Run {
+                len,
+                keep: len,
+                from: start + len,
+            });
+        }
+    }
+    runs
 }
 
 #[cfg(test)]
@@ -227,10 +317,97 @@ mod tests {
             "u1 a1 u2 a9 u3",
             ReplaceLastReply { from: 3 },
         );
-        // An edited earlier message: the common run is not stored again.
-        check("u1 a1 u2 a2", "u1 a1 u8", Append { from: 2 });
+        // An edited last user message: the common run is not stored again, and the stored
+        // line after it leaves the main line (a branch).
+        check("u1 a1 u2 a2", "u1 a1 u8", Branch { keep: 2, from: 2 });
         // Same history re-sent with nothing new: nothing to add.
         check("u1 a1", "u1 a1", Append { from: 2 });
+    }
+
+    /// Five stored exchanges, as the branching tests through the proxy use them.
+    const FIVE: &str = "u1 a1 u2 a2 u3 a3 u4 a4 u5 a5";
+
+    #[test]
+    fn branches() {
+        use Alignment::*;
+        // Reply 3 regenerated: the client sends its history up to user 3.
+        check(FIVE, "u1 a1 u2 a2 u3", Branch { keep: 5, from: 5 });
+        // User 3 edited.
+        check(FIVE, "u1 a1 u2 a2 u9", Branch { keep: 4, from: 4 });
+        // The client went on along its branch before memproxy saw it: all of it is new.
+        check(FIVE, "u1 a1 u2 a2 u9 a9 u10", Branch { keep: 4, from: 4 });
+        // Reply 4 regenerated.
+        check(FIVE, "u1 a1 u2 a2 u3 a3 u4", Branch { keep: 7, from: 7 });
+        // User 5 edited: the last round leaves the main line.
+        check(
+            FIVE,
+            "u1 a1 u2 a2 u3 a3 u4 a4 u9",
+            Branch { keep: 8, from: 8 },
+        );
+        // The store trimmed its oldest messages, the client did not.
+        check(
+            "u3 a3 u4 a4 u5 a5",
+            "u1 a1 u2 a2 u3 a3 u9",
+            Branch { keep: 2, from: 6 },
+        );
+        // A sliding-window client that edits inside its window.
+        check(FIVE, "a1 u2 a2 u9", Branch { keep: 4, from: 3 });
+        // Inside a tool group: the client changed the second tool result.
+        check(
+            "u1 a1 t1 t2 a2 u2 a3",
+            "u1 a1 t1 t9",
+            Branch { keep: 3, from: 3 },
+        );
+        // The same exchange stored twice: the later copy is the one shared (least abandoned).
+        check("u1 a1 u1 a1 u2 a2", "u1 a1 u9", Branch { keep: 4, from: 2 });
+    }
+
+    #[test]
+    fn what_is_never_a_branch() {
+        use Alignment::*;
+        // A newest-only client repeating an earlier user message.
+        check(FIVE, "u2", Append { from: 0 });
+        check(FIVE, "u1", Append { from: 0 });
+        // One shared message (a front-end that puts the same greeting first every time) is
+        // no evidence of a re-sent history.
+        check("a0 u1 a1 u2 a2", "a0 u3", Append { from: 1 });
+        check(FIVE, "u1 a9 u2", Append { from: 1 });
+        // A sliding-window client, its window inside and at the end of the stored line.
+        check(FIVE, "u4 a4 u5 a5 u6", Append { from: 4 });
+        check(FIVE, "a5 u6", Append { from: 1 });
+        // Retries of the last message, and a regenerated last answer.
+        check(
+            FIVE,
+            "u1 a1 u2 a2 u3 a3 u4 a4 u5",
+            ReplaceLastReply { from: 9 },
+        );
+        check(FIVE, "u5", ReplaceLastReply { from: 1 });
+        check(FIVE, "u4 a4 u5 a9 u6", ReplaceLastReply { from: 3 });
+    }
+
+    #[test]
+    fn a_commit_closes_a_branch_only_when_its_plan_did() {
+        use Alignment::*;
+        let branch = Branch { keep: 2, from: 2 };
+        // Planned on a line that another request continued meanwhile: appended, as before.
+        assert_eq!(
+            Alignment::settle(Append { from: 2 }, branch),
+            Append { from: 2 }
+        );
+        assert_eq!(
+            Alignment::settle(ReplaceLastReply { from: 3 }, branch),
+            Append { from: 2 }
+        );
+        // Planned as a branch: still one.
+        assert_eq!(Alignment::settle(branch, branch), branch);
+        assert_eq!(
+            Alignment::settle(branch, Append { from: 4 }),
+            Append { from: 4 }
+        );
+        assert_eq!(
+            Alignment::settle(Append { from: 2 }, Append { from: 3 }),
+            Append { from: 3 }
+        );
     }
 
     #[test]
@@ -244,9 +421,16 @@ mod tests {
     #[test]
     fn a_non_reply_end_is_never_replaced() {
         let stored = marks("u1 a1 u2 a2");
+        // The request ends before the stored (client-sent) last message: that message leaves
+        // the main line as a closed branch; it is kept there, not replaced.
         assert_eq!(
             align(&stored, false, &marks("u1 a1 u2")),
-            Alignment::Append { from: 3 }
+            Alignment::Branch { keep: 3, from: 3 }
+        );
+        // Continuing it is appending, never replacing.
+        assert_eq!(
+            align(&stored, false, &marks("u1 a1 u2 a2 u3")),
+            Alignment::Append { from: 4 }
         );
     }
 }

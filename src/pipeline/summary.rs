@@ -11,7 +11,7 @@ use super::assemble::SUMMARY_MARKER;
 use crate::memory::Memory;
 use crate::model::Credentials;
 use crate::settings::MemorySettings;
-use crate::store::{Conversation, StoreError, now_ms, tokens_between};
+use crate::store::{Conversation, StoreError, closed_by_branch, now_ms, tokens_between};
 use crate::summary::{Job, SummaryRecord, heuristic};
 
 /// What the summary stage decided.
@@ -27,11 +27,16 @@ pub struct SummaryPlan {
 
 /// Decides the summary stage for a conversation whose recent window starts at `pool_end`
 /// (an index into its entries). Without `writes` (a preview) nothing is reserved or stored.
+///
+/// `closing_from`: the request closes a branch from this turn on. Summaries that reach it go
+/// with the branch, so the prompt carries the newest one that does not; nothing is reserved or
+/// stored while the stored line is about to change (the next request plans on the new one).
 pub fn plan_summary(
     memory: &Memory,
     conversation: &Conversation,
     settings: &MemorySettings,
     pool_end: usize,
+    closing_from: Option<u64>,
     request_model: Option<&str>,
     writes: bool,
 ) -> Result<SummaryPlan, StoreError> {
@@ -39,6 +44,16 @@ pub fn plan_summary(
         return Ok(SummaryPlan::default());
     };
     let store = &memory.store;
+    if let Some(from_turn) = closing_from {
+        let current = store
+            .summaries(&conversation.key, meta.id)?
+            .into_iter()
+            .rfind(|record| !closed_by_branch(record, from_turn));
+        return Ok(SummaryPlan {
+            current,
+            ..SummaryPlan::default()
+        });
+    }
     let summarizer = &memory.summarizer;
     let latest = store.latest_summary(&conversation.key, meta.id)?;
     let model_summary = latest.as_ref().filter(|r| !r.heuristic);

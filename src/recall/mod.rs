@@ -137,22 +137,18 @@ impl Recall {
                 self.cache.invalidate(key);
                 return;
             }
-            // Commits remove the newest message (a replaced reply) and the oldest (trimmed
-            // rounds); anything else is not a shape commits make, so rebuild to be safe.
-            let mut unaccounted = removed.len();
-            if index
-                .index
-                .last_turn()
-                .is_some_and(|t| removed.contains(&t))
-            {
+            // Commits remove the newest messages (a replaced reply, a closed branch) and the
+            // oldest (trimmed rounds); anything else is not a shape commits make, so rebuild
+            // to be safe.
+            let mut sorted = removed.to_vec();
+            sorted.sort_unstable();
+            let is_removed = |turn: u64| sorted.binary_search(&turn).is_ok();
+            let mut unaccounted = sorted.len();
+            while index.index.last_turn().is_some_and(is_removed) {
                 index.index.pop();
                 unaccounted -= 1;
             }
-            while index
-                .index
-                .first_turn()
-                .is_some_and(|t| removed.contains(&t))
-            {
+            while index.index.first_turn().is_some_and(is_removed) {
                 index.index.drop_front(1);
                 unaccounted -= 1;
             }

@@ -7,7 +7,9 @@
 use serde_json::value::RawValue;
 
 use super::engine::{Engine, Scope, Version, Write};
-use super::records::{ConversationMeta, Origin, StoredMessage, TtlRecord};
+use super::records::{
+    BranchRecord, ConversationMeta, Origin, StoredBranch, StoredMessage, TtlRecord,
+};
 use super::{Durability, StoreError};
 use crate::identity::{ConversationKey, TenantId};
 use crate::message::Role;
@@ -60,6 +62,8 @@ fn create(engine: &dyn Engine, key: &ConversationKey, n: u64) -> (u64, Version) 
                 remove_turns: &[],
                 add: &messages,
                 summaries: &[],
+                remove_summaries: &[],
+                branches: &[],
             },
         )
         .unwrap();
@@ -89,6 +93,8 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
             remove_turns: &[],
             add: &[message(1, "other")],
             summaries: &[],
+            remove_summaries: &[],
+            branches: &[],
         },
     );
     assert!(matches!(again, Err(StoreError::Stale)));
@@ -101,6 +107,8 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
                 remove_turns: &[],
                 add: &[message(3, "m3")],
                 summaries: &[],
+                remove_summaries: &[],
+                branches: &[],
             },
         )
         .unwrap();
@@ -114,6 +122,8 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
             remove_turns: &[1, 2],
             add: &[message(4, "lost")],
             summaries: &[(1, b"{}")],
+            remove_summaries: &[],
+            branches: &[],
         },
     );
     assert!(matches!(stale, Err(StoreError::Stale)));
@@ -140,6 +150,8 @@ pub fn a_write_removes_adds_and_counts_atomically(engine: &dyn Engine) {
                 remove_turns: &[1, 2],
                 add: &[message(5, "m5")],
                 summaries: &[(1, br#"{"n":1}"#)],
+                remove_summaries: &[],
+                branches: &[],
             },
         )
         .unwrap();
@@ -328,6 +340,201 @@ pub fn a_delete_leaves_nothing(engine: &dyn Engine) {
     assert!(engine.delete(&kept, Some(i64::MAX)).unwrap().is_some());
 }
 
+/// A closed branch numbered `number` that forked after `forked_after_turn`, holding `turns`.
+fn branch(number: u64, forked_after_turn: u64, turns: &[u64], text: &str) -> StoredBranch {
+    StoredBranch {
+        record: BranchRecord {
+            number,
+            forked_after_turn,
+            closed_ms: 2_000,
+        },
+        messages: turns
+            .iter()
+            .map(|&t| message(t, &format!("{text}{t}")))
+            .collect(),
+        summaries: Vec::new(),
+    }
+}
+
+pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, v1) = create(engine, &k, 6);
+    let v2 = engine
+        .write(
+            &k,
+            &v1,
+            Write {
+                meta: &meta(id, 7, 6),
+                remove_turns: &[],
+                add: &[],
+                summaries: &[(1, br#"{"to_turn":2}"#), (2, br#"{"to_turn":5}"#)],
+                remove_summaries: &[],
+                branches: &[],
+            },
+        )
+        .unwrap();
+    assert!(engine.branches(&k, id).unwrap().is_empty());
+    // Turns 4-6 and the summary that reached them leave the main line as branch 1, in the
+    // same write as the new turn 7.
+    let mut closed = branch(1, 3, &[], "");
+    closed.messages = engine.messages(&k, id, &[4, 5, 6]).unwrap();
+    closed.summaries = vec![(2, br#"{"to_turn":5}"#.to_vec())];
+    let v3 = engine
+        .write(
+            &k,
+            &v2,
+            Write {
+                meta: &meta(id, 8, 4),
+                remove_turns: &[4, 5, 6],
+                add: &[message(7, "m7")],
+                summaries: &[],
+                remove_summaries: &[2],
+                branches: std::slice::from_ref(&closed),
+            },
+        )
+        .unwrap();
+    // The main line reads as if the branch were never there.
+    let loaded = engine.load(&k).unwrap();
+    assert_eq!(
+        loaded.entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
+        [1, 2, 3, 7]
+    );
+    assert_eq!(
+        texts(&engine.range(&k, id, 0, u64::MAX).unwrap()),
+        ["m1", "m2", "m3", "m7"]
+    );
+    assert!(matches!(
+        engine.messages(&k, id, &[5]),
+        Err(StoreError::Corrupt(_))
+    ));
+    assert_eq!(
+        engine
+            .summaries(&k, id)
+            .unwrap()
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>(),
+        [1]
+    );
+    assert_eq!(
+        engine.latest_summary(&k, id).unwrap().unwrap(),
+        br#"{"to_turn":2}"#.to_vec()
+    );
+    // The branch holds them, as they were stored.
+    let branches = engine.branches(&k, id).unwrap();
+    assert_eq!(branches.len(), 1);
+    assert_eq!(branches[0].record, closed.record);
+    assert_eq!(texts(&branches[0].messages), ["m4", "m5", "m6"]);
+    assert_eq!(
+        branches[0]
+            .messages
+            .iter()
+            .map(|m| (m.turn, m.fingerprint))
+            .collect::<Vec<_>>(),
+        [(4, 28), (5, 35), (6, 42)]
+    );
+    assert_eq!(branches[0].summaries, closed.summaries);
+
+    // A stale write closes nothing.
+    let stale = engine.write(
+        &k,
+        &v2,
+        Write {
+            meta: &meta(id, 9, 2),
+            remove_turns: &[2, 3],
+            add: &[],
+            summaries: &[],
+            remove_summaries: &[1],
+            branches: &[branch(2, 1, &[2, 3], "lost")],
+        },
+    );
+    assert!(matches!(stale, Err(StoreError::Stale)));
+    assert_eq!(engine.branches(&k, id).unwrap().len(), 1);
+    assert_eq!(engine.summaries(&k, id).unwrap().len(), 1);
+    assert!(!engine.any_trace_of(b"lost").unwrap());
+
+    // A second branch, numbered after the first; branches come oldest first, each with only
+    // its own messages.
+    let mut second = branch(2, 3, &[], "");
+    second.messages = engine.messages(&k, id, &[7]).unwrap();
+    engine
+        .write(
+            &k,
+            &v3,
+            Write {
+                meta: &meta(id, 9, 4),
+                remove_turns: &[7],
+                add: &[message(8, "m8")],
+                summaries: &[],
+                remove_summaries: &[],
+                branches: std::slice::from_ref(&second),
+            },
+        )
+        .unwrap();
+    let branches = engine.branches(&k, id).unwrap();
+    assert_eq!(
+        branches.iter().map(|b| b.record.number).collect::<Vec<_>>(),
+        [1, 2]
+    );
+    assert_eq!(texts(&branches[0].messages), ["m4", "m5", "m6"]);
+    assert_eq!(texts(&branches[1].messages), ["m7"]);
+    assert!(branches[1].summaries.is_empty());
+    // Another conversation has none.
+    let (other, _) = create(engine, &key("t", "a", "d"), 2);
+    assert!(
+        engine
+            .branches(&key("t", "a", "d"), other)
+            .unwrap()
+            .is_empty()
+    );
+}
+
+pub fn a_delete_leaves_no_branch(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, v1) = create(engine, &k, 2);
+    let mut closed = branch(1, 1, &[], "");
+    closed.messages = vec![message(2, "branch-secret")];
+    closed.summaries = vec![(1, b"{\"summary-secret\":1}".to_vec())];
+    engine
+        .write(
+            &k,
+            &v1,
+            Write {
+                meta: &meta(id, 4, 2),
+                remove_turns: &[2],
+                add: &[message(3, "m3")],
+                summaries: &[],
+                remove_summaries: &[],
+                branches: &[closed],
+            },
+        )
+        .unwrap();
+    let kept = key("t", "a", "kept");
+    let (kept_id, kept_version) = create(engine, &kept, 2);
+    engine
+        .write(
+            &kept,
+            &kept_version,
+            Write {
+                meta: &meta(kept_id, 3, 1),
+                remove_turns: &[2],
+                add: &[],
+                summaries: &[],
+                remove_summaries: &[],
+                branches: &[branch(1, 1, &[2], "kept-branch")],
+            },
+        )
+        .unwrap();
+    let deleted = engine.delete(&k, None).unwrap().unwrap();
+    assert_eq!((deleted.messages, deleted.branches), (2, 1));
+    assert!(engine.branches(&k, id).unwrap().is_empty());
+    for needle in [&b"branch-secret"[..], b"summary-secret"] {
+        assert!(!engine.any_trace_of(needle).unwrap(), "{needle:?}");
+    }
+    // Another conversation's branch is not touched.
+    assert_eq!(engine.branches(&kept, kept_id).unwrap().len(), 1);
+}
+
 pub fn flush_and_readiness(engine: &dyn Engine) {
     create(engine, &key("t", "a", "c"), 2);
     engine.flush().unwrap();
@@ -349,6 +556,8 @@ macro_rules! contract_tests {
                 ttl_records_page_and_orphans_go,
                 listing_filters_and_pages,
                 a_delete_leaves_nothing,
+                a_branch_closes_with_its_write,
+                a_delete_leaves_no_branch,
                 flush_and_readiness
             );
         }

@@ -12,13 +12,20 @@
 //!   grows.
 //! - **Versions.** [`Engine::load`] returns the conversation as stored and its [`Version`].
 //!   [`Engine::write`] applies one [`Write`] (the new record, turns removed, messages added,
-//!   summaries added) atomically, and only if the stored version is still the one given:
+//!   summaries added and removed, closed branches added) atomically, and only if the stored
+//!   version is still the one given:
 //!   otherwise it fails with [`StoreError::Stale`] and changes nothing. Readers never see half a
 //!   write. A write against [`Version::absent`] creates the conversation, and fails as stale if
 //!   it exists by then.
 //! - **Ordered reads.** [`Engine::messages`] reads the turns asked for, in the order asked; a
 //!   missing turn is [`StoreError::Corrupt`] (the caller's index said it was there).
 //!   [`Engine::range`] reads every stored turn in `from..=to`, in turn order.
+//! - **Closed branches** are numbered records per conversation id, each holding the messages
+//!   (and summary records) that left the main line when a client's history diverged from it.
+//!   A write closes a branch by removing those turns and summaries from the main line and
+//!   adding the branch, in the same atomic step. Branch messages are never part of
+//!   [`Engine::load`], [`Engine::messages`] or [`Engine::range`]; [`Engine::branches`] reads
+//!   them.
 //! - **Summaries** are numbered records (opaque bytes) per conversation id. [`Engine::put_summary`]
 //!   writes one only if the conversation still has that id, checked atomically with the write,
 //!   so a summary finishing after a delete leaves nothing behind.
@@ -29,9 +36,9 @@
 //!   tenant and agent, a bounded page at a time. A cursor is the key bytes of the last
 //!   conversation a page looked at; a page may end early (few matches among many keys) and
 //!   then returns a cursor all the same.
-//! - **Delete** removes a conversation's record, messages, summaries and TTL record in one
-//!   atomic step; with `idle_before_ms` only if its last activity is older (checked in the same
-//!   step). Nothing of it is readable afterwards through any method.
+//! - **Delete** removes a conversation's record, messages, summaries, closed branches and TTL
+//!   record in one atomic step; with `idle_before_ms` only if its last activity is older
+//!   (checked in the same step). Nothing of it is readable afterwards through any method.
 //! - **Durability**: a write is visible to every later read at once; [`Engine::flush`] returns
 //!   once every write acknowledged before it was called survives a crash of this process.
 //! - Every method may block (disk or network I/O): callers on an async runtime run them
@@ -43,7 +50,7 @@
 use crate::identity::{ConversationKey, TenantId};
 
 use super::StoreError;
-use super::records::{ConversationMeta, Deleted, Entry, StoredMessage, TtlRecord};
+use super::records::{ConversationMeta, Deleted, Entry, StoredBranch, StoredMessage, TtlRecord};
 
 /// A conversation's version as an engine last read it: a write is checked against it. Opaque
 /// to callers; two versions are equal only when nothing was written in between.
@@ -87,6 +94,10 @@ pub struct Write<'a> {
     pub add: &'a [StoredMessage],
     /// Summary records to add, by number.
     pub summaries: &'a [(u64, &'a [u8])],
+    /// Summary records to delete, by number (those a closed branch takes along).
+    pub remove_summaries: &'a [u64],
+    /// Closed branches to add, by their numbers (one being closed, or imported ones).
+    pub branches: &'a [StoredBranch],
 }
 
 /// Which conversations a listing covers.
@@ -152,6 +163,10 @@ pub trait Engine: Send + Sync + 'static {
         key: &ConversationKey,
         idle_before_ms: Option<i64>,
     ) -> Result<Option<Deleted>, StoreError>;
+
+    /// The closed branches of conversation `id`, by number, oldest first; each with its
+    /// messages in turn order and its summary records by number.
+    fn branches(&self, key: &ConversationKey, id: u64) -> Result<Vec<StoredBranch>, StoreError>;
 
     /// The summary records of conversation `id`, by number, oldest first.
     fn summaries(&self, key: &ConversationKey, id: u64) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;

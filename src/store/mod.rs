@@ -6,8 +6,9 @@
 //! - `sled_engine.rs` — the embedded engine;
 //! - `records.rs` — what is stored (records, messages, summaries, TTL);
 //! - this file — the request path: handles, load, read, commit, durability;
-//! - `summaries.rs`, `ttl.rs`, `listing.rs`, `transfer.rs` — summary records (and their
-//!   Markdown copies), TTL records, listing and paging, export/import/delete;
+//! - `summaries.rs`, `branches.rs`, `ttl.rs`, `listing.rs`, `transfer.rs` — summary records
+//!   (and their Markdown copies), closed branches, TTL records, listing and paging,
+//!   export/import/delete;
 //! - `flush.rs` — the group flusher; `contract.rs` — the contract tests, run per engine;
 //! - `seal.rs`, `keys.rs` — message bodies and summary records encrypted with a key per
 //!   conversation, kept in its own file, so that a delete leaves nothing readable on disk.
@@ -18,6 +19,7 @@
 //!
 //! This module stores and loads; deciding what to store is the pipeline's job.
 
+mod branches;
 mod engine;
 mod flush;
 mod keys;
@@ -39,12 +41,13 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
+pub use branches::closed_by_branch;
 pub use engine::{Engine, Loaded, Page, Scope, Version, Write};
 pub use flush::FlushError;
 pub use records::{
-    ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
-    MAX_CATCH_UP_CALLS, Origin, StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between,
-    transcript_line,
+    BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
+    MAX_CATCH_UP_CALLS, Origin, StoredBranch, StoredMessage, SummaryRecord, TtlRecord, now_ms,
+    tokens_between, transcript_line,
 };
 pub use sled_engine::SledEngine;
 pub use transfer::already_stored;
@@ -111,6 +114,9 @@ pub struct Change {
     pub add: Vec<StoredMessage>,
     /// Tokens of the prompt forwarded for this exchange, added to the conversation's total.
     pub tokens_forwarded: u64,
+    /// Closes a branch: the stored messages from this turn on leave the main line, and are
+    /// kept as a closed branch with the summaries that reach them, in the same write.
+    pub branch_from_turn: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -264,10 +270,12 @@ impl Store {
     }
 
     /// Applies `change` to `conversation` atomically, assigning turn numbers to the added
-    /// messages and sealing their bodies with the conversation's key (created first for a new
-    /// conversation). Fails with [`StoreError::Stale`] when the stored conversation is not the
-    /// one `conversation` holds; the caller then reloads and plans again. On success the
-    /// in-memory index is updated to match; on any failure it is left as it was.
+    /// messages, sealing their bodies with the conversation's key (created first for a new
+    /// conversation) and closing the branch it names (its messages and the summaries that reach
+    /// them move off the main line in the same write). Fails with [`StoreError::Stale`] when
+    /// the stored conversation is not the one `conversation` holds; the caller then reloads and
+    /// plans again. On success the in-memory index is updated to match; on any failure it is
+    /// left as it was.
     pub fn commit(
         &self,
         conversation: &mut Conversation,
@@ -282,9 +290,24 @@ impl Store {
             message.turn = meta.next_turn;
             meta.next_turn += 1;
         }
+        let closing = match change.branch_from_turn {
+            Some(from_turn) => Some(self.closing(conversation, &meta, from_turn, now)?),
+            None => None,
+        }
+        .filter(|closing| !closing.turns.is_empty());
+        let mut remove_turns = change.remove_turns;
+        let mut remove_summaries: Vec<u64> = Vec::new();
+        let mut branches: Vec<StoredBranch> = Vec::new();
+        if let Some(closing) = closing {
+            remove_turns.extend(&closing.turns);
+            remove_turns.sort_unstable();
+            remove_turns.dedup();
+            remove_summaries = closing.summaries;
+            meta.branches = closing.branch.record.number;
+            branches.push(closing.branch);
+        }
         // Entries are in turn order: each removed turn is found by binary search.
-        let mut removed: Vec<usize> = change
-            .remove_turns
+        let mut removed: Vec<usize> = remove_turns
             .iter()
             .filter_map(|turn| {
                 conversation
@@ -314,9 +337,11 @@ impl Store {
             &conversation.version,
             Write {
                 meta: &meta,
-                remove_turns: &change.remove_turns,
+                remove_turns: &remove_turns,
                 add: &change.add,
                 summaries: &[],
+                remove_summaries: &remove_summaries,
+                branches: &branches,
             },
             (created_key && conversation.meta.is_none()).then_some(meta.id),
         )?;
@@ -491,6 +516,7 @@ pub(crate) mod tests {
                 let mut conv = lock(&handle);
                 let change = Change {
                     tokens_forwarded: 0,
+                    branch_from_turn: None,
                     remove_turns: vec![],
                     add: vec![message(Role::User, "a"), message(Role::Assistant, "bb")],
                 };
@@ -570,6 +596,7 @@ pub(crate) mod tests {
                     remove_turns: vec![],
                     add: vec![message(Role::User, "a")],
                     tokens_forwarded: 0,
+                    branch_from_turn: None,
                 },
             )
             .unwrap();
@@ -580,6 +607,7 @@ pub(crate) mod tests {
                     remove_turns: vec![],
                     add: vec![message(Role::User, "b")],
                     tokens_forwarded: 0,
+                    branch_from_turn: None,
                 },
             )
             .unwrap_err();
@@ -594,6 +622,7 @@ pub(crate) mod tests {
                     remove_turns: vec![1],
                     add: vec![message(Role::User, "b")],
                     tokens_forwarded: 0,
+                    branch_from_turn: None,
                 },
             )
             .unwrap();

@@ -45,6 +45,9 @@ pub struct ConversationMeta {
     /// Tokens of the prompts forwarded for this conversation's stored exchanges.
     #[serde(default)]
     pub tokens_forwarded: u64,
+    /// Closed branches so far: the next one closed is numbered one more.
+    #[serde(default)]
+    pub branches: u64,
 }
 
 impl ConversationMeta {
@@ -58,6 +61,7 @@ impl ConversationMeta {
             created_ms: now,
             last_activity_ms: now,
             tokens_forwarded: 0,
+            branches: 0,
         }
     }
 }
@@ -75,6 +79,30 @@ pub struct StoredMessage {
     pub fingerprint: u64,
     /// The message object as sent (or, for a reply, as rebuilt from the response).
     pub message: Box<RawValue>,
+}
+
+/// A closed branch's record: where it left the main line, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BranchRecord {
+    /// 1, 2, 3… per conversation.
+    pub number: u64,
+    /// The last main-line turn the branch shared (0: it shared no stored message).
+    pub forked_after_turn: u64,
+    /// When it was closed (UTC ms).
+    pub closed_ms: i64,
+}
+
+/// A closed branch with what it holds: stored messages that left the conversation's main line
+/// when a client's history diverged from it, and the summary records that covered them. Kept
+/// for people (the admin API, exports); never read into a prompt, the recall index or a
+/// summary.
+#[derive(Debug, Clone)]
+pub struct StoredBranch {
+    pub record: BranchRecord,
+    /// Its messages in turn order, as they were stored on the main line.
+    pub messages: Vec<StoredMessage>,
+    /// Its summary records (opaque), by number.
+    pub summaries: Vec<(u64, Vec<u8>)>,
 }
 
 /// A stored message as one line of a transcript (recalled turns, summary input):
@@ -217,6 +245,8 @@ pub struct ConversationSummary {
 pub struct Deleted {
     pub messages: usize,
     pub summaries: usize,
+    /// Closed branches (their messages and summaries not counted above).
+    pub branches: usize,
 }
 
 /// What an import did.
@@ -230,6 +260,9 @@ pub struct Imported {
     /// Summaries not imported: already there, or the conversation was not empty (their turn
     /// ranges would not match the renumbered messages).
     pub summaries_skipped: usize,
+    pub branches_added: usize,
+    /// Closed branches not imported: the conversation was not empty (as for summaries).
+    pub branches_skipped: usize,
 }
 
 /// What an import keeps of the exported conversation's record, for an empty target.

@@ -459,6 +459,8 @@ mod tests {
                     remove_turns: &[],
                     add: &[old],
                     summaries: &[(1, &record)],
+                    remove_summaries: &[],
+                    branches: &[],
                 },
             )
             .unwrap();

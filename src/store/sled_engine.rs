@@ -5,6 +5,10 @@
 //!   record's bytes are the conversation's [`Version`];
 //! - `messages`: `conversation id (u64 BE) ++ turn (u64 BE)` → [`StoredMessage`] (JSON);
 //! - `summaries`: `conversation id (u64 BE) ++ summary number (u64 BE)` → record (JSON);
+//! - `branches`: `conversation id (u64 BE) ++ branch number (u64 BE) ++ part` → a closed
+//!   branch, where `part` is `0 ++ 0 (u64)` for its [`BranchRecord`] (JSON), `1 ++ turn (u64
+//!   BE)` for each of its messages and `2 ++ summary number (u64 BE)` for each of its summary
+//!   records (both as they were stored on the main line);
 //! - `ttl`: `tenant \0 agent \0 conversation` → [`TtlRecord`] (JSON).
 //!
 //! Every conditional write is one sled transaction over the trees it touches that first checks
@@ -18,7 +22,9 @@ use sled::transaction::{ConflictableTransactionError, TransactionError};
 
 use super::StoreError;
 use super::engine::{Engine, Loaded, Page, Scope, Version, Write};
-use super::records::{ConversationMeta, Deleted, Entry, StoredMessage, TtlRecord};
+use super::records::{
+    BranchRecord, ConversationMeta, Deleted, Entry, StoredBranch, StoredMessage, TtlRecord,
+};
 use crate::identity::ConversationKey;
 
 /// How often a delete retries when a commit changed the conversation under it.
@@ -33,6 +39,7 @@ pub struct SledEngine {
     conversations: sled::Tree,
     messages: sled::Tree,
     summaries: sled::Tree,
+    branches: sled::Tree,
     ttl: sled::Tree,
 }
 
@@ -53,6 +60,52 @@ fn message_key(id: u64, turn: u64) -> [u8; 16] {
     key[..8].copy_from_slice(&id.to_be_bytes());
     key[8..].copy_from_slice(&turn.to_be_bytes());
     key
+}
+
+/// The parts of a closed branch, in key order.
+const BRANCH_RECORD: u8 = 0;
+const BRANCH_MESSAGE: u8 = 1;
+const BRANCH_SUMMARY: u8 = 2;
+
+fn branch_key(id: u64, number: u64, part: u8, n: u64) -> [u8; 25] {
+    let mut key = [0u8; 25];
+    key[..8].copy_from_slice(&id.to_be_bytes());
+    key[8..16].copy_from_slice(&number.to_be_bytes());
+    key[16] = part;
+    key[17..].copy_from_slice(&n.to_be_bytes());
+    key
+}
+
+/// The (branch number, part, n) of a `branches` key.
+fn branch_key_parts(key: &[u8]) -> Option<(u64, u8, u64)> {
+    let number = u64::from_be_bytes(key.get(8..16)?.try_into().ok()?);
+    let n = u64::from_be_bytes(key.get(17..25)?.try_into().ok()?);
+    Some((number, *key.get(16)?, n))
+}
+
+/// A `branches` key and its encoded value.
+type BranchRow = ([u8; 25], Vec<u8>);
+
+/// The rows of `branches` (encoded) for the `branches` tree of conversation `id`.
+fn branch_rows(id: u64, branches: &[StoredBranch]) -> Result<Vec<BranchRow>, StoreError> {
+    let mut rows = Vec::new();
+    for branch in branches {
+        let number = branch.record.number;
+        rows.push((
+            branch_key(id, number, BRANCH_RECORD, 0),
+            encode(&branch.record)?,
+        ));
+        for message in &branch.messages {
+            rows.push((
+                branch_key(id, number, BRANCH_MESSAGE, message.turn),
+                encode(message)?,
+            ));
+        }
+        for (n, record) in &branch.summaries {
+            rows.push((branch_key(id, number, BRANCH_SUMMARY, *n), record.clone()));
+        }
+    }
+    Ok(rows)
 }
 
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
@@ -101,6 +154,7 @@ impl SledEngine {
             conversations: db.open_tree("conversations")?,
             messages: db.open_tree("messages")?,
             summaries: db.open_tree("summaries")?,
+            branches: db.open_tree("branches")?,
             ttl: db.open_tree("ttl")?,
             db,
         })
@@ -203,9 +257,15 @@ impl Engine for SledEngine {
             .iter()
             .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
             .collect::<Result<Vec<_>, StoreError>>()?;
+        let branch_rows = branch_rows(id, write.branches)?;
         let expected = expected.token();
-        let result = (&self.conversations, &self.messages, &self.summaries).transaction(
-            |(convs, msgs, sums)| {
+        let result = (
+            &self.conversations,
+            &self.messages,
+            &self.summaries,
+            &self.branches,
+        )
+            .transaction(|(convs, msgs, sums, branches)| {
                 if convs.get(&key)?.as_deref() != expected {
                     return Err(ConflictableTransactionError::Abort(()));
                 }
@@ -215,13 +275,18 @@ impl Engine for SledEngine {
                 for (k, v) in &added {
                     msgs.insert(&k[..], v.as_slice())?;
                 }
+                for number in write.remove_summaries {
+                    sums.remove(&message_key(id, *number)[..])?;
+                }
                 for (number, record) in write.summaries {
                     sums.insert(&message_key(id, *number)[..], *record)?;
                 }
+                for (k, v) in &branch_rows {
+                    branches.insert(&k[..], v.as_slice())?;
+                }
                 convs.insert(key.as_slice(), meta_bytes.as_slice())?;
                 Ok(())
-            },
-        );
+            });
         match result {
             Ok(()) => Ok(Version::of(meta_bytes)),
             Err(TransactionError::Abort(())) => Err(StoreError::Stale),
@@ -255,13 +320,19 @@ impl Engine for SledEngine {
                 .scan_prefix(prefix)
                 .keys()
                 .collect::<Result<Vec<_>, _>>()?;
+            let branch_keys = self
+                .branches
+                .scan_prefix(prefix)
+                .keys()
+                .collect::<Result<Vec<_>, _>>()?;
             let result = (
                 &self.conversations,
                 &self.messages,
                 &self.summaries,
+                &self.branches,
                 &self.ttl,
             )
-                .transaction(|(convs, msgs, sums, ttl)| {
+                .transaction(|(convs, msgs, sums, branches, ttl)| {
                     if convs.get(&key_bytes)?.as_ref() != Some(&stored_meta) {
                         return Err(ConflictableTransactionError::Abort(()));
                     }
@@ -270,6 +341,9 @@ impl Engine for SledEngine {
                     }
                     for k in &summary_keys {
                         sums.remove(k)?;
+                    }
+                    for k in &branch_keys {
+                        branches.remove(k)?;
                     }
                     convs.remove(key_bytes.as_slice())?;
                     ttl.remove(key_bytes.as_slice())?;
@@ -281,13 +355,21 @@ impl Engine for SledEngine {
                     // background) may have added one since the scan: ids are never reused,
                     // so anything left under this id is removed too.
                     let late = Self::remove_prefix(&self.messages, &prefix)?
-                        + Self::remove_prefix(&self.summaries, &prefix)?;
+                        + Self::remove_prefix(&self.summaries, &prefix)?
+                        + Self::remove_prefix(&self.branches, &prefix)?;
                     if late > 0 {
                         tracing::debug!(late, "removed records written during a delete");
                     }
                     return Ok(Some(Deleted {
                         messages: message_keys.len(),
                         summaries: summary_keys.len(),
+                        branches: branch_keys
+                            .iter()
+                            .filter(|k| {
+                                branch_key_parts(k)
+                                    .is_some_and(|(_, part, _)| part == BRANCH_RECORD)
+                            })
+                            .count(),
                     }));
                 }
                 Err(TransactionError::Abort(())) => continue,
@@ -295,6 +377,40 @@ impl Engine for SledEngine {
             }
         }
         Err(StoreError::Stale)
+    }
+
+    fn branches(&self, _key: &ConversationKey, id: u64) -> Result<Vec<StoredBranch>, StoreError> {
+        let mut out: Vec<StoredBranch> = Vec::new();
+        for item in self.branches.scan_prefix(id.to_be_bytes()) {
+            let (key, value) = item?;
+            let (number, part, n) = branch_key_parts(&key)
+                .ok_or_else(|| StoreError::Corrupt("a branch key is too short".into()))?;
+            if part == BRANCH_RECORD {
+                out.push(StoredBranch {
+                    record: decode::<BranchRecord>(&value)?,
+                    messages: Vec::new(),
+                    summaries: Vec::new(),
+                });
+                continue;
+            }
+            // A branch's record sorts before its parts.
+            let branch = out
+                .last_mut()
+                .filter(|b| b.record.number == number)
+                .ok_or_else(|| {
+                    StoreError::Corrupt(format!("branch {number} has parts but no record"))
+                })?;
+            match part {
+                BRANCH_MESSAGE => branch.messages.push(decode(&value)?),
+                BRANCH_SUMMARY => branch.summaries.push((n, value.to_vec())),
+                other => {
+                    return Err(StoreError::Corrupt(format!(
+                        "branch {number} has an unknown part {other}"
+                    )));
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn summaries(

@@ -13,7 +13,9 @@
 use serde_json::value::RawValue;
 
 use super::engine::Write;
-use super::records::{ConversationMeta, Deleted, ImportMeta, Imported, StoredMessage, now_ms};
+use super::records::{
+    ConversationMeta, Deleted, ImportMeta, Imported, StoredBranch, StoredMessage, now_ms,
+};
 use super::seal::{seal_messages, seal_summary};
 use super::{Conversation, Handle, Store, StoreError, legacy_workspace_dir, lock, workspace_dir};
 use crate::identity::ConversationKey;
@@ -100,23 +102,24 @@ impl Store {
         result
     }
 
-    /// Imports messages (and, into an empty conversation, summaries) idempotently: messages
-    /// already stored (matched by fingerprint and position) are not stored again; the rest
-    /// are appended with their timestamps and token counts. Into an empty conversation the
-    /// exported turn numbers and record times are kept, so export then import gives back the
-    /// same conversation.
+    /// Imports messages (and, into an empty conversation, summaries and closed branches)
+    /// idempotently: messages already stored (matched by fingerprint and position) are not
+    /// stored again; the rest are appended with their timestamps and token counts. Into an
+    /// empty conversation the exported turn numbers, record times and branches are kept, so
+    /// export then import gives back the same conversation.
     pub fn import_conversation(
         &self,
         key: &ConversationKey,
         messages: Vec<StoredMessage>,
         summaries: Vec<(u64, Box<RawValue>)>,
+        branches: Vec<StoredBranch>,
         hint: ImportMeta,
     ) -> Result<Imported, StoreError> {
         let handle: Handle = self.conversation(key)?;
         let mut conversation = lock(&handle);
         for _ in 0..MAX_ATTEMPTS {
             self.reload(&mut conversation)?;
-            match self.import_once(&conversation, &messages, &summaries, hint) {
+            match self.import_once(&conversation, &messages, &summaries, &branches, hint) {
                 Ok(imported) => {
                     self.reload(&mut conversation)?;
                     return Ok(imported);
@@ -133,6 +136,7 @@ impl Store {
         conversation: &Conversation,
         messages: &[StoredMessage],
         summaries: &[(u64, Box<RawValue>)],
+        branches: &[StoredBranch],
         hint: ImportMeta,
     ) -> Result<Imported, StoreError> {
         let now = now_ms();
@@ -199,7 +203,19 @@ impl Store {
             .collect();
         imported.summaries_skipped = summaries.len() - wanted.len();
         imported.summaries_added = wanted.len();
-        if added.is_empty() && wanted.is_empty() {
+        // Closed branches go into an empty conversation only, like summaries: their turns
+        // name the exported main line.
+        let branch_rows: &[StoredBranch] = if empty { branches } else { &[] };
+        imported.branches_added = branch_rows.len();
+        imported.branches_skipped = branches.len() - branch_rows.len();
+        for branch in branch_rows {
+            meta.branches = meta.branches.max(branch.record.number);
+            // Turn numbers only grow, branches' included.
+            if let Some(last) = branch.messages.last() {
+                meta.next_turn = meta.next_turn.max(last.turn + 1);
+            }
+        }
+        if added.is_empty() && wanted.is_empty() && branch_rows.is_empty() {
             return Ok(imported);
         }
         let (secret, created_key) = self.sealing_key(meta.id)?;
@@ -212,6 +228,14 @@ impl Store {
             .iter()
             .map(|(number, record)| (*number, record.as_slice()))
             .collect();
+        // Closed branches are sealed like the main line.
+        let mut sealed_branches: Vec<StoredBranch> = branch_rows.to_vec();
+        for branch in &mut sealed_branches {
+            seal_messages(&secret, &mut branch.messages)?;
+            for (_, record) in &mut branch.summaries {
+                *record = seal_summary(&secret, record)?;
+            }
+        }
         self.write_sealed(
             &conversation.key,
             &conversation.version,
@@ -220,6 +244,8 @@ impl Store {
                 remove_turns: &[],
                 add: &added,
                 summaries: &summary_rows,
+                remove_summaries: &[],
+                branches: &sealed_branches,
             },
             (created_key && empty).then_some(meta.id),
         )?;
@@ -326,7 +352,8 @@ mod tests {
             deleted,
             Deleted {
                 messages: 2,
-                summaries: 1
+                summaries: 1,
+                branches: 0
             }
         );
         assert!(store.meta(&k).unwrap().is_none());
@@ -433,11 +460,17 @@ mod tests {
             next_turn: Some(8),
         };
         let first = store
-            .import_conversation(&k, messages.clone(), vec![(1, summary.clone())], hint)
+            .import_conversation(
+                &k,
+                messages.clone(),
+                vec![(1, summary.clone())],
+                vec![],
+                hint,
+            )
             .unwrap();
         assert_eq!((first.added, first.summaries_added), (3, 1));
         let again = store
-            .import_conversation(&k, messages.clone(), vec![(1, summary)], hint)
+            .import_conversation(&k, messages.clone(), vec![(1, summary)], vec![], hint)
             .unwrap();
         assert_eq!((again.added, again.already_stored), (0, 3));
         assert_eq!(again.summaries_skipped, 1);
@@ -458,7 +491,7 @@ mod tests {
         assert_eq!(lock(&store.conversation(&k).unwrap()).entries.len(), 3);
         messages.push(message("dddd"));
         let more = store
-            .import_conversation(&k, messages, vec![], ImportMeta::default())
+            .import_conversation(&k, messages, vec![], vec![], ImportMeta::default())
             .unwrap();
         assert_eq!((more.added, more.already_stored), (1, 3));
         let meta = store.meta(&k).unwrap().unwrap();

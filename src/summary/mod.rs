@@ -41,6 +41,8 @@ pub enum SummaryError {
     Empty,
     #[error("the conversation was deleted while its summary was being made")]
     Gone,
+    #[error("a branch left the conversation's main line while its summary was being made")]
+    Branched,
     #[error("a background step failed: {0}")]
     Task(String),
 }

@@ -191,8 +191,11 @@ impl Summarizer {
                     "summary stored"
                 );
             }
-            // Another summary covered these turns meanwhile: nothing to do, not a failure.
-            Err(SummaryError::Empty) => tracing::debug!("summary not needed any more"),
+            // Another summary covered these turns meanwhile, or a branch took some of them off
+            // the main line: nothing to do, not a failure.
+            Err(SummaryError::Empty | SummaryError::Branched) => {
+                tracing::debug!("summary not needed any more")
+            }
             Err(err) => {
                 self.counters.failed.fetch_add(1, Ordering::Relaxed);
                 let mut backoff = guard(&self.backoff);
@@ -214,7 +217,7 @@ impl Summarizer {
         let (store, key) = (Arc::clone(&self.store), job.key.clone());
         let (id, upto_turn) = (job.conversation_id, job.upto_turn);
         let max_input_tokens = self.config.max_input_tokens;
-        let (previous, messages) = blocking(move || {
+        let (previous, messages, branches) = blocking(move || {
             let previous = store.latest_summary(&key, id)?;
             let covered_to = previous
                 .as_ref()
@@ -222,6 +225,7 @@ impl Summarizer {
                 .map_or(0, |r| r.to_turn);
             let handle = store.conversation(&key)?;
             let conversation = lock(&handle);
+            let branches = conversation.meta.as_ref().map_or(0, |m| m.branches);
             // Oldest first, up to the input cap (at least one message): a larger backlog is
             // left to the next summary.
             let mut budget = max_input_tokens;
@@ -237,7 +241,7 @@ impl Summarizer {
                 .map(|e| e.turn)
                 .collect();
             let messages: Vec<StoredMessage> = store.messages(&conversation, turns)?;
-            Ok((previous, messages))
+            Ok((previous, messages, branches))
         })
         .await?;
         let previous_llm = previous.clone().filter(|r| !r.heuristic);
@@ -286,6 +290,11 @@ impl Summarizer {
         blocking(move || {
             let handle = store.conversation(&key)?;
             let conversation = lock(&handle);
+            // A branch closed since the messages were read may have taken some of them off
+            // the main line: this summary would speak of them, so it is not stored.
+            if conversation.meta.as_ref().map_or(0, |m| m.branches) != branches {
+                return Err(SummaryError::Branched);
+            }
             if store.save_summary(&conversation, id, &record)? {
                 Ok(record)
             } else {
