@@ -96,10 +96,15 @@ pub struct MemoryGuard {
     budget: MemoryBudget,
     resident: Resident,
     reserved: Arc<AtomicU64>,
-    /// Requests are being refused: logged once when it starts and once when it ends, not once
-    /// per request.
+    /// Requests are being refused: logged when it starts and when it ends, not once per
+    /// request, and at most once per [`LOG_EVERY`] each (near the mark admission flips often).
     refusing: AtomicBool,
+    /// Milliseconds after the guard's start of the last such log line ([`NEVER_READ`]: none).
+    logged_at_ms: AtomicU64,
 }
+
+/// The least time between two log lines saying the mark was reached or left.
+const LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl MemoryGuard {
     pub fn new(budget: MemoryBudget) -> MemoryGuard {
@@ -108,6 +113,7 @@ impl MemoryGuard {
             resident: Resident::new(),
             reserved: Arc::new(AtomicU64::new(0)),
             refusing: AtomicBool::new(false),
+            logged_at_ms: AtomicU64::new(NEVER_READ),
         }
     }
 
@@ -123,7 +129,7 @@ impl MemoryGuard {
         let before = self.reserved.fetch_add(estimate, Ordering::AcqRel);
         match decide(self.budget.high_water, resident, before, estimate) {
             Ok(()) => {
-                if self.refusing.swap(false, Ordering::Relaxed) {
+                if self.refusing.swap(false, Ordering::Relaxed) && self.may_log() {
                     tracing::info!(
                         resident_mib = resident.unwrap_or(0) >> 20,
                         "under the memory high-water mark again: memory on for new requests"
@@ -136,7 +142,7 @@ impl MemoryGuard {
             }
             Err(pressure) => {
                 self.reserved.fetch_sub(estimate, Ordering::AcqRel);
-                if !self.refusing.swap(true, Ordering::Relaxed) {
+                if !self.refusing.swap(true, Ordering::Relaxed) && self.may_log() {
                     tracing::warn!(
                         resident_mib = resident.unwrap_or(0) >> 20,
                         reserved_mib = before >> 20,
@@ -149,6 +155,17 @@ impl MemoryGuard {
                 Err(pressure)
             }
         }
+    }
+
+    /// True at most once per [`LOG_EVERY`].
+    fn may_log(&self) -> bool {
+        let now = self.resident.now_ms();
+        let last = self.logged_at_ms.load(Ordering::Relaxed);
+        (last == NEVER_READ || now.saturating_sub(last) >= LOG_EVERY.as_millis() as u64)
+            && self
+                .logged_at_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     /// The process's resident memory as last read (read again if the reading is older than
@@ -210,12 +227,17 @@ impl Resident {
         }
     }
 
+    /// Milliseconds since this was made.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+    }
+
     fn bytes(&self) -> Option<u64> {
         let pretended = self.pretended.load(Ordering::Acquire);
         if pretended != NOT_PRETENDING {
             return Some(pretended);
         }
-        let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        let now = self.now_ms();
         let read_at = self.read_at_ms.load(Ordering::Acquire);
         let stale = read_at == NEVER_READ
             || now.saturating_sub(read_at) >= SAMPLE_INTERVAL.as_millis() as u64;
