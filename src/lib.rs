@@ -12,10 +12,10 @@
 //! - [`admin`] is the `/admin/v1/` API (and what the offline CLI shares with it);
 //! - [`proxy`] is the HTTP edge of memory: identify, the `before`/`after` steps around the one
 //!   forward path, the SSE tee, the `X-Memory-*` headers;
-//! - [`state`] is what the edge shares: config, memory, upstream, metrics;
+//! - [`state`] is what the edge shares: config, memory, upstream, metrics, the memory guard;
 //! - [`upstream`] (the client, header rules, the forward path, memproxy's model calls),
 //!   [`metrics`], [`error`] (every error response), [`body`], [`reply`] and [`sse`] are the
-//!   HTTP parts;
+//!   HTTP parts; [`memory_guard`] admits memory requests under `server.memory_budget`;
 //! - [`memory`] is the memory core's one value (store, recall, summaries, clock); [`ttl`] its
 //!   sweeper;
 //! - [`pipeline`] plans a prompt and commits an exchange, one stage per file;
@@ -31,6 +31,7 @@ pub mod config;
 pub mod error;
 pub mod identity;
 pub mod memory;
+pub mod memory_guard;
 pub mod message;
 pub mod metrics;
 pub mod model;

@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::memory::Memory;
+use crate::memory_guard::{MemoryGuard, Pressure};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -149,6 +150,33 @@ struct ResultLabels {
     result: &'static str,
 }
 
+/// What a request refused by the memory guard got: the `action` label of
+/// `memproxy_admission_refused_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A chat request served with memory off (`X-Memory-Status: degraded`).
+    Degraded,
+    /// An admin request answered 503.
+    Unavailable,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 2] = [Refusal::Degraded, Refusal::Unavailable];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Degraded => "degraded",
+            Refusal::Unavailable => "unavailable",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusalLabels {
+    action: &'static str,
+    reason: &'static str,
+}
+
 /// How the reply of an exchange came: a JSON body, or a stream (whose `X-Memory-Status:
 /// stored` was sent before the commit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,6 +239,11 @@ pub struct Metrics {
     commit_failures: Counter,
     branches_closed: Counter,
     stream_commit_failures: Counter,
+    admission_refused: Family<RefusalLabels, Counter>,
+    resident_memory: Gauge,
+    memory_budget: Gauge,
+    memory_high_water: Gauge,
+    memory_in_flight: Gauge,
     /// Held while a scrape mirrors counters kept elsewhere, so two scrapes never add twice.
     scrape: Mutex<()>,
 }
@@ -368,6 +401,40 @@ impl Metrics {
             "Streamed exchanges that could not be stored after X-Memory-Status: stored was sent",
             stream_commit_failures.clone(),
         );
+        let admission_refused = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "admission_refused",
+            "Requests refused memory by the memory guard (server.memory_budget), by what they got (degraded: served with memory off; unavailable: 503) and why (resident: the RSS reached the high-water mark; in_flight: with the requests in flight it would have)",
+            admission_refused.clone(),
+        );
+        let resident_memory = Gauge::default();
+        registry.register_with_unit(
+            "resident_memory",
+            "The process's resident memory (RSS) as the memory guard last read it",
+            Unit::Bytes,
+            resident_memory.clone(),
+        );
+        let memory_budget = Gauge::default();
+        registry.register_with_unit(
+            "memory_budget",
+            "server.memory_budget",
+            Unit::Bytes,
+            memory_budget.clone(),
+        );
+        let memory_high_water = Gauge::default();
+        registry.register_with_unit(
+            "memory_high_water",
+            "The RSS from which new chat requests are served with memory off",
+            Unit::Bytes,
+            memory_high_water.clone(),
+        );
+        let memory_in_flight = Gauge::default();
+        registry.register_with_unit(
+            "memory_in_flight",
+            "Bytes reserved by the memory requests in flight (their estimates)",
+            Unit::Bytes,
+            memory_in_flight.clone(),
+        );
         let metrics = Metrics {
             registry,
             requests,
@@ -392,6 +459,11 @@ impl Metrics {
             commit_failures,
             branches_closed,
             stream_commit_failures,
+            admission_refused,
+            resident_memory,
+            memory_budget,
+            memory_high_water,
+            memory_in_flight,
             scrape: Mutex::new(()),
         };
         // Every labelled series exists from the start, so dashboards see zeros, not gaps.
@@ -407,6 +479,14 @@ impl Metrics {
             };
             let _ = metrics.cache_lookups.get_or_create(&labels);
             let _ = metrics.cache_misses.get_or_create(&labels);
+        }
+        for action in Refusal::ALL {
+            for reason in Pressure::ALL {
+                let _ = metrics.admission_refused.get_or_create(&RefusalLabels {
+                    action: action.as_str(),
+                    reason: reason.as_str(),
+                });
+            }
         }
         metrics
     }
@@ -477,24 +557,40 @@ impl Metrics {
         }
     }
 
+    /// Counts a request the memory guard refused memory, what it got and why.
+    pub fn admission_refused(&self, action: Refusal, reason: Pressure) {
+        self.admission_refused
+            .get_or_create(&RefusalLabels {
+                action: action.as_str(),
+                reason: reason.as_str(),
+            })
+            .inc();
+    }
+
     /// Counts conversations deleted by an operator.
     pub fn admin_deleted(&self, count: usize) {
         self.admin_deletions.inc_by(count as u64);
     }
 
-    /// The scrape: OpenMetrics text, with the memory core's gauges and counters read now.
-    pub fn render(&self, memory: &Memory) -> String {
+    /// The scrape: OpenMetrics text, with the memory core's and the memory guard's gauges and
+    /// counters read now.
+    pub fn render(&self, memory: &Memory, guard: &MemoryGuard) -> String {
         let _scrape = self
             .scrape
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let gauge = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
+        self.resident_memory
+            .set(gauge(guard.resident_bytes().unwrap_or(0)));
+        self.memory_budget.set(gauge(guard.budget().total));
+        self.memory_high_water.set(gauge(guard.budget().high_water));
+        self.memory_in_flight.set(gauge(guard.reserved_bytes()));
         let store = &memory.store;
-        self.store_size
-            .set(i64::try_from(store.size_on_disk()).unwrap_or(i64::MAX));
+        self.store_size.set(gauge(store.size_on_disk()));
         self.cached_conversations
-            .set(i64::try_from(store.cached_conversations()).unwrap_or(i64::MAX));
+            .set(gauge(store.cached_conversations()));
         self.recall_cache_bytes
-            .set(i64::try_from(memory.recall.weighted_size()).unwrap_or(i64::MAX));
+            .set(gauge(memory.recall.weighted_size()));
         let (lookups, misses) = store.cache_counts();
         let labels = CacheLabels {
             cache: Cache::Conversation.as_str(),

@@ -193,7 +193,9 @@ fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
     if state.config.protect_metrics && !crate::admin::authorized(state, headers) {
         return crate::admin::AdminError::Unauthorized.into_response();
     }
-    let mut response = Response::new(full(state.metrics.render(&state.memory)));
+    let mut response = Response::new(full(
+        state.metrics.render(&state.memory, &state.memory_guard),
+    ));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static(crate::metrics::CONTENT_TYPE),

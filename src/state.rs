@@ -1,11 +1,13 @@
 //! What the HTTP edge shares (the server, the router, the admin API): the checked config, the
-//! memory core, the upstream client and the metrics. Nothing below the edge sees it.
+//! memory core, the upstream client, the metrics and the memory guard. Nothing below the edge
+//! sees it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::Config;
 use crate::memory::{self, Memory};
+use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
 use crate::store::{Store, StoreError};
 use crate::ttl::Sweeper;
@@ -33,6 +35,8 @@ pub struct AppState {
     pub upstream: Upstream,
     /// The Prometheus registry (`GET /metrics`).
     pub metrics: Metrics,
+    /// Admission against `server.memory_budget`.
+    pub memory_guard: MemoryGuard,
     next_request: AtomicU64,
     /// Distinguishes request ids across restarts.
     boot: u64,
@@ -49,6 +53,7 @@ impl AppState {
             config.recall_cache_bytes,
         );
         AppState {
+            memory_guard: MemoryGuard::new(config.memory_budget),
             config,
             memory: Arc::new(memory),
             upstream,

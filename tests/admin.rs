@@ -791,9 +791,18 @@ async fn the_openapi_document_matches_the_server() {
                     Some(ADMIN_TOKEN),
                     request_body.clone(),
                 ),
+                // Past the memory high-water mark (pretended).
+                503 => (
+                    fill(template, &tenant(TOKEN), "c"),
+                    Some(ADMIN_TOKEN),
+                    request_body.clone(),
+                ),
                 other => panic!("no recipe for documented status {other} of {method} {template}"),
             };
+            let guard = &proxy.state.memory_guard;
+            guard.pretend_resident((*status == 503).then_some(guard.budget().high_water));
             let answer = admin_as(&proxy, token, method, &path, &body).await;
+            guard.pretend_resident(None);
             assert_eq!(
                 answer.status.as_u16(),
                 *status,

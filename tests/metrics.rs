@@ -186,7 +186,9 @@ async fn metrics_parse_and_move_as_requests_flow() {
     ] {
         assert!(!text.contains(needle), "{needle} leaked into /metrics");
     }
-    let allowed = ["route", "status", "stage", "cache", "result", "le"];
+    let allowed = [
+        "route", "status", "stage", "cache", "result", "le", "action", "reason",
+    ];
     for sample in &after.samples {
         let labels = format!("{:?}", sample.labels);
         for part in labels.split('"').skip(1).step_by(4) {

@@ -38,6 +38,31 @@ pub struct Args {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Run the memory soak instead of the benchmark: mixed traffic against the memproxy
+    /// binary for `--duration` seconds, RSS sampled every second (see `soak.rs`).
+    #[arg(long)]
+    pub soak: bool,
+    /// Soak: seconds of traffic.
+    #[arg(long, default_value_t = 600.0)]
+    pub duration: f64,
+    /// Soak: conversations the traffic is spread over.
+    #[arg(long, default_value_t = 10_000)]
+    pub conversations: usize,
+    /// Soak: clients sending at once (each waits for its answer before the next request).
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    /// Soak: the memproxy binary (default: `memproxy` beside this example's folder, i.e. the
+    /// binary of the same build profile).
+    #[arg(long)]
+    pub memproxy: Option<PathBuf>,
+    /// Soak: `server.memory_budget` in MiB (default: not set, so memproxy's default); the soak
+    /// fails if RSS ever exceeds it plus 64 MiB.
+    #[arg(long)]
+    pub budget_mib: Option<u64>,
+    /// Soak: a TOML file added to the generated config (diagnostics: cache sizes, say); any
+    /// section but `[server]` and `[memory]`, which the soak writes.
+    #[arg(long)]
+    pub proxy_config: Option<PathBuf>,
     /// Internal: serve memproxy with this config file, print `port N`, serve until stdin closes.
     #[arg(long, hide = true)]
     pub serve_proxy: Option<PathBuf>,

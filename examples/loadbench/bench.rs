@@ -66,11 +66,7 @@ pub async fn bench(args: Args) -> Result<(), String> {
     );
 
     let dir = tempfile::tempdir().map_err(|e| format!("tempdir: {e}"))?;
-    let mut mock = ChildProc::spawn(
-        "mock",
-        &["--serve-mock".as_ref()],
-        &dir.path().join("mock.log"),
-    )?;
+    let mut mock = ChildProc::mock(dir.path())?;
     let data_dir = dir.path().join("data");
     let config_text = format!(
         "[server]\nbody_limit_bytes = 268435456\nshutdown_grace = \"PT5S\"\nworker_threads = {}\n\n[upstream]\nbase_url = \"http://127.0.0.1:{}/v1\"\nconnect_timeout = \"PT2S\"\ntimeout = \"PT120S\"\n\n[storage]\ndata_dir = {}\n\n[memory]\nmax_messages = 20000\n",

@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use tokio::io::AsyncReadExt;
@@ -169,33 +169,14 @@ pub struct ChildProc {
 }
 
 impl ChildProc {
+    /// Starts this binary with `args` (a hidden mode), and reads the port it announces.
     pub fn spawn(
         name: &'static str,
         args: &[&std::ffi::OsStr],
         log: &Path,
     ) -> Result<ChildProc, String> {
         let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-        let log_file =
-            File::create(log).map_err(|e| format!("cannot create {}: {e}", log.display()))?;
-        let mut child = Command::new(exe)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log_file))
-            .spawn()
-            .map_err(|e| format!("cannot start the {name} process: {e}"))?;
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take();
-        let pid = child.id();
-        // From here on the guard kills the child on any error.
-        let mut proc = ChildProc {
-            name,
-            child,
-            stdin,
-            pid,
-            port: 0,
-            log: log.to_path_buf(),
-        };
+        let (mut proc, stdout) = ChildProc::launch(name, &exe, args, &[], log)?;
         let stdout = stdout.ok_or_else(|| format!("{name}: no stdout"))?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -217,6 +198,45 @@ impl ChildProc {
                 format!("{name}: expected `port N`, got {line:?}; its stderr: {log}")
             })?;
         Ok(proc)
+    }
+
+    /// Starts the mock upstream (this binary, `--serve-mock`), its log in `dir`.
+    pub fn mock(dir: &Path) -> Result<ChildProc, String> {
+        ChildProc::spawn("mock", &["--serve-mock".as_ref()], &dir.join("mock.log"))
+    }
+
+    /// Starts `exe` with `args` and `envs` added to the environment, its stderr into `log`;
+    /// `port` is left 0 for the caller to set.
+    pub fn launch(
+        name: &'static str,
+        exe: &Path,
+        args: &[&std::ffi::OsStr],
+        envs: &[(&str, &str)],
+        log: &Path,
+    ) -> Result<(ChildProc, Option<ChildStdout>), String> {
+        let log_file =
+            File::create(log).map_err(|e| format!("cannot create {}: {e}", log.display()))?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .envs(envs.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log_file))
+            .spawn()
+            .map_err(|e| format!("cannot start the {name} process ({}): {e}", exe.display()))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take();
+        let pid = child.id();
+        // From here on the guard kills the child on any error.
+        let proc = ChildProc {
+            name,
+            child,
+            stdin,
+            pid,
+            port: 0,
+            log: log.to_path_buf(),
+        };
+        Ok((proc, stdout))
     }
 
     pub fn check_alive(&mut self) -> Result<(), String> {
@@ -245,6 +265,19 @@ impl ChildProc {
     /// Closes its stdin (it shuts down gracefully), waits up to `grace`, then kills it.
     pub fn stop(&mut self, grace: Duration) -> String {
         self.stdin = None;
+        self.wait_or_kill(grace)
+    }
+
+    /// Sends SIGTERM (the memproxy binary shuts down gracefully on it), waits up to `grace`,
+    /// then kills it.
+    pub fn terminate(&mut self, grace: Duration) -> String {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.pid.to_string()])
+            .status();
+        self.wait_or_kill(grace)
+    }
+
+    fn wait_or_kill(&mut self, grace: Duration) -> String {
         let deadline = Instant::now() + grace;
         loop {
             match self.child.try_wait() {
@@ -256,7 +289,7 @@ impl ChildProc {
                     let _ = self.child.kill();
                     let _ = self.child.wait();
                     return format!(
-                        "killed: no exit within {} s of stdin closing",
+                        "killed: no exit within {} s of being asked to stop",
                         grace.as_secs()
                     );
                 }

@@ -5,6 +5,7 @@
 //! cargo run --release --example loadbench -- --quick      # 1 s per run (CI smoke)
 //! cargo run --release --example loadbench -- --seconds 10 --rate 1000 --json bench.json
 //! cargo run --release --example loadbench -- --scenarios direct,passthrough,mem-1k --modes c1,c64
+//! target/release/examples/loadbench --soak --duration 180   # the memory soak (`soak.rs`)
 //! ```
 //!
 //! One run starts two child processes from this same binary (hidden modes): the mock upstream
@@ -45,6 +46,8 @@
 //! - [`load`]: the closed and open load loops, and CPU use over a run;
 //! - [`scenarios`]: the scenario table and the pre-filling of conversations;
 //! - [`bench`]: one whole benchmark, from starting the processes to the summary;
+//! - [`soak`]: the memory soak (`--soak`): the memproxy binary under mixed traffic for a
+//!   while, its RSS sampled every second against its memory budget;
 //! - [`report`]: the result tables and the JSON.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
@@ -60,6 +63,7 @@ mod report;
 #[path = "../../tests/support/rng.rs"]
 mod rng;
 mod scenarios;
+mod soak;
 mod tally;
 mod text;
 
@@ -71,6 +75,7 @@ use clap::Parser;
 use crate::args::Args;
 use crate::bench::bench;
 use crate::children::{serve_mock, serve_proxy};
+use crate::soak::soak;
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -90,6 +95,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if args.soak {
+        let result = runtime.block_on(soak(&args));
+        runtime.shutdown_timeout(Duration::from_secs(2));
+        return match result {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(err) => {
+                eprintln!("loadbench soak: {err}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let result = runtime.block_on(bench(args));
     runtime.shutdown_timeout(Duration::from_secs(2));
     match result {

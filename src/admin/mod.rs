@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode, header};
+use http_body::Body as _;
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 use subtle::ConstantTimeEq;
@@ -26,7 +27,9 @@ use crate::body::{CollectError, ProxyBody, collect_limited};
 use crate::config::hash_key;
 use crate::error::json_response;
 use crate::identity::{ConversationKey, TenantId, bearer_token, is_valid_id};
+use crate::memory_guard::{self, Reservation};
 use crate::message::ChatRequest;
+use crate::metrics::Refusal;
 use crate::pipeline::plan::{PlanError, plan};
 use crate::settings::{self, MemorySettings};
 use crate::state::AppState;
@@ -151,6 +154,7 @@ async fn route(
                     state.config.profile(&key.agent),
                 )?),
                 ("export", &Method::GET) => {
+                    let _reservation = admit(state, None)?;
                     let export = ops::export(&state.memory.store, &key)?;
                     let text = serde_json::to_string(&export)
                         .map_err(|err| AdminError::Internal(err.to_string()))?;
@@ -158,6 +162,7 @@ async fn route(
                 }
                 ("import", &Method::POST) => {
                     let force_tenant = query_flag(&query, "force_tenant");
+                    let _reservation = admit(state, request.body().size_hint().exact())?;
                     let (_, body) = request.into_parts();
                     let bytes = read_body(state, body).await?;
                     let imported = ops::import(&state.memory.store, &key, &bytes, force_tenant)?;
@@ -165,6 +170,7 @@ async fn route(
                     ok(imported)
                 }
                 ("preview", &Method::POST) => {
+                    let _reservation = admit(state, request.body().size_hint().exact())?;
                     let (parts, body) = request.into_parts();
                     let bytes = read_body(state, body).await?;
                     ok(preview(state, &key, &parts.headers, &bytes)?)
@@ -217,6 +223,20 @@ pub fn key_of(tenant: &str, agent: &str, id: &str) -> Result<ConversationKey, Ad
         agent: agent.to_string(),
         conversation: id.to_string(),
     })
+}
+
+/// Admits an operation that reads or builds a whole body (`body_len`: the request's, when it
+/// announces one) under the memory budget; refused, it is a 503 (`Retry-After`).
+fn admit(state: &AppState, body_len: Option<u64>) -> Result<Reservation, AdminError> {
+    state
+        .memory_guard
+        .admit(memory_guard::estimate(body_len))
+        .map_err(|pressure| {
+            state
+                .metrics
+                .admission_refused(Refusal::Unavailable, pressure);
+            AdminError::MemoryBudget
+        })
 }
 
 async fn read_body(state: &AppState, body: Incoming) -> Result<Bytes, AdminError> {

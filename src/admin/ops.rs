@@ -31,6 +31,9 @@ pub enum AdminError {
     RequestTimeout(String),
     #[error("internal error: {0}")]
     Internal(String),
+    /// The memory guard did not admit the request: memproxy is at its memory high-water mark.
+    #[error("memproxy is at its memory high-water mark (server.memory_budget); retry shortly")]
+    MemoryBudget,
 }
 
 impl AdminError {
@@ -53,6 +56,7 @@ impl ApiError for AdminError {
             AdminError::Conflict(_) => StatusCode::CONFLICT,
             AdminError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            AdminError::MemoryBudget => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -65,6 +69,7 @@ impl ApiError for AdminError {
             AdminError::Conflict(_) => "conflict",
             AdminError::RequestTimeout(_) => "request_timeout",
             AdminError::Internal(_) => "internal_error",
+            AdminError::MemoryBudget => "memory_budget_exceeded",
         }
     }
 
@@ -76,7 +81,7 @@ impl ApiError for AdminError {
             | AdminError::RequestTimeout(_) => "invalid_request_error",
             AdminError::Unauthorized => "authentication_error",
             AdminError::NotFound(_) => "not_found_error",
-            AdminError::Internal(_) => "server_error",
+            AdminError::Internal(_) | AdminError::MemoryBudget => "server_error",
         }
     }
 
@@ -92,6 +97,14 @@ impl ApiError for AdminError {
             AdminError::RequestTimeout(_) => {
                 vec![(header::CONNECTION, HeaderValue::from_static("close"))]
             }
+            // The body was not read: the connection cannot be reused either.
+            AdminError::MemoryBudget => vec![
+                (
+                    header::RETRY_AFTER,
+                    HeaderValue::from(crate::error::OVERLOADED_RETRY_AFTER_SECONDS),
+                ),
+                (header::CONNECTION, HeaderValue::from_static("close")),
+            ],
             _ => Vec::new(),
         }
     }

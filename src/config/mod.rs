@@ -11,15 +11,17 @@
 //! Order: built-in defaults ← config file ← overrides (`--flag` / `MEMPROXY_*`).
 //!
 //! Files: `document.rs` reads the TOML; `server.rs` (`[server]`, `[log]`), `upstream.rs`,
-//! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `compression.rs` (with the built-in
-//! summary prompt) and `agents.rs` (`[memory]`, `[agents.NAME]`) each hold a section's raw
-//! struct and its check; `values.rs` the checks they share (durations, counts, secrets). This
+//! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `compression.rs` (with the
+//! built-in summary prompt) and `agents.rs` (`[memory]`, `[agents.NAME]`) each hold a section's
+//! raw struct and its check; `budget.rs` splits `server.memory_budget` into the cache sizes;
+//! `values.rs` holds the checks they share (durations, counts, sizes, secrets). This
 //! module imports only the leaves `settings` and `identity`: configuration is read by every
 //! layer and depends on none of them.
 
 mod admin;
 mod agents;
 mod auth;
+mod budget;
 mod compression;
 mod document;
 mod limits;
@@ -38,6 +40,7 @@ use crate::settings::MemorySettings;
 
 pub use admin::DEFAULT_ADMIN_TOKEN_ENV;
 pub use auth::hash_key;
+pub use budget::{MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, split as split_memory_budget};
 pub use compression::{
     CompressionConfig, DEFAULT_MAX_SUMMARY_TOKENS, DEFAULT_PROMPT, DEFAULT_SUMMARY_BACKOFF,
     DEFAULT_SUMMARY_CONCURRENCY, DEFAULT_SUMMARY_MAX_INPUT_TOKENS, DEFAULT_SUMMARY_QUEUE,
@@ -46,13 +49,10 @@ pub use compression::{
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
 pub use server::{
     DEFAULT_BODY_LIMIT_BYTES, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS, DEFAULT_RESPONSE_LIMIT_BYTES,
-    DEFAULT_SHUTDOWN_GRACE, LogFormat,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET,
+    DEFAULT_RESPONSE_LIMIT_BYTES, DEFAULT_SHUTDOWN_GRACE, LogFormat,
 };
-pub use storage::{
-    DEFAULT_DATA_DIR, DEFAULT_FLUSH_INTERVAL, DEFAULT_RECALL_CACHE_BYTES,
-    DEFAULT_STATE_CACHE_BYTES, DEFAULT_STORE_CACHE_BYTES, Durability,
-};
+pub use storage::{DEFAULT_DATA_DIR, DEFAULT_FLUSH_INTERVAL, Durability};
 pub use sweeper::{
     DEFAULT_SWEEP_INTERVAL, DEFAULT_SWEEP_MAX_DELETED, DEFAULT_SWEEP_MAX_SCANNED, SweeperConfig,
 };
@@ -84,6 +84,8 @@ pub struct Config {
     pub idle_timeout: Duration,
     /// Connections served at once; past it a new one is answered 503 and closed.
     pub max_connections: usize,
+    /// `server.memory_budget` and its split: the cache sizes below are taken from it.
+    pub memory_budget: MemoryBudget,
     pub upstream: UpstreamConfig,
     /// SHA-256 of each accepted client key; empty = any client may call.
     pub client_key_hashes: HashSet<[u8; 32]>,
@@ -92,9 +94,11 @@ pub struct Config {
     pub allow_anonymous: bool,
     pub data_dir: PathBuf,
     pub durability: Durability,
+    /// sled's page cache (`storage.cache_bytes`, or its share of the budget).
     pub store_cache_bytes: u64,
+    /// The conversation state cache (`storage.state_cache_bytes`, or its share).
     pub state_cache_bytes: u64,
-    /// Memory for the cached recall indexes.
+    /// Memory for the cached recall indexes (`storage.recall_cache_bytes`, or its share).
     pub recall_cache_bytes: u64,
     pub log_format: LogFormat,
     pub allow_header_overrides: bool,
@@ -186,6 +190,7 @@ fn check(
         upstream::check_upstream(raw.upstream, overrides.upstream.clone(), env, &mut problems);
     let auth = auth::check_auth(raw.auth, env, &mut problems);
     let storage = storage::check_storage(raw.storage, overrides.data_dir.clone(), &mut problems);
+    let memory_budget = budget::check_budget(server.memory_budget, storage.caches, &mut problems);
     let log_format = server::check_log(raw.log, overrides.log_format.clone(), &mut problems);
     let profiles = agents::check_profiles(raw.memory, &raw.agents, &mut problems);
     let admin = admin::check_admin(raw.admin, env, &mut problems);
@@ -206,14 +211,15 @@ fn check(
         body_read_timeout: server.body_read_timeout,
         idle_timeout: server.idle_timeout,
         max_connections: server.max_connections,
+        memory_budget,
         upstream,
         client_key_hashes: auth.client_key_hashes,
         allow_anonymous: auth.allow_anonymous,
         data_dir: storage.data_dir,
         durability: storage.durability,
-        store_cache_bytes: storage.store_cache_bytes,
-        state_cache_bytes: storage.state_cache_bytes,
-        recall_cache_bytes: storage.recall_cache_bytes,
+        store_cache_bytes: memory_budget.store_cache,
+        state_cache_bytes: memory_budget.state_cache,
+        recall_cache_bytes: memory_budget.recall_cache,
         log_format,
         allow_header_overrides: profiles.allow_header_overrides,
         memory: profiles.memory,
@@ -402,6 +408,11 @@ mod tests {
         assert_eq!(config.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(config.body_limit_bytes, DEFAULT_BODY_LIMIT_BYTES);
         assert_default_time_limits(&config);
+        assert_eq!(
+            config.memory_budget,
+            split_memory_budget(DEFAULT_MEMORY_BUDGET)
+        );
+        assert!(text.contains("\nmemory_budget = \"192MiB\"\n"));
         for (name, _) in settings::SETTINGS {
             assert!(
                 text.contains(&format!("\n{name} = ")),
@@ -462,6 +473,58 @@ mod tests {
         assert_refused(
             "[server]\nmax_connections = 2000000\n",
             &["server.max_connections: 2000000 is too many"],
+        );
+    }
+
+    #[test]
+    fn the_caches_take_their_shares_of_the_memory_budget() {
+        const MIB: u64 = 1024 * 1024;
+        let config = from_toml("", &no_env).unwrap();
+        assert_eq!(config.memory_budget.total, DEFAULT_MEMORY_BUDGET);
+        assert_eq!(
+            (
+                config.state_cache_bytes,
+                config.store_cache_bytes,
+                config.recall_cache_bytes
+            ),
+            (16 * MIB, 16 * MIB, 48 * MIB)
+        );
+
+        let config = from_toml(
+            "[server]\nmemory_budget = \"320MiB\"\n[storage]\nrecall_cache_bytes = \"96MiB\"\n",
+            &no_env,
+        )
+        .unwrap();
+        assert_eq!(config.memory_budget.high_water, 288 * MIB);
+        assert_eq!(
+            (
+                config.state_cache_bytes,
+                config.store_cache_bytes,
+                config.recall_cache_bytes
+            ),
+            (32 * MIB, 32 * MIB, 96 * MIB)
+        );
+        assert_eq!(
+            from_toml("[server]\nmemory_budget = 268435456\n", &no_env)
+                .unwrap()
+                .memory_budget
+                .total,
+            256 * MIB
+        );
+
+        // The sizes earlier versions shipped, under the default budget: refused, with the
+        // other problems of the file.
+        let err = assert_refused(
+            "[server]\nmemory_budget = \"lots\"\n[storage]\ncache_bytes = 67108864\nstate_cache_bytes = 67108864\nrecall_cache_bytes = 268435456\n",
+            &[
+                "server.memory_budget: `lots` is not a size",
+                "storage: the caches take 384 MiB",
+            ],
+        );
+        assert_eq!(err.problems.len(), 2, "{err}");
+        assert_refused(
+            "[server]\nmemory_budget = \"64MiB\"\n",
+            &["server.memory_budget: 64 MiB is too small: at least 96 MiB"],
         );
     }
 

@@ -1,12 +1,12 @@
 //! `[server]` (the listener, body limits, client timeouts and the connection cap, shutdown,
-//! threads) and `[log]`.
+//! threads, the memory budget) and `[log]`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::values::{at_least_one, duration, nonzero_duration};
+use super::values::{RawSize, at_least_one, duration, nonzero_duration, size};
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_BODY_LIMIT_BYTES: usize = 32 * 1024 * 1024;
@@ -23,6 +23,9 @@ pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Connections served at once; past it a new connection is answered 503 and closed.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// What the whole process may take in memory (RSS): the caches take their shares of it and
+/// admission control keeps requests in flight under it (`config/budget.rs`).
+pub const DEFAULT_MEMORY_BUDGET: u64 = 192 * 1024 * 1024;
 /// The largest `max_connections` accepted: far past what one sidecar's file descriptors allow.
 const MAX_MAX_CONNECTIONS: usize = 1_000_000;
 
@@ -44,6 +47,7 @@ pub(super) struct RawServer {
     body_read_timeout: Option<String>,
     idle_timeout: Option<String>,
     max_connections: Option<u64>,
+    memory_budget: Option<RawSize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -63,6 +67,8 @@ pub(super) struct Server {
     pub body_read_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_connections: usize,
+    /// `memory_budget` in bytes, checked against the caches in `budget.rs`.
+    pub memory_budget: u64,
 }
 
 /// Checks `[server]`; `listen` (from a flag or the environment) wins over the file.
@@ -143,6 +149,8 @@ pub(super) fn check_server(
             problems,
         ),
         max_connections,
+        memory_budget: size("server.memory_budget", raw.memory_budget, problems)
+            .unwrap_or(DEFAULT_MEMORY_BUDGET),
     }
 }
 

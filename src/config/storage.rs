@@ -1,17 +1,16 @@
-//! `[storage]`: where the store lives, when commits reach the disk, and the cache sizes.
+//! `[storage]`: where the store lives, when commits reach the disk, and the cache sizes set
+//! explicitly (unset, each takes its share of `server.memory_budget`: `budget.rs`).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::values::nonzero_duration;
+use super::budget::ExplicitCaches;
+use super::values::{RawSize, nonzero_duration, size};
 
 pub const DEFAULT_DATA_DIR: &str = "./data";
 pub const DEFAULT_FLUSH_INTERVAL: Duration = Duration::from_secs(1);
-pub const DEFAULT_STORE_CACHE_BYTES: u64 = 64 * 1024 * 1024;
-pub const DEFAULT_STATE_CACHE_BYTES: u64 = 64 * 1024 * 1024;
-pub const DEFAULT_RECALL_CACHE_BYTES: u64 = 256 * 1024 * 1024;
 
 /// When a commit reaches the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,18 +28,16 @@ pub(super) struct RawStorage {
     data_dir: Option<String>,
     durability: Option<String>,
     flush_interval: Option<String>,
-    cache_bytes: Option<u64>,
-    state_cache_bytes: Option<u64>,
-    recall_cache_bytes: Option<u64>,
+    cache_bytes: Option<RawSize>,
+    state_cache_bytes: Option<RawSize>,
+    recall_cache_bytes: Option<RawSize>,
 }
 
 /// `[storage]`, checked.
 pub(super) struct Storage {
     pub data_dir: PathBuf,
     pub durability: Durability,
-    pub store_cache_bytes: u64,
-    pub state_cache_bytes: u64,
-    pub recall_cache_bytes: u64,
+    pub caches: ExplicitCaches,
 }
 
 /// Checks `[storage]`; `data_dir` (from a flag or the environment) wins over the file.
@@ -81,8 +78,14 @@ pub(super) fn check_storage(
     Storage {
         data_dir,
         durability,
-        store_cache_bytes: raw.cache_bytes.unwrap_or(DEFAULT_STORE_CACHE_BYTES),
-        state_cache_bytes: raw.state_cache_bytes.unwrap_or(DEFAULT_STATE_CACHE_BYTES),
-        recall_cache_bytes: raw.recall_cache_bytes.unwrap_or(DEFAULT_RECALL_CACHE_BYTES),
+        caches: ExplicitCaches {
+            state: size("storage.state_cache_bytes", raw.state_cache_bytes, problems),
+            store: size("storage.cache_bytes", raw.cache_bytes, problems),
+            recall: size(
+                "storage.recall_cache_bytes",
+                raw.recall_cache_bytes,
+                problems,
+            ),
+        },
     }
 }

@@ -1,22 +1,29 @@
-//! A chat completion with memory on: a `before` step (collect the body, parse it, plan the
-//! prompt, start a due summary) and an `after` step (tee a stream, or read a JSON reply whole,
-//! then commit) around the one forward path.
+//! A chat completion with memory on: admission against the memory budget, then a `before`
+//! step (collect the body, parse it, plan the prompt, start a due summary) and an `after` step
+//! (tee a stream, or read a JSON reply whole, then commit) around the one forward path.
+//!
+//! Admission first: a request the memory guard does not admit (the process is at its
+//! high-water mark, or would be with this request) is forwarded untouched, its body streamed
+//! and never read whole, with `X-Memory-Status: degraded`: memory is off for it, the chat goes
+//! on. An admitted request holds its reservation until its response body is done with.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
-use http::{Response, request::Parts};
+use http::{Request, Response, request::Parts};
+use http_body::Body as _;
 use hyper::body::Incoming;
 
 use super::identify::CREDENTIAL_HEADERS;
 use super::tee::{Pending, TeeBody};
-use super::{MemoryStatus, commit, headers_of, set_memory_headers};
+use super::{MemoryStatus, commit, headers_of, passthrough, set_memory_headers};
 use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
+use crate::memory_guard::{self, Pressure};
 use crate::message::ChatRequest;
-use crate::metrics::{ReplyKind, Stage};
+use crate::metrics::{Refusal, ReplyKind, Stage};
 use crate::model::Credentials;
 use crate::pipeline::plan::start_due;
 use crate::pipeline::plan::{self, Limits, Plan, PlanError, Timings};
@@ -35,8 +42,57 @@ struct Before {
     deferred: Option<DeferredSummary>,
 }
 
-/// Runs a chat completion with memory on, forwarded to the upstream's `api_path`.
+/// Runs a chat completion with memory on, forwarded to the upstream's `api_path`; with
+/// memory off if the memory guard does not admit it.
 pub async fn chat(
+    state: &Arc<AppState>,
+    parts: Parts,
+    body: Incoming,
+    key: ConversationKey,
+    settings: MemorySettings,
+    api_path: &str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    // A body announced past the size limit is refused (413) before anything is read.
+    let announced = body.size_hint().exact();
+    if announced.is_some_and(|len| len > state.config.body_limit_bytes as u64) {
+        return with_memory(state, parts, body, key, settings, api_path).await;
+    }
+    match state.memory_guard.admit(memory_guard::estimate(announced)) {
+        Ok(reservation) => {
+            let response = with_memory(state, parts, body, key, settings, api_path).await?;
+            Ok(response.map(|body| boxed(OnDrop::new(body, move || drop(reservation)))))
+        }
+        Err(pressure) => degraded(state, parts, body, &key, api_path, pressure).await,
+    }
+}
+
+/// A chat request the memory guard did not admit: forwarded untouched, as pass-through is,
+/// with `X-Memory-Status: degraded`, and counted.
+async fn degraded(
+    state: &AppState,
+    parts: Parts,
+    body: Incoming,
+    key: &ConversationKey,
+    api_path: &str,
+    pressure: Pressure,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    state.metrics.admission_refused(Refusal::Degraded, pressure);
+    tracing::debug!(
+        reason = pressure.as_str(),
+        "memory budget: forwarding with memory off"
+    );
+    let mut response = passthrough(state, Request::from_parts(parts, body), api_path).await?;
+    set_memory_headers(
+        &mut response,
+        MemoryStatus::Degraded,
+        &key.conversation,
+        None,
+    );
+    Ok(response)
+}
+
+/// The chat completion with memory: before, forward, after.
+async fn with_memory(
     state: &Arc<AppState>,
     parts: Parts,
     body: Incoming,

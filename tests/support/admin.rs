@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use crate::support::mock_upstream::MockUpstream;
-use crate::support::{Answer, Proxy, send};
+use crate::support::{Answer, Proxy, send, test_budget};
 use memproxy::config;
 use memproxy::identity::TenantId;
 
@@ -14,9 +14,10 @@ pub const ADMIN_TOKEN: &str = "admin-token-for-tests";
 /// The config text [`Proxy::start`] uses, with `extra_toml` appended.
 pub fn config_text(mock: &MockUpstream, data_dir: &Path, extra_toml: &str) -> String {
     format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{extra_toml}",
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
         mock.base_url(),
-        data_dir.display()
+        data_dir.display(),
+        test_budget(extra_toml)
     )
 }
 

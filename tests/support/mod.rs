@@ -32,6 +32,17 @@ pub const TOKEN: &str = "sk-test-one";
 /// Config for tests whose requests send no credential: memory for them must be allowed.
 pub const ANONYMOUS_MEMORY: &str = "[auth]\nallow_anonymous = true\n";
 
+/// The memory budget of the tests' proxies unless `extra_toml` sets one: large, so that no
+/// test but those of the budget itself depends on how much memory the test process holds
+/// (tests sharing one process, as `cargo test` runs them, add up).
+pub fn test_budget(extra_toml: &str) -> &'static str {
+    if extra_toml.contains("memory_budget") {
+        ""
+    } else {
+        "memory_budget = \"1GiB\"\n"
+    }
+}
+
 /// A running memproxy.
 pub struct Proxy {
     pub addr: SocketAddr,
@@ -56,9 +67,10 @@ impl Proxy {
         extra_toml: &str,
     ) -> Proxy {
         let text = format!(
-            "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{extra_toml}",
+            "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
             mock.base_url(),
-            data_dir.display()
+            data_dir.display(),
+            test_budget(extra_toml)
         );
         Proxy::start_config(
             config::from_toml(&text, &|name| match name {

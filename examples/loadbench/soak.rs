@@ -1,0 +1,516 @@
+//! The memory soak (`--soak`): the memproxy binary as a child process, with its memory budget
+//! at the default (or `--budget-mib`), under mixed traffic for `--duration` seconds, its RSS
+//! sampled every second. It fails (exit status 1) if the RSS ever exceeded the budget plus
+//! [`ALLOWANCE_MIB`], the pod limit the README recommends, or if memproxy died.
+//!
+//! The traffic, from `--concurrency` clients that each wait for an answer before sending again:
+//!
+//! - `--conversations` conversations (default 10,000), each client owning every
+//!   `concurrency`-th one, so a conversation never has two requests in flight; each is visited
+//!   once in order, then at random;
+//! - one conversation in three is a full-history client (it sends every message so far, the
+//!   replies as the mock gave them), the others send only their newest message;
+//! - half the requests stream (SSE), half are JSON;
+//! - recall on, compression on with a low threshold and no interval, so summaries are made all
+//!   along (the mock answers the summary calls);
+//! - 16 tenants (`Authorization: Bearer sk-soak-N`).
+//!
+//! A conversation's text follows from its number and turn, so a full-history client can send
+//! its history again without keeping it: the client keeps one turn counter per conversation.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Uri};
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+
+use crate::args::Args;
+use crate::children::ChildProc;
+use crate::client::{HttpClient, REQUEST_TIMEOUT, send};
+use crate::machine::{load_average, machine_line, source_state, status_kb};
+use crate::report::{mib, report_log};
+use crate::rng::Rng;
+use crate::text::sentence;
+
+/// memproxy's default `server.memory_budget`, in MiB (`DEFAULT_MEMORY_BUDGET` in the crate).
+pub const DEFAULT_BUDGET_MIB: u64 = memproxy::config::DEFAULT_MEMORY_BUDGET >> 20;
+
+/// What the RSS may exceed the budget by: the README's pod limit is the budget plus this.
+pub const ALLOWANCE_MIB: u64 = 64;
+
+/// How often the RSS is sampled, and a progress line printed.
+const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+const PROGRESS_EVERY: u64 = 30;
+
+/// Tenants the conversations are spread over.
+const TENANTS: usize = 16;
+
+/// The metrics printed at the end (lines starting with these names).
+const METRICS: &[&str] = &[
+    "memproxy_resident_memory_bytes",
+    "memproxy_memory_budget_bytes",
+    "memproxy_memory_in_flight_bytes",
+    "memproxy_admission_refused_total",
+    "memproxy_summaries_total",
+    "memproxy_recall_cache_bytes",
+    "memproxy_cached_conversations",
+    "memproxy_commit_failures_total",
+];
+
+/// What the clients counted.
+#[derive(Default)]
+struct Counts {
+    /// (HTTP status, `X-Memory-Status`) → answers.
+    answers: BTreeMap<(u16, String), u64>,
+    /// Answers whose body was not a whole chat completion or stream.
+    incomplete: u64,
+    /// Requests with no answer (transport error or timeout), and a few of their messages.
+    failed: u64,
+    samples: Vec<String>,
+}
+
+impl Counts {
+    fn merge(&mut self, other: Counts) {
+        for (key, n) in other.answers {
+            *self.answers.entry(key).or_insert(0) += n;
+        }
+        self.incomplete += other.incomplete;
+        self.failed += other.failed;
+        for sample in other.samples {
+            if self.samples.len() < 5 {
+                self.samples.push(sample);
+            }
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.answers.values().sum::<u64>() + self.failed
+    }
+}
+
+/// What every client shares.
+struct Traffic {
+    client: HttpClient,
+    url: Uri,
+    conversations: usize,
+    clients: usize,
+    deadline: Instant,
+    sent: AtomicU64,
+}
+
+/// Runs the soak; `Ok(false)` when memproxy went over its limit or died.
+pub async fn soak(args: &Args) -> Result<bool, String> {
+    let duration = Duration::from_secs_f64(args.duration);
+    if !(args.duration > 0.0 && args.duration <= 86_400.0) {
+        return Err("--duration must be in (0, 86400] seconds".to_string());
+    }
+    if args.conversations == 0 || !(1..=1024).contains(&args.concurrency) {
+        return Err("--conversations must be at least 1, --concurrency 1..=1024".to_string());
+    }
+    let budget_mib = args.budget_mib.unwrap_or(DEFAULT_BUDGET_MIB);
+    let limit_kb = (budget_mib + ALLOWANCE_MIB) * 1024;
+    let exe = memproxy_binary(args)?;
+    println!("memproxy memory soak");
+    println!("machine: {}", machine_line());
+    println!(
+        "command: {}",
+        std::env::args().collect::<Vec<_>>().join(" ")
+    );
+    println!("source: {}", source_state());
+    println!("memproxy binary: {}", exe.display());
+    println!("load average at start: {}", load_average());
+
+    let dir = tempfile::tempdir().map_err(|e| format!("tempdir: {e}"))?;
+    let mut mock = ChildProc::mock(dir.path())?;
+    let config_text = config(args)?;
+    let config_path = dir.path().join("memproxy.toml");
+    std::fs::write(&config_path, &config_text).map_err(|e| format!("writing the config: {e}"))?;
+    let port = free_port()?;
+    let listen = format!("127.0.0.1:{port}");
+    let upstream = format!("http://127.0.0.1:{}/v1", mock.port);
+    let data_dir = dir.path().join("data");
+    let (mut proxy, _) = ChildProc::launch(
+        "memproxy",
+        &exe,
+        &[
+            "--config".as_ref(),
+            config_path.as_os_str(),
+            "--listen".as_ref(),
+            listen.as_ref(),
+            "--upstream".as_ref(),
+            upstream.as_ref(),
+            "--data-dir".as_ref(),
+            data_dir.as_os_str(),
+            "serve".as_ref(),
+        ],
+        &[("RUST_LOG", "warn")],
+        &dir.path().join("memproxy.log"),
+    )?;
+    proxy.port = port;
+
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(args.concurrency * 2)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .build(connector);
+    wait_ready(&client, port, &mut proxy).await?;
+    let idle_kb = status_kb(proxy.pid, "VmRSS");
+    println!(
+        "memproxy pid {} on {listen}, idle RSS {} MiB; budget {budget_mib} MiB, limit {} MiB (budget + {ALLOWANCE_MIB})",
+        proxy.pid,
+        mib(idle_kb),
+        budget_mib + ALLOWANCE_MIB
+    );
+    println!(
+        "memproxy config: {}",
+        config_text.trim().replace('\n', "; ")
+    );
+    println!(
+        "traffic: {} s, {} conversations, {} clients; 1 in 3 full-history, half streamed",
+        args.duration, args.conversations, args.concurrency
+    );
+
+    let started = Instant::now();
+    let traffic = Arc::new(Traffic {
+        client: client.clone(),
+        url: format!("http://{listen}/v1/chat/completions")
+            .parse()
+            .map_err(|e| format!("proxy url: {e}"))?,
+        conversations: args.conversations,
+        clients: args.concurrency,
+        deadline: started + duration,
+        sent: AtomicU64::new(0),
+    });
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = tokio::spawn(sample(
+        proxy.pid,
+        Arc::clone(&traffic),
+        Arc::clone(&done),
+        started,
+    ));
+    let clients: Vec<_> = (0..args.concurrency)
+        .map(|n| tokio::spawn(run_client(Arc::clone(&traffic), n)))
+        .collect();
+    let mut counts = Counts::default();
+    for client in clients {
+        match client.await {
+            Ok(c) => counts.merge(c),
+            Err(err) => return Err(format!("a client task failed: {err}")),
+        }
+    }
+    let traffic_s = started.elapsed().as_secs_f64();
+    // Let what the last requests started (summaries) finish, then read the resting RSS.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    done.store(true, Ordering::Relaxed);
+    let samples = sampler
+        .await
+        .map_err(|e| format!("the sampler failed: {e}"))?;
+    let alive = proxy.check_alive();
+    let final_kb = status_kb(proxy.pid, "VmRSS");
+    let hwm_kb = status_kb(proxy.pid, "VmHWM");
+    let metrics = scrape(&client, port).await;
+    drop(traffic);
+    drop(client);
+    let proxy_exit = proxy.terminate(Duration::from_secs(20));
+    let mock_exit = mock.stop(Duration::from_secs(5));
+
+    let peak = samples.iter().max_by_key(|(_, kb)| *kb).copied();
+    let peak_kb = peak.map(|(_, kb)| kb).into_iter().chain(hwm_kb).max();
+    let total = counts.total();
+    println!();
+    println!(
+        "requests: {total} in {traffic_s:.0} s ({:.0}/s); by status and X-Memory-Status:",
+        total as f64 / traffic_s
+    );
+    for ((status, memory), n) in &counts.answers {
+        println!("  {status} {memory:<12} {n}");
+    }
+    println!(
+        "  no answer (transport error or {} s timeout): {}; answers cut short: {}",
+        REQUEST_TIMEOUT.as_secs(),
+        counts.failed,
+        counts.incomplete
+    );
+    for sample in &counts.samples {
+        println!("    e.g. {sample}");
+    }
+    println!("RSS over time (MiB, every {PROGRESS_EVERY} s):");
+    let line: Vec<String> = samples
+        .iter()
+        .filter(|(s, _)| s.is_multiple_of(PROGRESS_EVERY))
+        .map(|(s, kb)| format!("{s}s {}", mib(Some(*kb))))
+        .collect();
+    println!("  {}", line.join(", "));
+    println!(
+        "RSS: idle {} MiB; peak sampled {} MiB (at {} s); peak VmHWM {} MiB; final {} MiB; budget {budget_mib} MiB, limit {} MiB",
+        mib(idle_kb),
+        mib(peak.map(|(_, kb)| kb)),
+        peak.map_or(0, |(s, _)| s),
+        mib(hwm_kb),
+        mib(final_kb),
+        budget_mib + ALLOWANCE_MIB
+    );
+    println!("memproxy metrics at the end:");
+    for line in metrics
+        .lines()
+        .filter(|l| METRICS.iter().any(|m| l.starts_with(m)))
+    {
+        println!("  {line}");
+    }
+    println!("shutdown: memproxy {proxy_exit}; mock {mock_exit}");
+    report_log(
+        "memproxy",
+        &std::fs::read_to_string(&proxy.log).unwrap_or_default(),
+    );
+    println!("load average at the end: {}", load_average());
+
+    let mut passed = true;
+    if let Err(err) = alive {
+        println!("FAIL: {err}");
+        passed = false;
+    }
+    match peak_kb {
+        Some(kb) if kb > limit_kb => {
+            println!(
+                "FAIL: RSS reached {} MiB, over the limit of {} MiB",
+                mib(Some(kb)),
+                budget_mib + ALLOWANCE_MIB
+            );
+            passed = false;
+        }
+        Some(_) => {}
+        None => {
+            println!("FAIL: memproxy's RSS could not be read");
+            passed = false;
+        }
+    }
+    if total == 0 {
+        println!("FAIL: no request was answered");
+        passed = false;
+    }
+    if passed {
+        println!("PASS: RSS stayed under budget + {ALLOWANCE_MIB} MiB");
+    }
+    Ok(passed)
+}
+
+/// The memproxy binary: `--memproxy`, or the one beside this example's folder.
+fn memproxy_binary(args: &Args) -> Result<PathBuf, String> {
+    if let Some(path) = &args.memproxy {
+        return Ok(path.clone());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let path = exe
+        .parent()
+        .and_then(|examples| examples.parent())
+        .map(|profile| profile.join("memproxy"))
+        .ok_or_else(|| "no folder above this example".to_string())?;
+    if !path.exists() {
+        return Err(format!(
+            "{} not found: build it (cargo build --release --bins --examples) or pass --memproxy",
+            path.display()
+        ));
+    }
+    Ok(path)
+}
+
+/// The config: the budget when one is asked for, and summaries made all along.
+fn config(args: &Args) -> Result<String, String> {
+    let mut text = String::from("[server]\nshutdown_grace = \"PT10S\"\n");
+    if let Some(budget) = args.budget_mib {
+        text.push_str(&format!("memory_budget = \"{budget}MiB\"\n"));
+    }
+    text.push_str(
+        "\n[memory]\nrecent_n = 6\nrelevance_enabled = true\ncompression_enabled = true\ncompression_threshold_tokens = 200\ncompression_interval = \"PT0S\"\n",
+    );
+    if let Some(path) = &args.proxy_config {
+        let extra = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        text.push('\n');
+        text.push_str(&extra);
+    }
+    Ok(text)
+}
+
+/// A port nobody listens on now (the child binds it a moment later).
+fn free_port() -> Result<u16, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind: {e}"))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| format!("local_addr: {e}"))
+}
+
+/// Waits (at most 60 s) for `/readyz` to answer 200.
+async fn wait_ready(client: &HttpClient, port: u16, proxy: &mut ChildProc) -> Result<(), String> {
+    let uri: Uri = format!("http://127.0.0.1:{port}/readyz")
+        .parse()
+        .map_err(|e| format!("readyz url: {e}"))?;
+    for _ in 0..600 {
+        proxy.check_alive()?;
+        let request = Request::get(uri.clone())
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| format!("readyz request: {e}"))?;
+        if let Ok(Ok(answer)) =
+            tokio::time::timeout(Duration::from_secs(2), send(client, request)).await
+            && answer.status == 200
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err("memproxy was not ready within 60 s".to_string())
+}
+
+/// `GET /metrics` as text (empty if it fails).
+async fn scrape(client: &HttpClient, port: u16) -> String {
+    let Ok(uri) = format!("http://127.0.0.1:{port}/metrics").parse::<Uri>() else {
+        return String::new();
+    };
+    let Ok(request) = Request::get(uri).body(Full::new(Bytes::new())) else {
+        return String::new();
+    };
+    match tokio::time::timeout(Duration::from_secs(10), send(client, request)).await {
+        Ok(Ok(answer)) => String::from_utf8_lossy(&answer.body).into_owned(),
+        _ => String::new(),
+    }
+}
+
+/// Samples memproxy's RSS every second until `done`; prints a line every
+/// [`PROGRESS_EVERY`] seconds. Returns (second, kB) samples.
+async fn sample(
+    pid: u32,
+    traffic: Arc<Traffic>,
+    done: Arc<AtomicBool>,
+    started: Instant,
+) -> Vec<(u64, u64)> {
+    let mut samples = Vec::new();
+    let mut peak = 0;
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    // Bounded by the traffic's deadline: `done` is set a few seconds after it.
+    while !done.load(Ordering::Relaxed) {
+        tick.tick().await;
+        let second = started.elapsed().as_secs();
+        let Some(kb) = status_kb(pid, "VmRSS") else {
+            break;
+        };
+        peak = peak.max(kb);
+        samples.push((second, kb));
+        if second > 0 && second.is_multiple_of(PROGRESS_EVERY) {
+            let sent = traffic.sent.load(Ordering::Relaxed);
+            println!(
+                "[{second:>5} s] {sent} requests ({:.0}/s), RSS {} MiB, peak {} MiB",
+                sent as f64 / started.elapsed().as_secs_f64(),
+                mib(Some(kb)),
+                mib(Some(peak))
+            );
+        }
+    }
+    samples
+}
+
+/// One client: its conversations, each visited once in order, then at random, until the
+/// deadline. Returns what it counted.
+async fn run_client(traffic: Arc<Traffic>, n: usize) -> Counts {
+    let mine: Vec<usize> = (n..traffic.conversations)
+        .step_by(traffic.clients)
+        .collect();
+    let mut counts = Counts::default();
+    if mine.is_empty() {
+        return counts;
+    }
+    let mut turns = vec![0u32; mine.len()];
+    let mut rng = Rng::new(0x50a4 + n as u64);
+    let mut visit = 0usize;
+    while Instant::now() < traffic.deadline {
+        let slot = if visit < mine.len() {
+            visit
+        } else {
+            rng.below(mine.len())
+        };
+        visit += 1;
+        let conversation = mine[slot];
+        let stream = rng.below(2) == 0;
+        let request = match request(&traffic.url, conversation, turns[slot], stream) {
+            Ok(request) => request,
+            Err(err) => {
+                counts.failed += 1;
+                counts.samples.push(err);
+                continue;
+            }
+        };
+        traffic.sent.fetch_add(1, Ordering::Relaxed);
+        match tokio::time::timeout(REQUEST_TIMEOUT, send(&traffic.client, request)).await {
+            Ok(Ok(answer)) => {
+                let memory = answer.memory.clone().unwrap_or_else(|| "-".to_string());
+                *counts.answers.entry((answer.status, memory)).or_insert(0) += 1;
+                if answer.status == 200 && answer.body_ok(stream) {
+                    turns[slot] += 1;
+                } else if answer.status == 200 {
+                    counts.incomplete += 1;
+                } else if counts.samples.len() < 5 {
+                    counts
+                        .samples
+                        .push(format!("HTTP {}: {}", answer.status, answer.snippet()));
+                }
+            }
+            Ok(Err(err)) => {
+                counts.failed += 1;
+                if counts.samples.len() < 5 {
+                    counts.samples.push(err);
+                }
+            }
+            Err(_) => counts.failed += 1,
+        }
+    }
+    counts
+}
+
+/// The text of a conversation's `turn`-th user message.
+fn user_text(conversation: usize, turn: u32) -> String {
+    let mut rng = Rng::new(((conversation as u64) << 32) ^ u64::from(turn) ^ 0x5eed);
+    format!("{} [c{conversation} t{turn}]", sentence(&mut rng))
+}
+
+/// The request a conversation sends at `turn` (that many exchanges done): the newest message,
+/// or for a full-history client every message so far.
+fn request(
+    url: &Uri,
+    conversation: usize,
+    turn: u32,
+    stream: bool,
+) -> Result<Request<Full<Bytes>>, String> {
+    let mut messages = Vec::new();
+    if conversation.is_multiple_of(3) {
+        for earlier in 0..turn {
+            let text = user_text(conversation, earlier);
+            let reply = format!("reply to: {text}");
+            messages.push(json!({"role": "user", "content": text}));
+            messages.push(json!({"role": "assistant", "content": reply}));
+        }
+    }
+    messages.push(json!({"role": "user", "content": user_text(conversation, turn)}));
+    let mut body = json!({"model": "gpt-4o-mini", "messages": messages});
+    if stream {
+        body["stream"] = Value::Bool(true);
+    }
+    Request::post(url.clone())
+        .header("content-type", "application/json")
+        .header(
+            "authorization",
+            format!("Bearer sk-soak-{}", conversation % TENANTS),
+        )
+        .header("x-memory-conversation-id", format!("soak-{conversation}"))
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| format!("building a request: {e}"))
+}

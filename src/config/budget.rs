@@ -1,0 +1,213 @@
+//! `server.memory_budget`: the memory the whole process may take (its RSS), and how it is
+//! shared out. Sizing a sidecar is then one number, the pod's limit less a margin (README,
+//! "Sizing the sidecar").
+//!
+//! The split ([`split`]): the process itself first, [`PROCESS_BASE`] (binary, runtime and
+//! threads, the tokenizers' tables: about 57 MiB measured once they are loaded); of the rest,
+//! in eighths,
+//!
+//! | share | eighths | at the default 192 MiB |
+//! |---|---|---|
+//! | conversation state cache (`storage.state_cache_bytes`) | 1 | 16 MiB |
+//! | sled page cache (`storage.cache_bytes`) | 1 | 16 MiB |
+//! | recall indexes (`storage.recall_cache_bytes`) | 3 | 48 MiB |
+//! | requests in flight, allocator slack | 3 | 48 MiB |
+//!
+//! The caches are full in a steady state, by design; what requests in flight take comes and
+//! goes. So admission (`memory_guard.rs`) stops giving new chat requests memory once the RSS
+//! reaches the high-water mark, one eighth of the rest below the budget (176 MiB at the
+//! default): the requests already admitted and the degraded ones (forwarded untouched) still
+//! have room under the budget.
+//!
+//! A cache size set explicitly wins over its share, but the three caches together may take
+//! at most their five eighths: more would leave requests no room, so the config is refused,
+//! with the sizes and the budget named.
+
+/// The smallest budget accepted: the process base and 32 MiB to share.
+pub const MIN_MEMORY_BUDGET: u64 = PROCESS_BASE + 32 * MIB;
+
+/// What the process takes before any cache or request: the binary, the runtime and its
+/// threads, the tokenizers' tables.
+pub const PROCESS_BASE: u64 = 64 * MIB;
+
+const MIB: u64 = 1024 * 1024;
+
+/// Eighths of the budget past [`PROCESS_BASE`] each cache takes; requests in flight take the
+/// rest (3).
+const STATE_EIGHTHS: u64 = 1;
+const STORE_EIGHTHS: u64 = 1;
+const RECALL_EIGHTHS: u64 = 3;
+const CACHE_EIGHTHS: u64 = STATE_EIGHTHS + STORE_EIGHTHS + RECALL_EIGHTHS;
+
+/// The budget, its high-water mark and the cache sizes taken from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryBudget {
+    /// `server.memory_budget`, in bytes.
+    pub total: u64,
+    /// RSS from which new chat requests are served with memory off.
+    pub high_water: u64,
+    /// `storage.state_cache_bytes`: explicit, or the share.
+    pub state_cache: u64,
+    /// `storage.cache_bytes` (sled's page cache): explicit, or the share.
+    pub store_cache: u64,
+    /// `storage.recall_cache_bytes`: explicit, or the share.
+    pub recall_cache: u64,
+}
+
+impl MemoryBudget {
+    /// What the budget leaves for requests in flight once the process and the caches have
+    /// their part.
+    pub fn in_flight(&self) -> u64 {
+        self.total
+            .saturating_sub(PROCESS_BASE)
+            .saturating_sub(self.state_cache + self.store_cache + self.recall_cache)
+    }
+}
+
+/// The cache sizes set explicitly in `[storage]` (`None`: take the share).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExplicitCaches {
+    pub state: Option<u64>,
+    pub store: Option<u64>,
+    pub recall: Option<u64>,
+}
+
+/// The split of `total` with no cache size set explicitly.
+pub fn split(total: u64) -> MemoryBudget {
+    let eighth = total.saturating_sub(PROCESS_BASE) / 8;
+    MemoryBudget {
+        total,
+        high_water: total - eighth,
+        state_cache: STATE_EIGHTHS * eighth,
+        store_cache: STORE_EIGHTHS * eighth,
+        recall_cache: RECALL_EIGHTHS * eighth,
+    }
+}
+
+/// Checks the budget and the explicit cache sizes against it; a problem for a budget under
+/// [`MIN_MEMORY_BUDGET`] and for caches that together take more than their part.
+pub(super) fn check_budget(
+    total: u64,
+    explicit: ExplicitCaches,
+    problems: &mut Vec<String>,
+) -> MemoryBudget {
+    if total < MIN_MEMORY_BUDGET {
+        problems.push(format!(
+            "server.memory_budget: {} MiB is too small: at least {} MiB (the process itself takes about {} MiB)",
+            total / MIB,
+            MIN_MEMORY_BUDGET / MIB,
+            PROCESS_BASE / MIB
+        ));
+        return split(MIN_MEMORY_BUDGET);
+    }
+    let shares = split(total);
+    let budget = MemoryBudget {
+        state_cache: explicit.state.unwrap_or(shares.state_cache),
+        store_cache: explicit.store.unwrap_or(shares.store_cache),
+        recall_cache: explicit.recall.unwrap_or(shares.recall_cache),
+        ..shares
+    };
+    let caches = budget.state_cache + budget.store_cache + budget.recall_cache;
+    let room = CACHE_EIGHTHS * ((total - PROCESS_BASE) / 8);
+    if caches > room {
+        problems.push(format!(
+            "storage: the caches take {} MiB (state_cache_bytes {} + cache_bytes {} + recall_cache_bytes {}), more than the {} MiB server.memory_budget = {} MiB leaves them; lower them, leave them unset to take their shares, or raise the budget",
+            caches / MIB,
+            budget.state_cache / MIB,
+            budget.store_cache / MIB,
+            budget.recall_cache / MIB,
+            room / MIB,
+            total / MIB
+        ));
+    }
+    budget
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(total: u64, explicit: ExplicitCaches) -> (MemoryBudget, Vec<String>) {
+        let mut problems = Vec::new();
+        let budget = check_budget(total, explicit, &mut problems);
+        (budget, problems)
+    }
+
+    #[test]
+    fn the_default_budget_is_split_as_documented() {
+        let budget = split(192 * MIB);
+        assert_eq!(
+            budget,
+            MemoryBudget {
+                total: 192 * MIB,
+                high_water: 176 * MIB,
+                state_cache: 16 * MIB,
+                store_cache: 16 * MIB,
+                recall_cache: 48 * MIB,
+            }
+        );
+        assert_eq!(budget.in_flight(), 48 * MIB);
+    }
+
+    #[test]
+    fn every_budget_adds_up_and_keeps_the_high_water_under_it() {
+        for total_mib in [96, 97, 128, 192, 256, 300, 512, 1024, 4096, 65_536] {
+            let total = total_mib * MIB;
+            let budget = split(total);
+            let parts = PROCESS_BASE
+                + budget.state_cache
+                + budget.store_cache
+                + budget.recall_cache
+                + budget.in_flight();
+            assert_eq!(parts, total, "{total_mib} MiB");
+            assert!(budget.high_water < total, "{total_mib} MiB");
+            // The high-water mark is above the process and its full caches.
+            assert!(
+                budget.high_water
+                    > PROCESS_BASE + budget.state_cache + budget.store_cache + budget.recall_cache,
+                "{total_mib} MiB"
+            );
+            assert_eq!(check(total, ExplicitCaches::default()), (budget, vec![]));
+        }
+    }
+
+    #[test]
+    fn explicit_sizes_win_within_the_caches_part() {
+        let explicit = ExplicitCaches {
+            state: Some(8 * MIB),
+            store: None,
+            recall: Some(56 * MIB),
+        };
+        let (budget, problems) = check(192 * MIB, explicit);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(budget.state_cache, 8 * MIB);
+        assert_eq!(budget.store_cache, 16 * MIB);
+        assert_eq!(budget.recall_cache, 56 * MIB);
+        assert_eq!(budget.high_water, 176 * MIB);
+    }
+
+    #[test]
+    fn explicit_sizes_past_the_budget_are_refused_with_the_numbers() {
+        // The sizes of the earlier defaults (64 + 64 + 256 MiB) under the default budget.
+        let explicit = ExplicitCaches {
+            state: Some(64 * MIB),
+            store: Some(64 * MIB),
+            recall: Some(256 * MIB),
+        };
+        let (_, problems) = check(192 * MIB, explicit);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        for needle in ["384 MiB", "80 MiB", "server.memory_budget = 192 MiB"] {
+            assert!(problems[0].contains(needle), "{needle}: {}", problems[0]);
+        }
+        // The same sizes fit a budget big enough.
+        assert!(check(1024 * MIB, explicit).1.is_empty());
+    }
+
+    #[test]
+    fn a_budget_under_the_minimum_is_refused() {
+        let (budget, problems) = check(64 * MIB, ExplicitCaches::default());
+        assert_eq!(problems.len(), 1);
+        assert!(problems[0].contains("at least 96 MiB"), "{}", problems[0]);
+        assert_eq!(budget, split(MIN_MEMORY_BUDGET));
+    }
+}

@@ -1,0 +1,355 @@
+//! Admission against `server.memory_budget`: whether a new request may use memory, from the
+//! process's resident memory and what the requests admitted before it may still take.
+//!
+//! - **Measured**: the RSS (`VmRSS` of `/proc/self/status`), read at most every
+//!   [`SAMPLE_INTERVAL`]: a request in between uses the last reading, so the cost is one small
+//!   file read per interval, whatever the traffic.
+//! - **Reserved**: each admitted request reserves an [`estimate`] of what it takes (its body
+//!   several times over: the bytes read, the parsed messages, the assembled prompt; plus a
+//!   fixed part for the plan, the reply and buffers) until its response is done with. A burst
+//!   admitted between two readings is counted before the RSS shows it.
+//! - **Decided** ([`decide`]): admitted while the RSS, the reservations and this request's
+//!   estimate stay under the budget's high-water mark (`config/budget.rs`); else refused, with
+//!   the [`Pressure`] that says why.
+//!
+//! What a refusal means is the caller's choice (README, "Sizing the sidecar"): a chat request
+//! is served with memory off (forwarded untouched, `X-Memory-Status: degraded`, its body
+//! streamed, never read whole), so the agent goes on; an admin request that reads or builds a
+//! whole body (preview, import, export) is answered 503 with `Retry-After`.
+//!
+//! Where `/proc` cannot be read (not Linux), only the cache sizes follow the budget: admission
+//! admits everything. Tests pretend a reading with [`MemoryGuard::pretend_resident`].
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::config::MemoryBudget;
+
+/// How old a reading of the RSS may be before the next request reads it again.
+pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
+
+/// What a memory request is assumed to take besides its body: the plan, the reply, buffers.
+pub const REQUEST_BASE_BYTES: u64 = 256 * 1024;
+
+/// Copies of its body a memory request holds at once, at most: the bytes read, the parsed
+/// messages, the assembled prompt, the body forwarded.
+pub const BODY_COPIES: u64 = 4;
+
+/// The body size assumed when a request does not announce one (chunked).
+pub const UNKNOWN_BODY_BYTES: u64 = 1024 * 1024;
+
+/// What a memory request with a body of `body_len` bytes (`None`: not announced) is assumed
+/// to take until its response is done with.
+pub fn estimate(body_len: Option<u64>) -> u64 {
+    REQUEST_BASE_BYTES.saturating_add(
+        body_len
+            .unwrap_or(UNKNOWN_BODY_BYTES)
+            .saturating_mul(BODY_COPIES),
+    )
+}
+
+/// Why a request was not admitted: the `reason` label of `memproxy_admission_refused_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pressure {
+    /// The RSS alone has reached the high-water mark.
+    Resident,
+    /// The RSS is under it, but not with the requests in flight and this one added.
+    InFlight,
+}
+
+impl Pressure {
+    pub const ALL: [Pressure; 2] = [Pressure::Resident, Pressure::InFlight];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pressure::Resident => "resident",
+            Pressure::InFlight => "in_flight",
+        }
+    }
+}
+
+/// The admission decision: a request estimated at `request` bytes is admitted when the
+/// `resident` memory, the bytes `reserved` by requests in flight and its own estimate stay
+/// within `high_water`. With no reading (`None`) everything is admitted.
+pub fn decide(
+    high_water: u64,
+    resident: Option<u64>,
+    reserved: u64,
+    request: u64,
+) -> Result<(), Pressure> {
+    let Some(resident) = resident else {
+        return Ok(());
+    };
+    if resident >= high_water {
+        return Err(Pressure::Resident);
+    }
+    if resident.saturating_add(reserved).saturating_add(request) > high_water {
+        return Err(Pressure::InFlight);
+    }
+    Ok(())
+}
+
+/// The budget, the readings and the reservations of one process.
+#[derive(Debug)]
+pub struct MemoryGuard {
+    budget: MemoryBudget,
+    resident: Resident,
+    reserved: Arc<AtomicU64>,
+    /// Requests are being refused: logged when it starts and when it ends, not once per
+    /// request, and at most once per [`LOG_EVERY`] each (near the mark admission flips often).
+    refusing: AtomicBool,
+    /// Milliseconds after the guard's start of the last such log line ([`NEVER_READ`]: none).
+    logged_at_ms: AtomicU64,
+}
+
+/// The least time between two log lines saying the mark was reached or left.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+
+impl MemoryGuard {
+    pub fn new(budget: MemoryBudget) -> MemoryGuard {
+        MemoryGuard {
+            budget,
+            resident: Resident::new(),
+            reserved: Arc::new(AtomicU64::new(0)),
+            refusing: AtomicBool::new(false),
+            logged_at_ms: AtomicU64::new(NEVER_READ),
+        }
+    }
+
+    /// The budget this guard keeps to.
+    pub fn budget(&self) -> &MemoryBudget {
+        &self.budget
+    }
+
+    /// Admits a request estimated at `estimate` bytes ([`estimate`]), reserving them until
+    /// the returned [`Reservation`] is dropped; or says why not.
+    pub fn admit(&self, estimate: u64) -> Result<Reservation, Pressure> {
+        let resident = self.resident.bytes();
+        let before = self.reserved.fetch_add(estimate, Ordering::AcqRel);
+        match decide(self.budget.high_water, resident, before, estimate) {
+            Ok(()) => {
+                if self.refusing.swap(false, Ordering::Relaxed) && self.may_log() {
+                    tracing::info!(
+                        resident_mib = resident.unwrap_or(0) >> 20,
+                        "under the memory high-water mark again: memory on for new requests"
+                    );
+                }
+                Ok(Reservation {
+                    bytes: estimate,
+                    reserved: Arc::clone(&self.reserved),
+                })
+            }
+            Err(pressure) => {
+                self.reserved.fetch_sub(estimate, Ordering::AcqRel);
+                if !self.refusing.swap(true, Ordering::Relaxed) && self.may_log() {
+                    tracing::warn!(
+                        resident_mib = resident.unwrap_or(0) >> 20,
+                        reserved_mib = before >> 20,
+                        high_water_mib = self.budget.high_water >> 20,
+                        budget_mib = self.budget.total >> 20,
+                        reason = pressure.as_str(),
+                        "memory high-water mark reached: new chat requests are served with memory off"
+                    );
+                }
+                Err(pressure)
+            }
+        }
+    }
+
+    /// True at most once per [`LOG_EVERY`].
+    fn may_log(&self) -> bool {
+        let now = self.resident.now_ms();
+        let last = self.logged_at_ms.load(Ordering::Relaxed);
+        (last == NEVER_READ || now.saturating_sub(last) >= LOG_EVERY.as_millis() as u64)
+            && self
+                .logged_at_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// The process's resident memory as last read (read again if the reading is older than
+    /// [`SAMPLE_INTERVAL`]); `None` where it cannot be read.
+    pub fn resident_bytes(&self) -> Option<u64> {
+        self.resident.bytes()
+    }
+
+    /// Bytes reserved by the requests admitted and not yet done with.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reserved.load(Ordering::Acquire)
+    }
+
+    /// Replaces the readings of the RSS with `bytes` (`None`: read `/proc` again). For tests,
+    /// as [`crate::memory::Clock::advance`] moves the clock.
+    pub fn pretend_resident(&self, bytes: Option<u64>) {
+        self.resident
+            .pretended
+            .store(bytes.unwrap_or(NOT_PRETENDING), Ordering::Release);
+    }
+}
+
+/// The bytes an admitted request reserved, given back when it is dropped (with the response
+/// body, once sent or abandoned).
+#[derive(Debug)]
+pub struct Reservation {
+    bytes: u64,
+    reserved: Arc<AtomicU64>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.reserved.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+const NOT_PRETENDING: u64 = u64::MAX;
+const NEVER_READ: u64 = u64::MAX;
+
+/// The sampled RSS: the last reading and when it was made.
+#[derive(Debug)]
+struct Resident {
+    origin: Instant,
+    /// Milliseconds after `origin` of the last reading ([`NEVER_READ`] before the first).
+    read_at_ms: AtomicU64,
+    /// The last reading in bytes; 0: it could not be read.
+    last: AtomicU64,
+    /// A reading tests set instead ([`NOT_PRETENDING`]: none).
+    pretended: AtomicU64,
+}
+
+impl Resident {
+    fn new() -> Resident {
+        Resident {
+            origin: Instant::now(),
+            read_at_ms: AtomicU64::new(NEVER_READ),
+            last: AtomicU64::new(0),
+            pretended: AtomicU64::new(NOT_PRETENDING),
+        }
+    }
+
+    /// Milliseconds since this was made.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+    }
+
+    fn bytes(&self) -> Option<u64> {
+        let pretended = self.pretended.load(Ordering::Acquire);
+        if pretended != NOT_PRETENDING {
+            return Some(pretended);
+        }
+        let now = self.now_ms();
+        let read_at = self.read_at_ms.load(Ordering::Acquire);
+        let stale = read_at == NEVER_READ
+            || now.saturating_sub(read_at) >= SAMPLE_INTERVAL.as_millis() as u64;
+        // One caller reads; the others use the reading it replaces until it is done.
+        if stale
+            && self
+                .read_at_ms
+                .compare_exchange(read_at, now, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            self.last
+                .store(read_resident().unwrap_or(0), Ordering::Release);
+        }
+        Some(self.last.load(Ordering::Acquire)).filter(|&bytes| bytes > 0)
+    }
+}
+
+/// The resident memory of this process: `VmRSS` of `/proc/self/status`, in bytes.
+fn read_resident() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    vm_rss_bytes(&status)
+}
+
+/// `VmRSS:    12345 kB` → bytes.
+fn vm_rss_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
+    let mut words = line.split_whitespace();
+    let kb: u64 = words.next()?.parse().ok()?;
+    (words.next() == Some("kB")).then_some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1024 * 1024;
+
+    #[test]
+    fn requests_are_admitted_while_everything_stays_under_the_high_water_mark() {
+        let high = 176 * MIB;
+        // (resident, reserved, request) → decision.
+        let cases = [
+            (Some(100 * MIB), 0, MIB, Ok(())),
+            (Some(100 * MIB), 70 * MIB, 6 * MIB, Ok(())),
+            (
+                Some(100 * MIB),
+                70 * MIB,
+                6 * MIB + 1,
+                Err(Pressure::InFlight),
+            ),
+            (Some(175 * MIB), 0, MIB, Ok(())),
+            (Some(175 * MIB), 0, MIB + 1, Err(Pressure::InFlight)),
+            (Some(176 * MIB), 0, 0, Err(Pressure::Resident)),
+            (Some(300 * MIB), 0, 1, Err(Pressure::Resident)),
+            // One request larger than all the room there is.
+            (Some(60 * MIB), 0, 200 * MIB, Err(Pressure::InFlight)),
+            (Some(60 * MIB), u64::MAX, u64::MAX, Err(Pressure::InFlight)),
+            // No reading: admitted.
+            (None, u64::MAX, u64::MAX, Ok(())),
+        ];
+        for (resident, reserved, request, expected) in cases {
+            assert_eq!(
+                decide(high, resident, reserved, request),
+                expected,
+                "{resident:?} {reserved} {request}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_estimate_counts_the_body_several_times_and_a_fixed_part() {
+        assert_eq!(estimate(Some(0)), REQUEST_BASE_BYTES);
+        assert_eq!(estimate(Some(MIB)), REQUEST_BASE_BYTES + 4 * MIB);
+        assert_eq!(estimate(None), estimate(Some(UNKNOWN_BODY_BYTES)));
+        assert_eq!(estimate(Some(u64::MAX)), u64::MAX);
+    }
+
+    #[test]
+    fn reservations_count_until_dropped() {
+        let guard = MemoryGuard::new(crate::config::split_memory_budget(192 * MIB));
+        guard.pretend_resident(Some(100 * MIB));
+        let first = guard.admit(40 * MIB).unwrap();
+        let second = guard.admit(30 * MIB).unwrap();
+        assert_eq!(guard.reserved_bytes(), 70 * MIB);
+        // 100 + 70 + 7 > 176.
+        assert_eq!(guard.admit(7 * MIB).unwrap_err(), Pressure::InFlight);
+        assert_eq!(guard.reserved_bytes(), 70 * MIB);
+        drop(first);
+        let third = guard.admit(7 * MIB).unwrap();
+        assert_eq!(guard.reserved_bytes(), 37 * MIB);
+        guard.pretend_resident(Some(180 * MIB));
+        assert_eq!(guard.admit(1).unwrap_err(), Pressure::Resident);
+        drop((second, third));
+        assert_eq!(guard.reserved_bytes(), 0);
+        guard.pretend_resident(Some(120 * MIB));
+        assert!(guard.admit(MIB).is_ok());
+    }
+
+    #[test]
+    fn the_rss_is_read_from_proc() {
+        let status = "Name:\tmemproxy\nVmPeak:\t  200 kB\nVmRSS:\t   57344 kB\nRssAnon:\t 1 kB\n";
+        assert_eq!(vm_rss_bytes(status), Some(56 * MIB));
+        assert_eq!(vm_rss_bytes("VmRSS: lots\n"), None);
+        assert_eq!(vm_rss_bytes("Name: x\n"), None);
+        if cfg!(target_os = "linux") {
+            let guard = MemoryGuard::new(crate::config::split_memory_budget(192 * MIB));
+            let rss = guard.resident_bytes().unwrap();
+            assert!(rss > MIB, "{rss}");
+            guard.pretend_resident(Some(5));
+            assert_eq!(guard.resident_bytes(), Some(5));
+            guard.pretend_resident(None);
+            assert!(guard.resident_bytes().unwrap() > MIB);
+        }
+    }
+}

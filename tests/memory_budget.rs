@@ -1,0 +1,189 @@
+//! `server.memory_budget` through the real proxy: past the high-water mark a chat request is
+//! served with memory off (forwarded untouched, `X-Memory-Status: degraded`, nothing stored)
+//! and counted; admin operations that read or build a whole body get 503 with `Retry-After`;
+//! once the RSS is under the mark again, memory is back. The RSS is pretended through the
+//! memory guard's seam (`MemoryGuard::pretend_resident`), so no test depends on how much
+//! memory the test process really holds.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+#[path = "support/admin.rs"]
+mod support_admin;
+
+use serde_json::{Value, json};
+use support::mock_upstream::MockUpstream;
+use support::*;
+use support_admin::*;
+
+const MIB: u64 = 1024 * 1024;
+
+/// `server.memory_budget` of these tests: 128 MiB, whose high-water mark is 120 MiB.
+const BUDGET: &str = "memory_budget = \"128MiB\"\n";
+const HIGH_WATER: u64 = 120 * MIB;
+
+/// The value of one sample of the scrape: the line `name{labels} value`.
+async fn metric(proxy: &Proxy, line_start: &str) -> f64 {
+    let answer = send("GET", &proxy.url("/metrics"), &[], "").await;
+    let text = String::from_utf8(answer.body.to_vec()).unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix(line_start)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample `{line_start}` in:\n{text}"))
+}
+
+async fn refused(proxy: &Proxy, action: &str, reason: &str) -> f64 {
+    metric(
+        proxy,
+        &format!("memproxy_admission_refused_total{{action=\"{action}\",reason=\"{reason}\"}}"),
+    )
+    .await
+}
+
+fn contents(messages: &[Value]) -> Vec<String> {
+    messages.iter().map(role_content).collect()
+}
+
+#[tokio::test]
+async fn past_the_high_water_mark_chat_goes_on_with_memory_off_and_comes_back_under_it() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), BUDGET).await;
+    let guard = &proxy.state.memory_guard;
+    assert_eq!(guard.budget().high_water, HIGH_WATER);
+
+    // Under the mark: memory on.
+    guard.pretend_resident(Some(64 * MIB));
+    let first = chat(&proxy, "c1", &body(&[user("one")]), &[]).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("x-memory-status"), "stored");
+    assert_eq!(proxy.stored(Some(TOKEN), "c1").len(), 2);
+
+    // At the mark: the client's own request goes upstream untouched, nothing is stored, the
+    // answer is the upstream's, JSON and stream alike.
+    guard.pretend_resident(Some(HIGH_WATER));
+    let sent = json!({"model": "gpt-4o-mini", "messages": [user("two")], "temperature": 0.5});
+    let degraded = chat(&proxy, "c1", &sent, &[]).await;
+    assert_eq!(degraded.status, 200);
+    assert_eq!(degraded.header("x-memory-status"), "degraded");
+    assert_eq!(degraded.header("x-memory-conversation-id"), "c1");
+    assert_eq!(
+        degraded.json()["choices"][0]["message"]["content"],
+        "reply to: two"
+    );
+    let forwarded = mock.chat_requests().last().unwrap().clone();
+    assert_eq!(forwarded.json(), sent, "forwarded untouched");
+    assert!(forwarded.headers.get("x-memory-conversation-id").is_none());
+
+    let mut streamed = body(&[user("three")]);
+    streamed["stream"] = Value::Bool(true);
+    let stream = chat(&proxy, "c1", &streamed, &[]).await;
+    assert_eq!(stream.status, 200);
+    assert_eq!(stream.header("x-memory-status"), "degraded");
+    assert!(stream.body.ends_with(b"data: [DONE]\n\n"));
+    assert_eq!(contents(&mock.last_messages()), ["user:three"]);
+    assert_eq!(proxy.stored(Some(TOKEN), "c1").len(), 2, "nothing stored");
+
+    assert_eq!(refused(&proxy, "degraded", "resident").await, 2.0);
+    assert_eq!(refused(&proxy, "degraded", "in_flight").await, 0.0);
+    assert_eq!(
+        metric(&proxy, "memproxy_resident_memory_bytes").await,
+        HIGH_WATER as f64
+    );
+    assert_eq!(
+        metric(&proxy, "memproxy_memory_budget_bytes").await,
+        (128 * MIB) as f64
+    );
+    assert_eq!(
+        metric(&proxy, "memproxy_memory_high_water_bytes").await,
+        HIGH_WATER as f64
+    );
+
+    // Under the mark, but not with this request's body: memory off for it alone.
+    guard.pretend_resident(Some(HIGH_WATER - 2 * MIB));
+    let big = "x".repeat(MIB as usize);
+    let answer = chat(&proxy, "c1", &body(&[user(&big)]), &[]).await;
+    assert_eq!(answer.header("x-memory-status"), "degraded");
+    assert_eq!(refused(&proxy, "degraded", "in_flight").await, 1.0);
+    let small = chat(&proxy, "c1", &body(&[user("four")]), &[]).await;
+    assert_eq!(small.header("x-memory-status"), "stored");
+
+    // Under it again: memory is back, the stored history with it.
+    guard.pretend_resident(Some(64 * MIB));
+    let back = chat(&proxy, "c1", &body(&[user("five")]), &[]).await;
+    assert_eq!(back.header("x-memory-status"), "stored");
+    let prompt = contents(&mock.last_messages());
+    assert_eq!(
+        prompt,
+        [
+            "user:one",
+            "assistant:reply to: one",
+            "user:four",
+            "assistant:reply to: four",
+            "user:five"
+        ]
+    );
+    assert_eq!(proxy.stored(Some(TOKEN), "c1").len(), 6);
+    // Every reservation was given back with its response.
+    assert_eq!(guard.reserved_bytes(), 0);
+    assert_eq!(metric(&proxy, "memproxy_memory_in_flight_bytes").await, 0.0);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn past_the_high_water_mark_admin_bodies_get_503_and_the_rest_is_served() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), BUDGET).await;
+    let guard = &proxy.state.memory_guard;
+    guard.pretend_resident(Some(64 * MIB));
+    assert_eq!(
+        chat(&proxy, "c1", &body(&[user("one")]), &[])
+            .await
+            .header("x-memory-status"),
+        "stored"
+    );
+    let path = format!("/admin/v1/conversations/{}/default/c1", tenant(TOKEN));
+
+    guard.pretend_resident(Some(HIGH_WATER + MIB));
+    let preview_body = body(&[user("two")]).to_string();
+    for (method, action, body) in [
+        ("POST", "/preview", preview_body.as_str()),
+        ("GET", "/export", ""),
+        ("POST", "/import", "{}"),
+    ] {
+        let answer = admin(&proxy, method, &format!("{path}{action}"), body).await;
+        assert_eq!(answer.status, 503, "{action}");
+        assert_eq!(answer.header("retry-after"), "1", "{action}");
+        assert_eq!(
+            answer.json()["error"]["code"],
+            "memory_budget_exceeded",
+            "{action}"
+        );
+    }
+    assert_eq!(refused(&proxy, "unavailable", "resident").await, 3.0);
+    // What reads little is served: show, stats, health, pass-through.
+    assert_eq!(admin(&proxy, "GET", &path, "").await.status, 200);
+    assert_eq!(
+        admin(&proxy, "GET", &format!("{path}/stats"), "")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        send("GET", &proxy.url("/healthz"), &[], "").await.status,
+        200
+    );
+    let models = send(
+        "GET",
+        &proxy.url("/v1/models"),
+        &[("authorization", "Bearer sk-test-one")],
+        "",
+    )
+    .await;
+    assert_eq!(models.status, 200);
+
+    guard.pretend_resident(Some(64 * MIB));
+    let preview = admin(&proxy, "POST", &format!("{path}/preview"), &preview_body).await;
+    assert_eq!(preview.status, 200);
+    assert_eq!(refused(&proxy, "unavailable", "resident").await, 3.0);
+    proxy.stop().await;
+}
