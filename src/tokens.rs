@@ -27,7 +27,12 @@ pub const MESSAGE_OVERHEAD_TOKENS: u32 = 4;
 
 /// The encoder for `model`; the encoders are built once per process and shared.
 fn encoder(model: Option<&str>) -> &'static CoreBPE {
-    match model.and_then(get_tokenizer) {
+    encoder_of(model.and_then(get_tokenizer))
+}
+
+/// The encoder of a tokenizer (`None`: the default, `o200k_base`).
+fn encoder_of(tokenizer: Option<Tokenizer>) -> &'static CoreBPE {
+    match tokenizer {
         Some(Tokenizer::Cl100kBase) => tiktoken_rs::cl100k_base_singleton(),
         Some(Tokenizer::P50kBase) => tiktoken_rs::p50k_base_singleton(),
         Some(Tokenizer::R50kBase | Tokenizer::Gpt2) => tiktoken_rs::r50k_base_singleton(),
@@ -42,11 +47,11 @@ pub fn count_text(model: Option<&str>, text: &str) -> u32 {
     if text.is_empty() {
         return 0;
     }
-    let n = encoder(model).encode_with_special_tokens(text).len();
-    if matches!(
-        model.and_then(get_tokenizer),
-        Some(Tokenizer::O200kBase) | None
-    ) {
+    let tokenizer = model.and_then(get_tokenizer);
+    let n = encoder_of(tokenizer).encode_with_special_tokens(text).len();
+    // The first count with the default encoder loaded it: say so once (one model lookup per
+    // count, and no shared write once warm).
+    if !WARM.load(Ordering::Relaxed) && matches!(tokenizer, Some(Tokenizer::O200kBase) | None) {
         WARM.store(true, Ordering::Release);
     }
     u32::try_from(n).unwrap_or(u32::MAX)

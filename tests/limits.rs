@@ -114,7 +114,7 @@ async fn a_commit_never_leaves_more_than_max_messages() {
 }
 
 #[tokio::test]
-async fn a_long_trim_goes_in_batches_and_ends_within_max_messages() {
+async fn a_conversation_far_over_max_messages_is_trimmed_to_it_and_goes_on() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = Proxy::start(&mock, dir.path(), "").await;

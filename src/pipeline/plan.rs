@@ -298,10 +298,11 @@ pub async fn start_due(
     memory: &Memory,
     settings: &MemorySettings,
     plan: &mut Plan,
-    credentials: Credentials,
+    credentials: impl FnOnce() -> Credentials,
 ) -> Option<DeferredSummary> {
     let mut job = plan.summary_due.take()?;
-    job.credentials = credentials;
+    // Copied from the request only when a summary is due.
+    job.credentials = credentials();
     if settings.compression_async {
         return Some(DeferredSummary::new(Arc::clone(&memory.summarizer), job));
     }

@@ -242,7 +242,7 @@ async fn before(
     match planned {
         Ok(mut plan) => {
             let deferred =
-                start_due(memory, settings, &mut plan, credentials(&parts.headers)).await;
+                start_due(memory, settings, &mut plan, || credentials(&parts.headers)).await;
             record_plan(state, &plan);
             Ok(Before {
                 body: Bytes::from(request.body_with_messages(plan.prompt.messages())),
