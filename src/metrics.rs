@@ -200,6 +200,7 @@ pub struct Metrics {
     tokens_forwarded: Counter,
     tokens_history: Counter,
     store_size: Gauge,
+    store_up: Gauge,
     cached_conversations: Gauge,
     recall_cache_bytes: Gauge,
     cache_lookups: Family<CacheLabels, Counter>,
@@ -300,6 +301,12 @@ impl Metrics {
             Unit::Bytes,
             store_size.clone(),
         );
+        let store_up = Gauge::default();
+        registry.register(
+            "store_up",
+            "1 when the store was opened and takes writes, with no conversation found unreadable; 0 when memory is off or degraded (see /readyz)",
+            store_up.clone(),
+        );
         let cached_conversations = Gauge::default();
         registry.register(
             "cached_conversations",
@@ -374,6 +381,7 @@ impl Metrics {
             tokens_forwarded,
             tokens_history,
             store_size,
+            store_up,
             cached_conversations,
             recall_cache_bytes,
             cache_lookups,
@@ -474,13 +482,31 @@ impl Metrics {
         self.admin_deletions.inc_by(count as u64);
     }
 
-    /// The scrape: OpenMetrics text, with the memory core's gauges and counters read now.
-    pub fn render(&self, memory: &Memory) -> String {
+    /// The scrape: OpenMetrics text, with the memory core's gauges and counters read now
+    /// (`None`: the store could not be opened; only the edge's own figures are there).
+    pub fn render(&self, memory: Option<&Memory>) -> String {
         let _scrape = self
             .scrape
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match memory {
+            Some(memory) => self.mirror(memory),
+            None => {
+                self.store_up.set(0);
+            }
+        }
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+
+    /// Reads the memory core's gauges and counters into the registry.
+    fn mirror(&self, memory: &Memory) {
         let store = &memory.store;
+        let up = store.write_failure().is_none() && store.damaged_conversations() == 0;
+        self.store_up.set(i64::from(up));
         self.store_size
             .set(i64::try_from(store.size_on_disk()).unwrap_or(i64::MAX));
         self.cached_conversations
@@ -523,11 +549,6 @@ impl Metrics {
             &self.summary_output_tokens,
             counters.completion_tokens.load(Ordering::Relaxed),
         );
-        let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
     }
 }
 

@@ -139,9 +139,7 @@ async fn a_long_trim_goes_in_batches_and_ends_within_max_messages() {
         })
         .collect();
     proxy
-        .state
-        .memory
-        .store
+        .store()
         .import_conversation(&key, messages, vec![], ImportMeta::default())
         .unwrap();
     let answer = chat(
