@@ -175,7 +175,7 @@ fn fixture(runtime: &tokio::runtime::Runtime, n: usize) -> Fixture {
         conversation: format!("bench-{n}"),
     };
     let history = conversation(n, 7 + n as u64);
-    let handle = state.memory.store.conversation(&key).unwrap();
+    let handle = state.memory().unwrap().store.conversation(&key).unwrap();
     {
         let mut conv = lock(&handle);
         let add = history
@@ -195,7 +195,8 @@ fn fixture(runtime: &tokio::runtime::Runtime, n: usize) -> Fixture {
             })
             .collect();
         state
-            .memory
+            .memory()
+            .unwrap()
             .store
             .commit(
                 &mut conv,
@@ -225,7 +226,7 @@ fn settings() -> MemorySettings {
 
 fn run_plan(f: &Fixture, question: &Message) -> usize {
     let p = plan(
-        &f.state.memory,
+        f.state.memory().unwrap(),
         &f.key,
         &settings(),
         limits(&f.state),
@@ -299,7 +300,13 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
     let mut group = c.benchmark_group("reconcile_full_resend");
     for n in [1_000usize, 10_000] {
         let f = fixture(runtime, n);
-        let handle = f.state.memory.store.conversation(&f.key).unwrap();
+        let handle = f
+            .state
+            .memory()
+            .unwrap()
+            .store
+            .conversation(&f.key)
+            .unwrap();
         let conv = lock(&handle);
         let mut incoming: Vec<Mark> = f.history.iter().map(Mark::from).collect();
         incoming.push(Mark::from(&message(Role::User, "and one more thing")));
@@ -321,7 +328,7 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
         b.iter(|| {
             let question = message(Role::User, &sentence(&mut rng, 12));
             let p = plan(
-                &f.state.memory,
+                f.state.memory().unwrap(),
                 &f.key,
                 &settings(),
                 limits(&f.state),
@@ -334,7 +341,10 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
             )
             .unwrap();
             runtime
-                .block_on(p.exchange.commit(Arc::clone(&f.state.memory), reply))
+                .block_on(
+                    p.exchange
+                        .commit(Arc::clone(f.state.memory().unwrap()), reply),
+                )
                 .unwrap()
         })
     });

@@ -264,7 +264,8 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
     }
     outcome.summaries = harness
         .state
-        .memory
+        .memory()
+        .unwrap()
         .summarizer
         .counters
         .made
@@ -324,7 +325,7 @@ async fn trigger_latency(
             let triggered = match at_turns.get(sample) {
                 Some(at) => turn == *at,
                 None => {
-                    harness.state.memory.summarizer.in_flight(&key)
+                    harness.state.memory().unwrap().summarizer.in_flight(&key)
                         || !harness.mock.summary_requests().is_empty()
                 }
             };
@@ -343,7 +344,7 @@ async fn trigger_latency(
         }
         // Let the summary finish before the next conversation, so jobs do not overlap.
         let started = Instant::now();
-        while harness.state.memory.summarizer.in_flight(&key)
+        while harness.state.memory().unwrap().summarizer.in_flight(&key)
             && started.elapsed() < Duration::from_secs(30)
         {
             tokio::time::sleep(Duration::from_millis(10)).await;

@@ -44,6 +44,10 @@ pub enum Command {
     /// memproxy (the admin API's operations, offline).
     #[command(subcommand)]
     Conversations(crate::admin::offline::ConversationsCommand),
+    /// Check the data directory of a stopped memproxy for damage, or salvage what can be read
+    /// into a fresh one.
+    #[command(subcommand)]
+    Store(crate::admin::store_cli::StoreCommand),
 }
 
 impl Cli {

@@ -91,6 +91,17 @@ impl Memory {
         }
     }
 
+    /// Checks that the store takes writes, reopening it when its writes failed and a retry is
+    /// due (`store/health.rs`); after a reopen the recall indexes are dropped too, as they may
+    /// cover writes that were never durable. An error means memory is off for now: the
+    /// caller goes on without it. Blocks.
+    pub fn writable(&self) -> Result<(), StoreError> {
+        if self.store.writable()? {
+            self.recall.forget_all();
+        }
+        Ok(())
+    }
+
     /// Remembers the TTL a chat request ran with; called by the commit once the request's
     /// exchange is stored, so a request that stores nothing writes no TTL either. A failure is
     /// logged, never returned: TTL bookkeeping must not fail a chat request.

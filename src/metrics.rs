@@ -228,6 +228,7 @@ pub struct Metrics {
     tokens_forwarded: Counter,
     tokens_history: Counter,
     store_size: Gauge,
+    store_up: Gauge,
     cached_conversations: Gauge,
     recall_cache_bytes: Gauge,
     cache_lookups: Family<CacheLabels, Counter>,
@@ -333,6 +334,12 @@ impl Metrics {
             "Size of the store on disk",
             Unit::Bytes,
             store_size.clone(),
+        );
+        let store_up = Gauge::default();
+        registry.register(
+            "store_up",
+            "1 when the store was opened and takes writes, with no conversation found unreadable; 0 when memory is off or degraded (see /readyz)",
+            store_up.clone(),
         );
         let cached_conversations = Gauge::default();
         registry.register(
@@ -448,6 +455,7 @@ impl Metrics {
             tokens_forwarded,
             tokens_history,
             store_size,
+            store_up,
             cached_conversations,
             recall_cache_bytes,
             cache_lookups,
@@ -573,19 +581,36 @@ impl Metrics {
     }
 
     /// The scrape: OpenMetrics text, with the memory core's and the memory guard's gauges and
-    /// counters read now.
-    pub fn render(&self, memory: &Memory, guard: &MemoryGuard) -> String {
+    /// counters read now (`memory` is `None` when the store could not be opened; only the edge's
+    /// own figures are there then).
+    pub fn render(&self, memory: Option<&Memory>, guard: &MemoryGuard) -> String {
         let _scrape = self
             .scrape
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let gauge = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
         self.resident_memory
             .set(gauge(guard.resident_bytes().unwrap_or(0)));
         self.memory_budget.set(gauge(guard.budget().total));
         self.memory_high_water.set(gauge(guard.budget().high_water));
         self.memory_in_flight.set(gauge(guard.reserved_bytes()));
+        match memory {
+            Some(memory) => self.mirror(memory),
+            None => {
+                self.store_up.set(0);
+            }
+        }
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+
+    /// Reads the memory core's gauges and counters into the registry.
+    fn mirror(&self, memory: &Memory) {
         let store = &memory.store;
+        let up = store.write_failure().is_none() && store.damaged_conversations() == 0;
+        self.store_up.set(i64::from(up));
         self.store_size.set(gauge(store.size_on_disk()));
         self.cached_conversations
             .set(gauge(store.cached_conversations()));
@@ -631,12 +656,12 @@ impl Metrics {
             &self.summary_output_tokens,
             counters.completion_tokens.load(Ordering::Relaxed),
         );
-        let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
     }
+}
+
+/// A byte count or a count as a gauge's value.
+fn gauge(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 /// Brings a counter mirrored from elsewhere up to `value` (counters only grow).

@@ -20,7 +20,7 @@ use crate::error::{ProxyError, json_response};
 use crate::identity::{Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
 use crate::proxy::identify::{PathIds, credential_of, identify};
-use crate::proxy::{self, MemoryStatus, set_memory_headers};
+use crate::proxy::{self, DegradedReason, MemoryStatus, set_degraded_reason, set_memory_headers};
 use crate::state::AppState;
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -80,7 +80,7 @@ async fn route(
         (&Method::GET, "/healthz") => {
             return Ok(json_response(StatusCode::OK, r#"{"status":"ok"}"#));
         }
-        (&Method::GET, "/readyz") => return Ok(readiness(state)),
+        (&Method::GET, "/readyz") => return Ok(readiness(state).await),
         (&Method::GET, "/metrics") => return Ok(metrics(state, request.headers())),
         _ => {}
     }
@@ -118,10 +118,22 @@ async fn route(
     let api_path = api_path.to_string();
 
     match (identity.key, identity.conversation) {
-        (Some(key), _) => {
-            let (parts, body) = request.into_parts();
-            proxy::chat::chat(state, parts, body, key, identity.settings, &api_path).await
-        }
+        (Some(key), _) => match &state.memory {
+            Ok(memory) => {
+                let (parts, body) = request.into_parts();
+                let settings = identity.settings;
+                proxy::chat::chat(state, memory, parts, body, key, settings, &api_path).await
+            }
+            // No store: the request goes through untouched, said in its headers (the cause was
+            // logged once at start and is in `/readyz`).
+            Err(_) => {
+                let mut response = proxy::passthrough(state, request, &api_path).await?;
+                let status = MemoryStatus::Degraded;
+                set_memory_headers(&mut response, status, &key.conversation, None);
+                set_degraded_reason(&mut response, DegradedReason::StoreUnavailable);
+                Ok(response)
+            }
+        },
         (None, Some(conversation)) if is_chat => {
             let mut response = proxy::passthrough(state, request, &api_path).await?;
             set_memory_headers(&mut response, MemoryStatus::Off, &conversation, None);
@@ -194,7 +206,9 @@ fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
         return crate::admin::AdminError::Unauthorized.into_response();
     }
     let mut response = Response::new(full(
-        state.metrics.render(&state.memory, &state.memory_guard),
+        state
+            .metrics
+            .render(state.memory().map(|m| &**m), &state.memory_guard),
     ));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -203,20 +217,42 @@ fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
     response
 }
 
-fn readiness(state: &AppState) -> Response<ProxyBody> {
-    let store = state.memory.store.is_ready();
+/// `GET /readyz`: 200 when the store and the tokenizer are ready, else 503 with the reason
+/// (`{"status":"unavailable","store":false,...,"reason":"..."}`). A store whose writes failed
+/// is retried here too (`store/health.rs`), so probes alone bring memory back once the disk has
+/// room again.
+async fn readiness(state: &AppState) -> Response<ProxyBody> {
+    let reason = match &state.memory {
+        Err(unavailable) => Some(format!("memory is off: {unavailable}")),
+        Ok(memory) => {
+            let memory = Arc::clone(memory);
+            tokio::task::spawn_blocking(move || {
+                // A failure is in the reason below.
+                let _ = memory.writable();
+                memory.store.unready_reason()
+            })
+            .await
+            .unwrap_or_else(|_| Some("the store check failed".to_string()))
+        }
+    };
+    let store = reason.is_none();
     let tokenizer = crate::tokens::is_warm();
     let ready = store && tokenizer;
-    let body = format!(
-        r#"{{"status":"{}","store":{store},"tokenizer":{tokenizer},"upstream":true}}"#,
-        if ready { "ready" } else { "unavailable" }
-    );
+    let mut body = serde_json::json!({
+        "status": if ready { "ready" } else { "unavailable" },
+        "store": store,
+        "tokenizer": tokenizer,
+        "upstream": true,
+    });
+    if let Some(reason) = reason {
+        body["reason"] = serde_json::Value::String(reason);
+    }
     let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    json_response(status, body)
+    json_response(status, body.to_string())
 }
 
 #[cfg(test)]

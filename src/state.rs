@@ -9,29 +9,35 @@ use crate::config::Config;
 use crate::memory::{self, Memory};
 use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
-use crate::store::{Store, StoreError};
+use crate::store::Store;
 use crate::ttl::Sweeper;
 use crate::upstream::{Upstream, UpstreamSetupError};
 
 /// Why memproxy could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("cannot create the data directory {path}: {source}")]
-    DataDir {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("cannot open the store: {0}")]
-    Store(#[from] StoreError),
     #[error("cannot set up the upstream client: {0}")]
     Upstream(#[from] UpstreamSetupError),
+}
+
+/// Why memory is off for the whole process: the store could not be opened, or failed its
+/// first read, at start (`store/health.rs`). Memproxy serves on without it (chat requests go
+/// upstream with the client's own messages and `X-Memory-Status: degraded`); the reason is in
+/// `/readyz` and logged once at warn level. It is not retried: a damaged store does not heal;
+/// restart once it is repaired (`memproxy store check`, `memproxy store repair`) or the cause
+/// (permissions, space) is gone.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{reason}")]
+pub struct StoreUnavailable {
+    /// What failed, without secrets or message text.
+    pub reason: String,
 }
 
 #[derive(Debug)]
 pub struct AppState {
     pub config: Arc<Config>,
-    pub memory: Arc<Memory>,
+    /// The memory core, or why there is none.
+    pub memory: Result<Arc<Memory>, StoreUnavailable>,
     pub upstream: Upstream,
     /// The Prometheus registry (`GET /metrics`).
     pub metrics: Metrics,
@@ -43,19 +49,26 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Must be called inside a tokio runtime: the summary worker starts here.
-    pub fn new(config: Arc<Config>, store: Arc<Store>, upstream: Upstream) -> AppState {
+    /// Must be called inside a tokio runtime: the summary worker starts here (when there is a
+    /// store).
+    pub fn new(
+        config: Arc<Config>,
+        store: Result<Arc<Store>, StoreUnavailable>,
+        upstream: Upstream,
+    ) -> AppState {
         let boot = crate::store::now_ms() as u64 & 0xff_ffff;
-        let memory = Memory::new(
-            store,
-            Arc::new(upstream.clone()),
-            config.compression.clone(),
-            config.recall_cache_bytes,
-        );
+        let memory = store.map(|store| {
+            Arc::new(Memory::new(
+                store,
+                Arc::new(upstream.clone()),
+                config.compression.clone(),
+                config.recall_cache_bytes,
+            ))
+        });
         AppState {
             memory_guard: MemoryGuard::new(config.memory_budget),
             config,
-            memory: Arc::new(memory),
+            memory,
             upstream,
             metrics: Metrics::new(),
             next_request: AtomicU64::new(1),
@@ -63,25 +76,30 @@ impl AppState {
         }
     }
 
-    /// Opens the store (creating the data directory) and the upstream client for `config`.
-    /// Must run inside a tokio runtime.
+    /// Opens the store (creating the data directory) and the upstream client for `config`. A
+    /// store that cannot be opened is no error: memproxy then runs without memory (see
+    /// [`StoreUnavailable`]). Must run inside a tokio runtime.
     pub fn build(config: Config) -> Result<Arc<AppState>, StartError> {
-        std::fs::create_dir_all(&config.data_dir).map_err(|source| StartError::DataDir {
-            path: config.data_dir.display().to_string(),
-            source,
-        })?;
-        let store = Store::open(&config.data_dir, memory::store_options(&config))?;
+        let store = open_store(&config);
+        if let Err(unavailable) = &store {
+            tracing::warn!(
+                reason = %unavailable,
+                "memory is off: the store could not be opened; requests go upstream with their own messages (X-Memory-Status: degraded) and /readyz answers 503 until memproxy is restarted on a working store"
+            );
+        }
         let upstream = Upstream::new(&config.upstream)?;
-        Ok(Arc::new(AppState::new(
-            Arc::new(config),
-            Arc::new(store),
-            upstream,
-        )))
+        Ok(Arc::new(AppState::new(Arc::new(config), store, upstream)))
     }
 
-    /// Starts the TTL sweeper over this state's memory.
-    pub fn start_sweeper(&self) -> Sweeper {
-        Sweeper::start(Arc::clone(&self.memory), Arc::clone(&self.config))
+    /// The memory core, when the store opened.
+    pub fn memory(&self) -> Option<&Arc<Memory>> {
+        self.memory.as_ref().ok()
+    }
+
+    /// Starts the TTL sweeper over this state's memory (none without a store).
+    pub fn start_sweeper(&self) -> Option<Sweeper> {
+        let memory = self.memory()?;
+        Some(Sweeper::start(Arc::clone(memory), Arc::clone(&self.config)))
     }
 
     /// A fresh request id, unique within this process and unlikely to repeat across restarts.
@@ -89,4 +107,14 @@ impl AppState {
         let n = self.next_request.fetch_add(1, Ordering::Relaxed);
         format!("req-{:06x}-{n}", self.boot)
     }
+}
+
+/// The store under `config.data_dir`, created if missing, or why it cannot be used.
+fn open_store(config: &Config) -> Result<Arc<Store>, StoreUnavailable> {
+    let unavailable = |reason: String| StoreUnavailable { reason };
+    std::fs::create_dir_all(&config.data_dir)
+        .map_err(|err| unavailable(format!("cannot create the data directory: {err}")))?;
+    Store::open(&config.data_dir, memory::store_options(config))
+        .map(Arc::new)
+        .map_err(|err| unavailable(format!("the store could not be opened: {err}")))
 }

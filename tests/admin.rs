@@ -37,7 +37,7 @@ async fn converse(proxy: &Proxy, token: &str, agent: &str, id: &str, marker: &st
 /// Writes a summary record for a conversation the way the compression stage does.
 fn put_summary(proxy: &Proxy, token: &str, agent: &str, id: &str, number: u64, to_turn: u64) {
     let key = key_for(Some(token), agent, id);
-    let store = &proxy.state.memory.store;
+    let store = proxy.store();
     let meta = store.meta(&key).unwrap().unwrap();
     let record = json!({
         "number": number, "text": format!("summary {number} of {id}"), "from_turn": 1,
@@ -397,7 +397,7 @@ async fn delete_removes_every_trace_and_nothing_else() {
     converse(&proxy, OTHER, "default", "gone", "other-tenant-text", 2).await;
     put_summary(&proxy, TOKEN, "default", "gone", 1, 4);
     let key = key_for(Some(TOKEN), "default", "gone");
-    let workspace = workspace_dir(proxy.state.memory.store.data_dir(), &key);
+    let workspace = workspace_dir(proxy.store().data_dir(), &key);
     std::fs::create_dir_all(&workspace).unwrap();
     std::fs::write(workspace.join("summary-1.md"), "zebra-secret summary").unwrap();
     // Warm the recall index and the caches.
@@ -451,16 +451,8 @@ async fn delete_removes_every_trace_and_nothing_else() {
         !workspace.parent().unwrap().parent().unwrap().exists(),
         "the tenant's empty workspace folder is gone too"
     );
-    assert!(
-        proxy
-            .state
-            .memory
-            .store
-            .data_dir()
-            .join("workspaces")
-            .exists()
-    );
-    assert!(proxy.state.memory.store.meta(&key).unwrap().is_none());
+    assert!(proxy.store().data_dir().join("workspaces").exists());
+    assert!(proxy.store().meta(&key).unwrap().is_none());
     for suffix in ["", "/stats", "/export"] {
         let path = format!("{}{suffix}", conversation_path(TOKEN, "default", "gone"));
         assert_eq!(admin(&proxy, "GET", &path, "").await.status, 404, "{path}");
@@ -548,8 +540,8 @@ async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
         task.await.unwrap();
     }
     let key = key_for(Some(TOKEN), "default", "busy");
-    if let Some(meta) = proxy.state.memory.store.meta(&key).unwrap() {
-        let messages = proxy.state.memory.store.all_messages(&key, &meta).unwrap();
+    if let Some(meta) = proxy.store().meta(&key).unwrap() {
+        let messages = proxy.store().all_messages(&key, &meta).unwrap();
         assert_eq!(messages.len() as u64, meta.message_count);
         assert_eq!(
             messages.iter().map(|m| u64::from(m.tokens)).sum::<u64>(),
@@ -634,13 +626,13 @@ async fn cross_tenant_attempts_fail() {
 
     // Deleting the other tenant leaves this one whole.
     let their_files = workspace_dir(
-        proxy.state.memory.store.data_dir(),
+        proxy.store().data_dir(),
         &key_for(Some(OTHER), "default", "theirs"),
     );
     std::fs::create_dir_all(&their_files).unwrap();
     std::fs::write(their_files.join("notes.md"), "private-of-other").unwrap();
     let my_files = workspace_dir(
-        proxy.state.memory.store.data_dir(),
+        proxy.store().data_dir(),
         &key_for(Some(TOKEN), "default", "mine"),
     );
     std::fs::create_dir_all(&my_files).unwrap();
@@ -902,7 +894,7 @@ async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     assert!(!store_contains(&proxy.state, "late-summary-text"));
     let key = key_for(Some(TOKEN), "default", "racing");
-    assert!(!workspace_dir(proxy.state.memory.store.data_dir(), &key).exists());
+    assert!(!workspace_dir(proxy.store().data_dir(), &key).exists());
 }
 
 #[tokio::test]
@@ -927,14 +919,14 @@ async fn preview_writes_no_summary_not_even_the_heuristic_stand_in() {
     )
     .await;
     assert_eq!(preview.status, 200, "{:?}", preview.body);
-    let store = &proxy.state.memory.store;
+    let store = proxy.store();
     let key = key_for(Some(TOKEN), "default", "c");
     let id = store.meta(&key).unwrap().unwrap().id;
     assert!(
         store.latest_summary(&key, id).unwrap().is_none(),
         "the preview stored a summary"
     );
-    assert!(!proxy.state.memory.summarizer.in_flight(&key));
+    assert!(!proxy.state.memory().unwrap().summarizer.in_flight(&key));
 }
 
 /// The property names `schema` documents, through `$ref` and `allOf`, with their schemas.

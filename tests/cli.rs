@@ -6,30 +6,16 @@
 mod support;
 #[path = "support/admin.rs"]
 mod support_admin;
+#[path = "support/cli.rs"]
+mod support_cli;
 
-use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
 use serde_json::Value;
 use support::mock_upstream::MockUpstream;
 use support::*;
 use support_admin::*;
-
-/// Runs `memproxy --data-dir DIR ARGS...` in an empty working directory, with no MEMPROXY_*
-/// variables from the environment.
-fn memproxy(data_dir: &Path, args: &[&str]) -> Output {
-    let cwd = tempfile::tempdir().unwrap();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_memproxy"));
-    command
-        .current_dir(cwd.path())
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .arg("--data-dir")
-        .arg(data_dir)
-        .args(args)
-        .stdin(Stdio::null());
-    command.output().unwrap()
-}
+use support_cli::memproxy;
 
 fn stdout_json(output: &Output) -> Value {
     assert!(

@@ -292,9 +292,7 @@ async fn a_chat_body_stalled_midway_gets_408_and_nothing_is_forwarded() {
     assert!(mock.recorded().is_empty());
     assert!(
         proxy
-            .state
-            .memory
-            .store
+            .store()
             .meta(&key(Some(TOKEN), "stalled"))
             .unwrap()
             .is_none()

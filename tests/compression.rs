@@ -102,7 +102,7 @@ async fn sync_mode_summarizes_on_the_turn_that_crosses_the_threshold() {
     assert!(prompt.contains("[earlier turn #1 at "));
 
     // The record and its Markdown copy.
-    let store = &proxy.state.memory.store;
+    let store = proxy.store();
     let handle = store.conversation(&key(Some(TOKEN), "sync")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
     let record = store
@@ -138,7 +138,13 @@ async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
         let started = Instant::now();
         let answer = chat(&proxy, "async", &body(&[user(&line(i))]), &[]).await;
         let took = started.elapsed();
-        if proxy.state.memory.summarizer.in_flight(&conversation) {
+        if proxy
+            .state
+            .memory()
+            .unwrap()
+            .summarizer
+            .in_flight(&conversation)
+        {
             // The triggering turn only queued the job: it neither waited for the model nor
             // made the stand-in itself.
             assert!(
@@ -153,7 +159,7 @@ async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
     let triggered = triggered.expect("the threshold was crossed");
     // While the model works, the worker's heuristic stand-in is in the prompt.
     wait_for("the stand-in", || {
-        let store = &proxy.state.memory.store;
+        let store = proxy.store();
         let handle = store.conversation(&conversation).unwrap();
         let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
         store.latest_summary(&conversation, id).unwrap().is_some()
@@ -162,7 +168,7 @@ async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
     let answer = chat(&proxy, "async", &body(&[user(&line(triggered + 1))]), &[]).await;
     assert!(answer.header("x-memory-summary").ends_with("heuristic"));
     wait_for("the summary record", || {
-        let store = &proxy.state.memory.store;
+        let store = proxy.store();
         let handle = store.conversation(&key(Some(TOKEN), "async")).unwrap();
         let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
         store
@@ -237,7 +243,7 @@ async fn summaries_are_throttled_and_progressive() {
     let second = prompt(1);
     let second_turns = turns_in(&second);
     // The second prompt carries the first summary's text and only later turns.
-    let store = &proxy.state.memory.store;
+    let store = proxy.store();
     let handle = store.conversation(&key(Some(TOKEN), "fast")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
     let records: Vec<_> = store
@@ -293,7 +299,8 @@ async fn a_failing_summarizer_leaves_chat_working_with_a_heuristic_stand_in() {
     assert_eq!(
         proxy
             .state
-            .memory
+            .memory()
+            .unwrap()
             .summarizer
             .counters
             .failed
@@ -338,13 +345,15 @@ async fn shutdown_waits_for_a_summary_in_flight() {
     .unwrap();
     let state = memproxy::state::AppState::build(config).unwrap();
     let handle = state
-        .memory
+        .memory()
+        .unwrap()
         .store
         .conversation(&key(Some(TOKEN), "bye"))
         .unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
     let texts: Vec<String> = state
-        .memory
+        .memory()
+        .unwrap()
         .store
         .summaries(&key(Some(TOKEN), "bye"), id)
         .unwrap()
@@ -419,7 +428,7 @@ async fn backlogs_are_summarized_in_bounded_calls_and_summaries_are_capped() {
         .count();
     assert!((1..=8).contains(&lines), "{lines} messages in one call");
     assert!(prompt.contains("under 40 tokens"));
-    let store = &proxy.state.memory.store;
+    let store = proxy.store();
     let handle = store.conversation(&key(Some(TOKEN), "backlog")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
     let record = store
@@ -454,7 +463,7 @@ async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval()
     .await;
     send_backlog(&proxy, "catch-up", 30).await;
 
-    let store = &proxy.state.memory.store;
+    let store = proxy.store();
     let handle = store.conversation(&key(Some(TOKEN), "catch-up")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
     // Bounded: 62 messages at about 20 tokens, 100 tokens per call. Each request makes the
@@ -512,7 +521,7 @@ async fn a_summary_due_on_a_failed_request_is_still_made() {
     assert_eq!(answer.status, 500);
     // The job went to the worker anyway: the stand-in, then the model's summary.
     wait_for("the summary call", || !mock.summary_requests().is_empty()).await;
-    let store = &proxy.state.memory.store;
+    let store = proxy.store();
     let handle = store.conversation(&key(Some(TOKEN), "failed")).unwrap();
     let id = memproxy::store::lock(&handle).meta.as_ref().unwrap().id;
     wait_for("the model summary", || {

@@ -29,24 +29,6 @@ const SETTINGS: &str = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 1
 /// The text a sealed value starts with (`src/store/seal.rs`).
 const SEALED: &[u8] = b"sealed:v1:";
 
-/// Every file under `dir`, with its bytes.
-fn files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(folder) = stack.pop() {
-        for entry in std::fs::read_dir(&folder).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-            } else {
-                let bytes = std::fs::read(&path).unwrap();
-                out.push((path, bytes));
-            }
-        }
-    }
-    out
-}
-
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }

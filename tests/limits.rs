@@ -139,9 +139,7 @@ async fn a_conversation_far_over_max_messages_is_trimmed_to_it_and_goes_on() {
         })
         .collect();
     proxy
-        .state
-        .memory
-        .store
+        .store()
         .import_conversation(&key, messages, vec![], vec![], ImportMeta::default())
         .unwrap();
     let answer = chat(

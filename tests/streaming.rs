@@ -250,7 +250,11 @@ async fn shutdown_lets_a_stream_in_flight_finish_and_stores_it() {
     );
     stopping.await.unwrap();
     assert_eq!(
-        summarize(&stored_in(&state.memory.store, Some(TOKEN), "drain")),
+        summarize(&stored_in(
+            &state.memory().unwrap().store,
+            Some(TOKEN),
+            "drain"
+        )),
         [
             "user:finish me please",
             "assistant:reply to: finish me please"

@@ -26,7 +26,7 @@ async fn store_one(proxy: &Proxy, id: &str, text: &str, extra: &[(&str, &str)]) 
 
 fn exists(proxy: &Proxy, agent: &str, id: &str) -> bool {
     let key = key_for(Some(TOKEN), agent, id);
-    proxy.state.memory.store.meta(&key).unwrap().is_some()
+    proxy.store().meta(&key).unwrap().is_some()
 }
 
 #[test]
@@ -139,11 +139,15 @@ async fn idle_conversations_are_deleted_once_past_their_ttl() {
     assert_eq!(ttl_of("forever"), serde_json::Value::Null);
 
     let mut cursor = Cursor::default();
-    let pass = sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
+    let pass = sweep_pass(state.memory().unwrap(), &state.config, &mut cursor).unwrap();
     assert_eq!((pass.scanned, pass.deleted), (4, 0));
 
-    state.memory.clock.advance(Duration::from_secs(2 * 3600));
-    let pass = sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
+    state
+        .memory()
+        .unwrap()
+        .clock
+        .advance(Duration::from_secs(2 * 3600));
+    let pass = sweep_pass(state.memory().unwrap(), &state.config, &mut cursor).unwrap();
     assert_eq!(pass.deleted, 1);
     assert!(!exists(&proxy, "short", "profile-ttl"));
     assert!(
@@ -153,21 +157,30 @@ async fn idle_conversations_are_deleted_once_past_their_ttl() {
     assert!(exists(&proxy, "default", "header-ttl"));
     assert!(exists(&proxy, "short", "override"));
 
-    state.memory.clock.advance(Duration::from_secs(86_400));
-    sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
+    state
+        .memory()
+        .unwrap()
+        .clock
+        .advance(Duration::from_secs(86_400));
+    sweep_pass(state.memory().unwrap(), &state.config, &mut cursor).unwrap();
     assert!(!exists(&proxy, "default", "header-ttl"));
     assert!(!store_contains(state, "day-long secret"));
     assert!(exists(&proxy, "short", "override"));
     assert!(exists(&proxy, "default", "forever"));
 
-    state.memory.clock.advance(Duration::from_secs(7 * 86_400));
-    sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
+    state
+        .memory()
+        .unwrap()
+        .clock
+        .advance(Duration::from_secs(7 * 86_400));
+    sweep_pass(state.memory().unwrap(), &state.config, &mut cursor).unwrap();
     assert!(!exists(&proxy, "short", "override"));
     state
-        .memory
+        .memory()
+        .unwrap()
         .clock
         .advance(Duration::from_secs(3650 * 86_400));
-    sweep_pass(&state.memory, &state.config, &mut cursor).unwrap();
+    sweep_pass(state.memory().unwrap(), &state.config, &mut cursor).unwrap();
     assert!(exists(&proxy, "default", "forever"), "no TTL: kept forever");
 
     // A deleted conversation's id starts afresh.
@@ -187,20 +200,11 @@ async fn a_conversation_used_again_is_not_swept() {
     let proxy = Proxy::start(&mock, dir.path(), "[memory]\nttl = \"PT1H\"\n").await;
     store_one(&proxy, "c", "first", &[]).await;
     let key = key_for(Some(TOKEN), "default", "c");
-    let before = proxy
-        .state
-        .memory
-        .store
-        .meta(&key)
-        .unwrap()
-        .unwrap()
-        .last_activity_ms;
+    let before = proxy.store().meta(&key).unwrap().unwrap().last_activity_ms;
     // The sweeper decided from an old read; the delete checks idleness again and keeps it.
     assert!(
         proxy
-            .state
-            .memory
-            .store
+            .store()
             .delete_idle_conversation(&key, before)
             .unwrap()
             .is_none()
@@ -208,9 +212,7 @@ async fn a_conversation_used_again_is_not_swept() {
     assert!(exists(&proxy, "default", "c"));
     assert!(
         proxy
-            .state
-            .memory
-            .store
+            .store()
             .delete_idle_conversation(&key, before + 1)
             .unwrap()
             .is_some()
@@ -231,11 +233,21 @@ async fn each_pass_is_bounded_and_the_walk_resumes() {
     for i in 0..7 {
         store_one(&proxy, &format!("c{i}"), &format!("message {i}"), &[]).await;
     }
-    proxy.state.memory.clock.advance(Duration::from_secs(120));
+    proxy
+        .state
+        .memory()
+        .unwrap()
+        .clock
+        .advance(Duration::from_secs(120));
     let mut cursor = Cursor::default();
     let mut passes = 0;
     while (0..7).any(|i| exists(&proxy, "default", &format!("c{i}"))) {
-        let pass = sweep_pass(&proxy.state.memory, &proxy.state.config, &mut cursor).unwrap();
+        let pass = sweep_pass(
+            proxy.state.memory().unwrap(),
+            &proxy.state.config,
+            &mut cursor,
+        )
+        .unwrap();
         assert!(pass.scanned <= 3 && pass.deleted <= 2, "{pass:?}");
         passes += 1;
         assert!(passes < 20, "the sweeper makes progress");
@@ -261,7 +273,8 @@ async fn the_background_sweeper_runs_on_its_interval_and_stops_with_the_server()
     assert!(exists(&proxy, "default", "c"), "not idle long enough yet");
     proxy
         .state
-        .memory
+        .memory()
+        .unwrap()
         .clock
         .advance(Duration::from_secs(2 * 3600));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -302,7 +315,7 @@ async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
         turn: 1,
         role: memproxy::message::Role::User,
         origin: Origin::Client,
-        at_ms: state.memory.clock.now_ms(),
+        at_ms: state.memory().unwrap().clock.now_ms(),
         tokens: 5,
         fingerprint: 42,
         message: serde_json::value::RawValue::from_string(
@@ -311,49 +324,56 @@ async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
         .unwrap(),
     };
     let hint = ImportMeta {
-        last_activity_ms: Some(state.memory.clock.now_ms()),
+        last_activity_ms: Some(state.memory().unwrap().clock.now_ms()),
         ..ImportMeta::default()
     };
     state
-        .memory
+        .memory()
+        .unwrap()
         .store
         .import_conversation(&key, vec![message], vec![], vec![], hint)
         .unwrap();
     // Idle for two hours by the sweeper's clock, past the one-hour TTL.
-    state.memory.clock.advance(Duration::from_secs(2 * 3600));
+    state
+        .memory()
+        .unwrap()
+        .clock
+        .advance(Duration::from_secs(2 * 3600));
 
-    let sweeper = state.start_sweeper();
+    let sweeper = state.start_sweeper().unwrap();
     tokio::time::sleep(Duration::from_secs(9 * 60)).await;
     assert!(
-        state.memory.store.meta(&key).unwrap().is_some(),
+        state.memory().unwrap().store.meta(&key).unwrap().is_some(),
         "no pass before the interval"
     );
     tokio::time::sleep(Duration::from_secs(2 * 60)).await;
     let mut waited = 0;
-    while state.memory.store.meta(&key).unwrap().is_some() {
+    while state.memory().unwrap().store.meta(&key).unwrap().is_some() {
         waited += 1;
         assert!(waited < 100_000, "the pass at the interval did not delete");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    assert!(!state.memory.store.any_trace_of(b"paused secret").unwrap());
+    assert!(
+        !state
+            .memory()
+            .unwrap()
+            .store
+            .any_trace_of(b"paused secret")
+            .unwrap()
+    );
     sweeper.stop().await;
-    state.memory.store.close().await.unwrap();
+    state.memory().unwrap().store.close().await.unwrap();
 }
 
 /// True when the store holds anything of conversation `id`: its TTL record, its record, its
 /// messages (the id is in every key).
 fn any_trace(proxy: &Proxy, id: &str) -> bool {
-    proxy
-        .state
-        .memory
-        .store
-        .any_trace_of(id.as_bytes())
-        .unwrap()
+    proxy.store().any_trace_of(id.as_bytes()).unwrap()
 }
 
 fn ttl_record(proxy: &Proxy, id: &str) -> Option<memproxy::store::TtlRecord> {
     let key = key_for(Some(TOKEN), "default", id);
-    proxy.state.memory.store.ttl_of(&key).unwrap()
+    proxy.store().ttl_of(&key).unwrap()
 }
 
 #[tokio::test]

@@ -13,6 +13,7 @@
 pub mod format;
 pub mod offline;
 pub mod ops;
+pub mod store_cli;
 
 use std::sync::Arc;
 
@@ -27,6 +28,7 @@ use crate::body::{CollectError, ProxyBody, collect_limited};
 use crate::config::hash_key;
 use crate::error::json_response;
 use crate::identity::{ConversationKey, TenantId, bearer_token, is_valid_id};
+use crate::memory::Memory;
 use crate::memory_guard::{self, Reservation};
 use crate::message::ChatRequest;
 use crate::metrics::Refusal;
@@ -109,19 +111,24 @@ async fn route(
     let rest = path
         .strip_prefix(PREFIX)
         .ok_or_else(|| AdminError::NotFound(format!("no admin route for {method} {path}")))?;
+    // Every operation needs the store: without one (it could not be opened at start) the
+    // admin API answers 503, as it would a store whose writes fail.
+    let memory = state
+        .memory
+        .as_ref()
+        .map_err(|unavailable| AdminError::Unavailable(unavailable.to_string()))?;
     let parts: Vec<&str> = rest.split('/').collect();
     let not_found = || AdminError::NotFound(format!("no admin route for {method} {path}"));
     let wrong_method = |allowed: &str| AdminError::MethodNotAllowed(allowed.to_string());
 
     match parts.as_slice() {
         ["conversations"] => match method {
-            Method::GET => ok(ops::list(&state.memory.store, &query)?),
+            Method::GET => ok(ops::list(&memory.store, &query)?),
             _ => Err(wrong_method("GET")),
         },
         ["tenants", tenant] => match method {
             Method::DELETE => {
                 let tenant = tenant_of(tenant)?;
-                let memory = &state.memory;
                 let deleted =
                     ops::delete_tenant_in(&memory.store, &tenant, |key| memory.recall.forget(key))?;
                 state.metrics.admin_deleted(deleted);
@@ -132,10 +139,9 @@ async fn route(
         ["conversations", tenant, agent, id] => {
             let key = key_of(tenant, agent, id)?;
             match method {
-                Method::GET => ok(ops::show(&state.memory.store, &key)?),
+                Method::GET => ok(ops::show(&memory.store, &key)?),
                 Method::DELETE => {
-                    let deleted = state
-                        .memory
+                    let deleted = memory
                         .delete_conversation(&key)?
                         .ok_or_else(|| missing(&key))?;
                     state.metrics.admin_deleted(1);
@@ -149,13 +155,13 @@ async fn route(
             let key = key_of(tenant, agent, id)?;
             match (*action, &method) {
                 ("stats", &Method::GET) => ok(ops::stats(
-                    &state.memory.store,
+                    &memory.store,
                     &key,
                     state.config.profile(&key.agent),
                 )?),
                 ("export", &Method::GET) => {
                     let _reservation = admit(state, None)?;
-                    let export = ops::export(&state.memory.store, &key)?;
+                    let export = ops::export(&memory.store, &key)?;
                     let text = serde_json::to_string(&export)
                         .map_err(|err| AdminError::Internal(err.to_string()))?;
                     Ok(json_response(StatusCode::OK, text))
@@ -165,15 +171,15 @@ async fn route(
                     let _reservation = admit(state, request.body().size_hint().exact())?;
                     let (_, body) = request.into_parts();
                     let bytes = read_body(state, body).await?;
-                    let imported = ops::import(&state.memory.store, &key, &bytes, force_tenant)?;
-                    state.memory.recall.forget(&key);
+                    let imported = ops::import(&memory.store, &key, &bytes, force_tenant)?;
+                    memory.recall.forget(&key);
                     ok(imported)
                 }
                 ("preview", &Method::POST) => {
                     let _reservation = admit(state, request.body().size_hint().exact())?;
                     let (parts, body) = request.into_parts();
                     let bytes = read_body(state, body).await?;
-                    ok(preview(state, &key, &parts.headers, &bytes)?)
+                    ok(preview(state, memory, &key, &parts.headers, &bytes)?)
                 }
                 ("stats" | "export", _) => Err(wrong_method("GET")),
                 ("import" | "preview", _) => Err(wrong_method("POST")),
@@ -262,11 +268,12 @@ async fn read_body(state: &AppState, body: Incoming) -> Result<Bytes, AdminError
 /// headers on the admin request apply as they would on a chat request.
 fn preview(
     state: &AppState,
+    memory: &Memory,
     key: &ConversationKey,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Value, AdminError> {
-    if state.memory.store.meta(key)?.is_none() {
+    if memory.store.meta(key)?.is_none() {
         return Err(missing(key));
     }
     let settings = settings_for(state.config.profile(&key.agent).clone(), headers)?;
@@ -279,7 +286,7 @@ fn preview(
         ..crate::proxy::chat::limits(state)
     };
     let planned = plan(
-        &state.memory,
+        memory,
         key,
         &settings,
         limits,

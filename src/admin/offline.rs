@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use super::ops::{self, AdminError, ListQuery, parse_address};
 use super::tenant_of;
 use crate::config::Config;
-use crate::store::{Durability, Store, StoreOptions};
+use crate::store::{Durability, Store, StoreError, StoreOptions};
 
 /// `memproxy conversations ...`.
 #[derive(Debug, Subcommand)]
@@ -79,6 +79,14 @@ enum OfflineError {
         #[source]
         source: crate::store::StoreError,
     },
+    #[error(
+        "cannot open the store in {dir}: {source}\n  `memproxy store check` reports what of it can be read, `memproxy store repair --into NEW_DIR` salvages it."
+    )]
+    Unreadable {
+        dir: String,
+        #[source]
+        source: crate::store::StoreError,
+    },
     #[error("the data directory {0} does not exist")]
     NoDataDir(String),
     #[error("{0}")]
@@ -115,9 +123,18 @@ fn open(dir: &Path) -> Result<Store, OfflineError> {
         page_cache_bytes: 16 * 1024 * 1024,
         state_cache_bytes: 16 * 1024 * 1024,
     };
-    Store::open(dir, options).map_err(|source| OfflineError::Locked {
-        dir: dir.display().to_string(),
-        source,
+    let dir_name = dir.display().to_string();
+    Store::open(dir, options).map_err(|source| match &source {
+        StoreError::Disk(err) if err.to_string().contains("could not acquire lock") => {
+            OfflineError::Locked {
+                dir: dir_name,
+                source,
+            }
+        }
+        _ => OfflineError::Unreadable {
+            dir: dir_name,
+            source,
+        },
     })
 }
 

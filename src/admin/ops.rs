@@ -29,6 +29,10 @@ pub enum AdminError {
     /// The request body did not come within `server.body_read_timeout`.
     #[error("{0}")]
     RequestTimeout(String),
+    /// The store cannot serve: it could not be opened at start, its writes fail (a full
+    /// disk), or its files are damaged.
+    #[error("the store is unavailable: {0}")]
+    Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
     /// The memory guard did not admit the request: memproxy is at its memory high-water mark.
@@ -55,6 +59,7 @@ impl ApiError for AdminError {
             AdminError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             AdminError::Conflict(_) => StatusCode::CONFLICT,
             AdminError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            AdminError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             AdminError::MemoryBudget => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -68,6 +73,7 @@ impl ApiError for AdminError {
             AdminError::MethodNotAllowed(_) => "method_not_allowed",
             AdminError::Conflict(_) => "conflict",
             AdminError::RequestTimeout(_) => "request_timeout",
+            AdminError::Unavailable(_) => "store_unavailable",
             AdminError::Internal(_) => "internal_error",
             AdminError::MemoryBudget => "memory_budget_exceeded",
         }
@@ -81,7 +87,9 @@ impl ApiError for AdminError {
             | AdminError::RequestTimeout(_) => "invalid_request_error",
             AdminError::Unauthorized => "authentication_error",
             AdminError::NotFound(_) => "not_found_error",
-            AdminError::Internal(_) | AdminError::MemoryBudget => "server_error",
+            AdminError::Unavailable(_) | AdminError::Internal(_) | AdminError::MemoryBudget => {
+                "server_error"
+            }
         }
     }
 
@@ -112,7 +120,11 @@ impl ApiError for AdminError {
 
 impl From<StoreError> for AdminError {
     fn from(err: StoreError) -> AdminError {
-        AdminError::Internal(err.to_string())
+        if err.is_write_failure() || matches!(err, StoreError::Damaged(_)) {
+            AdminError::Unavailable(err.to_string())
+        } else {
+            AdminError::Internal(err.to_string())
+        }
     }
 }
 

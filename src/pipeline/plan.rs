@@ -94,6 +94,9 @@ pub fn plan(
     model: Option<String>,
     messages: Vec<Message>,
 ) -> Result<Plan, PlanError> {
+    // A store whose writes fail (a full disk) is not planned against: what it holds in memory
+    // may never reach the disk. It is retried here, once a retry is due.
+    memory.writable()?;
     let store = &memory.store;
     let mut timings = Timings::default();
     let model_name = model.as_deref();

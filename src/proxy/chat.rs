@@ -17,10 +17,14 @@ use hyper::body::Incoming;
 
 use super::identify::CREDENTIAL_HEADERS;
 use super::tee::{Pending, TeeBody};
-use super::{MemoryStatus, commit, headers_of, passthrough, set_memory_headers};
+use super::{
+    DegradedReason, MemoryStatus, commit, headers_of, passthrough, set_degraded_reason,
+    set_memory_headers,
+};
 use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
+use crate::memory::Memory;
 use crate::memory_guard::{self, Pressure};
 use crate::message::ChatRequest;
 use crate::metrics::{Refusal, ReplyKind, Stage};
@@ -33,11 +37,11 @@ use crate::state::AppState;
 use crate::summary::DeferredSummary;
 use crate::upstream::Forward;
 
-/// What the `before` step made: the body to forward, and the plan (`None`: memory failed, the
+/// What the `before` step made: the body to forward, and the plan (or why memory failed: the
 /// client's own body goes upstream).
 struct Before {
     body: Bytes,
-    plan: Option<Plan>,
+    plan: Result<Plan, DegradedReason>,
     headers: HeaderMap,
     deferred: Option<DeferredSummary>,
 }
@@ -46,6 +50,7 @@ struct Before {
 /// memory off if the memory guard does not admit it.
 pub async fn chat(
     state: &Arc<AppState>,
+    memory: &Arc<Memory>,
     parts: Parts,
     body: Incoming,
     key: ConversationKey,
@@ -55,11 +60,11 @@ pub async fn chat(
     // A body announced past the size limit is refused (413) before anything is read.
     let announced = body.size_hint().exact();
     if announced.is_some_and(|len| len > state.config.body_limit_bytes as u64) {
-        return with_memory(state, parts, body, key, settings, api_path).await;
+        return with_memory(state, memory, parts, body, key, settings, api_path).await;
     }
     match state.memory_guard.admit(memory_guard::estimate(announced)) {
         Ok(reservation) => {
-            let response = with_memory(state, parts, body, key, settings, api_path).await?;
+            let response = with_memory(state, memory, parts, body, key, settings, api_path).await?;
             Ok(response.map(|body| boxed(OnDrop::new(body, move || drop(reservation)))))
         }
         Err(pressure) => degraded(state, parts, body, &key, api_path, pressure).await,
@@ -88,19 +93,21 @@ async fn degraded(
         &key.conversation,
         None,
     );
+    set_degraded_reason(&mut response, DegradedReason::MemoryBudget);
     Ok(response)
 }
 
 /// The chat completion with memory: before, forward, after.
 async fn with_memory(
     state: &Arc<AppState>,
+    memory: &Arc<Memory>,
     parts: Parts,
     body: Incoming,
     key: ConversationKey,
     settings: MemorySettings,
     api_path: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let before = before(state, &parts, body, &key, &settings).await?;
+    let before = before(state, memory, &parts, body, &key, &settings).await?;
     let forwarded = state
         .upstream
         .forward(Forward {
@@ -121,10 +128,14 @@ async fn with_memory(
     head.headers.extend(before.headers);
     let conversation_id = key.conversation.as_str();
 
-    let Some(plan) = before.plan else {
-        let mut response = Response::from_parts(head, boxed(upstream_body));
-        set_memory_headers(&mut response, MemoryStatus::Degraded, conversation_id, None);
-        return Ok(response);
+    let plan = match before.plan {
+        Ok(plan) => plan,
+        Err(reason) => {
+            let mut response = Response::from_parts(head, boxed(upstream_body));
+            set_memory_headers(&mut response, MemoryStatus::Degraded, conversation_id, None);
+            set_degraded_reason(&mut response, reason);
+            return Ok(response);
+        }
     };
 
     if !head.status.is_success() {
@@ -173,6 +184,7 @@ async fn with_memory(
         .upstream
         .read_answer(upstream_body, state.config.response_limit_bytes)
         .await?;
+    let mut degraded = DegradedReason::CommitFailed;
     let (status, turns) = if !settings.persist {
         (MemoryStatus::NotStored, plan.stored_count)
     } else {
@@ -183,7 +195,10 @@ async fn with_memory(
             }
             Some(reply) => match commit(state, plan.exchange, reply, ReplyKind::Json).await {
                 Ok(count) => (MemoryStatus::Stored, count),
-                Err(()) => (MemoryStatus::Degraded, plan.stored_count),
+                Err(reason) => {
+                    degraded = reason;
+                    (MemoryStatus::Degraded, plan.stored_count)
+                }
             },
         }
     };
@@ -195,6 +210,9 @@ async fn with_memory(
     };
     let mut response = Response::from_parts(head, body);
     set_memory_headers(&mut response, status, conversation_id, Some(turns));
+    if status == MemoryStatus::Degraded {
+        set_degraded_reason(&mut response, degraded);
+    }
     Ok(response)
 }
 
@@ -203,6 +221,7 @@ async fn with_memory(
 /// an error: the client's own body is forwarded.
 async fn before(
     state: &AppState,
+    memory: &Arc<Memory>,
     parts: &Parts,
     body: Incoming,
     key: &ConversationKey,
@@ -223,22 +242,41 @@ async fn before(
     // Parsing and planning are CPU and store work, and planning waits for the conversation's
     // lock: both run on the blocking pool, never on a thread that serves other requests.
     let limits = limits(state);
-    let (memory, job_key, job_settings) =
-        (Arc::clone(&state.memory), key.clone(), settings.clone());
-    let (request, planned, bytes) = tokio::task::spawn_blocking(move || {
+    let (job_memory, job_key, job_settings) = (Arc::clone(memory), key.clone(), settings.clone());
+    let client_body = bytes.clone();
+    let planning = tokio::task::spawn_blocking(move || {
         let mut request = ChatRequest::parse(&bytes)?;
         let messages = std::mem::take(&mut request.messages);
         let model = request.model.clone();
-        let planned = plan::plan(&memory, &job_key, &job_settings, limits, model, messages);
+        let planned = plan::plan(
+            &job_memory,
+            &job_key,
+            &job_settings,
+            limits,
+            model,
+            messages,
+        );
         Ok::<_, ProxyError>((request, planned, bytes))
     })
-    .await
-    .map_err(|err| ProxyError::Internal(Box::new(err)))??;
+    .await;
+    let (request, planned, bytes) = match planning {
+        Ok(done) => done?,
+        // A panic while planning (the storage engine can panic on damaged files) is a memory
+        // failure like any other: the client's own body goes upstream.
+        Err(err) => {
+            tracing::error!(error = %err, "planning failed; forwarding the client's own messages");
+            return Ok(Before {
+                body: client_body,
+                plan: Err(DegradedReason::StoreFailed),
+                headers: HeaderMap::new(),
+                deferred: None,
+            });
+        }
+    };
     if let Some(model) = &request.model {
         tracing::Span::current().record("model", model.as_str());
     }
 
-    let memory = &state.memory;
     match planned {
         Ok(mut plan) => {
             let deferred =
@@ -247,15 +285,21 @@ async fn before(
             Ok(Before {
                 body: Bytes::from(request.body_with_messages(plan.prompt.messages())),
                 headers: headers_of(&plan),
-                plan: Some(plan),
+                plan: Ok(plan),
                 deferred,
             })
         }
         Err(PlanError::Store(err)) => {
-            tracing::error!(error = %err, "memory unavailable; forwarding the client's own messages");
+            let degraded = DegradedReason::of(&err);
+            if degraded == DegradedReason::StoreUnwritable {
+                // Said once at warn level when the writes began to fail (`store/health.rs`).
+                tracing::debug!(error = %err, "the store cannot write; forwarding the client's own messages");
+            } else {
+                tracing::error!(error = %err, "memory unavailable; forwarding the client's own messages");
+            }
             Ok(Before {
                 body: bytes,
-                plan: None,
+                plan: Err(degraded),
                 headers: HeaderMap::new(),
                 deferred: None,
             })

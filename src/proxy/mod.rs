@@ -20,6 +20,7 @@ use crate::error::ProxyError;
 use crate::metrics::{ReplyKind, Stage};
 use crate::pipeline::plan::Plan;
 use crate::state::AppState;
+use crate::store::StoreError;
 use crate::upstream::Forward;
 
 pub const STATUS_HEADER: &str = "x-memory-status";
@@ -30,6 +31,7 @@ pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
 pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
 pub const BUDGET_HEADER: &str = "x-memory-budget";
 pub const SUMMARY_HEADER: &str = "x-memory-summary";
+pub const REASON_HEADER: &str = "x-memory-reason";
 
 /// What happened to memory on a request, sent as `X-Memory-Status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +55,50 @@ impl MemoryStatus {
             MemoryStatus::Degraded => "degraded",
         }
     }
+}
+
+/// Why a request went without memory (`X-Memory-Status: degraded`), sent as `X-Memory-Reason`:
+/// a closed set of codes; the details are in the log and in `/readyz`, never in a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DegradedReason {
+    /// The store could not be opened at start: memory is off for the whole process.
+    StoreUnavailable,
+    /// The store's writes fail (a full disk): memory is off until a retry succeeds.
+    StoreUnwritable,
+    /// Reading the conversation failed (a damaged record, a missing key).
+    StoreFailed,
+    /// The exchange was forwarded with memory but could not be stored.
+    CommitFailed,
+    /// The memory guard did not admit the request: memproxy is at its memory high-water mark.
+    MemoryBudget,
+}
+
+impl DegradedReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DegradedReason::StoreUnavailable => "store-unavailable",
+            DegradedReason::StoreUnwritable => "store-unwritable",
+            DegradedReason::StoreFailed => "store-error",
+            DegradedReason::CommitFailed => "commit-failed",
+            DegradedReason::MemoryBudget => "memory-budget",
+        }
+    }
+
+    /// The reason a store error gives.
+    pub fn of(err: &StoreError) -> DegradedReason {
+        if err.is_write_failure() {
+            DegradedReason::StoreUnwritable
+        } else {
+            DegradedReason::StoreFailed
+        }
+    }
+}
+
+/// Sets `X-Memory-Reason`.
+pub fn set_degraded_reason(response: &mut Response<ProxyBody>, reason: DegradedReason) {
+    response
+        .headers_mut()
+        .insert(REASON_HEADER, HeaderValue::from_static(reason.as_str()));
 }
 
 /// Forwards a request untouched: method, path, query, headers (less hop-by-hop and
@@ -87,18 +133,18 @@ pub async fn passthrough(
 }
 
 /// The `after` step's store: commits the exchange and records its time. A failure is logged
-/// here and becomes `X-Memory-Status: degraded`.
+/// here and becomes `X-Memory-Status: degraded` with the returned reason.
 pub async fn commit(
     state: &AppState,
     exchange: crate::pipeline::commit::Exchange,
     reply: Box<serde_json::value::RawValue>,
     kind: ReplyKind,
-) -> Result<usize, ()> {
+) -> Result<usize, DegradedReason> {
+    let Some(memory) = state.memory() else {
+        return Err(DegradedReason::StoreUnavailable);
+    };
     let started = std::time::Instant::now();
-    match exchange
-        .commit(std::sync::Arc::clone(&state.memory), reply)
-        .await
-    {
+    match exchange.commit(std::sync::Arc::clone(memory), reply).await {
         Ok(count) => {
             state
                 .metrics
@@ -108,7 +154,10 @@ pub async fn commit(
         Err(err) => {
             state.metrics.commit_failed(kind);
             tracing::error!(error = %err, reply = kind.as_str(), "storing the exchange failed");
-            Err(())
+            Err(match DegradedReason::of(&err) {
+                DegradedReason::StoreUnwritable => DegradedReason::StoreUnwritable,
+                _ => DegradedReason::CommitFailed,
+            })
         }
     }
 }

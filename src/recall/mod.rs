@@ -180,6 +180,11 @@ impl Recall {
         self.cache.invalidate(key);
     }
 
+    /// Drops every cached index (the store was reopened: they may cover lost writes).
+    pub fn forget_all(&self) {
+        self.cache.invalidate_all();
+    }
+
     /// Heap bytes of all cached indexes (approximate).
     pub fn weighted_size(&self) -> u64 {
         self.cache.run_pending_tasks();

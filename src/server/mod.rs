@@ -110,7 +110,9 @@ pub async fn run(
     // 1. Stop accepting.
     drop(listener);
     // 2. Stop deleting idle conversations (and let the tokenizer's load end).
-    sweeper.stop().await;
+    if let Some(sweeper) = sweeper {
+        sweeper.stop().await;
+    }
     let _ = warming.await;
     // 3. Drain within the grace period: connections finish what they are serving and close.
     let grace = state.config.shutdown_grace;
@@ -132,8 +134,10 @@ pub async fn run(
         while connections.join_next().await.is_some() {}
     }
     // 4. and 5. Let summary jobs in flight finish (or cancel them), then flush the store last.
-    state.memory.shutdown(grace).await?;
-    tracing::info!("store flushed; bye");
+    if let Some(memory) = state.memory() {
+        memory.shutdown(grace).await?;
+        tracing::info!("store flushed; bye");
+    }
     Ok(())
 }
 

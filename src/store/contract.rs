@@ -542,6 +542,21 @@ pub fn flush_and_readiness(engine: &dyn Engine) {
     assert!(!engine.name().is_empty());
 }
 
+pub fn a_reopen_keeps_what_was_flushed(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, version) = create(engine, &k, 2);
+    engine.flush().unwrap();
+    engine.reopen().unwrap();
+    let loaded = engine.load(&k).unwrap();
+    assert_eq!(loaded.version, version);
+    assert_eq!(loaded.entries.len(), 2);
+    assert_eq!(engine.range(&k, id, 0, u64::MAX).unwrap().len(), 2);
+    // It writes on, and never hands out an id again.
+    let (other, _) = create(engine, &key("t", "a", "d"), 1);
+    assert!(other > id);
+    assert!(engine.is_ready());
+}
+
 /// Runs every contract test against the engine `$make()` returns (with a guard that keeps its
 /// resources alive).
 macro_rules! contract_tests {
@@ -558,7 +573,8 @@ macro_rules! contract_tests {
                 a_delete_leaves_nothing,
                 a_branch_closes_with_its_write,
                 a_delete_leaves_no_branch,
-                flush_and_readiness
+                flush_and_readiness,
+                a_reopen_keeps_what_was_flushed
             );
         }
     };

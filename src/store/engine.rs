@@ -41,6 +41,10 @@
 //!   (checked in the same step). Nothing of it is readable afterwards through any method.
 //! - **Durability**: a write is visible to every later read at once; [`Engine::flush`] returns
 //!   once every write acknowledged before it was called survives a crash of this process.
+//! - **Failures to write.** A write or flush that fails on the disk (full, or an I/O error)
+//!   returns [`StoreError::Disk`]; an engine may then refuse every later write until
+//!   [`Engine::reopen`] (sled does). After a reopen, reads see every write a successful flush
+//!   covered and none that no flush did, each exchange whole or not at all.
 //! - Every method may block (disk or network I/O): callers on an async runtime run them
 //!   where blocking is allowed.
 //!
@@ -213,6 +217,11 @@ pub trait Engine: Send + Sync + 'static {
 
     /// Makes every write acknowledged so far durable.
     fn flush(&self) -> Result<(), StoreError>;
+
+    /// Closes the engine's files and opens them again from what is durable: how an engine
+    /// whose writes failed (a full disk) is brought back once the cause is gone. On failure
+    /// every call fails until a later reopen succeeds.
+    fn reopen(&self) -> Result<(), StoreError>;
 
     /// True when the engine answers a read.
     fn is_ready(&self) -> bool;

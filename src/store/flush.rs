@@ -8,12 +8,33 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
+use super::StoreError;
 use super::engine::Engine;
 
 /// Why a flush failed.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("the store could not be flushed to disk: {0}")]
-pub struct FlushError(pub String);
+#[error("the store could not be flushed to disk: {message}")]
+pub struct FlushError {
+    pub message: String,
+    /// A failure to write to disk (see [`StoreError::is_write_failure`]).
+    pub disk: bool,
+}
+
+impl FlushError {
+    fn of(err: &StoreError) -> FlushError {
+        FlushError {
+            message: err.to_string(),
+            disk: err.is_write_failure(),
+        }
+    }
+
+    fn other(message: String) -> FlushError {
+        FlushError {
+            message,
+            disk: false,
+        }
+    }
+}
 
 /// Hands out flush tickets and runs the flushing task.
 #[derive(Debug)]
@@ -44,8 +65,8 @@ impl GroupFlusher {
                 let result = tokio::task::spawn_blocking(move || engine.flush()).await;
                 let error = match result {
                     Ok(Ok(_)) => None,
-                    Ok(Err(err)) => Some(FlushError(err.to_string())),
-                    Err(err) => Some(FlushError(err.to_string())),
+                    Ok(Err(err)) => Some(FlushError::of(&err)),
+                    Err(err) => Some(FlushError::other(err.to_string())),
                 };
                 task_flusher.done.send_replace((target, error));
             }
@@ -63,7 +84,9 @@ impl GroupFlusher {
                 None => Ok(()),
                 Some(err) => Err(err.clone()),
             },
-            Err(_) => Err(FlushError("the flushing task has stopped".to_string())),
+            Err(_) => Err(FlushError::other(
+                "the flushing task has stopped".to_string(),
+            )),
         }
     }
 }

@@ -29,7 +29,7 @@ use super::StoreError;
 pub type Key = Arc<LessSafeKey>;
 
 /// Bytes of a key.
-const KEY_LEN: usize = 32;
+pub const KEY_LEN: usize = 32;
 
 /// Keys kept in memory: about 1 KiB each with ring's key schedule, so at most a few MiB.
 const CACHED_KEYS: u64 = 4096;
@@ -62,14 +62,14 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(io)
 }
 
-fn key_of(bytes: &[u8]) -> Result<Key, StoreError> {
+pub(super) fn key_of(bytes: &[u8]) -> Result<Key, StoreError> {
     let key = UnboundKey::new(&AES_256_GCM, bytes)
         .map_err(|_| StoreError::Corrupt("a conversation key file is malformed".into()))?;
     Ok(Arc::new(LessSafeKey::new(key)))
 }
 
 /// The id a key file's name stands for (`{16 hex digits}.key`).
-fn id_of(name: &str) -> Option<u64> {
+pub(super) fn id_of(name: &str) -> Option<u64> {
     let hex = name.strip_suffix(".key")?;
     if hex.len() != 16 {
         return None;
@@ -153,21 +153,40 @@ impl KeyFiles {
             .fill(&mut bytes)
             .map_err(|_| StoreError::Crypto("no random bytes for a key"))?;
         let key = key_of(&bytes)?;
+        let written = self.write(id, &bytes);
+        bytes.fill(0);
+        written?;
+        self.cache.insert(id, Arc::clone(&key));
+        Ok((key, true))
+    }
+
+    /// Writes `bytes` as the key file of conversation `id`, durably: written aside, synced,
+    /// renamed, the directory synced. What a failure (a full disk) left aside is removed.
+    fn write(&self, id: u64, bytes: &[u8; KEY_LEN]) -> Result<(), StoreError> {
         let partial = self.dir.join(format!("{id:016x}.tmp"));
         let mut options = std::fs::OpenOptions::new();
         options.write(true).create(true).truncate(true);
         #[cfg(unix)]
         std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
-        let written = options.open(&partial).and_then(|mut file| {
-            file.write_all(&bytes)?;
-            file.sync_all()
-        });
-        bytes.fill(0);
-        written.map_err(io)?;
-        std::fs::rename(&partial, self.path(id)).map_err(io)?;
-        sync_dir(&self.dir)?;
-        self.cache.insert(id, Arc::clone(&key));
-        Ok((key, true))
+        let written = options
+            .open(&partial)
+            .and_then(|mut file| {
+                file.write_all(bytes)?;
+                file.sync_all()
+            })
+            .and_then(|()| std::fs::rename(&partial, self.path(id)));
+        if let Err(err) = written {
+            let _ = std::fs::remove_file(&partial);
+            return Err(io(err));
+        }
+        sync_dir(&self.dir)
+    }
+
+    /// Installs a key kept from another data directory (a repair) as the key of conversation
+    /// `id`, before anything sealed with it is written.
+    pub fn install(&self, id: u64, bytes: &[u8; KEY_LEN]) -> Result<(), StoreError> {
+        key_of(bytes)?;
+        self.write(id, bytes)
     }
 
     /// Removes the key of conversation `id` (its file, then the directory entry made durable)
@@ -181,7 +200,22 @@ impl KeyFiles {
         }
     }
 
+    /// Each key file: the id it stands for, and whether it is well formed (32 bytes). Reads
+    /// no key.
+    pub fn inventory(&self) -> Result<Vec<(u64, bool)>, StoreError> {
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(&self.dir).map_err(io)? {
+            let entry = entry.map_err(io)?;
+            if let Some(id) = entry.file_name().to_str().and_then(id_of) {
+                let len = entry.metadata().map_err(io)?.len();
+                files.push((id, len == KEY_LEN as u64));
+            }
+        }
+        Ok(files)
+    }
+
     /// The ids that have a key file.
+    #[cfg(test)]
     pub fn ids(&self) -> Result<Vec<u64>, StoreError> {
         let mut ids = Vec::new();
         for entry in std::fs::read_dir(&self.dir).map_err(io)? {

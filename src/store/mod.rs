@@ -11,7 +11,10 @@
 //!   export/import/delete;
 //! - `flush.rs` — the group flusher; `contract.rs` — the contract tests, run per engine;
 //! - `seal.rs`, `keys.rs` — message bodies and summary records encrypted with a key per
-//!   conversation, kept in its own file, so that a delete leaves nothing readable on disk.
+//!   conversation, kept in its own file, so that a delete leaves nothing readable on disk;
+//! - `health.rs` — the check at open, failures to write and their retry (readiness);
+//! - `salvage.rs`, `sled_salvage.rs` — reading a damaged data directory and writing what can
+//!   be read into a fresh one (`memproxy store check|repair`).
 //!
 //! Files: each conversation may have a workspace folder, [`workspace_dir`], for copies meant
 //! for people (summaries as Markdown). Its path is derived so no id can escape the data
@@ -22,11 +25,14 @@
 mod branches;
 mod engine;
 mod flush;
+mod health;
 mod keys;
 mod listing;
 mod records;
+pub mod salvage;
 mod seal;
 mod sled_engine;
+mod sled_salvage;
 mod summaries;
 mod transfer;
 mod ttl;
@@ -44,6 +50,7 @@ use tokio::task::JoinHandle;
 pub use branches::closed_by_branch;
 pub use engine::{Engine, Loaded, Page, Scope, Version, Write};
 pub use flush::FlushError;
+pub use health::RETRY_AFTER;
 pub use records::{
     BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
     MAX_CATCH_UP_CALLS, Origin, StoredBranch, StoredMessage, SummaryRecord, TtlRecord, now_ms,
@@ -137,6 +144,37 @@ pub enum StoreError {
     KeyMissing(u64),
     #[error("encryption failed: {0}")]
     Crypto(&'static str),
+    /// The engine could not read or write its files (the disk is full, an I/O error).
+    #[error("the store's files could not be written or read: {0}")]
+    Disk(#[source] std::io::Error),
+    /// The engine found its files damaged.
+    #[error("the store's files are damaged: {0}")]
+    Damaged(String),
+    /// The engine is closed: reopening it after a failure did not succeed (yet).
+    #[error("the store is closed after a failure to write")]
+    Closed,
+    /// Writes failed earlier and the store has not recovered yet (see [`Store::writable`]).
+    #[error("the store cannot write ({0}); memory is off until it can")]
+    Unwritable(String),
+}
+
+impl StoreError {
+    /// True when the error is a failure to write to disk (full, or an I/O error): the store
+    /// stops taking writes until [`Store::writable`] finds it can again.
+    pub fn is_write_failure(&self) -> bool {
+        let disk_full = |err: &std::io::Error| {
+            matches!(
+                err.kind(),
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+            )
+        };
+        match self {
+            StoreError::Disk(_) | StoreError::Closed | StoreError::Unwritable(_) => true,
+            StoreError::Flush(err) => err.disk,
+            StoreError::KeyFile(err) | StoreError::File(err) => disk_full(err),
+            _ => false,
+        }
+    }
 }
 
 /// Cached conversation handles.
@@ -150,6 +188,8 @@ pub struct Store {
     cache: moka::sync::Cache<ConversationKey, Handle>,
     flusher: Option<Arc<GroupFlusher>>,
     background: Mutex<Vec<JoinHandle<()>>>,
+    /// Failures to write, and conversations found unreadable (`health.rs`).
+    health: health::Health,
     /// Lookups in `cache`, and those that missed (for metrics).
     cache_lookups: AtomicU64,
     cache_misses: AtomicU64,
@@ -184,8 +224,9 @@ impl Store {
     }
 
     /// A store over `engine`, with workspace folders and conversation keys under `data_dir`.
-    /// Keys of conversations the engine no longer holds are removed here, before any write.
-    /// Must be called inside a tokio runtime.
+    /// Every conversation record is read here once, before any write (`health.rs`): a record
+    /// that cannot be read fails the open; keys of conversations the engine no longer holds
+    /// are removed. Must be called inside a tokio runtime.
     pub fn with_engine(
         engine: Arc<dyn Engine>,
         data_dir: &Path,
@@ -216,10 +257,11 @@ impl Store {
             cache,
             flusher,
             background: Mutex::new(background),
+            health: health::Health::default(),
             cache_lookups: AtomicU64::new(0),
             cache_misses: AtomicU64::new(0),
         };
-        store.remove_orphan_keys();
+        store.check_on_open()?;
         Ok(store)
     }
 
@@ -277,6 +319,15 @@ impl Store {
     /// plans again. On success the in-memory index is updated to match; on any failure it is
     /// left as it was.
     pub fn commit(
+        &self,
+        conversation: &mut Conversation,
+        change: Change,
+    ) -> Result<(), StoreError> {
+        let committed = self.commit_change(conversation, change);
+        self.watch(committed)
+    }
+
+    fn commit_change(
         &self,
         conversation: &mut Conversation,
         mut change: Change,
@@ -377,7 +428,10 @@ impl Store {
     /// returns at once: the background flush covers it.
     pub async fn sync(&self) -> Result<(), StoreError> {
         match &self.flusher {
-            Some(flusher) => Ok(flusher.sync().await?),
+            Some(flusher) => {
+                let synced = flusher.sync().await.map_err(StoreError::from);
+                self.watch(synced)
+            }
             None => Ok(()),
         }
     }

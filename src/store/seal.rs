@@ -100,7 +100,7 @@ pub fn open(key: &LessSafeKey, kind: Kind, sealed: &str) -> Result<Vec<u8>, Stor
 
 /// The sealed part of a stored message body (a JSON string `"sealed:v1:…"`); `None` for a
 /// body stored in plaintext (a JSON object).
-fn sealed_message(body: &RawValue) -> Option<&str> {
+pub(super) fn sealed_message(body: &RawValue) -> Option<&str> {
     body.get()
         .strip_prefix('"')?
         .strip_suffix('"')?
@@ -108,7 +108,7 @@ fn sealed_message(body: &RawValue) -> Option<&str> {
 }
 
 /// The sealed part of a stored summary record; `None` for a record stored in plaintext.
-fn sealed_record(bytes: &[u8]) -> Option<&str> {
+pub(super) fn sealed_record(bytes: &[u8]) -> Option<&str> {
     std::str::from_utf8(bytes.strip_prefix(SEALED_PREFIX.as_bytes())?).ok()
 }
 
@@ -231,35 +231,6 @@ impl Store {
     pub(super) fn erase_key(&self, id: u64) -> Result<(), StoreError> {
         self.engine.flush()?;
         self.keys.remove(id)
-    }
-
-    /// Removes the key files of conversations that are not stored: a delete that crashed
-    /// between the engine's step and the key's removal, or a first write that never happened.
-    /// Runs as the store opens, before any write; a failure is logged and removes nothing.
-    pub(super) fn remove_orphan_keys(&self) {
-        let result = self.keys.ids().and_then(|ids| {
-            if ids.is_empty() {
-                return Ok(0);
-            }
-            let mut live = std::collections::HashSet::new();
-            self.for_each_conversation(|_, meta| {
-                live.insert(meta.id);
-                Ok(true)
-            })?;
-            let mut removed = 0;
-            for id in ids.into_iter().filter(|id| !live.contains(id)) {
-                self.keys.remove(id)?;
-                removed += 1;
-            }
-            Ok(removed)
-        });
-        match result {
-            Ok(0) => {}
-            Ok(removed) => tracing::info!(removed, "removed the keys of deleted conversations"),
-            Err(err) => {
-                tracing::warn!(error = %err, "looking for keys of deleted conversations failed")
-            }
-        }
     }
 }
 

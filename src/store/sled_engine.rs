@@ -13,8 +13,28 @@
 //!
 //! Every conditional write is one sled transaction over the trees it touches that first checks
 //! the conversation's record.
+//!
+//! # Failures
+//!
+//! - **A failed write poisons the database.** When sled cannot write its log (the disk is
+//!   full, an I/O error), it keeps the error and fails every later write and flush with it, even
+//!   once space is free again; writes it had acknowledged in memory but not flushed are lost.
+//!   Only a new open clears it: [`Engine::reopen`] closes the database and opens it again from
+//!   what is on disk. sled does not panic on a full disk.
+//! - **Damaged files.** At open, sled replays the part of its log written since its last
+//!   snapshot. A record there that fails its checksum is taken for the torn end of the log:
+//!   sled overwrites the rest of that segment and zeroes the segments after it, and then, when
+//!   its snapshot says the log went further, refuses to open ("corrupted data"). A damaged
+//!   record in an older part of the log shows up later, as a read of the pages kept there
+//!   failing (a scan stops at the first one and repeats the error). On some damage sled panics
+//!   instead; [`SledEngine::open`] turns that into an error.
+//! - **A half-written snapshot.** sled writes a snapshot to `snap.N.generating` and renames it
+//!   once complete; on a full disk the rename never comes, and sled reads such a file at its next
+//!   open as a damaged snapshot and refuses to open. Such files never hold the only copy of
+//!   anything (the log does), so [`SledEngine::open`] removes them first.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 
 use serde::{Deserialize, Serialize};
 use sled::Transactional;
@@ -35,12 +55,35 @@ const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The sled engine.
 pub struct SledEngine {
-    db: sled::Db,
-    conversations: sled::Tree,
-    messages: sled::Tree,
-    summaries: sled::Tree,
-    branches: sled::Tree,
-    ttl: sled::Tree,
+    /// How it was opened, to open it again.
+    dir: PathBuf,
+    config: sled::Config,
+    /// The open database; `None` once a reopen failed (every call then fails until the next
+    /// reopen succeeds).
+    open: RwLock<Option<Arc<Trees>>>,
+}
+
+/// An open database and its trees.
+pub(super) struct Trees {
+    pub(super) db: sled::Db,
+    pub(super) conversations: sled::Tree,
+    pub(super) messages: sled::Tree,
+    pub(super) summaries: sled::Tree,
+    pub(super) branches: sled::Tree,
+    pub(super) ttl: sled::Tree,
+}
+
+impl Trees {
+    pub(super) fn of(db: sled::Db) -> Result<Trees, StoreError> {
+        Ok(Trees {
+            conversations: db.open_tree("conversations")?,
+            messages: db.open_tree("messages")?,
+            summaries: db.open_tree("summaries")?,
+            branches: db.open_tree("branches")?,
+            ttl: db.open_tree("ttl")?,
+            db,
+        })
+    }
 }
 
 impl std::fmt::Debug for SledEngine {
@@ -51,11 +94,17 @@ impl std::fmt::Debug for SledEngine {
 
 impl From<sled::Error> for StoreError {
     fn from(err: sled::Error) -> StoreError {
-        StoreError::Engine(Box::new(err))
+        match err {
+            sled::Error::Io(err) => StoreError::Disk(err),
+            sled::Error::Corruption { .. } => {
+                StoreError::Damaged("sled found corrupted data in its files".to_string())
+            }
+            other => StoreError::Engine(Box::new(other)),
+        }
     }
 }
 
-fn message_key(id: u64, turn: u64) -> [u8; 16] {
+pub(super) fn message_key(id: u64, turn: u64) -> [u8; 16] {
     let mut key = [0u8; 16];
     key[..8].copy_from_slice(&id.to_be_bytes());
     key[8..].copy_from_slice(&turn.to_be_bytes());
@@ -112,7 +161,7 @@ fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
     serde_json::to_vec(value).map_err(|err| StoreError::Corrupt(err.to_string()))
 }
 
-fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
+pub(super) fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|err| StoreError::Corrupt(err.to_string()))
 }
 
@@ -149,15 +198,21 @@ impl SledEngine {
             .path(dir)
             .cache_capacity(cache_bytes)
             .flush_every_ms(flush_every.map(|d| d.as_millis().max(1) as u64));
-        let db = open_locked(&config)?;
+        let trees = open_trees(dir, &config)?;
         Ok(SledEngine {
-            conversations: db.open_tree("conversations")?,
-            messages: db.open_tree("messages")?,
-            summaries: db.open_tree("summaries")?,
-            branches: db.open_tree("branches")?,
-            ttl: db.open_tree("ttl")?,
-            db,
+            dir: dir.to_path_buf(),
+            config,
+            open: RwLock::new(Some(Arc::new(trees))),
         })
+    }
+
+    /// The open database, or why there is none.
+    fn trees(&self) -> Result<Arc<Trees>, StoreError> {
+        self.open
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .ok_or(StoreError::Closed)
     }
 
     fn remove_prefix(tree: &sled::Tree, prefix: &[u8]) -> Result<usize, StoreError> {
@@ -180,12 +235,13 @@ impl Engine for SledEngine {
     }
 
     fn load(&self, key: &ConversationKey) -> Result<Loaded, StoreError> {
-        let Some(stored) = self.conversations.get(key.to_bytes())? else {
+        let t = self.trees()?;
+        let Some(stored) = t.conversations.get(key.to_bytes())? else {
             return Ok(Loaded::default());
         };
         let meta: ConversationMeta = decode(&stored)?;
         let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
-        for item in self.messages.scan_prefix(meta.id.to_be_bytes()) {
+        for item in t.messages.scan_prefix(meta.id.to_be_bytes()) {
             let (_, value) = item?;
             let message: StoredMessage = decode(&value)?;
             let before = entries.last().map_or(0, |e| e.cum_tokens);
@@ -199,7 +255,8 @@ impl Engine for SledEngine {
     }
 
     fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError> {
-        self.conversations
+        let t = self.trees()?;
+        t.conversations
             .get(key.to_bytes())?
             .map(|bytes| decode(&bytes))
             .transpose()
@@ -211,10 +268,11 @@ impl Engine for SledEngine {
         id: u64,
         turns: &[u64],
     ) -> Result<Vec<StoredMessage>, StoreError> {
+        let t = self.trees()?;
         turns
             .iter()
             .map(|&turn| {
-                let bytes = self
+                let bytes = t
                     .messages
                     .get(message_key(id, turn))?
                     .ok_or_else(|| StoreError::Corrupt(format!("turn {turn} is missing")))?;
@@ -230,17 +288,19 @@ impl Engine for SledEngine {
         from: u64,
         to: u64,
     ) -> Result<Vec<StoredMessage>, StoreError> {
+        let t = self.trees()?;
         if from > to {
             return Ok(Vec::new());
         }
-        self.messages
+        t.messages
             .range(message_key(id, from)..=message_key(id, to))
             .map(|item| decode(&item?.1))
             .collect()
     }
 
     fn new_id(&self) -> Result<u64, StoreError> {
-        Ok(self.db.generate_id()?)
+        let t = self.trees()?;
+        Ok(t.db.generate_id()?)
     }
 
     fn write(
@@ -249,6 +309,7 @@ impl Engine for SledEngine {
         expected: &Version,
         write: Write<'_>,
     ) -> Result<Version, StoreError> {
+        let t = self.trees()?;
         let key = key.to_bytes();
         let id = write.meta.id;
         let meta_bytes = encode(write.meta)?;
@@ -259,13 +320,8 @@ impl Engine for SledEngine {
             .collect::<Result<Vec<_>, StoreError>>()?;
         let branch_rows = branch_rows(id, write.branches)?;
         let expected = expected.token();
-        let result = (
-            &self.conversations,
-            &self.messages,
-            &self.summaries,
-            &self.branches,
-        )
-            .transaction(|(convs, msgs, sums, branches)| {
+        let result = (&t.conversations, &t.messages, &t.summaries, &t.branches).transaction(
+            |(convs, msgs, sums, branches)| {
                 if convs.get(&key)?.as_deref() != expected {
                     return Err(ConflictableTransactionError::Abort(()));
                 }
@@ -286,7 +342,8 @@ impl Engine for SledEngine {
                 }
                 convs.insert(key.as_slice(), meta_bytes.as_slice())?;
                 Ok(())
-            });
+            },
+        );
         match result {
             Ok(()) => Ok(Version::of(meta_bytes)),
             Err(TransactionError::Abort(())) => Err(StoreError::Stale),
@@ -299,10 +356,11 @@ impl Engine for SledEngine {
         key: &ConversationKey,
         idle_before_ms: Option<i64>,
     ) -> Result<Option<Deleted>, StoreError> {
+        let t = self.trees()?;
         let key_bytes = key.to_bytes();
         for _ in 0..MAX_ATTEMPTS {
-            let Some(stored_meta) = self.conversations.get(&key_bytes)? else {
-                self.ttl.remove(&key_bytes)?;
+            let Some(stored_meta) = t.conversations.get(&key_bytes)? else {
+                t.ttl.remove(&key_bytes)?;
                 return Ok(None);
             };
             let meta: ConversationMeta = decode(&stored_meta)?;
@@ -310,27 +368,27 @@ impl Engine for SledEngine {
                 return Ok(None);
             }
             let prefix = meta.id.to_be_bytes();
-            let message_keys = self
+            let message_keys = t
                 .messages
                 .scan_prefix(prefix)
                 .keys()
                 .collect::<Result<Vec<_>, _>>()?;
-            let summary_keys = self
+            let summary_keys = t
                 .summaries
                 .scan_prefix(prefix)
                 .keys()
                 .collect::<Result<Vec<_>, _>>()?;
-            let branch_keys = self
+            let branch_keys = t
                 .branches
                 .scan_prefix(prefix)
                 .keys()
                 .collect::<Result<Vec<_>, _>>()?;
             let result = (
-                &self.conversations,
-                &self.messages,
-                &self.summaries,
-                &self.branches,
-                &self.ttl,
+                &t.conversations,
+                &t.messages,
+                &t.summaries,
+                &t.branches,
+                &t.ttl,
             )
                 .transaction(|(convs, msgs, sums, branches, ttl)| {
                     if convs.get(&key_bytes)?.as_ref() != Some(&stored_meta) {
@@ -354,9 +412,9 @@ impl Engine for SledEngine {
                     // A writer that does not check the record (a summary written in the
                     // background) may have added one since the scan: ids are never reused,
                     // so anything left under this id is removed too.
-                    let late = Self::remove_prefix(&self.messages, &prefix)?
-                        + Self::remove_prefix(&self.summaries, &prefix)?
-                        + Self::remove_prefix(&self.branches, &prefix)?;
+                    let late = Self::remove_prefix(&t.messages, &prefix)?
+                        + Self::remove_prefix(&t.summaries, &prefix)?
+                        + Self::remove_prefix(&t.branches, &prefix)?;
                     if late > 0 {
                         tracing::debug!(late, "removed records written during a delete");
                     }
@@ -380,37 +438,7 @@ impl Engine for SledEngine {
     }
 
     fn branches(&self, _key: &ConversationKey, id: u64) -> Result<Vec<StoredBranch>, StoreError> {
-        let mut out: Vec<StoredBranch> = Vec::new();
-        for item in self.branches.scan_prefix(id.to_be_bytes()) {
-            let (key, value) = item?;
-            let (number, part, n) = branch_key_parts(&key)
-                .ok_or_else(|| StoreError::Corrupt("a branch key is too short".into()))?;
-            if part == BRANCH_RECORD {
-                out.push(StoredBranch {
-                    record: decode::<BranchRecord>(&value)?,
-                    messages: Vec::new(),
-                    summaries: Vec::new(),
-                });
-                continue;
-            }
-            // A branch's record sorts before its parts.
-            let branch = out
-                .last_mut()
-                .filter(|b| b.record.number == number)
-                .ok_or_else(|| {
-                    StoreError::Corrupt(format!("branch {number} has parts but no record"))
-                })?;
-            match part {
-                BRANCH_MESSAGE => branch.messages.push(decode(&value)?),
-                BRANCH_SUMMARY => branch.summaries.push((n, value.to_vec())),
-                other => {
-                    return Err(StoreError::Corrupt(format!(
-                        "branch {number} has an unknown part {other}"
-                    )));
-                }
-            }
-        }
-        Ok(out)
+        read_branches(&self.trees()?.branches, id)
     }
 
     fn summaries(
@@ -418,8 +446,9 @@ impl Engine for SledEngine {
         _key: &ConversationKey,
         id: u64,
     ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        let t = self.trees()?;
         let mut out = Vec::new();
-        for item in self.summaries.scan_prefix(id.to_be_bytes()) {
+        for item in t.summaries.scan_prefix(id.to_be_bytes()) {
             let (key, value) = item?;
             let number = key
                 .get(8..16)
@@ -435,7 +464,8 @@ impl Engine for SledEngine {
         _key: &ConversationKey,
         id: u64,
     ) -> Result<Option<Vec<u8>>, StoreError> {
-        match self.summaries.scan_prefix(id.to_be_bytes()).next_back() {
+        let t = self.trees()?;
+        match t.summaries.scan_prefix(id.to_be_bytes()).next_back() {
             None => Ok(None),
             Some(item) => Ok(Some(item?.1.to_vec())),
         }
@@ -448,8 +478,9 @@ impl Engine for SledEngine {
         number: u64,
         record: &[u8],
     ) -> Result<bool, StoreError> {
+        let t = self.trees()?;
         let key_bytes = key.to_bytes();
-        let result = (&self.conversations, &self.summaries).transaction(|(convs, sums)| {
+        let result = (&t.conversations, &t.summaries).transaction(|(convs, sums)| {
             let current = match convs.get(&key_bytes)? {
                 None => None,
                 Some(bytes) => serde_json::from_slice::<ConversationMeta>(&bytes)
@@ -466,14 +497,16 @@ impl Engine for SledEngine {
     }
 
     fn ttl(&self, key: &ConversationKey) -> Result<Option<TtlRecord>, StoreError> {
-        self.ttl
+        let t = self.trees()?;
+        t.ttl
             .get(key.to_bytes())?
             .map(|bytes| decode(&bytes))
             .transpose()
     }
 
     fn put_ttl(&self, key: &ConversationKey, record: &TtlRecord) -> Result<(), StoreError> {
-        self.ttl.insert(key.to_bytes(), encode(record)?)?;
+        let t = self.trees()?;
+        t.ttl.insert(key.to_bytes(), encode(record)?)?;
         Ok(())
     }
 
@@ -482,9 +515,10 @@ impl Engine for SledEngine {
         after: Option<&[u8]>,
         limit: usize,
     ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
+        let t = self.trees()?;
         let mut out = Vec::new();
         let mut last: Option<Vec<u8>> = None;
-        for item in keys_after(&self.ttl, after) {
+        for item in keys_after(&t.ttl, after) {
             if out.len() == limit {
                 return Ok((out, last));
             }
@@ -498,8 +532,9 @@ impl Engine for SledEngine {
     }
 
     fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError> {
+        let t = self.trees()?;
         let key_bytes = key.to_bytes();
-        let result = (&self.conversations, &self.ttl).transaction(|(convs, ttl)| {
+        let result = (&t.conversations, &t.ttl).transaction(|(convs, ttl)| {
             if convs.get(&key_bytes)?.is_some() {
                 return Ok(false);
             }
@@ -515,6 +550,7 @@ impl Engine for SledEngine {
         limit: usize,
         max_scan: usize,
     ) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError> {
+        let t = self.trees()?;
         // A tenant (and agent) is a key prefix: the walk starts there and ends past it.
         let mut prefix = Vec::new();
         if let Some(tenant) = scope.tenant {
@@ -535,7 +571,7 @@ impl Engine for SledEngine {
         };
         let mut out = Vec::new();
         let mut last: Option<Vec<u8>> = None;
-        for (scanned, item) in self.conversations.range(start..).enumerate() {
+        for (scanned, item) in t.conversations.range(start..).enumerate() {
             let (key_bytes, value) = item?;
             if !key_bytes.starts_with(&prefix) {
                 break;
@@ -564,25 +600,43 @@ impl Engine for SledEngine {
     }
 
     fn flush(&self) -> Result<(), StoreError> {
-        self.db.flush()?;
+        let t = self.trees()?;
+        t.db.flush()?;
         Ok(())
     }
 
     fn is_ready(&self) -> bool {
-        self.conversations.get(b"\xff-readiness-probe").is_ok()
+        self.trees()
+            .is_ok_and(|t| t.conversations.get(b"\xff-readiness-probe").is_ok())
     }
 
     fn size_bytes(&self) -> u64 {
-        self.db.size_on_disk().unwrap_or(0)
+        self.trees()
+            .ok()
+            .and_then(|t| t.db.size_on_disk().ok())
+            .unwrap_or(0)
+    }
+
+    fn reopen(&self) -> Result<(), StoreError> {
+        let mut open = self
+            .open
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The old database is dropped first: it holds the file lock. A call still using it
+        // holds it a moment longer, which `open_locked` waits out.
+        *open = None;
+        *open = Some(Arc::new(open_trees(&self.dir, &self.config)?));
+        Ok(())
     }
 
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
+        let t = self.trees()?;
         if needle.is_empty() {
             return Ok(true);
         }
         let found = |bytes: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
-        for name in self.db.tree_names() {
-            let tree = self.db.open_tree(&name)?;
+        for name in t.db.tree_names() {
+            let tree = t.db.open_tree(&name)?;
             for item in tree.iter() {
                 let (key, value) = item?;
                 if found(&key) || found(&value) {
@@ -592,6 +646,76 @@ impl Engine for SledEngine {
         }
         Ok(false)
     }
+}
+
+/// The closed branches of conversation `id` in the `branches` tree (also read by salvage).
+pub(super) fn read_branches(tree: &sled::Tree, id: u64) -> Result<Vec<StoredBranch>, StoreError> {
+    let mut out: Vec<StoredBranch> = Vec::new();
+    for item in tree.scan_prefix(id.to_be_bytes()) {
+        let (key, value) = item?;
+        let (number, part, n) = branch_key_parts(&key)
+            .ok_or_else(|| StoreError::Corrupt("a branch key is too short".into()))?;
+        if part == BRANCH_RECORD {
+            out.push(StoredBranch {
+                record: decode::<BranchRecord>(&value)?,
+                messages: Vec::new(),
+                summaries: Vec::new(),
+            });
+            continue;
+        }
+        // A branch's record sorts before its parts.
+        let branch = out
+            .last_mut()
+            .filter(|b| b.record.number == number)
+            .ok_or_else(|| {
+                StoreError::Corrupt(format!("branch {number} has parts but no record"))
+            })?;
+        match part {
+            BRANCH_MESSAGE => branch.messages.push(decode(&value)?),
+            BRANCH_SUMMARY => branch.summaries.push((n, value.to_vec())),
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "branch {number} has an unknown part {other}"
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Opens the database in `dir` and its trees: partial snapshots removed first (see the module
+/// documentation), and a panic of sled's on damaged files turned into an error.
+pub(super) fn open_trees(dir: &Path, config: &sled::Config) -> Result<Trees, StoreError> {
+    remove_partial_snapshots(dir)?;
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Trees::of(open_locked(config)?)
+    }));
+    opened.unwrap_or_else(|_| {
+        Err(StoreError::Damaged(
+            "sled failed reading its files (it panicked)".to_string(),
+        ))
+    })
+}
+
+/// Removes the snapshots sled began writing and never finished (`snap.*.generating`).
+fn remove_partial_snapshots(dir: &Path) -> Result<(), StoreError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(StoreError::Disk(err)),
+    };
+    for entry in entries {
+        let path = entry.map_err(StoreError::Disk)?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("snap.") && name.ends_with(".generating") {
+            tracing::warn!(
+                file = name,
+                "removing a snapshot sled never finished writing"
+            );
+            std::fs::remove_file(&path).map_err(StoreError::Disk)?;
+        }
+    }
+    Ok(())
 }
 
 /// Opens the database. A store closed a moment ago in this process (a restart) can hold the
@@ -609,5 +733,73 @@ fn open_locked(config: &sled::Config) -> Result<sled::Db, sled::Error> {
             }
             result => return result,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshots(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("snap."))
+            .collect()
+    }
+
+    #[test]
+    fn a_snapshot_sled_never_finished_is_removed_before_it_stops_the_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = crate::store::tests::key("c");
+        let ttl = TtlRecord {
+            ttl_ms: Some(1),
+            set_ms: 2,
+        };
+        for _ in 0..2 {
+            // The second open writes a snapshot of what the first wrote.
+            let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+            engine.put_ttl(&k, &ttl).unwrap();
+            engine.flush().unwrap();
+        }
+        let finished = snapshots(dir.path());
+        assert_eq!(finished.len(), 1, "{finished:?}");
+        // What a full disk leaves: the next snapshot, half written, never renamed.
+        let partial = dir.path().join(format!("{}.generating", finished[0]));
+        std::fs::write(&partial, b"half a snapshot").unwrap();
+        // sled alone takes it for a damaged snapshot and refuses to open.
+        let refused = sled::Config::new().path(dir.path()).open();
+        assert!(
+            matches!(refused, Err(sled::Error::Corruption { .. })),
+            "{refused:?}"
+        );
+        let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+        assert_eq!(engine.ttl(&k).unwrap().unwrap().ttl_ms, Some(1));
+        assert!(!partial.exists());
+    }
+
+    #[test]
+    fn damage_sled_finds_at_open_is_an_error_named_as_such() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = crate::store::tests::key("c");
+        for round in 0..2 {
+            let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+            for i in 0..50 {
+                let record = TtlRecord {
+                    ttl_ms: Some(round * 100 + i),
+                    set_ms: 2,
+                };
+                engine.put_ttl(&k, &record).unwrap();
+            }
+            engine.flush().unwrap();
+        }
+        let db = dir.path().join("db");
+        let mut bytes = std::fs::read(&db).unwrap();
+        bytes[64..96].fill(0xab);
+        std::fs::write(&db, bytes).unwrap();
+        let err = SledEngine::open(dir.path(), 1 << 20, None).unwrap_err();
+        assert!(matches!(err, StoreError::Damaged(_)), "{err:?}");
+        assert!(err.to_string().contains("damaged"), "{err}");
+        assert!(!err.is_write_failure());
     }
 }

@@ -70,6 +70,16 @@ impl Store {
         id: u64,
         record: &SummaryRecord,
     ) -> Result<bool, StoreError> {
+        let saved = self.write_summary(conversation, id, record);
+        self.watch(saved)
+    }
+
+    fn write_summary(
+        &self,
+        conversation: &Conversation,
+        id: u64,
+        record: &SummaryRecord,
+    ) -> Result<bool, StoreError> {
         let key = &conversation.key;
         let value =
             serde_json::to_vec(record).map_err(|err| StoreError::Corrupt(err.to_string()))?;

@@ -58,7 +58,10 @@ impl Store {
             let id = self.engine.meta(key)?.map(|meta| meta.id);
             let result = self.engine.delete(key, cutoff_ms);
             let erased = match (&result, id) {
-                (Ok(Some(_)), Some(id)) => self.erase_key(id),
+                (Ok(Some(_)), Some(id)) => {
+                    self.forget_damage(id);
+                    self.erase_key(id)
+                }
                 _ => Ok(()),
             };
             // Whatever happened in the engine, the in-memory state is read again from it: an

@@ -32,7 +32,7 @@ impl Store {
             ttl_ms,
             set_ms: now_ms(),
         };
-        self.engine.put_ttl(key, &record)
+        self.watch(self.engine.put_ttl(key, &record))
     }
 
     /// Up to `limit` TTL records after the cursor `after`: the sweeper drops those whose

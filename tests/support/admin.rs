@@ -66,5 +66,10 @@ pub fn conversation_path(token: &str, agent: &str, id: &str) -> String {
 
 /// True when `needle` occurs anywhere in the store (every tree, keys and values).
 pub fn store_contains(state: &memproxy::state::AppState, needle: &str) -> bool {
-    state.memory.store.any_trace_of(needle.as_bytes()).unwrap()
+    state
+        .memory()
+        .unwrap()
+        .store
+        .any_trace_of(needle.as_bytes())
+        .unwrap()
 }

@@ -6,7 +6,7 @@
 pub mod mock_upstream;
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -117,17 +117,19 @@ impl Proxy {
         }
     }
 
+    /// The proxy's store (the tests' proxies open one).
+    pub fn store(&self) -> &Store {
+        &self.state.memory().unwrap().store
+    }
+
     /// The stored messages of a conversation, read through the store's own API.
     pub fn stored(&self, token: Option<&str>, conversation: &str) -> Vec<StoredMessage> {
-        stored_in(&self.state.memory.store, token, conversation)
+        stored_in(self.store(), token, conversation)
     }
 
     /// The stored messages of the test token's conversation under `agent`.
     pub fn stored_agent(&self, agent: &str, conversation: &str) -> Vec<StoredMessage> {
-        stored_by_key(
-            &self.state.memory.store,
-            &key_for(Some(TOKEN), agent, conversation),
-        )
+        stored_by_key(self.store(), &key_for(Some(TOKEN), agent, conversation))
     }
 }
 
@@ -152,6 +154,24 @@ pub fn stored_by_key(store: &Store, key: &ConversationKey) -> Vec<StoredMessage>
     let conversation = lock(&handle);
     let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
     store.messages(&conversation, turns).unwrap()
+}
+
+/// Every file under `dir`, with its bytes.
+pub fn files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(folder) = stack.pop() {
+        for entry in std::fs::read_dir(&folder).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let bytes = std::fs::read(&path).unwrap();
+                out.push((path, bytes));
+            }
+        }
+    }
+    out
 }
 
 /// `role:content` of each stored message, for compact comparisons.

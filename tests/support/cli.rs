@@ -1,0 +1,26 @@
+//! Runs the built `memproxy` binary, as an operator would, for the CLI tests.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+/// Runs `memproxy --data-dir DIR ARGS...` in an empty working directory, with no MEMPROXY_*
+/// variables from the environment.
+pub fn memproxy(data_dir: &Path, args: &[&str]) -> Output {
+    let cwd = tempfile::tempdir().unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_memproxy"));
+    command
+        .current_dir(cwd.path())
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(args)
+        .stdin(Stdio::null());
+    command.output().unwrap()
+}
+
+/// Standard output as text.
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
