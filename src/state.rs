@@ -62,6 +62,20 @@ impl AppState {
         config: Arc<Config>,
         store: Result<Arc<Store>, StoreUnavailable>,
         upstream: Upstream,
+    ) -> AppState {
+        // `build` checks this client can be made before it gets here.
+        let anthropic = Upstream::new(&config.upstream.anthropic_upstream()).unwrap_or_else(|err| {
+            tracing::warn!(error = %err, "the Anthropic upstream client could not be set up; /v1/messages goes to [upstream]");
+            upstream.clone()
+        });
+        AppState::with_upstreams(config, store, upstream, anthropic)
+    }
+
+    /// [`AppState::new`] with the Anthropic upstream's client given.
+    pub fn with_upstreams(
+        config: Arc<Config>,
+        store: Result<Arc<Store>, StoreUnavailable>,
+        upstream: Upstream,
         anthropic: Upstream,
     ) -> AppState {
         let boot = crate::store::now_ms() as u64 & 0xff_ffff;
@@ -103,7 +117,7 @@ impl AppState {
         }
         let upstream = Upstream::new(&config.upstream)?;
         let anthropic = Upstream::new(&config.upstream.anthropic_upstream())?;
-        Ok(Arc::new(AppState::new(
+        Ok(Arc::new(AppState::with_upstreams(
             Arc::new(config),
             store,
             upstream,

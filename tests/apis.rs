@@ -617,3 +617,38 @@ async fn summaries_of_a_claude_model_call_the_anthropic_upstream() {
         "{system}"
     );
 }
+
+#[tokio::test]
+async fn a_stateless_client_resending_its_whole_input_is_stored_once() {
+    let (mock, claude) = (
+        MockUpstream::start().await.unwrap(),
+        MockUpstream::start().await.unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, &claude, dir.path(), "").await;
+    // Codex-style: `store: false`, the whole history as items every turn, reasoning included.
+    mock.push(Reply::Reasoning("enc-1".into(), Box::new(Reply::Auto)));
+    let user_item = |text: &str| json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]});
+    let mut input = vec![user_item("first question")];
+    let mut sent = Vec::new();
+    for turn in 1..=3 {
+        sent = input.clone();
+        let request = json!({"model": "gpt-5-codex", "store": false, "instructions": "You are Codex.", "input": input});
+        let answer = responses(&proxy, Some("codex"), &request).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+        assert_eq!(answer.header("x-memory-turns"), (turn * 2).to_string());
+        input.extend(answer.json()["output"].as_array().unwrap().iter().cloned());
+        input.push(user_item(&format!("question {}", turn + 1)));
+    }
+    let stored = summarize(&proxy.stored(Some(TOKEN), "codex"));
+    assert_eq!(stored.len(), 6, "{stored:?}");
+    // What was forwarded last: the client's items, the reasoning item among them, once each.
+    let forwarded = last_input(&mock);
+    let reasoning = forwarded
+        .iter()
+        .filter(|i| i["type"] == "reasoning")
+        .count();
+    assert_eq!(reasoning, 1, "{forwarded:?}");
+    // Memory rebuilt exactly the items the client sent.
+    assert_eq!(forwarded, sent);
+}

@@ -305,4 +305,81 @@ mod tests {
         let out: Value = serde_json::from_str(for_chat(&mixed).unwrap().get()).unwrap();
         assert_eq!(out, json!({"role": "assistant", "content": "hi"}));
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn json_value() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                any::<i32>().prop_map(|n| json!(n)),
+                prop_oneof![
+                    Just("user"),
+                    Just("assistant"),
+                    Just("system"),
+                    Just("message"),
+                    Just("function_call"),
+                    Just("function_call_output"),
+                    Just("reasoning"),
+                    Just("tool_use"),
+                    Just("tool_result"),
+                    Just("text"),
+                    Just("thinking"),
+                    Just("c1"),
+                ]
+                .prop_map(|s| json!(s)),
+                "[a-z\\u{4e00}-\\u{4e02}\"]{0,6}".prop_map(Value::String),
+            ];
+            leaf.prop_recursive(4, 32, 5, |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                    proptest::collection::btree_map(
+                        prop_oneof![
+                            Just("type".to_string()),
+                            Just("role".to_string()),
+                            Just("content".to_string()),
+                            Just("call_id".to_string()),
+                            Just("tool_use_id".to_string()),
+                            Just("id".to_string()),
+                            Just("name".to_string()),
+                            Just("arguments".to_string()),
+                            Just("input".to_string()),
+                            Just("output".to_string()),
+                            Just("text".to_string()),
+                            "[a-z]{1,3}",
+                        ],
+                        inner,
+                        0..5,
+                    )
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        proptest! {
+            /// Any JSON as a Responses `input` or Anthropic `messages`: parsed, or a 400 with a
+            /// param; a parsed request renders to valid JSON in its format and for chat.
+            #[test]
+            fn arbitrary_bodies_are_parsed_or_refused_with_a_param(list in json_value()) {
+                for (api, field) in [(Api::Responses, "input"), (Api::Anthropic, "messages")] {
+                    let body = json!({"model": "m", field: list.clone(), "system": "s"}).to_string();
+                    match ApiRequest::parse(api, body.as_bytes()) {
+                        Ok(request) => {
+                            let prompt: Vec<&RawValue> = request.messages.iter().map(|m| &*m.raw).collect();
+                            let out = request.render(prompt.iter().copied());
+                            prop_assert!(serde_json::from_slice::<Value>(&out).is_ok());
+                            for raw in prompt {
+                                if let Some(chat) = for_chat(raw) {
+                                    prop_assert!(serde_json::from_str::<Value>(chat.get()).is_ok());
+                                }
+                            }
+                        }
+                        Err(err) => prop_assert!(err.param.is_some() || err.code == "invalid_json"),
+                    }
+                }
+            }
+        }
+    }
 }
