@@ -464,4 +464,25 @@ mod tests {
         let plain = upstream("http://127.0.0.1:1/v1", None).request_headers(&incoming);
         assert_eq!(plain["x-api-key"], "client-anthropic");
     }
+
+    #[test]
+    fn an_anthropic_key_replaces_every_client_credential_as_x_api_key() {
+        let mut settings = crate::config::from_toml("", &|_| None).unwrap().upstream;
+        settings.anthropic.api_key = Some(Secret("sk-ant-proxy".into()));
+        let config = Upstream::new(&settings.anthropic_upstream()).unwrap();
+        let mut incoming = HeaderMap::new();
+        incoming.insert("authorization", HeaderValue::from_static("Bearer client"));
+        incoming.insert("x-api-key", HeaderValue::from_static("client-key"));
+        incoming.insert("anthropic-version", HeaderValue::from_static("2023-06-01"));
+        incoming.insert("anthropic-beta", HeaderValue::from_static("b1"));
+        let out = config.request_headers(&incoming);
+        assert_eq!(out["x-api-key"], "sk-ant-proxy");
+        assert!(!out.contains_key("authorization"));
+        assert_eq!(out["anthropic-version"], "2023-06-01");
+        assert_eq!(out["anthropic-beta"], "b1");
+        assert_eq!(
+            config.uri_for("/v1/messages", None).unwrap(),
+            "https://api.anthropic.com/v1/messages"
+        );
+    }
 }
