@@ -652,3 +652,52 @@ async fn a_stateless_client_resending_its_whole_input_is_stored_once() {
     // Memory rebuilt exactly the items the client sent.
     assert_eq!(forwarded, sent);
 }
+
+#[tokio::test]
+async fn persist_and_enabled_work_for_responses_as_for_chat() {
+    let (mock, claude) = (
+        MockUpstream::start().await.unwrap(),
+        MockUpstream::start().await.unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let post = |extra: &'static [(&'static str, &'static str)], body: Value| {
+        let url = proxy.url("/v1/responses");
+        async move {
+            let mut headers = vec![
+                ("authorization", AUTH),
+                ("content-type", "application/json"),
+                ("x-memory-conversation-id", "p"),
+            ];
+            headers.extend_from_slice(extra);
+            send("POST", &url, &headers, body.to_string()).await
+        }
+    };
+    post(
+        &[],
+        json!({"model": "m", "input": "remember the violet door"}),
+    )
+    .await;
+    // persist off: memory used, nothing stored, the id not remembered.
+    let answer = post(
+        &[("x-memory-persist", "false")],
+        json!({"model": "m", "input": "which door?"}),
+    )
+    .await;
+    assert_eq!(answer.header("x-memory-status"), "not-stored");
+    assert!(texts(&last_input(&mock)).contains("violet door"));
+    let id = answer.json()["id"].as_str().unwrap().to_string();
+    let chained = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "x", "previous_response_id": id}),
+    )
+    .await;
+    assert_eq!(chained.header("x-memory-status"), "off");
+    // enabled off: forwarded as sent.
+    let body = json!({"model": "m", "input": "untouched"});
+    let answer = post(&[("x-memory-enabled", "false")], body.clone()).await;
+    assert_eq!(answer.header("x-memory-status"), "off");
+    assert_eq!(mock.responses_requests().last().unwrap().json(), body);
+    assert_eq!(proxy.stored(Some(TOKEN), "p").len(), 2);
+}
