@@ -455,11 +455,10 @@ async fn chat_answer(
                 }),
             )
         }
-        Reply::Stall { chunks } if !stream => {
-            let start = Ok(r#"{"id": "chatcmpl-mock", "object": "chat.completion", "#.to_string());
-            let events = if chunks > 0 { vec![start] } else { Vec::new() };
-            channel_response("application/json", events, Duration::ZERO, true)
-        }
+        Reply::Stall { chunks } if !stream => stalled_json(
+            r#"{"id": "chatcmpl-mock", "object": "chat.completion", "#,
+            chunks,
+        ),
         Reply::Stall { chunks } => channel_response(
             "text/event-stream",
             sse_events(
@@ -618,6 +617,16 @@ impl Body for ChannelBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.rx.poll_recv(cx)
     }
+}
+
+/// A JSON answer that sends its head, then `start` when `chunks` > 0, then stalls.
+fn stalled_json(start: &str, chunks: usize) -> Response<MockBody> {
+    let events = if chunks > 0 {
+        vec![Ok(start.to_string())]
+    } else {
+        Vec::new()
+    };
+    channel_response("application/json", events, Duration::ZERO, true)
 }
 
 /// Waits out `Delay`s and turns `Auto` into `auto` (also under a `Reasoning`).
@@ -822,9 +831,7 @@ fn responses_answer(
     }
     if !stream {
         if let Reply::Stall { chunks } = reply {
-            let start = Ok(r#"{"id": "resp_mock", "object": "response", "#.to_string());
-            let events = if chunks > 0 { vec![start] } else { Vec::new() };
-            return channel_response("application/json", events, Duration::ZERO, true);
+            return stalled_json(r#"{"id": "resp_mock", "object": "response", "#, chunks);
         }
         let output = responses_output(&reply, id);
         return json_response(
@@ -992,9 +999,7 @@ fn anthropic_answer(
     }
     if !stream {
         if let Reply::Stall { chunks } = reply {
-            let start = Ok(r#"{"id": "msg_mock", "type": "message", "#.to_string());
-            let events = if chunks > 0 { vec![start] } else { Vec::new() };
-            return channel_response("application/json", events, Duration::ZERO, true);
+            return stalled_json(r#"{"id": "msg_mock", "type": "message", "#, chunks);
         }
         let content = anthropic_content(&reply);
         let stop = json!(stop_reason(&content));
