@@ -24,14 +24,15 @@
 //! - [`summary`] makes summaries in the background; [`recall`] keeps BM25 indexes;
 //! - [`store`] keeps conversations behind a storage contract (sled by default);
 //! - leaves: [`config`], [`model`] (the model-call trait), [`settings`], [`identity`],
-//!   [`message`], [`tokens`], [`wire`] (the three request formats memory serves, read into
-//!   and written from the one message model).
+//!   [`message`], [`tokens`], [`heap`] (what cached values really take), [`wire`] (the three
+//!   request formats memory serves, read into and written from the one message model).
 
 pub mod admin;
 pub mod body;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod heap;
 pub mod identity;
 pub mod memory;
 pub mod memory_guard;

@@ -12,8 +12,9 @@ use std::sync::Mutex;
 
 use crate::identity::{ConversationKey, TenantId};
 
-/// How many ids are remembered.
-pub const DEFAULT_CAPACITY: usize = 100_000;
+/// How many ids are remembered: about 300 bytes each (the tenant hash twice, the id, the agent
+/// and conversation ids), so at most about 3 MiB. A client chains to its latest ids.
+pub const DEFAULT_CAPACITY: usize = 10_000;
 
 #[derive(Debug)]
 pub struct ResponseIds {
