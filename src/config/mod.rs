@@ -57,8 +57,9 @@ pub use sweeper::{
     DEFAULT_SWEEP_INTERVAL, DEFAULT_SWEEP_MAX_DELETED, DEFAULT_SWEEP_MAX_SCANNED, SweeperConfig,
 };
 pub use upstream::{
+    AnthropicUpstream, DEFAULT_ANTHROPIC_UPSTREAM, DEFAULT_ANTHROPIC_VERSION,
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_UPSTREAM, DEFAULT_UPSTREAM_IDLE_TIMEOUT,
-    DEFAULT_UPSTREAM_READ_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, UpstreamConfig,
+    DEFAULT_UPSTREAM_READ_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, KeyHeader, UpstreamConfig,
 };
 pub use values::Secret;
 
@@ -401,6 +402,30 @@ mod tests {
     }
 
     #[test]
+    fn the_anthropic_upstream_is_checked() {
+        let err = from_toml(
+            "[upstream.anthropic]\nbase_url = \"ftp://x\"\nversion = \"\"\n",
+            &no_env,
+        )
+        .unwrap_err();
+        let all = err.problems.join("\n");
+        assert!(all.contains("upstream.anthropic.base_url"), "{all}");
+        assert!(all.contains("upstream.anthropic.version"), "{all}");
+        let err = from_toml("[upstream.anthropic]\nmodels = 1\n", &no_env).unwrap_err();
+        assert!(err.problems.join("\n").contains("models"));
+        let config = from_toml(
+            "[upstream.anthropic]\nbase_url = \"http://127.0.0.1:9/\"\napi_key_env = \"ANT\"\n",
+            &|name| (name == "ANT").then(|| "sk-ant".to_string()),
+        )
+        .unwrap();
+        let anthropic = config.upstream.anthropic_upstream();
+        assert_eq!(anthropic.base_url.to_string(), "http://127.0.0.1:9/v1");
+        assert_eq!(anthropic.api_key, Some(Secret("sk-ant".into())));
+        assert_eq!(anthropic.key_header, KeyHeader::XApiKey);
+        assert_eq!(anthropic.timeout, config.upstream.timeout);
+    }
+
+    #[test]
     fn the_shipped_config_lists_every_setting_at_its_default() {
         let text = include_str!("../../config/memproxy.toml");
         let config = from_toml(text, &no_env).unwrap();
@@ -413,6 +438,14 @@ mod tests {
             split_memory_budget(DEFAULT_MEMORY_BUDGET)
         );
         assert!(text.contains("\nmemory_budget = \"192MiB\"\n"));
+        let anthropic = &config.upstream.anthropic;
+        assert_eq!(
+            anthropic.base_url.to_string(),
+            format!("{DEFAULT_ANTHROPIC_UPSTREAM}/v1")
+        );
+        assert_eq!(anthropic.version, DEFAULT_ANTHROPIC_VERSION);
+        assert_eq!(anthropic.model_prefixes, ["claude"]);
+        assert!(anthropic.api_key.is_none());
         for (name, _) in settings::SETTINGS {
             assert!(
                 text.contains(&format!("\n{name} = ")),
