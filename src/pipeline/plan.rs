@@ -17,7 +17,7 @@ use crate::memory::Memory;
 use crate::message::{Message, Role};
 use crate::model::Credentials;
 use crate::settings::MemorySettings;
-use crate::store::{StoreError, StoredMessage, lock, tokens_between};
+use crate::store::{Refreshed, StoreError, StoredMessage, lock, tokens_between};
 use crate::summary::{DeferredSummary, Job, SummaryRecord};
 use crate::tokens;
 
@@ -102,7 +102,10 @@ pub fn plan(
     let model_name = model.as_deref();
     let started = Instant::now();
     let handle = store.conversation(key)?;
-    let conversation = lock(&handle);
+    let mut conversation = lock(&handle);
+    // Another replica sharing the store may have written since this one cached it.
+    catch_up(memory, key, &mut conversation)?;
+    let conversation = conversation;
     let entries = &conversation.entries;
 
     // Messages memproxy itself injected, echoed back by a client, are neither stored nor sent
@@ -339,4 +342,29 @@ fn query_text(
         query.push(message.text());
     }
     query.join("\n")
+}
+
+/// Brings the cached conversation and its recall index up to the stored version (a shared
+/// store: another replica may have committed since): what was only appended is added to both;
+/// anything else was reloaded, and the index is rebuilt at its next search.
+fn catch_up(
+    memory: &Memory,
+    key: &ConversationKey,
+    conversation: &mut crate::store::Conversation,
+) -> Result<(), StoreError> {
+    match memory.store.refresh(conversation)? {
+        Refreshed::Unchanged => {}
+        Refreshed::Reloaded => memory.recall.forget(key),
+        Refreshed::Appended { before, added } => {
+            let texts: Vec<(u64, String)> = added
+                .iter()
+                .map(|m| (m.turn, crate::message::search_text(&m.message)))
+                .collect();
+            let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
+            memory
+                .recall
+                .apply(key, Some(before.unwrap_or(1)), &[], &texts, after);
+        }
+    }
+    Ok(())
 }
