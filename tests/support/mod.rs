@@ -4,6 +4,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod mock_upstream;
+pub mod redis_server;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -59,6 +60,20 @@ impl Proxy {
         Proxy::start_with_upstream(mock, data_dir, "", extra_toml).await
     }
 
+    /// [`Proxy::start`] with memory in the Redis server at `redis_url` (key prefix `mp:`)
+    /// instead of sled: one replica of several sharing it.
+    pub async fn start_redis(
+        mock: &MockUpstream,
+        data_dir: &Path,
+        redis_url: &str,
+        extra_toml: &str,
+    ) -> Proxy {
+        let storage = format!(
+            "backend = \"redis\"\nredis_url = \"{redis_url}\"\nredis_key_prefix = \"mp:\"\nredis_connect_timeout = \"PT0.5S\"\nredis_command_timeout = \"PT2S\"\n"
+        );
+        Proxy::start_full(mock, data_dir, "", &storage, extra_toml).await
+    }
+
     /// [`Proxy::start`] with `upstream_toml` added to the `[upstream]` section.
     pub async fn start_with_upstream(
         mock: &MockUpstream,
@@ -66,8 +81,18 @@ impl Proxy {
         upstream_toml: &str,
         extra_toml: &str,
     ) -> Proxy {
+        Proxy::start_full(mock, data_dir, upstream_toml, "", extra_toml).await
+    }
+
+    async fn start_full(
+        mock: &MockUpstream,
+        data_dir: &Path,
+        upstream_toml: &str,
+        storage_toml: &str,
+        extra_toml: &str,
+    ) -> Proxy {
         let text = format!(
-            "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
+            "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
             mock.base_url(),
             data_dir.display(),
             test_budget(extra_toml)
@@ -147,6 +172,15 @@ pub fn key_for(token: Option<&str>, agent: &str, conversation: &str) -> Conversa
 
 pub fn stored_in(store: &Store, token: Option<&str>, conversation: &str) -> Vec<StoredMessage> {
     stored_by_key(store, &key(token, conversation))
+}
+
+/// The stored messages of a conversation as the engine holds them now (not this process's
+/// cache: with a shared store, other replicas write too).
+pub fn stored_now(store: &Store, key: &ConversationKey) -> Vec<StoredMessage> {
+    match store.meta(key).unwrap() {
+        Some(meta) => store.all_messages(key, &meta).unwrap(),
+        None => Vec::new(),
+    }
 }
 
 pub fn stored_by_key(store: &Store, key: &ConversationKey) -> Vec<StoredMessage> {
