@@ -62,6 +62,15 @@ else
     cargo test
 fi
 
+# The admin API, TTL and metrics suites once more with memory in Redis (each test starts its own
+# redis-server; `tests/support/admin.rs`).
+step "the admin API, TTL and metrics suites with memory in Redis"
+if cargo nextest --version >/dev/null 2>&1; then
+    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test admin --test ttl --test metrics
+else
+    MEMPROXY_TEST_BACKEND=redis cargo test --test admin --test ttl --test metrics
+fi
+
 # Bounded fuzzing: the property tests of the three parsers a client's bytes reach (SSE, the
 # request body, the X-Memory-* headers) run again with 16 times their usual cases.
 FUZZ_FILTER='test(any_split_gives_the_same_events) | test(never_panics_on_arbitrary_bytes) | test(arbitrary_bytes_never_panic) | test(arbitrary_json_is_parsed_or_refused_with_a_param) | test(arbitrary_memory_headers_are_accepted_or_named)'

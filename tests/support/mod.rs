@@ -50,6 +50,8 @@ pub struct Proxy {
     pub state: Arc<AppState>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
+    /// What must live as long as the proxy (a redis-server it uses).
+    guard: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Proxy {
@@ -125,7 +127,14 @@ impl Proxy {
             state,
             stop: Some(stop),
             task: Some(task),
+            guard: None,
         }
+    }
+
+    /// Keeps `guard` alive as long as the proxy.
+    pub fn keeping(mut self, guard: impl std::any::Any + Send + Sync) -> Proxy {
+        self.guard = Some(Box::new(guard));
+        self
     }
 
     pub fn url(&self, path: &str) -> String {
