@@ -240,65 +240,6 @@ impl KeyFiles {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_key_is_created_once_kept_across_a_reopen_and_gone_after_remove() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("keys");
-        let keys = KeyFiles::open(path.clone()).unwrap();
-        assert!(keys.get(7).unwrap().is_none());
-        let (_, created) = keys.get_or_create(7).unwrap();
-        assert!(created);
-        let (_, again) = keys.get_or_create(7).unwrap();
-        assert!(!again);
-        let file = path.join("0000000000000007.key");
-        assert_eq!(std::fs::read(&file).unwrap().len(), KEY_LEN);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = std::fs::metadata(&file).unwrap().permissions().mode();
-            assert_eq!(mode & 0o077, 0, "only the owner reads a key: {mode:o}");
-        }
-        assert_eq!(keys.ids().unwrap(), [7]);
-
-        // A crash left a key written aside: it is dropped on open; the real key is kept.
-        std::fs::write(path.join("0000000000000008.tmp"), [1u8; KEY_LEN]).unwrap();
-        let reopened = KeyFiles::open(path.clone()).unwrap();
-        assert!(!path.join("0000000000000008.tmp").exists());
-        assert!(reopened.get(7).unwrap().is_some());
-        assert!(reopened.get(8).unwrap().is_none());
-
-        reopened.remove(7).unwrap();
-        assert!(!file.exists());
-        assert!(
-            reopened.get(7).unwrap().is_none(),
-            "the cached copy went too"
-        );
-        reopened.remove(7).unwrap();
-        assert!(reopened.ids().unwrap().is_empty());
-    }
-
-    #[test]
-    fn a_malformed_key_file_is_an_error_not_a_panic() {
-        let dir = tempfile::tempdir().unwrap();
-        let keys = KeyFiles::open(dir.path().to_path_buf()).unwrap();
-        std::fs::write(dir.path().join("0000000000000003.key"), b"short").unwrap();
-        assert!(matches!(keys.get(3), Err(StoreError::Corrupt(_))));
-        assert!(keys.get_or_create(3).is_err());
-    }
-
-    #[test]
-    fn key_file_names_stand_for_ids() {
-        assert_eq!(id_of("00000000000000ff.key"), Some(255));
-        assert_eq!(id_of("ff.key"), None);
-        assert_eq!(id_of("00000000000000ff.tmp"), None);
-        assert_eq!(id_of("zzzzzzzzzzzzzzzz.key"), None);
-    }
-}
-
 /// Where the conversations' keys are kept (see the module documentation).
 pub enum Keys {
     /// Files beside an embedded engine.
@@ -418,5 +359,64 @@ impl Keys {
             Keys::Files(files) => Some(files),
             Keys::Engine(_) => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_is_created_once_kept_across_a_reopen_and_gone_after_remove() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys");
+        let keys = KeyFiles::open(path.clone()).unwrap();
+        assert!(keys.get(7).unwrap().is_none());
+        let (_, created) = keys.get_or_create(7).unwrap();
+        assert!(created);
+        let (_, again) = keys.get_or_create(7).unwrap();
+        assert!(!again);
+        let file = path.join("0000000000000007.key");
+        assert_eq!(std::fs::read(&file).unwrap().len(), KEY_LEN);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+            assert_eq!(mode & 0o077, 0, "only the owner reads a key: {mode:o}");
+        }
+        assert_eq!(keys.ids().unwrap(), [7]);
+
+        // A crash left a key written aside: it is dropped on open; the real key is kept.
+        std::fs::write(path.join("0000000000000008.tmp"), [1u8; KEY_LEN]).unwrap();
+        let reopened = KeyFiles::open(path.clone()).unwrap();
+        assert!(!path.join("0000000000000008.tmp").exists());
+        assert!(reopened.get(7).unwrap().is_some());
+        assert!(reopened.get(8).unwrap().is_none());
+
+        reopened.remove(7).unwrap();
+        assert!(!file.exists());
+        assert!(
+            reopened.get(7).unwrap().is_none(),
+            "the cached copy went too"
+        );
+        reopened.remove(7).unwrap();
+        assert!(reopened.ids().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_malformed_key_file_is_an_error_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = KeyFiles::open(dir.path().to_path_buf()).unwrap();
+        std::fs::write(dir.path().join("0000000000000003.key"), b"short").unwrap();
+        assert!(matches!(keys.get(3), Err(StoreError::Corrupt(_))));
+        assert!(keys.get_or_create(3).is_err());
+    }
+
+    #[test]
+    fn key_file_names_stand_for_ids() {
+        assert_eq!(id_of("00000000000000ff.key"), Some(255));
+        assert_eq!(id_of("ff.key"), None);
+        assert_eq!(id_of("00000000000000ff.tmp"), None);
+        assert_eq!(id_of("zzzzzzzzzzzzzzzz.key"), None);
     }
 }
