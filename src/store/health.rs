@@ -121,6 +121,13 @@ impl Store {
             ));
         }
         if !self.engine.is_ready() {
+            if self.engine.shared() {
+                // Noticed here first: memory goes off (and is retried) as after a failed
+                // request, so the next requests do not each wait for a timeout.
+                self.health.failed(&StoreError::Unreachable(
+                    "the store does not answer".to_string(),
+                ));
+            }
             return Some("the store does not answer reads".to_string());
         }
         match self.damaged_conversations() {
