@@ -240,11 +240,16 @@ pub async fn bench(args: Args) -> Result<(), String> {
             _ => &ctx,
         };
         for &mode in &modes {
+            // Each proxy's conversations are its own (the Redis one does not share sled's).
+            let target = match scenario.target {
+                Target::RedisProxy => "redis-",
+                Target::Mock | Target::Proxy => "",
+            };
             let conversation = match (scenario.prefill, scenario.persist) {
                 _ if scenario.spread => Some(format!("{}-{}", scenario.name, mode.short())),
                 (0, _) => None,
-                (n, false) => Some(format!("bench-{n}")),
-                (n, true) => Some(format!("bench-{n}-persist-{}", mode.short())),
+                (n, false) => Some(format!("{target}bench-{n}")),
+                (n, true) => Some(format!("{target}bench-{n}-persist-{}", mode.short())),
             };
             if let Some(conversation) = &conversation
                 && !scenario.spread

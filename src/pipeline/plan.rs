@@ -344,6 +344,20 @@ fn query_text(
     query.join("\n")
 }
 
+/// Reads a conversation again after its commit found it stale: with a shared store only what
+/// another replica changed (the recall index kept in step, [`catch_up`]); otherwise whole.
+pub(super) fn reread(
+    memory: &Memory,
+    key: &ConversationKey,
+    conversation: &mut crate::store::Conversation,
+) -> Result<(), StoreError> {
+    if memory.store.shared() {
+        catch_up(memory, key, conversation)
+    } else {
+        memory.store.reload(conversation)
+    }
+}
+
 /// Brings the cached conversation and its recall index up to the stored version (a shared
 /// store: another replica may have committed since): what was only appended is added to both;
 /// anything else was reloaded, and the index is rebuilt at its next search.

@@ -1252,6 +1252,55 @@ mod tests {
         assert_eq!(lex_end(b"t\0"), b"(t\x01");
     }
 
+    use crate::store::contract::{redis_options, redis_server::RedisServer};
+
+    #[test]
+    fn a_password_from_the_configuration_wins_over_none_in_the_url() {
+        let server = RedisServer::start_with(&["--requirepass", "s3cret-pw"]);
+        let without = RedisEngine::open(&redis_options(&server.url())).unwrap();
+        let err = without.new_id().unwrap_err();
+        assert!(!err.to_string().contains("s3cret-pw"), "{err}");
+        let mut options = redis_options(&server.url());
+        options.password = Some("s3cret-pw".to_string());
+        let with = RedisEngine::open(&options).unwrap();
+        assert_eq!(with.new_id().unwrap(), 1);
+        // The password in the URL works too.
+        let url = server.url().replace("redis://", "redis://:s3cret-pw@");
+        assert_eq!(
+            RedisEngine::open(&redis_options(&url))
+                .unwrap()
+                .new_id()
+                .unwrap(),
+            2
+        );
+    }
+
+    #[test]
+    fn rediss_speaks_tls_and_a_server_without_it_is_unreachable_not_a_panic() {
+        let server = RedisServer::start();
+        let url = server.url().replace("redis://", "rediss://");
+        let engine = RedisEngine::open(&redis_options(&url)).unwrap();
+        // A plain server does not answer the TLS handshake: the engine reports it, the
+        // ring provider is in place (no panic choosing one).
+        let err = engine.new_id().unwrap_err();
+        assert!(err.is_write_failure(), "{err}");
+        assert!(!engine.is_ready());
+    }
+
+    #[test]
+    fn an_unreachable_server_is_a_failure_to_write_and_the_engine_opens_anyway() {
+        let mut server = RedisServer::start();
+        let engine = RedisEngine::open(&redis_options(&server.url())).unwrap();
+        assert!(engine.reopen().is_ok());
+        server.kill();
+        let err = engine.load(&crate::store::tests::key("c")).unwrap_err();
+        assert!(matches!(err, StoreError::Unreachable(_)), "{err:?}");
+        assert!(engine.reopen().is_err());
+        server.restart();
+        assert!(engine.reopen().is_ok());
+        assert!(engine.load(&crate::store::tests::key("c")).is_ok());
+    }
+
     #[test]
     fn members_keep_their_number_first() {
         let bytes = member(258, b"{}");

@@ -15,6 +15,7 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     dir: tempfile::TempDir,
+    extra: Vec<String>,
 }
 
 /// A port the kernel says is free now.
@@ -38,11 +39,17 @@ fn command(port: u16, line: &str) -> Option<String> {
 impl RedisServer {
     /// Starts a fresh server.
     pub fn start() -> RedisServer {
+        RedisServer::start_with(&[])
+    }
+
+    /// Starts a fresh server with `extra` arguments (`--requirepass`, …).
+    pub fn start_with(extra: &[&str]) -> RedisServer {
         for _ in 0..5 {
             let mut server = RedisServer {
                 child: None,
                 port: free_port(),
                 dir: tempfile::tempdir().expect("a temporary directory"),
+                extra: extra.iter().map(|a| a.to_string()).collect(),
             };
             if server.spawn() {
                 return server;
@@ -64,6 +71,7 @@ impl RedisServer {
             .arg(self.dir.path())
             .arg("--logfile")
             .arg(self.dir.path().join("redis.log"))
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -75,7 +83,10 @@ impl RedisServer {
         };
         let started = Instant::now();
         while started.elapsed() < Duration::from_secs(10) {
-            if command(self.port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
+            // With `--requirepass` an unauthenticated PING is refused, which says it is up too.
+            if command(self.port, "PING")
+                .is_some_and(|r| r.starts_with("+PONG") || r.starts_with("-NOAUTH"))
+            {
                 self.child = Some(child);
                 return true;
             }
