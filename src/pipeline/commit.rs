@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use serde_json::value::RawValue;
 
-use super::plan::reread;
+use super::catch_up::reread;
 use super::reconcile::{Alignment, Mark, align};
 use super::window::trim_start;
 use crate::identity::ConversationKey;

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::assemble::{Prompt, is_injected_echo, split_request};
 use super::budget::{self, Fitted};
+use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
 use super::recall::{RecalledTurn, recalled_turns, render};
 use super::reconcile::{Alignment, Mark, align};
@@ -17,7 +18,7 @@ use crate::memory::Memory;
 use crate::message::{Message, Role};
 use crate::model::Credentials;
 use crate::settings::MemorySettings;
-use crate::store::{Refreshed, StoreError, StoredMessage, lock, tokens_between};
+use crate::store::{StoreError, StoredMessage, lock, tokens_between};
 use crate::summary::{DeferredSummary, Job, SummaryRecord};
 use crate::tokens;
 
@@ -342,43 +343,4 @@ fn query_text(
         query.push(message.text());
     }
     query.join("\n")
-}
-
-/// Reads a conversation again after its commit found it stale: with a shared store only what
-/// another replica changed (the recall index kept in step, [`catch_up`]); otherwise whole.
-pub(super) fn reread(
-    memory: &Memory,
-    key: &ConversationKey,
-    conversation: &mut crate::store::Conversation,
-) -> Result<(), StoreError> {
-    if memory.store.shared() {
-        catch_up(memory, key, conversation)
-    } else {
-        memory.store.reload(conversation)
-    }
-}
-
-/// Brings the cached conversation and its recall index up to the stored version (a shared
-/// store: another replica may have committed since): what was only appended is added to both;
-/// anything else was reloaded, and the index is rebuilt at its next search.
-fn catch_up(
-    memory: &Memory,
-    key: &ConversationKey,
-    conversation: &mut crate::store::Conversation,
-) -> Result<(), StoreError> {
-    match memory.store.refresh(conversation)? {
-        Refreshed::Unchanged => {}
-        Refreshed::Reloaded => memory.recall.forget(key),
-        Refreshed::Appended { before, added } => {
-            let texts: Vec<(u64, String)> = added
-                .iter()
-                .map(|m| (m.turn, crate::message::search_text(&m.message)))
-                .collect();
-            let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
-            memory
-                .recall
-                .apply(key, Some(before.unwrap_or(1)), &[], &texts, after);
-        }
-    }
-    Ok(())
 }

@@ -1302,6 +1302,38 @@ mod tests {
     }
 
     #[test]
+    fn with_wait_replicas_a_write_counts_once_the_replicas_have_it() {
+        let primary = RedisServer::start();
+        let mut options = redis_options(&primary.url());
+        options.wait_replicas = 1;
+        options.wait_timeout = Duration::from_millis(200);
+        let engine = RedisEngine::open(&options).unwrap();
+        let key = crate::store::tests::key("c");
+        let ttl = TtlRecord {
+            ttl_ms: None,
+            set_ms: 1,
+        };
+        // No replica: the write is on the primary, but not acknowledged as asked.
+        let err = engine.put_ttl(&key, &ttl).unwrap_err();
+        assert!(err.to_string().contains("0 of 1"), "{err}");
+        let port = primary.port().to_string();
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+        options.wait_timeout = Duration::from_secs(5);
+        let engine = RedisEngine::open(&options).unwrap();
+        let started = std::time::Instant::now();
+        loop {
+            match engine.put_ttl(&key, &ttl) {
+                Ok(()) => break,
+                Err(err) => {
+                    assert!(started.elapsed() < Duration::from_secs(20), "{err}");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
+        assert!(replica.command("GET x").starts_with("$-1"));
+    }
+
+    #[test]
     fn members_keep_their_number_first() {
         let bytes = member(258, b"{}");
         assert_eq!(split_member(&bytes).unwrap(), (258, b"{}".as_slice()));
