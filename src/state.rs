@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::config::Config;
+use crate::config::{Backend, Config};
 use crate::memory::{self, Memory};
 use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
@@ -167,6 +167,15 @@ impl AppState {
 /// The store under `config.data_dir`, created if missing, or why it cannot be used.
 fn open_store(config: &Config) -> Result<Arc<Store>, StoreUnavailable> {
     let unavailable = |reason: String| StoreUnavailable { reason };
+    if let Backend::Redis(redis) = &config.backend {
+        return Store::open_redis(
+            &memory::redis_options(redis),
+            &config.data_dir,
+            memory::store_options(config),
+        )
+        .map(Arc::new)
+        .map_err(|err| unavailable(format!("the Redis store could not be set up: {err}")));
+    }
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|err| unavailable(format!("cannot create the data directory: {err}")))?;
     Store::open(&config.data_dir, memory::store_options(config))
