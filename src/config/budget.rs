@@ -16,7 +16,9 @@
 //!
 //! sled's memory is not bounded by its page cache: its page table and write buffers grow with
 //! what is stored (measured with sled 0.34 and a 1 MiB cache, 300-byte values: 40 MiB at
-//! 200,000 records, 70 MiB at 1.6 million), so it gets a reserve of its own.
+//! 200,000 records, 70 MiB at 1.6 million), so it gets a reserve of its own. With Redis (no
+//! sled in the process) those shares go to the recall indexes and to requests in flight
+//! ([`split_for`]).
 //!
 //! The caches are full in a steady state, by design; what requests in flight take comes and
 //! goes. So admission (`memory_guard.rs`) stops giving new chat requests memory once the RSS
@@ -43,7 +45,6 @@ const STATE_EIGHTHS: u64 = 1;
 const STORE_EIGHTHS: u64 = 1;
 const ENGINE_EIGHTHS: u64 = 2;
 const RECALL_EIGHTHS: u64 = 2;
-const CACHE_EIGHTHS: u64 = STATE_EIGHTHS + STORE_EIGHTHS + RECALL_EIGHTHS;
 
 /// The budget, its high-water mark and the cache sizes taken from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,16 +83,40 @@ pub struct ExplicitCaches {
     pub recall: Option<u64>,
 }
 
-/// The split of `total` with no cache size set explicitly.
+/// Which storage engine the budget is split for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// sled, in the process: its page cache and its own memory take their shares.
+    Embedded,
+    /// Redis, another process: the sled shares go to the recall indexes (two eighths) and to
+    /// requests in flight (one).
+    Remote,
+}
+
+/// The split of `total` with no cache size set explicitly (sled).
 pub fn split(total: u64) -> MemoryBudget {
+    split_for(total, Engine::Embedded)
+}
+
+/// The split of `total` for `engine`, with no cache size set explicitly.
+pub fn split_for(total: u64, engine: Engine) -> MemoryBudget {
     let eighth = total.saturating_sub(PROCESS_BASE) / 8;
-    MemoryBudget {
+    let embedded = MemoryBudget {
         total,
         high_water: total - eighth,
         state_cache: STATE_EIGHTHS * eighth,
         store_cache: STORE_EIGHTHS * eighth,
         recall_cache: RECALL_EIGHTHS * eighth,
         engine_reserve: ENGINE_EIGHTHS * eighth,
+    };
+    match engine {
+        Engine::Embedded => embedded,
+        Engine::Remote => MemoryBudget {
+            store_cache: 0,
+            engine_reserve: 0,
+            recall_cache: (RECALL_EIGHTHS + 2) * eighth,
+            ..embedded
+        },
     }
 }
 
@@ -99,6 +124,7 @@ pub fn split(total: u64) -> MemoryBudget {
 /// [`MIN_MEMORY_BUDGET`] and for caches that together take more than their part.
 pub(super) fn check_budget(
     total: u64,
+    engine: Engine,
     explicit: ExplicitCaches,
     problems: &mut Vec<String>,
 ) -> MemoryBudget {
@@ -109,9 +135,9 @@ pub(super) fn check_budget(
             MIN_MEMORY_BUDGET / MIB,
             PROCESS_BASE / MIB
         ));
-        return split(MIN_MEMORY_BUDGET);
+        return split_for(MIN_MEMORY_BUDGET, engine);
     }
-    let shares = split(total);
+    let shares = split_for(total, engine);
     let budget = MemoryBudget {
         state_cache: explicit.state.unwrap_or(shares.state_cache),
         store_cache: explicit.store.unwrap_or(shares.store_cache),
@@ -119,7 +145,8 @@ pub(super) fn check_budget(
         ..shares
     };
     let caches = budget.state_cache + budget.store_cache + budget.recall_cache;
-    let room = CACHE_EIGHTHS * ((total - PROCESS_BASE) / 8);
+    // The caches may take together what their shares add up to.
+    let room = shares.state_cache + shares.store_cache + shares.recall_cache;
     if caches > room {
         problems.push(format!(
             "storage: the caches take {} MiB (state_cache_bytes {} + cache_bytes {} + recall_cache_bytes {}), more than the {} MiB server.memory_budget = {} MiB leaves them; lower them, leave them unset to take their shares, or raise the budget",
@@ -140,7 +167,7 @@ mod tests {
 
     fn check(total: u64, explicit: ExplicitCaches) -> (MemoryBudget, Vec<String>) {
         let mut problems = Vec::new();
-        let budget = check_budget(total, explicit, &mut problems);
+        let budget = check_budget(total, Engine::Embedded, explicit, &mut problems);
         (budget, problems)
     }
 
@@ -225,6 +252,33 @@ mod tests {
             recall: Some(33 * MIB),
         };
         assert_eq!(check(192 * MIB, within).1.len(), 1);
+    }
+
+    #[test]
+    fn with_redis_the_sled_shares_go_to_recall_and_requests() {
+        let budget = split_for(192 * MIB, Engine::Remote);
+        assert_eq!(
+            (
+                budget.state_cache,
+                budget.store_cache,
+                budget.recall_cache,
+                budget.engine_reserve,
+                budget.high_water
+            ),
+            (16 * MIB, 0, 64 * MIB, 0, 176 * MIB)
+        );
+        assert_eq!(budget.in_flight(), 48 * MIB);
+        let mut problems = Vec::new();
+        assert_eq!(
+            check_budget(
+                192 * MIB,
+                Engine::Remote,
+                ExplicitCaches::default(),
+                &mut problems
+            ),
+            budget
+        );
+        assert!(problems.is_empty());
     }
 
     #[test]

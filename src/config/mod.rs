@@ -204,7 +204,12 @@ fn check(
         env,
         &mut problems,
     );
-    let memory_budget = budget::check_budget(server.memory_budget, storage.caches, &mut problems);
+    let engine = match storage.backend {
+        storage::Backend::Sled => budget::Engine::Embedded,
+        storage::Backend::Redis(_) => budget::Engine::Remote,
+    };
+    let memory_budget =
+        budget::check_budget(server.memory_budget, engine, storage.caches, &mut problems);
     let log_format = server::check_log(raw.log, overrides.log_format.clone(), &mut problems);
     let profiles = agents::check_profiles(raw.memory, &raw.agents, &mut problems);
     let admin = admin::check_admin(raw.admin, env, &mut problems);
