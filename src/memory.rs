@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::config::{self, CompressionConfig, Config};
 use crate::identity::{ConversationKey, TenantId};
+use crate::longterm::LongTerm;
 use crate::model::ModelCall;
 use crate::recall::Recall;
 use crate::store::{Deleted, Durability, Scope, Store, StoreError, StoreOptions, now_ms};
@@ -53,6 +54,8 @@ impl SweepCounters {
 pub struct Memory {
     pub store: Arc<Store>,
     pub recall: Recall,
+    /// Long-term memory per user: archives, their indexes, extracted memories.
+    pub longterm: LongTerm,
     pub summarizer: Arc<Summarizer>,
     pub clock: Clock,
     pub sweeps: SweepCounters,
@@ -83,6 +86,9 @@ impl Memory {
     ) -> Memory {
         Memory {
             recall: Recall::new(recall_cache_bytes),
+            // Users' indexes cover many conversations each, and are used only by requests
+            // that name a user: a quarter of the recall cache's size on top of it.
+            longterm: LongTerm::new(recall_cache_bytes / 4),
             summarizer: Summarizer::start(Arc::clone(&store), model, compression),
             store,
             clock: Clock::default(),
@@ -98,6 +104,7 @@ impl Memory {
     pub fn writable(&self) -> Result<(), StoreError> {
         if self.store.writable()? {
             self.recall.forget_all();
+            self.longterm.forget_all();
         }
         Ok(())
     }

@@ -19,7 +19,7 @@ use crate::config::hash_key;
 use crate::error::{ProxyError, json_response};
 use crate::identity::{Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
-use crate::proxy::identify::{PathIds, credential_of, identify};
+use crate::proxy::identify::{PathIds, UserId, credential_of, identify};
 use crate::proxy::{self, DegradedReason, MemoryStatus, set_degraded_reason, set_memory_headers};
 use crate::state::AppState;
 
@@ -120,7 +120,10 @@ async fn route(
     match (identity.key, identity.conversation) {
         (Some(key), _) => match &state.memory {
             Ok(memory) => {
-                let (parts, body) = request.into_parts();
+                let (mut parts, body) = request.into_parts();
+                if let Some(user) = identity.user {
+                    parts.extensions.insert(UserId(user));
+                }
                 let settings = identity.settings;
                 proxy::chat::chat(state, memory, parts, body, key, settings, &api_path).await
             }

@@ -23,7 +23,9 @@ use super::window::trim_start;
 use crate::identity::ConversationKey;
 use crate::memory::Memory;
 use crate::message::{HasRole, Message, Role};
-use crate::store::{Change, Conversation, Entry, Origin, StoreError, StoredMessage, lock, now_ms};
+use crate::store::{
+    Change, Conversation, Entry, Origin, OwnerKey, StoreError, StoredMessage, lock, now_ms,
+};
 use crate::tokens;
 
 /// How often a commit re-plans against a conversation that keeps changing under it.
@@ -64,6 +66,8 @@ pub struct Exchange {
     /// The TTL the request ran with (`ttl` setting or `X-Memory-Ttl`), remembered for the
     /// conversation once the exchange is stored.
     pub ttl: Option<Duration>,
+    /// The user whose archive the exchange is copied into (long-term memory), if any.
+    pub user: Option<OwnerKey>,
 }
 
 impl Exchange {
@@ -157,6 +161,11 @@ impl Exchange {
                 })
                 .unwrap_or_default();
             removed.extend(&closed);
+            // What leaves what was said (not a trim): a closed branch, a replaced reply.
+            let mut unsaid = closed.clone();
+            if matches!(alignment, Alignment::ReplaceLastReply { .. }) {
+                unsaid.extend(conversation.entries.last().map(|e| e.turn));
+            }
             let added_count = planned.change.add.len();
             let still_new = self.still_new(alignment, &self.new_texts);
             let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
@@ -183,6 +192,11 @@ impl Exchange {
                     memory
                         .recall
                         .apply(&self.key, current, &removed, &added, after);
+                    if let Some(user) = &self.user {
+                        memory
+                            .longterm
+                            .after_commit(store, user, &conversation, &unsaid);
+                    }
                     break;
                 }
                 Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {

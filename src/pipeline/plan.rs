@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::assemble::{Prompt, is_injected_echo, split_request};
 use super::budget::{self, Fitted};
 use super::commit::{Exchange, last_is_reply};
-use super::recall::{RecalledTurn, recalled_turns, render};
+use super::recall::{RecalledTurn, elsewhere_turns, recalled_turns, render};
 use super::reconcile::{Alignment, Mark, align};
 use super::summary::plan_summary;
 use super::window::window_start;
@@ -17,7 +17,7 @@ use crate::memory::Memory;
 use crate::message::{Message, Role};
 use crate::model::Credentials;
 use crate::settings::MemorySettings;
-use crate::store::{StoreError, StoredMessage, lock, tokens_between};
+use crate::store::{OwnerKey, StoreError, StoredMessage, lock, tokens_between};
 use crate::summary::{DeferredSummary, Job, SummaryRecord};
 use crate::tokens;
 
@@ -44,6 +44,9 @@ pub struct Plan {
     pub recalled_turns: Vec<u64>,
     /// The recalled turns with their BM25 scores, best first.
     pub recalled_scores: Vec<(u64, f32)>,
+    /// Turns recalled from the user's other conversations (long-term memory), best first:
+    /// (conversation, turn, score).
+    pub recalled_elsewhere: Vec<(String, u64, f32)>,
     /// The forwarded prompt's size in tokens, from stored counts.
     pub prompt_tokens: u64,
     /// What the token budget did, when one is set.
@@ -86,9 +89,25 @@ pub enum PlanError {
     TooManyTokens { limit: u64 },
 }
 
+/// Plans a request that names no user: [`plan_for_user`] without long-term memory.
 pub fn plan(
     memory: &Memory,
     key: &ConversationKey,
+    settings: &MemorySettings,
+    limits: Limits,
+    model: Option<String>,
+    messages: Vec<Message>,
+) -> Result<Plan, PlanError> {
+    plan_for_user(memory, key, None, settings, limits, model, messages)
+}
+
+/// Plans a request of conversation `key`; with a `user` (and `long_term_enabled`) long-term
+/// memory takes part (`crate::longterm`): the user's other conversations are searched too, and
+/// a conversation deleted by its TTL is rebuilt from the user's archive.
+pub fn plan_for_user(
+    memory: &Memory,
+    key: &ConversationKey,
+    user: Option<&str>,
     settings: &MemorySettings,
     limits: Limits,
     model: Option<String>,
@@ -98,6 +117,15 @@ pub fn plan(
     // may never reach the disk. It is retried here, once a retry is due.
     memory.writable()?;
     let store = &memory.store;
+    let user = user
+        .filter(|_| settings.long_term_enabled)
+        .map(|user| OwnerKey::user(&key.tenant, user));
+    if let Some(user) = &user
+        && limits.writes
+        && let Err(err) = memory.longterm.rebuild(store, user, key)
+    {
+        tracing::warn!(error = %err, "rebuilding the conversation from the user's archive failed");
+    }
     let mut timings = Timings::default();
     let model_name = model.as_deref();
     let started = Instant::now();
@@ -188,20 +216,45 @@ pub fn plan(
     // Recall: the older pool is everything before the window.
     let started = Instant::now();
     let mut recalled: Vec<RecalledTurn> = Vec::new();
-    if settings.relevance_enabled && settings.relevance_top_k > 0 && start > 0 {
-        let query = query_text(&new_turns, &texts, &window);
+    let searching = settings.relevance_enabled && settings.relevance_top_k > 0;
+    let query = (searching && (start > 0 || user.is_some()))
+        .then(|| query_text(&new_turns, &texts, &window));
+    if let Some(query) = query.as_deref()
+        && start > 0
+    {
         let before_turn =
             history[start.min(history.len() - 1)].turn + u64::from(start == history.len());
         let hits = memory.recall.search(
             store,
             &conversation,
             settings.relevance_language,
-            &query,
+            query,
             before_turn,
             settings.relevance_top_k,
         )?;
         let found = store.messages(&conversation, hits.iter().map(|h| h.turn))?;
         recalled = recalled_turns(&hits, found);
+    }
+    // Long-term memory: the user's other conversations compete for the same slots.
+    if let (Some(user), Some(query)) = (&user, query.as_deref()) {
+        match memory.longterm.search(
+            store,
+            user,
+            key,
+            settings.relevance_language,
+            query,
+            settings.relevance_top_k,
+        ) {
+            Ok(found) if !found.is_empty() => {
+                recalled.extend(elsewhere_turns(found));
+                recalled.sort_by(|a, b| b.score.total_cmp(&a.score));
+                recalled.truncate(settings.relevance_top_k);
+            }
+            Ok(_) => {}
+            Err(err) => {
+                tracing::warn!(error = %err, "searching the user's other conversations failed")
+            }
+        }
     }
 
     timings.recall = started.elapsed();
@@ -238,9 +291,15 @@ pub fn plan(
     );
 
     // Assemble.
-    let mut recalled_turns: Vec<u64> = recalled.iter().map(|r| r.turn).collect();
+    let own = || recalled.iter().filter(|r| r.elsewhere_at.is_none());
+    let mut recalled_turns: Vec<u64> = own().map(|r| r.turn).collect();
     recalled_turns.sort_unstable();
-    let recalled_scores: Vec<(u64, f32)> = recalled.iter().map(|r| (r.turn, r.score)).collect();
+    let recalled_scores: Vec<(u64, f32)> = own().map(|r| (r.turn, r.score)).collect();
+    let recalled_elsewhere: Vec<(String, u64, f32)> = recalled
+        .iter()
+        .filter(|r| r.elsewhere_at.is_some())
+        .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
+        .collect();
     let (instructions, incoming) = split_request(messages, first_new);
     let exchange = Exchange {
         key: key.clone(),
@@ -255,6 +314,7 @@ pub fn plan(
         model,
         prompt_tokens,
         ttl: settings.ttl,
+        user: user.clone(),
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
@@ -283,6 +343,7 @@ pub fn plan(
         planned_count,
         recalled_turns,
         recalled_scores,
+        recalled_elsewhere,
         prompt_tokens,
         fitted,
         summary: summary.current,
@@ -322,6 +383,13 @@ pub async fn start_due(
         }
     }
     None
+}
+
+/// The conversation a line of [`elsewhere_turns`] names.
+fn elsewhere_name(line: &str) -> String {
+    line.strip_prefix("[earlier conversation ")
+        .and_then(|rest| rest.split_once(", turn #"))
+        .map_or_else(String::new, |(name, _)| name.to_string())
 }
 
 /// What recall searches with: the new messages, and when they continue a round (tool results)

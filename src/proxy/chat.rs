@@ -15,7 +15,7 @@ use http::{Request, Response, request::Parts};
 use http_body::Body as _;
 use hyper::body::Incoming;
 
-use super::identify::CREDENTIAL_HEADERS;
+use super::identify::{CREDENTIAL_HEADERS, UserId};
 use super::tee::{Pending, TeeBody};
 use super::{
     DegradedReason, MemoryStatus, commit, headers_of, passthrough, set_degraded_reason,
@@ -243,14 +243,16 @@ async fn before(
     // lock: both run on the blocking pool, never on a thread that serves other requests.
     let limits = limits(state);
     let (job_memory, job_key, job_settings) = (Arc::clone(memory), key.clone(), settings.clone());
+    let user = parts.extensions.get::<UserId>().map(|user| user.0.clone());
     let client_body = bytes.clone();
     let planning = tokio::task::spawn_blocking(move || {
         let mut request = ChatRequest::parse(&bytes)?;
         let messages = std::mem::take(&mut request.messages);
         let model = request.model.clone();
-        let planned = plan::plan(
+        let planned = plan::plan_for_user(
             &job_memory,
             &job_key,
+            user.as_deref(),
             &job_settings,
             limits,
             model,

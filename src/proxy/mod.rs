@@ -28,6 +28,8 @@ pub const TURNS_HEADER: &str = "x-memory-turns";
 pub const CONVERSATION_ID_HEADER: &str = "x-memory-conversation-id";
 pub const RETRIEVED_HEADER: &str = "x-memory-retrieved";
 pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
+/// Turns recalled from the user's other conversations (long-term memory), when there are any.
+pub const RETRIEVED_ELSEWHERE_HEADER: &str = "x-memory-retrieved-elsewhere";
 pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
 pub const BUDGET_HEADER: &str = "x-memory-budget";
 pub const SUMMARY_HEADER: &str = "x-memory-summary";
@@ -180,6 +182,12 @@ pub fn headers_of(plan: &Plan) -> HeaderMap {
     let turns: Vec<String> = plan.recalled_turns.iter().map(u64::to_string).collect();
     if let Ok(value) = HeaderValue::from_str(&turns.join(",")) {
         headers.insert(RETRIEVED_TURNS_HEADER, value);
+    }
+    if !plan.recalled_elsewhere.is_empty() {
+        headers.insert(
+            RETRIEVED_ELSEWHERE_HEADER,
+            HeaderValue::from(plan.recalled_elsewhere.len()),
+        );
     }
     headers.insert(PROMPT_TOKENS_HEADER, HeaderValue::from(plan.prompt_tokens));
     if let Some(verdict) = plan.fitted.map(|f| f.verdict()) {

@@ -1,0 +1,248 @@
+//! Long-term memory through the real proxy (issue 13): what a user said in one conversation
+//! is recalled in their next one, tagged with the conversation it came from; never for another
+//! user of the tenant, nor for the same user id under another credential; a conversation
+//! deleted by its TTL stays searchable and is rebuilt when asked for again; a request without
+//! a user id behaves as before.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::time::Duration;
+
+use memproxy::ttl::{Cursor, sweep_pass};
+use support::mock_upstream::MockUpstream;
+use support::*;
+
+const FACT: &str = "My favourite city is Lisbon and I am allergic to peanuts";
+const QUESTION: &str = "Which city is my favourite, and what am I allergic to?";
+
+/// The recalled-turns system message of the last forwarded prompt, if any.
+fn recalled(mock: &MockUpstream) -> String {
+    mock.last_messages()
+        .iter()
+        .filter(|m| m["role"] == "system")
+        .filter_map(|m| m["content"].as_str())
+        .find(|c| c.starts_with("[Earlier in this conversation"))
+        .unwrap_or("")
+        .to_string()
+}
+
+async fn say(
+    proxy: &Proxy,
+    token: &str,
+    user: Option<&str>,
+    conversation: &str,
+    text: &str,
+) -> Answer {
+    let extra: Vec<(&str, &str)> = user.map(|u| ("x-memory-user-id", u)).into_iter().collect();
+    let answer = chat_as(
+        proxy,
+        token,
+        conversation,
+        &body(&[support::user(text)]),
+        &extra,
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    answer
+}
+
+#[tokio::test]
+async fn a_fact_from_one_conversation_is_recalled_in_the_users_next_one() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+
+    say(&proxy, TOKEN, Some("ana"), "trip-planning", FACT).await;
+    say(
+        &proxy,
+        TOKEN,
+        Some("ana"),
+        "trip-planning",
+        "Thanks, that is all for today",
+    )
+    .await;
+
+    // A fresh conversation of the same user: layer 1 brings the fact back at once.
+    let answer = say(&proxy, TOKEN, Some("ana"), "new-chat", QUESTION).await;
+    let message = recalled(&mock);
+    assert!(message.contains(FACT), "{message}");
+    assert!(
+        message.contains("[earlier conversation trip-planning, turn #1 at "),
+        "{message}"
+    );
+    assert_eq!(answer.header("x-memory-retrieved"), "0");
+    assert_ne!(answer.header("x-memory-retrieved-elsewhere"), "");
+    // Nothing recalled is stored as a turn of the new conversation.
+    let stored = proxy.stored(Some(TOKEN), "new-chat");
+    assert_eq!(stored.len(), 2);
+    assert!(!stored[0].message.get().contains("Lisbon"));
+
+    // Another user of the tenant, the same user under another credential, and a request
+    // without a user id never see it.
+    say(&proxy, TOKEN, Some("bob"), "bob-chat", QUESTION).await;
+    assert!(!recalled(&mock).contains("Lisbon"));
+    say(
+        &proxy,
+        "sk-other-tenant",
+        Some("ana"),
+        "other-tenant-chat",
+        QUESTION,
+    )
+    .await;
+    assert!(!recalled(&mock).contains("Lisbon"));
+    say(&proxy, TOKEN, None, "anonymous-chat", QUESTION).await;
+    assert!(!recalled(&mock).contains("Lisbon"));
+    let plain = say(&proxy, TOKEN, None, "anonymous-chat-2", QUESTION).await;
+    assert!(plain.headers.get("x-memory-retrieved-elsewhere").is_none());
+
+    // Switched off per request, the user's other conversations are not searched.
+    let off = chat_as(
+        &proxy,
+        TOKEN,
+        "new-chat-2",
+        &body(&[support::user(QUESTION)]),
+        &[
+            ("x-memory-user-id", "ana"),
+            ("x-memory-long-term-enabled", "false"),
+        ],
+    )
+    .await;
+    assert_eq!(off.status, 200);
+    assert!(!recalled(&mock).contains("Lisbon"));
+
+    // The archive is readable through the store, and sealed on disk like conversations.
+    let memory = proxy.state.memory().unwrap();
+    assert!(memory.store.any_trace_of(b"Lisbon").unwrap());
+    proxy.stop().await;
+    for (path, bytes) in files(dir.path()) {
+        assert!(!bytes.windows(6).any(|w| w == b"Lisbon"), "{path:?}");
+    }
+}
+
+#[tokio::test]
+async fn the_conversations_own_turns_and_other_conversations_share_the_slots() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    say(
+        &proxy,
+        TOKEN,
+        Some("ana"),
+        "old",
+        "The garage door code is 7781",
+    )
+    .await;
+    for i in 0..8 {
+        say(
+            &proxy,
+            TOKEN,
+            Some("ana"),
+            "current",
+            &format!("Filler note number {i} about gardening"),
+        )
+        .await;
+    }
+    let answer = chat_as(
+        &proxy,
+        TOKEN,
+        "current",
+        &body(&[support::user(
+            "What is the garage door code again? Gardening aside.",
+        )]),
+        &[
+            ("x-memory-user-id", "ana"),
+            ("x-memory-recent-n", "2"),
+            ("x-memory-relevance-top-k", "3"),
+        ],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let message = recalled(&mock);
+    assert!(message.contains("7781"), "{message}");
+    let own: usize = answer.header("x-memory-retrieved").parse().unwrap();
+    let elsewhere: usize = answer
+        .header("x-memory-retrieved-elsewhere")
+        .parse()
+        .unwrap();
+    assert_eq!(own + elsewhere, 3, "{message}");
+    assert!(own >= 1 && elsewhere >= 1);
+    // The other conversation's lines come first.
+    let first_line = message.lines().nth(1).unwrap();
+    assert!(
+        first_line.starts_with("[earlier conversation old, turn #"),
+        "{message}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_conversation_deleted_by_its_ttl_stays_searchable_and_is_rebuilt() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let extra = [("x-memory-user-id", "ana"), ("x-memory-ttl", "PT1H")];
+    for text in [FACT, "Book me a table for Friday"] {
+        let answer = chat(&proxy, "short-lived", &body(&[support::user(text)]), &extra).await;
+        assert_eq!(answer.status, 200);
+    }
+    let state = &proxy.state;
+    let memory = state.memory().unwrap();
+    memory.clock.advance(Duration::from_secs(2 * 3600));
+    let pass = sweep_pass(memory, &state.config, &mut Cursor::default()).unwrap();
+    assert_eq!(pass.deleted, 1);
+    assert!(proxy.stored(Some(TOKEN), "short-lived").is_empty());
+
+    // Still searchable from another conversation of the user.
+    say(&proxy, TOKEN, Some("ana"), "later", QUESTION).await;
+    assert!(recalled(&mock).contains("Lisbon"));
+
+    // A new request on the deleted conversation's id finds it rebuilt.
+    say(
+        &proxy,
+        TOKEN,
+        Some("ana"),
+        "short-lived",
+        "And what did I book?",
+    )
+    .await;
+    let stored = proxy.stored(Some(TOKEN), "short-lived");
+    assert_eq!(
+        stored.len(),
+        6,
+        "the four archived turns and the new exchange"
+    );
+    assert!(stored[0].message.get().contains("Lisbon"));
+    assert_eq!(stored[0].turn, 1);
+    let forwarded = mock.last_messages();
+    assert!(
+        forwarded
+            .iter()
+            .any(|m| m["content"].as_str().is_some_and(|c| c.contains("Friday"))),
+        "{forwarded:?}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_bad_user_id_is_a_400_naming_the_header() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    for (header, value) in [
+        ("x-memory-user-id", "../etc/passwd"),
+        ("x-memory-long-term-top-k", "many"),
+        ("x-memory-memory-min-decay", "1.5"),
+    ] {
+        let answer = chat(
+            &proxy,
+            "c",
+            &body(&[support::user("hi")]),
+            &[(header, value)],
+        )
+        .await;
+        assert_eq!(answer.status, 400);
+        assert_eq!(answer.error_param(), header);
+    }
+    proxy.stop().await;
+}
