@@ -7,11 +7,9 @@ use std::collections::HashMap;
 use super::archive::{self, Added};
 use crate::message::search_text;
 use crate::recall::index::Index;
-use crate::recall::tokenize::{Lang, TextLanguage, detect, terms};
+use crate::recall::stemming;
+use crate::recall::tokenize::{Lang, TextLanguage, terms};
 use crate::store::{OwnerHandle, Store, StoreError};
-
-/// How much text `auto` language detection reads.
-const DETECTION_SAMPLE_CHARS: usize = 2000;
 
 #[derive(Debug)]
 struct Doc {
@@ -43,21 +41,7 @@ impl UserIndex {
             .iter()
             .map(|t| search_text(&t.turn.message.message))
             .collect();
-        let latin = match setting {
-            TextLanguage::Plain => None,
-            TextLanguage::Fixed(lang) => Some(lang),
-            TextLanguage::Auto => {
-                let mut sample = String::new();
-                for text in &texts {
-                    if sample.len() >= DETECTION_SAMPLE_CHARS {
-                        break;
-                    }
-                    sample.push_str(text);
-                    sample.push('\n');
-                }
-                Some(detect(&sample))
-            }
-        };
+        let latin = stemming(setting, texts.iter().map(String::as_str));
         let mut index = UserIndex {
             setting,
             latin,
