@@ -88,7 +88,11 @@ impl Memory {
             recall: Recall::new(recall_cache_bytes),
             // Users' indexes cover many conversations each, and are used only by requests
             // that name a user: a quarter of the recall cache's size on top of it.
-            longterm: LongTerm::new(recall_cache_bytes / 4),
+            longterm: LongTerm::new(
+                recall_cache_bytes / 4,
+                Arc::clone(&store),
+                Arc::clone(&model),
+            ),
             summarizer: Summarizer::start(Arc::clone(&store), model, compression),
             store,
             clock: Clock::default(),
@@ -148,6 +152,7 @@ impl Memory {
     /// closes the store: the last steps of shutdown.
     pub async fn shutdown(&self, grace: Duration) -> Result<(), StoreError> {
         self.summarizer.shutdown(grace).await;
+        self.longterm.shutdown(grace).await;
         self.store.close().await
     }
 }

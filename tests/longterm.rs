@@ -246,3 +246,189 @@ async fn a_bad_user_id_is_a_400_naming_the_header() {
     }
     proxy.stop().await;
 }
+
+/// The memories stored for `user` (private scope) of the test tenant.
+fn memories_of(proxy: &Proxy, user: &str) -> Vec<memproxy::longterm::memories::MemoryRecord> {
+    let store = proxy.store();
+    let owner = memproxy::store::OwnerKey::user(&key(Some(TOKEN), "x").tenant, user);
+    match store.owner(&owner, false).unwrap() {
+        Some(handle) => memproxy::longterm::memories::all(store, &handle).unwrap(),
+        None => Vec::new(),
+    }
+}
+
+/// Waits (bounded) until `done` holds.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..100 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn extraction_answer(memories: serde_json::Value) -> support::mock_upstream::Reply {
+    support::mock_upstream::Reply::Text(serde_json::json!({ "memories": memories }).to_string())
+}
+
+#[tokio::test]
+async fn extracted_memories_reach_the_next_conversation_and_a_move_supersedes_the_old_city() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "2"),
+    ];
+    let send = |conversation: &'static str, text: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let answer = chat(proxy, conversation, &body(&[support::user(text)]), &extra).await;
+            assert_eq!(answer.status, 200);
+            answer
+        }
+    };
+
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+         "importance": 0.9, "confidence": 0.95, "tags": ["home"], "source_turns": [1], "supersedes": []},
+        {"text": "The user prefers answers in bullet points", "type": "preference", "scope": "private",
+         "importance": 0.6, "confidence": 0.8, "tags": [], "source_turns": [3], "supersedes": []}
+    ])));
+    let first = send("a", "I live in Lisbon").await;
+    assert!(first.headers.get("x-memory-memories").is_none());
+    assert!(
+        mock.extraction_requests().is_empty(),
+        "one user message is not enough"
+    );
+    send("a", "Please answer in bullet points").await;
+    eventually("the extraction", || memories_of(&proxy, "ana").len() == 2).await;
+    let call = mock.extraction_requests().pop().unwrap().json();
+    assert_eq!(call["response_format"]["type"], "json_schema");
+    assert_eq!(
+        call["response_format"]["json_schema"]["name"],
+        "memproxy_memories"
+    );
+    let prompt = call["messages"][1]["content"].as_str().unwrap();
+    assert!(
+        prompt.contains("[turn #1] user: I live in Lisbon"),
+        "{prompt}"
+    );
+
+    // A new conversation of the user: the memories come right after the instructions.
+    let answer = chat(
+        &proxy,
+        "b",
+        &body(&[
+            serde_json::json!({"role": "system", "content": "You are a travel agent."}),
+            support::user("Where do I live?"),
+        ]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    assert_eq!(answer.header("x-memory-memories"), "2");
+    let forwarded = mock.last_messages();
+    let memories = forwarded[1]["content"].as_str().unwrap();
+    assert!(
+        memories.starts_with("[What you know about this user"),
+        "{forwarded:?}"
+    );
+    assert!(memories.contains("The user lives in Lisbon"));
+    // Another user, and the same user id under another credential, see none of it.
+    let other = chat(
+        &proxy,
+        "c",
+        &body(&[support::user("Where do I live?")]),
+        &[("x-memory-user-id", "bob")],
+    )
+    .await;
+    assert!(other.headers.get("x-memory-memories").is_none());
+    let other_tenant = chat_as(
+        &proxy,
+        "sk-other",
+        "c",
+        &body(&[support::user("Where do I live?")]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    assert!(other_tenant.headers.get("x-memory-memories").is_none());
+    assert!(
+        !mock
+            .last_messages()
+            .iter()
+            .any(|m| m.to_string().contains("Lisbon"))
+    );
+
+    // The move: the model names the memory it supersedes.
+    let lisbon = memories_of(&proxy, "ana")
+        .into_iter()
+        .find(|m| m.text.contains("Lisbon"))
+        .unwrap();
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Berlin", "type": "profile", "scope": "private",
+         "importance": 0.9, "confidence": 0.95, "tags": ["home"], "source_turns": [5], "supersedes": [lisbon.id]}
+    ])));
+    send("a", "I moved from Lisbon to Berlin").await;
+    send("a", "Thanks").await;
+    eventually("the superseding extraction", || {
+        memories_of(&proxy, "ana")
+            .iter()
+            .any(|m| m.text.contains("Berlin"))
+    })
+    .await;
+    let all = memories_of(&proxy, "ana");
+    let homes: Vec<_> = all
+        .iter()
+        .filter(|m| m.tags.contains(&"home".to_string()))
+        .collect();
+    assert_eq!(homes.len(), 1, "{all:?}");
+    assert_eq!(homes[0].id, lisbon.id);
+    assert_eq!(homes[0].version, 2);
+    assert_eq!(homes[0].history[0].text, "The user lives in Lisbon");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+    ];
+    for _ in 0..3 {
+        mock.push_extraction(support::mock_upstream::Reply::Text(
+            "{\"memories\": \"nope\"}".into(),
+        ));
+    }
+    let answer = chat(
+        &proxy,
+        "a",
+        &body(&[support::user("I live in Lisbon")]),
+        &extra,
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let counters = &proxy.state.memory().unwrap().longterm.extractor.counters;
+    eventually("three attempts", || {
+        counters.failures.load(std::sync::atomic::Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(
+        counters
+            .bad_answers
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    assert!(memories_of(&proxy, "ana").is_empty());
+    // The extraction model down: chat is untouched.
+    for _ in 0..3 {
+        mock.push_extraction(support::mock_upstream::Reply::Status(503, "{}".into()));
+    }
+    let answer = chat(&proxy, "a", &body(&[support::user("I like jazz")]), &extra).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    proxy.stop().await;
+}

@@ -34,6 +34,29 @@ pub struct ArchivedTurn {
 pub struct Synced {
     pub id: u64,
     pub next_turn: u64,
+    /// The last turn an extraction was queued for (layer 2).
+    #[serde(default)]
+    pub extracted_turn: u64,
+    /// User messages archived since.
+    #[serde(default)]
+    pub pending_user_messages: u64,
+}
+
+/// What a commit asks of the archive about extraction.
+#[derive(Debug, Clone, Copy)]
+pub struct ExtractionRule {
+    /// User messages between two extractions.
+    pub every: u64,
+    /// An extraction may be queued now (the request brought what it needs).
+    pub may_queue: bool,
+}
+
+/// A run of turns due for extraction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DueRun {
+    pub conversation_id: u64,
+    pub from_turn: u64,
+    pub to_turn: u64,
 }
 
 /// The archive id of turn `turn` of conversation `id`.
@@ -75,22 +98,24 @@ pub fn catch_up(
     user: &OwnerKey,
     conversation: &Conversation,
     dropped: &[u64],
-) -> Result<Vec<Added>, StoreError> {
+    rule: Option<ExtractionRule>,
+) -> Result<(Vec<Added>, Option<DueRun>), StoreError> {
     let Some(meta) = &conversation.meta else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     };
     let key = &conversation.key;
     let Some(handle) = store.owner(user, true)? else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     };
     let record_id = conversation_id(&key.agent, &key.conversation);
-    let synced: Option<Synced> = store
-        .owner_record(&handle, SPACE_CONVERSATIONS, &record_id)?
-        .map(|bytes| decode(&bytes))
-        .transpose()?;
-    let from = match synced {
-        Some(synced) if synced.id == meta.id => synced.next_turn,
-        _ => 1,
+    let synced: Option<Synced> = synced(store, &handle, &record_id)?;
+    let (from, extracted_turn, pending) = match synced {
+        Some(synced) if synced.id == meta.id => (
+            synced.next_turn,
+            synced.extracted_turn,
+            synced.pending_user_messages,
+        ),
+        _ => (1, 0, 0),
     };
     let messages = if from < meta.next_turn {
         store.messages_since(conversation, from)?
@@ -109,10 +134,29 @@ pub fn catch_up(
         put.push((SPACE_ARCHIVE, id.clone(), encode(&turn)?));
         added.push(Added { id, turn });
     }
-    let now = Synced {
+    let user_messages = added
+        .iter()
+        .filter(|a| a.turn.message.role == crate::message::Role::User)
+        .count() as u64;
+    let mut now = Synced {
         id: meta.id,
         next_turn: meta.next_turn,
+        extracted_turn,
+        pending_user_messages: pending + user_messages,
     };
+    let mut due = None;
+    if let Some(rule) = rule
+        && rule.may_queue
+        && now.pending_user_messages >= rule.every
+    {
+        due = Some(DueRun {
+            conversation_id: meta.id,
+            from_turn: extracted_turn + 1,
+            to_turn: meta.next_turn.saturating_sub(1),
+        });
+        now.extracted_turn = meta.next_turn.saturating_sub(1);
+        now.pending_user_messages = 0;
+    }
     if synced != Some(now) {
         put.push((SPACE_CONVERSATIONS, record_id, encode(&now)?));
     }
@@ -121,13 +165,41 @@ pub fn catch_up(
         .map(|&turn| (SPACE_ARCHIVE, turn_id(meta.id, turn)))
         .collect();
     if put.is_empty() && remove.is_empty() {
-        return Ok(added);
+        return Ok((added, due));
     }
     if !store.write_owner(&handle, put, &remove)? {
         // The user was deleted meanwhile: nothing of them is kept.
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     }
-    Ok(added)
+    Ok((added, due))
+}
+
+fn synced(
+    store: &Store,
+    handle: &OwnerHandle,
+    record_id: &[u8],
+) -> Result<Option<Synced>, StoreError> {
+    store
+        .owner_record(handle, SPACE_CONVERSATIONS, record_id)?
+        .map(|bytes| decode(&bytes))
+        .transpose()
+}
+
+/// User messages of the conversation archived since its last extraction.
+pub fn pending_user_messages(
+    store: &Store,
+    user: &OwnerKey,
+    key: &ConversationKey,
+) -> Result<u64, StoreError> {
+    let Some(handle) = store.owner(user, false)? else {
+        return Ok(0);
+    };
+    Ok(synced(
+        store,
+        &handle,
+        &conversation_id(&key.agent, &key.conversation),
+    )?
+    .map_or(0, |s| s.pending_user_messages))
 }
 
 /// One archived turn.
@@ -230,6 +302,8 @@ pub fn rebuild(store: &Store, user: &OwnerKey, key: &ConversationKey) -> Result<
         let now = Synced {
             id: meta.id,
             next_turn: meta.next_turn,
+            extracted_turn: meta.next_turn.saturating_sub(1),
+            pending_user_messages: 0,
         };
         store.write_owner(
             &owner,

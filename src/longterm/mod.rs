@@ -18,16 +18,20 @@
 //! without long-term memory.
 
 pub mod archive;
+pub mod extract;
+pub mod memories;
 mod user_index;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::identity::{ConversationKey, TenantId};
+use crate::model::ModelCall;
 use crate::recall::tokenize::TextLanguage;
 use crate::store::{Conversation, OwnerKey, Store, StoreError, StoredMessage};
 
-pub use archive::{ArchivedTurn, SPACE_ARCHIVE, SPACE_CONVERSATIONS};
+pub use archive::{ArchivedTurn, ExtractionRule, SPACE_ARCHIVE, SPACE_CONVERSATIONS};
+pub use extract::{ExtractionCall, Extractor};
 use user_index::UserIndex;
 
 /// What long-term memory did, for metrics.
@@ -63,6 +67,8 @@ pub struct ElsewhereTurn {
 pub struct LongTerm {
     users: moka::sync::Cache<OwnerKey, Arc<Mutex<UserState>>>,
     pub counters: Counters,
+    /// The background worker that extracts memories (layer 2).
+    pub extractor: Arc<Extractor>,
 }
 
 impl std::fmt::Debug for LongTerm {
@@ -80,8 +86,10 @@ fn lock(state: &Mutex<UserState>) -> MutexGuard<'_, UserState> {
 }
 
 impl LongTerm {
-    /// Long-term memory whose user indexes take at most `capacity_bytes`.
-    pub fn new(capacity_bytes: u64) -> LongTerm {
+    /// Long-term memory whose user indexes take at most `capacity_bytes`, its memories
+    /// extracted by `model`. Must be called inside a tokio runtime: the extraction worker
+    /// starts here.
+    pub fn new(capacity_bytes: u64, store: Arc<Store>, model: Arc<dyn ModelCall>) -> LongTerm {
         let users = moka::sync::Cache::builder()
             .max_capacity(capacity_bytes.max(1))
             .weigher(|_key: &OwnerKey, state: &Arc<Mutex<UserState>>| {
@@ -94,6 +102,7 @@ impl LongTerm {
         LongTerm {
             users,
             counters: Counters::default(),
+            extractor: Extractor::start(store, model),
         }
     }
 
@@ -111,11 +120,16 @@ impl LongTerm {
         user: &OwnerKey,
         conversation: &Conversation,
         dropped: &[u64],
+        extraction: Option<(ExtractionRule, Option<&ExtractionCall>)>,
     ) {
         let state = self.state(user);
         let mut state = lock(&state);
-        match archive::catch_up(store, user, conversation, dropped) {
-            Ok(added) => {
+        let rule = extraction.map(|(rule, call)| ExtractionRule {
+            may_queue: rule.may_queue && call.is_some(),
+            ..rule
+        });
+        match archive::catch_up(store, user, conversation, dropped, rule) {
+            Ok((added, due)) => {
                 self.counters
                     .archived
                     .fetch_add(added.len() as u64, Ordering::Relaxed);
@@ -127,6 +141,17 @@ impl LongTerm {
                     } else {
                         state.index = None;
                     }
+                }
+                if let (Some(due), Some((_, Some(call)))) = (due, extraction) {
+                    self.extractor.enqueue(extract::Job {
+                        user: user.clone(),
+                        agent: conversation.key.agent.clone(),
+                        conversation: conversation.key.conversation.clone(),
+                        conversation_id: due.conversation_id,
+                        from_turn: due.from_turn,
+                        to_turn: due.to_turn,
+                        call: call.clone(),
+                    });
                 }
             }
             Err(err) => {
@@ -142,6 +167,60 @@ impl LongTerm {
         if let Some(state) = self.users.get(user) {
             self.users.insert(user.clone(), state);
         }
+    }
+
+    /// True when a request adding `new_user_messages` user messages to the conversation
+    /// brings it to an extraction (`every` user messages since the last one).
+    pub fn extraction_due(
+        &self,
+        store: &Store,
+        user: &OwnerKey,
+        key: &ConversationKey,
+        new_user_messages: u64,
+        every: u64,
+    ) -> Result<bool, StoreError> {
+        if new_user_messages == 0 {
+            return Ok(false);
+        }
+        let pending = archive::pending_user_messages(store, user, key)?;
+        Ok(pending + new_user_messages >= every)
+    }
+
+    /// The memories for a request's prompt: the user's own, the agent's and the tenant's,
+    /// chosen as [`memories::select`] says.
+    pub fn memories_for(
+        &self,
+        store: &Store,
+        user: &OwnerKey,
+        agent: &str,
+        query: &str,
+        settings: &crate::settings::MemorySettings,
+        now_ms: i64,
+    ) -> Result<Vec<memories::Chosen>, StoreError> {
+        if settings.long_term_top_k == 0 || settings.long_term_max_tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let mut candidates = Vec::new();
+        for owner in extract::owners(user, agent) {
+            if let Some(handle) = store.owner(&owner, false)? {
+                for memory in memories::all(store, &handle)? {
+                    candidates.push((owner.clone(), memory));
+                }
+            }
+        }
+        Ok(memories::select(
+            candidates,
+            query,
+            now_ms,
+            decay_of(settings),
+            settings.long_term_top_k,
+            settings.long_term_max_tokens,
+        ))
+    }
+
+    /// Stops the extraction worker (waiting up to `grace` for the job in flight).
+    pub async fn shutdown(&self, grace: std::time::Duration) {
+        self.extractor.shutdown(grace).await;
     }
 
     /// The `k` turns of `user`'s conversations other than `current` most relevant to
@@ -233,5 +312,13 @@ impl LongTerm {
     pub fn weighted_size(&self) -> u64 {
         self.users.run_pending_tasks();
         self.users.weighted_size()
+    }
+}
+
+/// The decay settings of `settings`.
+pub fn decay_of(settings: &crate::settings::MemorySettings) -> memories::Decay {
+    memories::Decay {
+        half_life_ms: settings.memory_half_life.as_secs_f64() * 1000.0,
+        min: settings.memory_min_decay(),
     }
 }

@@ -21,6 +21,7 @@ use serde_json::value::RawValue;
 use super::reconcile::{Alignment, Mark, align};
 use super::window::trim_start;
 use crate::identity::ConversationKey;
+use crate::longterm::{ExtractionCall, ExtractionRule};
 use crate::memory::Memory;
 use crate::message::{HasRole, Message, Role};
 use crate::store::{
@@ -68,6 +69,12 @@ pub struct Exchange {
     pub ttl: Option<Duration>,
     /// The user whose archive the exchange is copied into (long-term memory), if any.
     pub user: Option<OwnerKey>,
+    /// When memories are extracted for that user, and whether this exchange may queue an
+    /// extraction.
+    pub extraction_rule: Option<ExtractionRule>,
+    /// The model and credentials of a due extraction (added by the edge when the plan says
+    /// one is due, as for summaries).
+    pub extraction: Option<ExtractionCall>,
 }
 
 impl Exchange {
@@ -193,9 +200,16 @@ impl Exchange {
                         .recall
                         .apply(&self.key, current, &removed, &added, after);
                     if let Some(user) = &self.user {
-                        memory
-                            .longterm
-                            .after_commit(store, user, &conversation, &unsaid);
+                        let extraction = self
+                            .extraction_rule
+                            .map(|rule| (rule, self.extraction.as_ref()));
+                        memory.longterm.after_commit(
+                            store,
+                            user,
+                            &conversation,
+                            &unsaid,
+                            extraction,
+                        );
                     }
                     break;
                 }

@@ -13,6 +13,8 @@ use super::reconcile::{Alignment, Mark, align};
 use super::summary::plan_summary;
 use super::window::window_start;
 use crate::identity::ConversationKey;
+use crate::longterm::ExtractionRule;
+use crate::longterm::memories::{self, Chosen};
 use crate::memory::Memory;
 use crate::message::{Message, Role};
 use crate::model::Credentials;
@@ -55,6 +57,11 @@ pub struct Plan {
     pub summary: Option<SummaryRecord>,
     /// A new summary is due: the job (without credentials; the caller adds them).
     pub summary_due: Option<Job>,
+    /// Memories are due to be extracted once this exchange is stored: the model to use
+    /// (the caller adds the credentials into `exchange.extraction`).
+    pub extraction_due: Option<String>,
+    /// The user's memories in the prompt, with their scores (long-term memory).
+    pub memories: Vec<Chosen>,
     /// Tokens of the whole history this prompt stands for: what is stored plus the new
     /// messages.
     pub history_tokens: u64,
@@ -259,6 +266,54 @@ pub fn plan_for_user(
 
     timings.recall = started.elapsed();
 
+    // Long-term memory: what is known about the user, and whether an extraction is due.
+    let mut chosen: Vec<Chosen> = Vec::new();
+    let mut extraction_due = None;
+    if let Some(user) = &user {
+        let query = query
+            .clone()
+            .unwrap_or_else(|| query_text(&new_turns, &texts, &window));
+        match memory.longterm.memories_for(
+            store,
+            user,
+            &key.agent,
+            &query,
+            settings,
+            memory.clock.now_ms(),
+        ) {
+            Ok(found) => chosen = found,
+            Err(err) => tracing::warn!(error = %err, "reading the user's memories failed"),
+        }
+        let new_user = new_turns.iter().filter(|m| m.role == Role::User).count() as u64;
+        match memory
+            .longterm
+            .extraction_due(store, user, key, new_user, settings.extraction_every)
+        {
+            Ok(true) if limits.writes && settings.persist => {
+                extraction_due = Some(
+                    settings
+                        .extraction_model
+                        .clone()
+                        .or_else(|| settings.compression_model.clone())
+                        .or_else(|| model.clone())
+                        .unwrap_or_else(|| "gpt-4o-mini".to_string()),
+                );
+            }
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, "reading the user's archive failed"),
+        }
+    }
+    let memories_tokens: u64 = if chosen.is_empty() {
+        0
+    } else {
+        chosen
+            .iter()
+            .map(|c| memories::memory_tokens(&c.memory))
+            .sum::<u64>()
+            + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS)
+            + 16
+    };
+
     // Budget: what cannot be cut is the client's instructions and new messages.
     let started = Instant::now();
     let first_new = turn_index.get(from).copied().unwrap_or(messages.len());
@@ -277,7 +332,8 @@ pub fn plan_for_user(
                 }))
             })
             .sum::<u64>()
-            + summary_tokens;
+            + summary_tokens
+            + memories_tokens;
     let fitted = settings
         .max_context_tokens
         .map(|budget| budget::fit(budget, fixed, &mut recalled, &mut window, model_name));
@@ -315,6 +371,11 @@ pub fn plan_for_user(
         prompt_tokens,
         ttl: settings.ttl,
         user: user.clone(),
+        extraction_rule: user.as_ref().map(|_| ExtractionRule {
+            every: settings.extraction_every,
+            may_queue: true,
+        }),
+        extraction: None,
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
@@ -333,6 +394,7 @@ pub fn plan_for_user(
     Ok(Plan {
         prompt: Prompt {
             instructions,
+            memories: memories::render(&chosen),
             summary: summary.current.as_ref().and_then(super::summary::render),
             recalled: render(&recalled),
             window: window.into_iter().map(|m| m.message).collect(),
@@ -348,6 +410,8 @@ pub fn plan_for_user(
         fitted,
         summary: summary.current,
         summary_due: summary.due,
+        extraction_due,
+        memories: chosen,
         history_tokens,
         timings,
     })

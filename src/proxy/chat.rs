@@ -24,6 +24,7 @@ use super::{
 use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
+use crate::longterm::ExtractionCall;
 use crate::memory::Memory;
 use crate::memory_guard::{self, Pressure};
 use crate::message::ChatRequest;
@@ -283,6 +284,14 @@ async fn before(
         Ok(mut plan) => {
             let deferred =
                 start_due(memory, settings, &mut plan, || credentials(&parts.headers)).await;
+            // Long-term memory: a due extraction gets the request's credentials, copied only
+            // then; it is queued by the commit, off the request's path.
+            if let Some(model) = plan.extraction_due.take() {
+                plan.exchange.extraction = Some(ExtractionCall {
+                    model,
+                    credentials: credentials(&parts.headers),
+                });
+            }
             record_plan(state, &plan);
             Ok(Before {
                 body: Bytes::from(request.body_with_messages(plan.prompt.messages())),

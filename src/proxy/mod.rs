@@ -28,6 +28,8 @@ pub const TURNS_HEADER: &str = "x-memory-turns";
 pub const CONVERSATION_ID_HEADER: &str = "x-memory-conversation-id";
 pub const RETRIEVED_HEADER: &str = "x-memory-retrieved";
 pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
+/// Memories about the user in the prompt (long-term memory), when there are any.
+pub const MEMORIES_HEADER: &str = "x-memory-memories";
 /// Turns recalled from the user's other conversations (long-term memory), when there are any.
 pub const RETRIEVED_ELSEWHERE_HEADER: &str = "x-memory-retrieved-elsewhere";
 pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
@@ -188,6 +190,9 @@ pub fn headers_of(plan: &Plan) -> HeaderMap {
             RETRIEVED_ELSEWHERE_HEADER,
             HeaderValue::from(plan.recalled_elsewhere.len()),
         );
+    }
+    if !plan.memories.is_empty() {
+        headers.insert(MEMORIES_HEADER, HeaderValue::from(plan.memories.len()));
     }
     headers.insert(PROMPT_TOKENS_HEADER, HeaderValue::from(plan.prompt_tokens));
     if let Some(verdict) = plan.fitted.map(|f| f.verdict()) {

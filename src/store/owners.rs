@@ -30,6 +30,12 @@ impl std::fmt::Debug for OwnerHandle {
 }
 
 impl Store {
+    /// A number never handed out before (the sequence of conversation ids): ids of records
+    /// that must stay unique across owners (memories).
+    pub fn new_id(&self) -> Result<u64, StoreError> {
+        self.engine.new_id()
+    }
+
     /// The owner's handle; with `create`, the owner is created when missing (its key durable
     /// before its record is written). `None`: no such owner (and `create` not asked).
     pub fn owner(&self, owner: &OwnerKey, create: bool) -> Result<Option<OwnerHandle>, StoreError> {
