@@ -11,7 +11,7 @@ use crate::identity::{ConversationKey, TenantId};
 use crate::longterm::LongTerm;
 use crate::model::ModelCall;
 use crate::recall::Recall;
-use crate::store::{Deleted, Durability, Scope, Store, StoreError, StoreOptions, now_ms};
+use crate::store::{Deleted, Durability, OwnerKey, Scope, Store, StoreError, StoreOptions, now_ms};
 use crate::summary::Summarizer;
 
 /// Wall-clock time as the TTL sweeper sees it: the real clock plus an offset tests can move.
@@ -142,10 +142,31 @@ impl Memory {
         Ok(deleted.is_some())
     }
 
+    /// Deletes a user of a tenant (long-term memory): every conversation the user's archive
+    /// knows, the archive and the user's memories, with the same erasure as a conversation
+    /// delete (the user's key file goes last). `None` when the user has nothing stored.
+    pub fn delete_user(&self, tenant: &TenantId, user: &str) -> Result<Option<usize>, StoreError> {
+        let owner = OwnerKey::user(tenant, user);
+        let Some(handle) = self.store.owner(&owner, false)? else {
+            return Ok(None);
+        };
+        let mut deleted = 0;
+        for key in crate::longterm::archive::conversations(&self.store, &handle)? {
+            if self.delete_conversation(&key)?.is_some() {
+                deleted += 1;
+            }
+        }
+        self.store.delete_owner(&owner)?;
+        self.longterm.forget(&owner);
+        Ok(Some(deleted))
+    }
+
     /// Deletes every conversation of a tenant, and the tenant's workspace folder; returns how
     /// many conversations there were.
     pub fn delete_tenant(&self, tenant: &TenantId) -> Result<usize, StoreError> {
-        delete_tenant_in(&self.store, tenant, |key| self.recall.forget(key))
+        let deleted = delete_tenant_in(&self.store, tenant, |key| self.recall.forget(key))?;
+        self.longterm.forget_tenant(tenant);
+        Ok(deleted)
     }
 
     /// Stops the summary worker (waiting up to `grace` for jobs in flight), then flushes and
@@ -180,6 +201,25 @@ pub fn delete_tenant_in(
                 count += 1;
             }
             forget(&summary.key);
+        }
+    }
+    // Long-term memory: the tenant's users, agents and the tenant's own memories.
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let (page, next) = match store.owners(after.as_deref(), 1000) {
+            Ok(page) => page,
+            // An engine without long-term records has none.
+            Err(StoreError::Engine(_)) => break,
+            Err(err) => return Err(err),
+        };
+        for (owner, _) in page {
+            if owner.tenant == *tenant {
+                store.delete_owner(&owner)?;
+            }
+        }
+        match next {
+            Some(next) => after = Some(next),
+            None => break,
         }
     }
     let probe = ConversationKey {

@@ -6,6 +6,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod support;
+#[path = "support/admin.rs"]
+mod support_admin;
 
 use std::time::Duration;
 
@@ -431,4 +433,114 @@ async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.header("x-memory-status"), "stored");
     proxy.stop().await;
+}
+
+#[tokio::test]
+async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
+    use support_admin::{admin, start_admin, tenant};
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+    ];
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+         "importance": 0.9, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+    ])));
+    let answer = chat(
+        &proxy,
+        "a",
+        &body(&[support::user("I live in Lisbon, Rua Augusta")]),
+        &extra,
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    eventually("the extraction", || memories_of(&proxy, "ana").len() == 1).await;
+    let base = format!("/admin/v1/users/{}/ana", tenant(TOKEN));
+
+    // Listed and searched through the API.
+    let listed = admin(&proxy, "GET", &format!("{base}/memories"), "").await;
+    assert_eq!(listed.status, 200);
+    let id = listed.json()["memories"][0]["id"].as_u64().unwrap();
+    let searched = admin(
+        &proxy,
+        "GET",
+        &format!("{base}/memories?q=where+do+I+live"),
+        "",
+    )
+    .await;
+    assert!(searched.json()["memories"][0]["score"].as_f64().unwrap() > 0.0);
+
+    // A wrong memory corrected by hand is used from the next request.
+    let corrected = admin(
+        &proxy,
+        "PATCH",
+        &format!("{base}/memories/{id}"),
+        r#"{"text": "The user lives in Porto"}"#,
+    )
+    .await;
+    assert_eq!(corrected.status, 200, "{:?}", corrected.body);
+    assert_eq!(corrected.json()["source"], "corrected_memory");
+    assert_eq!(
+        corrected.json()["history"][0]["text"],
+        "The user lives in Lisbon"
+    );
+    chat(
+        &proxy,
+        "b",
+        &body(&[support::user("Where do I live?")]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    let prompt = mock.last_messages()[0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        prompt.contains("Porto") && !prompt.contains("Lisbon"),
+        "{prompt}"
+    );
+    let created = admin(
+        &proxy,
+        "POST",
+        &format!("{base}/memories"),
+        r#"{"text": "The user is vegetarian", "type": "preference"}"#,
+    )
+    .await;
+    assert_eq!(created.status, 200);
+    let bad = admin(
+        &proxy,
+        "POST",
+        &format!("{base}/memories"),
+        r#"{"text": "x", "type": "mood"}"#,
+    )
+    .await;
+    assert_eq!(bad.status, 400);
+
+    // Delete the user: conversations, archive, memories; nothing readable anywhere.
+    let deleted = admin(&proxy, "DELETE", &base, "").await;
+    assert_eq!(deleted.status, 200, "{:?}", deleted.body);
+    assert_eq!(deleted.json()["deleted_conversations"], 2);
+    assert_eq!(
+        admin(&proxy, "GET", &format!("{base}/memories"), "")
+            .await
+            .status,
+        404
+    );
+    assert!(proxy.stored(Some(TOKEN), "a").is_empty());
+    let store = proxy.store();
+    for needle in ["Rua Augusta", "Porto", "vegetarian"] {
+        assert!(!store.any_trace_of(needle.as_bytes()).unwrap(), "{needle}");
+    }
+    proxy.stop().await;
+    for (path, bytes) in files(dir.path()) {
+        for needle in [&b"Rua Augusta"[..], b"Porto", b"vegetarian"] {
+            assert!(
+                !bytes.windows(needle.len()).any(|w| w == needle),
+                "{path:?}"
+            );
+        }
+    }
 }

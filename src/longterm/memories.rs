@@ -462,10 +462,15 @@ pub fn select(
     if top_k == 0 || max_tokens == 0 || candidates.is_empty() {
         return Vec::new();
     }
-    let query: HashSet<String> = term_set(query);
+    // Stemmed in the language of the memories (detected as for a conversation).
+    let latin = crate::recall::stemming(
+        crate::recall::tokenize::TextLanguage::Auto,
+        candidates.iter().map(|(_, m)| m.text.as_str()),
+    );
+    let query: HashSet<String> = terms(query, latin).into_iter().collect();
     let docs: Vec<Vec<String>> = candidates
         .iter()
-        .map(|(_, m)| terms(&m.text, None))
+        .map(|(_, m)| terms(&m.text, latin))
         .collect();
     let n = docs.len() as f64;
     let avgdl = (docs.iter().map(Vec::len).sum::<usize>() as f64 / n).max(1.0);
