@@ -544,3 +544,39 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
         }
     }
 }
+
+#[tokio::test]
+async fn the_sweeper_deletes_memories_that_decayed_under_the_floor() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+         "importance": 0.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []},
+        {"text": "The user is a nurse", "type": "profile", "scope": "private",
+         "importance": 1.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+    ])));
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+    ];
+    chat(
+        &proxy,
+        "a",
+        &body(&[support::user("I live in Lisbon and work as a nurse")]),
+        &extra,
+    )
+    .await;
+    eventually("the extraction", || memories_of(&proxy, "ana").len() == 2).await;
+    let state = &proxy.state;
+    let memory = state.memory().unwrap();
+    // 45 days: the unimportant memory (half-life 15 days) is at 0.125, the important one
+    // (half-life 45 days) at 0.5; the floor is 0.2.
+    memory.clock.advance(Duration::from_secs(45 * 86_400));
+    let pass = sweep_pass(memory, &state.config, &mut Cursor::default()).unwrap();
+    assert_eq!(pass.decayed, 1);
+    let left = memories_of(&proxy, "ana");
+    assert_eq!(left.len(), 1);
+    assert!(left[0].text.contains("nurse"));
+    proxy.stop().await;
+}

@@ -322,3 +322,35 @@ pub fn decay_of(settings: &crate::settings::MemorySettings) -> memories::Decay {
         min: settings.memory_min_decay(),
     }
 }
+
+/// Deletes the memories whose decay score fell under `decay.min`, looking at up to `limit`
+/// owners after the cursor `after`; returns how many were deleted and where to go on from.
+pub fn sweep_decayed(
+    store: &Store,
+    after: Option<&[u8]>,
+    limit: usize,
+    decay: memories::Decay,
+    now_ms: i64,
+) -> Result<(usize, Option<Vec<u8>>), StoreError> {
+    let (page, next) = match store.owners(after, limit.max(1)) {
+        Ok(page) => page,
+        // An engine without long-term records has nothing to sweep.
+        Err(StoreError::Engine(_)) => return Ok((0, None)),
+        Err(err) => return Err(err),
+    };
+    let mut deleted = 0;
+    for (owner, _) in page {
+        let Some(handle) = store.owner(&owner, false)? else {
+            continue;
+        };
+        let gone: Vec<(u8, Vec<u8>)> = memories::all(store, &handle)?
+            .iter()
+            .filter(|m| m.decay(now_ms, decay) < decay.min)
+            .map(|m| (memories::SPACE_MEMORIES, memories::record_id(m.id)))
+            .collect();
+        if !gone.is_empty() && store.write_owner(&handle, Vec::new(), &gone)? {
+            deleted += gone.len();
+        }
+    }
+    Ok((deleted, next))
+}
