@@ -176,6 +176,13 @@ pub struct ConversationKey {
 }
 
 impl ConversationKey {
+    /// The heap its three strings hold (for the caches' weighers).
+    pub fn heap_bytes(&self) -> usize {
+        crate::heap::string(self.tenant.0.capacity())
+            + crate::heap::string(self.agent.capacity())
+            + crate::heap::string(self.conversation.capacity())
+    }
+
     /// The key's byte form in the store: `tenant \0 agent \0 conversation`. Ids never contain
     /// `\0`, so the form is unambiguous and sorts by tenant, then agent.
     pub fn to_bytes(&self) -> Vec<u8> {

@@ -24,13 +24,14 @@
 //!   [`recall`] keeps BM25 indexes;
 //! - [`store`] keeps conversations behind a storage contract (sled by default);
 //! - leaves: [`config`], [`model`] (the model-call trait), [`settings`], [`identity`],
-//!   [`message`], [`tokens`].
+//!   [`message`], [`tokens`], [`heap`] (what cached values really take).
 
 pub mod admin;
 pub mod body;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod heap;
 pub mod identity;
 pub mod longterm;
 pub mod memory;

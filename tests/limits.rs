@@ -4,8 +4,18 @@
 
 mod support;
 
+use std::sync::{Arc, Mutex};
+
+use memproxy::identity::ConversationKey;
+use memproxy::memory;
 use memproxy::message::Role;
-use memproxy::store::{ImportMeta, Origin, StoredMessage, now_ms};
+use memproxy::pipeline::commit::TRIM_BATCH;
+use memproxy::state::AppState;
+use memproxy::store::{
+    ConversationMeta, Deleted, Engine, ImportMeta, Loaded, Origin, Page, Scope, SledEngine, Store,
+    StoreError, StoredBranch, StoredMessage, TtlRecord, Version, Write, now_ms,
+};
+use memproxy::upstream::Upstream;
 use serde_json::Value;
 use serde_json::value::RawValue;
 use support::mock_upstream::MockUpstream;
@@ -20,6 +30,27 @@ fn history(n: usize) -> Vec<Value> {
             } else {
                 assistant(&format!("answer {i}"))
             }
+        })
+        .collect()
+}
+
+/// `n` alternating user/assistant messages as stored records, numbered from turn 1.
+fn stored_history(n: usize) -> Vec<StoredMessage> {
+    history(n)
+        .iter()
+        .enumerate()
+        .map(|(i, m)| StoredMessage {
+            turn: i as u64 + 1,
+            role: if i % 2 == 0 {
+                Role::User
+            } else {
+                Role::Assistant
+            },
+            origin: Origin::Client,
+            at_ms: now_ms(),
+            tokens: 3,
+            fingerprint: i as u64 + 1,
+            message: RawValue::from_string(m.to_string()).unwrap(),
         })
         .collect()
 }
@@ -121,23 +152,7 @@ async fn a_conversation_far_over_max_messages_is_trimmed_to_it_and_goes_on() {
     // A conversation far over the limit it will be used with (stored before the limit
     // was lowered): 1,500 messages.
     let key = key(Some(TOKEN), "long");
-    let messages: Vec<StoredMessage> = history(1500)
-        .iter()
-        .enumerate()
-        .map(|(i, m)| StoredMessage {
-            turn: i as u64 + 1,
-            role: if i % 2 == 0 {
-                Role::User
-            } else {
-                Role::Assistant
-            },
-            origin: Origin::Client,
-            at_ms: now_ms(),
-            tokens: 3,
-            fingerprint: i as u64 + 1,
-            message: RawValue::from_string(m.to_string()).unwrap(),
-        })
-        .collect();
+    let messages: Vec<StoredMessage> = stored_history(1500);
     proxy
         .store()
         .import_conversation(&key, messages, vec![], vec![], ImportMeta::default())
@@ -170,4 +185,178 @@ async fn a_conversation_far_over_max_messages_is_trimmed_to_it_and_goes_on() {
     .await;
     assert_eq!(answer.status, 200);
     assert!(proxy.stored(Some(TOKEN), "long").len() <= 100);
+}
+
+/// An engine that records the size of every write (turns removed, messages added) and
+/// passes everything to sled.
+struct Counting {
+    inner: SledEngine,
+    writes: Mutex<Vec<(usize, usize)>>,
+}
+
+impl Engine for Counting {
+    fn name(&self) -> &'static str {
+        "counting sled"
+    }
+    fn load(&self, key: &ConversationKey) -> Result<Loaded, StoreError> {
+        self.inner.load(key)
+    }
+    fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError> {
+        self.inner.meta(key)
+    }
+    fn messages(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        turns: &[u64],
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        self.inner.messages(key, id, turns)
+    }
+    fn range(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        self.inner.range(key, id, from, to)
+    }
+    fn new_id(&self) -> Result<u64, StoreError> {
+        self.inner.new_id()
+    }
+    fn write(
+        &self,
+        key: &ConversationKey,
+        expected: &Version,
+        write: Write<'_>,
+    ) -> Result<Version, StoreError> {
+        self.writes
+            .lock()
+            .unwrap()
+            .push((write.remove_turns.len(), write.add.len()));
+        self.inner.write(key, expected, write)
+    }
+    fn delete(
+        &self,
+        key: &ConversationKey,
+        idle_before_ms: Option<i64>,
+    ) -> Result<Option<Deleted>, StoreError> {
+        self.inner.delete(key, idle_before_ms)
+    }
+    fn branches(&self, key: &ConversationKey, id: u64) -> Result<Vec<StoredBranch>, StoreError> {
+        self.inner.branches(key, id)
+    }
+    fn summaries(&self, key: &ConversationKey, id: u64) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        self.inner.summaries(key, id)
+    }
+    fn latest_summary(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.latest_summary(key, id)
+    }
+    fn put_summary(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        number: u64,
+        record: &[u8],
+    ) -> Result<bool, StoreError> {
+        self.inner.put_summary(key, id, number, record)
+    }
+    fn ttl(&self, key: &ConversationKey) -> Result<Option<TtlRecord>, StoreError> {
+        self.inner.ttl(key)
+    }
+    fn put_ttl(&self, key: &ConversationKey, record: &TtlRecord) -> Result<(), StoreError> {
+        self.inner.put_ttl(key, record)
+    }
+    fn ttl_page(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
+        self.inner.ttl_page(after, limit)
+    }
+    fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError> {
+        self.inner.drop_orphan_ttl(key)
+    }
+    fn list(
+        &self,
+        scope: Scope<'_>,
+        after: Option<&[u8]>,
+        limit: usize,
+        max_scan: usize,
+    ) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError> {
+        self.inner.list(scope, after, limit, max_scan)
+    }
+    fn flush(&self) -> Result<(), StoreError> {
+        self.inner.flush()
+    }
+    fn reopen(&self) -> Result<(), StoreError> {
+        self.inner.reopen()
+    }
+    fn is_ready(&self) -> bool {
+        self.inner.is_ready()
+    }
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
+        self.inner.any_trace_of(needle)
+    }
+}
+
+#[tokio::test]
+async fn a_long_trim_is_written_in_batches_none_larger_than_the_batch() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = test_config(&mock, dir.path(), "", "");
+    let engine = Arc::new(Counting {
+        inner: SledEngine::open(&dir.path().join("store"), 8 << 20, None).unwrap(),
+        writes: Mutex::new(Vec::new()),
+    });
+    let store = Store::with_engine(
+        Arc::clone(&engine) as Arc<dyn Engine>,
+        dir.path(),
+        memory::store_options(&config),
+    )
+    .unwrap();
+    let upstream = Upstream::new(&config.upstream).unwrap();
+    let state = AppState::new(Arc::new(config), Ok(Arc::new(store)), upstream);
+    let proxy = Proxy::start_state(Arc::new(state)).await;
+    // 3,000 messages stored before the limit was lowered to 100.
+    let key = key(Some(TOKEN), "long");
+    let messages: Vec<StoredMessage> = stored_history(3000);
+    proxy
+        .store()
+        .import_conversation(&key, messages, vec![], vec![], ImportMeta::default())
+        .unwrap();
+    engine.writes.lock().unwrap().clear();
+
+    let answer = chat(
+        &proxy,
+        "long",
+        &body(&[user("one more question")]),
+        &[("x-memory-max-messages", "100")],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let writes = engine.writes.lock().unwrap().clone();
+    let removed: usize = writes.iter().map(|(removed, _)| removed).sum();
+    assert!(removed >= 2902, "{removed} removed by {writes:?}");
+    assert!(
+        writes.iter().all(|(removed, _)| *removed <= TRIM_BATCH),
+        "a write removed more than {TRIM_BATCH}: {writes:?}"
+    );
+    // The trim went in several writes; the exchange itself (2 messages) in the last.
+    assert!(writes.len() >= removed.div_ceil(TRIM_BATCH), "{writes:?}");
+    assert_eq!(writes.last().unwrap().1, 2, "{writes:?}");
+    assert!(
+        writes[..writes.len() - 1]
+            .iter()
+            .all(|(_, added)| *added == 0)
+    );
+    assert!(proxy.stored(Some(TOKEN), "long").len() <= 100);
+    proxy.stop().await;
 }

@@ -271,7 +271,12 @@ async fn a_repair_of_a_whole_store_keeps_everything() {
         assert_eq!(answer.header("x-memory-status"), "stored");
         history.push(reply_message(&answer));
     }
-    converse(&proxy, &["short"]).await;
+    let short = converse(&proxy, &["short"]).await;
+    // The client edits its second question: the stored line after it becomes a closed branch.
+    let mut edited = short["short"][..2].to_vec();
+    edited.push(user("short question 2, edited"));
+    let answer = chat(&proxy, "short", &body(&edited), &[("x-memory-ttl", "P30D")]).await;
+    assert_eq!(answer.header("x-memory-status"), "stored");
     proxy.stop().await;
 
     let checked = memproxy(dir.path(), &["store", "check"]);
@@ -304,6 +309,8 @@ async fn a_repair_of_a_whole_store_keeps_everything() {
         if conversation == "long" {
             assert_eq!(new["ttl"], json!("P7D"));
             assert!(!new["summaries"].as_array().unwrap().is_empty(), "{new}");
+        } else {
+            assert_eq!(new["branches"].as_array().unwrap().len(), 1, "{new}");
         }
     }
     // Sealed as before (the keys came along): the store's files hold no message text. The

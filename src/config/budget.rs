@@ -10,8 +10,13 @@
 //! |---|---|---|
 //! | conversation state cache (`storage.state_cache_bytes`) | 1 | 16 MiB |
 //! | sled page cache (`storage.cache_bytes`) | 1 | 16 MiB |
-//! | recall indexes (`storage.recall_cache_bytes`) | 3 | 48 MiB |
-//! | requests in flight, allocator slack | 3 | 48 MiB |
+//! | the storage engine's own memory beyond its cache | 2 | 32 MiB |
+//! | recall indexes (`storage.recall_cache_bytes`) | 2 | 32 MiB |
+//! | requests in flight, allocator slack | 2 | 32 MiB |
+//!
+//! sled's memory is not bounded by its page cache: its page table and write buffers grow with
+//! what is stored (measured with sled 0.34 and a 1 MiB cache, 300-byte values: 40 MiB at
+//! 200,000 records, 70 MiB at 1.6 million), so it gets a reserve of its own.
 //!
 //! The caches are full in a steady state, by design; what requests in flight take comes and
 //! goes. So admission (`memory_guard.rs`) stops giving new chat requests memory once the RSS
@@ -20,7 +25,7 @@
 //! have room under the budget.
 //!
 //! A cache size set explicitly wins over its share, but the three caches together may take
-//! at most their five eighths: more would leave requests no room, so the config is refused,
+//! at most their four eighths: more would leave requests no room, so the config is refused,
 //! with the sizes and the budget named.
 
 /// The smallest budget accepted: the process base and 32 MiB to share.
@@ -32,11 +37,12 @@ pub const PROCESS_BASE: u64 = 64 * MIB;
 
 const MIB: u64 = 1024 * 1024;
 
-/// Eighths of the budget past [`PROCESS_BASE`] each cache takes; requests in flight take the
-/// rest (3).
+/// Eighths of the budget past [`PROCESS_BASE`] each cache takes, and the storage engine's
+/// memory beyond its cache; requests in flight take the rest (2).
 const STATE_EIGHTHS: u64 = 1;
 const STORE_EIGHTHS: u64 = 1;
-const RECALL_EIGHTHS: u64 = 3;
+const ENGINE_EIGHTHS: u64 = 2;
+const RECALL_EIGHTHS: u64 = 2;
 const CACHE_EIGHTHS: u64 = STATE_EIGHTHS + STORE_EIGHTHS + RECALL_EIGHTHS;
 
 /// The budget, its high-water mark and the cache sizes taken from it.
@@ -52,6 +58,9 @@ pub struct MemoryBudget {
     pub store_cache: u64,
     /// `storage.recall_cache_bytes`: explicit, or the share.
     pub recall_cache: u64,
+    /// Left for the storage engine's memory beyond its page cache (sled's page table and
+    /// write buffers, which grow with what is stored).
+    pub engine_reserve: u64,
 }
 
 impl MemoryBudget {
@@ -61,6 +70,7 @@ impl MemoryBudget {
         self.total
             .saturating_sub(PROCESS_BASE)
             .saturating_sub(self.state_cache + self.store_cache + self.recall_cache)
+            .saturating_sub(self.engine_reserve)
     }
 }
 
@@ -81,6 +91,7 @@ pub fn split(total: u64) -> MemoryBudget {
         state_cache: STATE_EIGHTHS * eighth,
         store_cache: STORE_EIGHTHS * eighth,
         recall_cache: RECALL_EIGHTHS * eighth,
+        engine_reserve: ENGINE_EIGHTHS * eighth,
     }
 }
 
@@ -143,10 +154,11 @@ mod tests {
                 high_water: 176 * MIB,
                 state_cache: 16 * MIB,
                 store_cache: 16 * MIB,
-                recall_cache: 48 * MIB,
+                recall_cache: 32 * MIB,
+                engine_reserve: 32 * MIB,
             }
         );
-        assert_eq!(budget.in_flight(), 48 * MIB);
+        assert_eq!(budget.in_flight(), 32 * MIB);
     }
 
     #[test]
@@ -158,13 +170,18 @@ mod tests {
                 + budget.state_cache
                 + budget.store_cache
                 + budget.recall_cache
+                + budget.engine_reserve
                 + budget.in_flight();
             assert_eq!(parts, total, "{total_mib} MiB");
             assert!(budget.high_water < total, "{total_mib} MiB");
             // The high-water mark is above the process and its full caches.
             assert!(
                 budget.high_water
-                    > PROCESS_BASE + budget.state_cache + budget.store_cache + budget.recall_cache,
+                    > PROCESS_BASE
+                        + budget.state_cache
+                        + budget.store_cache
+                        + budget.recall_cache
+                        + budget.engine_reserve,
                 "{total_mib} MiB"
             );
             assert_eq!(check(total, ExplicitCaches::default()), (budget, vec![]));
@@ -176,13 +193,13 @@ mod tests {
         let explicit = ExplicitCaches {
             state: Some(8 * MIB),
             store: None,
-            recall: Some(56 * MIB),
+            recall: Some(40 * MIB),
         };
         let (budget, problems) = check(192 * MIB, explicit);
         assert!(problems.is_empty(), "{problems:?}");
         assert_eq!(budget.state_cache, 8 * MIB);
         assert_eq!(budget.store_cache, 16 * MIB);
-        assert_eq!(budget.recall_cache, 56 * MIB);
+        assert_eq!(budget.recall_cache, 40 * MIB);
         assert_eq!(budget.high_water, 176 * MIB);
     }
 
@@ -196,11 +213,18 @@ mod tests {
         };
         let (_, problems) = check(192 * MIB, explicit);
         assert_eq!(problems.len(), 1, "{problems:?}");
-        for needle in ["384 MiB", "80 MiB", "server.memory_budget = 192 MiB"] {
+        for needle in ["384 MiB", "64 MiB", "server.memory_budget = 192 MiB"] {
             assert!(problems[0].contains(needle), "{needle}: {}", problems[0]);
         }
         // The same sizes fit a budget big enough.
         assert!(check(1024 * MIB, explicit).1.is_empty());
+        // And the caches' part is four eighths of the rest: 64 MiB at the default.
+        let within = ExplicitCaches {
+            state: Some(16 * MIB),
+            store: Some(16 * MIB),
+            recall: Some(33 * MIB),
+        };
+        assert_eq!(check(192 * MIB, within).1.len(), 1);
     }
 
     #[test]

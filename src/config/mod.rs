@@ -487,11 +487,11 @@ mod tests {
                 config.store_cache_bytes,
                 config.recall_cache_bytes
             ),
-            (16 * MIB, 16 * MIB, 48 * MIB)
+            (16 * MIB, 16 * MIB, 32 * MIB)
         );
 
         let config = from_toml(
-            "[server]\nmemory_budget = \"320MiB\"\n[storage]\nrecall_cache_bytes = \"96MiB\"\n",
+            "[server]\nmemory_budget = \"320MiB\"\n[storage]\nrecall_cache_bytes = \"64MiB\"\n",
             &no_env,
         )
         .unwrap();
@@ -502,7 +502,7 @@ mod tests {
                 config.store_cache_bytes,
                 config.recall_cache_bytes
             ),
-            (32 * MIB, 32 * MIB, 96 * MIB)
+            (32 * MIB, 32 * MIB, 64 * MIB)
         );
         assert_eq!(
             from_toml("[server]\nmemory_budget = 268435456\n", &no_env)

@@ -15,6 +15,8 @@
 
 use std::collections::HashMap;
 
+use crate::heap;
+
 /// Weight of a message's own term occurrence.
 pub const OWN: u32 = 8;
 /// Weight of a neighbouring message's term occurrence.
@@ -344,16 +346,36 @@ impl Index {
         hits
     }
 
-    /// Approximate heap bytes held, for the cache's weigher and the memory report.
+    /// Heap bytes held, as the allocator hands them out (`heap.rs`), for the cache's weigher
+    /// and the memory report.
     pub fn heap_bytes(&self) -> usize {
-        let postings: usize = self.postings.iter().map(|p| p.capacity() * 8 + 24).sum();
-        let docs: usize = self
-            .docs
-            .iter()
-            .map(|d| 64 + d.terms.capacity() * 8 + d.own.capacity() * 4)
-            .sum();
-        let terms: usize = self.term_ids.keys().map(|k| k.len() + 48).sum();
-        postings + docs + terms + self.df.capacity() * 4 + self.scratch.capacity() * 4
+        let postings: usize = heap::vec::<Vec<Posting>>(self.postings.capacity())
+            + self
+                .postings
+                .iter()
+                .map(|p| heap::vec::<Posting>(p.capacity()))
+                .sum::<usize>();
+        let docs: usize = heap::vec::<Doc>(self.docs.capacity())
+            + self
+                .docs
+                .iter()
+                .map(|d| {
+                    heap::vec::<(u32, u32)>(d.terms.capacity()) + heap::vec::<u32>(d.own.capacity())
+                })
+                .sum::<usize>();
+        let terms: usize = heap::hash_table(
+            self.term_ids.capacity(),
+            std::mem::size_of::<(String, u32)>(),
+        ) + self
+            .term_ids
+            .keys()
+            .map(|k| heap::string(k.capacity()))
+            .sum::<usize>();
+        postings
+            + docs
+            + terms
+            + heap::vec::<u32>(self.df.capacity())
+            + heap::vec::<f32>(self.scratch.capacity())
     }
 
     /// A canonical description of the live index, independent of history: for tests that check

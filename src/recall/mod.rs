@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use self::index::{Hit, Index};
 use self::tokenize::{Lang, TextLanguage, detect, terms};
+use crate::heap;
 use crate::identity::ConversationKey;
 use crate::message::search_text;
 use crate::store::{Conversation, Store, StoreError};
@@ -64,8 +65,13 @@ impl Recall {
         let cache = moka::sync::Cache::builder()
             .max_capacity(capacity_bytes)
             .weigher(
-                |_key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
-                    let bytes = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
+                |key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
+                    // `try_lock`: a search may hold it; a guess until the next re-insert.
+                    let index = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
+                    let bytes = heap::CACHE_ENTRY
+                        + key.heap_bytes()
+                        + heap::arc::<Mutex<ConversationIndex>>()
+                        + index;
                     u32::try_from(bytes).unwrap_or(u32::MAX)
                 },
             )

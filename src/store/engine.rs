@@ -73,6 +73,13 @@ use super::records::{
 pub struct Version(Option<Vec<u8>>);
 
 impl Version {
+    /// The heap its token holds.
+    pub fn heap_bytes(&self) -> usize {
+        self.0
+            .as_ref()
+            .map_or(0, |v| crate::heap::vec::<u8>(v.capacity()))
+    }
+
     /// The version of a conversation that is not stored.
     pub fn absent() -> Version {
         Version(None)

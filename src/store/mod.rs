@@ -63,6 +63,7 @@ pub use records::{
 pub use sled_engine::SledEngine;
 pub use transfer::already_stored;
 
+use crate::heap;
 use crate::identity::ConversationKey;
 use flush::GroupFlusher;
 use keys::KeyFiles;
@@ -106,6 +107,13 @@ impl Conversation {
             version: loaded.version,
             entries: loaded.entries,
         }
+    }
+
+    /// The heap it holds beyond its own struct: its key's strings, its version, its entries.
+    fn heap_bytes(&self) -> usize {
+        self.key.heap_bytes()
+            + self.version.heap_bytes()
+            + heap::vec::<Entry>(self.entries.capacity())
     }
 
     /// Empties an in-memory conversation.
@@ -248,10 +256,15 @@ impl Store {
         };
         let cache = moka::sync::Cache::builder()
             .max_capacity(options.state_cache_bytes)
-            .weigher(|_key: &ConversationKey, handle: &Handle| {
-                // `try_lock`: the weigher may run while the caller holds the lock.
-                let entries = handle.try_lock().map_or(0, |c| c.entries.len());
-                u32::try_from(256 + entries * std::mem::size_of::<Entry>()).unwrap_or(u32::MAX)
+            .weigher(|key: &ConversationKey, handle: &Handle| {
+                // `try_lock`: the weigher may run while the caller holds the lock (the weight
+                // is refreshed by `touch` after each commit).
+                let state = handle.try_lock().map_or(0, |c| c.heap_bytes());
+                let bytes = heap::CACHE_ENTRY
+                    + key.heap_bytes()
+                    + heap::arc::<Mutex<Conversation>>()
+                    + state;
+                u32::try_from(bytes).unwrap_or(u32::MAX)
             })
             .build();
         let store = Store {

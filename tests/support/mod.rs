@@ -43,6 +43,28 @@ pub fn test_budget(extra_toml: &str) -> &'static str {
     }
 }
 
+/// The tests' config: `mock` as the upstream (with `upstream_toml` added to `[upstream]`), data
+/// under `data_dir`, then `extra_toml`. The template ends inside `[server]`, so bare keys at the
+/// start of `extra_toml` are server settings.
+pub fn test_config(
+    mock: &MockUpstream,
+    data_dir: &Path,
+    upstream_toml: &str,
+    extra_toml: &str,
+) -> Config {
+    let text = format!(
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
+        mock.base_url(),
+        data_dir.display(),
+        test_budget(extra_toml)
+    );
+    config::from_toml(&text, &|name| match name {
+        "TEST_UPSTREAM_KEY" => Some("sk-proxy-held".to_string()),
+        _ => None,
+    })
+    .unwrap()
+}
+
 /// A running memproxy.
 pub struct Proxy {
     pub addr: SocketAddr,
@@ -66,26 +88,17 @@ impl Proxy {
         upstream_toml: &str,
         extra_toml: &str,
     ) -> Proxy {
-        let text = format!(
-            "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
-            mock.base_url(),
-            data_dir.display(),
-            test_budget(extra_toml)
-        );
-        Proxy::start_config(
-            config::from_toml(&text, &|name| match name {
-                "TEST_UPSTREAM_KEY" => Some("sk-proxy-held".to_string()),
-                _ => None,
-            })
-            .unwrap(),
-        )
-        .await
+        Proxy::start_config(test_config(mock, data_dir, upstream_toml, extra_toml)).await
     }
 
     pub async fn start_config(config: Config) -> Proxy {
+        Proxy::start_state(AppState::build(config).unwrap()).await
+    }
+
+    /// Serves `state` (built by the test, e.g. over a store of its own engine).
+    pub async fn start_state(state: Arc<AppState>) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let state = AppState::build(config).unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let server_state = Arc::clone(&state);
         let task = tokio::spawn(async move {
