@@ -85,9 +85,10 @@ impl Memory {
         recall_cache_bytes: u64,
     ) -> Memory {
         Memory {
-            recall: Recall::new(recall_cache_bytes),
-            // Users' indexes cover many conversations each, and are used only by requests
-            // that name a user: a quarter of the recall cache's size on top of it.
+            // The recall share of the memory budget is split: three quarters for the
+            // conversations' indexes, one for the users' (long-term memory), so the caches
+            // together stay within `storage.recall_cache_bytes`.
+            recall: Recall::new(recall_cache_bytes - recall_cache_bytes / 4),
             longterm: LongTerm::new(
                 recall_cache_bytes / 4,
                 Arc::clone(&store),
