@@ -1,5 +1,5 @@
 //! The admin API under `/admin/v1/`: list, show, stats, preview, export, import and delete
-//! conversations, and delete a tenant. Documented in `docs/admin-openapi.yaml`.
+//! conversations, delete a tenant, and a user's long-term memories (`users.rs`). Documented in `docs/admin-openapi.yaml`.
 //!
 //! Access: `Authorization: Bearer <admin token>`, the token from `MEMPROXY_ADMIN_TOKEN` or the
 //! variable `admin.token_env` names. With no token configured every `/admin` path is 404, as if
@@ -62,6 +62,15 @@ pub const ROUTES: &[(&str, &str)] = &[
         "/admin/v1/conversations/{tenant}/{agent}/{id}/import",
     ),
     ("DELETE", "/admin/v1/tenants/{tenant}"),
+    ("DELETE", "/admin/v1/users/{tenant}/{user}"),
+    ("GET", "/admin/v1/users/{tenant}/{user}/memories"),
+    ("POST", "/admin/v1/users/{tenant}/{user}/memories"),
+    ("GET", "/admin/v1/users/{tenant}/{user}/memories/{memory}"),
+    ("PATCH", "/admin/v1/users/{tenant}/{user}/memories/{memory}"),
+    (
+        "DELETE",
+        "/admin/v1/users/{tenant}/{user}/memories/{memory}",
+    ),
 ];
 
 /// The default and largest page of a listing.
