@@ -580,3 +580,44 @@ async fn the_sweeper_deletes_memories_that_decayed_under_the_floor() {
     assert!(left[0].text.contains("nurse"));
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_memory_used_in_a_prompt_is_refreshed_and_escapes_the_sweep() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+         "importance": 0.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+    ])));
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+    ];
+    chat(
+        &proxy,
+        "a",
+        &body(&[support::user("I live in Lisbon")]),
+        &extra,
+    )
+    .await;
+    eventually("the extraction", || memories_of(&proxy, "ana").len() == 1).await;
+    let state = &proxy.state;
+    let memory = state.memory().unwrap();
+    // 10 days on (half-life 15 days for an unimportant memory: 0.63), the memory is used...
+    memory.clock.advance(Duration::from_secs(10 * 86_400));
+    let used = chat(
+        &proxy,
+        "b",
+        &body(&[support::user("Where do I live?")]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    assert_eq!(used.header("x-memory-memories"), "1");
+    // ...so 30 days later it is at 0.25, over the floor, not at 0.06.
+    memory.clock.advance(Duration::from_secs(30 * 86_400));
+    let pass = sweep_pass(memory, &state.config, &mut Cursor::default()).unwrap();
+    assert_eq!(pass.decayed, 0);
+    assert_eq!(memories_of(&proxy, "ana").len(), 1);
+    proxy.stop().await;
+}

@@ -218,6 +218,29 @@ impl LongTerm {
         ))
     }
 
+    /// Marks `used` memories as accessed at `now_ms` (recalled into a prompt that was
+    /// answered and stored): their decay starts again. A failure is logged, never returned.
+    pub fn refresh(&self, store: &Store, used: &[(OwnerKey, memories::MemoryRecord)], now_ms: i64) {
+        let mut by_owner: std::collections::HashMap<&OwnerKey, Vec<memories::MemoryRecord>> =
+            std::collections::HashMap::new();
+        for (owner, record) in used {
+            let mut record = record.clone();
+            record.last_accessed_ms = now_ms;
+            by_owner.entry(owner).or_default().push(record);
+        }
+        for (owner, records) in by_owner {
+            // Only owners that still exist: a refresh never recreates a deleted user.
+            let written = match store.owner(owner, false) {
+                Ok(Some(_)) => memories::write(store, owner, &records, &[]).map(|_| ()),
+                Ok(None) => Ok(()),
+                Err(err) => Err(err),
+            };
+            if let Err(err) = written {
+                tracing::warn!(error = %err, "refreshing the memories' last access failed");
+            }
+        }
+    }
+
     /// Stops the extraction worker (waiting up to `grace` for the job in flight).
     pub async fn shutdown(&self, grace: std::time::Duration) {
         self.extractor.shutdown(grace).await;

@@ -21,6 +21,7 @@ use serde_json::value::RawValue;
 use super::reconcile::{Alignment, Mark, align};
 use super::window::trim_start;
 use crate::identity::ConversationKey;
+use crate::longterm::memories::MemoryRecord;
 use crate::longterm::{ExtractionCall, ExtractionRule};
 use crate::memory::Memory;
 use crate::message::{HasRole, Message, Role};
@@ -75,6 +76,8 @@ pub struct Exchange {
     /// The model and credentials of a due extraction (added by the edge when the plan says
     /// one is due, as for summaries).
     pub extraction: Option<ExtractionCall>,
+    /// Memories the prompt used whose last access is to be refreshed (their decay restarts).
+    pub refresh_memories: Vec<(OwnerKey, MemoryRecord)>,
 }
 
 impl Exchange {
@@ -218,6 +221,11 @@ impl Exchange {
                 }
                 Err(err) => return Err(err),
             }
+        }
+        if !self.refresh_memories.is_empty() {
+            memory
+                .longterm
+                .refresh(store, &self.refresh_memories, memory.clock.now_ms());
         }
         // Under the conversation's lock, so a delete cannot come between the exchange and its
         // TTL record; the flush after this makes both durable.

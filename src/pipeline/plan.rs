@@ -23,6 +23,9 @@ use crate::store::{OwnerKey, StoreError, StoredMessage, lock, tokens_between};
 use crate::summary::{DeferredSummary, Job, SummaryRecord};
 use crate::tokens;
 
+/// A memory used in a prompt is marked accessed again once this long has passed since.
+const REFRESH_AFTER_MS: i64 = 3_600_000;
+
 /// How long the stages of a plan took (the edge reports them as metrics).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Timings {
@@ -376,6 +379,17 @@ pub fn plan_for_user(
             may_queue: true,
         }),
         extraction: None,
+        // Refreshed at most once an hour each, so a busy user does not write per request.
+        refresh_memories: if limits.writes && settings.persist {
+            let now = memory.clock.now_ms();
+            chosen
+                .iter()
+                .filter(|c| now - c.memory.last_accessed_ms > REFRESH_AFTER_MS)
+                .map(|c| (c.owner.clone(), c.memory.clone()))
+                .collect()
+        } else {
+            Vec::new()
+        },
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
