@@ -545,29 +545,45 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
     }
 }
 
-#[tokio::test]
-async fn the_sweeper_deletes_memories_that_decayed_under_the_floor() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
-    mock.push_extraction(extraction_answer(serde_json::json!([
-        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
-         "importance": 0.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []},
-        {"text": "The user is a nurse", "type": "profile", "scope": "private",
-         "importance": 1.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
-    ])));
+/// A proxy where user `ana` has the memories an extraction of `said` gave (`memories`, the
+/// answer's list).
+async fn with_memories(
+    mock: &MockUpstream,
+    dir: &std::path::Path,
+    said: &str,
+    memories: serde_json::Value,
+) -> Proxy {
+    let proxy = Proxy::start(mock, dir, "").await;
+    let count = memories.as_array().unwrap().len();
+    mock.push_extraction(extraction_answer(memories));
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "1"),
     ];
-    chat(
-        &proxy,
-        "a",
-        &body(&[support::user("I live in Lisbon and work as a nurse")]),
-        &extra,
+    chat(&proxy, "a", &body(&[support::user(said)]), &extra).await;
+    eventually("the extraction", || {
+        memories_of(&proxy, "ana").len() == count
+    })
+    .await;
+    proxy
+}
+
+#[tokio::test]
+async fn the_sweeper_deletes_memories_that_decayed_under_the_floor() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = with_memories(
+        &mock,
+        dir.path(),
+        "I live in Lisbon and work as a nurse",
+        serde_json::json!([
+            {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+             "importance": 0.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []},
+            {"text": "The user is a nurse", "type": "profile", "scope": "private",
+             "importance": 1.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+        ]),
     )
     .await;
-    eventually("the extraction", || memories_of(&proxy, "ana").len() == 2).await;
     let state = &proxy.state;
     let memory = state.memory().unwrap();
     // 45 days: the unimportant memory (half-life 15 days) is at 0.125, the important one
@@ -585,23 +601,16 @@ async fn the_sweeper_deletes_memories_that_decayed_under_the_floor() {
 async fn a_memory_used_in_a_prompt_is_refreshed_and_escapes_the_sweep() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
-    mock.push_extraction(extraction_answer(serde_json::json!([
-        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
-         "importance": 0.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
-    ])));
-    let extra = [
-        ("x-memory-user-id", "ana"),
-        ("x-memory-extraction-every", "1"),
-    ];
-    chat(
-        &proxy,
-        "a",
-        &body(&[support::user("I live in Lisbon")]),
-        &extra,
+    let proxy = with_memories(
+        &mock,
+        dir.path(),
+        "I live in Lisbon",
+        serde_json::json!([
+            {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+             "importance": 0.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+        ]),
     )
     .await;
-    eventually("the extraction", || memories_of(&proxy, "ana").len() == 1).await;
     let state = &proxy.state;
     let memory = state.memory().unwrap();
     // 10 days on (half-life 15 days for an unimportant memory: 0.63), the memory is used...
