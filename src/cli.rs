@@ -27,6 +27,15 @@ pub struct Cli {
     /// Data directory for the store (created on first start). Default: ./data.
     #[arg(long, env = "MEMPROXY_DATA_DIR", global = true)]
     pub data_dir: Option<PathBuf>,
+    /// Redis URL (redis:// or rediss://): keeps memory in Redis, shared by every replica
+    /// pointed at it, instead of sled in the data directory.
+    #[arg(
+        long,
+        env = "MEMPROXY_REDIS_URL",
+        global = true,
+        hide_env_values = true
+    )]
+    pub redis_url: Option<String>,
     /// Log format: text or json. Default: text.
     #[arg(long, env = "MEMPROXY_LOG_FORMAT", global = true)]
     pub log_format: Option<String>,
@@ -57,6 +66,7 @@ impl Cli {
             listen: self.listen.clone(),
             upstream: self.upstream.clone(),
             data_dir: self.data_dir.clone(),
+            redis_url: self.redis_url.clone(),
             log_format: self.log_format.clone(),
         }
     }

@@ -16,6 +16,8 @@
 //! - [`upstream`] (the client, header rules, the forward path, memproxy's model calls),
 //!   [`metrics`], [`error`] (every error response), [`body`], [`reply`] and [`sse`] are the
 //!   HTTP parts; [`memory_guard`] admits memory requests under `server.memory_budget`;
+//!   [`models`] sends memproxy's own model calls to the model's family (OpenAI-compatible or
+//!   Anthropic); [`response_ids`] remembers the Responses ids memproxy answered;
 //! - [`memory`] is the memory core's one value (store, recall, summaries, clock); [`ttl`] its
 //!   sweeper;
 //! - [`pipeline`] plans a prompt and commits an exchange, one stage per file;
@@ -24,7 +26,8 @@
 //!   [`recall`] keeps BM25 indexes;
 //! - [`store`] keeps conversations behind a storage contract (sled by default);
 //! - leaves: [`config`], [`model`] (the model-call trait), [`settings`], [`identity`],
-//!   [`message`], [`tokens`], [`heap`] (what cached values really take).
+//!   [`message`], [`tokens`], [`heap`] (what cached values really take), [`wire`] (the three
+//!   request formats memory serves, read into and written from the one message model).
 
 pub mod admin;
 pub mod body;
@@ -39,10 +42,12 @@ pub mod memory_guard;
 pub mod message;
 pub mod metrics;
 pub mod model;
+pub mod models;
 pub mod pipeline;
 pub mod proxy;
 pub mod recall;
 pub mod reply;
+pub mod response_ids;
 pub mod router;
 pub mod server;
 pub mod settings;
@@ -53,3 +58,4 @@ pub mod summary;
 pub mod tokens;
 pub mod ttl;
 pub mod upstream;
+pub mod wire;

@@ -120,7 +120,32 @@ fn check_config(config: &Config) -> ExitCode {
         mib(budget.high_water),
         mib(budget.total) + 64
     );
-    println!("data_dir = {}", config.data_dir.display());
+    match &config.backend {
+        memproxy::config::Backend::Sled => {
+            println!("storage = sled in {}", config.data_dir.display());
+        }
+        memproxy::config::Backend::Redis(redis) => {
+            // The URL may hold a password: only where it points is printed.
+            let scheme = if redis.url.0.starts_with("rediss://") {
+                "rediss (TLS)"
+            } else {
+                "redis"
+            };
+            println!(
+                "storage = {scheme}, key prefix `{}`, pool {}, connect timeout {:?}, command timeout {:?}, WAIT for {} replica(s), password {}",
+                redis.key_prefix,
+                redis.pool_size,
+                redis.connect_timeout,
+                redis.command_timeout,
+                redis.wait_replicas,
+                if redis.password.is_some() {
+                    "from environment"
+                } else {
+                    "from the URL, if any"
+                }
+            );
+        }
+    }
     println!("allow_header_overrides = {}", config.allow_header_overrides);
     println!(
         "admin API = {}",

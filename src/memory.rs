@@ -11,7 +11,9 @@ use crate::identity::{ConversationKey, TenantId};
 use crate::longterm::LongTerm;
 use crate::model::ModelCall;
 use crate::recall::Recall;
-use crate::store::{Deleted, Durability, OwnerKey, Scope, Store, StoreError, StoreOptions, now_ms};
+use crate::store::{
+    Deleted, Durability, OwnerKey, RedisOptions, Scope, Store, StoreError, StoreOptions, now_ms,
+};
 use crate::summary::Summarizer;
 
 /// Wall-clock time as the TTL sweeper sees it: the real clock plus an offset tests can move.
@@ -64,6 +66,20 @@ pub struct Memory {
 }
 
 /// The store's options from the config.
+/// How the Redis engine connects, from `[storage]`.
+pub fn redis_options(redis: &config::RedisConfig) -> RedisOptions {
+    RedisOptions {
+        url: redis.url.0.clone(),
+        password: redis.password.as_ref().map(|p| p.0.clone()),
+        key_prefix: redis.key_prefix.clone(),
+        pool_size: u32::try_from(redis.pool_size).unwrap_or(u32::MAX),
+        connect_timeout: redis.connect_timeout,
+        command_timeout: redis.command_timeout,
+        wait_replicas: redis.wait_replicas,
+        wait_timeout: redis.wait_timeout,
+    }
+}
+
 pub fn store_options(config: &Config) -> StoreOptions {
     StoreOptions {
         durability: match config.durability {

@@ -117,7 +117,7 @@ pub struct InvalidRequest {
 }
 
 impl InvalidRequest {
-    fn field(param: impl Into<String>, message: impl Into<String>) -> InvalidRequest {
+    pub fn field(param: impl Into<String>, message: impl Into<String>) -> InvalidRequest {
         InvalidRequest {
             message: message.into(),
             param: Some(param.into()),
@@ -314,7 +314,7 @@ fn fingerprint(role: Role, object: &Map<String, Value>) -> u64 {
 /// JSON text with object keys sorted at every level, so equal values give equal text whatever
 /// their key order (serde_json keeps insertion order when a dependency enables
 /// `preserve_order`).
-fn canonical_json(value: &Value) -> String {
+pub fn canonical_json(value: &Value) -> String {
     fn write(value: &Value, out: &mut String) {
         match value {
             Value::Object(map) => {
@@ -352,7 +352,7 @@ fn canonical_json(value: &Value) -> String {
 /// A chat-completions request: its top-level fields in order (raw), and its messages parsed.
 #[derive(Debug)]
 pub struct ChatRequest {
-    fields: Vec<(String, Box<RawValue>)>,
+    pub fields: Vec<(String, Box<RawValue>)>,
     pub messages: Vec<Message>,
     pub model: Option<String>,
     pub stream: bool,
@@ -361,18 +361,7 @@ pub struct ChatRequest {
 impl ChatRequest {
     /// Parses a request body. Errors name the field at fault.
     pub fn parse(body: &[u8]) -> Result<ChatRequest, InvalidRequest> {
-        let RawObject(fields) = serde_json::from_slice(body).map_err(|err| {
-            let why = if err.is_data() {
-                "the request body must be a JSON object".to_string()
-            } else {
-                format!("the request body is not valid JSON ({err})")
-            };
-            InvalidRequest {
-                message: why,
-                param: None,
-                code: "invalid_json",
-            }
-        })?;
+        let fields = parse_object(body)?;
         let field = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
         let bad = |param: &str, why: &str| InvalidRequest::field(param, format!("`{param}` {why}"));
 
@@ -385,21 +374,7 @@ impl ChatRequest {
                 .map_err(|e| InvalidRequest::field(e.field.clone(), e.to_string()))?;
             messages.push(message);
         }
-
-        let model = match field("model") {
-            None => None,
-            Some(raw) => Some(
-                serde_json::from_str::<String>(raw.get())
-                    .map_err(|_| bad("model", "must be a string"))?,
-            ),
-        };
-        let stream = match field("stream") {
-            None => false,
-            Some(raw) => match serde_json::from_str::<Option<bool>>(raw.get()) {
-                Ok(flag) => flag.unwrap_or(false),
-                Err(_) => return Err(bad("stream", "must be a boolean")),
-            },
-        };
+        let (model, stream) = model_and_stream(&fields)?;
         Ok(ChatRequest {
             fields,
             messages,
@@ -424,28 +399,94 @@ impl ChatRequest {
         }
         list.push(b']');
 
-        let mut out = Vec::with_capacity(list.len() + 1024);
-        out.push(b'{');
-        for (i, (key, value)) in self.fields.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            // Writing a String to a Vec cannot fail.
-            let _ = serde_json::to_writer(&mut out, key);
-            out.push(b':');
-            if key == "messages" {
-                out.extend_from_slice(&list);
-            } else {
-                out.extend_from_slice(value.get().as_bytes());
-            }
-        }
-        out.push(b'}');
-        out
+        write_fields(&self.fields, "messages", &list, &[])
     }
 }
 
+/// A request body's top-level fields, in document order, as raw JSON; errors say what is wrong
+/// with the body as a whole.
+pub fn parse_object(body: &[u8]) -> Result<Vec<(String, Box<RawValue>)>, InvalidRequest> {
+    let RawObject(fields) = serde_json::from_slice(body).map_err(|err| {
+        let why = if err.is_data() {
+            "the request body must be a JSON object".to_string()
+        } else {
+            format!("the request body is not valid JSON ({err})")
+        };
+        InvalidRequest {
+            message: why,
+            param: None,
+            code: "invalid_json",
+        }
+    })?;
+    Ok(fields)
+}
+
+/// The `model` (a string) and `stream` (a boolean, `null` for false) fields, checked.
+pub fn model_and_stream(
+    fields: &[(String, Box<RawValue>)],
+) -> Result<(Option<String>, bool), InvalidRequest> {
+    let field = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v);
+    let bad = |param: &str, why: &str| InvalidRequest::field(param, format!("`{param}` {why}"));
+    let model = match field("model") {
+        None => None,
+        Some(raw) => Some(
+            serde_json::from_str::<String>(raw.get())
+                .map_err(|_| bad("model", "must be a string"))?,
+        ),
+    };
+    let stream = match field("stream") {
+        None => false,
+        Some(raw) => match serde_json::from_str::<Option<bool>>(raw.get()) {
+            Ok(flag) => flag.unwrap_or(false),
+            Err(_) => return Err(bad("stream", "must be a boolean")),
+        },
+    };
+    Ok((model, stream))
+}
+
+/// Writes `fields` back as a JSON object: `key`'s value replaced by `replacement` (raw JSON,
+/// appended at the end when the body had no such field), the fields in `drop` left out, every
+/// other field byte for byte in its place.
+pub fn write_fields(
+    fields: &[(String, Box<RawValue>)],
+    key: &str,
+    replacement: &[u8],
+    drop: &[&str],
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(replacement.len() + 1024);
+    out.push(b'{');
+    let mut first = true;
+    let mut replaced = false;
+    let mut put = |out: &mut Vec<u8>, name: &str, value: &[u8]| {
+        if !first {
+            out.push(b',');
+        }
+        first = false;
+        // Writing a String to a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, name);
+        out.push(b':');
+        out.extend_from_slice(value);
+    };
+    for (name, value) in fields {
+        if drop.contains(&name.as_str()) {
+            continue;
+        }
+        if name == key {
+            replaced = true;
+            put(&mut out, name, replacement);
+        } else {
+            put(&mut out, name, value.get().as_bytes());
+        }
+    }
+    if !replaced {
+        put(&mut out, key, replacement);
+    }
+    out.push(b'}');
+    out
+}
+
 /// A JSON object read as `(key, raw value)` pairs in document order.
-struct RawObject(Vec<(String, Box<RawValue>)>);
+pub struct RawObject(pub Vec<(String, Box<RawValue>)>);
 
 impl<'de> Deserialize<'de> for RawObject {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {

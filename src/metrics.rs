@@ -32,6 +32,10 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 pub enum Route {
     /// `POST /v1/chat/completions` (header or path form), memory on or off.
     Chat,
+    /// `POST /v1/responses`, memory on or off.
+    Responses,
+    /// `POST /v1/messages` (Anthropic), memory on or off.
+    Messages,
     /// Any other `/v1/...` request, forwarded untouched.
     Passthrough,
     /// `/admin/...`.
@@ -48,6 +52,8 @@ impl Route {
     pub fn as_str(self) -> &'static str {
         match self {
             Route::Chat => "chat",
+            Route::Responses => "responses",
+            Route::Messages => "messages",
             Route::Passthrough => "passthrough",
             Route::Admin => "admin",
             Route::Health => "health",
@@ -73,10 +79,11 @@ impl Route {
         if api_path != "/v1" && !api_path.starts_with("/v1/") {
             return Route::Other;
         }
-        if method == http::Method::POST && api_path == "/v1/chat/completions" {
-            Route::Chat
-        } else {
-            Route::Passthrough
+        match (method == http::Method::POST, api_path) {
+            (true, "/v1/chat/completions") => Route::Chat,
+            (true, "/v1/responses") => Route::Responses,
+            (true, "/v1/messages") => Route::Messages,
+            _ => Route::Passthrough,
         }
     }
 }
@@ -687,6 +694,14 @@ mod tests {
                 "/agents/a/conversations/c/v1/chat/completions",
                 Route::Chat,
             ),
+            (Method::POST, "/v1/responses", Route::Responses),
+            (Method::POST, "/v1/messages", Route::Messages),
+            (
+                Method::POST,
+                "/v1/messages/count_tokens",
+                Route::Passthrough,
+            ),
+            (Method::GET, "/v1/responses/resp_1", Route::Passthrough),
             (Method::GET, "/v1/models", Route::Passthrough),
             (Method::GET, "/v1/chat/completions", Route::Passthrough),
             (Method::GET, "/healthz", Route::Health),

@@ -1,4 +1,6 @@
-//! The assistant's reply, read from an upstream chat-completions response: a JSON body, or the
+//! The assistant's reply, read from an upstream answer of any of the three APIs
+//! ([`ReplyReader`], [`reply_of`]; the Responses and Anthropic readers are in `wire/`). For
+//! chat completions: a JSON body, or the
 //! SSE chunks of a stream as they pass (content deltas appended, tool-call deltas merged by
 //! index, the finish reason noted). Only choice 0 is kept when `n` > 1.
 //!
@@ -10,6 +12,10 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
+
+use crate::wire::Api;
+use crate::wire::anthropic::AnthropicStream;
+use crate::wire::responses::ResponsesStream;
 
 /// Builds the reply from stream events.
 #[derive(Debug, Default)]
@@ -150,6 +156,65 @@ impl StreamReply {
             .then(|| Value::String(self.content.clone()));
         let refusal = (!self.refusal.is_empty()).then(|| self.refusal.clone());
         assistant_message(content, refusal, calls)
+    }
+}
+
+/// The reply being read from a stream, in the format of the API it answers.
+#[derive(Debug)]
+pub enum ReplyReader {
+    Chat(StreamReply),
+    Responses(ResponsesStream),
+    Anthropic(AnthropicStream),
+}
+
+impl ReplyReader {
+    /// A reader for `api` that gives up past `max_bytes` of assembled reply.
+    pub fn new(api: Api, max_bytes: usize) -> ReplyReader {
+        match api {
+            Api::Chat => ReplyReader::Chat(StreamReply::with_limit(max_bytes)),
+            Api::Responses => ReplyReader::Responses(ResponsesStream::default()),
+            Api::Anthropic => ReplyReader::Anthropic(AnthropicStream::with_limit(max_bytes)),
+        }
+    }
+
+    pub fn on_event(&mut self, data: &str) {
+        match self {
+            ReplyReader::Chat(reply) => reply.on_event(data),
+            ReplyReader::Responses(reply) => reply.on_event(data),
+            ReplyReader::Anthropic(reply) => reply.on_event(data),
+        }
+    }
+
+    pub fn fail(&mut self) {
+        match self {
+            ReplyReader::Chat(reply) => reply.fail(),
+            ReplyReader::Responses(reply) => reply.fail(),
+            ReplyReader::Anthropic(reply) => reply.fail(),
+        }
+    }
+
+    pub fn is_complete(&self) -> bool {
+        match self {
+            ReplyReader::Chat(reply) => reply.is_complete(),
+            ReplyReader::Responses(reply) => reply.is_complete(),
+            ReplyReader::Anthropic(reply) => reply.is_complete(),
+        }
+    }
+
+    pub fn to_message(&self) -> Box<RawValue> {
+        match self {
+            ReplyReader::Chat(reply) => reply.to_message(),
+            ReplyReader::Responses(reply) => reply.to_message(),
+            ReplyReader::Anthropic(reply) => reply.to_message(),
+        }
+    }
+}
+
+/// The reply in a JSON answer of `api`, as a message to store.
+pub fn reply_of(api: Api, body: &[u8]) -> Option<Box<RawValue>> {
+    match api {
+        Api::Chat => reply_from_json(body),
+        other => crate::wire::reply_from_json(other, body),
     }
 }
 

@@ -1,5 +1,7 @@
 //! The router: the path check, health checks, client-key checks, the path form, and the choice
-//! between the memory pipeline and plain pass-through. Errors become responses here, and are
+//! between the memory pipeline (chat completions, the Responses API, the Anthropic Messages
+//! API) and plain pass-through (to the OpenAI-compatible upstream, or the Anthropic one for
+//! `/v1/messages...` and for `/v1/models` asked with `anthropic-version`). Errors become responses here, and are
 //! logged here, once.
 //!
 //! Every path is checked before it is routed: a `.` or `..` segment (also percent-encoded) or
@@ -22,6 +24,7 @@ use crate::metrics::{Route, UpstreamTime};
 use crate::proxy::identify::{PathIds, UserId, credential_of, identify};
 use crate::proxy::{self, DegradedReason, MemoryStatus, set_degraded_reason, set_memory_headers};
 use crate::state::AppState;
+use crate::wire::Api;
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
@@ -106,26 +109,55 @@ async fn route(
     }
     check_client_key(state, request.headers())?;
 
-    let is_chat = request.method() == Method::POST && api_path == "/v1/chat/completions";
-    let identity = identify(&state.config, request.headers(), path_ids, is_chat)?;
+    // The APIs memory serves: chat completions, the Responses API, the Anthropic Messages API.
+    let api = if request.method() == Method::POST {
+        Api::of_post(api_path)
+    } else {
+        None
+    };
+    let identity = identify(&state.config, request.headers(), path_ids, api.is_some())?;
     let span = tracing::Span::current();
     span.record("agent", identity.agent.as_str());
     if let Some(conversation) = &identity.conversation {
         span.record("conversation", conversation.as_str());
     }
     // A path the upstream URI cannot hold is refused before anything else happens.
-    state.upstream.uri_for(api_path, request.uri().query())?;
+    state
+        .upstream_for_path(api_path, request.headers())
+        .uri_for(api_path, request.uri().query())?;
     let api_path = api_path.to_string();
 
-    match (identity.key, identity.conversation) {
-        (Some(key), _) => match &state.memory {
+    // `GET`/`DELETE /v1/responses/{id}` of an id memproxy answered.
+    let stored_id =
+        proxy::responses::stored_response_route(request.method(), &api_path).map(str::to_string);
+    if let Some(id) = stored_id {
+        let method = request.method().clone();
+        if let Some(response) =
+            proxy::responses::stored_response(state, &method, request.headers(), &id).await?
+        {
+            return Ok(response);
+        }
+    }
+
+    match (identity.key, identity.conversation, api) {
+        (Some(key), _, Some(api)) => match &state.memory {
             Ok(memory) => {
                 let (mut parts, body) = request.into_parts();
                 if let Some(user) = identity.user {
                     parts.extensions.insert(UserId(user));
                 }
                 let settings = identity.settings;
-                proxy::chat::chat(state, memory, parts, body, key, settings, &api_path).await
+                proxy::chat::chat(
+                    state,
+                    memory,
+                    parts,
+                    body,
+                    Some(key),
+                    settings,
+                    api,
+                    &api_path,
+                )
+                .await
             }
             // No store: the request goes through untouched, said in its headers (the cause was
             // logged once at start and is in `/readyz`).
@@ -137,11 +169,30 @@ async fn route(
                 Ok(response)
             }
         },
-        (None, Some(conversation)) if is_chat => {
+        (None, Some(conversation), Some(_)) => {
             let mut response = proxy::passthrough(state, request, &api_path).await?;
             set_memory_headers(&mut response, MemoryStatus::Off, &conversation, None);
             Ok(response)
         }
+        // A Responses request without a conversation id: its `previous_response_id` may name
+        // one memproxy answered.
+        (None, None, Some(Api::Responses)) if identity.settings.enabled => match &state.memory {
+            Ok(memory) => {
+                let (parts, body) = request.into_parts();
+                proxy::chat::chat(
+                    state,
+                    memory,
+                    parts,
+                    body,
+                    None,
+                    identity.settings,
+                    Api::Responses,
+                    &api_path,
+                )
+                .await
+            }
+            Err(_) => proxy::passthrough(state, request, &api_path).await,
+        },
         _ => proxy::passthrough(state, request, &api_path).await,
     }
 }

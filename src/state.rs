@@ -1,17 +1,20 @@
 //! What the HTTP edge shares (the server, the router, the admin API): the checked config, the
-//! memory core, the upstream client, the metrics and the memory guard. Nothing below the edge
+//! memory core, the upstream clients (OpenAI-compatible and Anthropic), the Responses ids, the metrics and the memory guard. Nothing below the edge
 //! sees it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::config::Config;
+use crate::config::{Backend, Config};
 use crate::memory::{self, Memory};
 use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
+use crate::models::Models;
+use crate::response_ids::ResponseIds;
 use crate::store::Store;
 use crate::ttl::Sweeper;
 use crate::upstream::{Upstream, UpstreamSetupError};
+use crate::wire::Api;
 
 /// Why memproxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +42,10 @@ pub struct AppState {
     /// The memory core, or why there is none.
     pub memory: Result<Arc<Memory>, StoreUnavailable>,
     pub upstream: Upstream,
+    /// The Anthropic Messages API's upstream (`[upstream.anthropic]`).
+    pub anthropic: Upstream,
+    /// The Responses ids memproxy answered, per tenant.
+    pub response_ids: ResponseIds,
     /// The Prometheus registry (`GET /metrics`).
     pub metrics: Metrics,
     /// Admission against `server.memory_budget`.
@@ -56,11 +63,30 @@ impl AppState {
         store: Result<Arc<Store>, StoreUnavailable>,
         upstream: Upstream,
     ) -> AppState {
+        // `build` checks this client can be made before it gets here.
+        let anthropic = Upstream::new(&config.upstream.anthropic_upstream()).unwrap_or_else(|err| {
+            tracing::warn!(error = %err, "the Anthropic upstream client could not be set up; /v1/messages goes to [upstream]");
+            upstream.clone()
+        });
+        AppState::with_upstreams(config, store, upstream, anthropic)
+    }
+
+    /// [`AppState::new`] with the Anthropic upstream's client given.
+    pub fn with_upstreams(
+        config: Arc<Config>,
+        store: Result<Arc<Store>, StoreUnavailable>,
+        upstream: Upstream,
+        anthropic: Upstream,
+    ) -> AppState {
         let boot = crate::store::now_ms() as u64 & 0xff_ffff;
         let memory = store.map(|store| {
             Arc::new(Memory::new(
                 store,
-                Arc::new(upstream.clone()),
+                Arc::new(Models::new(
+                    upstream.clone(),
+                    anthropic.clone(),
+                    &config.upstream,
+                )),
                 config.compression.clone(),
                 config.recall_cache_bytes,
             ))
@@ -70,6 +96,8 @@ impl AppState {
             config,
             memory,
             upstream,
+            anthropic,
+            response_ids: ResponseIds::default(),
             metrics: Metrics::new(),
             next_request: AtomicU64::new(1),
             boot,
@@ -88,7 +116,13 @@ impl AppState {
             );
         }
         let upstream = Upstream::new(&config.upstream)?;
-        Ok(Arc::new(AppState::new(Arc::new(config), store, upstream)))
+        let anthropic = Upstream::new(&config.upstream.anthropic_upstream())?;
+        Ok(Arc::new(AppState::with_upstreams(
+            Arc::new(config),
+            store,
+            upstream,
+            anthropic,
+        )))
     }
 
     /// The memory core, when the store opened.
@@ -102,6 +136,27 @@ impl AppState {
         Some(Sweeper::start(Arc::clone(memory), Arc::clone(&self.config)))
     }
 
+    /// The upstream requests of `api` go to.
+    pub fn upstream_for(&self, api: Api) -> &Upstream {
+        match api {
+            Api::Anthropic => &self.anthropic,
+            Api::Chat | Api::Responses => &self.upstream,
+        }
+    }
+
+    /// The upstream a pass-through request goes to: the Anthropic one for `/v1/messages...`
+    /// and for `/v1/models...` asked with `anthropic-version`, else the OpenAI-compatible one.
+    pub fn upstream_for_path(&self, api_path: &str, headers: &http::HeaderMap) -> &Upstream {
+        let messages = api_path == "/v1/messages" || api_path.starts_with("/v1/messages/");
+        let models = (api_path == "/v1/models" || api_path.starts_with("/v1/models/"))
+            && headers.contains_key("anthropic-version");
+        if messages || models {
+            &self.anthropic
+        } else {
+            &self.upstream
+        }
+    }
+
     /// A fresh request id, unique within this process and unlikely to repeat across restarts.
     pub fn request_id(&self) -> String {
         let n = self.next_request.fetch_add(1, Ordering::Relaxed);
@@ -112,6 +167,15 @@ impl AppState {
 /// The store under `config.data_dir`, created if missing, or why it cannot be used.
 fn open_store(config: &Config) -> Result<Arc<Store>, StoreUnavailable> {
     let unavailable = |reason: String| StoreUnavailable { reason };
+    if let Backend::Redis(redis) = &config.backend {
+        return Store::open_redis(
+            &memory::redis_options(redis),
+            &config.data_dir,
+            memory::store_options(config),
+        )
+        .map(Arc::new)
+        .map_err(|err| unavailable(format!("the Redis store could not be set up: {err}")));
+    }
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|err| unavailable(format!("cannot create the data directory: {err}")))?;
     Store::open(&config.data_dir, memory::store_options(config))

@@ -28,7 +28,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
 use crate::body::{CollectError, IdleTimeout, ProxyBody, Stalled, collect_limited, full};
-use crate::config::UpstreamConfig;
+use crate::config::{KeyHeader, UpstreamConfig};
 use crate::model::{ModelCall, ModelError, ModelFuture, ModelReply, ModelRequest};
 
 /// The header memproxy's own upstream calls carry (`summary`), so upstream logs (and the test
@@ -112,7 +112,8 @@ pub struct Upstream {
     origin: String,
     /// The base URL's path without a trailing slash (`/v1`).
     base_path: String,
-    authorization: Option<HeaderValue>,
+    /// memproxy's own key, and the header it goes in.
+    key: Option<(HeaderName, HeaderValue)>,
     timeout: Duration,
     read_timeout: Duration,
     idle_timeout: Duration,
@@ -157,13 +158,17 @@ impl Upstream {
             .pool_max_idle_per_host(256)
             .build(https);
 
-        let authorization = match &config.api_key {
+        let key = match &config.api_key {
             None => None,
             Some(key) => {
-                let mut value = HeaderValue::try_from(format!("Bearer {}", key.0))
-                    .map_err(|_| UpstreamSetupError::BadKey)?;
+                let (name, text) = match config.key_header {
+                    KeyHeader::Bearer => (header::AUTHORIZATION, format!("Bearer {}", key.0)),
+                    KeyHeader::XApiKey => (HeaderName::from_static("x-api-key"), key.0.clone()),
+                };
+                let mut value =
+                    HeaderValue::try_from(text).map_err(|_| UpstreamSetupError::BadKey)?;
                 value.set_sensitive(true);
-                Some(value)
+                Some((name, value))
             }
         };
         let base = &config.base_url;
@@ -176,7 +181,7 @@ impl Upstream {
             client,
             origin,
             base_path: base.path().trim_end_matches('/').to_string(),
-            authorization,
+            key,
             timeout: config.timeout,
             read_timeout: config.read_timeout,
             idle_timeout: config.idle_timeout,
@@ -257,10 +262,11 @@ impl Upstream {
     pub fn request_headers(&self, incoming: &HeaderMap) -> HeaderMap {
         let mut out = forwardable(incoming);
         drop_memory_headers(&mut out);
-        if let Some(auth) = &self.authorization {
+        if let Some((name, value)) = &self.key {
+            out.remove(header::AUTHORIZATION);
             out.remove("api-key");
             out.remove("x-api-key");
-            out.insert(header::AUTHORIZATION, auth.clone());
+            out.insert(name.clone(), value.clone());
         }
         out
     }
@@ -399,6 +405,11 @@ mod tests {
             timeout: Duration::from_secs(1),
             read_timeout: Duration::from_secs(1),
             idle_timeout: Duration::from_secs(1),
+            key_header: KeyHeader::Bearer,
+            anthropic: crate::config::from_toml("", &|_| None)
+                .unwrap()
+                .upstream
+                .anthropic,
         })
         .unwrap()
     }
@@ -456,5 +467,26 @@ mod tests {
         assert!(!keyed.contains_key("api-key") && !keyed.contains_key("x-api-key"));
         let plain = upstream("http://127.0.0.1:1/v1", None).request_headers(&incoming);
         assert_eq!(plain["x-api-key"], "client-anthropic");
+    }
+
+    #[test]
+    fn an_anthropic_key_replaces_every_client_credential_as_x_api_key() {
+        let mut settings = crate::config::from_toml("", &|_| None).unwrap().upstream;
+        settings.anthropic.api_key = Some(Secret("sk-ant-proxy".into()));
+        let config = Upstream::new(&settings.anthropic_upstream()).unwrap();
+        let mut incoming = HeaderMap::new();
+        incoming.insert("authorization", HeaderValue::from_static("Bearer client"));
+        incoming.insert("x-api-key", HeaderValue::from_static("client-key"));
+        incoming.insert("anthropic-version", HeaderValue::from_static("2023-06-01"));
+        incoming.insert("anthropic-beta", HeaderValue::from_static("b1"));
+        let out = config.request_headers(&incoming);
+        assert_eq!(out["x-api-key"], "sk-ant-proxy");
+        assert!(!out.contains_key("authorization"));
+        assert_eq!(out["anthropic-version"], "2023-06-01");
+        assert_eq!(out["anthropic-beta"], "b1");
+        assert_eq!(
+            config.uri_for("/v1/messages", None).unwrap(),
+            "https://api.anthropic.com/v1/messages"
+        );
     }
 }

@@ -18,11 +18,23 @@ use crate::load::{MAX_IN_FLIGHT, Mode, run_closed, run_open};
 use crate::machine::{
     clock_ticks_per_second, dir_size, load_average, machine_line, source_state, status_kb,
 };
+use crate::redis_server::RedisServer;
 use crate::report::{RunResult, fmt_us, mib, print_report, quantile, report_log, result_json};
 use crate::rng::Rng;
 use crate::scenarios::{Prefill, Target, prefill};
 use crate::tally::{Tally, Window};
 use crate::text::sentence;
+
+/// Redis's `used_memory` (bytes), from `INFO memory`.
+fn used_memory(redis: &RedisServer) -> u64 {
+    // The inline command's reply is one bulk string; its first read holds the line.
+    redis
+        .command("INFO memory")
+        .lines()
+        .find_map(|line| line.strip_prefix("used_memory:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
 
 /// Conversations per RSS-growth batch.
 pub const RSS_BATCH: usize = 1000;
@@ -98,6 +110,53 @@ pub async fn bench(args: Args) -> Result<(), String> {
         config_text.trim().replace('\n', "; ")
     );
 
+    // The Redis rows: a redis-server of the benchmark's own (append-only, fsync always, as
+    // the tests run it) and a second memproxy with memory there, started only when a Redis
+    // scenario is selected.
+    let wants_redis = scenarios.iter().any(|s| s.target == Target::RedisProxy);
+    let redis = if wants_redis {
+        if std::process::Command::new("redis-server")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            return Err(
+                "the redis-* scenarios need redis-server (apt-get install redis-server), or leave them out with --scenarios"
+                    .to_string(),
+            );
+        }
+        Some(RedisServer::start())
+    } else {
+        None
+    };
+    let mut redis_proxy = match &redis {
+        None => None,
+        Some(redis) => {
+            let text = config_text.replacen(
+                "[storage]\n",
+                &format!(
+                    "[storage]\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_pool_size = 64\n",
+                    redis.url()
+                ),
+                1,
+            );
+            let path = dir.path().join("memproxy-redis.toml");
+            std::fs::write(&path, &text).map_err(|e| format!("writing the config: {e}"))?;
+            let child = ChildProc::spawn(
+                "memproxy-redis",
+                &["--serve-proxy".as_ref(), path.as_os_str()],
+                &dir.path().join("memproxy-redis.log"),
+            )?;
+            println!(
+                "memproxy with memory in Redis: pid {} port {}; redis-server on {} (appendonly, appendfsync always)",
+                child.pid,
+                child.port,
+                redis.url()
+            );
+            Some(child)
+        }
+    };
+
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_keepalive(Some(Duration::from_secs(60)));
@@ -121,6 +180,23 @@ pub async fn bench(args: Args) -> Result<(), String> {
         mock_pid: mock.pid,
         clk_tck: clock_ticks_per_second(),
     });
+    // The same, aimed at the Redis-backed memproxy.
+    let redis_ctx = match &redis_proxy {
+        None => None,
+        Some(child) => Some(Arc::new(Ctx {
+            client: ctx.client.clone(),
+            mock_url: ctx.mock_url.clone(),
+            proxy_url: format!("http://127.0.0.1:{}/v1/chat/completions", child.port)
+                .parse()
+                .map_err(|e| format!("proxy url: {e}"))?,
+            texts: ctx.texts.clone(),
+            counter: AtomicU64::new(1 << 40),
+            proxy_pid: child.pid,
+            mock_pid: mock.pid,
+            clk_tck: ctx.clk_tck,
+        })),
+    };
+    let mut redis_memory: Vec<(String, usize, u64, u64)> = Vec::new();
 
     // RSS growth per 1,000 newly cached conversations (each stores one exchange), measured
     // first, on a young heap: later, memory freed by the big scenarios is reused and hides it.
@@ -159,16 +235,41 @@ pub async fn bench(args: Args) -> Result<(), String> {
     let mut prefilled: BTreeSet<String> = BTreeSet::new();
     let mut results: Vec<RunResult> = Vec::new();
     for scenario in &scenarios {
+        let run_ctx = match (scenario.target, &redis_ctx) {
+            (Target::RedisProxy, Some(redis_ctx)) => redis_ctx,
+            _ => &ctx,
+        };
         for &mode in &modes {
+            // Each proxy's conversations are its own (the Redis one does not share sled's).
+            let target = match scenario.target {
+                Target::RedisProxy => "redis-",
+                Target::Mock | Target::Proxy => "",
+            };
             let conversation = match (scenario.prefill, scenario.persist) {
+                _ if scenario.spread => Some(format!("{}-{}", scenario.name, mode.short())),
                 (0, _) => None,
-                (n, false) => Some(format!("bench-{n}")),
-                (n, true) => Some(format!("bench-{n}-persist-{}", mode.short())),
+                (n, false) => Some(format!("{target}bench-{n}")),
+                (n, true) => Some(format!("{target}bench-{n}-persist-{}", mode.short())),
             };
             if let Some(conversation) = &conversation
+                && !scenario.spread
                 && !prefilled.contains(conversation)
             {
-                let done = prefill(&ctx, conversation, scenario.prefill).await?;
+                let used_before = redis.as_ref().map(used_memory);
+                let done = prefill(run_ctx, conversation, scenario.prefill).await?;
+                if scenario.target == Target::RedisProxy
+                    && let (Some(redis), Some(before)) = (&redis, used_before)
+                {
+                    let after = used_memory(redis);
+                    println!(
+                        "  Redis used_memory {} -> {} KiB for {} messages: {:.0} KiB per 1,000 stored messages",
+                        before / 1024,
+                        after / 1024,
+                        done.messages,
+                        (after as f64 - before as f64) / 1024.0 * 1000.0 / done.messages as f64
+                    );
+                    redis_memory.push((conversation.clone(), done.messages, before, after));
+                }
                 println!(
                     "  pre-filled {} with {} messages in one request ({:.1} MiB body) in {:.0} ms; X-Memory-Turns {}; proxy RSS now {} MiB",
                     done.conversation,
@@ -184,8 +285,9 @@ pub async fn bench(args: Args) -> Result<(), String> {
             let spec = Arc::new(Spec {
                 uri: match scenario.target {
                     Target::Mock => ctx.mock_url.clone(),
-                    Target::Proxy => ctx.proxy_url.clone(),
+                    Target::Proxy | Target::RedisProxy => run_ctx.proxy_url.clone(),
                 },
+                spread: scenario.spread,
                 conversation: conversation.clone(),
                 persist_false: conversation.is_some() && !scenario.persist,
                 extra_headers: scenario.headers,
@@ -197,8 +299,8 @@ pub async fn bench(args: Args) -> Result<(), String> {
                 },
             });
             let output = match mode {
-                Mode::Closed(c) => run_closed(&ctx, &spec, c, warmup, measure).await,
-                Mode::Open(rate) => run_open(&ctx, &spec, rate, warmup, measure).await,
+                Mode::Closed(c) => run_closed(run_ctx, &spec, c, warmup, measure).await,
+                Mode::Open(rate) => run_open(run_ctx, &spec, rate, warmup, measure).await,
             };
             let throughput = output.tally.completed as f64 / output.measured.as_secs_f64();
             let result = RunResult {
@@ -208,8 +310,8 @@ pub async fn bench(args: Args) -> Result<(), String> {
                 mode,
                 conversation,
                 throughput,
-                proxy_rss_kb: status_kb(proxy.pid, "VmRSS"),
-                proxy_hwm_kb: status_kb(proxy.pid, "VmHWM"),
+                proxy_rss_kb: status_kb(run_ctx.proxy_pid, "VmRSS"),
+                proxy_hwm_kb: status_kb(run_ctx.proxy_pid, "VmHWM"),
                 mock_rss_kb: status_kb(mock.pid, "VmRSS"),
                 output,
             };
@@ -239,6 +341,9 @@ pub async fn bench(args: Args) -> Result<(), String> {
             );
             results.push(result);
             proxy.check_alive()?;
+            if let Some(child) = &mut redis_proxy {
+                child.check_alive()?;
+            }
             mock.check_alive()?;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -249,6 +354,10 @@ pub async fn bench(args: Args) -> Result<(), String> {
     let store_bytes = dir_size(&data_dir);
 
     drop(ctx);
+    drop(redis_ctx);
+    let redis_proxy_exit = redis_proxy
+        .as_mut()
+        .map(|child| child.stop(Duration::from_secs(15)));
     let proxy_exit = proxy.stop(Duration::from_secs(15));
     let mock_exit = mock.stop(Duration::from_secs(5));
     let proxy_log = std::fs::read_to_string(&proxy.log).unwrap_or_default();
@@ -291,6 +400,9 @@ pub async fn bench(args: Args) -> Result<(), String> {
     println!("  mock idle RSS {} MiB", mib(mock_idle_kb));
     println!();
     println!("shutdown: memproxy {proxy_exit}; mock {mock_exit}");
+    if let Some(exit) = &redis_proxy_exit {
+        println!("shutdown: memproxy with Redis {exit}");
+    }
     report_log("memproxy", &proxy_log);
     report_log("mock", &mock_log);
     let total_errors: u64 = results.iter().map(|r| r.output.tally.errors).sum();
@@ -333,6 +445,9 @@ pub async fn bench(args: Args) -> Result<(), String> {
             "results": results.iter().map(|r| result_json(r, &results)).collect::<Vec<_>>(),
             "shutdown": {"memproxy": proxy_exit, "mock": mock_exit},
             "errors": total_errors,
+            "redis_memory": redis_memory.iter().map(|(c, n, b, a)| json!({
+                "conversation": c, "messages": n, "used_memory_before": b, "used_memory_after": a,
+            })).collect::<Vec<_>>(),
         });
         let text = serde_json::to_string_pretty(&value).map_err(|e| format!("json: {e}"))?;
         std::fs::write(path, text).map_err(|e| format!("writing {}: {e}", path.display()))?;
@@ -364,6 +479,7 @@ pub async fn new_conversations(ctx: &Arc<Ctx>, batch: &str, count: usize) -> u64
                         persist_false: false,
                         extra_headers: &[],
                         stream: false,
+                        spread: false,
                         expect_memory: Some("stored"),
                     };
                     let n = ctx.counter.fetch_add(1, Ordering::Relaxed);

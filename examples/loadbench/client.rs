@@ -36,6 +36,8 @@ pub struct Spec {
     /// Extra headers (diagnostic scenarios turn a memory stage off).
     pub extra_headers: &'static [(&'static str, &'static str)],
     pub stream: bool,
+    /// Each closed-loop task sends in a conversation of its own (`conversation` + `-N`).
+    pub spread: bool,
     /// The `X-Memory-Status` every answer must carry (`None`: no such header).
     pub expect_memory: Option<&'static str>,
 }

@@ -136,7 +136,16 @@ pub async fn run_closed(
         end: start + warmup + measure,
     };
     let tasks: Vec<_> = (0..concurrency)
-        .map(|_| tokio::spawn(closed_task(Arc::clone(ctx), Arc::clone(spec), window)))
+        .map(|i| {
+            let spec = match (&spec.conversation, spec.spread) {
+                (Some(conversation), true) => Arc::new(Spec {
+                    conversation: Some(format!("{conversation}-{i}")),
+                    ..Spec::clone(spec)
+                }),
+                _ => Arc::clone(spec),
+            };
+            tokio::spawn(closed_task(Arc::clone(ctx), spec, window))
+        })
         .collect();
     let cpu = cpu_over(ctx, window).await;
     let mut tally = Tally::new();

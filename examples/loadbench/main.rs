@@ -27,7 +27,13 @@
 //!   false` or `X-Memory-Compression-Enabled: false` (diagnostics: how much of the 10k cost is
 //!   recall, and the summary);
 //! - `stream-direct`, `stream-passthrough`, `stream-mem-1k`: `"stream": true`; the latency
-//!   columns are the time to the first body chunk; full-stream latency is printed separately.
+//!   columns are the time to the first body chunk; full-stream latency is printed separately;
+//! - `mem-spread-persist`: each closed-loop task stores in a conversation of its own (64
+//!   clients over 64 conversations at c64);
+//! - `redis-mem-1k`, `redis-mem-1k-persist`, `redis-mem-spread-persist`: the same against a
+//!   second memproxy with memory in Redis (a redis-server the benchmark starts; append-only,
+//!   fsync always), beside sled's rows in the same run, and Redis's `used_memory` per 1,000
+//!   stored messages.
 //!
 //! Modes (`--modes`, default `c1,c64,open`): closed loop with N concurrent tasks (`cN`), and an
 //! open loop at `--rate` requests/s (`open`) whose latency counts from each request's scheduled
@@ -59,6 +65,8 @@ mod load;
 mod machine;
 #[path = "../../tests/support/mock_upstream.rs"]
 mod mock_upstream;
+#[path = "../../tests/support/redis_server.rs"]
+mod redis_server;
 mod report;
 #[path = "../../tests/support/rng.rs"]
 mod rng;

@@ -17,6 +17,8 @@ pub const PREFILL_TIMEOUT: Duration = Duration::from_secs(300);
 pub enum Target {
     Mock,
     Proxy,
+    /// A memproxy with memory in Redis (a redis-server the benchmark starts).
+    RedisProxy,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +32,9 @@ pub struct Scenario {
     /// Extra headers: the diagnostic scenarios turn one memory stage off.
     pub headers: &'static [(&'static str, &'static str)],
     pub baseline: &'static str,
+    /// Each closed-loop task in a conversation of its own (64 clients over 64
+    /// conversations), stored; no pre-fill.
+    pub spread: bool,
 }
 
 pub const SCENARIOS: &[Scenario] = &[
@@ -41,6 +46,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "passthrough",
@@ -50,6 +56,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "mem-10",
@@ -59,6 +66,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "mem-10-persist",
@@ -68,6 +76,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "mem-1k",
@@ -77,6 +86,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "mem-1k-persist",
@@ -86,6 +96,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "mem-10k",
@@ -95,6 +106,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "mem-10k-persist",
@@ -104,6 +116,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "mem-10k-norecall",
@@ -113,6 +126,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[("x-memory-relevance-enabled", "false")],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "mem-10k-nocompress",
@@ -122,6 +136,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: false,
         headers: &[("x-memory-compression-enabled", "false")],
         baseline: "direct",
+        spread: false,
     },
     Scenario {
         name: "stream-direct",
@@ -131,6 +146,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: true,
         headers: &[],
         baseline: "stream-direct",
+        spread: false,
     },
     Scenario {
         name: "stream-passthrough",
@@ -140,6 +156,7 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: true,
         headers: &[],
         baseline: "stream-direct",
+        spread: false,
     },
     Scenario {
         name: "stream-mem-1k",
@@ -149,6 +166,47 @@ pub const SCENARIOS: &[Scenario] = &[
         stream: true,
         headers: &[],
         baseline: "stream-direct",
+        spread: false,
+    },
+    Scenario {
+        name: "mem-spread-persist",
+        target: Target::Proxy,
+        prefill: 0,
+        persist: true,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+        spread: true,
+    },
+    Scenario {
+        name: "redis-mem-1k",
+        target: Target::RedisProxy,
+        prefill: 1000,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+        spread: false,
+    },
+    Scenario {
+        name: "redis-mem-1k-persist",
+        target: Target::RedisProxy,
+        prefill: 1000,
+        persist: true,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+        spread: false,
+    },
+    Scenario {
+        name: "redis-mem-spread-persist",
+        target: Target::RedisProxy,
+        prefill: 0,
+        persist: true,
+        stream: false,
+        headers: &[],
+        baseline: "direct",
+        spread: true,
     },
 ];
 
@@ -179,6 +237,7 @@ pub async fn prefill(ctx: &Ctx, conversation: &str, messages: usize) -> Result<P
         persist_false: false,
         extra_headers: &[],
         stream: false,
+        spread: false,
         expect_memory: Some("stored"),
     };
     let request = chat_request(&spec, body)?;

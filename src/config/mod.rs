@@ -52,13 +52,17 @@ pub use server::{
     DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET,
     DEFAULT_RESPONSE_LIMIT_BYTES, DEFAULT_SHUTDOWN_GRACE, LogFormat,
 };
-pub use storage::{DEFAULT_DATA_DIR, DEFAULT_FLUSH_INTERVAL, Durability};
+pub use storage::{
+    Backend, DEFAULT_DATA_DIR, DEFAULT_FLUSH_INTERVAL, DEFAULT_REDIS_KEY_PREFIX, Durability,
+    RedisConfig,
+};
 pub use sweeper::{
     DEFAULT_SWEEP_INTERVAL, DEFAULT_SWEEP_MAX_DELETED, DEFAULT_SWEEP_MAX_SCANNED, SweeperConfig,
 };
 pub use upstream::{
+    AnthropicUpstream, DEFAULT_ANTHROPIC_UPSTREAM, DEFAULT_ANTHROPIC_VERSION,
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_UPSTREAM, DEFAULT_UPSTREAM_IDLE_TIMEOUT,
-    DEFAULT_UPSTREAM_READ_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, UpstreamConfig,
+    DEFAULT_UPSTREAM_READ_TIMEOUT, DEFAULT_UPSTREAM_TIMEOUT, KeyHeader, UpstreamConfig,
 };
 pub use values::Secret;
 
@@ -92,6 +96,8 @@ pub struct Config {
     /// Requests with a conversation id but no credential get the shared tenant `anonymous`
     /// (`auth.allow_anonymous`); otherwise they are refused with a 401.
     pub allow_anonymous: bool,
+    /// The storage engine: sled (default) or a shared Redis server.
+    pub backend: Backend,
     pub data_dir: PathBuf,
     pub durability: Durability,
     /// sled's page cache (`storage.cache_bytes`, or its share of the budget).
@@ -135,6 +141,8 @@ pub struct Overrides {
     pub listen: Option<String>,
     pub upstream: Option<String>,
     pub data_dir: Option<PathBuf>,
+    /// `--redis-url` / `MEMPROXY_REDIS_URL`: selects the Redis backend.
+    pub redis_url: Option<String>,
     pub log_format: Option<String>,
 }
 
@@ -189,7 +197,13 @@ fn check(
     let upstream =
         upstream::check_upstream(raw.upstream, overrides.upstream.clone(), env, &mut problems);
     let auth = auth::check_auth(raw.auth, env, &mut problems);
-    let storage = storage::check_storage(raw.storage, overrides.data_dir.clone(), &mut problems);
+    let storage = storage::check_storage(
+        raw.storage,
+        overrides.data_dir.clone(),
+        overrides.redis_url.clone(),
+        env,
+        &mut problems,
+    );
     let memory_budget = budget::check_budget(server.memory_budget, storage.caches, &mut problems);
     let log_format = server::check_log(raw.log, overrides.log_format.clone(), &mut problems);
     let profiles = agents::check_profiles(raw.memory, &raw.agents, &mut problems);
@@ -215,6 +229,7 @@ fn check(
         upstream,
         client_key_hashes: auth.client_key_hashes,
         allow_anonymous: auth.allow_anonymous,
+        backend: storage.backend,
         data_dir: storage.data_dir,
         durability: storage.durability,
         store_cache_bytes: memory_budget.store_cache,
@@ -388,6 +403,7 @@ mod tests {
             listen: Some("127.0.0.1:2".into()),
             upstream: Some("http://127.0.0.1:3/v1/".into()),
             data_dir: Some("/tmp/x".into()),
+            redis_url: None,
             log_format: Some("json".into()),
         };
         let config = load(&overrides, &no_env).unwrap();
@@ -398,6 +414,30 @@ mod tests {
         );
         assert_eq!(config.data_dir, PathBuf::from("/tmp/x"));
         assert_eq!(config.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn the_anthropic_upstream_is_checked() {
+        let err = from_toml(
+            "[upstream.anthropic]\nbase_url = \"ftp://x\"\nversion = \"\"\n",
+            &no_env,
+        )
+        .unwrap_err();
+        let all = err.problems.join("\n");
+        assert!(all.contains("upstream.anthropic.base_url"), "{all}");
+        assert!(all.contains("upstream.anthropic.version"), "{all}");
+        let err = from_toml("[upstream.anthropic]\nmodels = 1\n", &no_env).unwrap_err();
+        assert!(err.problems.join("\n").contains("models"));
+        let config = from_toml(
+            "[upstream.anthropic]\nbase_url = \"http://127.0.0.1:9/\"\napi_key_env = \"ANT\"\n",
+            &|name| (name == "ANT").then(|| "sk-ant".to_string()),
+        )
+        .unwrap();
+        let anthropic = config.upstream.anthropic_upstream();
+        assert_eq!(anthropic.base_url.to_string(), "http://127.0.0.1:9/v1");
+        assert_eq!(anthropic.api_key, Some(Secret("sk-ant".into())));
+        assert_eq!(anthropic.key_header, KeyHeader::XApiKey);
+        assert_eq!(anthropic.timeout, config.upstream.timeout);
     }
 
     #[test]
@@ -413,6 +453,14 @@ mod tests {
             split_memory_budget(DEFAULT_MEMORY_BUDGET)
         );
         assert!(text.contains("\nmemory_budget = \"192MiB\"\n"));
+        let anthropic = &config.upstream.anthropic;
+        assert_eq!(
+            anthropic.base_url.to_string(),
+            format!("{DEFAULT_ANTHROPIC_UPSTREAM}/v1")
+        );
+        assert_eq!(anthropic.version, DEFAULT_ANTHROPIC_VERSION);
+        assert_eq!(anthropic.model_prefixes, ["claude"]);
+        assert!(anthropic.api_key.is_none());
         for (name, _) in settings::SETTINGS {
             assert!(
                 text.contains(&format!("\n{name} = ")),

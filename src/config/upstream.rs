@@ -1,4 +1,5 @@
-//! `[upstream]`: where requests go, with which key, and how long memproxy waits.
+//! `[upstream]`: where requests go, with which key, and how long memproxy waits; and
+//! `[upstream.anthropic]`: where the Anthropic Messages API goes (same time limits).
 
 use std::time::Duration;
 
@@ -7,6 +8,9 @@ use serde::Deserialize;
 use super::values::{Secret, duration, nonzero_duration, secret_from_env};
 
 pub const DEFAULT_UPSTREAM: &str = "https://api.openai.com/v1";
+pub const DEFAULT_ANTHROPIC_UPSTREAM: &str = "https://api.anthropic.com";
+/// The `anthropic-version` memproxy's own calls to the Anthropic API send.
+pub const DEFAULT_ANTHROPIC_VERSION: &str = "2023-06-01";
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
 /// Time allowed for a JSON answer's body once its head arrived. Upstreams send a non-streaming
@@ -31,6 +35,55 @@ pub struct UpstreamConfig {
     pub read_timeout: Duration,
     /// The longest pause between two frames of any upstream body.
     pub idle_timeout: Duration,
+    /// The header memproxy's own key goes in.
+    pub key_header: KeyHeader,
+    /// `[upstream.anthropic]`.
+    pub anthropic: AnthropicUpstream,
+}
+
+/// How an upstream takes memproxy's own key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyHeader {
+    /// `Authorization: Bearer KEY` (OpenAI-compatible).
+    Bearer,
+    /// `x-api-key: KEY` (Anthropic).
+    XApiKey,
+}
+
+/// `[upstream.anthropic]`: the Anthropic Messages API's upstream.
+#[derive(Debug, Clone)]
+pub struct AnthropicUpstream {
+    /// The base URL as an Anthropic SDK takes it (no `/v1`), with `/v1` added: `/v1/messages`
+    /// maps onto it like every path onto `[upstream] base_url`.
+    pub base_url: http::Uri,
+    /// The key memproxy sends as `x-api-key` instead of the client's, when configured.
+    pub api_key: Option<Secret>,
+    /// `anthropic-version` of memproxy's own calls (summaries).
+    pub version: String,
+    /// Models whose names start with one of these are called on this upstream when memproxy
+    /// calls them itself (summaries).
+    pub model_prefixes: Vec<String>,
+}
+
+impl UpstreamConfig {
+    /// The config of the Anthropic upstream: its base URL and key, these time limits.
+    pub fn anthropic_upstream(&self) -> UpstreamConfig {
+        UpstreamConfig {
+            base_url: self.anthropic.base_url.clone(),
+            api_key: self.anthropic.api_key.clone(),
+            key_header: KeyHeader::XApiKey,
+            ..self.clone()
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAnthropic {
+    base_url: Option<String>,
+    api_key_env: Option<String>,
+    version: Option<String>,
+    model_prefixes: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -42,6 +95,7 @@ pub(super) struct RawUpstream {
     timeout: Option<String>,
     read_timeout: Option<String>,
     idle_timeout: Option<String>,
+    anthropic: Option<RawAnthropic>,
 }
 
 /// Checks `[upstream]`; `base_url` (from a flag or the environment) wins over the file, and
@@ -63,7 +117,10 @@ pub(super) fn check_upstream(
         .api_key_env
         .filter(|name| !name.is_empty())
         .and_then(|name| secret_from_env("upstream.api_key_env", &name, env, problems));
+    let anthropic = check_anthropic(raw.anthropic.unwrap_or_default(), env, problems);
     UpstreamConfig {
+        key_header: KeyHeader::Bearer,
+        anthropic,
         base_url,
         api_key,
         connect_timeout: duration(
@@ -90,6 +147,40 @@ pub(super) fn check_upstream(
             DEFAULT_UPSTREAM_IDLE_TIMEOUT,
             problems,
         ),
+    }
+}
+
+/// Checks `[upstream.anthropic]`.
+fn check_anthropic(
+    raw: RawAnthropic,
+    env: &dyn Fn(&str) -> Option<String>,
+    problems: &mut Vec<String>,
+) -> AnthropicUpstream {
+    let text = raw
+        .base_url
+        .unwrap_or_else(|| DEFAULT_ANTHROPIC_UPSTREAM.to_string());
+    let with_version = format!("{}/v1", text.trim_end_matches('/'));
+    let base_url = parse_base_url(&with_version).unwrap_or_else(|why| {
+        problems.push(format!("upstream.anthropic.base_url: `{text}` {why}"));
+        http::Uri::from_static("https://api.anthropic.com/v1")
+    });
+    let api_key = raw
+        .api_key_env
+        .filter(|name| !name.is_empty())
+        .and_then(|name| secret_from_env("upstream.anthropic.api_key_env", &name, env, problems));
+    let version = raw
+        .version
+        .unwrap_or_else(|| DEFAULT_ANTHROPIC_VERSION.to_string());
+    if version.is_empty() || !version.bytes().all(|b| b.is_ascii_graphic()) {
+        problems.push("upstream.anthropic.version: must be a non-empty header value".to_string());
+    }
+    AnthropicUpstream {
+        base_url,
+        api_key,
+        version,
+        model_prefixes: raw
+            .model_prefixes
+            .unwrap_or_else(|| vec!["claude".to_string()]),
     }
 }
 

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use serde_json::value::RawValue;
 
+use super::catch_up::reread;
 use super::reconcile::{Alignment, Mark, align};
 use super::window::trim_start;
 use crate::identity::ConversationKey;
@@ -154,7 +155,7 @@ impl Exchange {
                         continue;
                     }
                     Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
-                        store.reload(&mut conversation)?;
+                        reread(memory, &self.key, &mut conversation)?;
                         continue;
                     }
                     Err(err) => return Err(err),
@@ -217,7 +218,7 @@ impl Exchange {
                     break;
                 }
                 Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
-                    store.reload(&mut conversation)?;
+                    reread(memory, &self.key, &mut conversation)?;
                 }
                 Err(err) => return Err(err),
             }

@@ -9,12 +9,16 @@
 //!    conversation's lock);
 //! 4. [`commit`] — new messages and the reply, stored atomically and durably.
 //!
+//! [`catch_up`] brings a cached conversation to the stored version when other replicas share
+//! the store (before planning, and after a commit found it stale).
+//!
 //! Invariant: a memory failure never fails the chat request. Every function here returns a
 //! typed error; the edge decides what the client sees (the request goes upstream with its own
 //! messages and `X-Memory-Status: degraded`).
 
 pub mod assemble;
 pub mod budget;
+pub mod catch_up;
 pub mod commit;
 pub mod plan;
 pub mod recall;

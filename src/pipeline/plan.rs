@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::assemble::{Prompt, is_injected_echo, split_request};
 use super::budget::{self, Fitted};
+use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
 use super::recall::{RecalledTurn, elsewhere_turns, recalled_turns, render};
 use super::reconcile::{Alignment, Mark, align};
@@ -140,7 +141,10 @@ pub fn plan_for_user(
     let model_name = model.as_deref();
     let started = Instant::now();
     let handle = store.conversation(key)?;
-    let conversation = lock(&handle);
+    let mut conversation = lock(&handle);
+    // Another replica sharing the store may have written since this one cached it.
+    catch_up(memory, key, &mut conversation)?;
+    let conversation = conversation;
     let entries = &conversation.entries;
 
     // Messages memproxy itself injected, echoed back by a client, are neither stored nor sent

@@ -1,6 +1,8 @@
-//! A chat completion with memory on: admission against the memory budget, then a `before`
-//! step (collect the body, parse it, plan the prompt, start a due summary) and an `after` step
-//! (tee a stream, or read a JSON reply whole, then commit) around the one forward path.
+//! A request with memory on, in any of the three APIs (chat completions, Responses, Anthropic
+//! Messages; `wire/` reads and writes each): admission against the memory budget, then a
+//! `before` step (collect the body, parse it, plan the prompt, start a due summary) and an
+//! `after` step (tee a stream, or read a JSON reply whole, then commit) around the one forward
+//! path.
 //!
 //! Admission first: a request the memory guard does not admit (the process is at its
 //! high-water mark, or would be with this request) is forwarded untouched, its body streamed
@@ -16,10 +18,11 @@ use http_body::Body as _;
 use hyper::body::Incoming;
 
 use super::identify::{CREDENTIAL_HEADERS, UserId};
+use super::responses::Chain;
 use super::tee::{Pending, TeeBody};
 use super::{
-    DegradedReason, MemoryStatus, commit, headers_of, passthrough, set_degraded_reason,
-    set_memory_headers,
+    DegradedReason, MemoryStatus, commit, forward_bytes, forward_held, headers_of, passthrough,
+    set_degraded_reason, set_memory_headers,
 };
 use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
@@ -27,16 +30,15 @@ use crate::identity::ConversationKey;
 use crate::longterm::ExtractionCall;
 use crate::memory::Memory;
 use crate::memory_guard::{self, Pressure};
-use crate::message::ChatRequest;
 use crate::metrics::{Refusal, ReplyKind, Stage};
 use crate::model::Credentials;
 use crate::pipeline::plan::start_due;
 use crate::pipeline::plan::{self, Limits, Plan, PlanError, Timings};
-use crate::reply::reply_from_json;
+use crate::reply::reply_of;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::summary::DeferredSummary;
-use crate::upstream::Forward;
+use crate::wire::{Api, ApiRequest};
 
 /// What the `before` step made: the body to forward, and the plan (or why memory failed: the
 /// client's own body goes upstream).
@@ -47,38 +49,81 @@ struct Before {
     deferred: Option<DeferredSummary>,
 }
 
-/// Runs a chat completion with memory on, forwarded to the upstream's `api_path`; with
-/// memory off if the memory guard does not admit it.
+/// Runs a request of `api` with memory on, forwarded to the upstream's `api_path`; with
+/// memory off if the memory guard does not admit it. `key` is `None` only for a Responses
+/// request without a conversation id, whose `previous_response_id` may name one.
+#[allow(clippy::too_many_arguments)]
 pub async fn chat(
     state: &Arc<AppState>,
     memory: &Arc<Memory>,
     parts: Parts,
     body: Incoming,
-    key: ConversationKey,
+    key: Option<ConversationKey>,
     settings: MemorySettings,
+    api: Api,
     api_path: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     // A body announced past the size limit is refused (413) before anything is read.
     let announced = body.size_hint().exact();
     if announced.is_some_and(|len| len > state.config.body_limit_bytes as u64) {
-        return with_memory(state, memory, parts, body, key, settings, api_path).await;
+        return Err(ProxyError::PayloadTooLarge {
+            limit: state.config.body_limit_bytes,
+        });
     }
-    match state.memory_guard.admit(memory_guard::estimate(announced)) {
-        Ok(reservation) => {
-            let response = with_memory(state, memory, parts, body, key, settings, api_path).await?;
-            Ok(response.map(|body| boxed(OnDrop::new(body, move || drop(reservation)))))
+    let reservation = match state.memory_guard.admit(memory_guard::estimate(announced)) {
+        Ok(reservation) => reservation,
+        Err(pressure) => {
+            return degraded(state, parts, body, key.as_ref(), api_path, pressure).await;
         }
-        Err(pressure) => degraded(state, parts, body, &key, api_path, pressure).await,
-    }
+    };
+    let bytes = collect_body(state, body).await?;
+    let (key, settings) = match (api, key) {
+        (Api::Responses, key) => {
+            match super::responses::resolve(state, &parts.headers, &bytes, key, settings)? {
+                Chain::Memory(key, settings) => (key, settings),
+                Chain::Forward(reason) => {
+                    let response =
+                        super::responses::forward_as_sent(state, &parts, bytes, api_path, reason)
+                            .await?;
+                    return Ok(
+                        response.map(|body| boxed(OnDrop::new(body, move || drop(reservation))))
+                    );
+                }
+            }
+        }
+        (_, Some(key)) => (key, settings),
+        (_, None) => {
+            let forwarded = forward_bytes(state, &parts, bytes, api, api_path, false).await?;
+            return Ok(forwarded);
+        }
+    };
+    let response = with_memory(state, memory, parts, bytes, key, settings, api, api_path).await?;
+    Ok(response.map(|body| boxed(OnDrop::new(body, move || drop(reservation)))))
 }
 
-/// A chat request the memory guard did not admit: forwarded untouched, as pass-through is,
+/// Reads the client's body within `body_limit` and `body_read_timeout`.
+async fn collect_body(state: &AppState, body: Incoming) -> Result<Bytes, ProxyError> {
+    let config = &state.config;
+    collect_limited(body, config.body_limit_bytes, config.body_read_timeout)
+        .await
+        .map_err(|err| match err {
+            CollectError::TooLarge { limit } => ProxyError::PayloadTooLarge { limit },
+            CollectError::TimedOut { within } => ProxyError::RequestTimeout { within },
+            CollectError::Read(err) => ProxyError::InvalidRequest {
+                message: format!("the request body could not be read: {err}"),
+                param: None,
+                code: "invalid_body",
+            },
+        })
+}
+
+/// A request the memory guard did not admit: forwarded untouched, as pass-through is,
 /// with `X-Memory-Status: degraded`, and counted.
 async fn degraded(
     state: &AppState,
     parts: Parts,
     body: Incoming,
-    key: &ConversationKey,
+    key: Option<&ConversationKey>,
     api_path: &str,
     pressure: Pressure,
 ) -> Result<Response<ProxyBody>, ProxyError> {
@@ -88,44 +133,33 @@ async fn degraded(
         "memory budget: forwarding with memory off"
     );
     let mut response = passthrough(state, Request::from_parts(parts, body), api_path).await?;
-    set_memory_headers(
-        &mut response,
-        MemoryStatus::Degraded,
-        &key.conversation,
-        None,
-    );
-    set_degraded_reason(&mut response, DegradedReason::MemoryBudget);
+    if let Some(key) = key {
+        set_memory_headers(
+            &mut response,
+            MemoryStatus::Degraded,
+            &key.conversation,
+            None,
+        );
+        set_degraded_reason(&mut response, DegradedReason::MemoryBudget);
+    }
     Ok(response)
 }
 
-/// The chat completion with memory: before, forward, after.
+/// The request with memory: before, forward, after.
+#[allow(clippy::too_many_arguments)]
 async fn with_memory(
     state: &Arc<AppState>,
     memory: &Arc<Memory>,
     parts: Parts,
-    body: Incoming,
+    body: Bytes,
     key: ConversationKey,
     settings: MemorySettings,
+    api: Api,
     api_path: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let before = before(state, memory, &parts, body, &key, &settings).await?;
-    let forwarded = state
-        .upstream
-        .forward(Forward {
-            method: parts.method.clone(),
-            path: api_path,
-            query: parts.uri.query(),
-            headers: &parts.headers,
-            body_len: Some(before.body.len()),
-            body: full(before.body),
-            read_reply: true,
-            task: None,
-        })
-        .await?;
-    let (mut head, upstream_body) = forwarded.response.into_parts();
-    state
-        .metrics
-        .upstream(&mut head.extensions, forwarded.elapsed);
+    let before = before(state, memory, &parts, body, &key, &settings, api).await?;
+    let forwarded = forward_held(state, &parts, before.body, api, api_path, true).await?;
+    let (mut head, upstream_body) = forwarded.into_parts();
     head.headers.extend(before.headers);
     let conversation_id = key.conversation.as_str();
 
@@ -169,6 +203,7 @@ async fn with_memory(
         // The deferred summary rides with the stream: queued once it is committed or dropped.
         let tee = TeeBody::new(
             upstream_body,
+            api,
             pending,
             before.deferred,
             state.config.limits.max_sse_event_bytes,
@@ -182,16 +217,19 @@ async fn with_memory(
     // A JSON reply is complete only at its end: read it, store it, then answer.
     // Within `upstream.read_timeout`: a stalled answer is a 504 and stores nothing.
     let body = state
-        .upstream
+        .upstream_for(api)
         .read_answer(upstream_body, state.config.response_limit_bytes)
         .await?;
     let mut degraded = DegradedReason::CommitFailed;
     let (status, turns) = if !settings.persist {
         (MemoryStatus::NotStored, plan.stored_count)
     } else {
-        match reply_from_json(&body) {
+        match reply_of(api, &body) {
             None => {
-                tracing::warn!("upstream answer has no choices[0].message; nothing stored");
+                tracing::warn!(
+                    api = api.as_str(),
+                    "upstream answer has no reply to read; nothing stored"
+                );
                 (MemoryStatus::NotStored, plan.stored_count)
             }
             Some(reply) => match commit(state, plan.exchange, reply, ReplyKind::Json).await {
@@ -224,22 +262,11 @@ async fn before(
     state: &AppState,
     memory: &Arc<Memory>,
     parts: &Parts,
-    body: Incoming,
+    bytes: Bytes,
     key: &ConversationKey,
     settings: &MemorySettings,
+    api: Api,
 ) -> Result<Before, ProxyError> {
-    let config = &state.config;
-    let bytes = collect_limited(body, config.body_limit_bytes, config.body_read_timeout)
-        .await
-        .map_err(|err| match err {
-            CollectError::TooLarge { limit } => ProxyError::PayloadTooLarge { limit },
-            CollectError::TimedOut { within } => ProxyError::RequestTimeout { within },
-            CollectError::Read(err) => ProxyError::InvalidRequest {
-                message: format!("the request body could not be read: {err}"),
-                param: None,
-                code: "invalid_body",
-            },
-        })?;
     // Parsing and planning are CPU and store work, and planning waits for the conversation's
     // lock: both run on the blocking pool, never on a thread that serves other requests.
     let limits = limits(state);
@@ -247,7 +274,7 @@ async fn before(
     let user = parts.extensions.get::<UserId>().map(|user| user.0.clone());
     let client_body = bytes.clone();
     let planning = tokio::task::spawn_blocking(move || {
-        let mut request = ChatRequest::parse(&bytes)?;
+        let mut request = ApiRequest::parse(api, &bytes)?;
         let messages = std::mem::take(&mut request.messages);
         let model = request.model.clone();
         let planned = plan::plan_for_user(
@@ -294,7 +321,7 @@ async fn before(
             }
             record_plan(state, &plan);
             Ok(Before {
-                body: Bytes::from(request.body_with_messages(plan.prompt.messages())),
+                body: Bytes::from(request.render(plan.prompt.messages())),
                 headers: headers_of(&plan),
                 plan: Ok(plan),
                 deferred,

@@ -2,26 +2,33 @@
 //! and the `X-Memory-*` headers that say what happened.
 //!
 //! - [`identify`] — `X-Memory-*` headers and the path form → conversation key and settings;
-//! - [`chat`] — memory around the one forward path: a `before` step (collect the body, parse,
-//!   plan, start a due summary) and an `after` step (tee or collect the reply, commit);
+//! - [`chat`] — memory around the one forward path, for chat completions, the Responses API and
+//!   the Anthropic Messages API alike: a `before` step (collect the body, parse, plan, start a
+//!   due summary) and an `after` step (tee or collect the reply, commit);
+//! - [`responses`] — the Responses API's chaining (`previous_response_id` → conversation) and
+//!   `GET`/`DELETE /v1/responses/{id}`;
 //! - [`tee`] — an SSE body passed through frame by frame while the reply is read from it;
 //! - [`passthrough`] — everything else, forwarded untouched.
 
 pub mod chat;
 pub mod identify;
+pub mod responses;
 pub mod tee;
 
 use http::header::HeaderValue;
 use http::{HeaderMap, Request, Response};
 use hyper::body::Incoming;
 
-use crate::body::{IdleTimeout, ProxyBody, boxed};
+use crate::body::{IdleTimeout, ProxyBody, boxed, full};
 use crate::error::ProxyError;
 use crate::metrics::{ReplyKind, Stage};
 use crate::pipeline::plan::Plan;
 use crate::state::AppState;
 use crate::store::StoreError;
-use crate::upstream::Forward;
+use crate::upstream::{Forward, UpstreamBody};
+use crate::wire::Api;
+use bytes::Bytes;
+use http::request::Parts;
 
 pub const STATUS_HEADER: &str = "x-memory-status";
 pub const TURNS_HEADER: &str = "x-memory-turns";
@@ -117,7 +124,7 @@ pub async fn passthrough(
     let query = request.uri().query().map(str::to_string);
     let (parts, body) = request.into_parts();
     let forwarded = state
-        .upstream
+        .upstream_for_path(api_path, &parts.headers)
         .forward(Forward {
             method: parts.method,
             path: api_path,
@@ -136,6 +143,48 @@ pub async fn passthrough(
     Ok(Response::from_parts(head, boxed(body)))
 }
 
+/// Forwards a body memproxy holds, as it is (`read_reply`: memproxy will read the answer).
+pub async fn forward_bytes(
+    state: &AppState,
+    parts: &Parts,
+    body: Bytes,
+    api: Api,
+    api_path: &str,
+    read_reply: bool,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let response = forward_held(state, parts, body, api, api_path, read_reply).await?;
+    Ok(response.map(boxed))
+}
+
+/// [`forward_bytes`], the answer's body left as the upstream's.
+pub async fn forward_held(
+    state: &AppState,
+    parts: &Parts,
+    body: Bytes,
+    api: Api,
+    api_path: &str,
+    read_reply: bool,
+) -> Result<Response<UpstreamBody>, ProxyError> {
+    let forwarded = state
+        .upstream_for(api)
+        .forward(Forward {
+            method: parts.method.clone(),
+            path: api_path,
+            query: parts.uri.query(),
+            headers: &parts.headers,
+            body_len: Some(body.len()),
+            body: full(body),
+            read_reply,
+            task: None,
+        })
+        .await?;
+    let (mut head, body) = forwarded.response.into_parts();
+    state
+        .metrics
+        .upstream(&mut head.extensions, forwarded.elapsed);
+    Ok(Response::from_parts(head, body))
+}
+
 /// The `after` step's store: commits the exchange and records its time. A failure is logged
 /// here and becomes `X-Memory-Status: degraded` with the returned reason.
 pub async fn commit(
@@ -148,8 +197,13 @@ pub async fn commit(
         return Err(DegradedReason::StoreUnavailable);
     };
     let started = std::time::Instant::now();
+    // A Responses answer's id finds its conversation later (`previous_response_id`).
+    let answered = crate::wire::response_id_of(&reply).map(|id| (id, exchange.key.clone()));
     match exchange.commit(std::sync::Arc::clone(memory), reply).await {
         Ok(count) => {
+            if let Some((id, key)) = answered {
+                state.response_ids.insert(id, key);
+            }
             state
                 .metrics
                 .observe_stage(Stage::Commit, started.elapsed());

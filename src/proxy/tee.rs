@@ -20,10 +20,11 @@ use tracing::Instrument;
 use crate::body::BoxError;
 use crate::metrics::ReplyKind;
 use crate::pipeline::commit::Exchange;
-use crate::reply::StreamReply;
+use crate::reply::ReplyReader;
 use crate::sse::SseParser;
 use crate::state::AppState;
 use crate::summary::DeferredSummary;
+use crate::wire::Api;
 
 type CommitFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
@@ -39,7 +40,7 @@ pin_project! {
         #[pin]
         inner: B,
         parser: SseParser,
-        reply: StreamReply,
+        reply: ReplyReader,
         // What to commit when the stream completes; `None` when nothing is to be stored.
         pending: Option<Pending>,
         // A due summary, queued once the stream is committed, or when the body is dropped.
@@ -56,6 +57,7 @@ impl<B> TeeBody<B> {
     /// the client whole, and nothing is stored.
     pub fn new(
         inner: B,
+        api: Api,
         pending: Option<Pending>,
         deferred: Option<DeferredSummary>,
         max_event_bytes: usize,
@@ -64,7 +66,7 @@ impl<B> TeeBody<B> {
         TeeBody {
             inner,
             parser: SseParser::with_limit(max_event_bytes),
-            reply: StreamReply::with_limit(max_reply_bytes),
+            reply: ReplyReader::new(api, max_reply_bytes),
             pending,
             deferred,
             committing: None,

@@ -30,6 +30,9 @@ pub struct ConversationIndex {
     latin: Option<Lang>,
     /// The conversation's `next_turn` the index reflects.
     synced_next_turn: u64,
+    /// The conversation's id (a conversation deleted and started again can reach the same
+    /// `next_turn`).
+    conversation_id: Option<u64>,
     index: Index,
 }
 
@@ -103,7 +106,9 @@ impl Recall {
             Some(handle)
                 if {
                     let index = lock(&handle);
-                    index.synced_next_turn == meta.next_turn && index.setting == language
+                    index.synced_next_turn == meta.next_turn
+                        && index.conversation_id == Some(meta.id)
+                        && index.setting == language
                 } =>
             {
                 handle
@@ -239,6 +244,7 @@ fn build(
         setting,
         latin,
         synced_next_turn: conversation.meta.as_ref().map_or(1, |m| m.next_turn),
+        conversation_id: conversation.meta.as_ref().map(|m| m.id),
         index,
     })
 }

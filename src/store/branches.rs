@@ -37,9 +37,9 @@ impl Store {
     ) -> Result<Vec<StoredBranch>, StoreError> {
         let mut branches = self.engine.branches(key, id)?;
         for branch in &mut branches {
-            self.open_messages(id, &mut branch.messages)?;
+            self.open_messages(key, id, &mut branch.messages)?;
             for (_, record) in &mut branch.summaries {
-                *record = self.open_summary(id, std::mem::take(record))?;
+                *record = self.open_summary(key, id, std::mem::take(record))?;
             }
         }
         Ok(branches)
@@ -69,7 +69,7 @@ impl Store {
         if conversation.meta.is_some() {
             // Read opened, kept as stored (sealed): the branch takes the bytes as they are.
             for (number, bytes) in self.engine.summaries(&conversation.key, meta.id)? {
-                let plain = self.open_summary(meta.id, bytes.clone())?;
+                let plain = self.open_summary(&conversation.key, meta.id, bytes.clone())?;
                 let record: SummaryRecord = serde_json::from_slice(&plain)
                     .map_err(|err| StoreError::Corrupt(format!("summary {number}: {err}")))?;
                 if closed_by_branch(&record, from_turn) {

@@ -189,9 +189,10 @@ pub fn reads_are_ordered(engine: &dyn Engine) {
     assert_eq!(engine.range(&k, id, 0, u64::MAX).unwrap().len(), 6);
     assert!(engine.range(&k, id, 5, 4).unwrap().is_empty());
     // Another conversation's id reads nothing of this one.
-    let (other, _) = create(engine, &key("t", "a", "d"), 1);
+    let d = key("t", "a", "d");
+    let (other, _) = create(engine, &d, 1);
     assert_eq!(
-        texts(&engine.range(&k, other, 0, u64::MAX).unwrap()),
+        texts(&engine.range(&d, other, 0, u64::MAX).unwrap()),
         ["m1"]
     );
 }
@@ -750,7 +751,14 @@ macro_rules! contract_tests {
                 a_branch_closes_with_its_write,
                 a_delete_leaves_no_branch,
                 flush_and_readiness,
-                a_reopen_keeps_what_was_flushed,
+                a_reopen_keeps_what_was_flushed
+            );
+        }
+    };
+    // Owners' records (long-term memory): for the engines that keep them.
+    (owners: $engine:ident, $make:expr) => {
+        mod $engine {
+            contract_tests!(@each $make;
                 owners_are_created_once_and_fence_their_writes,
                 owner_records_page_in_id_order,
                 an_owner_delete_leaves_nothing
@@ -776,3 +784,30 @@ fn sled() -> (Box<dyn Engine>, tempfile::TempDir) {
 }
 
 contract_tests!(sled_engine, super::sled);
+contract_tests!(owners: sled_engine_owners, super::sled);
+
+#[path = "../../tests/support/redis_server.rs"]
+pub(crate) mod redis_server;
+
+/// A Redis engine on a redis-server of its own (killed with the guard).
+pub(crate) fn redis() -> (Box<dyn Engine>, redis_server::RedisServer) {
+    let server = redis_server::RedisServer::start();
+    let engine = super::RedisEngine::open(&redis_options(&server.url())).unwrap();
+    (Box::new(engine), server)
+}
+
+/// How the tests connect to a test server.
+pub(crate) fn redis_options(url: &str) -> super::RedisOptions {
+    super::RedisOptions {
+        url: url.to_string(),
+        password: None,
+        key_prefix: "mp:".to_string(),
+        pool_size: 4,
+        connect_timeout: std::time::Duration::from_secs(2),
+        command_timeout: std::time::Duration::from_secs(5),
+        wait_replicas: 0,
+        wait_timeout: std::time::Duration::from_secs(1),
+    }
+}
+
+contract_tests!(redis_engine, super::redis);

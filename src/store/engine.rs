@@ -136,6 +136,22 @@ impl Scope<'_> {
     }
 }
 
+/// What [`Engine::refresh`] found of a cached conversation.
+#[derive(Debug)]
+pub enum Refresh {
+    /// The stored version is the one known.
+    Unchanged,
+    /// Messages were only added since: the new record and version, and the added messages in
+    /// turn order.
+    Appended {
+        meta: ConversationMeta,
+        version: Version,
+        added: Vec<StoredMessage>,
+    },
+    /// Anything else (messages removed, deleted, started afresh): load it again.
+    Changed,
+}
+
 /// A page of a bounded walk, and the cursor to go on from (`None`: the walk is over).
 pub type Page<T> = (Vec<T>, Option<Vec<u8>>);
 
@@ -143,6 +159,66 @@ pub type Page<T> = (Vec<T>, Option<Vec<u8>>);
 pub trait Engine: Send + Sync + 'static {
     /// The engine's name, for logs and `/readyz`.
     fn name(&self) -> &'static str;
+
+    /// True when other processes write to this engine too (Redis): a cached conversation is
+    /// then checked against it on every request ([`Engine::refresh`]), the conversations'
+    /// keys are kept in it, and a summary is made under a lease.
+    fn shared(&self) -> bool {
+        false
+    }
+
+    /// Compares a cached conversation (its version, record and message count) with the
+    /// stored one in one round trip, and reads only what was added since. An engine no other
+    /// process writes to answers [`Refresh::Unchanged`] without looking.
+    fn refresh(
+        &self,
+        _key: &ConversationKey,
+        _known: &Version,
+        _known_meta: Option<&ConversationMeta>,
+        _known_count: usize,
+    ) -> Result<Refresh, StoreError> {
+        Ok(Refresh::Unchanged)
+    }
+
+    /// The key of conversation `id` kept in the engine (shared engines only; the others keep
+    /// keys in files, `keys.rs`).
+    fn key_bytes(&self, _key: &ConversationKey, _id: u64) -> Result<Option<Vec<u8>>, StoreError> {
+        Err(StoreError::Engine("this engine keeps no keys".into()))
+    }
+
+    /// Stores `bytes` as the key of conversation `id` unless it has one; returns the one it
+    /// has then (shared engines only).
+    fn create_key(
+        &self,
+        _key: &ConversationKey,
+        _id: u64,
+        _bytes: &[u8],
+    ) -> Result<Vec<u8>, StoreError> {
+        Err(StoreError::Engine("this engine keeps no keys".into()))
+    }
+
+    /// Removes the key of conversation `id` (shared engines only).
+    fn remove_key(&self, _key: &ConversationKey, _id: u64) -> Result<(), StoreError> {
+        Err(StoreError::Engine("this engine keeps no keys".into()))
+    }
+
+    /// Takes the summary lease of conversation `id` for `holder` for `ttl` (free, expired,
+    /// or already this holder's); false when another holds it or the conversation is not that
+    /// id. An engine no other process writes to always grants it.
+    fn take_lease(
+        &self,
+        _key: &ConversationKey,
+        _id: u64,
+        _holder: &str,
+        _ttl: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+
+    /// Gives the lease back if `holder` has it.
+    fn release_lease(&self, _key: &ConversationKey, _holder: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
 
     /// A conversation as stored (an empty [`Loaded`] when it is not).
     fn load(&self, key: &ConversationKey) -> Result<Loaded, StoreError>;

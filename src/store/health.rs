@@ -121,6 +121,13 @@ impl Store {
             ));
         }
         if !self.engine.is_ready() {
+            if self.engine.shared() {
+                // Noticed here first: memory goes off (and is retried) as after a failed
+                // request, so the next requests do not each wait for a timeout.
+                self.health.failed(&StoreError::Unreachable(
+                    "the store does not answer".to_string(),
+                ));
+            }
             return Some("the store does not answer reads".to_string());
         }
         match self.damaged_conversations() {
@@ -151,7 +158,17 @@ impl Store {
     /// The check at open (see the module documentation). Fails when a conversation record
     /// cannot be read.
     pub(super) fn check_on_open(&self) -> Result<(), StoreError> {
-        let files = self.keys.inventory()?;
+        let Some(key_files) = self.keys.files() else {
+            // A shared engine (Redis) keeps the keys itself and its conversations are other
+            // replicas' too: nothing to walk. One that cannot be reached now leaves the store
+            // open with memory off, retried like a failed write, so memory comes back on its
+            // own once it answers.
+            if let Err(err) = self.engine.reopen() {
+                self.health.failed(&err);
+            }
+            return Ok(());
+        };
+        let files = key_files.inventory()?;
         let well_formed: HashSet<u64> = files.iter().filter(|f| f.1).map(|f| f.0).collect();
         let mut live = HashSet::new();
         let mut damaged = BTreeSet::new();
@@ -186,7 +203,7 @@ impl Store {
         *lock(&self.health.damaged) = damaged;
         let mut removed = 0;
         for (id, _) in files.into_iter().filter(|f| !live.contains(&f.0)) {
-            self.keys.remove(id)?;
+            key_files.remove(id)?;
             removed += 1;
         }
         if removed > 0 {

@@ -1,5 +1,15 @@
-//! Conversation keys: one random 256-bit AES-GCM key per conversation id, each in its own file
-//! `{data_dir}/keys/{id as 16 hex digits}.key` (32 bytes, mode 0600), outside the engine.
+//! Conversation keys: one random 256-bit AES-GCM key per conversation id. Beside an embedded
+//! engine (sled) each is in its own file `{data_dir}/keys/{id as 16 hex digits}.key` (32 bytes,
+//! mode 0600), outside the engine ([`KeyFiles`]); with a shared engine (Redis) every replica
+//! must read the same key, so it is kept in the engine, under the conversation's hash tag, and
+//! removed by the conversation's delete in the same step ([`Keys::Engine`]).
+//!
+//! What erasure means with Redis: once the delete ran, no Redis key holds the conversation's
+//! key and no replica can open its sealed values again. Copies the Redis server itself made
+//! before the delete (an RDB snapshot, an append-only file not yet rewritten, a replica's
+//! backlog) still hold the key *and* the ciphertext until they are rewritten: the server's
+//! persistence decides that (`BGREWRITEAOF` and a fresh snapshot after deletes that must be
+//! final).
 //!
 //! Why files and not the engine: sled is log-structured, so a value it removes stays in its
 //! file until the segment is reused; a key kept there would outlive its delete exactly as the
@@ -24,6 +34,8 @@ use ring::aead::{AES_256_GCM, LessSafeKey, UnboundKey};
 use ring::rand::{SecureRandom, SystemRandom};
 
 use super::StoreError;
+use super::engine::Engine;
+use crate::identity::ConversationKey;
 
 /// A conversation's key, ready to seal and open.
 pub type Key = Arc<LessSafeKey>;
@@ -225,6 +237,128 @@ impl KeyFiles {
             }
         }
         Ok(ids)
+    }
+}
+
+/// Where the conversations' keys are kept (see the module documentation).
+pub enum Keys {
+    /// Files beside an embedded engine.
+    Files(KeyFiles),
+    /// In the shared engine itself.
+    Engine(EngineKeys),
+}
+
+impl std::fmt::Debug for Keys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Keys::Files(files) => files.fmt(f),
+            Keys::Engine(_) => f.write_str("Keys::Engine"),
+        }
+    }
+}
+
+/// Keys kept in a shared engine, and a cache of those in use. Ids are never reused, so a
+/// cached key never goes stale; a key deleted by another replica only opens values that are
+/// gone with it.
+pub struct EngineKeys {
+    engine: Arc<dyn Engine>,
+    cache: moka::sync::Cache<u64, Key>,
+    random: SystemRandom,
+}
+
+impl EngineKeys {
+    pub fn new(engine: Arc<dyn Engine>) -> EngineKeys {
+        EngineKeys {
+            engine,
+            cache: moka::sync::Cache::new(CACHED_KEYS),
+            random: SystemRandom::new(),
+        }
+    }
+
+    fn checked(bytes: &[u8]) -> Result<Key, StoreError> {
+        if bytes.len() != KEY_LEN {
+            return Err(StoreError::Corrupt(
+                "a conversation key kept in the store is malformed".into(),
+            ));
+        }
+        key_of(bytes)
+    }
+
+    fn get(&self, conversation: &ConversationKey, id: u64) -> Result<Option<Key>, StoreError> {
+        if let Some(key) = self.cache.get(&id) {
+            return Ok(Some(key));
+        }
+        let Some(bytes) = self.engine.key_bytes(conversation, id)? else {
+            return Ok(None);
+        };
+        let key = Self::checked(&bytes)?;
+        self.cache.insert(id, Arc::clone(&key));
+        Ok(Some(key))
+    }
+
+    fn get_or_create(
+        &self,
+        conversation: &ConversationKey,
+        id: u64,
+    ) -> Result<(Key, bool), StoreError> {
+        if let Some(key) = self.get(conversation, id)? {
+            return Ok((key, false));
+        }
+        let mut bytes = [0u8; KEY_LEN];
+        self.random
+            .fill(&mut bytes)
+            .map_err(|_| StoreError::Crypto("no random bytes for a key"))?;
+        // Two replicas creating at once: the first stored wins, and both use it.
+        let stored = self.engine.create_key(conversation, id, &bytes);
+        let created = stored.as_ref().is_ok_and(|s| s.as_slice() == bytes);
+        bytes.fill(0);
+        let key = Self::checked(&stored?)?;
+        self.cache.insert(id, Arc::clone(&key));
+        Ok((key, created))
+    }
+
+    fn remove(&self, conversation: &ConversationKey, id: u64) -> Result<(), StoreError> {
+        self.cache.invalidate(&id);
+        self.engine.remove_key(conversation, id)
+    }
+}
+
+impl Keys {
+    /// The key of conversation `id` to open what was sealed with it; `None` when it has none.
+    pub fn get(&self, conversation: &ConversationKey, id: u64) -> Result<Option<Key>, StoreError> {
+        match self {
+            Keys::Files(files) => files.get(id),
+            Keys::Engine(keys) => keys.get(conversation, id),
+        }
+    }
+
+    /// The key of conversation `id` to seal with, created (durably) if it has none; true
+    /// when this call created it.
+    pub fn get_or_create(
+        &self,
+        conversation: &ConversationKey,
+        id: u64,
+    ) -> Result<(Key, bool), StoreError> {
+        match self {
+            Keys::Files(files) => files.get_or_create(id),
+            Keys::Engine(keys) => keys.get_or_create(conversation, id),
+        }
+    }
+
+    /// Removes the key of conversation `id`; a key already gone is fine.
+    pub fn remove(&self, conversation: &ConversationKey, id: u64) -> Result<(), StoreError> {
+        match self {
+            Keys::Files(files) => files.remove(id),
+            Keys::Engine(keys) => keys.remove(conversation, id),
+        }
+    }
+
+    /// The key files (none when keys are kept in the engine).
+    pub fn files(&self) -> Option<&KeyFiles> {
+        match self {
+            Keys::Files(files) => Some(files),
+            Keys::Engine(_) => None,
+        }
     }
 }
 

@@ -30,7 +30,7 @@ impl Store {
         meta: &ConversationMeta,
     ) -> Result<Vec<StoredMessage>, StoreError> {
         let mut messages = self.engine.range(key, meta.id, 0, u64::MAX)?;
-        self.open_messages(meta.id, &mut messages)?;
+        self.open_messages(key, meta.id, &mut messages)?;
         Ok(messages)
     }
 
@@ -46,7 +46,7 @@ impl Store {
         let mut messages = self
             .engine
             .range(&conversation.key, meta.id, from, u64::MAX)?;
-        self.open_messages(meta.id, &mut messages)?;
+        self.open_messages(&conversation.key, meta.id, &mut messages)?;
         Ok(messages)
     }
 
@@ -140,7 +140,7 @@ impl Store {
         self.for_each_conversation(|key, meta| {
             // A value that cannot be opened (its key is gone) is no readable trace; one stored
             // in plaintext was looked at above.
-            let secret = self.keys.get(meta.id)?;
+            let secret = self.keys.get(key, meta.id)?;
             let secret = secret.as_deref();
             seen =
                 self.engine

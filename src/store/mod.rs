@@ -32,6 +32,7 @@ mod keys;
 mod listing;
 mod owners;
 mod records;
+mod redis_engine;
 pub mod salvage;
 mod seal;
 mod sled_engine;
@@ -51,7 +52,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 pub use branches::closed_by_branch;
-pub use engine::{Engine, Loaded, Page, Scope, Version, Write};
+pub use engine::{Engine, Loaded, Page, Refresh, Scope, Version, Write};
 pub use flush::FlushError;
 pub use health::RETRY_AFTER;
 pub use owners::OwnerHandle;
@@ -60,13 +61,14 @@ pub use records::{
     MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord, StoredBranch,
     StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between, transcript_line,
 };
+pub use redis_engine::{RedisEngine, RedisOptions};
 pub use sled_engine::SledEngine;
 pub use transfer::already_stored;
 
 use crate::heap;
 use crate::identity::ConversationKey;
 use flush::GroupFlusher;
-use keys::KeyFiles;
+use keys::{EngineKeys, KeyFiles, Keys};
 
 /// When a commit is durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +126,21 @@ impl Conversation {
     }
 }
 
+/// What [`Store::refresh`] did to a cached conversation.
+#[derive(Debug)]
+pub enum Refreshed {
+    /// It was the stored version.
+    Unchanged,
+    /// Messages another replica stored were appended (bodies opened); `before` was its
+    /// `next_turn` until then.
+    Appended {
+        before: Option<u64>,
+        added: Vec<StoredMessage>,
+    },
+    /// It was read again whole.
+    Reloaded,
+}
+
 /// A change to one conversation, applied atomically by [`Store::commit`].
 #[derive(Debug, Default)]
 pub struct Change {
@@ -162,6 +179,9 @@ pub enum StoreError {
     /// The engine found its files damaged.
     #[error("the store's files are damaged: {0}")]
     Damaged(String),
+    /// A shared engine (Redis) cannot be reached: refused, timed out, the connection lost.
+    #[error("the store cannot be reached: {0}")]
+    Unreachable(String),
     /// The engine is closed: reopening it after a failure did not succeed (yet).
     #[error("the store is closed after a failure to write")]
     Closed,
@@ -181,7 +201,10 @@ impl StoreError {
             )
         };
         match self {
-            StoreError::Disk(_) | StoreError::Closed | StoreError::Unwritable(_) => true,
+            StoreError::Disk(_)
+            | StoreError::Closed
+            | StoreError::Unwritable(_)
+            | StoreError::Unreachable(_) => true,
             StoreError::Flush(err) => err.disk,
             StoreError::KeyFile(err) | StoreError::File(err) => disk_full(err),
             _ => false,
@@ -195,8 +218,8 @@ pub type Handle = Arc<Mutex<Conversation>>;
 pub struct Store {
     engine: Arc<dyn Engine>,
     data_dir: PathBuf,
-    /// The conversations' keys (`{data_dir}/keys/`).
-    keys: KeyFiles,
+    /// The conversations' keys (`{data_dir}/keys/`, or in a shared engine).
+    keys: Keys,
     cache: moka::sync::Cache<ConversationKey, Handle>,
     flusher: Option<Arc<GroupFlusher>>,
     background: Mutex<Vec<JoinHandle<()>>>,
@@ -235,6 +258,18 @@ impl Store {
         Store::with_engine(Arc::new(engine), dir, options)
     }
 
+    /// The store over a Redis server shared with other replicas (`redis_engine.rs`). Opens
+    /// even when Redis is down: memory is then off until it answers (`health.rs`). Must be
+    /// called inside a tokio runtime.
+    pub fn open_redis(
+        redis: &RedisOptions,
+        data_dir: &Path,
+        options: StoreOptions,
+    ) -> Result<Store, StoreError> {
+        let engine = RedisEngine::open(redis)?;
+        Store::with_engine(Arc::new(engine), data_dir, options)
+    }
+
     /// A store over `engine`, with workspace folders and conversation keys under `data_dir`.
     /// Every conversation record is read here once, before any write (`health.rs`): a record
     /// that cannot be read fails the open; keys of conversations the engine no longer holds
@@ -244,15 +279,20 @@ impl Store {
         data_dir: &Path,
         options: StoreOptions,
     ) -> Result<Store, StoreError> {
-        let keys = KeyFiles::open(data_dir.join("keys"))?;
+        let keys = if engine.shared() {
+            Keys::Engine(EngineKeys::new(Arc::clone(&engine)))
+        } else {
+            Keys::Files(KeyFiles::open(data_dir.join("keys"))?)
+        };
         let mut background = Vec::new();
         let flusher = match options.durability {
-            Durability::Commit => {
+            // A shared engine's writes are durable when acknowledged: nothing to group.
+            Durability::Commit if !engine.shared() => {
                 let (flusher, task) = GroupFlusher::start(Arc::clone(&engine));
                 background.push(task);
                 Some(flusher)
             }
-            Durability::Interval(_) => None,
+            Durability::Commit | Durability::Interval(_) => None,
         };
         let cache = moka::sync::Cache::builder()
             .max_capacity(options.state_cache_bytes)
@@ -300,10 +340,56 @@ impl Store {
     }
 
     fn load(&self, key: &ConversationKey) -> Result<Conversation, StoreError> {
-        Ok(Conversation::from_loaded(
-            key.clone(),
-            self.engine.load(key)?,
-        ))
+        let loaded = self.unreachable_is_down(self.engine.load(key))?;
+        Ok(Conversation::from_loaded(key.clone(), loaded))
+    }
+
+    /// Passes `result` on; a shared engine that cannot be reached turns memory off (and is
+    /// retried) like a failed write, so later requests do not each wait for it to time out.
+    fn unreachable_is_down<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        match result {
+            Err(err @ StoreError::Unreachable(_)) => self.watch(Err(err)),
+            other => other,
+        }
+    }
+
+    /// Brings a cached conversation (locked by the caller) up to the stored version: with a
+    /// shared engine another replica may have written since. One round trip when nothing
+    /// changed; messages only added are read alone and appended; anything else reloads it
+    /// whole. With an engine no other process writes to, nothing to do.
+    pub fn refresh(&self, conversation: &mut Conversation) -> Result<Refreshed, StoreError> {
+        if !self.engine.shared() {
+            return Ok(Refreshed::Unchanged);
+        }
+        let found = self.unreachable_is_down(self.engine.refresh(
+            &conversation.key,
+            &conversation.version,
+            conversation.meta.as_ref(),
+            conversation.entries.len(),
+        ))?;
+        match found {
+            Refresh::Unchanged => Ok(Refreshed::Unchanged),
+            Refresh::Changed => {
+                self.reload(conversation)?;
+                Ok(Refreshed::Reloaded)
+            }
+            Refresh::Appended {
+                meta,
+                version,
+                mut added,
+            } => {
+                let before = conversation.meta.as_ref().map(|m| m.next_turn);
+                for message in &added {
+                    let cum = conversation.entries.last().map_or(0, |e| e.cum_tokens);
+                    conversation.entries.push(Entry::new(message, cum));
+                }
+                let id = meta.id;
+                conversation.meta = Some(meta);
+                conversation.version = version;
+                self.open_messages(&conversation.key, id, &mut added)?;
+                Ok(Refreshed::Appended { before, added })
+            }
+        }
     }
 
     /// Re-reads a conversation whose commit found it stale.
@@ -324,7 +410,7 @@ impl Store {
         };
         let turns: Vec<u64> = turns.into_iter().collect();
         let mut messages = self.engine.messages(&conversation.key, meta.id, &turns)?;
-        self.open_messages(meta.id, &mut messages)?;
+        self.open_messages(&conversation.key, meta.id, &mut messages)?;
         Ok(messages)
     }
 
@@ -396,7 +482,7 @@ impl Store {
 
         let mut created_key = false;
         if !change.add.is_empty() {
-            let (key, created) = self.sealing_key(meta.id)?;
+            let (key, created) = self.sealing_key(&conversation.key, meta.id)?;
             created_key = created;
             seal::seal_messages(&key, &mut change.add)?;
         }
@@ -451,6 +537,32 @@ impl Store {
             }
             None => Ok(()),
         }
+    }
+
+    /// True when other replicas share this store (Redis).
+    pub fn shared(&self) -> bool {
+        self.engine.shared()
+    }
+
+    /// Takes the summary lease of conversation `id` for `holder` (always granted when the
+    /// store is this process's alone); see [`Engine::take_lease`].
+    pub fn take_summary_lease(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.unreachable_is_down(self.engine.take_lease(key, id, holder, ttl))
+    }
+
+    /// Gives a summary lease back.
+    pub fn release_summary_lease(
+        &self,
+        key: &ConversationKey,
+        holder: &str,
+    ) -> Result<(), StoreError> {
+        self.engine.release_lease(key, holder)
     }
 
     /// True when the store answers a read.

@@ -43,7 +43,7 @@ impl Store {
             Some(meta) => meta,
             None if create => {
                 let id = self.engine.new_id()?;
-                self.keys.get_or_create(id)?;
+                self.keys.get_or_create(&key_ref(owner), id)?;
                 let stored = self.watch(self.engine.create_owner(
                     owner,
                     OwnerMeta {
@@ -53,7 +53,7 @@ impl Store {
                 ))?;
                 if stored.id != id {
                     // Another writer created it first: this key sealed nothing.
-                    self.keys.remove(id)?;
+                    self.keys.remove(&key_ref(owner), id)?;
                 }
                 stored
             }
@@ -61,7 +61,7 @@ impl Store {
         };
         let key = self
             .keys
-            .get(meta.id)?
+            .get(&key_ref(owner), meta.id)?
             .ok_or(StoreError::KeyMissing(meta.id))?;
         Ok(Some(OwnerHandle {
             owner: owner.clone(),
@@ -144,7 +144,7 @@ impl Store {
             return Ok(false);
         };
         self.watch(self.engine.flush())?;
-        self.keys.remove(id)?;
+        self.keys.remove(&key_ref(owner), id)?;
         Ok(true)
     }
 
@@ -155,6 +155,17 @@ impl Store {
         limit: usize,
     ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
         self.engine.owners(after, limit)
+    }
+}
+
+/// The conversation key an owner's key is filed under: key files go by id alone; an engine
+/// that keeps keys itself places them by this key (the owner's tenant, a reserved agent name
+/// no request can use, since ids never hold `/`).
+fn key_ref(owner: &OwnerKey) -> crate::identity::ConversationKey {
+    crate::identity::ConversationKey {
+        tenant: owner.tenant.clone(),
+        agent: "memproxy/owner".to_string(),
+        conversation: String::from_utf8_lossy(&owner.to_bytes()).replace('\0', "/"),
     }
 }
 

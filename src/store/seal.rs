@@ -166,20 +166,30 @@ pub fn open_summary(
 impl Store {
     /// The key of conversation `id` for reading: looked up only when a value is sealed, so
     /// plaintext values of earlier versions read without one.
-    fn opening_key(&self, id: u64, needed: bool) -> Result<Option<Key>, StoreError> {
-        if needed { self.keys.get(id) } else { Ok(None) }
+    fn opening_key(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        needed: bool,
+    ) -> Result<Option<Key>, StoreError> {
+        if needed {
+            self.keys.get(key, id)
+        } else {
+            Ok(None)
+        }
     }
 
     /// Opens the bodies of `messages` of conversation `id` in place.
     pub(super) fn open_messages(
         &self,
+        conversation: &ConversationKey,
         id: u64,
         messages: &mut [StoredMessage],
     ) -> Result<(), StoreError> {
         let sealed = messages
             .iter()
             .any(|m| sealed_message(&m.message).is_some());
-        let key = self.opening_key(id, sealed)?;
+        let key = self.opening_key(conversation, id, sealed)?;
         for message in messages {
             if let Some(body) = open_message(key.as_deref(), id, &message.message)? {
                 message.message = body;
@@ -189,15 +199,24 @@ impl Store {
     }
 
     /// A stored summary record of conversation `id`, opened.
-    pub(super) fn open_summary(&self, id: u64, bytes: Vec<u8>) -> Result<Vec<u8>, StoreError> {
-        let key = self.opening_key(id, sealed_record(&bytes).is_some())?;
+    pub(super) fn open_summary(
+        &self,
+        conversation: &ConversationKey,
+        id: u64,
+        bytes: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let key = self.opening_key(conversation, id, sealed_record(&bytes).is_some())?;
         open_summary(key.as_deref(), id, bytes)
     }
 
     /// The key of conversation `id` for writing (created, and durable, if it has none), and
     /// whether this call created it.
-    pub(super) fn sealing_key(&self, id: u64) -> Result<(Key, bool), StoreError> {
-        self.keys.get_or_create(id)
+    pub(super) fn sealing_key(
+        &self,
+        conversation: &ConversationKey,
+        id: u64,
+    ) -> Result<(Key, bool), StoreError> {
+        self.keys.get_or_create(conversation, id)
     }
 
     /// Writes `write` to the conversation `key` against `expected`. When the write is refused
@@ -213,7 +232,7 @@ impl Store {
     ) -> Result<Version, StoreError> {
         let written = self.engine.write(key, expected, write);
         if let (Err(StoreError::Stale), Some(id)) = (&written, new_key) {
-            self.drop_unused_key(id);
+            self.drop_unused_key(key, id);
         }
         written
     }
@@ -221,8 +240,8 @@ impl Store {
     /// Removes the key of a conversation whose write did not happen (a fresh id that lost a
     /// race): nothing was sealed with it for good. A failure leaves a key file that the next
     /// start removes.
-    pub(super) fn drop_unused_key(&self, id: u64) {
-        if let Err(err) = self.keys.remove(id) {
+    pub(super) fn drop_unused_key(&self, conversation: &ConversationKey, id: u64) {
+        if let Err(err) = self.keys.remove(conversation, id) {
             tracing::warn!(error = %err, "removing an unused conversation key failed");
         }
     }
@@ -231,9 +250,13 @@ impl Store {
     /// the conversation's key, so nothing sealed with it can be read again wherever its bytes
     /// lie. The flush comes first, so a crash never brings a conversation back (from the
     /// engine's log) without its key.
-    pub(super) fn erase_key(&self, id: u64) -> Result<(), StoreError> {
+    pub(super) fn erase_key(
+        &self,
+        conversation: &ConversationKey,
+        id: u64,
+    ) -> Result<(), StoreError> {
         self.engine.flush()?;
-        self.keys.remove(id)
+        self.keys.remove(conversation, id)
     }
 }
 
@@ -483,13 +506,13 @@ mod tests {
                     .save_summary(&lock(&handle), gone, &summary(1, "late"))
                     .unwrap()
             );
-            assert_eq!(store.keys.ids().unwrap(), [live]);
+            assert_eq!(store.keys.files().unwrap().ids().unwrap(), [live]);
             store.close().await.unwrap();
             live
         };
         // A delete that crashed before its key was removed.
         std::fs::write(key_file(dir.path(), 999), [7u8; 32]).unwrap();
         let store = store(dir.path());
-        assert_eq!(store.keys.ids().unwrap(), [live]);
+        assert_eq!(store.keys.files().unwrap().ids().unwrap(), [live]);
     }
 }

@@ -143,7 +143,10 @@ fn branch_key_parts(key: &[u8]) -> Option<(u64, u8, u64)> {
 type BranchRow = ([u8; 25], Vec<u8>);
 
 /// The rows of `branches` (encoded) for the `branches` tree of conversation `id`.
-fn branch_rows(id: u64, branches: &[StoredBranch]) -> Result<Vec<BranchRow>, StoreError> {
+pub(super) fn branch_rows(
+    id: u64,
+    branches: &[StoredBranch],
+) -> Result<Vec<BranchRow>, StoreError> {
     let mut rows = Vec::new();
     for branch in branches {
         let number = branch.record.number;
@@ -164,7 +167,7 @@ fn branch_rows(id: u64, branches: &[StoredBranch]) -> Result<Vec<BranchRow>, Sto
     Ok(rows)
 }
 
-fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
+pub(super) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
     serde_json::to_vec(value).map_err(|err| StoreError::Corrupt(err.to_string()))
 }
 
@@ -819,14 +822,25 @@ impl Engine for SledEngine {
 
 /// The closed branches of conversation `id` in the `branches` tree (also read by salvage).
 pub(super) fn read_branches(tree: &sled::Tree, id: u64) -> Result<Vec<StoredBranch>, StoreError> {
+    assemble_branches(
+        tree.scan_prefix(id.to_be_bytes())
+            .map(|item| item.map_err(StoreError::from)),
+    )
+}
+
+/// The closed branches in `rows` (`branches` keys and values, in key order).
+pub(super) fn assemble_branches<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    rows: impl Iterator<Item = Result<(K, V), StoreError>>,
+) -> Result<Vec<StoredBranch>, StoreError> {
     let mut out: Vec<StoredBranch> = Vec::new();
-    for item in tree.scan_prefix(id.to_be_bytes()) {
+    for item in rows {
         let (key, value) = item?;
-        let (number, part, n) = branch_key_parts(&key)
+        let (key, value) = (key.as_ref(), value.as_ref());
+        let (number, part, n) = branch_key_parts(key)
             .ok_or_else(|| StoreError::Corrupt("a branch key is too short".into()))?;
         if part == BRANCH_RECORD {
             out.push(StoredBranch {
-                record: decode::<BranchRecord>(&value)?,
+                record: decode::<BranchRecord>(value)?,
                 messages: Vec::new(),
                 summaries: Vec::new(),
             });
@@ -840,7 +854,7 @@ pub(super) fn read_branches(tree: &sled::Tree, id: u64) -> Result<Vec<StoredBran
                 StoreError::Corrupt(format!("branch {number} has parts but no record"))
             })?;
         match part {
-            BRANCH_MESSAGE => branch.messages.push(decode(&value)?),
+            BRANCH_MESSAGE => branch.messages.push(decode(value)?),
             BRANCH_SUMMARY => branch.summaries.push((n, value.to_vec())),
             other => {
                 return Err(StoreError::Corrupt(format!(

@@ -23,7 +23,7 @@ impl Store {
     ) -> Result<Option<SummaryRecord>, StoreError> {
         self.engine
             .latest_summary(key, id)?
-            .map(|bytes| decode(&self.open_summary(id, bytes)?))
+            .map(|bytes| decode(&self.open_summary(key, id, bytes)?))
             .transpose()
     }
 
@@ -36,7 +36,7 @@ impl Store {
         self.engine
             .summaries(key, id)?
             .into_iter()
-            .map(|(_, bytes)| decode(&self.open_summary(id, bytes)?))
+            .map(|(_, bytes)| decode(&self.open_summary(key, id, bytes)?))
             .collect()
     }
 
@@ -51,7 +51,7 @@ impl Store {
             .summaries(key, id)?
             .into_iter()
             .map(|(number, bytes)| {
-                let text = String::from_utf8(self.open_summary(id, bytes)?)
+                let text = String::from_utf8(self.open_summary(key, id, bytes)?)
                     .map_err(|_| StoreError::Corrupt("a summary record is not UTF-8".into()))?;
                 let raw = RawValue::from_string(text)
                     .map_err(|err| StoreError::Corrupt(format!("a summary record: {err}")))?;
@@ -83,14 +83,19 @@ impl Store {
         let key = &conversation.key;
         let value =
             serde_json::to_vec(record).map_err(|err| StoreError::Corrupt(err.to_string()))?;
-        let (secret, created) = self.sealing_key(id)?;
+        let (secret, created) = self.sealing_key(key, id)?;
         let sealed = seal_summary(&secret, &value)?;
         if !self.engine.put_summary(key, id, record.number, &sealed)? {
             // The conversation is gone (ids are never reused): a key made for it now goes too.
             if created {
-                self.drop_unused_key(id);
+                self.drop_unused_key(key, id);
             }
             return Ok(false);
+        }
+        if self.engine.shared() {
+            // Records live in the shared engine and the admin API serves them: a replica's
+            // local files would be one replica's view only.
+            return Ok(true);
         }
         let folder = workspace_dir(&self.data_dir, key).join("memory");
         std::fs::create_dir_all(&folder)?;

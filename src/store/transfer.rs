@@ -60,7 +60,7 @@ impl Store {
             let erased = match (&result, id) {
                 (Ok(Some(_)), Some(id)) => {
                     self.forget_damage(id);
-                    self.erase_key(id)
+                    self.erase_key(key, id)
                 }
                 _ => Ok(()),
             };
@@ -221,7 +221,7 @@ impl Store {
         if added.is_empty() && wanted.is_empty() && branch_rows.is_empty() {
             return Ok(imported);
         }
-        let (secret, created_key) = self.sealing_key(meta.id)?;
+        let (secret, created_key) = self.sealing_key(&conversation.key, meta.id)?;
         seal_messages(&secret, &mut added)?;
         let sealed_summaries = wanted
             .into_iter()

@@ -43,6 +43,8 @@ pub enum SummaryError {
     Gone,
     #[error("a branch left the conversation's main line while its summary was being made")]
     Branched,
+    #[error("another replica sharing the store is making this summary")]
+    Leased,
     #[error("a background step failed: {0}")]
     Task(String),
 }

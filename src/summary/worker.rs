@@ -36,6 +36,8 @@ pub struct SummaryCounters {
 /// Runs summary jobs in the background.
 pub struct Summarizer {
     store: Arc<Store>,
+    /// Who holds a summary lease taken by this process (random per process).
+    holder: String,
     model: Arc<dyn ModelCall>,
     config: Arc<CompressionConfig>,
     queue: Mutex<Option<mpsc::Sender<Job>>>,
@@ -51,6 +53,18 @@ impl std::fmt::Debug for Summarizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Summarizer").finish_non_exhaustive()
     }
+}
+
+/// How much longer than the summary call's time limit a lease lasts: the read before the call
+/// and the write after it.
+const LEASE_MARGIN: Duration = Duration::from_secs(10);
+
+/// A name for this process as a lease holder: 64 random bits.
+fn lease_holder() -> String {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 8];
+    let _ = ring::rand::SystemRandom::new().fill(&mut bytes);
+    format!("{:016x}-{}", u64::from_be_bytes(bytes), std::process::id())
 }
 
 /// Runs store and file work on the blocking pool, off the threads that serve requests.
@@ -71,6 +85,7 @@ impl Summarizer {
     ) -> Arc<Summarizer> {
         let (tx, rx) = mpsc::channel(config.queue_capacity);
         let summarizer = Arc::new(Summarizer {
+            holder: lease_holder(),
             store,
             model,
             config: Arc::new(config),
@@ -193,7 +208,7 @@ impl Summarizer {
             }
             // Another summary covered these turns meanwhile, or a branch took some of them off
             // the main line: nothing to do, not a failure.
-            Err(SummaryError::Empty | SummaryError::Branched) => {
+            Err(SummaryError::Empty | SummaryError::Branched | SummaryError::Leased) => {
                 tracing::debug!("summary not needed any more")
             }
             Err(err) => {
@@ -211,8 +226,38 @@ impl Summarizer {
         }
     }
 
-    /// Makes and stores the next summary of a conversation.
+    /// Makes and stores the next summary of a conversation. With a store shared by replicas,
+    /// under the conversation's summary lease (fenced by its id, expiring after the summary
+    /// call's time limit): a replica that finds another holding it leaves the summary to that
+    /// one ([`SummaryError::Leased`]).
     async fn make(&self, job: &Job) -> Result<SummaryRecord, SummaryError> {
+        if !self.store.shared() {
+            return self.make_now(job).await;
+        }
+        let (store, key, holder) = (
+            Arc::clone(&self.store),
+            job.key.clone(),
+            self.holder.clone(),
+        );
+        let (id, lease) = (job.conversation_id, self.config.timeout + LEASE_MARGIN);
+        let taken =
+            blocking(move || Ok(store.take_summary_lease(&key, id, &holder, lease)?)).await?;
+        if !taken {
+            return Err(SummaryError::Leased);
+        }
+        let made = self.make_now(job).await;
+        let (store, key, holder) = (
+            Arc::clone(&self.store),
+            job.key.clone(),
+            self.holder.clone(),
+        );
+        if let Err(err) = blocking(move || Ok(store.release_summary_lease(&key, &holder)?)).await {
+            tracing::debug!(error = %err, "releasing a summary lease failed; it expires");
+        }
+        made
+    }
+
+    async fn make_now(&self, job: &Job) -> Result<SummaryRecord, SummaryError> {
         // The previous summary and the messages that aged out since, read on the blocking pool.
         let (store, key) = (Arc::clone(&self.store), job.key.clone());
         let (id, upto_turn) = (job.conversation_id, job.upto_turn);
@@ -224,7 +269,9 @@ impl Summarizer {
                 .filter(|r| !r.heuristic)
                 .map_or(0, |r| r.to_turn);
             let handle = store.conversation(&key)?;
-            let conversation = lock(&handle);
+            let mut conversation = lock(&handle);
+            // Another replica sharing the store may have written since this one cached it.
+            store.refresh(&mut conversation)?;
             let branches = conversation.meta.as_ref().map_or(0, |m| m.branches);
             // Oldest first, up to the input cap (at least one message): a larger backlog is
             // left to the next summary.
@@ -289,7 +336,8 @@ impl Summarizer {
         let (store, key) = (Arc::clone(&self.store), job.key.clone());
         blocking(move || {
             let handle = store.conversation(&key)?;
-            let conversation = lock(&handle);
+            let mut conversation = lock(&handle);
+            store.refresh(&mut conversation)?;
             // A branch closed since the messages were read may have taken some of them off
             // the main line: this summary would speak of them, so it is not stored.
             if conversation.meta.as_ref().map_or(0, |m| m.branches) != branches {

@@ -112,9 +112,11 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def _start_memproxy(workdir: Path, upstream: str) -> tuple[subprocess.Popen[bytes], int]:
+def _start_memproxy(
+    workdir: Path, upstream: str, config_text: str = ""
+) -> tuple[subprocess.Popen[bytes], int]:
     config = workdir / "memproxy.toml"
-    config.write_text("")
+    config.write_text(config_text)
     last_error = ""
     # A port picked free can be taken before memproxy binds it: try a few.
     for attempt in range(3):

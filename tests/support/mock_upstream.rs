@@ -4,12 +4,21 @@
 //! `#[path = ".../tests/support/mock_upstream.rs"] mod mock_upstream;`. It imports nothing from
 //! memproxy: it stands in for an upstream that knows nothing of the proxy.
 //!
-//! It listens on `127.0.0.1`, records every request it receives, and answers chat completions
-//! with JSON or SSE. By default the reply is `reply to: <last user text>`; tests queue scripted
+//! It listens on `127.0.0.1`, records every request it receives, and answers three wire formats,
+//! each with JSON or SSE: chat completions (`/v1/chat/completions`), the Responses API
+//! (`/v1/responses`: `response.*` events, `response.completed` carrying the whole response,
+//! function calls, reasoning items with `encrypted_content`) and the Anthropic Messages API
+//! (`/v1/messages`: `message_start`, `content_block_*`, `message_delta`, `message_stop`;
+//! `tool_use`, `thinking` with a signature; `/v1/messages/count_tokens`). By default the reply is `reply to: <last user text>`; tests queue scripted
 //! replies (text, tool calls, an error status, a delay, a stream cut midway, an answer that
 //! stalls after its head) with
-//! [`MockUpstream::push`]. `GET /v1/models` lists one model; any other path echoes its method,
-//! path and body length as JSON.
+//! [`MockUpstream::push`]. `GET /v1/models` lists one model (in Anthropic's shape when asked with
+//! `anthropic-version`); any other path echoes its method, path and body length as JSON.
+//!
+//! For end-to-end tests in other languages the mock also answers, outside `/v1`:
+//! `GET /_mock/requests` (every request recorded: method, path, headers, body as JSON),
+//! `POST /_mock/script` (queues a reply: `{"text": ".."}` or
+//! `{"tool_calls": [[id, name, arguments]]}`) and `POST /_mock/clear`.
 // Each target that includes this file uses a different part of it.
 #![allow(dead_code)]
 
@@ -87,6 +96,10 @@ pub enum Reply {
     Stall { chunks: usize },
     /// The mock's own default answer (useful inside `Delay`).
     Auto,
+    /// `inner`, preceded by an opaque reasoning part: a Responses `reasoning` item with this
+    /// `encrypted_content`, or an Anthropic `thinking` block with this `signature` (chat
+    /// completions ignore it).
+    Reasoning(String, Box<Reply>),
 }
 
 /// How the default answers are shaped.
@@ -119,6 +132,8 @@ struct Shared {
     /// Answers to memproxy's memory extraction calls (task `extraction`); without one, an
     /// extraction is answered `{"memories":[]}`.
     extraction_script: Mutex<VecDeque<Reply>>,
+    /// Numbers the ids of answers (`resp_mock_N`, `msg_mock_N`).
+    next_id: std::sync::atomic::AtomicU64,
 }
 
 /// A running mock upstream. Dropping it stops the server.
@@ -241,6 +256,27 @@ impl MockUpstream {
             .unwrap_or_default()
     }
 
+    /// The Responses API requests received so far (summary calls excluded).
+    pub fn responses_requests(&self) -> Vec<Recorded> {
+        self.recorded()
+            .into_iter()
+            .filter(|r| r.path.ends_with("/responses") && !is_summary_call(r))
+            .collect()
+    }
+
+    /// The Anthropic Messages requests received so far (summary calls excluded).
+    pub fn anthropic_requests(&self) -> Vec<Recorded> {
+        self.recorded()
+            .into_iter()
+            .filter(|r| r.path.ends_with("/v1/messages") && !is_summary_call(r))
+            .collect()
+    }
+
+    /// The base URL an Anthropic SDK takes (no `/v1`): `http://127.0.0.1:PORT`.
+    pub fn anthropic_base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
     pub fn clear(&self) {
         lock(&self.shared.recorded).clear();
     }
@@ -308,6 +344,47 @@ async fn answer(
         let reply = lock(&shared.script).pop_front().unwrap_or(Reply::Auto);
         return chat_answer(&request, reply, auto, options).await;
     }
+    if let Some(response) = control(shared, &parts, &body) {
+        return response;
+    }
+    let api_path = parts.uri.path();
+    if api_path.ends_with("/responses") || api_path.ends_with("/v1/messages") {
+        let request = recorded.json();
+        let anthropic = api_path.ends_with("/v1/messages");
+        let text = if anthropic {
+            last_anthropic_user_text(&request)
+        } else {
+            last_input_text(&request)
+        };
+        let (reply, auto) = if is_summary_call(&recorded) {
+            let reply = lock(&shared.summary_script).pop_front();
+            (reply, Reply::Text(default_summary(&text)))
+        } else {
+            let reply = lock(&shared.script).pop_front();
+            (reply, Reply::Text(format!("reply to: {text}")))
+        };
+        let id = shared
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let reply = resolve(reply.unwrap_or(Reply::Auto), auto).await;
+        return if anthropic {
+            anthropic_answer(&request, reply, id, options)
+        } else {
+            responses_answer(&request, reply, id, options)
+        };
+    }
+    if api_path.ends_with("/v1/messages/count_tokens") {
+        let tokens = body.len() / 4 + 1;
+        return json_response(StatusCode::OK, json!({"input_tokens": tokens}));
+    }
+    if api_path.ends_with("/models") && parts.headers.contains_key("anthropic-version") {
+        return json_response(
+            StatusCode::OK,
+            json!({"data": [{"type": "model", "id": "claude-mock", "display_name": "Claude Mock", "created_at": "2025-01-01T00:00:00Z"}],
+                   "has_more": false, "first_id": "claude-mock", "last_id": "claude-mock"}),
+        );
+    }
     if parts.uri.path().ends_with("/models") {
         return json_response(
             StatusCode::OK,
@@ -362,13 +439,10 @@ async fn chat_answer(
     auto: Reply,
     options: &MockOptions,
 ) -> Response<MockBody> {
-    let mut reply = reply;
-    while let Reply::Delay(delay, inner) = reply {
-        tokio::time::sleep(delay).await;
+    let mut reply = resolve(reply, auto).await;
+    // Chat completions have no opaque reasoning part.
+    while let Reply::Reasoning(_, inner) = reply {
         reply = *inner;
-    }
-    if let Reply::Auto = reply {
-        reply = auto;
     }
     let stream = request
         .get("stream")
@@ -415,11 +489,10 @@ async fn chat_answer(
                 }),
             )
         }
-        Reply::Stall { chunks } if !stream => {
-            let start = Ok(r#"{"id": "chatcmpl-mock", "object": "chat.completion", "#.to_string());
-            let events = if chunks > 0 { vec![start] } else { Vec::new() };
-            channel_response("application/json", events, Duration::ZERO, true)
-        }
+        Reply::Stall { chunks } if !stream => stalled_json(
+            r#"{"id": "chatcmpl-mock", "object": "chat.completion", "#,
+            chunks,
+        ),
         Reply::Stall { chunks } => channel_response(
             "text/event-stream",
             sse_events(
@@ -495,7 +568,7 @@ fn sse_events(model: &str, reply: Reply, chunks: usize, usage: bool) -> Vec<Resu
             }
             return events;
         }
-        Reply::Status(..) | Reply::Delay(..) | Reply::Auto => {}
+        Reply::Status(..) | Reply::Delay(..) | Reply::Auto | Reply::Reasoning(..) => {}
     }
     if usage {
         events.push(Ok(format!(
@@ -578,4 +651,477 @@ impl Body for ChannelBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.rx.poll_recv(cx)
     }
+}
+
+/// A JSON answer that sends its head, then `start` when `chunks` > 0, then stalls.
+fn stalled_json(start: &str, chunks: usize) -> Response<MockBody> {
+    let events = if chunks > 0 {
+        vec![Ok(start.to_string())]
+    } else {
+        Vec::new()
+    };
+    channel_response("application/json", events, Duration::ZERO, true)
+}
+
+/// Waits out `Delay`s and turns `Auto` into `auto` (also under a `Reasoning`).
+async fn resolve(mut reply: Reply, auto: Reply) -> Reply {
+    while let Reply::Delay(delay, inner) = reply {
+        tokio::time::sleep(delay).await;
+        reply = *inner;
+    }
+    match reply {
+        Reply::Auto => auto,
+        Reply::Reasoning(secret, inner) => {
+            Reply::Reasoning(secret, Box::new(Box::pin(resolve(*inner, auto)).await))
+        }
+        other => other,
+    }
+}
+
+/// The control routes under `/_mock/` for tests that reach the mock over HTTP only.
+fn control(
+    shared: &Shared,
+    parts: &http::request::Parts,
+    body: &Bytes,
+) -> Option<Response<MockBody>> {
+    match (parts.method.as_str(), parts.uri.path()) {
+        ("GET", "/_mock/requests") => {
+            let list: Vec<Value> = lock(&shared.recorded)
+                .iter()
+                .filter(|r| !r.path.starts_with("/_mock/"))
+                .map(|r| {
+                    let headers: serde_json::Map<String, Value> = r
+                        .headers
+                        .iter()
+                        .map(|(k, v)| {
+                            (k.as_str().to_string(), json!(v.to_str().unwrap_or_default()))
+                        })
+                        .collect();
+                    json!({"method": r.method, "path": r.path, "headers": headers, "body": r.json()})
+                })
+                .collect();
+            Some(json_response(StatusCode::OK, Value::Array(list)))
+        }
+        ("POST", "/_mock/script") => {
+            let value: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            let reply = if let Some(text) = value.get("text").and_then(Value::as_str) {
+                Reply::Text(text.to_string())
+            } else if let Some(calls) = value.get("tool_calls").and_then(Value::as_array) {
+                Reply::ToolCalls(
+                    calls
+                        .iter()
+                        .map(|c| {
+                            let field = |i: usize| c[i].as_str().unwrap_or_default().to_string();
+                            (field(0), field(1), field(2))
+                        })
+                        .collect(),
+                )
+            } else {
+                return Some(json_response(
+                    StatusCode::BAD_REQUEST,
+                    json!({"error": {"message": "script needs `text` or `tool_calls`"}}),
+                ));
+            };
+            lock(&shared.script).push_back(reply);
+            Some(json_response(StatusCode::OK, json!({"queued": true})))
+        }
+        ("POST", "/_mock/clear") => {
+            lock(&shared.recorded).clear();
+            lock(&shared.script).clear();
+            Some(json_response(StatusCode::OK, json!({"cleared": true})))
+        }
+        _ => None,
+    }
+}
+
+/// The text of a content value: a string, or the `text` of its parts.
+fn content_text(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// The last user text of a Responses request: `input` as a string, or its last user message
+/// item; a last `function_call_output` gives `tool said: <output>`.
+fn last_input_text(request: &Value) -> String {
+    match request.get("input") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(items)) => {
+            if let Some(last) = items.last()
+                && last["type"] == "function_call_output"
+            {
+                return format!("tool said: {}", content_text(&last["output"]));
+            }
+            items
+                .iter()
+                .rev()
+                .find(|i| i["role"] == "user")
+                .map(|i| content_text(&i["content"]))
+                .unwrap_or_default()
+        }
+        _ => String::new(),
+    }
+}
+
+/// The last user text of an Anthropic request; a last user turn of tool results only gives
+/// `tool said: <content>`.
+fn last_anthropic_user_text(request: &Value) -> String {
+    let Some(last) = request
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|list| list.iter().rev().find(|m| m["role"] == "user"))
+    else {
+        return String::new();
+    };
+    let text = content_text(&last["content"]);
+    if !text.is_empty() {
+        return text;
+    }
+    last["content"]
+        .as_array()
+        .and_then(|blocks| blocks.iter().find(|b| b["type"] == "tool_result"))
+        .map(|b| format!("tool said: {}", content_text(&b["content"])))
+        .unwrap_or_default()
+}
+
+fn text_pieces(text: &str, chunks: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    let size = chars.len().div_ceil(chunks.max(1)).max(1);
+    chars.chunks(size).map(|c| c.iter().collect()).collect()
+}
+
+fn status_response(status: u16, body: String) -> Response<MockBody> {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// One named SSE event.
+fn named_event(name: &str, data: &Value) -> Result<String, ()> {
+    Ok(format!("event: {name}\ndata: {data}\n\n"))
+}
+
+/// The Responses API output items of a reply.
+fn responses_output(reply: &Reply, id: u64) -> Vec<Value> {
+    match reply {
+        Reply::Reasoning(secret, inner) => {
+            let mut items = vec![json!({"type": "reasoning", "id": format!("rs_mock_{id}"), "summary": [], "encrypted_content": secret})];
+            items.extend(responses_output(inner, id));
+            items
+        }
+        Reply::ToolCalls(calls) => calls
+            .iter()
+            .enumerate()
+            .map(|(i, (call_id, name, args))| {
+                json!({"type": "function_call", "id": format!("fc_mock_{id}_{i}"), "call_id": call_id, "name": name, "arguments": args, "status": "completed"})
+            })
+            .collect(),
+        Reply::Text(text) => vec![json!({
+            "type": "message", "id": format!("msg_mock_{id}"), "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        })],
+        _ => Vec::new(),
+    }
+}
+
+/// A whole Responses API response object.
+fn response_object(request: &Value, id: u64, status: &str, output: Vec<Value>) -> Value {
+    let model = request.get("model").cloned().unwrap_or(json!("mock-model"));
+    json!({
+        "id": format!("resp_mock_{id}"), "object": "response", "created_at": 1, "status": status,
+        "model": model, "output": output, "error": null, "incomplete_details": null,
+        "instructions": request.get("instructions").cloned().unwrap_or(Value::Null),
+        "metadata": {}, "parallel_tool_calls": true, "temperature": 1.0, "top_p": 1.0,
+        "tool_choice": "auto", "tools": request.get("tools").cloned().unwrap_or(json!([])),
+        "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": false,
+        "usage": {"input_tokens": 1, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 2},
+    })
+}
+
+fn responses_answer(
+    request: &Value,
+    reply: Reply,
+    id: u64,
+    options: &MockOptions,
+) -> Response<MockBody> {
+    let stream = request
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if let Reply::Status(status, body) = reply {
+        return status_response(status, body);
+    }
+    if !stream {
+        if let Reply::Stall { chunks } = reply {
+            return stalled_json(r#"{"id": "resp_mock", "object": "response", "#, chunks);
+        }
+        let output = responses_output(&reply, id);
+        return json_response(
+            StatusCode::OK,
+            response_object(request, id, "completed", output),
+        );
+    }
+    let stall = matches!(reply, Reply::Stall { .. });
+    channel_response(
+        "text/event-stream",
+        responses_events(request, reply, id, options.stream_chunks),
+        options.chunk_delay,
+        stall,
+    )
+}
+
+/// The events of a streamed Responses API answer; `Err(())` marks where the stream breaks.
+fn responses_events(
+    request: &Value,
+    reply: Reply,
+    id: u64,
+    chunks: usize,
+) -> Vec<Result<String, ()>> {
+    let mut seq = 0u64;
+    let mut event = |name: &str, mut data: Value| {
+        data["type"] = json!(name);
+        data["sequence_number"] = json!(seq);
+        seq += 1;
+        named_event(name, &data)
+    };
+    let mut events = vec![event(
+        "response.created",
+        json!({"response": response_object(request, id, "in_progress", Vec::new())}),
+    )];
+    let (output, cut) = match &reply {
+        Reply::CutStream { chunks } | Reply::Stall { chunks } => {
+            let parts: Vec<String> = (0..*chunks).map(|i| format!("part{i} ")).collect();
+            (responses_output(&Reply::Text(parts.concat()), id), true)
+        }
+        Reply::UnfinishedStream => (
+            responses_output(&Reply::Text("half an answer".into()), id),
+            true,
+        ),
+        other => (responses_output(other, id), false),
+    };
+    for (index, item) in output.iter().enumerate() {
+        let item_id = item["id"].clone();
+        match item["type"].as_str() {
+            Some("message") => {
+                let text = item["content"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
+                let mut open = item.clone();
+                open["status"] = json!("in_progress");
+                open["content"] = json!([]);
+                events.push(event(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": open}),
+                ));
+                events.push(event("response.content_part.added", json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})));
+                for piece in text_pieces(&text, chunks) {
+                    events.push(event("response.output_text.delta", json!({"item_id": item_id, "output_index": index, "content_index": 0, "delta": piece, "logprobs": []})));
+                }
+                if cut {
+                    break;
+                }
+                events.push(event("response.output_text.done", json!({"item_id": item_id, "output_index": index, "content_index": 0, "text": text, "logprobs": []})));
+                events.push(event("response.content_part.done", json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": item["content"][0]})));
+            }
+            Some("function_call") => {
+                let mut open = item.clone();
+                open["status"] = json!("in_progress");
+                open["arguments"] = json!("");
+                events.push(event(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": open}),
+                ));
+                let args = item["arguments"].as_str().unwrap_or_default();
+                for piece in text_pieces(args, chunks) {
+                    events.push(event(
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": item_id, "output_index": index, "delta": piece}),
+                    ));
+                }
+                events.push(event(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": item_id, "output_index": index, "arguments": args}),
+                ));
+            }
+            _ => events.push(event(
+                "response.output_item.added",
+                json!({"output_index": index, "item": item}),
+            )),
+        }
+        events.push(event(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        ));
+    }
+    match reply {
+        Reply::CutStream { .. } => events.push(Err(())),
+        Reply::UnfinishedStream | Reply::Stall { .. } => {}
+        _ => events.push(event(
+            "response.completed",
+            json!({"response": response_object(request, id, "completed", output)}),
+        )),
+    }
+    events
+}
+
+/// The Anthropic content blocks of a reply.
+fn anthropic_content(reply: &Reply) -> Vec<Value> {
+    match reply {
+        Reply::Reasoning(secret, inner) => {
+            let mut blocks =
+                vec![json!({"type": "thinking", "thinking": "Let me think.", "signature": secret})];
+            blocks.extend(anthropic_content(inner));
+            blocks
+        }
+        Reply::ToolCalls(calls) => calls
+            .iter()
+            .map(|(call_id, name, args)| {
+                let input: Value = serde_json::from_str(args).unwrap_or_else(|_| json!({}));
+                json!({"type": "tool_use", "id": call_id, "name": name, "input": input})
+            })
+            .collect(),
+        Reply::Text(text) => vec![json!({"type": "text", "text": text})],
+        _ => Vec::new(),
+    }
+}
+
+fn anthropic_message(request: &Value, id: u64, content: Vec<Value>, stop: Value) -> Value {
+    let model = request
+        .get("model")
+        .cloned()
+        .unwrap_or(json!("claude-mock"));
+    json!({
+        "id": format!("msg_mock_{id}"), "type": "message", "role": "assistant", "model": model,
+        "content": content, "stop_reason": stop, "stop_sequence": null,
+        "usage": {"input_tokens": 1, "output_tokens": 1},
+    })
+}
+
+fn stop_reason(content: &[Value]) -> &'static str {
+    if content.iter().any(|b| b["type"] == "tool_use") {
+        "tool_use"
+    } else {
+        "end_turn"
+    }
+}
+
+fn anthropic_answer(
+    request: &Value,
+    reply: Reply,
+    id: u64,
+    options: &MockOptions,
+) -> Response<MockBody> {
+    let stream = request
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if let Reply::Status(status, body) = reply {
+        return status_response(status, body);
+    }
+    if !stream {
+        if let Reply::Stall { chunks } = reply {
+            return stalled_json(r#"{"id": "msg_mock", "type": "message", "#, chunks);
+        }
+        let content = anthropic_content(&reply);
+        let stop = json!(stop_reason(&content));
+        return json_response(
+            StatusCode::OK,
+            anthropic_message(request, id, content, stop),
+        );
+    }
+    let stall = matches!(reply, Reply::Stall { .. });
+    channel_response(
+        "text/event-stream",
+        anthropic_events(request, reply, id, options.stream_chunks),
+        options.chunk_delay,
+        stall,
+    )
+}
+
+/// The events of a streamed Anthropic answer; `Err(())` marks where the stream breaks.
+fn anthropic_events(
+    request: &Value,
+    reply: Reply,
+    id: u64,
+    chunks: usize,
+) -> Vec<Result<String, ()>> {
+    let event = |name: &str, mut data: Value| {
+        data["type"] = json!(name);
+        named_event(name, &data)
+    };
+    let mut start = anthropic_message(request, id, Vec::new(), Value::Null);
+    start["usage"]["output_tokens"] = json!(0);
+    let mut events = vec![
+        event("message_start", json!({"message": start})),
+        event("ping", json!({})),
+    ];
+    let (content, cut) = match &reply {
+        Reply::CutStream { chunks } | Reply::Stall { chunks } => {
+            let parts: Vec<String> = (0..*chunks).map(|i| format!("part{i} ")).collect();
+            (anthropic_content(&Reply::Text(parts.concat())), true)
+        }
+        Reply::UnfinishedStream => (
+            anthropic_content(&Reply::Text("half an answer".into())),
+            true,
+        ),
+        other => (anthropic_content(other), false),
+    };
+    for (index, block) in content.iter().enumerate() {
+        match block["type"].as_str() {
+            Some("text") => {
+                events.push(event(
+                    "content_block_start",
+                    json!({"index": index, "content_block": {"type": "text", "text": ""}}),
+                ));
+                for piece in text_pieces(block["text"].as_str().unwrap_or_default(), chunks) {
+                    events.push(event(
+                        "content_block_delta",
+                        json!({"index": index, "delta": {"type": "text_delta", "text": piece}}),
+                    ));
+                }
+                if cut {
+                    break;
+                }
+            }
+            Some("thinking") => {
+                events.push(event("content_block_start", json!({"index": index, "content_block": {"type": "thinking", "thinking": "", "signature": ""}})));
+                events.push(event("content_block_delta", json!({"index": index, "delta": {"type": "thinking_delta", "thinking": block["thinking"]}})));
+                events.push(event("content_block_delta", json!({"index": index, "delta": {"type": "signature_delta", "signature": block["signature"]}})));
+            }
+            Some("tool_use") => {
+                events.push(event("content_block_start", json!({"index": index, "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}})));
+                let args = block["input"].to_string();
+                for piece in text_pieces(&args, chunks) {
+                    events.push(event("content_block_delta", json!({"index": index, "delta": {"type": "input_json_delta", "partial_json": piece}})));
+                }
+            }
+            _ => {}
+        }
+        events.push(event("content_block_stop", json!({"index": index})));
+    }
+    match reply {
+        Reply::CutStream { .. } => events.push(Err(())),
+        Reply::UnfinishedStream | Reply::Stall { .. } => {}
+        _ => {
+            events.push(event(
+                "message_delta",
+                json!({"delta": {"stop_reason": stop_reason(&content), "stop_sequence": null}, "usage": {"output_tokens": 1}}),
+            ));
+            events.push(event("message_stop", json!({})));
+        }
+    }
+    events
 }

@@ -4,6 +4,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod mock_upstream;
+pub mod redis_server;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -52,8 +53,19 @@ pub fn test_config(
     upstream_toml: &str,
     extra_toml: &str,
 ) -> Config {
+    test_config_with_storage(mock, data_dir, upstream_toml, "", extra_toml)
+}
+
+/// [`test_config`] with `storage_toml` added to `[storage]`.
+pub fn test_config_with_storage(
+    mock: &MockUpstream,
+    data_dir: &Path,
+    upstream_toml: &str,
+    storage_toml: &str,
+    extra_toml: &str,
+) -> Config {
     let text = format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
         mock.base_url(),
         data_dir.display(),
         test_budget(extra_toml)
@@ -71,6 +83,8 @@ pub struct Proxy {
     pub state: Arc<AppState>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
+    /// What must live as long as the proxy (a redis-server it uses).
+    guard: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Proxy {
@@ -79,6 +93,23 @@ impl Proxy {
     /// of `extra_toml` are server settings.
     pub async fn start(mock: &MockUpstream, data_dir: &Path, extra_toml: &str) -> Proxy {
         Proxy::start_with_upstream(mock, data_dir, "", extra_toml).await
+    }
+
+    /// [`Proxy::start`] with memory in the Redis server at `redis_url` (key prefix `mp:`)
+    /// instead of sled: one replica of several sharing it.
+    pub async fn start_redis(
+        mock: &MockUpstream,
+        data_dir: &Path,
+        redis_url: &str,
+        extra_toml: &str,
+    ) -> Proxy {
+        let storage = format!(
+            "backend = \"redis\"\nredis_url = \"{redis_url}\"\nredis_key_prefix = \"mp:\"\nredis_connect_timeout = \"PT0.5S\"\nredis_command_timeout = \"PT2S\"\n"
+        );
+        Proxy::start_config(test_config_with_storage(
+            mock, data_dir, "", &storage, extra_toml,
+        ))
+        .await
     }
 
     /// [`Proxy::start`] with `upstream_toml` added to the `[upstream]` section.
@@ -113,7 +144,14 @@ impl Proxy {
             state,
             stop: Some(stop),
             task: Some(task),
+            guard: None,
         }
+    }
+
+    /// Keeps `guard` alive as long as the proxy.
+    pub fn keeping(mut self, guard: impl std::any::Any + Send + Sync) -> Proxy {
+        self.guard = Some(Box::new(guard));
+        self
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -160,6 +198,15 @@ pub fn key_for(token: Option<&str>, agent: &str, conversation: &str) -> Conversa
 
 pub fn stored_in(store: &Store, token: Option<&str>, conversation: &str) -> Vec<StoredMessage> {
     stored_by_key(store, &key(token, conversation))
+}
+
+/// The stored messages of a conversation as the engine holds them now (not this process's
+/// cache: with a shared store, other replicas write too).
+pub fn stored_now(store: &Store, key: &ConversationKey) -> Vec<StoredMessage> {
+    match store.meta(key).unwrap() {
+        Some(meta) => store.all_messages(key, &meta).unwrap(),
+        None => Vec::new(),
+    }
 }
 
 pub fn stored_by_key(store: &Store, key: &ConversationKey) -> Vec<StoredMessage> {

@@ -1,0 +1,197 @@
+//! memproxy's own model calls (summaries, memory extraction) sent to the family the model
+//! belongs to: a model whose name starts with one of `[upstream.anthropic] model_prefixes`
+//! is called with the Anthropic Messages API on the Anthropic upstream, every other one with
+//! chat completions on `[upstream]`. Both go through the one forward path.
+
+use http::Method;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use serde_json::{Value, json};
+
+use crate::body::full;
+use crate::config::UpstreamConfig;
+use crate::model::{ModelCall, ModelError, ModelFuture, ModelReply, ModelRequest};
+use crate::upstream::{Forward, Upstream};
+
+/// The largest answer memproxy reads from one of its own model calls.
+const MODEL_REPLY_LIMIT: usize = 16 * 1024 * 1024;
+/// The most tokens an Anthropic call of memproxy's may answer with (the API requires a bound;
+/// summaries are cut to `compression.max_summary_tokens` afterwards).
+const ANTHROPIC_MAX_TOKENS: u32 = 4096;
+
+/// The model-call implementation memory uses: one upstream per family.
+#[derive(Debug)]
+pub struct Models {
+    openai: Upstream,
+    anthropic: Upstream,
+    prefixes: Vec<String>,
+    version: HeaderValue,
+}
+
+impl Models {
+    pub fn new(openai: Upstream, anthropic: Upstream, config: &UpstreamConfig) -> Models {
+        Models {
+            openai,
+            anthropic,
+            prefixes: config.anthropic.model_prefixes.clone(),
+            version: HeaderValue::try_from(config.anthropic.version.as_str()).unwrap_or_else(
+                |_| HeaderValue::from_static(crate::config::DEFAULT_ANTHROPIC_VERSION),
+            ),
+        }
+    }
+
+    /// True when `model` is called on the Anthropic upstream.
+    pub fn is_anthropic(&self, model: &str) -> bool {
+        self.prefixes.iter().any(|p| model.starts_with(p.as_str()))
+    }
+}
+
+impl ModelCall for Models {
+    fn complete(&self, request: ModelRequest) -> ModelFuture<'_> {
+        if self.is_anthropic(&request.model) {
+            Box::pin(anthropic_complete(&self.anthropic, &self.version, request))
+        } else {
+            ModelCall::complete(&self.openai, request)
+        }
+    }
+}
+
+/// The Messages API request body of a model call: system messages into `system`.
+fn anthropic_body(call: &ModelRequest) -> String {
+    let system: Vec<&str> = call
+        .messages
+        .iter()
+        .filter(|m| m.role == "system" || m.role == "developer")
+        .map(|m| m.content.as_str())
+        .collect();
+    let messages: Vec<Value> = call
+        .messages
+        .iter()
+        .filter(|m| m.role != "system" && m.role != "developer")
+        .map(|m| json!({"role": m.role, "content": m.content}))
+        .collect();
+    let mut body =
+        json!({"model": call.model, "max_tokens": ANTHROPIC_MAX_TOKENS, "messages": messages});
+    if !system.is_empty() {
+        body["system"] = Value::String(system.join("\n\n"));
+    }
+    body.to_string()
+}
+
+/// The text and usage of a Messages API answer.
+fn anthropic_reply(body: &[u8]) -> Result<ModelReply, ModelError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|_| ModelError::BadAnswer("not JSON"))?;
+    let text: Vec<&str> = value
+        .get("content")
+        .and_then(Value::as_array)
+        .map(|blocks| {
+            blocks
+                .iter()
+                .filter(|b| b["type"] == "text")
+                .filter_map(|b| b.get("text").and_then(Value::as_str))
+                .collect()
+        })
+        .unwrap_or_default();
+    let text = text.join("").trim().to_string();
+    if text.is_empty() {
+        return Err(ModelError::BadAnswer("no text"));
+    }
+    let usage = |field: &str| {
+        value
+            .pointer(&format!("/usage/{field}"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    };
+    Ok(ModelReply {
+        text,
+        prompt_tokens: usage("input_tokens"),
+        completion_tokens: usage("output_tokens"),
+    })
+}
+
+/// One Messages API call for memproxy itself, over [`Upstream::forward`].
+async fn anthropic_complete(
+    upstream: &Upstream,
+    version: &HeaderValue,
+    call: ModelRequest,
+) -> Result<ModelReply, ModelError> {
+    let body = anthropic_body(&call);
+    let mut headers = HeaderMap::new();
+    for (name, value) in call.credentials.pairs() {
+        if let (Ok(name), Ok(mut value)) = (
+            HeaderName::try_from(name.as_str()),
+            HeaderValue::try_from(value.as_str()),
+        ) {
+            value.set_sensitive(true);
+            headers.insert(name, value);
+        }
+    }
+    if !headers.contains_key("anthropic-version") {
+        headers.insert("anthropic-version", version.clone());
+    }
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let forwarded = upstream
+        .forward(Forward {
+            method: Method::POST,
+            path: "/v1/messages",
+            query: None,
+            headers: &headers,
+            body_len: Some(body.len()),
+            body: full(body),
+            read_reply: true,
+            task: Some(call.task),
+        })
+        .await
+        .map_err(|err| ModelError::Unreachable(err.to_string()))?;
+    let status = forwarded.response.status();
+    let body = upstream
+        .read_answer(forwarded.response.into_body(), MODEL_REPLY_LIMIT)
+        .await
+        .map_err(|err| ModelError::Unreachable(err.to_string()))?;
+    if !status.is_success() {
+        return Err(ModelError::Status(status.as_u16()));
+    }
+    anthropic_reply(&body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Credentials, ModelMessage};
+
+    #[test]
+    fn system_goes_top_level_and_the_reply_is_the_text() {
+        let call = ModelRequest {
+            model: "claude-x".into(),
+            messages: vec![
+                ModelMessage {
+                    role: "system",
+                    content: "be brief".into(),
+                },
+                ModelMessage {
+                    role: "user",
+                    content: "sum up".into(),
+                },
+            ],
+            task: "summary",
+            credentials: Credentials::default(),
+            response_format: None,
+        };
+        let body: Value = serde_json::from_str(&anthropic_body(&call)).unwrap();
+        assert_eq!(body["system"], "be brief");
+        assert_eq!(
+            body["messages"],
+            json!([{"role": "user", "content": "sum up"}])
+        );
+        let reply = anthropic_reply(
+            br#"{"content":[{"type":"thinking","thinking":"x"},{"type":"text","text":" ok "}],"usage":{"input_tokens":3,"output_tokens":1}}"#,
+        )
+        .unwrap();
+        assert_eq!(reply.text, "ok");
+        assert_eq!(reply.prompt_tokens, 3);
+        assert!(anthropic_reply(br#"{"content":[]}"#).is_err());
+    }
+}

@@ -1,0 +1,385 @@
+//! The wire formats memory serves: chat completions, the Responses API and the Anthropic
+//! Messages API, each read into the one message model the pipeline works on and written back
+//! from the prompt it assembled.
+//!
+//! # The neutral message
+//!
+//! Memory stores and plans chat-completions messages (`role`, `content`, `tool_calls`,
+//! `tool_call_id`), whichever API wrote them, so a conversation is the same memory from any of
+//! the three. What a format has beyond them rides along in a `_wire` field that memproxy owns
+//! and never forwards as such:
+//!
+//! - `_wire.responses`: the Responses items the message stands for, as sent or answered
+//!   (reasoning items with `encrypted_content`, `function_call`s, output messages), raw;
+//! - `_wire.anthropic`: the Anthropic content blocks (`thinking`/`redacted_thinking` with their
+//!   signatures, `tool_use`, `image`, `tool_result`), raw;
+//! - `_wire.response_id`, `_wire.model`: the Responses answer a reply came from.
+//!
+//! A message written back to its own format is its raw items or blocks, byte for byte; to
+//! another format it is rebuilt from the neutral fields (opaque parts cannot cross formats and
+//! are left out). The fingerprint (`message.rs`) reads only the neutral fields, so a client
+//! that drops its reasoning items or thinking blocks when it re-sends its history still
+//! matches what is stored. Opaque parts have no text: they are never summarized, recalled or
+//! indexed.
+//!
+//! No HTTP here: the edge (`proxy/`) picks the format from the route.
+
+pub mod anthropic;
+pub mod responses;
+
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+use crate::message::{
+    ChatRequest, InvalidRequest, Message, model_and_stream, parse_object, write_fields,
+};
+
+/// The field of a neutral message that carries what only one format has.
+pub const WIRE_KEY: &str = "_wire";
+
+/// The API a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// `POST /v1/responses`.
+    Responses,
+    /// `POST /v1/messages` (Anthropic).
+    Anthropic,
+}
+
+impl Api {
+    /// The API memory serves on a `POST` to `path` (`/v1/...`), if any.
+    pub fn of_post(path: &str) -> Option<Api> {
+        match path {
+            "/v1/chat/completions" => Some(Api::Chat),
+            "/v1/responses" => Some(Api::Responses),
+            "/v1/messages" => Some(Api::Anthropic),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Responses => "responses",
+            Api::Anthropic => "anthropic",
+        }
+    }
+}
+
+/// A request of any of the three APIs: its top-level fields in order (raw), and its
+/// conversation as neutral messages.
+#[derive(Debug)]
+pub struct ApiRequest {
+    pub api: Api,
+    fields: Vec<(String, Box<RawValue>)>,
+    pub messages: Vec<Message>,
+    pub model: Option<String>,
+    pub stream: bool,
+    /// The Responses API's `previous_response_id`.
+    pub previous_response_id: Option<String>,
+}
+
+impl ApiRequest {
+    /// Parses a request body of `api`. Errors name the field at fault as the client spells it.
+    pub fn parse(api: Api, body: &[u8]) -> Result<ApiRequest, InvalidRequest> {
+        let (fields, messages) = match api {
+            Api::Chat => {
+                let request = ChatRequest::parse(body)?;
+                (request.fields, request.messages)
+            }
+            Api::Responses => {
+                let fields = parse_object(body)?;
+                let messages = responses::parse_input(&fields)?;
+                (fields, messages)
+            }
+            Api::Anthropic => {
+                let fields = parse_object(body)?;
+                let messages = anthropic::parse_messages(&fields)?;
+                (fields, messages)
+            }
+        };
+        let (model, stream) = model_and_stream(&fields)?;
+        let previous_response_id = match api {
+            Api::Responses => responses::previous_id_field(&fields)?,
+            _ => None,
+        };
+        Ok(ApiRequest {
+            api,
+            fields,
+            messages,
+            model,
+            stream,
+            previous_response_id,
+        })
+    }
+
+    /// The body to forward: the prompt (neutral messages, in order) written in this request's
+    /// format, every other field as it came. A Responses request goes stateless: its
+    /// `previous_response_id` is left out, memory sends the history itself.
+    pub fn render<'a>(&self, prompt: impl IntoIterator<Item = &'a RawValue>) -> Vec<u8> {
+        match self.api {
+            Api::Chat => {
+                let list = json_list(prompt.into_iter().filter_map(for_chat));
+                write_fields(&self.fields, "messages", &list, &[])
+            }
+            Api::Responses => {
+                let list = json_list(responses::render_input(prompt));
+                write_fields(&self.fields, "input", &list, &["previous_response_id"])
+            }
+            Api::Anthropic => anthropic::render(&self.fields, prompt),
+        }
+    }
+}
+
+/// The reply in a JSON answer of `api`, as a neutral assistant message.
+pub fn reply_from_json(api: Api, body: &[u8]) -> Option<Box<RawValue>> {
+    match api {
+        Api::Chat => None,
+        Api::Responses => responses::reply_from_json(body),
+        Api::Anthropic => anthropic::reply_from_json(body),
+    }
+}
+
+/// `[a,b,...]` from raw JSON values.
+fn json_list<'a, T: AsRef<RawValue> + 'a>(items: impl IntoIterator<Item = T>) -> Vec<u8> {
+    let mut list = Vec::with_capacity(4096);
+    list.push(b'[');
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            list.push(b',');
+        }
+        list.extend_from_slice(item.as_ref().get().as_bytes());
+    }
+    list.push(b']');
+    list
+}
+
+/// What memproxy keeps of a message's own format.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Wire {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub responses: Option<Vec<Box<RawValue>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anthropic: Option<Vec<Box<RawValue>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// A neutral message, written with `role` first.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Neutral {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(rename = "_wire", default, skip_serializing_if = "Option::is_none")]
+    pub wire: Option<Wire>,
+}
+
+impl Neutral {
+    /// Reads a stored or planned message; `None` for one that is not a message object.
+    pub fn read(raw: &RawValue) -> Option<Neutral> {
+        serde_json::from_str(raw.get()).ok()
+    }
+
+    /// The message as raw JSON.
+    pub fn to_raw(&self) -> Box<RawValue> {
+        // Serializing plain values and raw JSON cannot fail.
+        serde_json::value::to_raw_value(self).unwrap_or_else(|_| Box::<RawValue>::default())
+    }
+
+    /// The content's text: a string, or its text parts joined by newlines.
+    pub fn text(&self) -> String {
+        content_text(&self.content)
+    }
+
+    /// The tool calls as `(id, name, arguments)`.
+    pub fn calls(&self) -> Vec<(String, String, String)> {
+        self.tool_calls
+            .iter()
+            .flatten()
+            .map(|call| {
+                let field = |pointer: &str| {
+                    call.pointer(pointer)
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_string()
+                };
+                (
+                    field("/id"),
+                    field("/function/name"),
+                    field("/function/arguments"),
+                )
+            })
+            .collect()
+    }
+}
+
+/// The text of a content value: a string, or the `text` of its parts joined by newlines.
+pub fn content_text(content: &Value) -> String {
+    match content {
+        Value::String(text) => text.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// A chat-completions tool call.
+fn tool_call(id: &str, name: &str, arguments: &str) -> Value {
+    serde_json::json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+}
+
+/// A neutral message as chat completions take it: without `_wire`, and `None` for one that is
+/// only opaque parts (a reasoning item, thinking alone), which chat completions cannot carry.
+/// A message without `_wire` is passed as it is.
+pub fn for_chat(raw: &RawValue) -> Option<Cow<'_, RawValue>> {
+    if !raw.get().contains("\"_wire\"") {
+        return Some(Cow::Borrowed(raw));
+    }
+    let Some(mut neutral) = Neutral::read(raw) else {
+        return Some(Cow::Borrowed(raw));
+    };
+    if neutral.wire.take().is_none() {
+        return Some(Cow::Borrowed(raw));
+    }
+    let empty = match &neutral.content {
+        Value::Null => true,
+        Value::String(text) => text.is_empty(),
+        Value::Array(parts) => parts.is_empty(),
+        _ => false,
+    };
+    if neutral.role == "assistant" && empty && neutral.tool_calls.is_none() {
+        return None;
+    }
+    if neutral.role == "assistant" && empty {
+        neutral.content = Value::Null;
+    }
+    Some(Cow::Owned(neutral.to_raw()))
+}
+
+/// The Responses id a stored reply came from.
+pub fn response_id_of(raw: &RawValue) -> Option<String> {
+    if !raw.get().contains("\"response_id\"") {
+        return None;
+    }
+    Neutral::read(raw)?.wire?.response_id
+}
+
+/// Parses a neutral message built here (`path` names where it came from in errors).
+fn parsed(raw: Box<RawValue>, path: &str) -> Result<Message, InvalidRequest> {
+    Message::parse(raw, path).map_err(|e| InvalidRequest::field(e.field.clone(), e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn chat_drops_wire_and_opaque_only_messages() {
+        let plain = RawValue::from_string(r#"{"role":"user","content":"x"}"#.into()).unwrap();
+        assert!(matches!(for_chat(&plain), Some(Cow::Borrowed(_))));
+        let opaque = RawValue::from_string(
+            r#"{"role":"assistant","content":null,"_wire":{"responses":[{"type":"reasoning","encrypted_content":"e"}]}}"#.into(),
+        )
+        .unwrap();
+        assert!(for_chat(&opaque).is_none());
+        let mixed = RawValue::from_string(
+            r#"{"role":"assistant","content":"hi","_wire":{"anthropic":[{"type":"thinking","signature":"s"},{"type":"text","text":"hi"}]}}"#.into(),
+        )
+        .unwrap();
+        let out: Value = serde_json::from_str(for_chat(&mixed).unwrap().get()).unwrap();
+        assert_eq!(out, json!({"role": "assistant", "content": "hi"}));
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn json_value() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                any::<i32>().prop_map(|n| json!(n)),
+                prop_oneof![
+                    Just("user"),
+                    Just("assistant"),
+                    Just("system"),
+                    Just("message"),
+                    Just("function_call"),
+                    Just("function_call_output"),
+                    Just("reasoning"),
+                    Just("tool_use"),
+                    Just("tool_result"),
+                    Just("text"),
+                    Just("thinking"),
+                    Just("c1"),
+                ]
+                .prop_map(|s| json!(s)),
+                "[a-z\\u{4e00}-\\u{4e02}\"]{0,6}".prop_map(Value::String),
+            ];
+            leaf.prop_recursive(4, 32, 5, |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                    proptest::collection::btree_map(
+                        prop_oneof![
+                            Just("type".to_string()),
+                            Just("role".to_string()),
+                            Just("content".to_string()),
+                            Just("call_id".to_string()),
+                            Just("tool_use_id".to_string()),
+                            Just("id".to_string()),
+                            Just("name".to_string()),
+                            Just("arguments".to_string()),
+                            Just("input".to_string()),
+                            Just("output".to_string()),
+                            Just("text".to_string()),
+                            "[a-z]{1,3}",
+                        ],
+                        inner,
+                        0..5,
+                    )
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        proptest! {
+            /// Any JSON as a Responses `input` or Anthropic `messages`: parsed, or a 400 with a
+            /// param; a parsed request renders to valid JSON in its format and for chat.
+            #[test]
+            fn arbitrary_bodies_are_parsed_or_refused_with_a_param(list in json_value()) {
+                for (api, field) in [(Api::Responses, "input"), (Api::Anthropic, "messages")] {
+                    let body = json!({"model": "m", field: list.clone(), "system": "s"}).to_string();
+                    match ApiRequest::parse(api, body.as_bytes()) {
+                        Ok(request) => {
+                            let prompt: Vec<&RawValue> = request.messages.iter().map(|m| &*m.raw).collect();
+                            let out = request.render(prompt.iter().copied());
+                            prop_assert!(serde_json::from_slice::<Value>(&out).is_ok());
+                            for raw in prompt {
+                                if let Some(chat) = for_chat(raw) {
+                                    prop_assert!(serde_json::from_str::<Value>(chat.get()).is_ok());
+                                }
+                            }
+                        }
+                        Err(err) => prop_assert!(err.param.is_some() || err.code == "invalid_json"),
+                    }
+                }
+            }
+        }
+    }
+}

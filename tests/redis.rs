@@ -1,0 +1,531 @@
+//! Replicas sharing one memory in Redis, through the real proxy: two memproxy instances (in
+//! this process, each with its own caches) on one real redis-server started by the test.
+//! Conversations written by one are served by the other, concurrent commits across replicas
+//! store each exchange once and in order, a due summary is made once, a Redis that goes away
+//! makes requests `degraded` (never failed) until it is back, and deletes leave no key.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+#[path = "support/admin.rs"]
+mod support_admin;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use support::mock_upstream::{MockUpstream, Reply};
+use support::redis_server::RedisServer;
+use support::*;
+
+/// Two replicas on `redis`, each with its own data directory.
+async fn replicas(
+    mock: &MockUpstream,
+    redis: &RedisServer,
+    extra_toml: &str,
+) -> (Proxy, Proxy, tempfile::TempDir, tempfile::TempDir) {
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = Proxy::start_redis(mock, dir_a.path(), &redis.url(), extra_toml).await;
+    let b = Proxy::start_redis(mock, dir_b.path(), &redis.url(), extra_toml).await;
+    (a, b, dir_a, dir_b)
+}
+
+fn stored(proxy: &Proxy, conversation: &str) -> Vec<String> {
+    summarize(&stored_now(proxy.store(), &key(Some(TOKEN), conversation)))
+}
+
+fn forwarded_text(messages: &[Value]) -> String {
+    messages
+        .iter()
+        .map(|m| m["content"].as_str().unwrap_or("").to_string())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let started = Instant::now();
+    while !done().await {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_replica_serves_what_the_other_committed_after_caching_the_conversation() {
+    let mock = MockUpstream::start().await.unwrap();
+    let redis = RedisServer::start();
+    let (a, b, _da, _db) = replicas(&mock, &redis, "").await;
+
+    // A caches the conversation (its state and, through a search, its recall index).
+    let first = chat(&a, "c", &body(&[user("hello from a")]), &[]).await;
+    assert_eq!(first.header("x-memory-status"), "stored");
+    // B commits three exchanges A has not seen.
+    for i in 1..=3 {
+        let answer = chat(&b, "c", &body(&[user(&format!("fact {i} via b"))]), &[]).await;
+        assert_eq!(answer.header("x-memory-turns"), (2 + 2 * i).to_string());
+    }
+    // A's next prompt carries them, in order, and A stores after them.
+    let answer = chat(&a, "c", &body(&[user("back on a")]), &[]).await;
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    assert_eq!(answer.header("x-memory-turns"), "10");
+    let forwarded: Vec<String> = mock.last_messages().iter().map(role_content).collect();
+    assert_eq!(
+        forwarded,
+        [
+            "user:hello from a",
+            "assistant:reply to: hello from a",
+            "user:fact 1 via b",
+            "assistant:reply to: fact 1 via b",
+            "user:fact 2 via b",
+            "assistant:reply to: fact 2 via b",
+            "user:fact 3 via b",
+            "assistant:reply to: fact 3 via b",
+            "user:back on a",
+        ]
+    );
+    assert_eq!(stored(&b, "c").len(), 10);
+    assert_eq!(stored(&a, "c"), stored(&b, "c"));
+}
+
+#[tokio::test]
+async fn two_replicas_alternating_30_turns_store_60_messages_once_and_recall_turn_3() {
+    let mock = MockUpstream::start().await.unwrap();
+    let redis = RedisServer::start();
+    let (a, b, _da, _db) = replicas(&mock, &redis, "").await;
+
+    // The SDK habit (the whole history every time), each turn on the other replica.
+    let mut history = vec![json!({"role": "system", "content": "be brief"})];
+    for turn in 1..=30 {
+        let text = match turn {
+            3 => "My locker code is 7291 and my cat is called Quillfeather.".to_string(),
+            30 => "What is my cat called?".to_string(),
+            n => format!("Small talk number {n} about the weather"),
+        };
+        history.push(user(&text));
+        let proxy = if turn % 2 == 1 { &a } else { &b };
+        let answer = chat(proxy, "alt", &body(&history), &[]).await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        assert_eq!(answer.header("x-memory-status"), "stored", "turn {turn}");
+        assert_eq!(answer.header("x-memory-turns"), (2 * turn).to_string());
+        history.push(reply_message(&answer));
+    }
+    let all = stored(&a, "alt");
+    assert_eq!(all.len(), 60);
+    assert_eq!(all, stored(&b, "alt"));
+    for turn in 1..=30 {
+        assert!(all[2 * (turn - 1)].starts_with("user:"), "{all:?}");
+        assert!(all[2 * turn - 1].starts_with("assistant:reply to: "));
+    }
+    // Turn 30 was served by B; the fact of turn 3 (long out of the window) was recalled.
+    let forwarded = forwarded_text(&mock.last_messages());
+    assert!(forwarded.contains("Quillfeather"), "{forwarded}");
+}
+
+#[tokio::test]
+async fn concurrent_requests_across_replicas_store_each_exchange_once_in_order() {
+    let mock = MockUpstream::start().await.unwrap();
+    let redis = RedisServer::start();
+    let (a, b, _da, _db) = replicas(&mock, &redis, "").await;
+    let (a, b) = (std::sync::Arc::new(a), std::sync::Arc::new(b));
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let proxy = std::sync::Arc::clone(if i % 2 == 0 { &a } else { &b });
+        tasks.spawn(async move {
+            let answer = chat(&proxy, "burst", &body(&[user(&format!("q{i}"))]), &[]).await;
+            assert_eq!(answer.status, 200);
+            answer.header("x-memory-status").to_string()
+        });
+    }
+    while let Some(status) = tasks.join_next().await {
+        assert_eq!(status.unwrap(), "stored");
+    }
+    let all = stored(&a, "burst");
+    assert_eq!(all.len(), 40, "{all:?}");
+    let mut questions = Vec::new();
+    for pair in all.chunks(2) {
+        let question = pair[0].strip_prefix("user:").unwrap();
+        assert_eq!(pair[1], format!("assistant:reply to: {question}"));
+        questions.push(question.to_string());
+    }
+    questions.sort();
+    questions.dedup();
+    assert_eq!(questions.len(), 20);
+}
+
+#[tokio::test]
+async fn a_summary_due_with_both_replicas_serving_is_made_once() {
+    let mock = MockUpstream::start().await.unwrap();
+    let redis = RedisServer::start();
+    let settings =
+        "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\n";
+    let (a, b, _da, _db) = replicas(&mock, &redis, settings).await;
+    // The summary call takes a while: both replicas want it while it runs.
+    for _ in 0..4 {
+        mock.push_summary(Reply::Delay(
+            Duration::from_millis(800),
+            Box::new(Reply::Auto),
+        ));
+    }
+    let line =
+        |i: usize| format!("Fact {i}: the blue lantern stands on shelf {i} in the north storeroom");
+    for round in 0..6 {
+        let (one, two) = (
+            body(&[user(&line(2 * round))]),
+            body(&[user(&line(2 * round + 1))]),
+        );
+        let (first, second) = tokio::join!(chat(&a, "sum", &one, &[]), chat(&b, "sum", &two, &[]));
+        assert_eq!(first.status, 200);
+        assert_eq!(second.status, 200);
+        if !mock.summary_requests().is_empty() {
+            break;
+        }
+    }
+    // Both keep serving while the one summary call runs.
+    for i in 0..3 {
+        chat(&a, "sum", &body(&[user(&format!("more {i}"))]), &[]).await;
+        chat(&b, "sum", &body(&[user(&format!("again {i}"))]), &[]).await;
+    }
+    let key = key(Some(TOKEN), "sum");
+    wait_for("the summary record", async || {
+        let store = a.store();
+        let id = store.meta(&key).unwrap().unwrap().id;
+        store
+            .latest_summary(&key, id)
+            .unwrap()
+            .is_some_and(|r| !r.heuristic)
+    })
+    .await;
+    assert_eq!(mock.summary_requests().len(), 1);
+    // The record lives in Redis: the other replica reads it, and no Markdown copy was written.
+    let id = b.store().meta(&key).unwrap().unwrap().id;
+    assert!(b.store().latest_summary(&key, id).unwrap().is_some());
+    assert!(!memproxy::store::workspace_dir(b.store().data_dir(), &key).exists());
+    assert!(!memproxy::store::workspace_dir(a.store().data_dir(), &key).exists());
+}
+
+#[tokio::test]
+async fn redis_going_away_makes_requests_degraded_and_memory_comes_back_with_nothing_lost() {
+    let mock = MockUpstream::start().await.unwrap();
+    let mut redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start_redis(&mock, dir.path(), &redis.url(), "").await;
+    for i in 0..5 {
+        let answer = chat(&proxy, "d", &body(&[user(&format!("before {i}"))]), &[]).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+
+    redis.kill();
+    for i in 0..3 {
+        let answer = chat(&proxy, "d", &body(&[user(&format!("while down {i}"))]), &[]).await;
+        assert_eq!(
+            answer.status, 200,
+            "a memory failure never fails the request"
+        );
+        assert_eq!(answer.header("x-memory-status"), "degraded");
+        assert!(!answer.header("x-memory-reason").is_empty());
+        // The client's own messages went upstream.
+        assert_eq!(
+            forwarded_text(&mock.last_messages()),
+            format!("while down {i}")
+        );
+    }
+    let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    assert_eq!(ready.status, 503);
+    assert!(
+        String::from_utf8_lossy(&ready.body).contains("cannot be reached"),
+        "{:?}",
+        ready.body
+    );
+    // Pass-through is unaffected.
+    let models = send(
+        "GET",
+        &proxy.url("/v1/models"),
+        &[("authorization", "Bearer sk-test-one")],
+        "",
+    )
+    .await;
+    assert_eq!(models.status, 200);
+
+    // Restarted with `appendfsync always`: everything acknowledged is there, and memory is
+    // back on its own.
+    redis.restart();
+    wait_for("memory to come back", async || {
+        let answer = chat(&proxy, "d", &body(&[user("after")]), &[]).await;
+        answer.header("x-memory-status") == "stored"
+    })
+    .await;
+    let all = stored(&proxy, "d");
+    let questions: Vec<&String> = all.iter().filter(|m| m.starts_with("user:")).collect();
+    assert_eq!(
+        questions,
+        [
+            "user:before 0",
+            "user:before 1",
+            "user:before 2",
+            "user:before 3",
+            "user:before 4",
+            "user:after"
+        ]
+    );
+    let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    assert_eq!(ready.status, 200);
+}
+
+#[tokio::test]
+async fn a_replica_started_while_redis_is_down_gets_memory_once_it_is_up() {
+    let mock = MockUpstream::start().await.unwrap();
+    let mut redis = RedisServer::start();
+    redis.kill();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start_redis(&mock, dir.path(), &redis.url(), "").await;
+    let answer = chat(&proxy, "late", &body(&[user("anyone there?")]), &[]).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("x-memory-status"), "degraded");
+    let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    assert_eq!(ready.status, 503);
+
+    redis.restart();
+    wait_for("memory to come back", async || {
+        let answer = chat(&proxy, "late", &body(&[user("now?")]), &[]).await;
+        answer.header("x-memory-status") == "stored"
+    })
+    .await;
+    assert_eq!(
+        send("GET", &proxy.url("/readyz"), &[], "").await.status,
+        200
+    );
+}
+
+/// Every key in the Redis server (the whole keyspace, not only memproxy's prefix).
+fn all_keys(redis: &RedisServer) -> String {
+    redis.command("KEYS *")
+}
+
+#[tokio::test]
+async fn conversation_and_tenant_deletes_leave_no_key_in_redis() {
+    let mock = MockUpstream::start().await.unwrap();
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let text = support_admin::config_text(&mock, dir.path(), "").replace(
+        "[server]",
+        &format!(
+            "backend = \"redis\"\nredis_url = \"{}\"\nredis_key_prefix = \"mp:\"\n[server]",
+            redis.url()
+        ),
+    );
+    let config = memproxy::config::from_toml(&text, &|name| match name {
+        "MEMPROXY_ADMIN_TOKEN" => Some(support_admin::ADMIN_TOKEN.to_string()),
+        _ => None,
+    })
+    .unwrap();
+    let proxy = Proxy::start_config(config).await;
+    let ttl = [("x-memory-ttl", "P1D")];
+    for conversation in ["one", "two"] {
+        for i in 0..3 {
+            let answer = chat(
+                &proxy,
+                conversation,
+                &body(&[user(&format!("{conversation} {i}"))]),
+                &ttl,
+            )
+            .await;
+            assert_eq!(answer.header("x-memory-status"), "stored");
+        }
+    }
+    let branchy = [user("a"), assistant("b"), user("c")];
+    chat(&proxy, "one", &body(&branchy), &[]).await;
+    let before = all_keys(&redis);
+    assert!(before.contains("mp:{"), "{before}");
+    assert!(before.contains("mp:idx:conv"), "{before}");
+    assert!(before.contains("mp:idx:ttl"), "{before}");
+
+    let path = support_admin::conversation_path(TOKEN, "default", "one");
+    let deleted = support_admin::admin(&proxy, "DELETE", &path, "").await;
+    assert_eq!(deleted.status, 200, "{:?}", deleted.body);
+    let tenant = format!("/admin/v1/tenants/{}", support_admin::tenant(TOKEN));
+    let deleted = support_admin::admin(&proxy, "DELETE", &tenant, "").await;
+    assert_eq!(deleted.status, 200, "{:?}", deleted.body);
+
+    // Only the id counter is left: no conversation key, no index entry, no key.
+    let after = all_keys(&redis);
+    assert!(!after.contains("mp:{"), "{after}");
+    assert!(!after.contains("idx"), "{after}");
+    assert!(after.contains("mp:ids"), "{after}");
+}
+
+/// The real binary as a replica (a child process, so it can be killed with SIGKILL), on
+/// `redis` with the tests' key prefix, listening on a free port.
+struct Replica {
+    child: std::process::Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Replica {
+    fn start(mock: &MockUpstream, redis: &RedisServer) -> Replica {
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.path().join("memproxy.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_key_prefix = \"mp:\"\n[server]\nlisten = \"127.0.0.1:{port}\"\nmemory_budget = \"1GiB\"\n",
+                mock.base_url(),
+                dir.path().join("data").display(),
+                redis.url()
+            ),
+        )
+        .unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_memproxy"))
+            .current_dir(dir.path())
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .arg("--config")
+            .arg(&config)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        Replica {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            _dir: dir,
+        }
+    }
+
+    async fn ready(&self) {
+        let url = format!("{}/readyz", self.url);
+        wait_for("the replica to be ready", async || {
+            try_send("GET", &url, &[], String::new())
+                .await
+                .is_some_and(|a| a.status == 200)
+        })
+        .await;
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends one question to `base` in `conversation` (newest-only habit); true when the
+/// exchange was acknowledged as stored.
+async fn ask(base: &str, conversation: &str, question: &str) -> bool {
+    let headers = [
+        ("authorization", "Bearer sk-test-one"),
+        ("content-type", "application/json"),
+        ("x-memory-conversation-id", conversation),
+    ];
+    let body = body(&[user(question)]).to_string();
+    // A replica killed mid-request is a connection error: not acknowledged.
+    let url = format!("{base}/v1/chat/completions");
+    let sent = tokio::time::timeout(
+        Duration::from_secs(5),
+        try_send("POST", &url, &headers, body),
+    )
+    .await;
+    match sent {
+        Ok(Some(answer)) => {
+            answer.status == 200
+                && answer
+                    .headers
+                    .get("x-memory-status")
+                    .is_some_and(|v| v == "stored")
+        }
+        _ => false,
+    }
+}
+
+#[tokio::test]
+async fn every_exchange_a_killed_replica_acknowledged_is_readable_through_the_other() {
+    let mock = MockUpstream::start().await.unwrap();
+    let redis = RedisServer::start();
+    let mut killed = Replica::start(&mock, &redis);
+    killed.ready().await;
+    let dir = tempfile::tempdir().unwrap();
+    let other = Proxy::start_redis(&mock, dir.path(), &redis.url(), "").await;
+
+    // Eight clients, each asking in its own conversation, one question after the other.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = tokio::task::JoinSet::new();
+    for c in 0..8 {
+        let (base, stop) = (killed.url.clone(), std::sync::Arc::clone(&stop));
+        clients.spawn(async move {
+            let mut acknowledged = Vec::new();
+            for i in 0..200 {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let question = format!("client {c} question {i}");
+                if ask(&base, &format!("burst-{c}"), &question).await {
+                    acknowledged.push(question);
+                } else {
+                    break;
+                }
+            }
+            (c, acknowledged)
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // kill -9 in the middle of the burst.
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+
+    let mut total = 0;
+    while let Some(done) = clients.join_next().await {
+        let (c, acknowledged) = done.unwrap();
+        total += acknowledged.len();
+        let conversation = format!("burst-{c}");
+        let stored = stored(&other, &conversation);
+        for question in &acknowledged {
+            let at = stored
+                .iter()
+                .position(|m| *m == format!("user:{question}"))
+                .unwrap_or_else(|| panic!("{question} was acknowledged but is not stored"));
+            assert_eq!(stored[at + 1], format!("assistant:reply to: {question}"));
+        }
+        // The survivor goes on with the conversation.
+        let answer = chat(&other, &conversation, &body(&[user("after the kill")]), &[]).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+    assert!(
+        total > 8,
+        "the burst reached the replica: {total} exchanges"
+    );
+}
+
+/// Sends `body` to `url`; `None` when the connection failed (a killed replica).
+async fn try_send(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: String,
+) -> Option<Answer> {
+    use http_body_util::BodyExt;
+    let mut request = http::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let request = request
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let response = client().request(request).await.ok()?;
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.ok()?.to_bytes();
+    Some(Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    })
+}
