@@ -80,7 +80,7 @@ pub async fn chat(
     let (key, settings) = match (api, key) {
         (Api::Responses, key) => {
             match super::responses::resolve(state, &parts.headers, &bytes, key, settings)? {
-                Chain::Memory(key, settings) => (key, settings),
+                Chain::Memory(key, settings) => (key, *settings),
                 Chain::Forward(reason) => {
                     let response =
                         super::responses::forward_as_sent(state, &parts, bytes, api_path, reason)
