@@ -26,6 +26,12 @@
 //!
 //! It prints one table per configuration × category, and with `--json PATH` writes the same
 //! figures as JSON.
+//!
+//! `--mode cross-session` measures long-term memory (layer 1, issue 13) instead: each session
+//! of a LoCoMo conversation is replayed as its own memproxy conversation of one user
+//! (`X-Memory-User-Id` = the sample id), and every question is asked in a fresh conversation
+//! of that user, so whatever evidence reaches the model came from the user's other
+//! conversations.
 #![allow(clippy::print_stdout)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -79,6 +85,16 @@ struct Args {
     /// Also write the figures as JSON to this path.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// `within` (each LoCoMo conversation one memproxy conversation) or `cross-session` (each
+    /// session its own conversation of one user; questions in a fresh conversation).
+    #[arg(long, default_value = "within")]
+    mode: Mode,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Mode {
+    Within,
+    CrossSession,
 }
 
 /// One configuration: relevance off (`None`) or on with this top-K.
@@ -129,6 +145,9 @@ struct Question {
 struct Conversation {
     id: String,
     messages: Vec<Msg>,
+    /// The same turns session by session (runs joined within a session only), for
+    /// `--mode cross-session`.
+    sessions: Vec<Vec<Msg>>,
     /// dia_id → turn text (as replayed).
     turns: HashMap<String, String>,
     questions: Vec<Question>,
@@ -304,7 +323,9 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
 
     let mut turns = HashMap::new();
     let mut messages: Vec<Msg> = Vec::new();
+    let mut by_session: Vec<Vec<Msg>> = Vec::new();
     for (n, session) in sessions {
+        let mut this_session: Vec<Msg> = Vec::new();
         let session_turns = session
             .as_array()
             .ok_or_else(|| format!("{what}: session_{n} is not a list"))?;
@@ -319,19 +340,24 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
             } else {
                 return Err(format!("{what}: {dia_id}: unknown speaker `{speaker}`").into());
             };
-            match messages.last_mut() {
-                Some(last) if last.role == role => {
-                    last.text.push('\n');
-                    last.text.push_str(&text);
+            for list in [&mut messages, &mut this_session] {
+                match list.last_mut() {
+                    Some(last) if last.role == role => {
+                        last.text.push('\n');
+                        last.text.push_str(&text);
+                    }
+                    _ => list.push(Msg {
+                        role,
+                        text: text.clone(),
+                    }),
                 }
-                _ => messages.push(Msg {
-                    role,
-                    text: text.clone(),
-                }),
             }
             if turns.insert(dia_id.clone(), text).is_some() {
                 return Err(format!("{what}: dia_id {dia_id} appears twice").into());
             }
+        }
+        if !this_session.is_empty() {
+            by_session.push(this_session);
         }
     }
     if messages.is_empty() {
@@ -387,6 +413,7 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
     Ok(Conversation {
         id,
         messages,
+        sessions: by_session,
         turns,
         questions,
         history_chars,
@@ -513,10 +540,16 @@ impl Harness {
     }
 
     /// Sends one exchange of the replay and checks it was stored with `reply` as the answer.
-    async fn exchange(&self, conversation: &str, messages: &[Value], reply: &str) -> BoxResult<()> {
+    async fn exchange(
+        &self,
+        conversation: &str,
+        messages: &[Value],
+        reply: &str,
+        extra: &[(&str, String)],
+    ) -> BoxResult<()> {
         self.mock.clear();
         self.mock.push(Reply::Text(reply.to_string()));
-        let answer = self.chat(conversation, messages, &[]).await?;
+        let answer = self.chat(conversation, messages, extra).await?;
         if answer.status != StatusCode::OK || answer.header("x-memory-status") != "stored" {
             return Err(format!(
                 "{conversation}: replay request not stored: {}",
@@ -591,9 +624,37 @@ fn message_json(message: &Msg) -> Value {
 
 /// Replays a conversation as a front-end would: each request carries only the newest message(s).
 async fn replay(harness: &Harness, conversation: &Conversation) -> BoxResult<()> {
+    replay_messages(harness, &conversation.id, &conversation.messages, &[]).await
+}
+
+/// The user id of a conversation's sessions in `--mode cross-session`, and the id of the
+/// conversation of session `n` (1-based).
+fn session_conversation(conversation: &Conversation, n: usize) -> String {
+    format!("{}-session-{n}", conversation.id)
+}
+
+fn user_header(conversation: &Conversation) -> (&'static str, String) {
+    ("x-memory-user-id", conversation.id.clone())
+}
+
+/// Replays every session as its own conversation of the conversation's user.
+async fn replay_sessions(harness: &Harness, conversation: &Conversation) -> BoxResult<()> {
+    let user = [user_header(conversation)];
+    for (i, session) in conversation.sessions.iter().enumerate() {
+        let id = session_conversation(conversation, i + 1);
+        replay_messages(harness, &id, session, &user).await?;
+    }
+    Ok(())
+}
+
+async fn replay_messages(
+    harness: &Harness,
+    id: &str,
+    messages: &[Msg],
+    extra: &[(&str, String)],
+) -> BoxResult<()> {
     let mut pending: Vec<Value> = Vec::new();
     let mut i = 0;
-    let messages = &conversation.messages;
     while i < messages.len() {
         let message = &messages[i];
         pending.push(message_json(message));
@@ -609,15 +670,11 @@ async fn replay(harness: &Harness, conversation: &Conversation) -> BoxResult<()>
             }
             _ => "ok",
         };
-        harness.exchange(&conversation.id, &pending, reply).await?;
+        harness.exchange(id, &pending, reply, extra).await?;
         pending.clear();
     }
     if !pending.is_empty() {
-        return Err(format!(
-            "{}: nothing to answer at the end of the replay",
-            conversation.id
-        )
-        .into());
+        return Err(format!("{id}: nothing to answer at the end of the replay").into());
     }
     Ok(())
 }
@@ -747,7 +804,11 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
         |f| f.to_string_lossy().into_owned(),
     );
     format!(
-        "recall_eval  data={file}  recent_n={RECENT_N}  top-K={}  token budget={budget}",
+        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}",
+        match args.mode {
+            Mode::Within => "within",
+            Mode::CrossSession => "cross-session",
+        },
         if ks.is_empty() {
             "-".to_string()
         } else {
@@ -873,15 +934,25 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
     let mut results: Results = configs.iter().map(|c| (*c, BTreeMap::new())).collect();
     for conversation in &conversations {
         let replay_started = Instant::now();
-        replay(&harness, conversation).await?;
-        check_history(&harness, conversation).await?;
+        let asked_in = match args.mode {
+            Mode::Within => {
+                replay(&harness, conversation).await?;
+                check_history(&harness, conversation).await?;
+                conversation.id.clone()
+            }
+            Mode::CrossSession => {
+                replay_sessions(&harness, conversation).await?;
+                format!("{}-questions", conversation.id)
+            }
+        };
         let replayed = replay_started.elapsed();
         for (config, tallies) in &mut results {
-            let headers = question_headers(*config, args.max_context_tokens);
+            let mut headers = question_headers(*config, args.max_context_tokens);
+            if args.mode == Mode::CrossSession {
+                headers.push(user_header(conversation));
+            }
             for question in &conversation.questions {
-                let forwarded = harness
-                    .ask(&conversation.id, &question.text, &headers)
-                    .await?;
+                let forwarded = harness.ask(&asked_in, &question.text, &headers).await?;
                 tallies.entry(question.category).or_default().add(score(
                     conversation,
                     question,

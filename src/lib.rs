@@ -21,7 +21,9 @@
 //! - [`memory`] is the memory core's one value (store, recall, summaries, clock); [`ttl`] its
 //!   sweeper;
 //! - [`pipeline`] plans a prompt and commits an exchange, one stage per file;
-//! - [`summary`] makes summaries in the background; [`recall`] keeps BM25 indexes;
+//! - [`summary`] makes summaries in the background; [`longterm`] is what a user said in any
+//!   of their conversations (the archive and index per user, extracted memories);
+//!   [`recall`] keeps BM25 indexes;
 //! - [`store`] keeps conversations behind a storage contract (sled by default);
 //! - leaves: [`config`], [`model`] (the model-call trait), [`settings`], [`identity`],
 //!   [`message`], [`tokens`], [`heap`] (what cached values really take), [`wire`] (the three
@@ -34,6 +36,7 @@ pub mod config;
 pub mod error;
 pub mod heap;
 pub mod identity;
+pub mod longterm;
 pub mod memory;
 pub mod memory_guard;
 pub mod message;

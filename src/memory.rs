@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use crate::config::{self, CompressionConfig, Config};
 use crate::identity::{ConversationKey, TenantId};
+use crate::longterm::LongTerm;
 use crate::model::ModelCall;
 use crate::recall::Recall;
 use crate::store::{
-    Deleted, Durability, RedisOptions, Scope, Store, StoreError, StoreOptions, now_ms,
+    Deleted, Durability, OwnerKey, RedisOptions, Scope, Store, StoreError, StoreOptions, now_ms,
 };
 use crate::summary::Summarizer;
 
@@ -55,6 +56,8 @@ impl SweepCounters {
 pub struct Memory {
     pub store: Arc<Store>,
     pub recall: Recall,
+    /// Long-term memory per user: archives, their indexes, extracted memories.
+    pub longterm: LongTerm,
     pub summarizer: Arc<Summarizer>,
     pub clock: Clock,
     pub sweeps: SweepCounters,
@@ -98,7 +101,15 @@ impl Memory {
         recall_cache_bytes: u64,
     ) -> Memory {
         Memory {
-            recall: Recall::new(recall_cache_bytes),
+            // The recall share of the memory budget is split: three quarters for the
+            // conversations' indexes, one for the users' (long-term memory), so the caches
+            // together stay within `storage.recall_cache_bytes`.
+            recall: Recall::new(recall_cache_bytes - recall_cache_bytes / 4),
+            longterm: LongTerm::new(
+                recall_cache_bytes / 4,
+                Arc::clone(&store),
+                Arc::clone(&model),
+            ),
             summarizer: Summarizer::start(Arc::clone(&store), model, compression),
             store,
             clock: Clock::default(),
@@ -114,6 +125,7 @@ impl Memory {
     pub fn writable(&self) -> Result<(), StoreError> {
         if self.store.writable()? {
             self.recall.forget_all();
+            self.longterm.forget_all();
         }
         Ok(())
     }
@@ -147,16 +159,38 @@ impl Memory {
         Ok(deleted.is_some())
     }
 
+    /// Deletes a user of a tenant (long-term memory): every conversation the user's archive
+    /// knows, the archive and the user's memories, with the same erasure as a conversation
+    /// delete (the user's key file goes last). `None` when the user has nothing stored.
+    pub fn delete_user(&self, tenant: &TenantId, user: &str) -> Result<Option<usize>, StoreError> {
+        let owner = OwnerKey::user(tenant, user);
+        let Some(handle) = self.store.owner(&owner, false)? else {
+            return Ok(None);
+        };
+        let mut deleted = 0;
+        for key in crate::longterm::archive::conversations(&self.store, &handle)? {
+            if self.delete_conversation(&key)?.is_some() {
+                deleted += 1;
+            }
+        }
+        self.store.delete_owner(&owner)?;
+        self.longterm.forget(&owner);
+        Ok(Some(deleted))
+    }
+
     /// Deletes every conversation of a tenant, and the tenant's workspace folder; returns how
     /// many conversations there were.
     pub fn delete_tenant(&self, tenant: &TenantId) -> Result<usize, StoreError> {
-        delete_tenant_in(&self.store, tenant, |key| self.recall.forget(key))
+        let deleted = delete_tenant_in(&self.store, tenant, |key| self.recall.forget(key))?;
+        self.longterm.forget_tenant(tenant);
+        Ok(deleted)
     }
 
     /// Stops the summary worker (waiting up to `grace` for jobs in flight), then flushes and
     /// closes the store: the last steps of shutdown.
     pub async fn shutdown(&self, grace: Duration) -> Result<(), StoreError> {
         self.summarizer.shutdown(grace).await;
+        self.longterm.shutdown(grace).await;
         self.store.close().await
     }
 }
@@ -184,6 +218,25 @@ pub fn delete_tenant_in(
                 count += 1;
             }
             forget(&summary.key);
+        }
+    }
+    // Long-term memory: the tenant's users, agents and the tenant's own memories.
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let (page, next) = match store.owners(after.as_deref(), 1000) {
+            Ok(page) => page,
+            // An engine without long-term records has none.
+            Err(StoreError::Engine(_)) => break,
+            Err(err) => return Err(err),
+        };
+        for (owner, _) in page {
+            if owner.tenant == *tenant {
+                store.delete_owner(&owner)?;
+            }
+        }
+        match next {
+            Some(next) => after = Some(next),
+            None => break,
         }
     }
     let probe = ConversationKey {

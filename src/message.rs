@@ -95,6 +95,8 @@ pub struct Message {
 pub const RECALL_MARKER: &str = "[Earlier in this conversation";
 /// How the summary message memproxy injects begins.
 pub const SUMMARY_MARKER: &str = "[Summary of earlier conversation";
+/// How the message of extracted memories memproxy injects begins (long-term memory).
+pub const MEMORIES_MARKER: &str = "[What you know about this user";
 
 /// Why a message could not be read; `index` is its position in `messages`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -164,7 +166,11 @@ impl Message {
             && object
                 .get("content")
                 .and_then(Value::as_str)
-                .is_some_and(|c| c.starts_with(RECALL_MARKER) || c.starts_with(SUMMARY_MARKER));
+                .is_some_and(|c| {
+                    c.starts_with(RECALL_MARKER)
+                        || c.starts_with(SUMMARY_MARKER)
+                        || c.starts_with(MEMORIES_MARKER)
+                });
         Ok(Message {
             fingerprint: fingerprint(role, &object),
             raw,

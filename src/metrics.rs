@@ -621,8 +621,9 @@ impl Metrics {
         self.store_size.set(gauge(store.size_on_disk()));
         self.cached_conversations
             .set(gauge(store.cached_conversations()));
-        self.recall_cache_bytes
-            .set(gauge(memory.recall.weighted_size()));
+        self.recall_cache_bytes.set(gauge(
+            memory.recall.weighted_size() + memory.longterm.weighted_size(),
+        ));
         let (lookups, misses) = store.cache_counts();
         let labels = CacheLabels {
             cache: Cache::Conversation.as_str(),

@@ -43,6 +43,8 @@ pub struct ModelRequest {
     /// What the call is for (`summary`), sent upstream as `x-memproxy-task`.
     pub task: &'static str,
     pub credentials: Credentials,
+    /// The request's `response_format` (structured output), when the call needs one.
+    pub response_format: Option<serde_json::Value>,
 }
 
 impl ModelRequest {
@@ -61,6 +63,7 @@ impl ModelRequest {
             }],
             task,
             credentials,
+            response_format: None,
         }
     }
 }

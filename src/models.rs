@@ -178,6 +178,7 @@ mod tests {
             ],
             task: "summary",
             credentials: Credentials::default(),
+            response_format: None,
         };
         let body: Value = serde_json::from_str(&anthropic_body(&call)).unwrap();
         assert_eq!(body["system"], "be brief");

@@ -21,7 +21,7 @@ use crate::config::hash_key;
 use crate::error::{ProxyError, json_response};
 use crate::identity::{Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
-use crate::proxy::identify::{PathIds, credential_of, identify};
+use crate::proxy::identify::{PathIds, UserId, credential_of, identify};
 use crate::proxy::{self, DegradedReason, MemoryStatus, set_degraded_reason, set_memory_headers};
 use crate::state::AppState;
 use crate::wire::Api;
@@ -142,7 +142,10 @@ async fn route(
     match (identity.key, identity.conversation, api) {
         (Some(key), _, Some(api)) => match &state.memory {
             Ok(memory) => {
-                let (parts, body) = request.into_parts();
+                let (mut parts, body) = request.into_parts();
+                if let Some(user) = identity.user {
+                    parts.extensions.insert(UserId(user));
+                }
                 let settings = identity.settings;
                 proxy::chat::chat(
                     state,

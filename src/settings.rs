@@ -20,6 +20,14 @@ pub const DEFAULT_COMPRESSION_INTERVAL: Duration = Duration::from_secs(3600);
 /// The largest `recent_n` and `max_messages` accepted.
 pub const MAX_RECENT_N: usize = 10_000;
 pub const MAX_MAX_MESSAGES: usize = 1_000_000;
+pub const DEFAULT_LONG_TERM_TOP_K: usize = 5;
+/// The cap on `long_term_top_k`.
+pub const MAX_LONG_TERM_TOP_K: usize = 50;
+pub const DEFAULT_LONG_TERM_MAX_TOKENS: u64 = 600;
+pub const DEFAULT_EXTRACTION_EVERY: u64 = 6;
+/// 30 days.
+pub const DEFAULT_MEMORY_HALF_LIFE: Duration = Duration::from_secs(30 * 86_400);
+pub const DEFAULT_MEMORY_MIN_DECAY: f64 = 0.2;
 
 /// The effective settings for one request: built-in defaults ← `[memory]` ← `[agents.NAME]` ←
 /// headers.
@@ -45,6 +53,29 @@ pub struct MemorySettings {
     pub relevance_language: TextLanguage,
     /// A conversation idle longer than this is deleted by the TTL sweeper; `None`: kept forever.
     pub ttl: Option<Duration>,
+    /// Long-term memory (recall across the user's conversations, extracted memories) for
+    /// requests that name a user (`X-Memory-User-Id`).
+    pub long_term_enabled: bool,
+    /// Extracted memories put in the prompt, at most.
+    pub long_term_top_k: usize,
+    /// Tokens the extracted memories may take in the prompt, at most.
+    pub long_term_max_tokens: u64,
+    /// The model that extracts memories (`None`: `compression_model`, else the request's).
+    pub extraction_model: Option<String>,
+    /// User messages between two extractions.
+    pub extraction_every: u64,
+    /// A memory's decay score halves over this much time without being recalled.
+    pub memory_half_life: Duration,
+    /// Memories whose decay score falls below this are deleted by the sweeper. Stored as
+    /// millionths so the settings stay `Eq`.
+    pub memory_min_decay_micros: u32,
+}
+
+impl MemorySettings {
+    /// `memory_min_decay` as a fraction.
+    pub fn memory_min_decay(&self) -> f64 {
+        f64::from(self.memory_min_decay_micros) / 1e6
+    }
 }
 
 impl Default for MemorySettings {
@@ -64,6 +95,13 @@ impl Default for MemorySettings {
             max_context_tokens: None,
             relevance_language: TextLanguage::Auto,
             ttl: None,
+            long_term_enabled: true,
+            long_term_top_k: DEFAULT_LONG_TERM_TOP_K,
+            long_term_max_tokens: DEFAULT_LONG_TERM_MAX_TOKENS,
+            extraction_model: None,
+            extraction_every: DEFAULT_EXTRACTION_EVERY,
+            memory_half_life: DEFAULT_MEMORY_HALF_LIFE,
+            memory_min_decay_micros: (DEFAULT_MEMORY_MIN_DECAY * 1e6) as u32,
         }
     }
 }
@@ -89,6 +127,10 @@ pub enum Kind {
     OptionalName,
     /// `auto`, `none`, or a language name.
     Language,
+    /// A number from 0 to 1.
+    Fraction,
+    /// An ISO-8601 duration longer than zero.
+    PositiveDuration,
 }
 
 impl Kind {
@@ -107,6 +149,10 @@ impl Kind {
                 "a model name (printable ASCII, at most 256 characters), or `none`".to_string()
             }
             Kind::Language => format!("one of {}", TextLanguage::accepted()),
+            Kind::Fraction => "a number from 0 to 1 such as `0.2`".to_string(),
+            Kind::PositiveDuration => {
+                "an ISO-8601 duration longer than zero such as `P30D` or `PT12H`".to_string()
+            }
         }
     }
 }
@@ -155,6 +201,31 @@ pub const SETTINGS: &[(&str, Kind)] = &[
     ),
     ("relevance_language", Kind::Language),
     ("ttl", Kind::OptionalDuration),
+    ("long_term_enabled", Kind::Bool),
+    (
+        "long_term_top_k",
+        Kind::Integer {
+            min: 0,
+            max: MAX_LONG_TERM_TOP_K as u64,
+        },
+    ),
+    (
+        "long_term_max_tokens",
+        Kind::Integer {
+            min: 0,
+            max: 100_000,
+        },
+    ),
+    ("extraction_model", Kind::OptionalName),
+    (
+        "extraction_every",
+        Kind::Integer {
+            min: 1,
+            max: 10_000,
+        },
+    ),
+    ("memory_half_life", Kind::PositiveDuration),
+    ("memory_min_decay", Kind::Fraction),
 ];
 
 /// Looks a setting up by its snake-case name.
@@ -171,6 +242,8 @@ enum Value {
     OptionalDuration(Option<Duration>),
     OptionalName(Option<String>),
     Language(TextLanguage),
+    /// In millionths.
+    Fraction(u32),
 }
 
 fn parse_value(kind: Kind, text: &str) -> Option<Value> {
@@ -212,6 +285,14 @@ fn parse_value(kind: Kind, text: &str) -> Option<Value> {
             (printable && text.len() <= 256).then(|| Value::OptionalName(Some(text.to_string())))
         }
         Kind::Language => TextLanguage::parse(text).map(Value::Language),
+        Kind::Fraction => text
+            .parse::<f64>()
+            .ok()
+            .filter(|f| (0.0..=1.0).contains(f))
+            .map(|f| Value::Fraction((f * 1e6).round() as u32)),
+        Kind::PositiveDuration => parse_iso8601_duration(text)
+            .filter(|d| !d.is_zero())
+            .map(Value::Duration),
     }
 }
 
@@ -251,6 +332,13 @@ impl MemorySettings {
             ("max_context_tokens", Value::OptionalInteger(n)) => self.max_context_tokens = n,
             ("relevance_language", Value::Language(l)) => self.relevance_language = l,
             ("ttl", Value::OptionalDuration(d)) => self.ttl = d,
+            ("long_term_enabled", Value::Bool(b)) => self.long_term_enabled = b,
+            ("long_term_top_k", Value::Integer(n)) => self.long_term_top_k = n as usize,
+            ("long_term_max_tokens", Value::Integer(n)) => self.long_term_max_tokens = n,
+            ("extraction_model", Value::OptionalName(m)) => self.extraction_model = m,
+            ("extraction_every", Value::Integer(n)) => self.extraction_every = n,
+            ("memory_half_life", Value::Duration(d)) => self.memory_half_life = d,
+            ("memory_min_decay", Value::Fraction(f)) => self.memory_min_decay_micros = f,
             _ => return Err(bad()),
         }
         Ok(())
@@ -293,6 +381,24 @@ impl MemorySettings {
                 self.ttl
                     .map_or_else(|| "none".to_string(), format_iso8601_duration),
             ),
+            ("long_term_enabled", self.long_term_enabled.to_string()),
+            ("long_term_top_k", self.long_term_top_k.to_string()),
+            (
+                "long_term_max_tokens",
+                self.long_term_max_tokens.to_string(),
+            ),
+            (
+                "extraction_model",
+                self.extraction_model
+                    .clone()
+                    .unwrap_or_else(|| "none".into()),
+            ),
+            ("extraction_every", self.extraction_every.to_string()),
+            (
+                "memory_half_life",
+                format_iso8601_duration(self.memory_half_life),
+            ),
+            ("memory_min_decay", self.memory_min_decay().to_string()),
         ]
     }
 }
@@ -428,6 +534,16 @@ mod tests {
         assert!(s.apply("persist", "yes").is_err());
         assert!(s.apply("recent_n", "-1").is_err());
         assert!(s.apply("max_context_tokens", "0").is_err());
+        s.apply("memory_min_decay", "0.35").unwrap();
+        assert!((s.memory_min_decay() - 0.35).abs() < 1e-9);
+        assert!(s.apply("memory_min_decay", "1.5").is_err());
+        assert!(s.apply("memory_min_decay", "-0.1").is_err());
+        s.apply("memory_half_life", "P7D").unwrap();
+        assert_eq!(s.memory_half_life, Duration::from_secs(7 * 86_400));
+        assert!(s.apply("memory_half_life", "PT0S").is_err());
+        assert!(s.apply("extraction_every", "0").is_err());
+        s.apply("extraction_model", "gpt-4o-mini").unwrap();
+        assert_eq!(s.extraction_model.as_deref(), Some("gpt-4o-mini"));
         assert_eq!(
             s.apply("nope", "1"),
             Err(SettingError::Unknown("nope".into()))

@@ -23,6 +23,8 @@ use crate::store::StoreError;
 pub struct Cursor {
     conversations: Option<Vec<u8>>,
     ttl: Option<Vec<u8>>,
+    /// Owners of long-term memories (their decayed memories are swept too).
+    owners: Option<Vec<u8>>,
 }
 
 /// What one pass did.
@@ -34,6 +36,8 @@ pub struct Pass {
     pub deleted: usize,
     /// TTL records dropped whose conversation was never stored.
     pub orphans: usize,
+    /// Long-term memories deleted because their decay score fell under `memory_min_decay`.
+    pub decayed: usize,
 }
 
 /// One bounded pass of the sweeper.
@@ -81,6 +85,17 @@ pub fn sweep_pass(
         }
     }
     cursor.ttl = next;
+
+    // Long-term memory: memories decayed under `memory_min_decay` (of the `[memory]` settings).
+    let (decayed, next) = crate::longterm::sweep_decayed(
+        store,
+        cursor.owners.as_deref(),
+        limits.max_scanned,
+        crate::longterm::decay_of(&config.memory),
+        now,
+    )?;
+    pass.decayed = decayed;
+    cursor.owners = next;
 
     memory.sweeps.record(pass.scanned, pass.deleted);
     if pass.deleted > 0 {

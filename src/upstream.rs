@@ -292,7 +292,11 @@ impl Upstream {
             .iter()
             .map(|m| json!({"role": m.role, "content": m.content}))
             .collect();
-        let body = json!({"model": call.model, "messages": messages, "stream": false}).to_string();
+        let mut body = json!({"model": call.model, "messages": messages, "stream": false});
+        if let Some(format) = call.response_format {
+            body["response_format"] = format;
+        }
+        let body = body.to_string();
         let mut headers = HeaderMap::new();
         for (name, value) in call.credentials.pairs() {
             if let (Ok(name), Ok(mut value)) = (

@@ -721,12 +721,29 @@ async fn the_openapi_document_matches_the_server() {
     .body;
     let export = String::from_utf8(export.to_vec()).unwrap();
     let chat_body = body(&[user("hello")]).to_string();
+    // Users with a memory each (long-term memory): `c` and `del` as the conversations are,
+    // `gone` for the user delete.
+    let mut memory_ids = std::collections::HashMap::new();
+    for name in ["c", "del", "gone"] {
+        let created = admin(
+            &proxy,
+            "POST",
+            &format!("/admin/v1/users/{}/{name}/memories", tenant(TOKEN)),
+            r#"{"text": "The user likes tea", "type": "preference"}"#,
+        )
+        .await;
+        assert_eq!(created.status, 200, "{:?}", created.body);
+        memory_ids.insert(name, created.json()["id"].as_u64().unwrap().to_string());
+    }
 
     let fill = |template: &str, tenant: &str, id: &str| {
+        let memory = memory_ids.get(id).map_or("1", String::as_str);
         template
             .replace("{tenant}", tenant)
             .replace("{agent}", "default")
             .replace("{id}", id)
+            .replace("{user}", id)
+            .replace("{memory}", memory)
     };
     for (method, template, statuses) in &documented {
         let is_tenant_route = template.starts_with("/admin/v1/tenants/");
@@ -734,6 +751,9 @@ async fn the_openapi_document_matches_the_server() {
         let request_body = match template.rsplit('/').next() {
             Some("preview") => chat_body.clone(),
             Some("import") => export.clone(),
+            Some("memories" | "{memory}") if method != "GET" && method != "DELETE" => {
+                r#"{"text": "The user likes green tea", "type": "preference"}"#.to_string()
+            }
             _ => String::new(),
         };
         for status in statuses {
@@ -770,6 +790,11 @@ async fn the_openapi_document_matches_the_server() {
                 ),
                 200 if is_tenant_route => (
                     fill(template, &tenant("sk-third"), "x"),
+                    Some(ADMIN_TOKEN),
+                    String::new(),
+                ),
+                200 if method == "DELETE" && template.ends_with("{user}") => (
+                    fill(template, &tenant(TOKEN), "gone"),
                     Some(ADMIN_TOKEN),
                     String::new(),
                 ),

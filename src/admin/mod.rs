@@ -1,5 +1,5 @@
 //! The admin API under `/admin/v1/`: list, show, stats, preview, export, import and delete
-//! conversations, and delete a tenant. Documented in `docs/admin-openapi.yaml`.
+//! conversations, delete a tenant, and a user's long-term memories (`users.rs`). Documented in `docs/admin-openapi.yaml`.
 //!
 //! Access: `Authorization: Bearer <admin token>`, the token from `MEMPROXY_ADMIN_TOKEN` or the
 //! variable `admin.token_env` names. With no token configured every `/admin` path is 404, as if
@@ -14,6 +14,7 @@ pub mod format;
 pub mod offline;
 pub mod ops;
 pub mod store_cli;
+pub mod users;
 
 use std::sync::Arc;
 
@@ -61,6 +62,15 @@ pub const ROUTES: &[(&str, &str)] = &[
         "/admin/v1/conversations/{tenant}/{agent}/{id}/import",
     ),
     ("DELETE", "/admin/v1/tenants/{tenant}"),
+    ("DELETE", "/admin/v1/users/{tenant}/{user}"),
+    ("GET", "/admin/v1/users/{tenant}/{user}/memories"),
+    ("POST", "/admin/v1/users/{tenant}/{user}/memories"),
+    ("GET", "/admin/v1/users/{tenant}/{user}/memories/{memory}"),
+    ("PATCH", "/admin/v1/users/{tenant}/{user}/memories/{memory}"),
+    (
+        "DELETE",
+        "/admin/v1/users/{tenant}/{user}/memories/{memory}",
+    ),
 ];
 
 /// The default and largest page of a listing.
@@ -131,11 +141,47 @@ async fn route(
                 let tenant = tenant_of(tenant)?;
                 let deleted =
                     ops::delete_tenant_in(&memory.store, &tenant, |key| memory.recall.forget(key))?;
+                memory.longterm.forget_tenant(&tenant);
                 state.metrics.admin_deleted(deleted);
                 ok(json!({"tenant": tenant.as_str(), "deleted_conversations": deleted}))
             }
             _ => Err(wrong_method("DELETE")),
         },
+        ["users", tenant, user] => {
+            let (tenant, user) = user_of(tenant, user)?;
+            match method {
+                Method::DELETE => ok(users::delete_user(memory, &tenant, user)?),
+                _ => Err(wrong_method("DELETE")),
+            }
+        }
+        ["users", tenant, user, "memories"] => {
+            let (tenant, user) = user_of(tenant, user)?;
+            match method {
+                Method::GET => ok(users::list(memory, &tenant, user, &query)?),
+                Method::POST => {
+                    let (_, body) = request.into_parts();
+                    let bytes = read_body(state, body).await?;
+                    ok(users::create(memory, &tenant, user, &bytes)?)
+                }
+                _ => Err(wrong_method("GET, POST")),
+            }
+        }
+        ["users", tenant, user, "memories", id] => {
+            let (tenant, user) = user_of(tenant, user)?;
+            let id: u64 = id
+                .parse()
+                .map_err(|_| AdminError::BadRequest("a memory id is a number".to_string()))?;
+            match method {
+                Method::GET => ok(users::get(memory, &tenant, user, id)?),
+                Method::PATCH => {
+                    let (_, body) = request.into_parts();
+                    let bytes = read_body(state, body).await?;
+                    ok(users::update(memory, &tenant, user, id, &bytes)?)
+                }
+                Method::DELETE => ok(users::delete(memory, &tenant, user, id)?),
+                _ => Err(wrong_method("GET, PATCH, DELETE")),
+            }
+        }
         ["conversations", tenant, agent, id] => {
             let key = key_of(tenant, agent, id)?;
             match method {
@@ -214,6 +260,17 @@ fn tenant_of(text: &str) -> Result<TenantId, AdminError> {
             "a tenant is 32 lower-case hex characters or `anonymous`".to_string(),
         )
     })
+}
+
+/// The user addressed by `{tenant}/{user}`, each part checked.
+fn user_of<'a>(tenant: &str, user: &'a str) -> Result<(TenantId, &'a str), AdminError> {
+    let tenant = tenant_of(tenant)?;
+    if !is_valid_id(user) {
+        return Err(AdminError::BadRequest(
+            "user ids are 1-128 characters from A-Za-z0-9._:@-".to_string(),
+        ));
+    }
+    Ok((tenant, user))
 }
 
 /// The key addressed by `{tenant}/{agent}/{id}`, each part checked.

@@ -68,8 +68,11 @@ fn apply_table(
                 settings::Kind::Integer { .. } | settings::Kind::OptionalInteger { .. },
                 toml::Value::Integer(n),
             ) => n.to_string(),
+            (settings::Kind::Fraction, toml::Value::Float(f)) => f.to_string(),
+            (settings::Kind::Fraction, toml::Value::Integer(n)) => n.to_string(),
             (
                 settings::Kind::Duration
+                | settings::Kind::PositiveDuration
                 | settings::Kind::OptionalDuration
                 | settings::Kind::OptionalName
                 | settings::Kind::Language

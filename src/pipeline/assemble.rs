@@ -1,5 +1,6 @@
-//! Assemble: the forwarded `messages`, in order: the client's instructions · the summary ·
-//! the recalled older turns · the recent window · the new messages.
+//! Assemble: the forwarded `messages`, in order: the client's instructions · what memproxy
+//! knows about the user (long-term memory, with a user id) · the summary · the recalled older
+//! turns · the recent window · the new messages.
 //!
 //! Each part is a list of raw message objects; the later stages (summaries, recall) fill their
 //! slot and nothing else changes. Instructions (system/developer messages) that came before the
@@ -21,6 +22,8 @@ pub fn is_injected_echo(message: &Message) -> bool {
 pub struct Prompt {
     /// The client's system/developer messages, as sent.
     pub instructions: Vec<Box<RawValue>>,
+    /// One system message with the user's memories (long-term memory, `crate::longterm`).
+    pub memories: Option<Box<RawValue>>,
     /// One system message summarizing older history (the compression stage).
     pub summary: Option<Box<RawValue>>,
     /// One system message with the recalled older turns (the recall stage).
@@ -36,6 +39,7 @@ impl Prompt {
     pub fn messages(&self) -> impl Iterator<Item = &RawValue> {
         self.instructions
             .iter()
+            .chain(&self.memories)
             .chain(&self.summary)
             .chain(&self.recalled)
             .chain(&self.window)
@@ -99,6 +103,7 @@ mod tests {
         let raw = |v: Value| RawValue::from_string(v.to_string()).unwrap();
         let prompt = Prompt {
             instructions,
+            memories: Some(raw(json!({"role": "system", "content": "memories"}))),
             summary: Some(raw(json!({"role": "system", "content": "summary"}))),
             recalled: Some(raw(json!({"role": "system", "content": "recalled"}))),
             window: vec![raw(json!({"role": "user", "content": "w"}))],
@@ -109,6 +114,7 @@ mod tests {
             [
                 "system:s1",
                 "developer:d1",
+                "system:memories",
                 "system:summary",
                 "system:recalled",
                 "user:w",

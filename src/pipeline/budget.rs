@@ -160,6 +160,7 @@ mod tests {
                 score: *s,
                 tokens: 10,
                 line: String::new(),
+                elsewhere_at: None,
             })
             .collect()
     }

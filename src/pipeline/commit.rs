@@ -22,9 +22,13 @@ use super::catch_up::reread;
 use super::reconcile::{Alignment, Mark, align};
 use super::window::trim_start;
 use crate::identity::ConversationKey;
+use crate::longterm::memories::MemoryRecord;
+use crate::longterm::{ExtractionCall, ExtractionRule};
 use crate::memory::Memory;
 use crate::message::{HasRole, Message, Role};
-use crate::store::{Change, Conversation, Entry, Origin, StoreError, StoredMessage, lock, now_ms};
+use crate::store::{
+    Change, Conversation, Entry, Origin, OwnerKey, StoreError, StoredMessage, lock, now_ms,
+};
 use crate::tokens;
 
 /// How often a commit re-plans against a conversation that keeps changing under it.
@@ -65,6 +69,16 @@ pub struct Exchange {
     /// The TTL the request ran with (`ttl` setting or `X-Memory-Ttl`), remembered for the
     /// conversation once the exchange is stored.
     pub ttl: Option<Duration>,
+    /// The user whose archive the exchange is copied into (long-term memory), if any.
+    pub user: Option<OwnerKey>,
+    /// When memories are extracted for that user, and whether this exchange may queue an
+    /// extraction.
+    pub extraction_rule: Option<ExtractionRule>,
+    /// The model and credentials of a due extraction (added by the edge when the plan says
+    /// one is due, as for summaries).
+    pub extraction: Option<ExtractionCall>,
+    /// Memories the prompt used whose last access is to be refreshed (their decay restarts).
+    pub refresh_memories: Vec<(OwnerKey, MemoryRecord)>,
 }
 
 impl Exchange {
@@ -158,6 +172,11 @@ impl Exchange {
                 })
                 .unwrap_or_default();
             removed.extend(&closed);
+            // What leaves what was said (not a trim): a closed branch, a replaced reply.
+            let mut unsaid = closed.clone();
+            if matches!(alignment, Alignment::ReplaceLastReply { .. }) {
+                unsaid.extend(conversation.entries.last().map(|e| e.turn));
+            }
             let added_count = planned.change.add.len();
             let still_new = self.still_new(alignment, &self.new_texts);
             let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
@@ -184,6 +203,18 @@ impl Exchange {
                     memory
                         .recall
                         .apply(&self.key, current, &removed, &added, after);
+                    if let Some(user) = &self.user {
+                        let extraction = self
+                            .extraction_rule
+                            .map(|rule| (rule, self.extraction.as_ref()));
+                        memory.longterm.after_commit(
+                            store,
+                            user,
+                            &conversation,
+                            &unsaid,
+                            extraction,
+                        );
+                    }
                     break;
                 }
                 Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
@@ -191,6 +222,11 @@ impl Exchange {
                 }
                 Err(err) => return Err(err),
             }
+        }
+        if !self.refresh_memories.is_empty() {
+            memory
+                .longterm
+                .refresh(store, &self.refresh_memories, memory.clock.now_ms());
         }
         // Under the conversation's lock, so a delete cannot come between the exchange and its
         // TTL record; the flush after this makes both durable.

@@ -9,18 +9,23 @@ use super::assemble::{Prompt, is_injected_echo, split_request};
 use super::budget::{self, Fitted};
 use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
-use super::recall::{RecalledTurn, recalled_turns, render};
+use super::recall::{RecalledTurn, elsewhere_turns, recalled_turns, render};
 use super::reconcile::{Alignment, Mark, align};
 use super::summary::plan_summary;
 use super::window::window_start;
 use crate::identity::ConversationKey;
+use crate::longterm::ExtractionRule;
+use crate::longterm::memories::{self, Chosen};
 use crate::memory::Memory;
 use crate::message::{Message, Role};
 use crate::model::Credentials;
 use crate::settings::MemorySettings;
-use crate::store::{StoreError, StoredMessage, lock, tokens_between};
+use crate::store::{OwnerKey, StoreError, StoredMessage, lock, tokens_between};
 use crate::summary::{DeferredSummary, Job, SummaryRecord};
 use crate::tokens;
+
+/// A memory used in a prompt is marked accessed again once this long has passed since.
+const REFRESH_AFTER_MS: i64 = 3_600_000;
 
 /// How long the stages of a plan took (the edge reports them as metrics).
 #[derive(Debug, Clone, Copy, Default)]
@@ -45,6 +50,9 @@ pub struct Plan {
     pub recalled_turns: Vec<u64>,
     /// The recalled turns with their BM25 scores, best first.
     pub recalled_scores: Vec<(u64, f32)>,
+    /// Turns recalled from the user's other conversations (long-term memory), best first:
+    /// (conversation, turn, score).
+    pub recalled_elsewhere: Vec<(String, u64, f32)>,
     /// The forwarded prompt's size in tokens, from stored counts.
     pub prompt_tokens: u64,
     /// What the token budget did, when one is set.
@@ -53,6 +61,11 @@ pub struct Plan {
     pub summary: Option<SummaryRecord>,
     /// A new summary is due: the job (without credentials; the caller adds them).
     pub summary_due: Option<Job>,
+    /// Memories are due to be extracted once this exchange is stored: the model to use
+    /// (the caller adds the credentials into `exchange.extraction`).
+    pub extraction_due: Option<String>,
+    /// The user's memories in the prompt, with their scores (long-term memory).
+    pub memories: Vec<Chosen>,
     /// Tokens of the whole history this prompt stands for: what is stored plus the new
     /// messages.
     pub history_tokens: u64,
@@ -87,9 +100,25 @@ pub enum PlanError {
     TooManyTokens { limit: u64 },
 }
 
+/// Plans a request that names no user: [`plan_for_user`] without long-term memory.
 pub fn plan(
     memory: &Memory,
     key: &ConversationKey,
+    settings: &MemorySettings,
+    limits: Limits,
+    model: Option<String>,
+    messages: Vec<Message>,
+) -> Result<Plan, PlanError> {
+    plan_for_user(memory, key, None, settings, limits, model, messages)
+}
+
+/// Plans a request of conversation `key`; with a `user` (and `long_term_enabled`) long-term
+/// memory takes part (`crate::longterm`): the user's other conversations are searched too, and
+/// a conversation deleted by its TTL is rebuilt from the user's archive.
+pub fn plan_for_user(
+    memory: &Memory,
+    key: &ConversationKey,
+    user: Option<&str>,
     settings: &MemorySettings,
     limits: Limits,
     model: Option<String>,
@@ -99,6 +128,15 @@ pub fn plan(
     // may never reach the disk. It is retried here, once a retry is due.
     memory.writable()?;
     let store = &memory.store;
+    let user = user
+        .filter(|_| settings.long_term_enabled)
+        .map(|user| OwnerKey::user(&key.tenant, user));
+    if let Some(user) = &user
+        && limits.writes
+        && let Err(err) = memory.longterm.rebuild(store, user, key)
+    {
+        tracing::warn!(error = %err, "rebuilding the conversation from the user's archive failed");
+    }
     let mut timings = Timings::default();
     let model_name = model.as_deref();
     let started = Instant::now();
@@ -192,23 +230,96 @@ pub fn plan(
     // Recall: the older pool is everything before the window.
     let started = Instant::now();
     let mut recalled: Vec<RecalledTurn> = Vec::new();
-    if settings.relevance_enabled && settings.relevance_top_k > 0 && start > 0 {
-        let query = query_text(&new_turns, &texts, &window);
+    let searching = settings.relevance_enabled && settings.relevance_top_k > 0;
+    let query = (searching && (start > 0 || user.is_some()))
+        .then(|| query_text(&new_turns, &texts, &window));
+    if let Some(query) = query.as_deref()
+        && start > 0
+    {
         let before_turn =
             history[start.min(history.len() - 1)].turn + u64::from(start == history.len());
         let hits = memory.recall.search(
             store,
             &conversation,
             settings.relevance_language,
-            &query,
+            query,
             before_turn,
             settings.relevance_top_k,
         )?;
         let found = store.messages(&conversation, hits.iter().map(|h| h.turn))?;
         recalled = recalled_turns(&hits, found);
     }
+    // Long-term memory: the user's other conversations compete for the same slots.
+    if let (Some(user), Some(query)) = (&user, query.as_deref()) {
+        match memory.longterm.search(
+            store,
+            user,
+            key,
+            settings.relevance_language,
+            query,
+            settings.relevance_top_k,
+        ) {
+            Ok(found) if !found.is_empty() => {
+                recalled.extend(elsewhere_turns(found));
+                recalled.sort_by(|a, b| b.score.total_cmp(&a.score));
+                recalled.truncate(settings.relevance_top_k);
+            }
+            Ok(_) => {}
+            Err(err) => {
+                tracing::warn!(error = %err, "searching the user's other conversations failed")
+            }
+        }
+    }
 
     timings.recall = started.elapsed();
+
+    // Long-term memory: what is known about the user, and whether an extraction is due.
+    let mut chosen: Vec<Chosen> = Vec::new();
+    let mut extraction_due = None;
+    if let Some(user) = &user {
+        let query = query
+            .clone()
+            .unwrap_or_else(|| query_text(&new_turns, &texts, &window));
+        match memory.longterm.memories_for(
+            store,
+            user,
+            &key.agent,
+            &query,
+            settings,
+            memory.clock.now_ms(),
+        ) {
+            Ok(found) => chosen = found,
+            Err(err) => tracing::warn!(error = %err, "reading the user's memories failed"),
+        }
+        let new_user = new_turns.iter().filter(|m| m.role == Role::User).count() as u64;
+        match memory
+            .longterm
+            .extraction_due(store, user, key, new_user, settings.extraction_every)
+        {
+            Ok(true) if limits.writes && settings.persist => {
+                extraction_due = Some(
+                    settings
+                        .extraction_model
+                        .clone()
+                        .or_else(|| settings.compression_model.clone())
+                        .or_else(|| model.clone())
+                        .unwrap_or_else(|| "gpt-4o-mini".to_string()),
+                );
+            }
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, "reading the user's archive failed"),
+        }
+    }
+    let memories_tokens: u64 = if chosen.is_empty() {
+        0
+    } else {
+        chosen
+            .iter()
+            .map(|c| memories::memory_tokens(&c.memory))
+            .sum::<u64>()
+            + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS)
+            + 16
+    };
 
     // Budget: what cannot be cut is the client's instructions and new messages.
     let started = Instant::now();
@@ -228,7 +339,8 @@ pub fn plan(
                 }))
             })
             .sum::<u64>()
-            + summary_tokens;
+            + summary_tokens
+            + memories_tokens;
     let fitted = settings
         .max_context_tokens
         .map(|budget| budget::fit(budget, fixed, &mut recalled, &mut window, model_name));
@@ -242,9 +354,15 @@ pub fn plan(
     );
 
     // Assemble.
-    let mut recalled_turns: Vec<u64> = recalled.iter().map(|r| r.turn).collect();
+    let own = || recalled.iter().filter(|r| r.elsewhere_at.is_none());
+    let mut recalled_turns: Vec<u64> = own().map(|r| r.turn).collect();
     recalled_turns.sort_unstable();
-    let recalled_scores: Vec<(u64, f32)> = recalled.iter().map(|r| (r.turn, r.score)).collect();
+    let recalled_scores: Vec<(u64, f32)> = own().map(|r| (r.turn, r.score)).collect();
+    let recalled_elsewhere: Vec<(String, u64, f32)> = recalled
+        .iter()
+        .filter(|r| r.elsewhere_at.is_some())
+        .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
+        .collect();
     let (instructions, incoming) = split_request(messages, first_new);
     let exchange = Exchange {
         key: key.clone(),
@@ -259,6 +377,23 @@ pub fn plan(
         model,
         prompt_tokens,
         ttl: settings.ttl,
+        user: user.clone(),
+        extraction_rule: user.as_ref().map(|_| ExtractionRule {
+            every: settings.extraction_every,
+            may_queue: true,
+        }),
+        extraction: None,
+        // Refreshed at most once an hour each, so a busy user does not write per request.
+        refresh_memories: if limits.writes && settings.persist {
+            let now = memory.clock.now_ms();
+            chosen
+                .iter()
+                .filter(|c| now - c.memory.last_accessed_ms > REFRESH_AFTER_MS)
+                .map(|c| (c.owner.clone(), c.memory.clone()))
+                .collect()
+        } else {
+            Vec::new()
+        },
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
@@ -277,6 +412,7 @@ pub fn plan(
     Ok(Plan {
         prompt: Prompt {
             instructions,
+            memories: memories::render(&chosen),
             summary: summary.current.as_ref().and_then(super::summary::render),
             recalled: render(&recalled),
             window: window.into_iter().map(|m| m.message).collect(),
@@ -287,10 +423,13 @@ pub fn plan(
         planned_count,
         recalled_turns,
         recalled_scores,
+        recalled_elsewhere,
         prompt_tokens,
         fitted,
         summary: summary.current,
         summary_due: summary.due,
+        extraction_due,
+        memories: chosen,
         history_tokens,
         timings,
     })
@@ -326,6 +465,13 @@ pub async fn start_due(
         }
     }
     None
+}
+
+/// The conversation a line of [`elsewhere_turns`] names.
+fn elsewhere_name(line: &str) -> String {
+    line.strip_prefix("[earlier conversation ")
+        .and_then(|rest| rest.split_once(", turn #"))
+        .map_or_else(String::new, |(name, _)| name.to_string())
 }
 
 /// What recall searches with: the new messages, and when they continue a round (tool results)

@@ -25,6 +25,9 @@ pub struct RecalledTurn {
     /// The stored token count plus the line overhead.
     pub tokens: u32,
     pub line: String,
+    /// For a turn of another of the user's conversations (long-term memory): when it was
+    /// stored. Those come first in the message, oldest first, then the conversation's own.
+    pub elsewhere_at: Option<i64>,
 }
 
 /// Turns `hits` and their stored messages (same order) into recalled turns, best first.
@@ -36,6 +39,29 @@ pub fn recalled_turns(hits: &[Hit], messages: Vec<StoredMessage>) -> Vec<Recalle
             score: hit.score,
             tokens: message.tokens + LINE_OVERHEAD_TOKENS,
             line: render_line(&message),
+            elsewhere_at: None,
+        })
+        .collect()
+}
+
+/// Turns found in the user's other conversations (`crate::longterm`), best first, each line
+/// tagged `[earlier conversation C, turn #N at TIME] role:`.
+pub fn elsewhere_turns(found: Vec<crate::longterm::ElsewhereTurn>) -> Vec<RecalledTurn> {
+    found
+        .into_iter()
+        .map(|turn| {
+            let line = render_line(&turn.message);
+            let line = match line.strip_prefix("[earlier turn #") {
+                Some(rest) => format!("[earlier conversation {}, turn #{rest}", turn.conversation),
+                None => line,
+            };
+            RecalledTurn {
+                turn: turn.message.turn,
+                score: turn.score,
+                tokens: turn.message.tokens + LINE_OVERHEAD_TOKENS + 4,
+                line,
+                elsewhere_at: Some(turn.message.at_ms),
+            }
         })
         .collect()
 }
@@ -46,7 +72,15 @@ pub fn render(turns: &[RecalledTurn]) -> Option<Box<RawValue>> {
         return None;
     }
     let mut ordered: Vec<&RecalledTurn> = turns.iter().collect();
-    ordered.sort_by_key(|t| t.turn);
+    // Other conversations' turns first (oldest first), then the conversation's own in turn
+    // order; without long-term memory only the latter.
+    ordered.sort_by_key(|t| {
+        (
+            t.elsewhere_at.is_none(),
+            t.elsewhere_at.unwrap_or(0),
+            t.turn,
+        )
+    });
     let mut content =
         format!("{RECALL_MARKER}: older turns relevant to the current message, oldest first]");
     for turn in ordered {
@@ -116,12 +150,14 @@ mod tests {
                 score: 3.0,
                 tokens: 1,
                 line: "nine".into(),
+                elsewhere_at: None,
             },
             RecalledTurn {
                 turn: 2,
                 score: 1.0,
                 tokens: 1,
                 line: "two".into(),
+                elsewhere_at: None,
             },
         ];
         let message: Value = serde_json::from_str(render(&turns).unwrap().get()).unwrap();

@@ -17,7 +17,7 @@ use http::{Request, Response, request::Parts};
 use http_body::Body as _;
 use hyper::body::Incoming;
 
-use super::identify::CREDENTIAL_HEADERS;
+use super::identify::{CREDENTIAL_HEADERS, UserId};
 use super::responses::Chain;
 use super::tee::{Pending, TeeBody};
 use super::{
@@ -27,6 +27,7 @@ use super::{
 use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
+use crate::longterm::ExtractionCall;
 use crate::memory::Memory;
 use crate::memory_guard::{self, Pressure};
 use crate::metrics::{Refusal, ReplyKind, Stage};
@@ -79,7 +80,7 @@ pub async fn chat(
     let (key, settings) = match (api, key) {
         (Api::Responses, key) => {
             match super::responses::resolve(state, &parts.headers, &bytes, key, settings)? {
-                Chain::Memory(key, settings) => (key, settings),
+                Chain::Memory(key, settings) => (key, *settings),
                 Chain::Forward(reason) => {
                     let response =
                         super::responses::forward_as_sent(state, &parts, bytes, api_path, reason)
@@ -270,14 +271,16 @@ async fn before(
     // lock: both run on the blocking pool, never on a thread that serves other requests.
     let limits = limits(state);
     let (job_memory, job_key, job_settings) = (Arc::clone(memory), key.clone(), settings.clone());
+    let user = parts.extensions.get::<UserId>().map(|user| user.0.clone());
     let client_body = bytes.clone();
     let planning = tokio::task::spawn_blocking(move || {
         let mut request = ApiRequest::parse(api, &bytes)?;
         let messages = std::mem::take(&mut request.messages);
         let model = request.model.clone();
-        let planned = plan::plan(
+        let planned = plan::plan_for_user(
             &job_memory,
             &job_key,
+            user.as_deref(),
             &job_settings,
             limits,
             model,
@@ -308,6 +311,14 @@ async fn before(
         Ok(mut plan) => {
             let deferred =
                 start_due(memory, settings, &mut plan, || credentials(&parts.headers)).await;
+            // Long-term memory: a due extraction gets the request's credentials, copied only
+            // then; it is queued by the commit, off the request's path.
+            if let Some(model) = plan.extraction_due.take() {
+                plan.exchange.extraction = Some(ExtractionCall {
+                    model,
+                    credentials: credentials(&parts.headers),
+                });
+            }
             record_plan(state, &plan);
             Ok(Before {
                 body: Bytes::from(request.render(plan.prompt.messages())),

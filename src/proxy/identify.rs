@@ -20,6 +20,8 @@ use crate::settings::{self, MemorySettings, SettingError};
 
 pub const CONVERSATION_HEADER: &str = "x-memory-conversation-id";
 pub const AGENT_HEADER: &str = "x-memory-agent";
+/// Names the user within the tenant: long-term memory (`crate::longterm`) runs for it.
+pub const USER_HEADER: &str = "x-memory-user-id";
 
 /// The headers a client may present its credential in: `Authorization` (any scheme), `api-key`
 /// (Azure) and `x-api-key` (Anthropic). A summary call made on a request's behalf carries them
@@ -39,8 +41,15 @@ pub struct Identity {
     /// The conversation id the request names, also when memory does not run for it.
     pub conversation: Option<String>,
     pub agent: String,
+    /// The user the request names (`X-Memory-User-Id`), also when memory does not run for it.
+    pub user: Option<String>,
     pub settings: MemorySettings,
 }
+
+/// The user a chat request names (`X-Memory-User-Id`), carried to the planner in the
+/// request's extensions (set by the router from [`Identity::user`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserId(pub String);
 
 /// Ids given by the path form `/agents/{agent}/conversations/{conversation}/v1/...`.
 #[derive(Debug, Clone, Copy)]
@@ -59,6 +68,7 @@ pub fn identify(
 ) -> Result<Identity, ProxyError> {
     let mut conversation: Option<String> = None;
     let mut agent: Option<String> = None;
+    let mut user: Option<String> = None;
     let mut overrides: Vec<(&'static str, String, String)> = Vec::new();
 
     for name in headers.keys() {
@@ -78,6 +88,7 @@ pub fn identify(
         match name {
             CONVERSATION_HEADER => conversation = Some(checked_id(name, value)?),
             AGENT_HEADER => agent = Some(checked_id(name, value)?),
+            USER_HEADER => user = Some(checked_id(name, value)?),
             _ => match settings::setting_for_header(name) {
                 Some(setting) => overrides.push((setting, name.to_string(), value)),
                 None => {
@@ -85,9 +96,10 @@ pub fn identify(
                         name,
                         "unknown_header",
                         format!(
-                            "unknown header `{name}`: memproxy accepts {}, {} and {}",
+                            "unknown header `{name}`: memproxy accepts {}, {}, {} and {}",
                             CONVERSATION_HEADER,
                             AGENT_HEADER,
+                            USER_HEADER,
                             settings::SETTINGS
                                 .iter()
                                 .map(|(s, _)| settings::header_name(s))
@@ -168,6 +180,7 @@ pub fn identify(
         key,
         conversation,
         agent,
+        user,
         settings,
     })
 }
@@ -285,6 +298,55 @@ mod tests {
         assert_eq!(key.tenant, TenantId::from_token(Some("sk-1")));
         assert_eq!(id.settings.recent_n, 3);
         assert!(!id.settings.persist);
+    }
+
+    #[test]
+    fn the_user_id_follows_the_conversation_id_rules() {
+        let id = identify(
+            &config(),
+            &headers(&[
+                ("x-memory-conversation-id", "c1"),
+                ("x-memory-user-id", "user-42:web@x"),
+                ("x-memory-long-term-top-k", "7"),
+                ("x-memory-memory-min-decay", "0.5"),
+            ]),
+            None,
+            true,
+        )
+        .unwrap();
+        assert_eq!(id.user.as_deref(), Some("user-42:web@x"));
+        assert_eq!(id.settings.long_term_top_k, 7);
+        assert_eq!(id.settings.memory_min_decay_micros, 500_000);
+        let none = identify(
+            &config(),
+            &headers(&[("x-memory-conversation-id", "c1")]),
+            None,
+            true,
+        )
+        .unwrap();
+        assert!(none.user.is_none());
+        for (name, bad) in [
+            ("x-memory-user-id", "../u"),
+            ("x-memory-user-id", ""),
+            ("x-memory-long-term-top-k", "51"),
+            ("x-memory-long-term-max-tokens", "-1"),
+            ("x-memory-long-term-enabled", "yes"),
+            ("x-memory-extraction-every", "0"),
+            ("x-memory-memory-half-life", "P1M"),
+            ("x-memory-memory-min-decay", "2"),
+        ] {
+            let mut map = headers(&[("x-memory-conversation-id", "c1")]);
+            map.insert(
+                http::HeaderName::from_static(name),
+                HeaderValue::from_static(bad),
+            );
+            assert_eq!(param_of(identify(&config(), &map, None, true)), name);
+        }
+        let twice = headers(&[("x-memory-user-id", "a"), ("x-memory-user-id", "b")]);
+        assert_eq!(
+            param_of(identify(&config(), &twice, None, true)),
+            "x-memory-user-id"
+        );
     }
 
     #[test]

@@ -35,6 +35,10 @@ pub const TURNS_HEADER: &str = "x-memory-turns";
 pub const CONVERSATION_ID_HEADER: &str = "x-memory-conversation-id";
 pub const RETRIEVED_HEADER: &str = "x-memory-retrieved";
 pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
+/// Memories about the user in the prompt (long-term memory), when there are any.
+pub const MEMORIES_HEADER: &str = "x-memory-memories";
+/// Turns recalled from the user's other conversations (long-term memory), when there are any.
+pub const RETRIEVED_ELSEWHERE_HEADER: &str = "x-memory-retrieved-elsewhere";
 pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
 pub const BUDGET_HEADER: &str = "x-memory-budget";
 pub const SUMMARY_HEADER: &str = "x-memory-summary";
@@ -234,6 +238,15 @@ pub fn headers_of(plan: &Plan) -> HeaderMap {
     let turns: Vec<String> = plan.recalled_turns.iter().map(u64::to_string).collect();
     if let Ok(value) = HeaderValue::from_str(&turns.join(",")) {
         headers.insert(RETRIEVED_TURNS_HEADER, value);
+    }
+    if !plan.recalled_elsewhere.is_empty() {
+        headers.insert(
+            RETRIEVED_ELSEWHERE_HEADER,
+            HeaderValue::from(plan.recalled_elsewhere.len()),
+        );
+    }
+    if !plan.memories.is_empty() {
+        headers.insert(MEMORIES_HEADER, HeaderValue::from(plan.memories.len()));
     }
     headers.insert(PROMPT_TOKENS_HEADER, HeaderValue::from(plan.prompt_tokens));
     if let Some(verdict) = plan.fitted.map(|f| f.verdict()) {

@@ -32,8 +32,8 @@ pub const UNKNOWN_PREVIOUS: &str = "unknown-previous-response";
 /// Where a Responses request goes.
 #[derive(Debug)]
 pub enum Chain {
-    /// Memory runs for this conversation.
-    Memory(ConversationKey, MemorySettings),
+    /// Memory runs for this conversation (the settings boxed: they are most of its size).
+    Memory(ConversationKey, Box<MemorySettings>),
     /// Forwarded as sent; `true`: memory is said to be off for it (an unknown
     /// `previous_response_id`).
     Forward(bool),
@@ -55,7 +55,7 @@ pub fn resolve(
         .and_then(|fields| previous_id_field(&fields).ok().flatten());
     let Some(previous) = previous else {
         return Ok(match key {
-            Some(key) => Chain::Memory(key, settings),
+            Some(key) => Chain::Memory(key, Box::new(settings)),
             None => Chain::Forward(false),
         });
     };
@@ -70,11 +70,11 @@ pub fn resolve(
     match state.response_ids.get(&tenant, &previous) {
         None => Ok(Chain::Forward(true)),
         Some(found) => Ok(match key {
-            Some(key) => Chain::Memory(key, settings),
+            Some(key) => Chain::Memory(key, Box::new(settings)),
             None => {
                 let settings = state.config.profile(&found.agent).clone();
                 if settings.enabled {
-                    Chain::Memory(found, settings)
+                    Chain::Memory(found, Box::new(settings))
                 } else {
                     Chain::Forward(false)
                 }

@@ -274,6 +274,17 @@ impl Index {
     /// The `k` best documents for `query` among those with a turn below `before_turn`, best
     /// first. Documents with no query term are never returned.
     pub fn search(&mut self, query: &[String], before_turn: u64, k: usize) -> Vec<Hit> {
+        self.search_where(query, before_turn, k, |_| true)
+    }
+
+    /// As [`Index::search`], among the documents whose turn `keep` accepts.
+    pub fn search_where(
+        &mut self,
+        query: &[String],
+        before_turn: u64,
+        k: usize,
+        keep: impl Fn(u64) -> bool,
+    ) -> Vec<Hit> {
         let n = self.len();
         if n == 0 || k == 0 || query.is_empty() {
             return Vec::new();
@@ -303,6 +314,9 @@ impl Index {
                 let doc = p.doc as usize;
                 if doc >= end {
                     break;
+                }
+                if !keep(self.docs[doc].turn) {
+                    continue;
                 }
                 let tf = p.weight as f32 / OWN as f32;
                 let dl = self.docs[doc].len as f32 / OWN as f32;

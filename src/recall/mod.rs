@@ -203,6 +203,26 @@ impl Recall {
     }
 }
 
+/// The stemming language of Latin text for `setting`: `auto` detects it from the start of
+/// `texts` (at most [`DETECTION_SAMPLE_CHARS`] of it).
+pub fn stemming<'a>(setting: TextLanguage, texts: impl Iterator<Item = &'a str>) -> Option<Lang> {
+    match setting {
+        TextLanguage::Plain => None,
+        TextLanguage::Fixed(lang) => Some(lang),
+        TextLanguage::Auto => {
+            let mut sample = String::new();
+            for text in texts {
+                if sample.len() >= DETECTION_SAMPLE_CHARS {
+                    break;
+                }
+                sample.push_str(text);
+                sample.push('\n');
+            }
+            Some(detect(&sample))
+        }
+    }
+}
+
 /// Builds a conversation's index from the store.
 fn build(
     store: &Store,
@@ -215,21 +235,7 @@ fn build(
         .iter()
         .map(|m| (m.turn, search_text(&m.message)))
         .collect();
-    let latin = match setting {
-        TextLanguage::Plain => None,
-        TextLanguage::Fixed(lang) => Some(lang),
-        TextLanguage::Auto => {
-            let mut sample = String::new();
-            for (_, text) in &texts {
-                if sample.len() >= DETECTION_SAMPLE_CHARS {
-                    break;
-                }
-                sample.push_str(text);
-                sample.push('\n');
-            }
-            Some(detect(&sample))
-        }
-    };
+    let latin = stemming(setting, texts.iter().map(|(_, text)| text.as_str()));
     let mut index = Index::new();
     for (turn, text) in texts {
         index.push(turn, terms(&text, latin));

@@ -8,7 +8,8 @@ use serde_json::value::RawValue;
 
 use super::engine::{Engine, Scope, Version, Write};
 use super::records::{
-    BranchRecord, ConversationMeta, Origin, StoredBranch, StoredMessage, TtlRecord,
+    BranchRecord, ConversationMeta, Origin, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
+    StoredMessage, TtlRecord,
 };
 use super::{Durability, StoreError};
 use crate::identity::{ConversationKey, TenantId};
@@ -558,6 +559,181 @@ pub fn a_reopen_keeps_what_was_flushed(engine: &dyn Engine) {
     assert!(engine.is_ready());
 }
 
+fn record(space: u8, id: &[u8], value: &str) -> OwnerRecord {
+    OwnerRecord {
+        space,
+        id: id.to_vec(),
+        value: value.as_bytes().to_vec(),
+    }
+}
+
+pub fn owners_are_created_once_and_fence_their_writes(engine: &dyn Engine) {
+    let tenant = TenantId::from_token(Some("t"));
+    let user = OwnerKey::user(&tenant, "bob");
+    assert_eq!(engine.owner(&user).unwrap(), None);
+    let id = engine.new_id().unwrap();
+    let meta = OwnerMeta { id, created_ms: 5 };
+    assert_eq!(engine.create_owner(&user, meta).unwrap(), meta);
+    // A second creation keeps the first record.
+    let other = OwnerMeta {
+        id: engine.new_id().unwrap(),
+        created_ms: 6,
+    };
+    assert_eq!(engine.create_owner(&user, other).unwrap(), meta);
+    assert_eq!(engine.owner(&user).unwrap(), Some(meta));
+    assert!(
+        engine
+            .write_owner(
+                &user,
+                id,
+                &[record(1, b"a", "one"), record(2, b"a", "two")],
+                &[]
+            )
+            .unwrap()
+    );
+    // A writer holding another id writes nothing.
+    assert!(
+        !engine
+            .write_owner(&user, other.id, &[record(1, b"b", "stale")], &[])
+            .unwrap()
+    );
+    assert_eq!(engine.owner_record(&user, 1, b"b").unwrap(), None);
+    assert_eq!(
+        engine.owner_record(&user, 2, b"a").unwrap().as_deref(),
+        Some(b"two".as_slice())
+    );
+    // Puts and removes in one write.
+    assert!(
+        engine
+            .write_owner(
+                &user,
+                id,
+                &[record(1, b"c", "three")],
+                &[(1, b"a".to_vec())]
+            )
+            .unwrap()
+    );
+    assert_eq!(engine.owner_record(&user, 1, b"a").unwrap(), None);
+    // Another owner of the tenant, and the same name in another tenant, see nothing of it.
+    for stranger in [
+        OwnerKey::user(&tenant, "bo"),
+        OwnerKey::user(&TenantId::from_token(Some("u")), "bob"),
+        OwnerKey::agent(&tenant, "bob"),
+    ] {
+        assert_eq!(engine.owner(&stranger).unwrap(), None);
+        assert!(
+            engine
+                .owner_records(&stranger, 1, None, 10)
+                .unwrap()
+                .0
+                .is_empty()
+        );
+        assert!(
+            !engine
+                .write_owner(&stranger, id, &[record(1, b"x", "x")], &[])
+                .unwrap()
+        );
+    }
+}
+
+pub fn owner_records_page_in_id_order(engine: &dyn Engine) {
+    let tenant = TenantId::from_token(Some("t"));
+    let user = OwnerKey::user(&tenant, "ann");
+    let id = engine.new_id().unwrap();
+    engine
+        .create_owner(&user, OwnerMeta { id, created_ms: 0 })
+        .unwrap();
+    let put: Vec<OwnerRecord> = (0u64..7)
+        .rev()
+        .map(|n| record(3, &n.to_be_bytes(), &format!("v{n}")))
+        .collect();
+    assert!(engine.write_owner(&user, id, &put, &[]).unwrap());
+    engine
+        .write_owner(&user, id, &[record(4, b"zz", "other space")], &[])
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let (page, next) = engine.owner_records(&user, 3, after.as_deref(), 3).unwrap();
+        assert!(page.len() <= 3);
+        seen.extend(
+            page.into_iter()
+                .map(|r| (r.space, String::from_utf8(r.value).unwrap())),
+        );
+        match next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    let expected: Vec<(u8, String)> = (0..7).map(|n| (3, format!("v{n}"))).collect();
+    assert_eq!(seen, expected);
+}
+
+pub fn an_owner_delete_leaves_nothing(engine: &dyn Engine) {
+    let tenant = TenantId::from_token(Some("t"));
+    let owners = [
+        OwnerKey::user(&tenant, "gone"),
+        OwnerKey::user(&tenant, "kept"),
+        OwnerKey::agent(&tenant, "support"),
+        OwnerKey::tenant(&tenant),
+    ];
+    let mut ids = Vec::new();
+    for owner in &owners {
+        let id = engine.new_id().unwrap();
+        engine
+            .create_owner(owner, OwnerMeta { id, created_ms: 0 })
+            .unwrap();
+        let secret = format!("secret-of-{}-{:?}", owner.name, owner.kind);
+        engine
+            .write_owner(
+                owner,
+                id,
+                &[record(1, b"r", &secret), record(2, b"s", &secret)],
+                &[],
+            )
+            .unwrap();
+        ids.push(id);
+    }
+    let mut listed = Vec::new();
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let (page, next) = engine.owners(after.as_deref(), 2).unwrap();
+        listed.extend(page.into_iter().map(|(owner, meta)| (owner, meta.id)));
+        match next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(listed.len(), 4);
+    assert!(
+        listed
+            .windows(2)
+            .all(|w| w[0].0.to_bytes() < w[1].0.to_bytes())
+    );
+
+    assert_eq!(engine.delete_owner(&owners[0]).unwrap(), Some(ids[0]));
+    assert_eq!(engine.delete_owner(&owners[0]).unwrap(), None);
+    assert_eq!(engine.owner(&owners[0]).unwrap(), None);
+    assert!(
+        engine
+            .owner_records(&owners[0], 1, None, 10)
+            .unwrap()
+            .0
+            .is_empty()
+    );
+    assert!(
+        !engine
+            .write_owner(&owners[0], ids[0], &[record(1, b"late", "late")], &[])
+            .unwrap()
+    );
+    assert!(!engine.any_trace_of(b"secret-of-gone").unwrap());
+    assert!(!engine.any_trace_of(b"late").unwrap());
+    assert!(engine.any_trace_of(b"secret-of-kept").unwrap());
+    assert!(engine.owner_record(&owners[1], 2, b"s").unwrap().is_some());
+    assert!(engine.owner(&owners[2]).unwrap().is_some());
+    assert!(engine.owner(&owners[3]).unwrap().is_some());
+}
+
 /// Runs every contract test against the engine `$make()` returns (with a guard that keeps its
 /// resources alive).
 macro_rules! contract_tests {
@@ -576,6 +752,16 @@ macro_rules! contract_tests {
                 a_delete_leaves_no_branch,
                 flush_and_readiness,
                 a_reopen_keeps_what_was_flushed
+            );
+        }
+    };
+    // Owners' records (long-term memory): for the engines that keep them.
+    (owners: $engine:ident, $make:expr) => {
+        mod $engine {
+            contract_tests!(@each $make;
+                owners_are_created_once_and_fence_their_writes,
+                owner_records_page_in_id_order,
+                an_owner_delete_leaves_nothing
             );
         }
     };
@@ -598,6 +784,7 @@ fn sled() -> (Box<dyn Engine>, tempfile::TempDir) {
 }
 
 contract_tests!(sled_engine, super::sled);
+contract_tests!(owners: sled_engine_owners, super::sled);
 
 #[path = "../../tests/support/redis_server.rs"]
 pub(crate) mod redis_server;

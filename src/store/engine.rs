@@ -45,6 +45,14 @@
 //!   returns [`StoreError::Disk`]; an engine may then refuse every later write until
 //!   [`Engine::reopen`] (sled does). After a reopen, reads see every write a successful flush
 //!   covered and none that no flush did, each exchange whole or not at all.
+//! - **Owners' records** (long-term memory, `crate::longterm`) are kept per [`OwnerKey`] (a
+//!   user, an agent or a tenant): an owner's record ([`OwnerMeta`], created once by
+//!   [`Engine::create_owner`] with an id from [`Engine::new_id`]) and its records, each in a
+//!   numbered space under an id. [`Engine::write_owner`] puts and removes records atomically, and
+//!   only while the owner still has the id given (a writer that read the owner before a delete
+//!   writes nothing). [`Engine::owner_records`] pages one space in id order;
+//!   [`Engine::delete_owner`] removes the record and every record of the owner in one step;
+//!   [`Engine::owners`] pages owners in key order ([`OwnerKey::to_bytes`]).
 //! - Every method may block (disk or network I/O): callers on an async runtime run them
 //!   where blocking is allowed.
 //!
@@ -54,7 +62,10 @@
 use crate::identity::{ConversationKey, TenantId};
 
 use super::StoreError;
-use super::records::{ConversationMeta, Deleted, Entry, StoredBranch, StoredMessage, TtlRecord};
+use super::records::{
+    ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
+    StoredMessage, TtlRecord,
+};
 
 /// A conversation's version as an engine last read it: a write is checked against it. Opaque
 /// to callers; two versions are equal only when nothing was written in between.
@@ -312,7 +323,77 @@ pub trait Engine: Send + Sync + 'static {
     /// Bytes the engine takes (on disk, or in the server's memory).
     fn size_bytes(&self) -> u64;
 
+    /// The owner's record.
+    fn owner(&self, owner: &OwnerKey) -> Result<Option<OwnerMeta>, StoreError> {
+        let _ = owner;
+        Err(no_owners(self.name()))
+    }
+
+    /// The owner's record, created with `meta` if there is none; returns the one stored.
+    fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError> {
+        let _ = (owner, meta);
+        Err(no_owners(self.name()))
+    }
+
+    /// Puts `put` and removes `remove` (space, id) among the owner's records, atomically, if
+    /// the owner's record still has the id `id`; false (and nothing written) when it does not.
+    fn write_owner(
+        &self,
+        owner: &OwnerKey,
+        id: u64,
+        put: &[OwnerRecord],
+        remove: &[(u8, Vec<u8>)],
+    ) -> Result<bool, StoreError> {
+        let _ = (owner, id, put, remove);
+        Err(no_owners(self.name()))
+    }
+
+    /// One record of the owner.
+    fn owner_record(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        id: &[u8],
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let _ = (owner, space, id);
+        Err(no_owners(self.name()))
+    }
+
+    /// Up to `limit` records of the owner in `space` with an id after `after`, in id order.
+    fn owner_records(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<OwnerRecord>, StoreError> {
+        let _ = (owner, space, after, limit);
+        Err(no_owners(self.name()))
+    }
+
+    /// Removes the owner's record and all its records; the id it had, `None` when it had none.
+    fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
+        let _ = owner;
+        Err(no_owners(self.name()))
+    }
+
+    /// Up to `limit` owners after the cursor `after` (owner key bytes), in key order.
+    fn owners(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
+        let _ = (after, limit);
+        Err(no_owners(self.name()))
+    }
+
     /// True when `needle` occurs in any stored key or value: a full scan, to prove a deletion
     /// left no trace (tests, audits).
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError>;
+}
+
+/// The error of an engine that does not keep owners' records (long-term memory is then off
+/// for every request, which goes on without it).
+fn no_owners(engine: &str) -> StoreError {
+    StoreError::Engine(format!("the {engine} engine does not keep long-term memory").into())
 }

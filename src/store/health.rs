@@ -179,6 +179,21 @@ impl Store {
             }
             Ok(true)
         })?;
+        // Owners of long-term records hold keys too.
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let (page, next) = match self.engine.owners(after.as_deref(), 1000) {
+                Ok(page) => page,
+                // An engine without long-term records has no owner keys.
+                Err(StoreError::Engine(_)) => break,
+                Err(err) => return Err(err),
+            };
+            live.extend(page.iter().map(|(_, meta)| meta.id));
+            match next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
         if !damaged.is_empty() {
             tracing::warn!(
                 conversations = damaged.len(),

@@ -34,6 +34,22 @@ impl Store {
         Ok(messages)
     }
 
+    /// The stored messages of `conversation` from turn `from` on, in turn order, opened.
+    pub fn messages_since(
+        &self,
+        conversation: &super::Conversation,
+        from: u64,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        let Some(meta) = &conversation.meta else {
+            return Ok(Vec::new());
+        };
+        let mut messages = self
+            .engine
+            .range(&conversation.key, meta.id, from, u64::MAX)?;
+        self.open_messages(&conversation.key, meta.id, &mut messages)?;
+        Ok(messages)
+    }
+
     /// Lists conversations in `scope` after the cursor `after`, at most `limit`, with their
     /// summary counts and TTL records. Returns the page and the cursor of the next one.
     pub fn list(
@@ -143,6 +159,32 @@ impl Store {
                         });
             Ok(!seen)
         })?;
-        Ok(seen)
+        if seen {
+            return Ok(true);
+        }
+        // Owners' records (long-term memory), opened with each owner's key.
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            let (page, next) = match self.owners(after.as_deref(), 100) {
+                Ok(page) => page,
+                Err(StoreError::Engine(_)) => return Ok(false),
+                Err(err) => return Err(err),
+            };
+            for (owner, _) in page {
+                let Some(handle) = self.owner(&owner, false).ok().flatten() else {
+                    continue;
+                };
+                for space in 0..=u8::MAX {
+                    let records = self.all_owner_records(&handle, space).unwrap_or_default();
+                    if records.iter().any(|r| found(&r.value) || found(&r.id)) {
+                        return Ok(true);
+                    }
+                }
+            }
+            match next {
+                Some(next) => after = Some(next),
+                None => return Ok(false),
+            }
+        }
     }
 }

@@ -12,6 +12,8 @@
 //! - `flush.rs` — the group flusher; `contract.rs` — the contract tests, run per engine;
 //! - `seal.rs`, `keys.rs` — message bodies and summary records encrypted with a key per
 //!   conversation, kept in its own file, so that a delete leaves nothing readable on disk;
+//! - `owners.rs` — owners' records (long-term memory per user, agent or tenant), sealed with
+//!   a key per owner like conversations;
 //! - `health.rs` — the check at open, failures to write and their retry (readiness);
 //! - `salvage.rs`, `sled_salvage.rs` — reading a damaged data directory and writing what can
 //!   be read into a fresh one (`memproxy store check|repair`).
@@ -28,6 +30,7 @@ mod flush;
 mod health;
 mod keys;
 mod listing;
+mod owners;
 mod records;
 mod redis_engine;
 pub mod salvage;
@@ -52,10 +55,11 @@ pub use branches::closed_by_branch;
 pub use engine::{Engine, Loaded, Page, Refresh, Scope, Version, Write};
 pub use flush::FlushError;
 pub use health::RETRY_AFTER;
+pub use owners::OwnerHandle;
 pub use records::{
     BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
-    MAX_CATCH_UP_CALLS, Origin, StoredBranch, StoredMessage, SummaryRecord, TtlRecord, now_ms,
-    tokens_between, transcript_line,
+    MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord, StoredBranch,
+    StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between, transcript_line,
 };
 pub use redis_engine::{RedisEngine, RedisOptions};
 pub use sled_engine::SledEngine;

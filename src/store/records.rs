@@ -249,6 +249,108 @@ pub struct Deleted {
     pub branches: usize,
 }
 
+/// Who long-term records (`crate::longterm`) belong to, within a tenant: one user, every user
+/// of one agent, or the whole tenant. Never more than one tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OwnerKey {
+    pub tenant: crate::identity::TenantId,
+    pub kind: OwnerKind,
+    /// The user id, the agent name, or empty for the tenant.
+    pub name: String,
+}
+
+/// The kinds of [`OwnerKey`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OwnerKind {
+    User,
+    Agent,
+    Tenant,
+}
+
+impl OwnerKind {
+    fn tag(self) -> u8 {
+        match self {
+            OwnerKind::User => b'u',
+            OwnerKind::Agent => b'a',
+            OwnerKind::Tenant => b't',
+        }
+    }
+}
+
+impl OwnerKey {
+    pub fn user(tenant: &crate::identity::TenantId, user: &str) -> OwnerKey {
+        OwnerKey {
+            tenant: tenant.clone(),
+            kind: OwnerKind::User,
+            name: user.to_string(),
+        }
+    }
+
+    pub fn agent(tenant: &crate::identity::TenantId, agent: &str) -> OwnerKey {
+        OwnerKey {
+            tenant: tenant.clone(),
+            kind: OwnerKind::Agent,
+            name: agent.to_string(),
+        }
+    }
+
+    pub fn tenant(tenant: &crate::identity::TenantId) -> OwnerKey {
+        OwnerKey {
+            tenant: tenant.clone(),
+            kind: OwnerKind::Tenant,
+            name: String::new(),
+        }
+    }
+
+    /// `tenant \0 kind \0 name`: no part holds a NUL, so the bytes of one owner are never a
+    /// prefix of another's followed by NUL.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let tenant = self.tenant.as_str().as_bytes();
+        let mut out = Vec::with_capacity(tenant.len() + self.name.len() + 3);
+        out.extend_from_slice(tenant);
+        out.push(0);
+        out.push(self.kind.tag());
+        out.push(0);
+        out.extend_from_slice(self.name.as_bytes());
+        out
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Option<OwnerKey> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut parts = text.split('\0');
+        let tenant = crate::identity::TenantId::from_stored(parts.next()?)?;
+        let kind = match parts.next()? {
+            "u" => OwnerKind::User,
+            "a" => OwnerKind::Agent,
+            "t" => OwnerKind::Tenant,
+            _ => return None,
+        };
+        let name = parts.next()?.to_string();
+        let valid = match kind {
+            OwnerKind::Tenant => name.is_empty(),
+            _ => crate::identity::is_valid_id(&name),
+        };
+        (parts.next().is_none() && valid).then_some(OwnerKey { tenant, kind, name })
+    }
+}
+
+/// An owner's record: the id its records are sealed under (from the same sequence as
+/// conversation ids, so never reused), and when it was created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnerMeta {
+    pub id: u64,
+    pub created_ms: i64,
+}
+
+/// One record of an owner: its space (what kind of record it is), its id within the space,
+/// and its value (opaque to engines).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnerRecord {
+    pub space: u8,
+    pub id: Vec<u8>,
+    pub value: Vec<u8>,
+}
+
 /// What an import did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Imported {

@@ -44,6 +44,8 @@ const TAG_LEN: usize = 16;
 pub enum Kind {
     Message,
     Summary,
+    /// An owner's long-term record (`owners.rs`).
+    Record,
 }
 
 impl Kind {
@@ -51,6 +53,7 @@ impl Kind {
         Aad::from(match self {
             Kind::Message => b"memproxy message".as_slice(),
             Kind::Summary => b"memproxy summary".as_slice(),
+            Kind::Record => b"memproxy record".as_slice(),
         })
     }
 }

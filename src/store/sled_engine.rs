@@ -9,7 +9,9 @@
 //!   branch, where `part` is `0 ++ 0 (u64)` for its [`BranchRecord`] (JSON), `1 ++ turn (u64
 //!   BE)` for each of its messages and `2 ++ summary number (u64 BE)` for each of its summary
 //!   records (both as they were stored on the main line);
-//! - `ttl`: `tenant \0 agent \0 conversation` → [`TtlRecord`] (JSON).
+//! - `ttl`: `tenant \0 agent \0 conversation` → [`TtlRecord`] (JSON);
+//! - `owners`: owner key bytes ([`OwnerKey::to_bytes`]) → [`OwnerMeta`] (JSON);
+//! - `owner_records`: owner key bytes `\0 space id` → the record's value.
 //!
 //! Every conditional write is one sled transaction over the trees it touches that first checks
 //! the conversation's record.
@@ -43,7 +45,8 @@ use sled::transaction::{ConflictableTransactionError, TransactionError};
 use super::StoreError;
 use super::engine::{Engine, Loaded, Page, Scope, Version, Write};
 use super::records::{
-    BranchRecord, ConversationMeta, Deleted, Entry, StoredBranch, StoredMessage, TtlRecord,
+    BranchRecord, ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
+    StoredMessage, TtlRecord,
 };
 use crate::identity::ConversationKey;
 
@@ -71,6 +74,8 @@ pub(super) struct Trees {
     pub(super) summaries: sled::Tree,
     pub(super) branches: sled::Tree,
     pub(super) ttl: sled::Tree,
+    pub(super) owners: sled::Tree,
+    pub(super) owner_records: sled::Tree,
 }
 
 impl Trees {
@@ -81,6 +86,8 @@ impl Trees {
             summaries: db.open_tree("summaries")?,
             branches: db.open_tree("branches")?,
             ttl: db.open_tree("ttl")?,
+            owners: db.open_tree("owners")?,
+            owner_records: db.open_tree("owner_records")?,
             db,
         })
     }
@@ -187,6 +194,20 @@ fn keys_after(tree: &sled::Tree, after: Option<&[u8]>) -> sled::Iter {
         }
         None => tree.iter(),
     }
+}
+
+/// The prefix of every record of `owner` in `owner_records`; with `space`, of that space.
+fn owner_prefix(owner: &OwnerKey, space: Option<u8>) -> Vec<u8> {
+    let mut prefix = owner.to_bytes();
+    prefix.push(0);
+    prefix.extend(space);
+    prefix
+}
+
+fn owner_record_key(owner: &OwnerKey, space: u8, id: &[u8]) -> Vec<u8> {
+    let mut key = owner_prefix(owner, Some(space));
+    key.extend_from_slice(id);
+    key
 }
 
 impl SledEngine {
@@ -630,6 +651,154 @@ impl Engine for SledEngine {
         *open = None;
         *open = Some(Arc::new(open_trees(&self.dir, &self.config)?));
         Ok(())
+    }
+
+    fn owner(&self, owner: &OwnerKey) -> Result<Option<OwnerMeta>, StoreError> {
+        let t = self.trees()?;
+        t.owners
+            .get(owner.to_bytes())?
+            .map(|bytes| decode(&bytes))
+            .transpose()
+    }
+
+    fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError> {
+        let t = self.trees()?;
+        let encoded = encode(&meta)?;
+        match t
+            .owners
+            .compare_and_swap(owner.to_bytes(), None as Option<&[u8]>, Some(encoded))?
+        {
+            Ok(()) => Ok(meta),
+            Err(current) => decode(&current.current.unwrap_or_default()),
+        }
+    }
+
+    fn write_owner(
+        &self,
+        owner: &OwnerKey,
+        id: u64,
+        put: &[OwnerRecord],
+        remove: &[(u8, Vec<u8>)],
+    ) -> Result<bool, StoreError> {
+        let t = self.trees()?;
+        let owner_bytes = owner.to_bytes();
+        let result = (&t.owners, &t.owner_records).transaction(|(owners, records)| {
+            let current = owners
+                .get(&owner_bytes)?
+                .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok());
+            if current.map(|m| m.id) != Some(id) {
+                return Ok(false);
+            }
+            for (space, record_id) in remove {
+                records.remove(owner_record_key(owner, *space, record_id))?;
+            }
+            for record in put {
+                records.insert(
+                    owner_record_key(owner, record.space, &record.id),
+                    record.value.as_slice(),
+                )?;
+            }
+            Ok(true)
+        });
+        done_or_false(result)
+    }
+
+    fn owner_record(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        id: &[u8],
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let t = self.trees()?;
+        Ok(t.owner_records
+            .get(owner_record_key(owner, space, id))?
+            .map(|v| v.to_vec()))
+    }
+
+    fn owner_records(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<OwnerRecord>, StoreError> {
+        let t = self.trees()?;
+        let prefix = owner_prefix(owner, Some(space));
+        let start = match after {
+            Some(after) => {
+                let mut start = prefix.clone();
+                start.extend_from_slice(after);
+                start.push(0);
+                start
+            }
+            None => prefix.clone(),
+        };
+        let mut out = Vec::new();
+        for item in t.owner_records.range(start..) {
+            let (key, value) = item?;
+            let Some(id) = key.strip_prefix(prefix.as_slice()) else {
+                return Ok((out, None));
+            };
+            if out.len() == limit {
+                let cursor = out.last().map(|r: &OwnerRecord| r.id.clone());
+                return Ok((out, cursor));
+            }
+            out.push(OwnerRecord {
+                space,
+                id: id.to_vec(),
+                value: value.to_vec(),
+            });
+        }
+        Ok((out, None))
+    }
+
+    fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
+        let t = self.trees()?;
+        let owner_bytes = owner.to_bytes();
+        let prefix = owner_prefix(owner, None);
+        // The record goes first, in one transaction with the records seen so far; writers
+        // check it in theirs, so none can add a record once it is gone, and what one added
+        // meanwhile is removed by the sweep after.
+        let keys: Vec<sled::IVec> = t
+            .owner_records
+            .scan_prefix(&prefix)
+            .keys()
+            .collect::<Result<_, _>>()?;
+        let result = (&t.owners, &t.owner_records).transaction(|(owners, records)| {
+            let removed = owners.remove(owner_bytes.as_slice())?;
+            for key in &keys {
+                records.remove(key)?;
+            }
+            Ok(removed.and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok()))
+        });
+        let removed = match result {
+            Ok(removed) => removed,
+            Err(TransactionError::Abort(())) => None,
+            Err(TransactionError::Storage(err)) => return Err(err.into()),
+        };
+        Self::remove_prefix(&t.owner_records, &prefix)?;
+        Ok(removed.map(|m| m.id))
+    }
+
+    fn owners(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
+        let t = self.trees()?;
+        let mut out = Vec::new();
+        let mut last: Option<Vec<u8>> = None;
+        for item in keys_after(&t.owners, after) {
+            if out.len() == limit {
+                return Ok((out, last));
+            }
+            let (key, value) = item?;
+            last = Some(key.to_vec());
+            let owner = OwnerKey::from_bytes(&key)
+                .ok_or_else(|| StoreError::Corrupt("an owner key is malformed".into()))?;
+            out.push((owner, decode(&value)?));
+        }
+        Ok((out, None))
     }
 
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {

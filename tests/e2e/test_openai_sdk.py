@@ -366,3 +366,29 @@ def test_path_form_needs_no_headers(servers: Servers, cid: str) -> None:
         assert raw.headers["x-memory-conversation-id"] == cid
         assert raw.headers["x-memory-status"] == "stored"
         assert raw.headers["x-memory-turns"] == "2"
+
+
+def test_a_users_other_conversations_are_recalled(client: OpenAI, cid: str) -> None:
+    """Long-term memory: what a user said in one conversation is recalled in their next one,
+    never for another user of the tenant."""
+    user = {"X-Memory-User-Id": f"{cid}-user"}
+    fact = "my favourite harbour town is Cascais"
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": fact}],
+        extra_headers={CONVERSATION_HEADER: f"{cid}-first", **user},
+    )
+    question = [{"role": "user", "content": "which harbour town is my favourite?"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=question,
+        extra_headers={CONVERSATION_HEADER: f"{cid}-second", **user},
+    )
+    assert raw.headers["x-memory-status"] == "stored"
+    assert int(raw.headers["x-memory-retrieved-elsewhere"]) >= 1
+    other = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=question,
+        extra_headers={CONVERSATION_HEADER: f"{cid}-third", "X-Memory-User-Id": f"{cid}-other"},
+    )
+    assert "x-memory-retrieved-elsewhere" not in other.headers

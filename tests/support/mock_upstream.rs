@@ -129,6 +129,9 @@ struct Shared {
     script: Mutex<VecDeque<Reply>>,
     /// Answers to memproxy's summary calls (requests whose [`TASK_HEADER`] is `summary`).
     summary_script: Mutex<VecDeque<Reply>>,
+    /// Answers to memproxy's memory extraction calls (task `extraction`); without one, an
+    /// extraction is answered `{"memories":[]}`.
+    extraction_script: Mutex<VecDeque<Reply>>,
     /// Numbers the ids of answers (`resp_mock_N`, `msg_mock_N`).
     next_id: std::sync::atomic::AtomicU64,
 }
@@ -207,6 +210,19 @@ impl MockUpstream {
         lock(&self.shared.summary_script).push_back(reply);
     }
 
+    /// Queues a scripted answer for the next memory extraction call.
+    pub fn push_extraction(&self, reply: Reply) {
+        lock(&self.shared.extraction_script).push_back(reply);
+    }
+
+    /// The memory extraction calls received so far.
+    pub fn extraction_requests(&self) -> Vec<Recorded> {
+        self.recorded()
+            .into_iter()
+            .filter(is_extraction_call)
+            .collect()
+    }
+
     /// The summary calls received so far.
     pub fn summary_requests(&self) -> Vec<Recorded> {
         self.recorded()
@@ -224,7 +240,11 @@ impl MockUpstream {
     pub fn chat_requests(&self) -> Vec<Recorded> {
         self.recorded()
             .into_iter()
-            .filter(|r| r.path.ends_with("/chat/completions") && !is_summary_call(r))
+            .filter(|r| {
+                r.path.ends_with("/chat/completions")
+                    && !is_summary_call(r)
+                    && !is_extraction_call(r)
+            })
             .collect()
     }
 
@@ -268,6 +288,12 @@ fn is_summary_call(r: &Recorded) -> bool {
         .is_some_and(|v| v.as_bytes() == b"summary")
 }
 
+fn is_extraction_call(r: &Recorded) -> bool {
+    r.headers
+        .get(TASK_HEADER)
+        .is_some_and(|v| v.as_bytes() == b"extraction")
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -300,6 +326,14 @@ async fn answer(
         let request = recorded.json();
         let auto = Reply::Text(default_summary(&last_user_text(&request)));
         let reply = lock(&shared.summary_script)
+            .pop_front()
+            .unwrap_or(Reply::Auto);
+        return chat_answer(&request, reply, auto, options).await;
+    }
+    if parts.uri.path().ends_with("/chat/completions") && is_extraction_call(&recorded) {
+        let request = recorded.json();
+        let auto = Reply::Text(r#"{"memories":[]}"#.to_string());
+        let reply = lock(&shared.extraction_script)
             .pop_front()
             .unwrap_or(Reply::Auto);
         return chat_answer(&request, reply, auto, options).await;

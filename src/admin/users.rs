@@ -1,0 +1,233 @@
+//! The admin API's users (long-term memory, `crate::longterm`): a user's memories listed,
+//! searched, shown, created, corrected and deleted by hand, and a user deleted entirely.
+//!
+//! - `GET /admin/v1/users/{tenant}/{user}/memories[?q=text]` — the user's memories (private
+//!   scope; `?q=` ranks them as a prompt would and returns the scores);
+//! - `POST …/memories` — a memory written by hand (`{"text", "type", "importance"?, "tags"?}`,
+//!   source `corrected_memory`);
+//! - `GET | PATCH | DELETE …/memories/{id}` — one memory; `PATCH {"text"?, "type"?,
+//!   "importance"?, "confidence"?, "tags"?}` makes a new version (the old text in its history,
+//!   source `corrected_memory`), used from the next request;
+//! - `DELETE /admin/v1/users/{tenant}/{user}` — every conversation of the user, their archive
+//!   and memories, with the erasure of a conversation delete.
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::ops::AdminError;
+use crate::identity::TenantId;
+use crate::longterm::memories::{self, MemoryRecord, MemoryScope, MemorySource, MemoryType};
+use crate::memory::Memory;
+use crate::store::{OwnerHandle, OwnerKey, now_ms};
+
+fn owner_handle(
+    memory: &Memory,
+    owner: &OwnerKey,
+    create: bool,
+) -> Result<Option<OwnerHandle>, AdminError> {
+    Ok(memory.store.owner(owner, create)?)
+}
+
+fn user_missing(user: &str) -> AdminError {
+    AdminError::NotFound(format!("no memories of user {user}"))
+}
+
+fn all(memory: &Memory, owner: &OwnerKey) -> Result<Vec<MemoryRecord>, AdminError> {
+    match owner_handle(memory, owner, false)? {
+        Some(handle) => Ok(memories::all(&memory.store, &handle)?),
+        None => Err(user_missing(&owner.name)),
+    }
+}
+
+/// The user's memories, or with `q` those a prompt would take for it, with their scores.
+pub fn list(
+    memory: &Memory,
+    tenant: &TenantId,
+    user: &str,
+    query: &str,
+) -> Result<Value, AdminError> {
+    let owner = OwnerKey::user(tenant, user);
+    let records = all(memory, &owner)?;
+    let q = query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(k, _)| *k == "q")
+        .map(|(_, v)| v.replace('+', " "));
+    let Some(q) = q else {
+        return Ok(json!({"user": user, "memories": records}));
+    };
+    let decay = memories::Decay {
+        half_life_ms: crate::settings::DEFAULT_MEMORY_HALF_LIFE.as_secs_f64() * 1000.0,
+        min: 0.0,
+    };
+    let now = memory.clock.now_ms();
+    let candidates = records.into_iter().map(|m| (owner.clone(), m)).collect();
+    let chosen = memories::select(candidates, &q, now, decay, 50, u64::MAX);
+    let found: Vec<Value> = chosen
+        .into_iter()
+        .map(|c| json!({"score": c.score, "decay": c.decay, "memory": c.memory}))
+        .collect();
+    Ok(json!({"user": user, "query": q, "memories": found}))
+}
+
+/// One memory.
+pub fn get(memory: &Memory, tenant: &TenantId, user: &str, id: u64) -> Result<Value, AdminError> {
+    let records = all(memory, &OwnerKey::user(tenant, user))?;
+    let found = records
+        .into_iter()
+        .find(|m| m.id == id)
+        .ok_or_else(|| AdminError::NotFound(format!("no memory {id} of user {user}")))?;
+    Ok(json!(found))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Edit {
+    text: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    importance: Option<f64>,
+    confidence: Option<f64>,
+    tags: Option<Vec<String>>,
+}
+
+fn parse_edit(body: &[u8]) -> Result<Edit, AdminError> {
+    serde_json::from_slice(body).map_err(|err| {
+        AdminError::BadRequest(format!(
+            "the body must be {{\"text\", \"type\", \"importance\", \"confidence\", \"tags\"}}: {err}"
+        ))
+    })
+}
+
+fn checked_kind(kind: &str) -> Result<MemoryType, AdminError> {
+    MemoryType::parse(kind).ok_or_else(|| {
+        AdminError::BadRequest(format!(
+            "`type` must be one of {}",
+            MemoryType::ALL.join(", ")
+        ))
+    })
+}
+
+fn checked_unit(name: &str, value: Option<f64>) -> Result<Option<f64>, AdminError> {
+    match value {
+        Some(v) if !(0.0..=1.0).contains(&v) => Err(AdminError::BadRequest(format!(
+            "`{name}` must be from 0 to 1"
+        ))),
+        other => Ok(other),
+    }
+}
+
+fn checked_text(text: &str) -> Result<String, AdminError> {
+    let text = text.trim();
+    if text.is_empty() || text.chars().count() > memories::MAX_MEMORY_CHARS {
+        return Err(AdminError::BadRequest(format!(
+            "`text` must be 1 to {} characters",
+            memories::MAX_MEMORY_CHARS
+        )));
+    }
+    Ok(text.to_string())
+}
+
+/// A memory written by hand.
+pub fn create(
+    memory: &Memory,
+    tenant: &TenantId,
+    user: &str,
+    body: &[u8],
+) -> Result<Value, AdminError> {
+    let edit = parse_edit(body)?;
+    let text = checked_text(edit.text.as_deref().unwrap_or(""))?;
+    let kind = checked_kind(edit.kind.as_deref().unwrap_or(""))?;
+    let importance = checked_unit("importance", edit.importance)?.unwrap_or(0.7);
+    let confidence = checked_unit("confidence", edit.confidence)?.unwrap_or(1.0);
+    let owner = OwnerKey::user(tenant, user);
+    let now = now_ms();
+    let record = MemoryRecord {
+        id: memory.store.new_id()?,
+        tenant: tenant.as_str().to_string(),
+        user: user.to_string(),
+        agent: String::new(),
+        kind,
+        scope: MemoryScope::Private,
+        text,
+        excerpt: String::new(),
+        importance,
+        confidence,
+        tags: edit.tags.unwrap_or_default(),
+        source: MemorySource::CorrectedMemory,
+        conversation: None,
+        source_turns: Vec::new(),
+        version: 1,
+        history: Vec::new(),
+        created_ms: now,
+        updated_ms: now,
+        last_accessed_ms: now,
+        supersedes: Vec::new(),
+        related_to: Vec::new(),
+    };
+    memories::write(&memory.store, &owner, std::slice::from_ref(&record), &[])?;
+    Ok(json!(record))
+}
+
+/// A memory corrected by hand: a new version, the old text kept in its history.
+pub fn update(
+    memory: &Memory,
+    tenant: &TenantId,
+    user: &str,
+    id: u64,
+    body: &[u8],
+) -> Result<Value, AdminError> {
+    let edit = parse_edit(body)?;
+    let owner = OwnerKey::user(tenant, user);
+    let mut record = all(memory, &owner)?
+        .into_iter()
+        .find(|m| m.id == id)
+        .ok_or_else(|| AdminError::NotFound(format!("no memory {id} of user {user}")))?;
+    let now = now_ms();
+    let text = match edit.text.as_deref() {
+        Some(text) => checked_text(text)?,
+        None => record.text.clone(),
+    };
+    record.revise(text, MemorySource::CorrectedMemory, now);
+    if let Some(kind) = edit.kind.as_deref() {
+        record.kind = checked_kind(kind)?;
+    }
+    if let Some(v) = checked_unit("importance", edit.importance)? {
+        record.importance = v;
+    }
+    if let Some(v) = checked_unit("confidence", edit.confidence)? {
+        record.confidence = v;
+    }
+    if let Some(tags) = edit.tags {
+        record.tags = tags;
+    }
+    memories::write(&memory.store, &owner, std::slice::from_ref(&record), &[])?;
+    Ok(json!(record))
+}
+
+/// Deletes one memory.
+pub fn delete(
+    memory: &Memory,
+    tenant: &TenantId,
+    user: &str,
+    id: u64,
+) -> Result<Value, AdminError> {
+    let owner = OwnerKey::user(tenant, user);
+    let exists = all(memory, &owner)?.iter().any(|m| m.id == id);
+    if !exists {
+        return Err(AdminError::NotFound(format!(
+            "no memory {id} of user {user}"
+        )));
+    }
+    memories::write(&memory.store, &owner, &[], &[id])?;
+    Ok(json!({"user": user, "deleted": id}))
+}
+
+/// Deletes a user entirely.
+pub fn delete_user(memory: &Memory, tenant: &TenantId, user: &str) -> Result<Value, AdminError> {
+    let deleted = memory
+        .delete_user(tenant, user)?
+        .ok_or_else(|| user_missing(user))?;
+    tracing::info!("a user was deleted by an operator");
+    Ok(json!({"tenant": tenant.as_str(), "user": user, "deleted_conversations": deleted}))
+}

@@ -1,0 +1,632 @@
+//! Long-term memory through the real proxy (issue 13): what a user said in one conversation
+//! is recalled in their next one, tagged with the conversation it came from; never for another
+//! user of the tenant, nor for the same user id under another credential; a conversation
+//! deleted by its TTL stays searchable and is rebuilt when asked for again; a request without
+//! a user id behaves as before.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+#[path = "support/admin.rs"]
+mod support_admin;
+
+use std::time::Duration;
+
+use memproxy::ttl::{Cursor, sweep_pass};
+use support::mock_upstream::MockUpstream;
+use support::*;
+
+const FACT: &str = "My favourite city is Lisbon and I am allergic to peanuts";
+const QUESTION: &str = "Which city is my favourite, and what am I allergic to?";
+
+/// The recalled-turns system message of the last forwarded prompt, if any.
+fn recalled(mock: &MockUpstream) -> String {
+    mock.last_messages()
+        .iter()
+        .filter(|m| m["role"] == "system")
+        .filter_map(|m| m["content"].as_str())
+        .find(|c| c.starts_with("[Earlier in this conversation"))
+        .unwrap_or("")
+        .to_string()
+}
+
+async fn say(
+    proxy: &Proxy,
+    token: &str,
+    user: Option<&str>,
+    conversation: &str,
+    text: &str,
+) -> Answer {
+    let extra: Vec<(&str, &str)> = user.map(|u| ("x-memory-user-id", u)).into_iter().collect();
+    let answer = chat_as(
+        proxy,
+        token,
+        conversation,
+        &body(&[support::user(text)]),
+        &extra,
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    answer
+}
+
+#[tokio::test]
+async fn a_fact_from_one_conversation_is_recalled_in_the_users_next_one() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+
+    say(&proxy, TOKEN, Some("ana"), "trip-planning", FACT).await;
+    say(
+        &proxy,
+        TOKEN,
+        Some("ana"),
+        "trip-planning",
+        "Thanks, that is all for today",
+    )
+    .await;
+
+    // A fresh conversation of the same user: layer 1 brings the fact back at once.
+    let answer = say(&proxy, TOKEN, Some("ana"), "new-chat", QUESTION).await;
+    let message = recalled(&mock);
+    assert!(message.contains(FACT), "{message}");
+    assert!(
+        message.contains("[earlier conversation trip-planning, turn #1 at "),
+        "{message}"
+    );
+    assert_eq!(answer.header("x-memory-retrieved"), "0");
+    assert_ne!(answer.header("x-memory-retrieved-elsewhere"), "");
+    // Nothing recalled is stored as a turn of the new conversation.
+    let stored = proxy.stored(Some(TOKEN), "new-chat");
+    assert_eq!(stored.len(), 2);
+    assert!(!stored[0].message.get().contains("Lisbon"));
+
+    // Another user of the tenant, the same user under another credential, and a request
+    // without a user id never see it.
+    say(&proxy, TOKEN, Some("bob"), "bob-chat", QUESTION).await;
+    assert!(!recalled(&mock).contains("Lisbon"));
+    say(
+        &proxy,
+        "sk-other-tenant",
+        Some("ana"),
+        "other-tenant-chat",
+        QUESTION,
+    )
+    .await;
+    assert!(!recalled(&mock).contains("Lisbon"));
+    say(&proxy, TOKEN, None, "anonymous-chat", QUESTION).await;
+    assert!(!recalled(&mock).contains("Lisbon"));
+    let plain = say(&proxy, TOKEN, None, "anonymous-chat-2", QUESTION).await;
+    assert!(plain.headers.get("x-memory-retrieved-elsewhere").is_none());
+
+    // Switched off per request, the user's other conversations are not searched.
+    let off = chat_as(
+        &proxy,
+        TOKEN,
+        "new-chat-2",
+        &body(&[support::user(QUESTION)]),
+        &[
+            ("x-memory-user-id", "ana"),
+            ("x-memory-long-term-enabled", "false"),
+        ],
+    )
+    .await;
+    assert_eq!(off.status, 200);
+    assert!(!recalled(&mock).contains("Lisbon"));
+
+    // The archive is readable through the store, and sealed on disk like conversations.
+    let memory = proxy.state.memory().unwrap();
+    assert!(memory.store.any_trace_of(b"Lisbon").unwrap());
+    proxy.stop().await;
+    for (path, bytes) in files(dir.path()) {
+        assert!(!bytes.windows(6).any(|w| w == b"Lisbon"), "{path:?}");
+    }
+}
+
+#[tokio::test]
+async fn the_conversations_own_turns_and_other_conversations_share_the_slots() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    say(
+        &proxy,
+        TOKEN,
+        Some("ana"),
+        "old",
+        "The garage door code is 7781",
+    )
+    .await;
+    for i in 0..8 {
+        say(
+            &proxy,
+            TOKEN,
+            Some("ana"),
+            "current",
+            &format!("Filler note number {i} about gardening"),
+        )
+        .await;
+    }
+    let answer = chat_as(
+        &proxy,
+        TOKEN,
+        "current",
+        &body(&[support::user(
+            "What is the garage door code again? Gardening aside.",
+        )]),
+        &[
+            ("x-memory-user-id", "ana"),
+            ("x-memory-recent-n", "2"),
+            ("x-memory-relevance-top-k", "3"),
+        ],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let message = recalled(&mock);
+    assert!(message.contains("7781"), "{message}");
+    let own: usize = answer.header("x-memory-retrieved").parse().unwrap();
+    let elsewhere: usize = answer
+        .header("x-memory-retrieved-elsewhere")
+        .parse()
+        .unwrap();
+    assert_eq!(own + elsewhere, 3, "{message}");
+    assert!(own >= 1 && elsewhere >= 1);
+    // The other conversation's lines come first.
+    let first_line = message.lines().nth(1).unwrap();
+    assert!(
+        first_line.starts_with("[earlier conversation old, turn #"),
+        "{message}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_conversation_deleted_by_its_ttl_stays_searchable_and_is_rebuilt() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let extra = [("x-memory-user-id", "ana"), ("x-memory-ttl", "PT1H")];
+    for text in [FACT, "Book me a table for Friday"] {
+        let answer = chat(&proxy, "short-lived", &body(&[support::user(text)]), &extra).await;
+        assert_eq!(answer.status, 200);
+    }
+    let state = &proxy.state;
+    let memory = state.memory().unwrap();
+    memory.clock.advance(Duration::from_secs(2 * 3600));
+    let pass = sweep_pass(memory, &state.config, &mut Cursor::default()).unwrap();
+    assert_eq!(pass.deleted, 1);
+    assert!(proxy.stored(Some(TOKEN), "short-lived").is_empty());
+
+    // Still searchable from another conversation of the user.
+    say(&proxy, TOKEN, Some("ana"), "later", QUESTION).await;
+    assert!(recalled(&mock).contains("Lisbon"));
+
+    // A new request on the deleted conversation's id finds it rebuilt.
+    say(
+        &proxy,
+        TOKEN,
+        Some("ana"),
+        "short-lived",
+        "And what did I book?",
+    )
+    .await;
+    let stored = proxy.stored(Some(TOKEN), "short-lived");
+    assert_eq!(
+        stored.len(),
+        6,
+        "the four archived turns and the new exchange"
+    );
+    assert!(stored[0].message.get().contains("Lisbon"));
+    assert_eq!(stored[0].turn, 1);
+    let forwarded = mock.last_messages();
+    assert!(
+        forwarded
+            .iter()
+            .any(|m| m["content"].as_str().is_some_and(|c| c.contains("Friday"))),
+        "{forwarded:?}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_bad_user_id_is_a_400_naming_the_header() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    for (header, value) in [
+        ("x-memory-user-id", "../etc/passwd"),
+        ("x-memory-long-term-top-k", "many"),
+        ("x-memory-memory-min-decay", "1.5"),
+    ] {
+        let answer = chat(
+            &proxy,
+            "c",
+            &body(&[support::user("hi")]),
+            &[(header, value)],
+        )
+        .await;
+        assert_eq!(answer.status, 400);
+        assert_eq!(answer.error_param(), header);
+    }
+    proxy.stop().await;
+}
+
+/// The memories stored for `user` (private scope) of the test tenant.
+fn memories_of(proxy: &Proxy, user: &str) -> Vec<memproxy::longterm::memories::MemoryRecord> {
+    let store = proxy.store();
+    let owner = memproxy::store::OwnerKey::user(&key(Some(TOKEN), "x").tenant, user);
+    match store.owner(&owner, false).unwrap() {
+        Some(handle) => memproxy::longterm::memories::all(store, &handle).unwrap(),
+        None => Vec::new(),
+    }
+}
+
+/// Waits (bounded) until `done` holds.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..100 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn extraction_answer(memories: serde_json::Value) -> support::mock_upstream::Reply {
+    support::mock_upstream::Reply::Text(serde_json::json!({ "memories": memories }).to_string())
+}
+
+#[tokio::test]
+async fn extracted_memories_reach_the_next_conversation_and_a_move_supersedes_the_old_city() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "2"),
+    ];
+    let send = |conversation: &'static str, text: &'static str| {
+        let proxy = &proxy;
+        async move {
+            let answer = chat(proxy, conversation, &body(&[support::user(text)]), &extra).await;
+            assert_eq!(answer.status, 200);
+            answer
+        }
+    };
+
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+         "importance": 0.9, "confidence": 0.95, "tags": ["home"], "source_turns": [1], "supersedes": []},
+        {"text": "The user prefers answers in bullet points", "type": "preference", "scope": "private",
+         "importance": 0.6, "confidence": 0.8, "tags": [], "source_turns": [3], "supersedes": []}
+    ])));
+    let first = send("a", "I live in Lisbon").await;
+    assert!(first.headers.get("x-memory-memories").is_none());
+    assert!(
+        mock.extraction_requests().is_empty(),
+        "one user message is not enough"
+    );
+    send("a", "Please answer in bullet points").await;
+    eventually("the extraction", || memories_of(&proxy, "ana").len() == 2).await;
+    let call = mock.extraction_requests().pop().unwrap().json();
+    assert_eq!(call["response_format"]["type"], "json_schema");
+    assert_eq!(
+        call["response_format"]["json_schema"]["name"],
+        "memproxy_memories"
+    );
+    let prompt = call["messages"][1]["content"].as_str().unwrap();
+    assert!(
+        prompt.contains("[turn #1] user: I live in Lisbon"),
+        "{prompt}"
+    );
+
+    // A new conversation of the user: the memories come right after the instructions.
+    let answer = chat(
+        &proxy,
+        "b",
+        &body(&[
+            serde_json::json!({"role": "system", "content": "You are a travel agent."}),
+            support::user("Where do I live?"),
+        ]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    assert_eq!(answer.header("x-memory-memories"), "2");
+    let forwarded = mock.last_messages();
+    let memories = forwarded[1]["content"].as_str().unwrap();
+    assert!(
+        memories.starts_with("[What you know about this user"),
+        "{forwarded:?}"
+    );
+    assert!(memories.contains("The user lives in Lisbon"));
+    // Another user, and the same user id under another credential, see none of it.
+    let other = chat(
+        &proxy,
+        "c",
+        &body(&[support::user("Where do I live?")]),
+        &[("x-memory-user-id", "bob")],
+    )
+    .await;
+    assert!(other.headers.get("x-memory-memories").is_none());
+    let other_tenant = chat_as(
+        &proxy,
+        "sk-other",
+        "c",
+        &body(&[support::user("Where do I live?")]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    assert!(other_tenant.headers.get("x-memory-memories").is_none());
+    assert!(
+        !mock
+            .last_messages()
+            .iter()
+            .any(|m| m.to_string().contains("Lisbon"))
+    );
+
+    // The move: the model names the memory it supersedes.
+    let lisbon = memories_of(&proxy, "ana")
+        .into_iter()
+        .find(|m| m.text.contains("Lisbon"))
+        .unwrap();
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Berlin", "type": "profile", "scope": "private",
+         "importance": 0.9, "confidence": 0.95, "tags": ["home"], "source_turns": [5], "supersedes": [lisbon.id]}
+    ])));
+    send("a", "I moved from Lisbon to Berlin").await;
+    send("a", "Thanks").await;
+    eventually("the superseding extraction", || {
+        memories_of(&proxy, "ana")
+            .iter()
+            .any(|m| m.text.contains("Berlin"))
+    })
+    .await;
+    let all = memories_of(&proxy, "ana");
+    let homes: Vec<_> = all
+        .iter()
+        .filter(|m| m.tags.contains(&"home".to_string()))
+        .collect();
+    assert_eq!(homes.len(), 1, "{all:?}");
+    assert_eq!(homes[0].id, lisbon.id);
+    assert_eq!(homes[0].version, 2);
+    assert_eq!(homes[0].history[0].text, "The user lives in Lisbon");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+    ];
+    for _ in 0..3 {
+        mock.push_extraction(support::mock_upstream::Reply::Text(
+            "{\"memories\": \"nope\"}".into(),
+        ));
+    }
+    let answer = chat(
+        &proxy,
+        "a",
+        &body(&[support::user("I live in Lisbon")]),
+        &extra,
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let counters = &proxy.state.memory().unwrap().longterm.extractor.counters;
+    eventually("three attempts", || {
+        counters.failures.load(std::sync::atomic::Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(
+        counters
+            .bad_answers
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    assert!(memories_of(&proxy, "ana").is_empty());
+    // The extraction model down: chat is untouched.
+    for _ in 0..3 {
+        mock.push_extraction(support::mock_upstream::Reply::Status(503, "{}".into()));
+    }
+    let answer = chat(&proxy, "a", &body(&[support::user("I like jazz")]), &extra).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
+    use support_admin::{admin, start_admin, tenant};
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+    ];
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+         "importance": 0.9, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+    ])));
+    let answer = chat(
+        &proxy,
+        "a",
+        &body(&[support::user("I live in Lisbon, Rua Augusta")]),
+        &extra,
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    eventually("the extraction", || memories_of(&proxy, "ana").len() == 1).await;
+    let base = format!("/admin/v1/users/{}/ana", tenant(TOKEN));
+
+    // Listed and searched through the API.
+    let listed = admin(&proxy, "GET", &format!("{base}/memories"), "").await;
+    assert_eq!(listed.status, 200);
+    let id = listed.json()["memories"][0]["id"].as_u64().unwrap();
+    let searched = admin(
+        &proxy,
+        "GET",
+        &format!("{base}/memories?q=where+do+I+live"),
+        "",
+    )
+    .await;
+    assert!(searched.json()["memories"][0]["score"].as_f64().unwrap() > 0.0);
+
+    // A wrong memory corrected by hand is used from the next request.
+    let corrected = admin(
+        &proxy,
+        "PATCH",
+        &format!("{base}/memories/{id}"),
+        r#"{"text": "The user lives in Porto"}"#,
+    )
+    .await;
+    assert_eq!(corrected.status, 200, "{:?}", corrected.body);
+    assert_eq!(corrected.json()["source"], "corrected_memory");
+    assert_eq!(
+        corrected.json()["history"][0]["text"],
+        "The user lives in Lisbon"
+    );
+    chat(
+        &proxy,
+        "b",
+        &body(&[support::user("Where do I live?")]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    let prompt = mock.last_messages()[0]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        prompt.contains("Porto") && !prompt.contains("Lisbon"),
+        "{prompt}"
+    );
+    let created = admin(
+        &proxy,
+        "POST",
+        &format!("{base}/memories"),
+        r#"{"text": "The user is vegetarian", "type": "preference"}"#,
+    )
+    .await;
+    assert_eq!(created.status, 200);
+    let bad = admin(
+        &proxy,
+        "POST",
+        &format!("{base}/memories"),
+        r#"{"text": "x", "type": "mood"}"#,
+    )
+    .await;
+    assert_eq!(bad.status, 400);
+
+    // Delete the user: conversations, archive, memories; nothing readable anywhere.
+    let deleted = admin(&proxy, "DELETE", &base, "").await;
+    assert_eq!(deleted.status, 200, "{:?}", deleted.body);
+    assert_eq!(deleted.json()["deleted_conversations"], 2);
+    assert_eq!(
+        admin(&proxy, "GET", &format!("{base}/memories"), "")
+            .await
+            .status,
+        404
+    );
+    assert!(proxy.stored(Some(TOKEN), "a").is_empty());
+    let store = proxy.store();
+    for needle in ["Rua Augusta", "Porto", "vegetarian"] {
+        assert!(!store.any_trace_of(needle.as_bytes()).unwrap(), "{needle}");
+    }
+    proxy.stop().await;
+    for (path, bytes) in files(dir.path()) {
+        for needle in [&b"Rua Augusta"[..], b"Porto", b"vegetarian"] {
+            assert!(
+                !bytes.windows(needle.len()).any(|w| w == needle),
+                "{path:?}"
+            );
+        }
+    }
+}
+
+/// A proxy where user `ana` has the memories an extraction of `said` gave (`memories`, the
+/// answer's list).
+async fn with_memories(
+    mock: &MockUpstream,
+    dir: &std::path::Path,
+    said: &str,
+    memories: serde_json::Value,
+) -> Proxy {
+    let proxy = Proxy::start(mock, dir, "").await;
+    let count = memories.as_array().unwrap().len();
+    mock.push_extraction(extraction_answer(memories));
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+    ];
+    chat(&proxy, "a", &body(&[support::user(said)]), &extra).await;
+    eventually("the extraction", || {
+        memories_of(&proxy, "ana").len() == count
+    })
+    .await;
+    proxy
+}
+
+#[tokio::test]
+async fn the_sweeper_deletes_memories_that_decayed_under_the_floor() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = with_memories(
+        &mock,
+        dir.path(),
+        "I live in Lisbon and work as a nurse",
+        serde_json::json!([
+            {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+             "importance": 0.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []},
+            {"text": "The user is a nurse", "type": "profile", "scope": "private",
+             "importance": 1.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+        ]),
+    )
+    .await;
+    let state = &proxy.state;
+    let memory = state.memory().unwrap();
+    // 45 days: the unimportant memory (half-life 15 days) is at 0.125, the important one
+    // (half-life 45 days) at 0.5; the floor is 0.2.
+    memory.clock.advance(Duration::from_secs(45 * 86_400));
+    let pass = sweep_pass(memory, &state.config, &mut Cursor::default()).unwrap();
+    assert_eq!(pass.decayed, 1);
+    let left = memories_of(&proxy, "ana");
+    assert_eq!(left.len(), 1);
+    assert!(left[0].text.contains("nurse"));
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_memory_used_in_a_prompt_is_refreshed_and_escapes_the_sweep() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = with_memories(
+        &mock,
+        dir.path(),
+        "I live in Lisbon",
+        serde_json::json!([
+            {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+             "importance": 0.0, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+        ]),
+    )
+    .await;
+    let state = &proxy.state;
+    let memory = state.memory().unwrap();
+    // 10 days on (half-life 15 days for an unimportant memory: 0.63), the memory is used...
+    memory.clock.advance(Duration::from_secs(10 * 86_400));
+    let used = chat(
+        &proxy,
+        "b",
+        &body(&[support::user("Where do I live?")]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    assert_eq!(used.header("x-memory-memories"), "1");
+    // ...so 30 days later it is at 0.25, over the floor, not at 0.06.
+    memory.clock.advance(Duration::from_secs(30 * 86_400));
+    let pass = sweep_pass(memory, &state.config, &mut Cursor::default()).unwrap();
+    assert_eq!(pass.decayed, 0);
+    assert_eq!(memories_of(&proxy, "ana").len(), 1);
+    proxy.stop().await;
+}
