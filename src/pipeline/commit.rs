@@ -31,8 +31,11 @@ use crate::store::{
 };
 use crate::tokens;
 
-/// How often a commit re-plans against a conversation that keeps changing under it.
-const MAX_ATTEMPTS: usize = 4;
+/// How often a commit re-plans against a conversation that keeps changing under it. In one
+/// process the conversation's lock makes a conflict rare; replicas sharing a store race for
+/// every commit of a busy conversation, so a commit backs off a little more each time
+/// ([`back_off`]) and tries up to this many times before the exchange is given up (degraded).
+const MAX_ATTEMPTS: usize = 16;
 
 /// The most stored messages one write trims; a longer trim goes in batches of this size.
 pub const TRIM_BATCH: usize = 512;
@@ -155,6 +158,7 @@ impl Exchange {
                         continue;
                     }
                     Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
+                        back_off(memory, attempt);
                         reread(memory, &self.key, &mut conversation)?;
                         continue;
                     }
@@ -218,6 +222,7 @@ impl Exchange {
                     break;
                 }
                 Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
+                    back_off(memory, attempt);
                     reread(memory, &self.key, &mut conversation)?;
                 }
                 Err(err) => return Err(err),
@@ -340,4 +345,19 @@ fn stored_message(message: &Message, origin: Origin, tokens: u32) -> StoredMessa
         fingerprint: message.fingerprint,
         message: message.raw.clone(),
     }
+}
+
+/// After a conflict with another replica's commit (a shared store): waits a little, more at
+/// each attempt and by a varying amount, so two replicas committing to one conversation stop
+/// colliding instead of retrying in step (at most about 2 ms × attempt). In one process a
+/// conflict has no one to wait for.
+fn back_off(memory: &Memory, attempt: usize) {
+    if !memory.store.shared() {
+        return;
+    }
+    let jitter = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::from(d.subsec_nanos()) % 1000);
+    let micros = (attempt as u64) * (1000 + jitter);
+    std::thread::sleep(Duration::from_micros(micros));
 }
