@@ -226,7 +226,7 @@ pub fn delete_tenant_in(
         let (page, next) = match store.owners(after.as_deref(), 1000) {
             Ok(page) => page,
             // An engine without long-term records has none.
-            Err(StoreError::Engine(_)) => break,
+            Err(StoreError::Unsupported(_)) => break,
             Err(err) => return Err(err),
         };
         for (owner, _) in page {

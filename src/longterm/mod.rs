@@ -358,7 +358,7 @@ pub fn sweep_decayed(
     let (page, next) = match store.owners(after, limit.max(1)) {
         Ok(page) => page,
         // An engine without long-term records has nothing to sweep.
-        Err(StoreError::Engine(_)) => return Ok((0, None)),
+        Err(StoreError::Unsupported(_)) => return Ok((0, None)),
         Err(err) => return Err(err),
     };
     let mut deleted = 0;

@@ -395,5 +395,7 @@ pub trait Engine: Send + Sync + 'static {
 /// The error of an engine that does not keep owners' records (long-term memory is then off
 /// for every request, which goes on without it).
 fn no_owners(engine: &str) -> StoreError {
-    StoreError::Engine(format!("the {engine} engine does not keep long-term memory").into())
+    StoreError::Unsupported(format!(
+        "the {engine} storage engine does not keep long-term memory yet (use backend = \"sled\" for it)"
+    ))
 }

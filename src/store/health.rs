@@ -185,7 +185,7 @@ impl Store {
             let (page, next) = match self.engine.owners(after.as_deref(), 1000) {
                 Ok(page) => page,
                 // An engine without long-term records has no owner keys.
-                Err(StoreError::Engine(_)) => break,
+                Err(StoreError::Unsupported(_)) => break,
                 Err(err) => return Err(err),
             };
             live.extend(page.iter().map(|(_, meta)| meta.id));

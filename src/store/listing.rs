@@ -167,7 +167,7 @@ impl Store {
         loop {
             let (page, next) = match self.owners(after.as_deref(), 100) {
                 Ok(page) => page,
-                Err(StoreError::Engine(_)) => return Ok(false),
+                Err(StoreError::Unsupported(_)) => return Ok(false),
                 Err(err) => return Err(err),
             };
             for (owner, _) in page {
