@@ -3,17 +3,13 @@
 //! is called with the Anthropic Messages API on the Anthropic upstream, every other one with
 //! chat completions on `[upstream]`. Both go through the one forward path.
 
-use http::Method;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{HeaderMap, HeaderValue};
 use serde_json::{Value, json};
 
-use crate::body::full;
 use crate::config::UpstreamConfig;
 use crate::model::{ModelCall, ModelError, ModelFuture, ModelReply, ModelRequest};
-use crate::upstream::{Forward, Upstream};
+use crate::upstream::Upstream;
 
-/// The largest answer memproxy reads from one of its own model calls.
-const MODEL_REPLY_LIMIT: usize = 16 * 1024 * 1024;
 /// The most tokens an Anthropic call of memproxy's may answer with (the API requires a bound;
 /// summaries are cut to `compression.max_summary_tokens` afterwards).
 const ANTHROPIC_MAX_TOKENS: u32 = 4096;
@@ -109,7 +105,7 @@ fn anthropic_reply(body: &[u8]) -> Result<ModelReply, ModelError> {
     })
 }
 
-/// One Messages API call for memproxy itself, over [`Upstream::forward`].
+/// One Messages API call for memproxy itself, over [`Upstream::model_post`].
 async fn anthropic_complete(
     upstream: &Upstream,
     version: &HeaderValue,
@@ -117,43 +113,11 @@ async fn anthropic_complete(
 ) -> Result<ModelReply, ModelError> {
     let body = anthropic_body(&call);
     let mut headers = HeaderMap::new();
-    for (name, value) in call.credentials.pairs() {
-        if let (Ok(name), Ok(mut value)) = (
-            HeaderName::try_from(name.as_str()),
-            HeaderValue::try_from(value.as_str()),
-        ) {
-            value.set_sensitive(true);
-            headers.insert(name, value);
-        }
-    }
-    if !headers.contains_key("anthropic-version") {
-        headers.insert("anthropic-version", version.clone());
-    }
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    let forwarded = upstream
-        .forward(Forward {
-            method: Method::POST,
-            path: "/v1/messages",
-            query: None,
-            headers: &headers,
-            body_len: Some(body.len()),
-            body: full(body),
-            read_reply: true,
-            task: Some(call.task),
-        })
-        .await
-        .map_err(|err| ModelError::Unreachable(err.to_string()))?;
-    let status = forwarded.response.status();
+    // The client's own `anthropic-version`, when its credentials carry one, wins.
+    headers.insert("anthropic-version", version.clone());
     let body = upstream
-        .read_answer(forwarded.response.into_body(), MODEL_REPLY_LIMIT)
-        .await
-        .map_err(|err| ModelError::Unreachable(err.to_string()))?;
-    if !status.is_success() {
-        return Err(ModelError::Status(status.as_u16()));
-    }
+        .model_post("/v1/messages", &call.credentials, headers, body, call.task)
+        .await?;
     anthropic_reply(&body)
 }
 

@@ -29,7 +29,7 @@ use serde_json::{Value, json};
 
 use crate::body::{CollectError, IdleTimeout, ProxyBody, Stalled, collect_limited, full};
 use crate::config::{KeyHeader, UpstreamConfig};
-use crate::model::{ModelCall, ModelError, ModelFuture, ModelReply, ModelRequest};
+use crate::model::{Credentials, ModelCall, ModelError, ModelFuture, ModelReply, ModelRequest};
 
 /// The header memproxy's own upstream calls carry (`summary`), so upstream logs (and the test
 /// mock) can tell them apart.
@@ -285,20 +285,19 @@ impl Upstream {
         }
     }
 
-    /// One chat completion for memproxy itself, over [`Upstream::forward`].
-    async fn complete(&self, call: ModelRequest) -> Result<ModelReply, ModelError> {
-        let messages: Vec<Value> = call
-            .messages
-            .iter()
-            .map(|m| json!({"role": m.role, "content": m.content}))
-            .collect();
-        let mut body = json!({"model": call.model, "messages": messages, "stream": false});
-        if let Some(format) = call.response_format {
-            body["response_format"] = format;
-        }
-        let body = body.to_string();
-        let mut headers = HeaderMap::new();
-        for (name, value) in call.credentials.pairs() {
+    /// One model call of memproxy's own (a summary, an extraction) over [`Upstream::forward`]:
+    /// POSTs the JSON `body` to `path` with the request's credentials and `headers` (kept
+    /// where the credentials set the same header), and reads the whole answer; a status other
+    /// than 2xx is [`ModelError::Status`].
+    pub async fn model_post(
+        &self,
+        path: &'static str,
+        credentials: &Credentials,
+        mut headers: HeaderMap,
+        body: String,
+        task: &'static str,
+    ) -> Result<Bytes, ModelError> {
+        for (name, value) in credentials.pairs() {
             if let (Ok(name), Ok(mut value)) = (
                 HeaderName::try_from(name.as_str()),
                 HeaderValue::try_from(value.as_str()),
@@ -314,13 +313,13 @@ impl Upstream {
         let forwarded = self
             .forward(Forward {
                 method: Method::POST,
-                path: "/v1/chat/completions",
+                path,
                 query: None,
                 headers: &headers,
                 body_len: Some(body.len()),
                 body: full(body),
                 read_reply: true,
-                task: Some(call.task),
+                task: Some(task),
             })
             .await
             .map_err(|err| ModelError::Unreachable(err.to_string()))?;
@@ -332,6 +331,29 @@ impl Upstream {
         if !status.is_success() {
             return Err(ModelError::Status(status.as_u16()));
         }
+        Ok(body)
+    }
+
+    /// One chat completion for memproxy itself, over [`Upstream::model_post`].
+    async fn complete(&self, call: ModelRequest) -> Result<ModelReply, ModelError> {
+        let messages: Vec<Value> = call
+            .messages
+            .iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect();
+        let mut body = json!({"model": call.model, "messages": messages, "stream": false});
+        if let Some(format) = call.response_format {
+            body["response_format"] = format;
+        }
+        let body = self
+            .model_post(
+                "/v1/chat/completions",
+                &call.credentials,
+                HeaderMap::new(),
+                body.to_string(),
+                call.task,
+            )
+            .await?;
         let value: Value =
             serde_json::from_slice(&body).map_err(|_| ModelError::BadAnswer("not JSON"))?;
         let text = value
