@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::assemble::{Prompt, is_injected_echo, split_request};
+use super::assemble::{CacheHints, Prompt, is_injected_echo, split_request};
 use super::budget::{self, Fitted};
 use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
@@ -208,7 +208,12 @@ pub fn plan_for_user(
 
     // Window: it must hold the current round when the new messages continue it.
     let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
-    let start = window_start(history, settings.recent_n, continue_round);
+    let start = window_start(
+        history,
+        settings.recent_n,
+        settings.window_step(),
+        continue_round,
+    );
     let mut window: Vec<StoredMessage> =
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
 
@@ -363,7 +368,7 @@ pub fn plan_for_user(
         .filter(|r| r.elsewhere_at.is_some())
         .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
         .collect();
-    let (instructions, incoming) = split_request(messages, first_new);
+    let split = split_request(messages, first_new);
     let exchange = Exchange {
         key: key.clone(),
         handle: Arc::clone(&handle),
@@ -411,12 +416,17 @@ pub fn plan_for_user(
     timings.assemble = started.elapsed();
     Ok(Plan {
         prompt: Prompt {
-            instructions,
-            memories: memories::render(&chosen),
+            instructions: split.instructions,
             summary: summary.current.as_ref().and_then(super::summary::render),
-            recalled: render(&recalled),
+            memories: memories::render(&chosen),
             window: window.into_iter().map(|m| m.message).collect(),
-            incoming,
+            recalled: render(&recalled),
+            incoming: split.incoming,
+            answers: split.answers,
+            cache: CacheHints {
+                key: settings.prompt_cache_key.then(|| key.prompt_cache_key()),
+                breakpoints: settings.cache_breakpoints,
+            },
         },
         exchange,
         stored_count,

@@ -321,7 +321,7 @@ async fn before(
             }
             record_plan(state, &plan);
             Ok(Before {
-                body: Bytes::from(request.render(plan.prompt.messages())),
+                body: Bytes::from(request.render_parts(plan.prompt.parts(), &plan.prompt.cache)),
                 headers: headers_of(&plan),
                 plan: Ok(plan),
                 deferred,
