@@ -187,11 +187,7 @@ fn in_old_order(messages: Vec<Value>) -> Vec<Value> {
     let mut out: Vec<Value> = head.to_vec();
     out.extend(rest.iter().filter(|m| summary(m)).cloned());
     out.extend(rest.iter().filter(|m| recalled(m)).cloned());
-    out.extend(
-        rest.iter()
-            .filter(|m| !summary(m) && !recalled(m))
-            .cloned(),
-    );
+    out.extend(rest.iter().filter(|m| !summary(m) && !recalled(m)).cloned());
     out
 }
 

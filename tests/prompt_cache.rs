@@ -65,7 +65,12 @@ async fn prompts_extend_each_other_until_the_anchor_jumps() {
     let turns = 16;
     for n in 1..=turns {
         let answer = chat(&proxy, "cached", &body(&[user(&question(n))]), &[]).await;
-        assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+        assert_eq!(
+            answer.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
     }
     let bodies = chat_bodies(&mock);
     assert_eq!(bodies.len(), turns);
@@ -158,7 +163,12 @@ async fn a_window_step_of_zero_slides_as_before() {
 async fn the_prompt_cache_key_is_set_when_absent_and_left_alone_otherwise() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "[agents.quiet]\nprompt_cache_key = false\n").await;
+    let proxy = Proxy::start(
+        &mock,
+        dir.path(),
+        "[agents.quiet]\nprompt_cache_key = false\n",
+    )
+    .await;
     let expected = key(Some(TOKEN), "keyed").prompt_cache_key();
     assert!(!expected.contains("keyed") && !expected.contains(TOKEN));
 
@@ -169,7 +179,10 @@ async fn the_prompt_cache_key_is_set_when_absent_and_left_alone_otherwise() {
     assert_eq!(last(&mock)["prompt_cache_key"], expected.as_str());
     // Another conversation, another key.
     chat(&proxy, "other", &body(&[user("one")]), &[]).await;
-    let other = last(&mock)["prompt_cache_key"].as_str().unwrap().to_string();
+    let other = last(&mock)["prompt_cache_key"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert_ne!(other, expected);
 
     // The client's own key (or its explicit null) is forwarded as it is, once.
@@ -208,7 +221,10 @@ async fn the_prompt_cache_key_is_set_when_absent_and_left_alone_otherwise() {
         &proxy,
         "keyed",
         &body(&[user("six")]),
-        &[("x-memory-agent", "quiet"), ("x-memory-prompt-cache-key", "on")],
+        &[
+            ("x-memory-agent", "quiet"),
+            ("x-memory-prompt-cache-key", "on"),
+        ],
     )
     .await;
     assert!(last(&mock).get("prompt_cache_key").is_some());
@@ -324,7 +340,12 @@ async fn anthropic_prompts_keep_recalled_turns_out_of_the_cached_prefix() {
             "messages": [{"role": "user", "content": question(n)}],
         });
         let answer = messages(&proxy, "claude", &request).await;
-        assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+        assert_eq!(
+            answer.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
     }
     let bodies: Vec<Value> = claude
         .anthropic_requests()
@@ -337,16 +358,27 @@ async fn anthropic_prompts_keep_recalled_turns_out_of_the_cached_prefix() {
     for (i, body) in bodies.iter().enumerate() {
         assert!(body.get("prompt_cache_key").is_none());
         // The client's system stays first and whole: no memproxy block (no summary here).
-        assert_eq!(body["system"], json!([{"type": "text", "text": "Be brief."}]));
+        assert_eq!(
+            body["system"],
+            json!([{"type": "text", "text": "Be brief."}])
+        );
         let list = body["messages"].as_array().unwrap();
         let roles: Vec<&str> = list.iter().map(|m| m["role"].as_str().unwrap()).collect();
         assert!(roles.iter().step_by(2).all(|r| *r == "user"), "{roles:?}");
-        assert!(roles.iter().skip(1).step_by(2).all(|r| *r == "assistant"), "{roles:?}");
+        assert!(
+            roles.iter().skip(1).step_by(2).all(|r| *r == "assistant"),
+            "{roles:?}"
+        );
         let newest = list.last().unwrap();
         let blocks = newest["content"].as_array().cloned().unwrap_or_default();
         if blocks.len() == 2 {
             recalled_seen += 1;
-            assert!(blocks[0]["text"].as_str().unwrap().starts_with(RECALL_MARKER));
+            assert!(
+                blocks[0]["text"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with(RECALL_MARKER)
+            );
             assert_eq!(blocks[1]["text"], question(i + 1).as_str());
         }
         // One breakpoint, on the end of the window (the turn before the newest).
@@ -389,7 +421,13 @@ async fn anthropic_prompts_keep_recalled_turns_out_of_the_cached_prefix() {
         ("x-memory-conversation-id", "claude"),
         ("x-memory-cache-breakpoints", "false"),
     ];
-    let answer = send("POST", &proxy.url("/v1/messages"), &headers, request.to_string()).await;
+    let answer = send(
+        "POST",
+        &proxy.url("/v1/messages"),
+        &headers,
+        request.to_string(),
+    )
+    .await;
     assert_eq!(answer.status, 200);
     let last = claude.anthropic_requests().last().unwrap().json();
     assert!(!last.to_string().contains("cache_control"));
