@@ -242,6 +242,12 @@ const SCENARIOS: &[Scenario] = &[
         old_order: false,
     },
     Scenario {
+        name: "new layout, async, window_step 30",
+        compression: Some(Compression::Async),
+        window_step: "30",
+        old_order: false,
+    },
+    Scenario {
         name: "new layout, compression sync",
         compression: Some(Compression::Sync),
         window_step: "\"auto\"",
