@@ -79,7 +79,9 @@ pub async fn chat(
     let bytes = collect_body(state, body).await?;
     let (key, settings) = match (api, key) {
         (Api::Responses, key) => {
-            match super::responses::resolve(state, &parts.headers, &bytes, key, settings)? {
+            match super::responses::resolve(state, memory, &parts.headers, &bytes, key, settings)
+                .await?
+            {
                 Chain::Memory(key, settings) => (key, *settings),
                 Chain::Forward(reason) => {
                     let response =
