@@ -282,6 +282,54 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
 }
 
 #[tokio::test]
+async fn the_conversation_field_names_the_conversation_and_is_not_forwarded() {
+    let (mock, claude) = (
+        MockUpstream::start().await.unwrap(),
+        MockUpstream::start().await.unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let first = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "the code word is plover", "conversation": "conv_abc"}),
+    )
+    .await;
+    assert_eq!(first.header("x-memory-status"), "stored");
+    assert_eq!(first.header("x-memory-conversation-id"), "conv_abc");
+    // The object form names the same conversation.
+    let second = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "the code word?", "conversation": {"id": "conv_abc"}}),
+    )
+    .await;
+    assert_eq!(second.header("x-memory-status"), "stored");
+    let forwarded = mock.responses_requests().last().unwrap().json();
+    assert!(forwarded.get("conversation").is_none(), "{forwarded}");
+    assert!(texts(&last_input(&mock)).contains("the code word is plover"));
+    assert_eq!(proxy.stored(Some(TOKEN), "conv_abc").len(), 4);
+
+    // A bad id, or one that disagrees with the header: a 400 naming the field, nothing sent.
+    let sent = mock.recorded().len();
+    for (header, value) in [
+        (None, json!("has spaces")),
+        (None, json!({"name": "x"})),
+        (Some("other"), json!("conv_abc")),
+    ] {
+        let answer = responses(
+            &proxy,
+            header,
+            &json!({"model": "m", "input": "x", "conversation": value}),
+        )
+        .await;
+        assert_eq!(answer.status, 400, "{value}");
+        assert_eq!(answer.json()["error"]["param"], "conversation");
+    }
+    assert_eq!(mock.recorded().len(), sent);
+}
+
+#[tokio::test]
 async fn a_function_call_round_and_reasoning_items_are_forwarded_whole() {
     let (mock, claude) = (
         MockUpstream::start().await.unwrap(),

@@ -30,7 +30,7 @@ use crate::message::parse_object;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::store::{StoreError, lock};
-use crate::wire::responses::{previous_id_field, response_object};
+use crate::wire::responses::{conversation_field, previous_id_field, response_object};
 use crate::wire::{Api, response_id_of};
 
 /// The reason sent with a chained request memproxy cannot serve with memory.
@@ -54,8 +54,9 @@ pub enum Unchained {
     Store(DegradedReason),
 }
 
-/// Resolves a Responses request's conversation: the conversation id it names (header or path
-/// form), else the one its `previous_response_id` was answered in. An unknown
+/// Resolves a Responses request's conversation: the conversation id it names (header, path
+/// form, or its `conversation` field under `agent`), else the one its `previous_response_id`
+/// was answered in. An unknown
 /// `previous_response_id` turns memory off for the request, conversation id or not.
 pub async fn resolve(
     state: &AppState,
@@ -63,25 +64,46 @@ pub async fn resolve(
     headers: &HeaderMap,
     body: &[u8],
     key: Option<ConversationKey>,
+    agent: Option<&str>,
     settings: MemorySettings,
 ) -> Result<Chain, ProxyError> {
     // A body that does not parse is refused by the planner with the field at fault.
-    let previous = parse_object(body)
-        .ok()
-        .and_then(|fields| previous_id_field(&fields).ok().flatten());
+    let fields = parse_object(body).unwrap_or_default();
+    let previous = previous_id_field(&fields).ok().flatten();
+    let named = conversation_field(&fields)?;
+    let tenant = match &key {
+        Some(key) => Some(key.tenant.clone()),
+        None => match credential_of(headers)? {
+            Some(credential) => Some(TenantId::of(Some(&credential))),
+            None if state.config.allow_anonymous => Some(TenantId::of(None)),
+            None => None,
+        },
+    };
+    // The `conversation` field names the conversation when no header does (and must agree
+    // with one that does).
+    let key = match (key, named, agent, &tenant) {
+        (Some(key), Some(named), _, _) if named != key.conversation => {
+            return Err(ProxyError::invalid(
+                "conversation",
+                "conversation_mismatch",
+                "`conversation` disagrees with the X-Memory-Conversation-Id header",
+            ));
+        }
+        (None, Some(conversation), Some(agent), Some(tenant)) => Some(ConversationKey {
+            tenant: tenant.clone(),
+            agent: agent.to_string(),
+            conversation,
+        }),
+        (key, ..) => key,
+    };
     let Some(previous) = previous else {
         return Ok(match key {
             Some(key) => Chain::Memory(key, Box::new(settings)),
             None => Chain::Forward(None),
         });
     };
-    let tenant = match &key {
-        Some(key) => key.tenant.clone(),
-        None => match credential_of(headers)? {
-            Some(credential) => TenantId::of(Some(&credential)),
-            None if state.config.allow_anonymous => TenantId::of(None),
-            None => return Ok(Chain::Forward(Some(Unchained::Unknown))),
-        },
+    let Some(tenant) = tenant else {
+        return Ok(Chain::Forward(Some(Unchained::Unknown)));
     };
     match answered_in(memory, tenant, previous).await {
         Err(err) => {
