@@ -244,6 +244,10 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
     let fetched = get(id.clone()).await;
     assert_eq!(fetched.status, 200);
     assert_eq!(fetched.json()["id"], id.as_str());
+    // As the upstream answered it: its output, creation time and usage.
+    assert_eq!(fetched.json()["created_at"], 1);
+    assert_eq!(fetched.json()["usage"]["total_tokens"], 2);
+    assert_eq!(fetched.json()["output"][0]["type"], "message");
     assert_eq!(mock.recorded().len(), before);
     let deleted = send(
         "DELETE",
