@@ -331,6 +331,37 @@ async fn the_conversation_field_names_the_conversation_and_is_not_forwarded() {
         assert_eq!(answer.json()["error"]["param"], "conversation");
     }
     assert_eq!(mock.recorded().len(), sent);
+
+    // With no conversation header the user id still counts: the user's other conversation is
+    // searched.
+    let user_said = send(
+        "POST",
+        &proxy.url("/v1/responses"),
+        &[
+            ("authorization", AUTH),
+            ("content-type", "application/json"),
+            ("x-memory-user-id", "ana"),
+        ],
+        json!({"model": "m", "input": "my locker number is 4711", "conversation": "lockers"})
+            .to_string(),
+    )
+    .await;
+    assert_eq!(user_said.header("x-memory-status"), "stored");
+    let asked = send(
+        "POST",
+        &proxy.url("/v1/responses"),
+        &[
+            ("authorization", AUTH),
+            ("content-type", "application/json"),
+            ("x-memory-user-id", "ana"),
+        ],
+        json!({"model": "m", "input": "what is my locker number?", "conversation": "fresh"})
+            .to_string(),
+    )
+    .await;
+    assert_ne!(asked.header("x-memory-retrieved-elsewhere"), "");
+    let forwarded = mock.responses_requests().last().unwrap().json().to_string();
+    assert!(forwarded.contains("4711"), "{forwarded}");
 }
 
 #[tokio::test]
