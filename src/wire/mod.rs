@@ -161,7 +161,8 @@ impl ApiRequest {
 
     /// The body to forward: the prompt (neutral messages, in order) written in this request's
     /// format, every other field as it came. A Responses request goes stateless: its
-    /// `previous_response_id` is left out, memory sends the history itself.
+    /// `previous_response_id` and `conversation` are left out, memory sends the history
+    /// itself.
     pub fn render<'a>(&self, prompt: impl IntoIterator<Item = &'a RawValue>) -> Vec<u8> {
         self.render_parts(
             prompt.into_iter().map(|m| (Part::Incoming, m)),
@@ -187,7 +188,7 @@ impl ApiRequest {
                     &self.with_cache_key(cache),
                     "input",
                     &list,
-                    &["previous_response_id"],
+                    &["previous_response_id", "conversation"],
                 )
             }
             Api::Anthropic => anthropic::render(&self.fields, prompt, cache.breakpoints),
@@ -247,6 +248,10 @@ pub struct Wire {
     pub response_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// A Responses answer's `created_at`, `status`, `usage` and `incomplete_details` (what
+    /// `GET /v1/responses/{id}` answers besides the output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response: Option<Box<RawValue>>,
 }
 
 /// A neutral message, written with `role` first.
