@@ -264,7 +264,7 @@ impl Turn {
     }
 
     /// The turn as coming from prompt message `source`.
-    fn from_source(mut self, source: usize) -> Turn {
+    fn tagged_with(mut self, source: usize) -> Turn {
         self.source = source;
         for block in &mut self.blocks {
             block.source = source;
@@ -362,7 +362,7 @@ pub fn render<'a>(
         if part == Part::Window {
             window_end = Some(source);
         }
-        let turn = turn.from_source(source);
+        let turn = turn.tagged_with(source);
         match turns.last_mut() {
             Some(last) if last.role == turn.role => {
                 let previous = std::mem::replace(last, Turn::new(turn.role, Vec::new()));
