@@ -267,11 +267,14 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
     assert_eq!(proxy.stored(Some(TOKEN), "kept").len(), 4, "the turns stay");
 
     // Deleting the conversation takes its ids along: nothing is left to chain to.
+    let kept = key(Some(TOKEN), "kept");
+    let export =
+        serde_json::to_vec(&memproxy::admin::ops::export(proxy.store(), &kept).unwrap()).unwrap();
     proxy
         .state
         .memory()
         .unwrap()
-        .delete_conversation(&key(Some(TOKEN), "kept"))
+        .delete_conversation(&kept)
         .unwrap()
         .unwrap();
     let after = responses(
@@ -283,6 +286,17 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
     assert_eq!(after.header("x-memory-status"), "off");
     assert_eq!(after.header("x-memory-reason"), "unknown-previous-response");
     assert!(!proxy.store().any_trace_of(second.as_bytes()).unwrap());
+
+    // An import brings the replies back, and their ids with them.
+    memproxy::admin::ops::import(proxy.store(), &kept, &export, false).unwrap();
+    let imported = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "and now?", "previous_response_id": second}),
+    )
+    .await;
+    assert_eq!(imported.header("x-memory-status"), "stored");
+    assert_eq!(imported.header("x-memory-conversation-id"), "kept");
 }
 
 #[tokio::test]
