@@ -18,6 +18,12 @@ use support::*;
 const FACT: &str = "My favourite city is Lisbon and I am allergic to peanuts";
 const QUESTION: &str = "Which city is my favourite, and what am I allergic to?";
 
+/// memproxy on the mock, its memory in sled, or with `MEMPROXY_TEST_BACKEND=redis` (as
+/// `scripts/test.sh` runs this file a second time) in a redis-server of its own.
+async fn start(mock: &MockUpstream, dir: &std::path::Path) -> Proxy {
+    support_admin::start_admin(mock, dir, "").await
+}
+
 /// The recalled-turns system message of the last forwarded prompt, if any.
 fn recalled(mock: &MockUpstream) -> String {
     mock.last_messages()
@@ -53,7 +59,7 @@ async fn say(
 async fn a_fact_from_one_conversation_is_recalled_in_the_users_next_one() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
 
     say(&proxy, TOKEN, Some("ana"), "trip-planning", FACT).await;
     say(
@@ -126,7 +132,7 @@ async fn a_fact_from_one_conversation_is_recalled_in_the_users_next_one() {
 async fn the_conversations_own_turns_and_other_conversations_share_the_slots() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     say(
         &proxy,
         TOKEN,
@@ -182,7 +188,7 @@ async fn the_conversations_own_turns_and_other_conversations_share_the_slots() {
 async fn a_conversation_deleted_by_its_ttl_stays_searchable_and_is_rebuilt() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     let extra = [("x-memory-user-id", "ana"), ("x-memory-ttl", "PT1H")];
     for text in [FACT, "Book me a table for Friday"] {
         let answer = chat(&proxy, "short-lived", &body(&[support::user(text)]), &extra).await;
@@ -230,7 +236,7 @@ async fn a_conversation_deleted_by_its_ttl_stays_searchable_and_is_rebuilt() {
 async fn a_bad_user_id_is_a_400_naming_the_header() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     for (header, value) in [
         ("x-memory-user-id", "../etc/passwd"),
         ("x-memory-long-term-top-k", "many"),
@@ -278,7 +284,7 @@ fn extraction_answer(memories: serde_json::Value) -> support::mock_upstream::Rep
 async fn extracted_memories_reach_the_next_conversation_and_a_move_supersedes_the_old_city() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "2"),
@@ -395,7 +401,7 @@ async fn extracted_memories_reach_the_next_conversation_and_a_move_supersedes_th
 async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "1"),
@@ -437,10 +443,10 @@ async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
 
 #[tokio::test]
 async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
-    use support_admin::{admin, start_admin, tenant};
+    use support_admin::{admin, start_admin_backend, tenant};
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let (proxy, redis) = start_admin_backend(&mock, dir.path(), "").await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "1"),
@@ -534,6 +540,10 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
     for needle in ["Rua Augusta", "Porto", "vegetarian"] {
         assert!(!store.any_trace_of(needle.as_bytes()).unwrap(), "{needle}");
     }
+    if let Some(redis) = &redis {
+        // With Redis: no key of the user is left, only the id counter.
+        assert_eq!(redis.command("KEYS mp:*"), "*1\r\n$6\r\nmp:ids\r\n");
+    }
     proxy.stop().await;
     for (path, bytes) in files(dir.path()) {
         for needle in [&b"Rua Augusta"[..], b"Porto", b"vegetarian"] {
@@ -553,7 +563,7 @@ async fn with_memories(
     said: &str,
     memories: serde_json::Value,
 ) -> Proxy {
-    let proxy = Proxy::start(mock, dir, "").await;
+    let proxy = start(mock, dir).await;
     let count = memories.as_array().unwrap().len();
     mock.push_extraction(extraction_answer(memories));
     let extra = [

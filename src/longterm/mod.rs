@@ -355,12 +355,7 @@ pub fn sweep_decayed(
     decay: memories::Decay,
     now_ms: i64,
 ) -> Result<(usize, Option<Vec<u8>>), StoreError> {
-    let (page, next) = match store.owners(after, limit.max(1)) {
-        Ok(page) => page,
-        // An engine without long-term records has nothing to sweep.
-        Err(StoreError::Unsupported(_)) => return Ok((0, None)),
-        Err(err) => return Err(err),
-    };
+    let (page, next) = store.owners(after, limit.max(1))?;
     let mut deleted = 0;
     for (owner, _) in page {
         let Some(handle) = store.owner(&owner, false)? else {
