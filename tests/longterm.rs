@@ -640,3 +640,80 @@ async fn a_memory_used_in_a_prompt_is_refreshed_and_escapes_the_sweep() {
     assert_eq!(memories_of(&proxy, "ana").len(), 1);
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_stored_summary_is_extracted_from_too() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, dir.path()).await;
+    mock.push_summary(support::mock_upstream::Reply::Text(
+        "The user keeps bees on a rooftop in Porto and sells the honey.".into(),
+    ));
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user keeps bees in Porto", "type": "profile", "scope": "private",
+         "importance": 0.7, "confidence": 0.9, "tags": ["hobby"], "source_turns": [1], "supersedes": []}
+    ])));
+    // Extraction by count is out of the way (every 100 user messages): only the summary
+    // brings one.
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "100"),
+        ("x-memory-recent-n", "2"),
+        ("x-memory-compression-threshold-tokens", "40"),
+    ];
+    const SAID: [&str; 4] = [
+        "I keep bees on the rooftop of my building in Porto, three hives in all",
+        "Every autumn I sell the honey at the market near the river",
+        "The bees were calm this year, even in the heat of August",
+        "Next spring I want to add a fourth hive if the roof allows it",
+    ];
+    for text in SAID {
+        let answer = chat(&proxy, "bees", &body(&[support::user(text)]), &extra).await;
+        assert_eq!(answer.status, 200);
+    }
+    eventually("the summary's extraction", || {
+        memories_of(&proxy, "ana").len() == 1
+    })
+    .await;
+    let calls = mock.extraction_requests();
+    assert_eq!(calls.len(), 1, "one extraction, from the summary");
+    let prompt = calls[0].json()["messages"][1]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        prompt.contains("Summary of conversation turns #1 to #")
+            && prompt.contains("rooftop in Porto and sells the honey"),
+        "{prompt}"
+    );
+    assert!(!prompt.contains("[turn #"), "{prompt}");
+    // The summary's credentials are the triggering request's.
+    assert_eq!(
+        calls[0].headers["authorization"],
+        format!("Bearer {TOKEN}").as_str()
+    );
+    let memory = &memories_of(&proxy, "ana")[0];
+    assert_eq!(memory.text, "The user keeps bees in Porto");
+    assert_eq!(memory.conversation.as_deref(), Some("bees"));
+    assert!(
+        memory.excerpt.contains("rooftop of my building"),
+        "{memory:?}"
+    );
+    // Without a user id a summary brings no extraction.
+    for text in SAID {
+        chat(
+            &proxy,
+            "anonymous",
+            &body(&[support::user(text)]),
+            &extra[2..],
+        )
+        .await;
+    }
+    eventually("the anonymous conversation's summary", || {
+        mock.summary_requests().len() == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(mock.extraction_requests().len(), 1);
+    proxy.stop().await;
+}

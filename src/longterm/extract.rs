@@ -3,6 +3,9 @@
 //! since the last extraction to `extraction_every`; queued by the commit (so only what was
 //! stored is read); run by one background worker, which reads the turns from the user's
 //! archive, asks the model, checks the answer and applies it ([`super::memories::apply`]).
+//! Also queued whenever a model summary of a user's conversation is stored: then the model
+//! reads the summary's text instead of the turns (the source turns being the range the
+//! summary covers), as the reference design extracts from its summaries.
 //!
 //! The wire contract (fixed, `docs/memories.md`): a chat completion with `response_format`
 //! `{"type": "json_schema", "json_schema": {"name": "memproxy_memories", ...}}`, answered by
@@ -58,7 +61,13 @@ pub struct Job {
     pub from_turn: u64,
     pub to_turn: u64,
     pub call: ExtractionCall,
+    /// Extract from this summary of `from_turn..=to_turn` instead of the turns themselves.
+    pub summary: Option<String>,
 }
+
+/// Turns of a summary's range read for the memories' excerpts and sources, at most (the
+/// newest): a summary of a long conversation covers all of it.
+const SUMMARY_SOURCE_TURNS: u64 = 500;
 
 /// Extraction's counters, for metrics.
 #[derive(Debug, Default)]
@@ -183,7 +192,7 @@ impl Extractor {
         let (turns, known) = tokio::task::spawn_blocking(move || read(&store, &read_job))
             .await
             .map_err(|err| ExtractError::Task(err.to_string()))??;
-        if turns.is_empty() {
+        if turns.is_empty() && job.summary.is_none() {
             return Ok(memories::Applied::default());
         }
         let request = request(job, &turns, &known);
@@ -239,7 +248,13 @@ fn read(store: &Store, job: &Job) -> Result<(Vec<SourceTurn>, Known), StoreError
         return Ok((Vec::new(), Known::new()));
     };
     let mut turns = Vec::new();
-    let mut after = archive::turn_id(job.conversation_id, job.from_turn.saturating_sub(1));
+    let from_turn = if job.summary.is_some() {
+        job.from_turn
+            .max(job.to_turn.saturating_sub(SUMMARY_SOURCE_TURNS - 1))
+    } else {
+        job.from_turn
+    };
+    let mut after = archive::turn_id(job.conversation_id, from_turn.saturating_sub(1));
     'pages: loop {
         let (page, next) =
             store.owner_records(&handle, archive::SPACE_ARCHIVE, Some(&after), 200)?;
@@ -348,12 +363,20 @@ fn request(job: &Job, turns: &[SourceTurn], known: &Known) -> ModelRequest {
     if shown == 0 {
         prompt.push_str("(none)\n");
     }
-    prompt.push_str("\nNew conversation turns:\n");
-    for turn in turns {
-        prompt.push_str(&format!(
-            "[turn #{}] {}: {}\n",
-            turn.turn, turn.role, turn.text
-        ));
+    match &job.summary {
+        Some(summary) => prompt.push_str(&format!(
+            "\nSummary of conversation turns #{} to #{}:\n{summary}\n",
+            job.from_turn, job.to_turn
+        )),
+        None => {
+            prompt.push_str("\nNew conversation turns:\n");
+            for turn in turns {
+                prompt.push_str(&format!(
+                    "[turn #{}] {}: {}\n",
+                    turn.turn, turn.role, turn.text
+                ));
+            }
+        }
     }
     ModelRequest {
         model: job.call.model.clone(),

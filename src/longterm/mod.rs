@@ -29,6 +29,7 @@ use crate::identity::{ConversationKey, TenantId};
 use crate::model::ModelCall;
 use crate::recall::tokenize::TextLanguage;
 use crate::store::{Conversation, OwnerKey, Store, StoreError, StoredMessage};
+use crate::summary::OnStored;
 
 pub use archive::{ArchivedTurn, ExtractionRule, SPACE_ARCHIVE, SPACE_CONVERSATIONS};
 pub use extract::{ExtractionCall, Extractor};
@@ -151,6 +152,7 @@ impl LongTerm {
                         from_turn: due.from_turn,
                         to_turn: due.to_turn,
                         call: call.clone(),
+                        summary: None,
                     });
                 }
             }
@@ -167,6 +169,36 @@ impl LongTerm {
         if let Some(state) = self.users.get(user) {
             self.users.insert(user.clone(), state);
         }
+    }
+
+    /// What a summary job of conversation `key` (life `conversation_id`) of `user` does once
+    /// its model summary is stored: queues one extraction from the summary's text (with the
+    /// job's credentials), its source turns the range the summary covers.
+    pub fn extraction_from_summary(
+        &self,
+        user: &OwnerKey,
+        key: &ConversationKey,
+        conversation_id: u64,
+        model: String,
+    ) -> OnStored {
+        let extractor = Arc::clone(&self.extractor);
+        let (user, agent, conversation) =
+            (user.clone(), key.agent.clone(), key.conversation.clone());
+        OnStored::new(move |record, credentials| {
+            extractor.enqueue(extract::Job {
+                user,
+                agent,
+                conversation,
+                conversation_id,
+                from_turn: record.from_turn,
+                to_turn: record.to_turn,
+                call: ExtractionCall {
+                    model,
+                    credentials: credentials.clone(),
+                },
+                summary: Some(record.text.clone()),
+            });
+        })
     }
 
     /// True when a request adding `new_user_messages` user messages to the conversation
