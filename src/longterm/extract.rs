@@ -69,15 +69,25 @@ pub struct Job {
 /// newest): a summary of a long conversation covers all of it.
 const SUMMARY_SOURCE_TURNS: u64 = 500;
 
-/// Extraction's counters, for metrics.
+/// Extraction's counters, for metrics (`memproxy_extractions_total` and the others).
 #[derive(Debug, Default)]
 pub struct ExtractionCounters {
+    /// Jobs started, and how they ended: applied, or failed after every attempt.
     pub runs: AtomicU64,
+    pub done: AtomicU64,
     pub failures: AtomicU64,
+    /// Attempts whose answer was not the contract's JSON.
     pub bad_answers: AtomicU64,
+    /// Waits before another attempt (back-offs).
+    pub retries: AtomicU64,
+    /// Jobs dropped: the queue was full or closed.
     pub dropped: AtomicU64,
+    /// Candidates: added, a new version of a similar memory, a new version of a memory the
+    /// model named as superseded, a near-duplicate that only raised scores, rejected.
     pub added: AtomicU64,
     pub updated: AtomicU64,
+    pub superseded: AtomicU64,
+    pub ignored: AtomicU64,
     pub rejected: AtomicU64,
 }
 
@@ -164,11 +174,16 @@ impl Extractor {
             match self.attempt(&job).await {
                 Ok(applied) => {
                     let c = &self.counters;
-                    c.added.fetch_add(applied.added as u64, Ordering::Relaxed);
-                    c.updated
-                        .fetch_add(applied.updated as u64, Ordering::Relaxed);
-                    c.rejected
-                        .fetch_add(applied.rejected as u64, Ordering::Relaxed);
+                    for (counter, n) in [
+                        (&c.added, applied.added),
+                        (&c.updated, applied.updated),
+                        (&c.superseded, applied.superseded),
+                        (&c.ignored, applied.ignored),
+                        (&c.rejected, applied.rejected),
+                    ] {
+                        counter.fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                    c.done.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
                 Err(err) => {
@@ -177,6 +192,7 @@ impl Extractor {
                     }
                     tracing::warn!(error = %err, attempt, "memory extraction failed");
                     if attempt < ATTEMPTS {
+                        self.counters.retries.fetch_add(1, Ordering::Relaxed);
                         tokio::time::sleep(wait).await;
                         wait *= 2;
                     }
