@@ -49,6 +49,38 @@ const TURN_CHARS: usize = 4000;
 pub struct ExtractionCall {
     pub model: String,
     pub credentials: Credentials,
+    /// When the triggering request's answer has been handed over: the worker starts the job
+    /// only then (or after [`HAND_OVER_WAIT`]), so its work never competes with that request.
+    pub handed_over: Option<HandedOver>,
+}
+
+/// Held by the triggering request's answer, dropped once it is handed over.
+#[derive(Debug)]
+pub struct HandOver(#[allow(dead_code)] tokio::sync::watch::Sender<()>);
+
+/// Waits for its [`HandOver`] to be dropped.
+#[derive(Debug, Clone)]
+pub struct HandedOver(tokio::sync::watch::Receiver<()>);
+
+/// A hand-over and what waits for it.
+pub fn hand_over() -> (HandOver, HandedOver) {
+    let (tx, rx) = tokio::sync::watch::channel(());
+    (HandOver(tx), HandedOver(rx))
+}
+
+/// How long a job waits for its request's answer to be handed over, at most (a client
+/// reading its answer slowly holds no extraction back longer).
+const HAND_OVER_WAIT: Duration = Duration::from_secs(30);
+
+impl HandedOver {
+    async fn wait(&self) {
+        let mut rx = self.0.clone();
+        let _ = tokio::time::timeout(HAND_OVER_WAIT, async {
+            // Nothing is ever sent: `changed` fails once the sender is dropped.
+            while rx.changed().await.is_ok() {}
+        })
+        .await;
+    }
 }
 
 /// One extraction: a run of turns of one life of a conversation, for one user.
@@ -168,6 +200,9 @@ impl Extractor {
 
     /// Runs a job with retries; a failure leaves the memories as they were.
     async fn run(&self, job: Job) {
+        if let Some(handed_over) = &job.call.handed_over {
+            handed_over.wait().await;
+        }
         self.counters.runs.fetch_add(1, Ordering::Relaxed);
         let mut wait = FIRST_BACKOFF;
         for attempt in 1..=ATTEMPTS {
@@ -488,6 +523,19 @@ fn prune(store: &Store, owner: &OwnerKey, count: usize) -> Result<(), StoreError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_job_waits_until_its_requests_answer_is_handed_over() {
+        let (held, handed_over) = hand_over();
+        let waiting = tokio::spawn(async move { handed_over.wait().await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished());
+        drop(held);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+    }
 
     #[test]
     fn answers_parse_only_in_the_contract_shape() {

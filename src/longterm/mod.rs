@@ -192,9 +192,11 @@ impl LongTerm {
                 conversation_id,
                 from_turn: record.from_turn,
                 to_turn: record.to_turn,
+                // Made once the summary is stored: after its request's answer.
                 call: ExtractionCall {
                     model,
                     credentials: credentials.clone(),
+                    handed_over: None,
                 },
                 summary: Some(record.text.clone()),
             });
