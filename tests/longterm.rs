@@ -265,6 +265,17 @@ fn memories_of(proxy: &Proxy, user: &str) -> Vec<memproxy::longterm::memories::M
     }
 }
 
+/// Says `text` in conversation `a` with `extra` headers (user `ana`), then waits until she
+/// has `memories` memories.
+async fn tell_ana(proxy: &Proxy, text: &str, extra: &[(&str, &str)], memories: usize) {
+    let answer = chat(proxy, "a", &body(&[support::user(text)]), extra).await;
+    assert_eq!(answer.status, 200);
+    eventually("the extraction", || {
+        memories_of(proxy, "ana").len() == memories
+    })
+    .await;
+}
+
 /// Waits (bounded) until `done` holds.
 async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     for _ in 0..100 {
@@ -455,15 +466,7 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
         {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
          "importance": 0.9, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
     ])));
-    let answer = chat(
-        &proxy,
-        "a",
-        &body(&[support::user("I live in Lisbon, Rua Augusta")]),
-        &extra,
-    )
-    .await;
-    assert_eq!(answer.status, 200);
-    eventually("the extraction", || memories_of(&proxy, "ana").len() == 1).await;
+    tell_ana(&proxy, "I live in Lisbon, Rua Augusta", &extra, 1).await;
     let base = format!("/admin/v1/users/{}/ana", tenant(TOKEN));
 
     // Listed and searched through the API.
@@ -715,5 +718,56 @@ async fn a_stored_summary_is_extracted_from_too() {
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(mock.extraction_requests().len(), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_claude_extraction_model_answers_the_contract_through_a_forced_tool_call() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = format!(
+        "[upstream.anthropic]\nbase_url = \"{}\"\n",
+        mock.anthropic_base_url()
+    );
+    let proxy = Proxy::start_with_upstream(&mock, dir.path(), &upstream, "").await;
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+         "importance": 0.9, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+    ])));
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+        ("x-memory-extraction-model", "claude-haiku-4-5"),
+    ];
+    tell_ana(&proxy, "I live in Lisbon", &extra, 1).await;
+    let call = mock.extraction_requests().pop().unwrap();
+    assert!(call.path.ends_with("/v1/messages"), "{}", call.path);
+    let call = call.json();
+    assert_eq!(call["model"], "claude-haiku-4-5");
+    assert!(call.get("response_format").is_none());
+    assert_eq!(
+        call["tool_choice"],
+        serde_json::json!({"type": "tool", "name": "memproxy_memories"})
+    );
+    assert_eq!(call["tools"][0]["name"], "memproxy_memories");
+    assert_eq!(
+        call["tools"][0]["input_schema"],
+        memproxy::longterm::extract::response_format()["json_schema"]["schema"]
+    );
+    assert_eq!(
+        memories_of(&proxy, "ana")[0].text,
+        "The user lives in Lisbon"
+    );
+    // A tool call whose input is not the contract changes nothing (a bad answer).
+    let counters = &proxy.state.memory().unwrap().longterm.extractor.counters;
+    for _ in 0..3 {
+        mock.push_extraction(support::mock_upstream::Reply::Text("not json".into()));
+    }
+    chat(&proxy, "a", &body(&[support::user("I like jazz")]), &extra).await;
+    eventually("three bad answers", || {
+        counters.failures.load(std::sync::atomic::Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(memories_of(&proxy, "ana").len(), 1);
     proxy.stop().await;
 }
