@@ -120,7 +120,8 @@ impl ApiRequest {
 
     /// The body to forward: the prompt (neutral messages, in order) written in this request's
     /// format, every other field as it came. A Responses request goes stateless: its
-    /// `previous_response_id` is left out, memory sends the history itself.
+    /// `previous_response_id` and `conversation` are left out, memory sends the history
+    /// itself.
     pub fn render<'a>(&self, prompt: impl IntoIterator<Item = &'a RawValue>) -> Vec<u8> {
         match self.api {
             Api::Chat => {
@@ -129,7 +130,12 @@ impl ApiRequest {
             }
             Api::Responses => {
                 let list = json_list(responses::render_input(prompt));
-                write_fields(&self.fields, "input", &list, &["previous_response_id"])
+                write_fields(
+                    &self.fields,
+                    "input",
+                    &list,
+                    &["previous_response_id", "conversation"],
+                )
             }
             Api::Anthropic => anthropic::render(&self.fields, prompt),
         }
@@ -170,6 +176,10 @@ pub struct Wire {
     pub response_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// A Responses answer's `created_at`, `status`, `usage` and `incomplete_details` (what
+    /// `GET /v1/responses/{id}` answers besides the output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response: Option<Box<RawValue>>,
 }
 
 /// A neutral message, written with `role` first.

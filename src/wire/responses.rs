@@ -7,6 +7,9 @@
 //!   whose `tool_calls` are the calls (by `call_id`), so the window never parts a call from
 //!   its `function_call_output` (a `tool` message).
 //! - `instructions` stay a top-level field, sent as the client sent them: never turns.
+//! - `conversation` (OpenAI's own conversation object) names memory's conversation when no
+//!   conversation id header does; like `previous_response_id` it is not forwarded when memory
+//!   runs (memory sends the history itself).
 //! - The reply is the answer's `output` (from the JSON body, or from `response.completed` in a
 //!   stream), one assistant message carrying the response id.
 
@@ -102,6 +105,36 @@ pub fn previous_id_field(
     }
 }
 
+/// The `conversation` field (a string, or an object with a string `id`), checked against the
+/// rules of conversation ids: memory uses it as the request's conversation.
+pub fn conversation_field(
+    fields: &[(String, Box<RawValue>)],
+) -> Result<Option<String>, InvalidRequest> {
+    let Some((_, raw)) = fields.iter().find(|(k, _)| k == "conversation") else {
+        return Ok(None);
+    };
+    let bad = || {
+        InvalidRequest::field(
+            "conversation",
+            "`conversation` must be a conversation id (1-128 characters from A-Za-z0-9._:@-) or an object with one as `id`",
+        )
+    };
+    let id = match serde_json::from_str::<Value>(raw.get()).map_err(|_| bad())? {
+        Value::Null => return Ok(None),
+        Value::String(id) => id,
+        Value::Object(mut object) => match object.remove("id") {
+            Some(Value::String(id)) => id,
+            _ => return Err(bad()),
+        },
+        _ => return Err(bad()),
+    };
+    if crate::identity::is_valid_id(&id) {
+        Ok(Some(id))
+    } else {
+        Err(bad())
+    }
+}
+
 /// Ends a run of model-produced items: one assistant message.
 fn flush(
     run: &mut Vec<(Box<RawValue>, Value)>,
@@ -111,7 +144,7 @@ fn flush(
     if run.is_empty() {
         return Ok(());
     }
-    let raw = assistant(std::mem::take(run), None, None);
+    let raw = assistant(std::mem::take(run), None, None, None);
     messages.push(parsed(raw, &format!("input[{start}]"))?);
     Ok(())
 }
@@ -121,6 +154,7 @@ fn assistant(
     items: Vec<(Box<RawValue>, Value)>,
     response_id: Option<String>,
     model: Option<String>,
+    response: Option<Box<RawValue>>,
 ) -> Box<RawValue> {
     let mut texts: Vec<String> = Vec::new();
     let mut calls: Vec<Value> = Vec::new();
@@ -164,6 +198,7 @@ fn assistant(
             responses: Some(items.into_iter().map(|(raw, _)| raw).collect()),
             response_id,
             model,
+            response,
             ..Wire::default()
         }),
     }
@@ -309,7 +344,14 @@ struct ResponseObject {
     status: Option<String>,
     #[serde(default)]
     output: Vec<Box<RawValue>>,
+    created_at: Option<Box<RawValue>>,
+    usage: Option<Box<RawValue>>,
+    incomplete_details: Option<Box<RawValue>>,
 }
+
+/// The fields of a response object kept with its reply besides the output: small, and what a
+/// client reads back (`usage`); the request's echo (`instructions`, `tools`) is not kept.
+const KEPT_FIELDS: [&str; 4] = ["created_at", "status", "usage", "incomplete_details"];
 
 /// The reply in a response object: its `output`, as one assistant message carrying the id;
 /// `None` for a failed response.
@@ -326,7 +368,23 @@ pub fn reply_from_response(response: &RawValue) -> Option<Box<RawValue>> {
             (raw, value)
         })
         .collect();
-    Some(assistant(items, object.id, object.model))
+    let mut kept = serde_json::Map::new();
+    let raw_fields = [
+        ("created_at", object.created_at),
+        ("usage", object.usage),
+        ("incomplete_details", object.incomplete_details),
+    ];
+    for (name, raw) in raw_fields {
+        let value: Option<Value> = raw.and_then(|raw| serde_json::from_str(raw.get()).ok());
+        if let Some(value) = value.filter(|v| !v.is_null()) {
+            kept.insert(name.to_string(), value);
+        }
+    }
+    if let Some(status) = object.status {
+        kept.insert("status".to_string(), Value::String(status));
+    }
+    let kept = serde_json::value::to_raw_value(&kept).ok();
+    Some(assistant(items, object.id, object.model, kept))
 }
 
 /// The reply in a JSON answer.
@@ -394,13 +452,22 @@ pub fn response_object(reply: &RawValue) -> Option<Value> {
         .iter()
         .filter_map(|raw| serde_json::from_str(raw.get()).ok())
         .collect();
-    Some(json!({
+    let mut object = json!({
         "id": wire.response_id?,
         "object": "response",
         "status": "completed",
         "model": wire.model,
         "output": output,
-    }))
+    });
+    let kept: Option<serde_json::Map<String, Value>> = wire
+        .response
+        .and_then(|raw| serde_json::from_str(raw.get()).ok());
+    for (name, value) in kept.into_iter().flatten() {
+        if KEPT_FIELDS.contains(&name.as_str()) {
+            object[name] = value;
+        }
+    }
+    Some(object)
 }
 
 #[cfg(test)]
