@@ -219,7 +219,7 @@ pub fn plan_for_user(
 
     // Summary: the newest one goes in the prompt (of a branch: the newest that covers only
     // turns it keeps); a new one may be due.
-    let summary = plan_summary(
+    let mut summary = plan_summary(
         memory,
         &conversation,
         settings,
@@ -302,17 +302,21 @@ pub fn plan_for_user(
             .extraction_due(store, user, key, new_user, settings.extraction_every)
         {
             Ok(true) if limits.writes && settings.persist => {
-                extraction_due = Some(
-                    settings
-                        .extraction_model
-                        .clone()
-                        .or_else(|| settings.compression_model.clone())
-                        .or_else(|| model.clone())
-                        .unwrap_or_else(|| "gpt-4o-mini".to_string()),
-                );
+                extraction_due = Some(extraction_model(settings, model.as_deref()));
             }
             Ok(_) => {}
             Err(err) => tracing::warn!(error = %err, "reading the user's archive failed"),
+        }
+        // A summary made for this conversation is extracted from too, once stored.
+        if let Some(job) = summary.due.as_mut()
+            && settings.persist
+        {
+            job.on_stored = Some(memory.longterm.extraction_from_summary(
+                user,
+                key,
+                job.conversation_id,
+                extraction_model(settings, model.as_deref()),
+            ));
         }
     }
     let memories_tokens: u64 = if chosen.is_empty() {
@@ -475,6 +479,18 @@ pub async fn start_due(
         }
     }
     None
+}
+
+/// The model of an extraction: `extraction_model`, else `compression_model`, else the
+/// request's.
+fn extraction_model(settings: &MemorySettings, request_model: Option<&str>) -> String {
+    settings
+        .extraction_model
+        .as_deref()
+        .or(settings.compression_model.as_deref())
+        .or(request_model)
+        .unwrap_or("gpt-4o-mini")
+        .to_string()
 }
 
 /// The conversation a line of [`elsewhere_turns`] names.
