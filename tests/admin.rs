@@ -738,6 +738,16 @@ async fn the_openapi_document_matches_the_server() {
         memory_ids.insert(name, created.json()["id"].as_u64().unwrap().to_string());
     }
 
+    let user_export = admin(
+        &proxy,
+        "GET",
+        &format!("/admin/v1/users/{}/c/export", tenant(TOKEN)),
+        "",
+    )
+    .await;
+    assert_eq!(user_export.status, 200, "{:?}", user_export.body);
+    let user_export = String::from_utf8(user_export.body.to_vec()).unwrap();
+
     let fill = |template: &str, tenant: &str, id: &str| {
         let memory = memory_ids.get(id).map_or("1", String::as_str);
         template
@@ -752,6 +762,7 @@ async fn the_openapi_document_matches_the_server() {
         let is_list = template == "/admin/v1/conversations";
         let request_body = match template.rsplit('/').next() {
             Some("preview") => chat_body.clone(),
+            Some("import") if template.starts_with("/admin/v1/users/") => user_export.clone(),
             Some("import") => export.clone(),
             Some("memories" | "{memory}") if method != "GET" && method != "DELETE" => {
                 r#"{"text": "The user likes green tea", "type": "preference"}"#.to_string()

@@ -771,3 +771,80 @@ async fn a_claude_extraction_model_answers_the_contract_through_a_forced_tool_ca
     assert_eq!(memories_of(&proxy, "ana").len(), 1);
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_user_exported_and_imported_comes_back_with_memories_and_archive() {
+    use support_admin::{admin, tenant};
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, dir.path()).await;
+    say(&proxy, TOKEN, Some("ana"), "trip-planning", FACT).await;
+    let base = format!("/admin/v1/users/{}/ana", tenant(TOKEN));
+    let created = admin(
+        &proxy,
+        "POST",
+        &format!("{base}/memories"),
+        r#"{"text": "The user prefers window seats", "type": "preference"}"#,
+    )
+    .await;
+    assert_eq!(created.status, 200, "{:?}", created.body);
+
+    let export = admin(&proxy, "GET", &format!("{base}/export"), "").await;
+    assert_eq!(export.status, 200, "{:?}", export.body);
+    let export_text = String::from_utf8(export.body.to_vec()).unwrap();
+    assert!(export_text.contains("window seats"));
+    assert!(export_text.contains("allergic to peanuts"));
+
+    // Gone entirely, then back from the export.
+    assert_eq!(admin(&proxy, "DELETE", &base, "").await.status, 200);
+    assert_eq!(
+        admin(&proxy, "GET", &format!("{base}/memories"), "")
+            .await
+            .status,
+        404
+    );
+    let imported = admin(&proxy, "POST", &format!("{base}/import"), &export_text).await;
+    assert_eq!(imported.status, 200, "{:?}", imported.body);
+    assert_eq!(imported.json()["memories_added"], 1);
+    assert_eq!(imported.json()["conversations_added"], 1);
+    let listed = admin(&proxy, "GET", &format!("{base}/memories"), "").await;
+    assert_eq!(
+        listed.json()["memories"][0]["text"],
+        "The user prefers window seats"
+    );
+    // Layer 1 is back: a new conversation recalls the deleted one's turn from the archive.
+    say(&proxy, TOKEN, Some("ana"), "after-import", QUESTION).await;
+    let message = recalled(&mock);
+    assert!(message.contains(FACT), "{message}");
+    assert!(
+        message.contains("[earlier conversation trip-planning, turn #1 at "),
+        "{message}"
+    );
+
+    // Again: nothing new.
+    let again = admin(&proxy, "POST", &format!("{base}/import"), &export_text).await;
+    assert_eq!(again.json()["memories_added"], 0);
+    assert_eq!(again.json()["memories_skipped"], 1);
+    assert_eq!(again.json()["conversations_added"], 0);
+    // Into another tenant only when asked for.
+    let other = format!("/admin/v1/users/{}/ana", tenant("sk-other-tenant"));
+    let refused = admin(&proxy, "POST", &format!("{other}/import"), &export_text).await;
+    assert_eq!(refused.status, 400);
+    let moved = admin(
+        &proxy,
+        "POST",
+        &format!("{other}/import?force_tenant=true"),
+        &export_text,
+    )
+    .await;
+    assert_eq!(moved.json()["memories_added"], 1);
+    // A bad body is a 400 that says what it wants.
+    let bad = admin(
+        &proxy,
+        "POST",
+        &format!("{base}/import"),
+        r#"{"format": "x"}"#,
+    )
+    .await;
+    assert_eq!(bad.status, 400);
+}

@@ -63,6 +63,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ),
     ("DELETE", "/admin/v1/tenants/{tenant}"),
     ("DELETE", "/admin/v1/users/{tenant}/{user}"),
+    ("GET", "/admin/v1/users/{tenant}/{user}/export"),
+    ("POST", "/admin/v1/users/{tenant}/{user}/import"),
     ("GET", "/admin/v1/users/{tenant}/{user}/memories"),
     ("POST", "/admin/v1/users/{tenant}/{user}/memories"),
     ("GET", "/admin/v1/users/{tenant}/{user}/memories/{memory}"),
@@ -164,6 +166,29 @@ async fn route(
                     ok(users::create(memory, &tenant, user, &bytes)?)
                 }
                 _ => Err(wrong_method("GET, POST")),
+            }
+        }
+        ["users", tenant, user, "export"] => {
+            let (tenant, user) = user_of(tenant, user)?;
+            match method {
+                Method::GET => {
+                    let _reservation = admit(state, None)?;
+                    ok(users::export_user(memory, &tenant, user)?)
+                }
+                _ => Err(wrong_method("GET")),
+            }
+        }
+        ["users", tenant, user, "import"] => {
+            let (tenant, user) = user_of(tenant, user)?;
+            match method {
+                Method::POST => {
+                    let force = query_flag(&query, "force_tenant");
+                    let _reservation = admit(state, request.body().size_hint().exact())?;
+                    let (_, body) = request.into_parts();
+                    let bytes = read_body(state, body).await?;
+                    ok(users::import_user(memory, &tenant, user, &bytes, force)?)
+                }
+                _ => Err(wrong_method("POST")),
             }
         }
         ["users", tenant, user, "memories", id] => {

@@ -9,13 +9,21 @@
 //!   "importance"?, "confidence"?, "tags"?}` makes a new version (the old text in its history,
 //!   source `corrected_memory`), used from the next request;
 //! - `DELETE /admin/v1/users/{tenant}/{user}` — every conversation of the user, their archive
-//!   and memories, with the erasure of a conversation delete.
+//!   and memories, with the erasure of a conversation delete;
+//! - `GET /admin/v1/users/{tenant}/{user}/export` — the user's memories (with their history)
+//!   and archive (layer 1: every archived turn of their conversations), as one JSON document;
+//! - `POST /admin/v1/users/{tenant}/{user}/import[?force_tenant=true]` — an export added to a
+//!   user (idempotent: a memory with the same type and text, or an archived conversation the
+//!   user already has, is skipped; memory ids are new ones, references among them follow).
 
-use serde::Deserialize;
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::ops::AdminError;
 use crate::identity::TenantId;
+use crate::longterm::archive::{self, ArchivedTurn};
 use crate::longterm::memories::{self, MemoryRecord, MemoryScope, MemorySource, MemoryType};
 use crate::memory::Memory;
 use crate::store::{OwnerHandle, OwnerKey, now_ms};
@@ -230,4 +238,111 @@ pub fn delete_user(memory: &Memory, tenant: &TenantId, user: &str) -> Result<Val
         .ok_or_else(|| user_missing(user))?;
     tracing::info!("a user was deleted by an operator");
     Ok(json!({"tenant": tenant.as_str(), "user": user, "deleted_conversations": deleted}))
+}
+
+/// The format of a user's export.
+pub const USER_EXPORT_FORMAT: &str = "memproxy.user.v1";
+
+/// A user's export.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UserExport {
+    format: String,
+    tenant: String,
+    user: String,
+    memories: Vec<MemoryRecord>,
+    archive: Vec<ArchivedTurn>,
+}
+
+/// A user's memories and archive.
+pub fn export_user(memory: &Memory, tenant: &TenantId, user: &str) -> Result<Value, AdminError> {
+    let owner = OwnerKey::user(tenant, user);
+    let handle = owner_handle(memory, &owner, false)?.ok_or_else(|| user_missing(user))?;
+    let export = UserExport {
+        format: USER_EXPORT_FORMAT.to_string(),
+        tenant: tenant.as_str().to_string(),
+        user: user.to_string(),
+        memories: memories::all(&memory.store, &handle)?,
+        archive: archive::all(&memory.store, &handle)?
+            .into_iter()
+            .map(|added| added.turn)
+            .collect(),
+    };
+    Ok(json!(export))
+}
+
+/// Adds an export to a user. An export of another tenant is refused unless `force_tenant`.
+pub fn import_user(
+    memory: &Memory,
+    tenant: &TenantId,
+    user: &str,
+    body: &[u8],
+    force_tenant: bool,
+) -> Result<Value, AdminError> {
+    let export: UserExport = serde_json::from_slice(body)
+        .map_err(|err| AdminError::BadRequest(format!("the body is not a user export: {err}")))?;
+    if export.format != USER_EXPORT_FORMAT {
+        return Err(AdminError::BadRequest(format!(
+            "`format` must be \"{USER_EXPORT_FORMAT}\""
+        )));
+    }
+    if export.tenant != tenant.as_str() && !force_tenant {
+        return Err(AdminError::BadRequest(
+            "the export is of another tenant: import it with force_tenant=true to move it"
+                .to_string(),
+        ));
+    }
+    for record in &export.memories {
+        checked_text(&record.text)?;
+    }
+    let store = &memory.store;
+    let owner = OwnerKey::user(tenant, user);
+    let handle = owner_handle(memory, &owner, true)?
+        .ok_or_else(|| AdminError::BadRequest("the user could not be created".to_string()))?;
+    let existing = memories::all(store, &handle)?;
+    // Memories already there (same type and text) are skipped; the others get new ids.
+    let mut ids: HashMap<u64, u64> = HashMap::new();
+    let mut fresh: Vec<MemoryRecord> = Vec::new();
+    for record in export.memories {
+        let same = existing
+            .iter()
+            .chain(&fresh)
+            .find(|e| e.kind == record.kind && e.text == record.text)
+            .map(|e| e.id);
+        match same {
+            Some(id) => {
+                ids.insert(record.id, id);
+            }
+            None => {
+                let id = store.new_id()?;
+                ids.insert(record.id, id);
+                fresh.push(MemoryRecord {
+                    id,
+                    tenant: tenant.as_str().to_string(),
+                    user: user.to_string(),
+                    ..record
+                });
+            }
+        }
+    }
+    for record in &mut fresh {
+        let follow = |list: &[u64]| list.iter().filter_map(|id| ids.get(id).copied()).collect();
+        record.supersedes = follow(&record.supersedes);
+        record.related_to = follow(&record.related_to);
+    }
+    let skipped_memories = ids.len() - fresh.len();
+    if !fresh.is_empty() {
+        memories::write(store, &owner, &fresh, &[])?;
+    }
+    let (added, skipped) = archive::import(store, &handle, export.archive)?;
+    memory.longterm.forget(&owner);
+    tracing::info!("a user was imported by an operator");
+    Ok(json!({
+        "tenant": tenant.as_str(),
+        "user": user,
+        "memories_added": fresh.len(),
+        "memories_skipped": skipped_memories,
+        "conversations_added": added,
+        "conversations_skipped": skipped,
+    }))
 }

@@ -248,6 +248,58 @@ pub fn conversations(
     Ok(out)
 }
 
+/// Adds archived turns from an export to the user's archive: each conversation's turns as a
+/// life of their own, unless the archive already follows that conversation or it is stored
+/// (its next commit archives it). Returns (conversations added, conversations skipped).
+pub fn import(
+    store: &Store,
+    handle: &OwnerHandle,
+    turns: Vec<ArchivedTurn>,
+) -> Result<(usize, usize), StoreError> {
+    // Grouped by conversation, in the export's order.
+    let mut groups: Vec<((String, String), Vec<ArchivedTurn>)> = Vec::new();
+    for turn in turns {
+        let name = (turn.agent.clone(), turn.conversation.clone());
+        match groups.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, group)) => group.push(turn),
+            None => groups.push((name, vec![turn])),
+        }
+    }
+    let (mut added, mut skipped) = (0, 0);
+    for ((agent, conversation), mut group) in groups {
+        let record_id = conversation_id(&agent, &conversation);
+        let key = ConversationKey {
+            tenant: handle.owner.tenant.clone(),
+            agent,
+            conversation,
+        };
+        if synced(store, handle, &record_id)?.is_some() || store.meta(&key)?.is_some() {
+            skipped += 1;
+            continue;
+        }
+        group.sort_by_key(|t| t.message.turn);
+        group.dedup_by_key(|t| t.message.turn);
+        let id = store.new_id()?;
+        let last = group.last().map_or(0, |t| t.message.turn);
+        let mut put = Vec::with_capacity(group.len() + 1);
+        for turn in &group {
+            put.push((SPACE_ARCHIVE, turn_id(id, turn.message.turn), encode(turn)?));
+        }
+        let now = Synced {
+            id,
+            next_turn: last + 1,
+            extracted_turn: last,
+            pending_user_messages: 0,
+        };
+        put.push((SPACE_CONVERSATIONS, record_id, encode(&now)?));
+        if !store.write_owner(handle, put, &[])? {
+            return Err(StoreError::Stale);
+        }
+        added += 1;
+    }
+    Ok((added, skipped))
+}
+
 /// Stores the archived turns of the conversation at `key` again, when it is not stored (see
 /// [`super::LongTerm::rebuild`]); the archive then follows the new life from its end.
 pub fn rebuild(store: &Store, user: &OwnerKey, key: &ConversationKey) -> Result<bool, StoreError> {
