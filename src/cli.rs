@@ -53,6 +53,10 @@ pub enum Command {
     /// memproxy (the admin API's operations, offline).
     #[command(subcommand)]
     Conversations(crate::admin::offline::ConversationsCommand),
+    /// Inspect, correct, export, import or delete a user's long-term memory in the data
+    /// directory of a stopped memproxy (the admin API's user operations, offline).
+    #[command(subcommand)]
+    Users(crate::admin::offline::UsersCommand),
     /// Check the data directory of a stopped memproxy for damage, or salvage what can be read
     /// into a fresh one.
     #[command(subcommand)]

@@ -31,6 +31,9 @@ fn main() -> ExitCode {
             Some(Command::Conversations(command)) => {
                 memproxy::admin::offline::run(&config, command).await
             }
+            Some(Command::Users(command)) => {
+                memproxy::admin::offline::run_users(&config, command).await
+            }
             Some(Command::Store(command)) => memproxy::admin::store_cli::run(&config, command),
             Some(Command::Serve) | None => serve(config).await,
         }

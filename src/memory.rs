@@ -163,19 +163,9 @@ impl Memory {
     /// knows, the archive and the user's memories, with the same erasure as a conversation
     /// delete (the user's key file goes last). `None` when the user has nothing stored.
     pub fn delete_user(&self, tenant: &TenantId, user: &str) -> Result<Option<usize>, StoreError> {
-        let owner = OwnerKey::user(tenant, user);
-        let Some(handle) = self.store.owner(&owner, false)? else {
-            return Ok(None);
-        };
-        let mut deleted = 0;
-        for key in crate::longterm::archive::conversations(&self.store, &handle)? {
-            if self.delete_conversation(&key)?.is_some() {
-                deleted += 1;
-            }
-        }
-        self.store.delete_owner(&owner)?;
-        self.longterm.forget(&owner);
-        Ok(Some(deleted))
+        let deleted = delete_user_in(&self.store, tenant, user, |key| self.recall.forget(key))?;
+        self.longterm.forget(&OwnerKey::user(tenant, user));
+        Ok(deleted)
     }
 
     /// Deletes every conversation of a tenant, and the tenant's workspace folder; returns how
@@ -193,6 +183,29 @@ impl Memory {
         self.longterm.shutdown(grace).await;
         self.store.close().await
     }
+}
+
+/// Deletes a user of a tenant in `store` (see [`Memory::delete_user`]), calling `forget` for
+/// each conversation deleted. Shared with the offline CLI, which has no caches.
+pub fn delete_user_in(
+    store: &Store,
+    tenant: &TenantId,
+    user: &str,
+    forget: impl Fn(&ConversationKey),
+) -> Result<Option<usize>, StoreError> {
+    let owner = OwnerKey::user(tenant, user);
+    let Some(handle) = store.owner(&owner, false)? else {
+        return Ok(None);
+    };
+    let mut deleted = 0;
+    for key in crate::longterm::archive::conversations(store, &handle)? {
+        if store.delete_conversation(&key)?.is_some() {
+            deleted += 1;
+        }
+        forget(&key);
+    }
+    store.delete_owner(&owner)?;
+    Ok(Some(deleted))
 }
 
 /// Deletes every conversation of a tenant in `store`, calling `forget` for each, then the

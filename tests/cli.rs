@@ -158,3 +158,100 @@ fn check_config_prints_the_effective_settings_per_agent() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("memory.ttl"));
 }
+
+#[tokio::test]
+async fn users_commands_correct_export_import_and_delete_a_users_memory() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let said = chat(
+        &proxy,
+        "trip",
+        &body(&[user("My favourite city is Lisbon")]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    assert_eq!(said.status, 200);
+    proxy.stop().await;
+    let address = format!("{}/ana", tenant(TOKEN));
+
+    let created = stdout_json(&memproxy(
+        dir.path(),
+        &[
+            "users",
+            "create",
+            &address,
+            r#"{"text": "The user prefers aisle seats", "type": "preference"}"#,
+        ],
+    ));
+    let id = created["id"].as_u64().unwrap().to_string();
+    let corrected = stdout_json(&memproxy(
+        dir.path(),
+        &[
+            "users",
+            "update",
+            &address,
+            &id,
+            r#"{"text": "The user prefers window seats"}"#,
+        ],
+    ));
+    assert_eq!(corrected["source"], "corrected_memory");
+    assert_eq!(
+        corrected["history"][0]["text"],
+        "The user prefers aisle seats"
+    );
+    let searched = stdout_json(&memproxy(
+        dir.path(),
+        &["users", "memories", &address, "--query", "which seats"],
+    ));
+    assert_eq!(
+        searched["memories"][0]["memory"]["text"],
+        "The user prefers window seats"
+    );
+    let shown = stdout_json(&memproxy(dir.path(), &["users", "get", &address, &id]));
+    assert_eq!(shown["version"], 2);
+
+    let file = dir.path().join("ana.json");
+    let exported = memproxy(
+        dir.path(),
+        &["users", "export", &address, "-o", file.to_str().unwrap()],
+    );
+    assert!(exported.status.success());
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains("window seats") && text.contains("Lisbon"));
+
+    let deleted = stdout_json(&memproxy(dir.path(), &["users", "delete", &address]));
+    assert_eq!(deleted["deleted_conversations"], 1);
+    let gone = memproxy(dir.path(), &["users", "memories", &address]);
+    assert_eq!(gone.status.code(), Some(3));
+    let conversation = format!("{}/default/trip", tenant(TOKEN));
+    let no_conversation = memproxy(dir.path(), &["conversations", "show", &conversation]);
+    assert_eq!(no_conversation.status.code(), Some(3));
+
+    let imported = stdout_json(&memproxy(
+        dir.path(),
+        &["users", "import", &address, "-i", file.to_str().unwrap()],
+    ));
+    assert_eq!(imported["memories_added"], 1);
+    assert_eq!(imported["conversations_added"], 1);
+    let forgotten = stdout_json(&memproxy(
+        dir.path(),
+        &[
+            "users",
+            "forget",
+            &address,
+            &imported_id(&memproxy(dir.path(), &["users", "memories", &address])),
+        ],
+    ));
+    assert!(forgotten["deleted"].is_u64());
+    let bad = memproxy(dir.path(), &["users", "memories", "not-an-address"]);
+    assert_eq!(bad.status.code(), Some(2));
+}
+
+/// The id of the first memory listed.
+fn imported_id(listed: &Output) -> String {
+    stdout_json(listed)["memories"][0]["id"]
+        .as_u64()
+        .unwrap()
+        .to_string()
+}

@@ -159,11 +159,14 @@ async fn route(
         ["users", tenant, user, "memories"] => {
             let (tenant, user) = user_of(tenant, user)?;
             match method {
-                Method::GET => ok(users::list(memory, &tenant, user, &query)?),
+                Method::GET => {
+                    let now = memory.clock.now_ms();
+                    ok(users::list(&memory.store, now, &tenant, user, &query)?)
+                }
                 Method::POST => {
                     let (_, body) = request.into_parts();
                     let bytes = read_body(state, body).await?;
-                    ok(users::create(memory, &tenant, user, &bytes)?)
+                    ok(users::create(&memory.store, &tenant, user, &bytes)?)
                 }
                 _ => Err(wrong_method("GET, POST")),
             }
@@ -173,7 +176,7 @@ async fn route(
             match method {
                 Method::GET => {
                     let _reservation = admit(state, None)?;
-                    ok(users::export_user(memory, &tenant, user)?)
+                    ok(users::export_user(&memory.store, &tenant, user)?)
                 }
                 _ => Err(wrong_method("GET")),
             }
@@ -186,7 +189,11 @@ async fn route(
                     let _reservation = admit(state, request.body().size_hint().exact())?;
                     let (_, body) = request.into_parts();
                     let bytes = read_body(state, body).await?;
-                    ok(users::import_user(memory, &tenant, user, &bytes, force)?)
+                    let imported = users::import_user(&memory.store, &tenant, user, &bytes, force)?;
+                    memory
+                        .longterm
+                        .forget(&crate::store::OwnerKey::user(&tenant, user));
+                    ok(imported)
                 }
                 _ => Err(wrong_method("POST")),
             }
@@ -197,13 +204,13 @@ async fn route(
                 .parse()
                 .map_err(|_| AdminError::BadRequest("a memory id is a number".to_string()))?;
             match method {
-                Method::GET => ok(users::get(memory, &tenant, user, id)?),
+                Method::GET => ok(users::get(&memory.store, &tenant, user, id)?),
                 Method::PATCH => {
                     let (_, body) = request.into_parts();
                     let bytes = read_body(state, body).await?;
-                    ok(users::update(memory, &tenant, user, id, &bytes)?)
+                    ok(users::update(&memory.store, &tenant, user, id, &bytes)?)
                 }
-                Method::DELETE => ok(users::delete(memory, &tenant, user, id)?),
+                Method::DELETE => ok(users::delete(&memory.store, &tenant, user, id)?),
                 _ => Err(wrong_method("GET, PATCH, DELETE")),
             }
         }
@@ -288,7 +295,7 @@ fn tenant_of(text: &str) -> Result<TenantId, AdminError> {
 }
 
 /// The user addressed by `{tenant}/{user}`, each part checked.
-fn user_of<'a>(tenant: &str, user: &'a str) -> Result<(TenantId, &'a str), AdminError> {
+pub(crate) fn user_of<'a>(tenant: &str, user: &'a str) -> Result<(TenantId, &'a str), AdminError> {
     let tenant = tenant_of(tenant)?;
     if !is_valid_id(user) {
         return Err(AdminError::BadRequest(

@@ -1,5 +1,6 @@
-//! The offline CLI: `memproxy conversations list|show|export|import|delete` on the data
-//! directory of a stopped memproxy. The same operations and JSON shapes as the admin API.
+//! The offline CLI: `memproxy conversations list|show|export|import|delete` and `memproxy users
+//! memories|get|create|update|forget|export|import|delete` on the data directory of a stopped
+//! memproxy. The same operations and JSON shapes as the admin API.
 //!
 //! sled lets one process open a store at a time, so these commands refuse, with a clear
 //! message, to run while a server holds the data directory.
@@ -13,8 +14,9 @@ use serde_json::{Value, json};
 
 use super::ops::{self, AdminError, ListQuery, parse_address};
 use super::tenant_of;
+use super::users;
 use crate::config::Config;
-use crate::store::{Durability, Store, StoreError, StoreOptions};
+use crate::store::{Durability, Store, StoreError, StoreOptions, now_ms};
 
 /// `memproxy conversations ...`.
 #[derive(Debug, Subcommand)]
@@ -68,6 +70,55 @@ pub enum ConversationsCommand {
     },
 }
 
+/// `memproxy users ...`: a user's long-term memory (`TENANT/USER` addresses).
+#[derive(Debug, Subcommand)]
+pub enum UsersCommand {
+    /// List a user's memories (JSON); with --query, ranked as a prompt would rank them.
+    Memories {
+        /// TENANT/USER
+        address: String,
+        #[arg(long, short)]
+        query: Option<String>,
+    },
+    /// Show one memory.
+    Get { address: String, id: u64 },
+    /// Write a memory by hand: BODY is `{"text", "type", "importance"?, "confidence"?, "tags"?}`.
+    Create { address: String, body: String },
+    /// Correct a memory (a new version, the old text in its history): BODY as for create, every
+    /// field optional.
+    Update {
+        address: String,
+        id: u64,
+        body: String,
+    },
+    /// Delete one memory.
+    Forget { address: String, id: u64 },
+    /// Export a user: memories with their history, and the archive of their turns (JSON).
+    Export {
+        /// TENANT/USER
+        address: String,
+        /// Write to this file instead of standard output.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
+    },
+    /// Add a user export to a user (idempotent).
+    Import {
+        /// TENANT/USER
+        address: String,
+        /// Read from this file instead of standard input.
+        #[arg(long, short)]
+        input: Option<PathBuf>,
+        /// Allow an export of another tenant.
+        #[arg(long)]
+        force_tenant: bool,
+    },
+    /// Delete a user: every conversation their archive knows, the archive and their memories.
+    Delete {
+        /// TENANT/USER
+        address: String,
+    },
+}
+
 /// Why an offline command failed.
 #[derive(Debug, thiserror::Error)]
 enum OfflineError {
@@ -99,7 +150,16 @@ enum OfflineError {
 
 /// Runs one command; prints JSON to standard output, errors to standard error.
 pub async fn run(config: &Config, command: ConversationsCommand) -> ExitCode {
-    match run_inner(config, command).await {
+    exit_code(run_inner(config, |store| execute(store, command)).await)
+}
+
+/// Runs one `memproxy users` command.
+pub async fn run_users(config: &Config, command: UsersCommand) -> ExitCode {
+    exit_code(run_inner(config, |store| execute_users(store, command)).await)
+}
+
+fn exit_code(result: Result<(), OfflineError>) -> ExitCode {
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let _ = writeln!(std::io::stderr(), "memproxy: {err}");
@@ -145,9 +205,12 @@ fn print(value: &Value) -> Result<(), OfflineError> {
     Ok(())
 }
 
-async fn run_inner(config: &Config, command: ConversationsCommand) -> Result<(), OfflineError> {
+async fn run_inner(
+    config: &Config,
+    command: impl FnOnce(&Store) -> Result<(), OfflineError>,
+) -> Result<(), OfflineError> {
     let store = open(&config.data_dir)?;
-    let result = execute(&store, command);
+    let result = command(&store);
     // Flush whatever was written, whatever happened.
     store.close().await?;
     result
@@ -180,12 +243,7 @@ fn execute(store: &Store, command: ConversationsCommand) -> Result<(), OfflineEr
         }
         ConversationsCommand::Export { address, output } => {
             let export = ops::export(store, &parse_address(&address)?)?;
-            let text = serde_json::to_string_pretty(&export).map_err(std::io::Error::other)?;
-            match output {
-                Some(path) => std::fs::write(path, text + "\n")?,
-                None => writeln!(std::io::stdout().lock(), "{text}")?,
-            }
-            Ok(())
+            write_output(&export, output)
         }
         ConversationsCommand::Import {
             address,
@@ -193,14 +251,7 @@ fn execute(store: &Store, command: ConversationsCommand) -> Result<(), OfflineEr
             force_tenant,
         } => {
             let key = parse_address(&address)?;
-            let bytes = match input {
-                Some(path) => std::fs::read(path)?,
-                None => {
-                    let mut bytes = Vec::new();
-                    std::io::stdin().lock().read_to_end(&mut bytes)?;
-                    bytes
-                }
-            };
+            let bytes = read_input(input)?;
             print(&ops::import(store, &key, &bytes, force_tenant)?)
         }
         ConversationsCommand::Delete { address, tenant } => {
@@ -214,6 +265,91 @@ fn execute(store: &Store, command: ConversationsCommand) -> Result<(), OfflineEr
                 .delete_conversation(&key)?
                 .ok_or_else(|| AdminError::NotFound(format!("no conversation {address}")))?;
             print(&super::format::deleted(&key, &deleted))
+        }
+    }
+}
+
+/// Standard input, or the file `input`.
+fn read_input(input: Option<PathBuf>) -> Result<Vec<u8>, OfflineError> {
+    Ok(match input {
+        Some(path) => std::fs::read(path)?,
+        None => {
+            let mut bytes = Vec::new();
+            std::io::stdin().lock().read_to_end(&mut bytes)?;
+            bytes
+        }
+    })
+}
+
+/// `value` as pretty JSON to standard output, or to the file `output`.
+fn write_output<T: serde::Serialize>(
+    value: &T,
+    output: Option<PathBuf>,
+) -> Result<(), OfflineError> {
+    let text = serde_json::to_string_pretty(value).map_err(std::io::Error::other)?;
+    match output {
+        Some(path) => std::fs::write(path, text + "\n")?,
+        None => writeln!(std::io::stdout().lock(), "{text}")?,
+    }
+    Ok(())
+}
+
+/// `TENANT/USER`, each part checked.
+fn user_address(address: &str) -> Result<(crate::identity::TenantId, String), OfflineError> {
+    let (tenant, user) = address
+        .split_once('/')
+        .ok_or_else(|| AdminError::BadRequest(format!("`{address}` is not TENANT/USER")))?;
+    let (tenant, user) = super::user_of(tenant, user)?;
+    Ok((tenant, user.to_string()))
+}
+
+fn execute_users(store: &Store, command: UsersCommand) -> Result<(), OfflineError> {
+    match command {
+        UsersCommand::Memories { address, query } => {
+            let (tenant, user) = user_address(&address)?;
+            let query = query.map_or_else(String::new, |q| format!("q={}", q.replace(' ', "+")));
+            print(&users::list(store, now_ms(), &tenant, &user, &query)?)
+        }
+        UsersCommand::Get { address, id } => {
+            let (tenant, user) = user_address(&address)?;
+            print(&users::get(store, &tenant, &user, id)?)
+        }
+        UsersCommand::Create { address, body } => {
+            let (tenant, user) = user_address(&address)?;
+            print(&users::create(store, &tenant, &user, body.as_bytes())?)
+        }
+        UsersCommand::Update { address, id, body } => {
+            let (tenant, user) = user_address(&address)?;
+            print(&users::update(store, &tenant, &user, id, body.as_bytes())?)
+        }
+        UsersCommand::Forget { address, id } => {
+            let (tenant, user) = user_address(&address)?;
+            print(&users::delete(store, &tenant, &user, id)?)
+        }
+        UsersCommand::Export { address, output } => {
+            let (tenant, user) = user_address(&address)?;
+            write_output(&users::export_user(store, &tenant, &user)?, output)
+        }
+        UsersCommand::Import {
+            address,
+            input,
+            force_tenant,
+        } => {
+            let (tenant, user) = user_address(&address)?;
+            let bytes = read_input(input)?;
+            print(&users::import_user(
+                store,
+                &tenant,
+                &user,
+                &bytes,
+                force_tenant,
+            )?)
+        }
+        UsersCommand::Delete { address } => {
+            let (tenant, user) = user_address(&address)?;
+            let deleted = crate::memory::delete_user_in(store, &tenant, &user, |_| {})?
+                .ok_or_else(|| AdminError::NotFound(format!("no memories of user {user}")))?;
+            print(&users::deleted_user(&tenant, &user, deleted)?)
         }
     }
 }

@@ -26,36 +26,37 @@ use crate::identity::TenantId;
 use crate::longterm::archive::{self, ArchivedTurn};
 use crate::longterm::memories::{self, MemoryRecord, MemoryScope, MemorySource, MemoryType};
 use crate::memory::Memory;
-use crate::store::{OwnerHandle, OwnerKey, now_ms};
+use crate::store::{OwnerHandle, OwnerKey, Store, now_ms};
 
 fn owner_handle(
-    memory: &Memory,
+    store: &Store,
     owner: &OwnerKey,
     create: bool,
 ) -> Result<Option<OwnerHandle>, AdminError> {
-    Ok(memory.store.owner(owner, create)?)
+    Ok(store.owner(owner, create)?)
 }
 
 fn user_missing(user: &str) -> AdminError {
     AdminError::NotFound(format!("no memories of user {user}"))
 }
 
-fn all(memory: &Memory, owner: &OwnerKey) -> Result<Vec<MemoryRecord>, AdminError> {
-    match owner_handle(memory, owner, false)? {
-        Some(handle) => Ok(memories::all(&memory.store, &handle)?),
+fn all(store: &Store, owner: &OwnerKey) -> Result<Vec<MemoryRecord>, AdminError> {
+    match owner_handle(store, owner, false)? {
+        Some(handle) => Ok(memories::all(store, &handle)?),
         None => Err(user_missing(&owner.name)),
     }
 }
 
 /// The user's memories, or with `q` those a prompt would take for it, with their scores.
 pub fn list(
-    memory: &Memory,
+    store: &Store,
+    now: i64,
     tenant: &TenantId,
     user: &str,
     query: &str,
 ) -> Result<Value, AdminError> {
     let owner = OwnerKey::user(tenant, user);
-    let records = all(memory, &owner)?;
+    let records = all(store, &owner)?;
     let q = query
         .split('&')
         .filter_map(|pair| pair.split_once('='))
@@ -68,7 +69,6 @@ pub fn list(
         half_life_ms: crate::settings::DEFAULT_MEMORY_HALF_LIFE.as_secs_f64() * 1000.0,
         min: 0.0,
     };
-    let now = memory.clock.now_ms();
     let candidates = records.into_iter().map(|m| (owner.clone(), m)).collect();
     let chosen = memories::select(candidates, &q, now, decay, 50, u64::MAX);
     let found: Vec<Value> = chosen
@@ -79,8 +79,8 @@ pub fn list(
 }
 
 /// One memory.
-pub fn get(memory: &Memory, tenant: &TenantId, user: &str, id: u64) -> Result<Value, AdminError> {
-    let records = all(memory, &OwnerKey::user(tenant, user))?;
+pub fn get(store: &Store, tenant: &TenantId, user: &str, id: u64) -> Result<Value, AdminError> {
+    let records = all(store, &OwnerKey::user(tenant, user))?;
     let found = records
         .into_iter()
         .find(|m| m.id == id)
@@ -138,7 +138,7 @@ fn checked_text(text: &str) -> Result<String, AdminError> {
 
 /// A memory written by hand.
 pub fn create(
-    memory: &Memory,
+    store: &Store,
     tenant: &TenantId,
     user: &str,
     body: &[u8],
@@ -151,7 +151,7 @@ pub fn create(
     let owner = OwnerKey::user(tenant, user);
     let now = now_ms();
     let record = MemoryRecord {
-        id: memory.store.new_id()?,
+        id: store.new_id()?,
         tenant: tenant.as_str().to_string(),
         user: user.to_string(),
         agent: String::new(),
@@ -173,13 +173,13 @@ pub fn create(
         supersedes: Vec::new(),
         related_to: Vec::new(),
     };
-    memories::write(&memory.store, &owner, std::slice::from_ref(&record), &[])?;
+    memories::write(store, &owner, std::slice::from_ref(&record), &[])?;
     Ok(json!(record))
 }
 
 /// A memory corrected by hand: a new version, the old text kept in its history.
 pub fn update(
-    memory: &Memory,
+    store: &Store,
     tenant: &TenantId,
     user: &str,
     id: u64,
@@ -187,7 +187,7 @@ pub fn update(
 ) -> Result<Value, AdminError> {
     let edit = parse_edit(body)?;
     let owner = OwnerKey::user(tenant, user);
-    let mut record = all(memory, &owner)?
+    let mut record = all(store, &owner)?
         .into_iter()
         .find(|m| m.id == id)
         .ok_or_else(|| AdminError::NotFound(format!("no memory {id} of user {user}")))?;
@@ -209,25 +209,20 @@ pub fn update(
     if let Some(tags) = edit.tags {
         record.tags = tags;
     }
-    memories::write(&memory.store, &owner, std::slice::from_ref(&record), &[])?;
+    memories::write(store, &owner, std::slice::from_ref(&record), &[])?;
     Ok(json!(record))
 }
 
 /// Deletes one memory.
-pub fn delete(
-    memory: &Memory,
-    tenant: &TenantId,
-    user: &str,
-    id: u64,
-) -> Result<Value, AdminError> {
+pub fn delete(store: &Store, tenant: &TenantId, user: &str, id: u64) -> Result<Value, AdminError> {
     let owner = OwnerKey::user(tenant, user);
-    let exists = all(memory, &owner)?.iter().any(|m| m.id == id);
+    let exists = all(store, &owner)?.iter().any(|m| m.id == id);
     if !exists {
         return Err(AdminError::NotFound(format!(
             "no memory {id} of user {user}"
         )));
     }
-    memories::write(&memory.store, &owner, &[], &[id])?;
+    memories::write(store, &owner, &[], &[id])?;
     Ok(json!({"user": user, "deleted": id}))
 }
 
@@ -236,6 +231,11 @@ pub fn delete_user(memory: &Memory, tenant: &TenantId, user: &str) -> Result<Val
     let deleted = memory
         .delete_user(tenant, user)?
         .ok_or_else(|| user_missing(user))?;
+    deleted_user(tenant, user, deleted)
+}
+
+/// What a user delete answers.
+pub fn deleted_user(tenant: &TenantId, user: &str, deleted: usize) -> Result<Value, AdminError> {
     tracing::info!("a user was deleted by an operator");
     Ok(json!({"tenant": tenant.as_str(), "user": user, "deleted_conversations": deleted}))
 }
@@ -255,15 +255,15 @@ struct UserExport {
 }
 
 /// A user's memories and archive.
-pub fn export_user(memory: &Memory, tenant: &TenantId, user: &str) -> Result<Value, AdminError> {
+pub fn export_user(store: &Store, tenant: &TenantId, user: &str) -> Result<Value, AdminError> {
     let owner = OwnerKey::user(tenant, user);
-    let handle = owner_handle(memory, &owner, false)?.ok_or_else(|| user_missing(user))?;
+    let handle = owner_handle(store, &owner, false)?.ok_or_else(|| user_missing(user))?;
     let export = UserExport {
         format: USER_EXPORT_FORMAT.to_string(),
         tenant: tenant.as_str().to_string(),
         user: user.to_string(),
-        memories: memories::all(&memory.store, &handle)?,
-        archive: archive::all(&memory.store, &handle)?
+        memories: memories::all(store, &handle)?,
+        archive: archive::all(store, &handle)?
             .into_iter()
             .map(|added| added.turn)
             .collect(),
@@ -272,8 +272,9 @@ pub fn export_user(memory: &Memory, tenant: &TenantId, user: &str) -> Result<Val
 }
 
 /// Adds an export to a user. An export of another tenant is refused unless `force_tenant`.
+/// The caller drops its cached index of the user (`LongTerm::forget`).
 pub fn import_user(
-    memory: &Memory,
+    store: &Store,
     tenant: &TenantId,
     user: &str,
     body: &[u8],
@@ -295,9 +296,8 @@ pub fn import_user(
     for record in &export.memories {
         checked_text(&record.text)?;
     }
-    let store = &memory.store;
     let owner = OwnerKey::user(tenant, user);
-    let handle = owner_handle(memory, &owner, true)?
+    let handle = owner_handle(store, &owner, true)?
         .ok_or_else(|| AdminError::BadRequest("the user could not be created".to_string()))?;
     let existing = memories::all(store, &handle)?;
     // Memories already there (same type and text) are skipped; the others get new ids.
@@ -335,7 +335,6 @@ pub fn import_user(
         memories::write(store, &owner, &fresh, &[])?;
     }
     let (added, skipped) = archive::import(store, &handle, export.archive)?;
-    memory.longterm.forget(&owner);
     tracing::info!("a user was imported by an operator");
     Ok(json!({
         "tenant": tenant.as_str(),
