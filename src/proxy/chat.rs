@@ -12,13 +12,14 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Request, Response, request::Parts};
 use http_body::Body as _;
 use hyper::body::Incoming;
 
 use super::identify::{CREDENTIAL_HEADERS, UserId};
 use super::responses::Chain;
+use super::ledger::ExchangeLedger;
 use super::tee::{Pending, TeeBody};
 use super::{
     DegradedReason, MemoryStatus, commit, forward_bytes, forward_held, headers_of, passthrough,
@@ -30,7 +31,9 @@ use crate::identity::ConversationKey;
 use crate::longterm::ExtractionCall;
 use crate::memory::Memory;
 use crate::memory_guard::{self, Pressure};
-use crate::metrics::{Refusal, ReplyKind, Stage};
+use crate::metrics::{Refusal, ReplyKind, Stage, UpstreamTime};
+use crate::receipts::{Made, Planned, RECEIPT_HEADER, Receipt};
+use crate::wire::usage::Usage;
 use crate::model::Credentials;
 use crate::pipeline::plan::start_due;
 use crate::pipeline::plan::{self, Limits, Plan, PlanError, Timings};
@@ -157,13 +160,31 @@ async fn with_memory(
     api: Api,
     api_path: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let before = before(state, memory, &parts, body, &key, &settings, api).await?;
-    let forwarded = forward_held(state, &parts, before.body, api, api_path, true).await?;
+    let mut before = before(state, memory, &parts, body, &key, &settings, api).await?;
+    let receipt = match &mut before.plan {
+        Ok(plan) => receipt_of(state, &parts, &key, &settings, api, api_path, &before.body, plan),
+        Err(_) => None,
+    };
+    if let Some(receipt) = &receipt
+        && let Ok(value) = HeaderValue::from_str(&receipt.id)
+    {
+        before.headers.insert(RECEIPT_HEADER, value);
+    }
+    let forwarded = forward_held(state, &parts, before.body, api, api_path, true).await;
+    let forwarded = match forwarded {
+        Ok(forwarded) => forwarded,
+        Err(err) => {
+            if let Some(receipt) = &receipt {
+                receipt.ended("error", None);
+            }
+            return Err(err);
+        }
+    };
     let (mut head, upstream_body) = forwarded.into_parts();
     head.headers.extend(before.headers);
     let conversation_id = key.conversation.as_str();
 
-    let plan = match before.plan {
+    let mut plan = match before.plan {
         Ok(plan) => plan,
         Err(reason) => {
             let mut response = Response::from_parts(head, boxed(upstream_body));
@@ -173,6 +194,17 @@ async fn with_memory(
         }
     };
 
+    let is_stream = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    if let Some(receipt) = &receipt {
+        let latency = head.extensions.get::<UpstreamTime>().map(|t| t.0);
+        receipt.answered(head.status.as_u16(), latency, is_stream);
+    }
+    let ledger = ExchangeLedger::new(state, &key.agent, receipt);
+
     if !head.status.is_success() {
         let mut response = Response::from_parts(head, boxed(upstream_body));
         set_memory_headers(
@@ -181,14 +213,9 @@ async fn with_memory(
             conversation_id,
             Some(plan.stored_count),
         );
+        ledger.status(MemoryStatus::NotStored);
         return Ok(response);
     }
-
-    let is_stream = head
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
 
     if is_stream {
         let (status, turns, pending) = if settings.persist {
@@ -200,6 +227,7 @@ async fn with_memory(
         } else {
             (MemoryStatus::NotStored, plan.stored_count, None)
         };
+        ledger.status(status);
         // The deferred summary rides with the stream: queued once it is committed or dropped.
         let tee = TeeBody::new(
             upstream_body,
@@ -208,7 +236,8 @@ async fn with_memory(
             before.deferred,
             state.config.limits.max_sse_event_bytes,
             state.config.response_limit_bytes,
-        );
+        )
+        .with_ledger(ledger);
         let mut response = Response::from_parts(head, boxed(tee));
         set_memory_headers(&mut response, status, conversation_id, Some(turns));
         return Ok(response);
@@ -219,7 +248,17 @@ async fn with_memory(
     let body = state
         .upstream_for(api)
         .read_answer(upstream_body, state.config.response_limit_bytes)
-        .await?;
+        .await;
+    let body = match body {
+        Ok(body) => body,
+        Err(err) => {
+            ledger.ended(false, None);
+            return Err(err.into());
+        }
+    };
+    let usage = Usage::from_json(api, &body);
+    plan.exchange.cached_tokens = usage.map_or(0, |u| u.cached_tokens);
+    ledger.ended(true, usage);
     let mut degraded = DegradedReason::CommitFailed;
     let (status, turns) = if !settings.persist {
         (MemoryStatus::NotStored, plan.stored_count)
@@ -252,7 +291,39 @@ async fn with_memory(
     if status == MemoryStatus::Degraded {
         set_degraded_reason(&mut response, degraded);
     }
+    ledger.status(status);
     Ok(response)
+}
+
+/// Makes and keeps the receipt of an exchange about to be forwarded with `body` (receipts on):
+/// the plan's prompt moves into it.
+#[allow(clippy::too_many_arguments)]
+fn receipt_of(
+    state: &AppState,
+    parts: &Parts,
+    key: &ConversationKey,
+    settings: &MemorySettings,
+    api: Api,
+    api_path: &str,
+    body: &Bytes,
+    plan: &mut Plan,
+) -> Option<Arc<Receipt>> {
+    if !state.receipts.enabled() {
+        return None;
+    }
+    let receipt = Arc::new(Receipt::new(Made {
+        key,
+        api,
+        api_path,
+        query: parts.uri.query(),
+        model: plan.exchange.model.clone(),
+        headers: &parts.headers,
+        body: body.clone(),
+        planned: Planned::take(plan),
+        settings,
+    })?);
+    state.receipts.insert(Arc::clone(&receipt));
+    Some(receipt)
 }
 
 /// The `before` step: the client's body read (within the size limit and the body read timeout)
@@ -319,7 +390,8 @@ async fn before(
                     credentials: credentials(&parts.headers),
                 });
             }
-            record_plan(state, &plan);
+            record_plan(state, &key.agent, &plan);
+            plan.exchange.history_tokens = plan.history_tokens.max(plan.prompt_tokens);
             Ok(Before {
                 body: Bytes::from(request.render(plan.prompt.messages())),
                 headers: headers_of(&plan),
@@ -379,7 +451,7 @@ fn credentials(headers: &HeaderMap) -> Credentials {
 
 /// Reports a plan to the metrics: its stages' times, what was recalled, the tokens forwarded
 /// and the history's.
-fn record_plan(state: &AppState, plan: &Plan) {
+fn record_plan(state: &AppState, agent: &str, plan: &Plan) {
     let Timings {
         reconcile,
         recall,
@@ -402,4 +474,11 @@ fn record_plan(state: &AppState, plan: &Plan) {
         plan.prompt_tokens,
         plan.history_tokens,
     );
+    if let Some(memory) = state.memory() {
+        metrics.ledger_exchange(
+            memory.ledger.label(agent),
+            plan.history_tokens.max(plan.prompt_tokens),
+            plan.prompt_tokens,
+        );
+    }
 }

@@ -26,6 +26,7 @@
 
 pub mod anthropic;
 pub mod responses;
+pub mod usage;
 
 use std::borrow::Cow;
 
