@@ -72,6 +72,9 @@ impl Receipts {
             moka::sync::Cache::builder()
                 .max_capacity(config.max_bytes.max(1))
                 .time_to_live(config.retention)
+                // The newest receipts are the ones asked for: past the size, the least
+                // recently used goes (not a frequency guess that could refuse a new one).
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .weigher(|_id: &String, receipt: &Arc<Receipt>| {
                     u32::try_from(receipt.weight).unwrap_or(u32::MAX)
                 })
@@ -164,7 +167,7 @@ impl Planned {
         Planned {
             prompt: std::mem::take(&mut plan.prompt),
             prompt_tokens: plan.prompt_tokens,
-            history_tokens: plan.history_tokens,
+            history_tokens: plan.history_tokens.max(plan.prompt_tokens),
             stored_count: plan.stored_count,
             recalled: plan.recalled_scores.clone(),
             recalled_elsewhere: plan.recalled_elsewhere.clone(),
