@@ -205,7 +205,10 @@ mod tests {
     fn a_spent_budget_stops_background_calls_until_the_next_utc_day() {
         let budget = BackgroundBudget {
             default: Some(100),
-            agents: BTreeMap::from([("support".to_string(), Some(10)), ("free".to_string(), None)]),
+            agents: BTreeMap::from([
+                ("support".to_string(), Some(10)),
+                ("free".to_string(), None),
+            ]),
         };
         let ledger = Ledger::new(budget);
         let noon = 20_000 * DAY_MS + DAY_MS / 2;

@@ -393,11 +393,7 @@ impl Metrics {
             receipts_bytes.clone(),
         );
         let receipts_kept = Gauge::default();
-        registry.register(
-            "receipts_kept",
-            "Receipts kept now",
-            receipts_kept.clone(),
-        );
+        registry.register("receipts_kept", "Receipts kept now", receipts_kept.clone());
         let store_size = Gauge::default();
         registry.register_with_unit(
             "store_size",
@@ -778,9 +774,7 @@ impl Metrics {
                 };
                 let (tokens, skipped) = match task {
                     Task::Summary => (&counters.summary_tokens, &counters.summary_skipped),
-                    Task::Extraction => {
-                        (&counters.extraction_tokens, &counters.extraction_skipped)
-                    }
+                    Task::Extraction => (&counters.extraction_tokens, &counters.extraction_skipped),
                 };
                 catch_up(
                     &self.ledger_background.get_or_create(&labels),

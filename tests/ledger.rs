@@ -17,7 +17,12 @@ use support::redis_server::RedisServer;
 use support::*;
 use support_admin::*;
 
-async fn start_with(mock: &MockUpstream, dir: &std::path::Path, storage: &str, extra: &str) -> Proxy {
+async fn start_with(
+    mock: &MockUpstream,
+    dir: &std::path::Path,
+    storage: &str,
+    extra: &str,
+) -> Proxy {
     let text = config_with_storage(mock, dir, storage, extra);
     let config = memproxy::config::from_toml(&text, &|name| match name {
         "MEMPROXY_ADMIN_TOKEN" => Some(ADMIN_TOKEN.to_string()),
@@ -97,7 +102,10 @@ async fn the_ledger_is_counted_per_agent_label_with_cached_tokens() {
         &proxy,
         "ledger-other",
         &body(&[user("hello")]),
-        &[("x-memory-agent", "some-random-agent"), ("x-mock-cached-tokens", "2")],
+        &[
+            ("x-memory-agent", "some-random-agent"),
+            ("x-mock-cached-tokens", "2"),
+        ],
     )
     .await;
     assert_eq!(answer.status, 200);
@@ -117,7 +125,11 @@ async fn the_ledger_is_counted_per_agent_label_with_cached_tokens() {
         cached as f64
     );
     assert_eq!(
-        value(&scrape, "memproxy_ledger_cached_tokens_total", &[("agent", "other")]),
+        value(
+            &scrape,
+            "memproxy_ledger_cached_tokens_total",
+            &[("agent", "other")]
+        ),
         2.0
     );
     // Closed label sets: only the config's names and `other`.
@@ -132,10 +144,12 @@ async fn the_ledger_is_counted_per_agent_label_with_cached_tokens() {
     }
     for task in ["summary", "extraction"] {
         assert!(
-            scrape.samples.iter().any(|s| s.metric
-                == "memproxy_background_budget_exhausted_total"
-                && s.labels.get("task") == Some(task)
-                && s.labels.get("agent") == Some("support")),
+            scrape
+                .samples
+                .iter()
+                .any(|s| s.metric == "memproxy_background_budget_exhausted_total"
+                    && s.labels.get("task") == Some(task)
+                    && s.labels.get("agent") == Some("support")),
             "{task} series exists"
         );
     }
@@ -181,14 +195,18 @@ async fn stats_survive_a_restart(storage: &str) {
         assert_eq!(tenant["agents"]["default"]["exchanges"], 5);
     };
     let tenant_path = format!("/admin/v1/tenants/{}/stats", tenant(TOKEN));
-    let stats = admin(&proxy, "GET", &format!("{path}/stats"), "").await.json();
+    let stats = admin(&proxy, "GET", &format!("{path}/stats"), "")
+        .await
+        .json();
     let tenant_stats = admin(&proxy, "GET", &tenant_path, "").await;
     assert_eq!(tenant_stats.status, 200);
     check(stats, tenant_stats.json());
     proxy.stop().await;
 
     let proxy = start_with(&mock, dir.path(), storage, "").await;
-    let stats = admin(&proxy, "GET", &format!("{path}/stats"), "").await.json();
+    let stats = admin(&proxy, "GET", &format!("{path}/stats"), "")
+        .await
+        .json();
     let tenant_stats = admin(&proxy, "GET", &tenant_path, "").await.json();
     check(stats, tenant_stats);
 
@@ -203,7 +221,9 @@ async fn stats_survive_a_restart(storage: &str) {
     )
     .await;
     assert_eq!(imported.status, 200, "{:?}", imported.body);
-    let copied = admin(&proxy, "GET", &format!("{copy}/stats"), "").await.json();
+    let copied = admin(&proxy, "GET", &format!("{copy}/stats"), "")
+        .await
+        .json();
     assert_eq!(copied["ledger"]["exchanges"], 3);
     assert_eq!(copied["ledger"]["cached_tokens"], 15);
 }
@@ -252,7 +272,11 @@ async fn background_spend_is_counted_and_a_spent_daily_budget_stops_summaries() 
     let scrape_now = scrape(&proxy).await;
     let other_summary = [("agent", "other"), ("task", "summary")];
     assert!(
-        value(&scrape_now, "memproxy_ledger_background_tokens_total", &other_summary) > 1.0
+        value(
+            &scrape_now,
+            "memproxy_ledger_background_tokens_total",
+            &other_summary
+        ) > 1.0
     );
     assert!(
         value(
@@ -302,7 +326,10 @@ async fn background_spend_is_counted_and_a_spent_daily_budget_stops_summaries() 
         )
         .await;
     }
-    assert!(mock.summary_requests().len() >= 3, "the rich agent's summaries");
+    assert!(
+        mock.summary_requests().len() >= 3,
+        "the rich agent's summaries"
+    );
     let scrape_now = scrape(&proxy).await;
     assert!(
         value(
@@ -324,7 +351,10 @@ async fn background_spend_is_counted_and_a_spent_daily_budget_stops_summaries() 
 #[tokio::test]
 async fn a_budget_of_zero_or_a_bad_value_is_refused() {
     for (text, needle) in [
-        ("[compression]\nmax_tokens_per_day = 0\n", "compression.max_tokens_per_day"),
+        (
+            "[compression]\nmax_tokens_per_day = 0\n",
+            "compression.max_tokens_per_day",
+        ),
         (
             "[agents.a]\ncompression_max_tokens_per_day = \"lots\"\n",
             "agents.a.compression_max_tokens_per_day",

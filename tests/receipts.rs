@@ -79,12 +79,18 @@ async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
         "You are terse."
     );
     assert!(prompt["instructions"]["tokens"].as_u64().unwrap() > 0);
-    assert_eq!(prompt["new"]["messages"][0]["content"], "what is my cat called?");
+    assert_eq!(
+        prompt["new"]["messages"][0]["content"],
+        "what is my cat called?"
+    );
     assert_eq!(prompt["window"]["messages"].as_array().unwrap().len(), 4);
     assert!(prompt["window"]["tokens"].as_u64().unwrap() > 0);
     assert_eq!(
         prompt["tokens"].as_u64().unwrap(),
-        answer.header("x-memory-prompt-tokens").parse::<u64>().unwrap()
+        answer
+            .header("x-memory-prompt-tokens")
+            .parse::<u64>()
+            .unwrap()
     );
     assert_eq!(
         chat_receipt["history_tokens"].as_u64().unwrap(),
@@ -103,7 +109,10 @@ async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
     assert_eq!(chat_receipt["settings"]["recent_n"], "10");
     // No credential in the receipt.
     let text = chat_receipt.to_string();
-    assert!(!text.contains(TOKEN), "the client's key is never in a receipt");
+    assert!(
+        !text.contains(TOKEN),
+        "the client's key is never in a receipt"
+    );
 
     // Chat completions, streamed, usage in the last chunk.
     let mut streamed = body(&[user("tell me about Lyon")]);
@@ -128,7 +137,10 @@ async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
     let answer = post(&proxy, "/v1/responses", &headers, &request).await;
     assert_eq!(answer.status, 200);
     let responses_receipt = receipt(&proxy, &answer).await;
-    assert_same_body(&responses_receipt, mock.responses_requests().last().unwrap());
+    assert_same_body(
+        &responses_receipt,
+        mock.responses_requests().last().unwrap(),
+    );
     assert_eq!(responses_receipt["api"], "responses");
     assert_eq!(responses_receipt["upstream"]["usage"]["cached_tokens"], 5);
     let request = json!({"model": "gpt-4o-mini", "input": "and again", "stream": true});
@@ -151,7 +163,10 @@ async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
     let answer = post(&proxy, "/v1/messages", &headers, &request).await;
     assert_eq!(answer.status, 200);
     let anthropic_receipt = receipt(&proxy, &answer).await;
-    assert_same_body(&anthropic_receipt, mock.anthropic_requests().last().unwrap());
+    assert_same_body(
+        &anthropic_receipt,
+        mock.anthropic_requests().last().unwrap(),
+    );
     assert_eq!(anthropic_receipt["api"], "anthropic");
     assert_eq!(anthropic_receipt["upstream"]["usage"]["cached_tokens"], 9);
     let mut request = request.clone();
@@ -163,8 +178,7 @@ async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
     assert_eq!(anthropic_stream["upstream"]["stream"], true);
     assert_eq!(anthropic_stream["upstream"]["usage"]["cached_tokens"], 9);
     assert_eq!(
-        anthropic_stream["upstream"]["usage"]["output_tokens"],
-        1,
+        anthropic_stream["upstream"]["usage"]["output_tokens"], 1,
         "from message_delta"
     );
 
@@ -254,7 +268,14 @@ async fn receipts_are_tenant_checked() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = start_admin(&mock, dir.path(), "").await;
-    let answer = chat_as(&proxy, "sk-tenant-a", "mine", &body(&[user("secret of A")]), &[]).await;
+    let answer = chat_as(
+        &proxy,
+        "sk-tenant-a",
+        "mine",
+        &body(&[user("secret of A")]),
+        &[],
+    )
+    .await;
     let id = answer.header("x-memory-receipt").to_string();
     let path = format!("/admin/v1/receipts/{id}");
     let as_b = admin(
@@ -264,7 +285,10 @@ async fn receipts_are_tenant_checked() {
         "",
     )
     .await;
-    assert_eq!(as_b.status, 404, "tenant B's scope does not see A's receipt");
+    assert_eq!(
+        as_b.status, 404,
+        "tenant B's scope does not see A's receipt"
+    );
     assert!(!String::from_utf8_lossy(&as_b.body).contains("secret of A"));
     let as_a = admin(
         &proxy,
@@ -318,7 +342,10 @@ async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
         &replay_path,
         &[
             ("authorization", &admin_auth),
-            ("x-memory-upstream-authorization", &format!("Bearer {TOKEN}")),
+            (
+                "x-memory-upstream-authorization",
+                &format!("Bearer {TOKEN}"),
+            ),
         ],
         "",
     )
@@ -335,7 +362,11 @@ async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
         resent.headers["authorization"],
         format!("Bearer {TOKEN}").as_str()
     );
-    assert!(!resent.headers.contains_key("x-memory-upstream-authorization"));
+    assert!(
+        !resent
+            .headers
+            .contains_key("x-memory-upstream-authorization")
+    );
     // Nothing stored: the conversation is as it was, and no new receipt.
     assert_eq!(proxy.stored(Some(TOKEN), "replayed").len(), stored);
     assert!(replay.headers.get("x-memory-receipt").is_none());
@@ -350,12 +381,19 @@ async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
         &proxy.url(&format!("/admin/v1/receipts/{id}/replay")),
         &[
             ("authorization", &admin_auth),
-            ("x-memory-upstream-authorization", &format!("Bearer {TOKEN}")),
+            (
+                "x-memory-upstream-authorization",
+                &format!("Bearer {TOKEN}"),
+            ),
         ],
         "",
     )
     .await;
-    assert!(replay.header("content-type").starts_with("text/event-stream"));
+    assert!(
+        replay
+            .header("content-type")
+            .starts_with("text/event-stream")
+    );
     assert!(String::from_utf8_lossy(&replay.body).contains("[DONE]"));
 }
 
@@ -378,7 +416,13 @@ async fn with_its_own_upstream_key_memproxy_replays_without_the_clients() {
     let proxy = Proxy::start_config(config).await;
     let answer = chat(&proxy, "keyed", &body(&[user("hello")]), &[]).await;
     let id = answer.header("x-memory-receipt").to_string();
-    let replay = admin(&proxy, "POST", &format!("/admin/v1/receipts/{id}/replay"), "").await;
+    let replay = admin(
+        &proxy,
+        "POST",
+        &format!("/admin/v1/receipts/{id}/replay"),
+        "",
+    )
+    .await;
     assert_eq!(replay.status, 200);
     assert_eq!(
         mock.chat_requests().last().unwrap().headers["authorization"],
@@ -419,7 +463,13 @@ async fn receipts_stay_within_their_bytes_the_newest_kept() {
         .parse()
         .unwrap();
     assert!(bytes > 0.0 && bytes <= 256.0 * 1024.0, "{bytes}");
-    let newest = admin(&proxy, "GET", &format!("/admin/v1/receipts/{}", ids[11]), "").await;
+    let newest = admin(
+        &proxy,
+        "GET",
+        &format!("/admin/v1/receipts/{}", ids[11]),
+        "",
+    )
+    .await;
     assert_eq!(newest.status, 200);
     let oldest = admin(&proxy, "GET", &format!("/admin/v1/receipts/{}", ids[0]), "").await;
     assert_eq!(oldest.status, 404, "pushed out by newer ones");

@@ -347,6 +347,11 @@ pub fn tenant_stats(store: &Store, tenant: &TenantId) -> Result<Value, AdminErro
             _ => break,
         }
     }
+    if conversations == 0 {
+        return Err(AdminError::NotFound(format!(
+            "no conversation of tenant {tenant}"
+        )));
+    }
     let mut by_agent = serde_json::Map::new();
     for (agent, (forwarded, totals)) in &agents {
         by_agent.insert(

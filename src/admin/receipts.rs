@@ -129,9 +129,7 @@ pub async fn replay(
     if let Ok(value) = HeaderValue::from_str(&receipt.id) {
         head.headers.insert(REPLAY_HEADER, value);
     }
-    head.headers.insert(
-        crate::proxy::STATUS_HEADER,
-        HeaderValue::from_static("off"),
-    );
+    head.headers
+        .insert(crate::proxy::STATUS_HEADER, HeaderValue::from_static("off"));
     Ok(Response::from_parts(head, boxed(body)))
 }

@@ -347,11 +347,18 @@ mod tests {
         apply_receipts(&mut budget, &mut receipts, None, &mut problems);
         assert_eq!(receipts.max_bytes, 8 * MIB);
         apply_receipts(&mut budget, &mut receipts, Some(16 * MIB), &mut problems);
-        assert_eq!((receipts.max_bytes, budget.in_flight()), (16 * MIB, 16 * MIB));
+        assert_eq!(
+            (receipts.max_bytes, budget.in_flight()),
+            (16 * MIB, 16 * MIB)
+        );
         assert!(problems.is_empty());
         apply_receipts(&mut budget, &mut receipts, Some(17 * MIB), &mut problems);
         assert_eq!(problems.len(), 1, "{problems:?}");
-        assert!(problems[0].contains("receipts.max_bytes"), "{}", problems[0]);
+        assert!(
+            problems[0].contains("receipts.max_bytes"),
+            "{}",
+            problems[0]
+        );
         let mut off = config(false);
         let mut budget = split(192 * MIB);
         apply_receipts(&mut budget, &mut off, None, &mut Vec::new());

@@ -21,9 +21,9 @@ use super::admin::RawAdmin;
 use super::auth::RawAuth;
 use super::compression::RawCompression;
 use super::limits::RawLimits;
+use super::receipts::RawReceipts;
 use super::server::{RawLog, RawServer};
 use super::storage::RawStorage;
-use super::receipts::RawReceipts;
 use super::sweeper::RawSweeper;
 use super::upstream::RawUpstream;
 

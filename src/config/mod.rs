@@ -41,7 +41,6 @@ use crate::settings::MemorySettings;
 
 pub use admin::DEFAULT_ADMIN_TOKEN_ENV;
 pub use agents::{AGENT_BUDGET_KEY, BackgroundBudget};
-pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use auth::hash_key;
 pub use budget::{MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, split as split_memory_budget};
 pub use compression::{
@@ -50,6 +49,7 @@ pub use compression::{
     DEFAULT_SUMMARY_TIMEOUT,
 };
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
+pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{
     DEFAULT_BODY_LIMIT_BYTES, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET,

@@ -18,8 +18,8 @@ use http_body::Body as _;
 use hyper::body::Incoming;
 
 use super::identify::{CREDENTIAL_HEADERS, UserId};
-use super::responses::Chain;
 use super::ledger::ExchangeLedger;
+use super::responses::Chain;
 use super::tee::{Pending, TeeBody};
 use super::{
     DegradedReason, MemoryStatus, commit, forward_bytes, forward_held, headers_of, passthrough,
@@ -32,15 +32,15 @@ use crate::longterm::ExtractionCall;
 use crate::memory::Memory;
 use crate::memory_guard::{self, Pressure};
 use crate::metrics::{Refusal, ReplyKind, Stage, UpstreamTime};
-use crate::receipts::{Made, Planned, RECEIPT_HEADER, Receipt};
-use crate::wire::usage::Usage;
 use crate::model::Credentials;
 use crate::pipeline::plan::start_due;
 use crate::pipeline::plan::{self, Limits, Plan, PlanError, Timings};
+use crate::receipts::{Made, Planned, RECEIPT_HEADER, Receipt};
 use crate::reply::reply_of;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::summary::DeferredSummary;
+use crate::wire::usage::Usage;
 use crate::wire::{Api, ApiRequest};
 
 /// What the `before` step made: the body to forward, and the plan (or why memory failed: the
@@ -162,7 +162,16 @@ async fn with_memory(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let mut before = before(state, memory, &parts, body, &key, &settings, api).await?;
     let receipt = match &mut before.plan {
-        Ok(plan) => receipt_of(state, &parts, &key, &settings, api, api_path, &before.body, plan),
+        Ok(plan) => receipt_of(
+            state,
+            &parts,
+            &key,
+            &settings,
+            api,
+            api_path,
+            &before.body,
+            plan,
+        ),
         Err(_) => None,
     };
     if let Some(receipt) = &receipt

@@ -204,10 +204,9 @@ impl Planned {
                 .sum::<usize>()
             + heap::vec::<(u64, f32)>(self.recalled.len())
             + heap::vec::<(u64, f64, f64)>(self.memories.len())
-            + self
-                .summary
-                .as_ref()
-                .map_or(0, |s| heap::string(s.text.len()) + heap::string(s.model.len()))
+            + self.summary.as_ref().map_or(0, |s| {
+                heap::string(s.text.len()) + heap::string(s.model.len())
+            })
             + heap::vec::<(Option<String>, u64, f32)>(self.dropped.recalled.len())
             + heap::vec::<u64>(self.dropped.window.len())
     }

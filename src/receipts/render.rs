@@ -124,6 +124,7 @@ fn value(raw: &RawValue) -> Value {
 
 /// A message's tokens as the plan counts them (text plus the per-message overhead).
 fn count(model: Option<&str>, raw: &RawValue) -> u64 {
-    let text = Message::parse(raw.to_owned(), "receipt").map_or_else(|_| String::new(), |m| m.text());
+    let text =
+        Message::parse(raw.to_owned(), "receipt").map_or_else(|_| String::new(), |m| m.text());
     u64::from(tokens::count_message(model, &text))
 }

@@ -58,9 +58,8 @@ pub use health::RETRY_AFTER;
 pub use owners::OwnerHandle;
 pub use records::{
     BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
-    LedgerTotals,
-    MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord, StoredBranch,
-    StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between, transcript_line,
+    LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord,
+    StoredBranch, StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between, transcript_line,
 };
 pub use redis_engine::{RedisEngine, RedisOptions};
 pub use sled_engine::SledEngine;

@@ -606,7 +606,10 @@ const MOCK_CACHED: &str = "__mock_cached_tokens";
 
 /// The cached prompt tokens the answer to `request` reports (0 unless asked for).
 fn mock_cached(request: &Value) -> u64 {
-    request.get(MOCK_CACHED).and_then(Value::as_u64).unwrap_or(0)
+    request
+        .get(MOCK_CACHED)
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
 }
 
 /// A chat completion's `usage`, with `prompt_tokens_details.cached_tokens`.
