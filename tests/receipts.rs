@@ -511,3 +511,33 @@ async fn a_request_without_memory_has_no_receipt() {
     assert_eq!(answer.status, 200);
     assert!(answer.headers.get("x-memory-receipt").is_none());
 }
+
+#[tokio::test]
+async fn deleting_a_conversation_drops_its_receipts() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let gone = chat(&proxy, "to-delete", &body(&[user("delete me")]), &[]).await;
+    let kept = chat(&proxy, "to-keep", &body(&[user("keep me")]), &[]).await;
+    let path =
+        |answer: &Answer| format!("/admin/v1/receipts/{}", answer.header("x-memory-receipt"));
+    let deleted = admin(
+        &proxy,
+        "DELETE",
+        &conversation_path(TOKEN, "default", "to-delete"),
+        "",
+    )
+    .await;
+    assert_eq!(deleted.status, 200);
+    assert_eq!(admin(&proxy, "GET", &path(&gone), "").await.status, 404);
+    assert_eq!(admin(&proxy, "GET", &path(&kept), "").await.status, 200);
+    let tenant_deleted = admin(
+        &proxy,
+        "DELETE",
+        &format!("/admin/v1/tenants/{}", tenant(TOKEN)),
+        "",
+    )
+    .await;
+    assert_eq!(tenant_deleted.status, 200);
+    assert_eq!(admin(&proxy, "GET", &path(&kept), "").await.status, 404);
+}

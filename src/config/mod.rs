@@ -488,6 +488,9 @@ mod tests {
             split_memory_budget(DEFAULT_MEMORY_BUDGET)
         );
         assert!(text.contains("\nmemory_budget = \"192MiB\"\n"));
+        assert!(config.receipts.enabled);
+        assert_eq!(config.receipts.retention, DEFAULT_RECEIPT_RETENTION);
+        assert_eq!(config.compression.max_tokens_per_day, None);
         let anthropic = &config.upstream.anthropic;
         assert_eq!(
             anthropic.base_url.to_string(),

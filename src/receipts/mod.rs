@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::ReceiptsConfig;
 use crate::heap;
-use crate::identity::ConversationKey;
+use crate::identity::{ConversationKey, TenantId};
 use crate::pipeline::assemble::Prompt;
 use crate::pipeline::plan::Plan;
 use crate::settings::MemorySettings;
@@ -75,6 +75,8 @@ impl Receipts {
                 // The newest receipts are the ones asked for: past the size, the least
                 // recently used goes (not a frequency guess that could refuse a new one).
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
+                // A conversation or a tenant deleted by an operator takes its receipts along.
+                .support_invalidation_closures()
                 .weigher(|_id: &String, receipt: &Arc<Receipt>| {
                     u32::try_from(receipt.weight).unwrap_or(u32::MAX)
                 })
@@ -101,6 +103,21 @@ impl Receipts {
     /// The receipt `id`, while it is kept.
     pub fn get(&self, id: &str) -> Option<Arc<Receipt>> {
         self.cache.as_ref()?.get(id)
+    }
+
+    /// Drops the receipts of `tenant` (of its conversation `key` only, when given): an
+    /// operator's delete takes them along.
+    pub fn forget(&self, tenant: &TenantId, key: Option<&ConversationKey>) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        let (tenant, key) = (tenant.clone(), key.cloned());
+        let dropped = cache.invalidate_entries_if(move |_, receipt| {
+            receipt.key.tenant == tenant && key.as_ref().is_none_or(|key| receipt.key == *key)
+        });
+        if let Err(err) = dropped {
+            tracing::warn!(error = %err, "receipts of a deleted conversation could not be dropped");
+        }
     }
 
     /// Bytes the kept receipts take (their weights), after pending evictions.
