@@ -17,7 +17,7 @@
 //!   [`metrics`], [`error`] (every error response), [`body`], [`reply`] and [`sse`] are the
 //!   HTTP parts; [`memory_guard`] admits memory requests under `server.memory_budget`;
 //!   [`models`] sends memproxy's own model calls to the model's family (OpenAI-compatible or
-//!   Anthropic); [`response_ids`] remembers the Responses ids memproxy answered;
+//!   Anthropic);
 //! - [`memory`] is the memory core's one value (store, recall, summaries, clock); [`ttl`] its
 //!   sweeper;
 //! - [`pipeline`] plans a prompt and commits an exchange, one stage per file;
@@ -49,7 +49,6 @@ pub mod proxy;
 pub mod recall;
 pub mod receipts;
 pub mod reply;
-pub mod response_ids;
 pub mod router;
 pub mod server;
 pub mod settings;

@@ -21,7 +21,7 @@ use crate::config::hash_key;
 use crate::error::{ProxyError, json_response};
 use crate::identity::{Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
-use crate::proxy::identify::{PathIds, UserId, credential_of, identify};
+use crate::proxy::identify::{AgentName, PathIds, UserId, credential_of, identify};
 use crate::proxy::{self, DegradedReason, MemoryStatus, set_degraded_reason, set_memory_headers};
 use crate::state::AppState;
 use crate::wire::Api;
@@ -174,11 +174,15 @@ async fn route(
             set_memory_headers(&mut response, MemoryStatus::Off, &conversation, None);
             Ok(response)
         }
-        // A Responses request without a conversation id: its `previous_response_id` may name
-        // one memproxy answered.
+        // A Responses request without a conversation id header: its `conversation` field may
+        // name one, or its `previous_response_id` one memproxy answered.
         (None, None, Some(Api::Responses)) if identity.settings.enabled => match &state.memory {
             Ok(memory) => {
-                let (parts, body) = request.into_parts();
+                let (mut parts, body) = request.into_parts();
+                if let Some(user) = identity.user {
+                    parts.extensions.insert(UserId(user));
+                }
+                parts.extensions.insert(AgentName(identity.agent));
                 proxy::chat::chat(
                     state,
                     memory,

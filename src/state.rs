@@ -11,7 +11,6 @@ use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
 use crate::models::Models;
 use crate::receipts::Receipts;
-use crate::response_ids::ResponseIds;
 use crate::store::Store;
 use crate::ttl::Sweeper;
 use crate::upstream::{Upstream, UpstreamSetupError};
@@ -45,8 +44,6 @@ pub struct AppState {
     pub upstream: Upstream,
     /// The Anthropic Messages API's upstream (`[upstream.anthropic]`).
     pub anthropic: Upstream,
-    /// The Responses ids memproxy answered, per tenant.
-    pub response_ids: ResponseIds,
     /// The Prometheus registry (`GET /metrics`).
     pub metrics: Metrics,
     /// Admission against `server.memory_budget`.
@@ -102,7 +99,6 @@ impl AppState {
             memory,
             upstream,
             anthropic,
-            response_ids: ResponseIds::default(),
             metrics: Metrics::new(),
             next_request: AtomicU64::new(1),
             boot,

@@ -206,6 +206,130 @@ async fn previous_response_id_finds_the_conversation_and_an_unknown_one_turns_me
 }
 
 #[tokio::test]
+async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
+    let (mock, claude) = (
+        MockUpstream::start().await.unwrap(),
+        MockUpstream::start().await.unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let first = responses(
+        &proxy,
+        Some("kept"),
+        &json!({"model": "m", "input": "the code word is osprey"}),
+    )
+    .await;
+    let id = first.json()["id"].as_str().unwrap().to_string();
+    proxy.stop().await;
+
+    // A new process on the same data directory knows the id.
+    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let chained = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "what was the code word?", "previous_response_id": id}),
+    )
+    .await;
+    assert_eq!(chained.header("x-memory-status"), "stored");
+    assert_eq!(chained.header("x-memory-conversation-id"), "kept");
+    assert!(texts(&last_input(&mock)).contains("the code word is osprey"));
+    let second = chained.json()["id"].as_str().unwrap().to_string();
+
+    // GET answers from memory (the mock was never asked), DELETE forgets the id only.
+    let get = |id: String| {
+        let url = proxy.url(&format!("/v1/responses/{id}"));
+        async move { send("GET", &url, &[("authorization", AUTH)], String::new()).await }
+    };
+    let before = mock.recorded().len();
+    let fetched = get(id.clone()).await;
+    assert_eq!(fetched.status, 200);
+    assert_eq!(fetched.json()["id"], id.as_str());
+    assert_eq!(mock.recorded().len(), before);
+    let deleted = send(
+        "DELETE",
+        &proxy.url(&format!("/v1/responses/{id}")),
+        &[("authorization", AUTH)],
+        String::new(),
+    )
+    .await;
+    assert_eq!(deleted.json()["deleted"], true);
+    let again = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "x", "previous_response_id": id}),
+    )
+    .await;
+    assert_eq!(again.header("x-memory-reason"), "unknown-previous-response");
+    assert_eq!(proxy.stored(Some(TOKEN), "kept").len(), 4, "the turns stay");
+
+    // Deleting the conversation takes its ids along: nothing is left to chain to.
+    proxy
+        .state
+        .memory()
+        .unwrap()
+        .delete_conversation(&key(Some(TOKEN), "kept"))
+        .unwrap()
+        .unwrap();
+    let after = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "x", "previous_response_id": second}),
+    )
+    .await;
+    assert_eq!(after.header("x-memory-status"), "off");
+    assert_eq!(after.header("x-memory-reason"), "unknown-previous-response");
+    assert!(!proxy.store().any_trace_of(second.as_bytes()).unwrap());
+}
+
+#[tokio::test]
+async fn the_conversation_field_names_the_conversation_and_is_not_forwarded() {
+    let (mock, claude) = (
+        MockUpstream::start().await.unwrap(),
+        MockUpstream::start().await.unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let first = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "the code word is plover", "conversation": "conv_abc"}),
+    )
+    .await;
+    assert_eq!(first.header("x-memory-status"), "stored");
+    assert_eq!(first.header("x-memory-conversation-id"), "conv_abc");
+    // The object form names the same conversation.
+    let second = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "the code word?", "conversation": {"id": "conv_abc"}}),
+    )
+    .await;
+    assert_eq!(second.header("x-memory-status"), "stored");
+    let forwarded = mock.responses_requests().last().unwrap().json();
+    assert!(forwarded.get("conversation").is_none(), "{forwarded}");
+    assert!(texts(&last_input(&mock)).contains("the code word is plover"));
+    assert_eq!(proxy.stored(Some(TOKEN), "conv_abc").len(), 4);
+
+    // A bad id, or one that disagrees with the header: a 400 naming the field, nothing sent.
+    let sent = mock.recorded().len();
+    for (header, value) in [
+        (None, json!("has spaces")),
+        (None, json!({"name": "x"})),
+        (Some("other"), json!("conv_abc")),
+    ] {
+        let answer = responses(
+            &proxy,
+            header,
+            &json!({"model": "m", "input": "x", "conversation": value}),
+        )
+        .await;
+        assert_eq!(answer.status, 400, "{value}");
+        assert_eq!(answer.json()["error"]["param"], "conversation");
+    }
+    assert_eq!(mock.recorded().len(), sent);
+}
+
+#[tokio::test]
 async fn a_function_call_round_and_reasoning_items_are_forwarded_whole() {
     let (mock, claude) = (
         MockUpstream::start().await.unwrap(),

@@ -77,26 +77,38 @@ fn readable_sealed_text(dir: &Path) -> Vec<String> {
                 .position(|b| !(b.is_ascii_alphanumeric() || *b == b'+' || *b == b'/'))
                 .map_or(bytes.len(), |n| start + n);
             at = end;
-            let Ok(sealed) = STANDARD_NO_PAD.decode(&bytes[start..end]) else {
-                continue;
-            };
-            if sealed.len() < NONCE_LEN + 16 {
-                continue;
-            }
-            for key in &keys {
-                for aad in [b"memproxy message".as_slice(), b"memproxy summary"] {
-                    let mut buffer = sealed.clone();
-                    let nonce = Nonce::try_assume_unique_for_key(&buffer[..NONCE_LEN]).unwrap();
-                    if let Ok(plain) =
-                        key.open_within(nonce, Aad::from(aad), &mut buffer, NONCE_LEN..)
-                    {
-                        opened.push(String::from_utf8_lossy(plain).into_owned());
-                    }
+            // A sealed value with no terminator of its own (a summary record) may run into the
+            // next record's bytes in sled's files: shorter runs are tried too.
+            for cut in (start.max(end.saturating_sub(MAX_RUN_ON))..=end).rev() {
+                if let Some(plain) = open_any(&keys, &bytes[start..cut]) {
+                    opened.push(plain);
+                    break;
                 }
             }
         }
     }
     opened
+}
+
+/// How many bytes past a sealed value's end [`readable_sealed_text`] allows for.
+const MAX_RUN_ON: usize = 64;
+
+/// The plaintext of the base64 `text` under any of `keys`.
+fn open_any(keys: &[LessSafeKey], text: &[u8]) -> Option<String> {
+    let sealed = STANDARD_NO_PAD.decode(text).ok()?;
+    if sealed.len() < NONCE_LEN + 16 {
+        return None;
+    }
+    for key in keys {
+        for aad in [b"memproxy message".as_slice(), b"memproxy summary"] {
+            let mut buffer = sealed.clone();
+            let nonce = Nonce::try_assume_unique_for_key(&buffer[..NONCE_LEN]).unwrap();
+            if let Ok(plain) = key.open_within(nonce, Aad::from(aad), &mut buffer, NONCE_LEN..) {
+                return Some(String::from_utf8_lossy(plain).into_owned());
+            }
+        }
+    }
+    None
 }
 
 /// Asserts that nothing anyone holding `dir` can read shows any of `texts`.

@@ -6,7 +6,7 @@ mod support;
 
 use std::sync::{Arc, Mutex};
 
-use memproxy::identity::ConversationKey;
+use memproxy::identity::{ConversationKey, TenantId};
 use memproxy::memory;
 use memproxy::message::Role;
 use memproxy::pipeline::commit::TRIM_BATCH;
@@ -301,6 +301,16 @@ impl Engine for Counting {
     }
     fn size_bytes(&self) -> u64 {
         self.inner.size_bytes()
+    }
+    fn response_conversation(
+        &self,
+        tenant: &TenantId,
+        response_id: &str,
+    ) -> Result<Option<ConversationKey>, StoreError> {
+        self.inner.response_conversation(tenant, response_id)
+    }
+    fn forget_response(&self, tenant: &TenantId, response_id: &str) -> Result<bool, StoreError> {
+        self.inner.forget_response(tenant, response_id)
     }
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
         self.inner.any_trace_of(needle)

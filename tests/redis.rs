@@ -529,3 +529,73 @@ async fn try_send(
         body,
     })
 }
+
+#[tokio::test]
+async fn a_response_id_answered_by_one_replica_chains_on_the_other() {
+    let mock = MockUpstream::start().await.unwrap();
+    let redis = RedisServer::start();
+    let (a, b, _da, _db) = replicas(&mock, &redis, "").await;
+    let post = |proxy: &Proxy, conversation: Option<&str>, body: Value| {
+        let url = proxy.url("/v1/responses");
+        let conversation = conversation.map(str::to_string);
+        async move {
+            let auth = format!("Bearer {TOKEN}");
+            let mut headers = vec![
+                ("authorization", auth.as_str()),
+                ("content-type", "application/json"),
+            ];
+            if let Some(c) = &conversation {
+                headers.push(("x-memory-conversation-id", c.as_str()));
+            }
+            send("POST", &url, &headers, body.to_string()).await
+        }
+    };
+    let first = post(
+        &a,
+        Some("shared-chain"),
+        json!({"model": "m", "input": "the code word is kestrel"}),
+    )
+    .await;
+    let id = first.json()["id"].as_str().unwrap().to_string();
+    let chained = post(
+        &b,
+        None,
+        json!({"model": "m", "input": "the code word?", "previous_response_id": id}),
+    )
+    .await;
+    assert_eq!(chained.header("x-memory-status"), "stored");
+    assert_eq!(chained.header("x-memory-conversation-id"), "shared-chain");
+    let forwarded = mock.responses_requests().last().unwrap().json().to_string();
+    assert!(forwarded.contains("kestrel"));
+    assert_eq!(stored(&a, "shared-chain").len(), 4);
+    // Another tenant presenting the id gets nothing.
+    let other = send(
+        "POST",
+        &b.url("/v1/responses"),
+        &[
+            ("authorization", "Bearer sk-someone-else"),
+            ("content-type", "application/json"),
+        ],
+        json!({"model": "m", "input": "x", "previous_response_id": id}).to_string(),
+    )
+    .await;
+    assert_eq!(other.header("x-memory-reason"), "unknown-previous-response");
+    // A delete through one replica leaves no key of the ids behind.
+    let second = chained.json()["id"].as_str().unwrap().to_string();
+    a.state
+        .memory()
+        .unwrap()
+        .delete_conversation(&key(Some(TOKEN), "shared-chain"))
+        .unwrap()
+        .unwrap();
+    let keys = all_keys(&redis);
+    assert!(!keys.contains(":rid:"), "{keys}");
+    assert!(!keys.contains(":r:"), "{keys}");
+    let after = post(
+        &b,
+        None,
+        json!({"model": "m", "input": "x", "previous_response_id": second}),
+    )
+    .await;
+    assert_eq!(after.header("x-memory-reason"), "unknown-previous-response");
+}

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use crate::args::{Args, parse_modes, select_scenarios};
 use crate::children::ChildProc;
-use crate::client::{Ctx, HttpClient, REQUEST_TIMEOUT, Spec, chat_request, send, small_body};
+use crate::client::{Api, Ctx, HttpClient, REQUEST_TIMEOUT, Spec, chat_request, send, small_body};
 use crate::load::{MAX_IN_FLIGHT, Mode, run_closed, run_open};
 use crate::machine::{
     clock_ticks_per_second, dir_size, load_average, machine_line, source_state, status_kb,
@@ -81,8 +81,9 @@ pub async fn bench(args: Args) -> Result<(), String> {
     let mut mock = ChildProc::mock(dir.path())?;
     let data_dir = dir.path().join("data");
     let config_text = format!(
-        "[server]\nbody_limit_bytes = 268435456\nshutdown_grace = \"PT5S\"\nworker_threads = {}\n\n[upstream]\nbase_url = \"http://127.0.0.1:{}/v1\"\nconnect_timeout = \"PT2S\"\ntimeout = \"PT120S\"\n\n[storage]\ndata_dir = {}\n\n[memory]\nmax_messages = 20000\n",
+        "[server]\nbody_limit_bytes = 268435456\nshutdown_grace = \"PT5S\"\nworker_threads = {}\n\n[upstream]\nbase_url = \"http://127.0.0.1:{}/v1\"\nconnect_timeout = \"PT2S\"\ntimeout = \"PT120S\"\n\n[upstream.anthropic]\nbase_url = \"http://127.0.0.1:{}\"\n\n[storage]\ndata_dir = {}\n\n[memory]\nmax_messages = 20000\n",
         args.proxy_threads,
+        mock.port,
         mock.port,
         toml::Value::String(data_dir.display().to_string())
     );
@@ -248,15 +249,19 @@ pub async fn bench(args: Args) -> Result<(), String> {
             let conversation = match (scenario.prefill, scenario.persist) {
                 _ if scenario.spread => Some(format!("{}-{}", scenario.name, mode.short())),
                 (0, _) => None,
-                (n, false) => Some(format!("{target}bench-{n}")),
-                (n, true) => Some(format!("{target}bench-{n}-persist-{}", mode.short())),
+                (n, false) => Some(format!("{target}bench-{n}{}", api_suffix(scenario.api))),
+                (n, true) => Some(format!(
+                    "{target}bench-{n}{}-persist-{}",
+                    api_suffix(scenario.api),
+                    mode.short()
+                )),
             };
             if let Some(conversation) = &conversation
                 && !scenario.spread
                 && !prefilled.contains(conversation)
             {
                 let used_before = redis.as_ref().map(used_memory);
-                let done = prefill(run_ctx, conversation, scenario.prefill).await?;
+                let done = prefill(run_ctx, scenario.api, conversation, scenario.prefill).await?;
                 if scenario.target == Target::RedisProxy
                     && let (Some(redis), Some(before)) = (&redis, used_before)
                 {
@@ -283,10 +288,11 @@ pub async fn bench(args: Args) -> Result<(), String> {
                 prefills.push(done);
             }
             let spec = Arc::new(Spec {
-                uri: match scenario.target {
-                    Target::Mock => ctx.mock_url.clone(),
-                    Target::Proxy | Target::RedisProxy => run_ctx.proxy_url.clone(),
-                },
+                api: scenario.api,
+                uri: scenario.api.uri(match scenario.target {
+                    Target::Mock => &ctx.mock_url,
+                    Target::Proxy | Target::RedisProxy => &run_ctx.proxy_url,
+                }),
                 spread: scenario.spread,
                 conversation: conversation.clone(),
                 persist_false: conversation.is_some() && !scenario.persist,
@@ -456,6 +462,15 @@ pub async fn bench(args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// Conversations of the other APIs are their own (their stored shapes differ).
+fn api_suffix(api: Api) -> &'static str {
+    match api {
+        Api::Chat => "",
+        Api::Responses => "-responses",
+        Api::Messages => "-messages",
+    }
+}
+
 /// Sends one request each to `count` new conversations (8 at a time); returns the error count.
 pub async fn new_conversations(ctx: &Arc<Ctx>, batch: &str, count: usize) -> u64 {
     let next = Arc::new(AtomicUsize::new(0));
@@ -474,6 +489,7 @@ pub async fn new_conversations(ctx: &Arc<Ctx>, batch: &str, count: usize) -> u64
                         break;
                     }
                     let spec = Spec {
+                        api: Api::Chat,
                         uri: ctx.proxy_url.clone(),
                         conversation: Some(format!("rss-{batch}-{i}")),
                         persist_false: false,

@@ -27,9 +27,50 @@ pub struct Ctx {
     pub clk_tck: u64,
 }
 
+/// The API a scenario's requests speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Responses,
+    /// The Anthropic Messages API.
+    Messages,
+}
+
+impl Api {
+    /// `chat_uri` (a chat completions URI) with this API's path.
+    pub fn uri(self, chat_uri: &Uri) -> Uri {
+        let path = match self {
+            Api::Chat => return chat_uri.clone(),
+            Api::Responses => "/v1/responses",
+            Api::Messages => "/v1/messages",
+        };
+        let authority = chat_uri.authority().map_or("", |a| a.as_str());
+        format!("http://{authority}{path}")
+            .parse()
+            .unwrap_or_else(|_| chat_uri.clone())
+    }
+
+    /// A request body of this API: `messages` (alternating, from a user message), model's
+    /// choice, streamed or not.
+    pub fn body(self, messages: Vec<Value>, stream: bool) -> String {
+        let mut body = match self {
+            Api::Chat => json!({"model": "gpt-4o-mini", "messages": messages}),
+            Api::Responses => json!({"model": "gpt-4o-mini", "input": messages, "store": false}),
+            Api::Messages => {
+                json!({"model": "claude-sonnet-4-5", "max_tokens": 256, "messages": messages})
+            }
+        };
+        if stream {
+            body["stream"] = Value::Bool(true);
+        }
+        body.to_string()
+    }
+}
+
 /// What one scenario's requests look like.
 #[derive(Debug, Clone)]
 pub struct Spec {
+    pub api: Api,
     pub uri: Uri,
     pub conversation: Option<String>,
     pub persist_false: bool,
@@ -54,9 +95,13 @@ pub fn error_chain(err: &dyn std::error::Error) -> String {
 }
 
 pub fn chat_request(spec: &Spec, body: String) -> Result<Request<Full<Bytes>>, String> {
-    let mut builder = Request::post(spec.uri.clone())
-        .header("content-type", "application/json")
-        .header("authorization", "Bearer sk-loadbench");
+    let mut builder = Request::post(spec.uri.clone()).header("content-type", "application/json");
+    builder = match spec.api {
+        Api::Messages => builder
+            .header("x-api-key", "sk-ant-loadbench")
+            .header("anthropic-version", "2023-06-01"),
+        Api::Chat | Api::Responses => builder.header("authorization", "Bearer sk-loadbench"),
+    };
     if let Some(conversation) = &spec.conversation {
         builder = builder.header("x-memory-conversation-id", conversation.as_str());
     }
@@ -77,11 +122,8 @@ pub fn small_body(ctx: &Ctx, spec: &Spec, n: u64) -> String {
         "{} (request {n})",
         ctx.texts[(n % ctx.texts.len() as u64) as usize]
     );
-    let mut body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": text}]});
-    if spec.stream {
-        body["stream"] = Value::Bool(true);
-    }
-    body.to_string()
+    spec.api
+        .body(vec![json!({"role": "user", "content": text})], spec.stream)
 }
 
 /// One answer, read whole.
@@ -103,11 +145,15 @@ impl Outcome {
         String::from_utf8_lossy(&self.body[..end]).replace('\n', "\\n")
     }
 
-    pub fn body_ok(&self, stream: bool) -> bool {
-        if stream {
-            self.body.ends_with(b"data: [DONE]\n\n")
-        } else {
-            self.body.windows(17).any(|w| w == b"\"chat.completion\"")
+    pub fn body_ok(&self, api: Api, stream: bool) -> bool {
+        let has = |needle: &[u8]| self.body.windows(needle.len()).any(|w| w == needle);
+        match (api, stream) {
+            (Api::Chat, true) => self.body.ends_with(b"data: [DONE]\n\n"),
+            (Api::Chat, false) => has(b"\"chat.completion\""),
+            (Api::Responses, true) => has(b"event: response.completed"),
+            (Api::Responses, false) => has(b"\"object\":\"response\""),
+            (Api::Messages, true) => has(b"event: message_stop"),
+            (Api::Messages, false) => has(b"\"type\":\"message\""),
         }
     }
 }

@@ -33,7 +33,10 @@
 //! - `redis-mem-1k`, `redis-mem-1k-persist`, `redis-mem-spread-persist`: the same against a
 //!   second memproxy with memory in Redis (a redis-server the benchmark starts; append-only,
 //!   fsync always), beside sled's rows in the same run, and Redis's `used_memory` per 1,000
-//!   stored messages.
+//!   stored messages;
+//! - `responses-direct`, `responses-mem-1k`, `responses-mem-1k-persist`, `messages-direct`,
+//!   `messages-mem-1k`, `messages-mem-1k-persist`: the same for the Responses API and the
+//!   Anthropic Messages API (the mock speaks both), each against its own direct baseline.
 //!
 //! Modes (`--modes`, default `c1,c64,open`): closed loop with N concurrent tasks (`cN`), and an
 //! open loop at `--rate` requests/s (`open`) whose latency counts from each request's scheduled

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::client::{Ctx, Spec, chat_request, send};
+use crate::client::{Api, Ctx, Spec, chat_request, send};
 use crate::machine::status_kb;
 use crate::rng::Rng;
 use crate::text::{fnv, sentence};
@@ -24,6 +24,7 @@ pub enum Target {
 #[derive(Debug, Clone, Copy)]
 pub struct Scenario {
     pub name: &'static str,
+    pub api: Api,
     pub target: Target,
     /// Messages stored in the conversation before the run (0: no conversation id).
     pub prefill: usize,
@@ -40,6 +41,7 @@ pub struct Scenario {
 pub const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "direct",
+        api: Api::Chat,
         target: Target::Mock,
         prefill: 0,
         persist: false,
@@ -50,6 +52,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "passthrough",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 0,
         persist: false,
@@ -60,6 +63,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-10",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 10,
         persist: false,
@@ -70,6 +74,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-10-persist",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 10,
         persist: true,
@@ -80,6 +85,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-1k",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 1000,
         persist: false,
@@ -90,6 +96,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-1k-persist",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 1000,
         persist: true,
@@ -100,6 +107,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-10k",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 10_000,
         persist: false,
@@ -110,6 +118,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-10k-persist",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 10_000,
         persist: true,
@@ -120,6 +129,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-10k-norecall",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 10_000,
         persist: false,
@@ -130,6 +140,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-10k-nocompress",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 10_000,
         persist: false,
@@ -140,6 +151,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "stream-direct",
+        api: Api::Chat,
         target: Target::Mock,
         prefill: 0,
         persist: false,
@@ -150,6 +162,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "stream-passthrough",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 0,
         persist: false,
@@ -160,6 +173,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "stream-mem-1k",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 1000,
         persist: false,
@@ -170,6 +184,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "mem-spread-persist",
+        api: Api::Chat,
         target: Target::Proxy,
         prefill: 0,
         persist: true,
@@ -180,6 +195,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "redis-mem-1k",
+        api: Api::Chat,
         target: Target::RedisProxy,
         prefill: 1000,
         persist: false,
@@ -190,6 +206,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "redis-mem-1k-persist",
+        api: Api::Chat,
         target: Target::RedisProxy,
         prefill: 1000,
         persist: true,
@@ -200,6 +217,7 @@ pub const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "redis-mem-spread-persist",
+        api: Api::Chat,
         target: Target::RedisProxy,
         prefill: 0,
         persist: true,
@@ -207,6 +225,73 @@ pub const SCENARIOS: &[Scenario] = &[
         headers: &[],
         baseline: "direct",
         spread: true,
+    },
+    // The Responses API and the Anthropic Messages API, against the same mock's own formats.
+    Scenario {
+        name: "responses-direct",
+        api: Api::Responses,
+        target: Target::Mock,
+        prefill: 0,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "responses-direct",
+        spread: false,
+    },
+    Scenario {
+        name: "responses-mem-1k",
+        api: Api::Responses,
+        target: Target::Proxy,
+        prefill: 1000,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "responses-direct",
+        spread: false,
+    },
+    Scenario {
+        name: "responses-mem-1k-persist",
+        api: Api::Responses,
+        target: Target::Proxy,
+        prefill: 1000,
+        persist: true,
+        stream: false,
+        headers: &[],
+        baseline: "responses-direct",
+        spread: false,
+    },
+    Scenario {
+        name: "messages-direct",
+        api: Api::Messages,
+        target: Target::Mock,
+        prefill: 0,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "messages-direct",
+        spread: false,
+    },
+    Scenario {
+        name: "messages-mem-1k",
+        api: Api::Messages,
+        target: Target::Proxy,
+        prefill: 1000,
+        persist: false,
+        stream: false,
+        headers: &[],
+        baseline: "messages-direct",
+        spread: false,
+    },
+    Scenario {
+        name: "messages-mem-1k-persist",
+        api: Api::Messages,
+        target: Target::Proxy,
+        prefill: 1000,
+        persist: true,
+        stream: false,
+        headers: &[],
+        baseline: "messages-direct",
+        spread: false,
     },
 ];
 
@@ -221,7 +306,12 @@ pub struct Prefill {
 
 /// Stores `messages` messages in `conversation` with one request: `messages - 1` alternating
 /// user/assistant messages ending with a user message, plus the reply memproxy stores.
-pub async fn prefill(ctx: &Ctx, conversation: &str, messages: usize) -> Result<Prefill, String> {
+pub async fn prefill(
+    ctx: &Ctx,
+    api: Api,
+    conversation: &str,
+    messages: usize,
+) -> Result<Prefill, String> {
     let mut rng = Rng::new(fnv(conversation));
     let list: Vec<Value> = (0..messages.saturating_sub(1))
         .map(|i| {
@@ -229,10 +319,11 @@ pub async fn prefill(ctx: &Ctx, conversation: &str, messages: usize) -> Result<P
             json!({"role": role, "content": format!("{} [{conversation} #{i}]", sentence(&mut rng))})
         })
         .collect();
-    let body = json!({"model": "gpt-4o-mini", "messages": list}).to_string();
+    let body = api.body(list, false);
     let body_bytes = body.len();
     let spec = Spec {
-        uri: ctx.proxy_url.clone(),
+        api,
+        uri: api.uri(&ctx.proxy_url),
         conversation: Some(conversation.to_string()),
         persist_false: false,
         extra_headers: &[],

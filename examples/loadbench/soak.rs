@@ -454,7 +454,7 @@ async fn run_client(traffic: Arc<Traffic>, n: usize) -> Counts {
             Ok(Ok(answer)) => {
                 let memory = answer.memory.clone().unwrap_or_else(|| "-".to_string());
                 *counts.answers.entry((answer.status, memory)).or_insert(0) += 1;
-                if answer.status == 200 && answer.body_ok(stream) {
+                if answer.status == 200 && answer.body_ok(crate::client::Api::Chat, stream) {
                     turns[slot] += 1;
                 } else if answer.status == 200 {
                     counts.incomplete += 1;

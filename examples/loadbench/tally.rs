@@ -118,7 +118,7 @@ impl Tally {
                 outcome.memory, spec.expect_memory
             ));
         }
-        if !outcome.body_ok(spec.stream) {
+        if !outcome.body_ok(spec.api, spec.stream) {
             return self.error(format!("unexpected body: {}", outcome.snippet()));
         }
         if origin >= window.measure_start {

@@ -82,7 +82,21 @@ pub async fn chat(
     let bytes = collect_body(state, body).await?;
     let (key, settings) = match (api, key) {
         (Api::Responses, key) => {
-            match super::responses::resolve(state, &parts.headers, &bytes, key, settings)? {
+            let agent = parts
+                .extensions
+                .get::<super::identify::AgentName>()
+                .map(|a| a.0.clone());
+            let chain = super::responses::resolve(
+                state,
+                memory,
+                &parts.headers,
+                &bytes,
+                key,
+                agent.as_deref(),
+                settings,
+            )
+            .await?;
+            match chain {
                 Chain::Memory(key, settings) => (key, *settings),
                 Chain::Forward(reason) => {
                     let response =

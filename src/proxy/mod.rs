@@ -200,13 +200,8 @@ pub async fn commit(
         return Err(DegradedReason::StoreUnavailable);
     };
     let started = std::time::Instant::now();
-    // A Responses answer's id finds its conversation later (`previous_response_id`).
-    let answered = crate::wire::response_id_of(&reply).map(|id| (id, exchange.key.clone()));
     match exchange.commit(std::sync::Arc::clone(memory), reply).await {
         Ok(count) => {
-            if let Some((id, key)) = answered {
-                state.response_ids.insert(id, key);
-            }
             state
                 .metrics
                 .observe_stage(Stage::Commit, started.elapsed());

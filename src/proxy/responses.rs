@@ -1,11 +1,17 @@
 //! What the Responses API adds at the edge: finding a chained request's conversation from its
-//! `previous_response_id` (the tenant's map of ids memproxy answered, `response_ids.rs`), and
-//! `GET`/`DELETE /v1/responses/{id}` for those ids.
+//! `previous_response_id`, and `GET`/`DELETE /v1/responses/{id}` for the ids memproxy
+//! answered.
+//!
+//! The ids are kept by the store with the replies they name (`Write::response_ids`, written in
+//! the exchange's own atomic commit), per tenant: they survive a restart, every replica sharing
+//! a Redis store finds them, and they go when their conversation is deleted. A tenant only ever
+//! finds the ids it was answered.
 //!
 //! A request chained to an id memproxy does not know (answered by the upstream directly, or
-//! forgotten) is forwarded as sent with `X-Memory-Status: off` and
+//! its conversation deleted) is forwarded as sent with `X-Memory-Status: off` and
 //! `X-Memory-Reason: unknown-previous-response`: memproxy cannot rebuild a history it never
-//! saw, and the upstream may still hold it.
+//! saw, and the upstream may still hold it. When the store cannot be read the request is
+//! forwarded as sent too, `degraded` with the store's reason.
 
 use std::sync::Arc;
 
@@ -15,15 +21,16 @@ use http::request::Parts;
 use http::{HeaderMap, Method, Response, StatusCode};
 
 use super::identify::credential_of;
-use super::{MemoryStatus, REASON_HEADER, set_memory_headers};
+use super::{DegradedReason, MemoryStatus, REASON_HEADER, set_memory_headers};
 use crate::body::ProxyBody;
 use crate::error::{ProxyError, json_response};
 use crate::identity::{ConversationKey, TenantId};
+use crate::memory::Memory;
 use crate::message::parse_object;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
-use crate::store::lock;
-use crate::wire::responses::{previous_id_field, response_object};
+use crate::store::{StoreError, lock};
+use crate::wire::responses::{conversation_field, previous_id_field, response_object};
 use crate::wire::{Api, response_id_of};
 
 /// The reason sent with a chained request memproxy cannot serve with memory.
@@ -34,81 +41,134 @@ pub const UNKNOWN_PREVIOUS: &str = "unknown-previous-response";
 pub enum Chain {
     /// Memory runs for this conversation (the settings boxed: they are most of its size).
     Memory(ConversationKey, Box<MemorySettings>),
-    /// Forwarded as sent; `true`: memory is said to be off for it (an unknown
-    /// `previous_response_id`).
-    Forward(bool),
+    /// Forwarded as sent, saying why memory did not run for it (`None`: nothing to say).
+    Forward(Option<Unchained>),
 }
 
-/// Resolves a Responses request's conversation: the conversation id it names (header or path
-/// form), else the one its `previous_response_id` was answered in. An unknown
+/// Why a chained request was forwarded as sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unchained {
+    /// Its `previous_response_id` is not one memproxy answered for this tenant.
+    Unknown,
+    /// The store could not be read.
+    Store(DegradedReason),
+}
+
+/// Resolves a Responses request's conversation: the conversation id it names (header, path
+/// form, or its `conversation` field under `agent`), else the one its `previous_response_id`
+/// was answered in. An unknown
 /// `previous_response_id` turns memory off for the request, conversation id or not.
-pub fn resolve(
+pub async fn resolve(
     state: &AppState,
+    memory: &Arc<Memory>,
     headers: &HeaderMap,
     body: &[u8],
     key: Option<ConversationKey>,
+    agent: Option<&str>,
     settings: MemorySettings,
 ) -> Result<Chain, ProxyError> {
     // A body that does not parse is refused by the planner with the field at fault.
-    let previous = parse_object(body)
-        .ok()
-        .and_then(|fields| previous_id_field(&fields).ok().flatten());
+    let fields = parse_object(body).unwrap_or_default();
+    let previous = previous_id_field(&fields).ok().flatten();
+    let named = conversation_field(&fields)?;
+    let tenant = match &key {
+        Some(key) => Some(key.tenant.clone()),
+        None => match credential_of(headers)? {
+            Some(credential) => Some(TenantId::of(Some(&credential))),
+            None if state.config.allow_anonymous => Some(TenantId::of(None)),
+            None => None,
+        },
+    };
+    // The `conversation` field names the conversation when no header does (and must agree
+    // with one that does).
+    let key = match (key, named, agent, &tenant) {
+        (Some(key), Some(named), _, _) if named != key.conversation => {
+            return Err(ProxyError::invalid(
+                "conversation",
+                "conversation_mismatch",
+                "`conversation` disagrees with the X-Memory-Conversation-Id header",
+            ));
+        }
+        (None, Some(conversation), Some(agent), Some(tenant)) => Some(ConversationKey {
+            tenant: tenant.clone(),
+            agent: agent.to_string(),
+            conversation,
+        }),
+        (key, ..) => key,
+    };
     let Some(previous) = previous else {
         return Ok(match key {
             Some(key) => Chain::Memory(key, Box::new(settings)),
-            None => Chain::Forward(false),
+            None => Chain::Forward(None),
         });
     };
-    let tenant = match &key {
-        Some(key) => key.tenant.clone(),
-        None => match credential_of(headers)? {
-            Some(credential) => TenantId::of(Some(&credential)),
-            None if state.config.allow_anonymous => TenantId::of(None),
-            None => return Ok(Chain::Forward(true)),
-        },
+    let Some(tenant) = tenant else {
+        return Ok(Chain::Forward(Some(Unchained::Unknown)));
     };
-    match state.response_ids.get(&tenant, &previous) {
-        None => Ok(Chain::Forward(true)),
-        Some(found) => Ok(match key {
+    match answered_in(memory, tenant, previous).await {
+        Err(err) => {
+            tracing::warn!(error = %err, "finding a previous response's conversation failed");
+            Ok(Chain::Forward(Some(Unchained::Store(DegradedReason::of(
+                &err,
+            )))))
+        }
+        Ok(None) => Ok(Chain::Forward(Some(Unchained::Unknown))),
+        Ok(Some(found)) => Ok(match key {
             Some(key) => Chain::Memory(key, Box::new(settings)),
             None => {
                 let settings = state.config.profile(&found.agent).clone();
                 if settings.enabled {
                     Chain::Memory(found, Box::new(settings))
                 } else {
-                    Chain::Forward(false)
+                    Chain::Forward(None)
                 }
             }
         }),
     }
 }
 
-/// Forwards a Responses request as the client sent it; with `unknown_previous`, marked memory
-/// off with the reason.
+/// The conversation `tenant` was answered `id` in (a store read, off the runtime's threads).
+async fn answered_in(
+    memory: &Arc<Memory>,
+    tenant: TenantId,
+    id: String,
+) -> Result<Option<ConversationKey>, StoreError> {
+    let memory = Arc::clone(memory);
+    tokio::task::spawn_blocking(move || memory.store.response_conversation(&tenant, &id))
+        .await
+        .map_err(|err| StoreError::Engine(Box::new(err)))?
+}
+
+/// Forwards a Responses request as the client sent it, saying why memory did not run.
 pub async fn forward_as_sent(
     state: &AppState,
     parts: &Parts,
     body: Bytes,
     api_path: &str,
-    unknown_previous: bool,
+    why: Option<Unchained>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let mut response =
         super::forward_bytes(state, parts, body, Api::Responses, api_path, false).await?;
-    if unknown_previous {
-        let conversation = parts
-            .headers
-            .get(super::identify::CONVERSATION_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_string();
-        set_memory_headers(&mut response, MemoryStatus::Off, &conversation, None);
-        if conversation.is_empty() {
-            response.headers_mut().remove(super::CONVERSATION_ID_HEADER);
-        }
-        response
-            .headers_mut()
-            .insert(REASON_HEADER, HeaderValue::from_static(UNKNOWN_PREVIOUS));
+    let Some(why) = why else {
+        return Ok(response);
+    };
+    let conversation = parts
+        .headers
+        .get(super::identify::CONVERSATION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let (status, reason) = match why {
+        Unchained::Unknown => (MemoryStatus::Off, UNKNOWN_PREVIOUS),
+        Unchained::Store(reason) => (MemoryStatus::Degraded, reason.as_str()),
+    };
+    set_memory_headers(&mut response, status, &conversation, None);
+    if conversation.is_empty() {
+        response.headers_mut().remove(super::CONVERSATION_ID_HEADER);
     }
+    response
+        .headers_mut()
+        .insert(REASON_HEADER, HeaderValue::from_static(reason));
     Ok(response)
 }
 
@@ -135,11 +195,19 @@ pub async fn stored_response(
     };
     let credential = credential_of(headers)?;
     let tenant = TenantId::of(credential.as_ref());
-    let Some(key) = state.response_ids.get(&tenant, id) else {
+    // A store that cannot be read: the upstream answers (it may hold the id).
+    let Ok(Some(key)) = answered_in(memory, tenant.clone(), id.to_string()).await else {
         return Ok(None);
     };
     if method == Method::DELETE {
-        state.response_ids.remove(&tenant, id);
+        let forgotten = {
+            let memory = Arc::clone(memory);
+            let id = id.to_string();
+            tokio::task::spawn_blocking(move || memory.store.forget_response(&tenant, &id)).await
+        };
+        if !matches!(forgotten, Ok(Ok(true))) {
+            return Ok(None);
+        }
         let body = serde_json::json!({"id": id, "object": "response", "deleted": true});
         return Ok(Some(json_response(StatusCode::OK, body.to_string())));
     }

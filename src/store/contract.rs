@@ -65,6 +65,7 @@ fn create(engine: &dyn Engine, key: &ConversationKey, n: u64) -> (u64, Version) 
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[],
+                response_ids: &[],
             },
         )
         .unwrap();
@@ -96,6 +97,7 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
             summaries: &[],
             remove_summaries: &[],
             branches: &[],
+            response_ids: &[],
         },
     );
     assert!(matches!(again, Err(StoreError::Stale)));
@@ -110,6 +112,7 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[],
+                response_ids: &[],
             },
         )
         .unwrap();
@@ -125,6 +128,7 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
             summaries: &[(1, b"{}")],
             remove_summaries: &[],
             branches: &[],
+            response_ids: &[],
         },
     );
     assert!(matches!(stale, Err(StoreError::Stale)));
@@ -153,6 +157,7 @@ pub fn a_write_removes_adds_and_counts_atomically(engine: &dyn Engine) {
                 summaries: &[(1, br#"{"n":1}"#)],
                 remove_summaries: &[],
                 branches: &[],
+                response_ids: &[],
             },
         )
         .unwrap();
@@ -342,6 +347,64 @@ pub fn a_delete_leaves_nothing(engine: &dyn Engine) {
     assert!(engine.delete(&kept, Some(i64::MAX)).unwrap().is_some());
 }
 
+/// Response ids named by a write are found for the conversation's tenant only, for as long as
+/// the conversation lives with that id; forgetting or deleting takes them away.
+pub fn response_ids_follow_their_conversation(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, version) = create(engine, &k, 1);
+    let reply = message(2, "answer");
+    let ids = ["resp_1".to_string(), "resp_2".to_string()];
+    engine
+        .write(
+            &k,
+            &version,
+            Write {
+                meta: &meta(id, 3, 2),
+                remove_turns: &[],
+                add: std::slice::from_ref(&reply),
+                summaries: &[],
+                remove_summaries: &[],
+                branches: &[],
+                response_ids: &ids,
+            },
+        )
+        .unwrap();
+    let tenant = k.tenant.clone();
+    let other = TenantId::from_token(Some("u"));
+    assert_eq!(
+        engine.response_conversation(&tenant, "resp_1").unwrap(),
+        Some(k.clone())
+    );
+    assert_eq!(
+        engine.response_conversation(&other, "resp_1").unwrap(),
+        None
+    );
+    assert_eq!(
+        engine.response_conversation(&tenant, "resp_9").unwrap(),
+        None
+    );
+    // Another tenant cannot forget it either.
+    assert!(!engine.forget_response(&other, "resp_1").unwrap());
+    assert!(engine.forget_response(&tenant, "resp_1").unwrap());
+    assert!(!engine.forget_response(&tenant, "resp_1").unwrap());
+    assert_eq!(
+        engine.response_conversation(&tenant, "resp_1").unwrap(),
+        None
+    );
+    assert!(engine.delete(&k, None).unwrap().is_some());
+    assert_eq!(
+        engine.response_conversation(&tenant, "resp_2").unwrap(),
+        None
+    );
+    assert!(!engine.any_trace_of(b"resp_2").unwrap());
+    // The same conversation key started again is a new life: the old ids stay gone.
+    create(engine, &k, 1);
+    assert_eq!(
+        engine.response_conversation(&tenant, "resp_2").unwrap(),
+        None
+    );
+}
+
 /// A closed branch numbered `number` that forked after `forked_after_turn`, holding `turns`.
 fn branch(number: u64, forked_after_turn: u64, turns: &[u64], text: &str) -> StoredBranch {
     StoredBranch {
@@ -372,6 +435,7 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
                 summaries: &[(1, br#"{"to_turn":2}"#), (2, br#"{"to_turn":5}"#)],
                 remove_summaries: &[],
                 branches: &[],
+                response_ids: &[],
             },
         )
         .unwrap();
@@ -392,6 +456,7 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
                 summaries: &[],
                 remove_summaries: &[2],
                 branches: std::slice::from_ref(&closed),
+                response_ids: &[],
             },
         )
         .unwrap();
@@ -448,6 +513,7 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
             summaries: &[],
             remove_summaries: &[1],
             branches: &[branch(2, 1, &[2, 3], "lost")],
+            response_ids: &[],
         },
     );
     assert!(matches!(stale, Err(StoreError::Stale)));
@@ -470,6 +536,7 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
                 summaries: &[],
                 remove_summaries: &[],
                 branches: std::slice::from_ref(&second),
+                response_ids: &[],
             },
         )
         .unwrap();
@@ -508,6 +575,7 @@ pub fn a_delete_leaves_no_branch(engine: &dyn Engine) {
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[closed],
+                response_ids: &[],
             },
         )
         .unwrap();
@@ -524,6 +592,7 @@ pub fn a_delete_leaves_no_branch(engine: &dyn Engine) {
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[branch(1, 1, &[2], "kept-branch")],
+                response_ids: &[],
             },
         )
         .unwrap();
@@ -751,7 +820,8 @@ macro_rules! contract_tests {
                 a_branch_closes_with_its_write,
                 a_delete_leaves_no_branch,
                 flush_and_readiness,
-                a_reopen_keeps_what_was_flushed
+                a_reopen_keeps_what_was_flushed,
+                response_ids_follow_their_conversation
             );
         }
     };

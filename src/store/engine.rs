@@ -45,6 +45,10 @@
 //!   returns [`StoreError::Disk`]; an engine may then refuse every later write until
 //!   [`Engine::reopen`] (sled does). After a reopen, reads see every write a successful flush
 //!   covered and none that no flush did, each exchange whole or not at all.
+//! - **Response ids** (the Responses API's, `crate::response_ids`): a write may name the ids
+//!   of the replies it adds; each is then found by [`Engine::response_conversation`] for the
+//!   conversation's tenant (never another's), as long as the conversation lives with that id.
+//!   Delete removes them with the conversation; [`Engine::forget_response`] removes one.
 //! - **Owners' records** (long-term memory, `crate::longterm`) are kept per [`OwnerKey`] (a
 //!   user, an agent or a tenant): an owner's record ([`OwnerMeta`], created once by
 //!   [`Engine::create_owner`] with an id from [`Engine::new_id`]) and its records, each in a
@@ -120,6 +124,9 @@ pub struct Write<'a> {
     pub remove_summaries: &'a [u64],
     /// Closed branches to add, by their numbers (one being closed, or imported ones).
     pub branches: &'a [StoredBranch],
+    /// Responses API ids of the replies added, found again by
+    /// [`Engine::response_conversation`].
+    pub response_ids: &'a [String],
 }
 
 /// Which conversations a listing covers.
@@ -386,6 +393,17 @@ pub trait Engine: Send + Sync + 'static {
         let _ = (after, limit);
         Err(no_owners(self.name()))
     }
+
+    /// The conversation `tenant` was answered the Responses API id `response_id` in (a write
+    /// named it), while that conversation lives with the id it had then.
+    fn response_conversation(
+        &self,
+        tenant: &TenantId,
+        response_id: &str,
+    ) -> Result<Option<ConversationKey>, StoreError>;
+
+    /// Forgets the Responses API id `response_id` of `tenant`; true when it was known.
+    fn forget_response(&self, tenant: &TenantId, response_id: &str) -> Result<bool, StoreError>;
 
     /// True when `needle` occurs in any stored key or value: a full scan, to prove a deletion
     /// left no trace (tests, audits).

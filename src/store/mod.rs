@@ -157,6 +157,15 @@ pub struct Change {
     pub branch_from_turn: Option<u64>,
 }
 
+/// The Responses API ids of the replies among `messages` (before they are sealed).
+pub(crate) fn response_ids_of(messages: &[StoredMessage]) -> Vec<String> {
+    messages
+        .iter()
+        .filter(|m| m.role == crate::message::Role::Assistant)
+        .filter_map(|m| crate::wire::response_id_of(&m.message))
+        .collect()
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("storage engine: {0}")]
@@ -351,6 +360,24 @@ impl Store {
 
     /// Passes `result` on; a shared engine that cannot be reached turns memory off (and is
     /// retried) like a failed write, so later requests do not each wait for it to time out.
+    /// The conversation `tenant` was answered the Responses API id `response_id` in.
+    pub fn response_conversation(
+        &self,
+        tenant: &crate::identity::TenantId,
+        response_id: &str,
+    ) -> Result<Option<ConversationKey>, StoreError> {
+        self.unreachable_is_down(self.engine.response_conversation(tenant, response_id))
+    }
+
+    /// Forgets `tenant`'s Responses API id `response_id`; true when it was known.
+    pub fn forget_response(
+        &self,
+        tenant: &crate::identity::TenantId,
+        response_id: &str,
+    ) -> Result<bool, StoreError> {
+        self.unreachable_is_down(self.engine.forget_response(tenant, response_id))
+    }
+
     fn unreachable_is_down<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
         match result {
             Err(err @ StoreError::Unreachable(_)) => self.watch(Err(err)),
@@ -486,6 +513,7 @@ impl Store {
         meta.tokens_forwarded += change.tokens_forwarded;
         meta.ledger.add(&change.ledger);
 
+        let response_ids = response_ids_of(&change.add);
         let mut created_key = false;
         if !change.add.is_empty() {
             let (key, created) = self.sealing_key(&conversation.key, meta.id)?;
@@ -502,6 +530,7 @@ impl Store {
                 summaries: &[],
                 remove_summaries: &remove_summaries,
                 branches: &branches,
+                response_ids: &response_ids,
             },
             (created_key && conversation.meta.is_none()).then_some(meta.id),
         )?;

@@ -17,11 +17,13 @@
 //! | `P{T}:s:ID` | sorted set | summary records: score the number, member the number (8 bytes BE) then the record |
 //! | `P{T}:b:ID` | hash | closed branches: field the branch row's key (as in sled's `branches` tree), value its record, message or summary |
 //! | `P{T}:k:ID` | string | the conversation's 32-byte key (`keys.rs`, `seal.rs`) |
+//! | `P{T}:r:ID` | set | the Responses API ids of the replies written (`Write::response_ids`) |
 //! | `P{T}:ttl` | string | the [`TtlRecord`] (JSON) |
 //! | `P{T}:lease` | string | the summary lease: which replica makes the due summary (`summaries.rs`) |
 //! | `P:ids` | string | the counter [`Engine::new_id`] increments |
 //! | `P:idx:conv` | sorted set | listing index: every conversation's key bytes, score 0, so in key order (`ZRANGEBYLEX`) |
 //! | `P:idx:ttl` | sorted set | the same for TTL records |
+//! | `P:rid:H` | string | `T:ID` of the conversation a response id was written in, `H` being 32 hex digits of a SHA-256 of tenant and response id: a hint, checked against `P{T}:r:ID` |
 //!
 //! `ID` is the conversation's id ([`ConversationMeta::id`]): a conversation deleted and started
 //! again gets new keys, so a reader still holding the old id finds nothing.
@@ -33,7 +35,7 @@
 //! (dropping an orphan TTL record); Redis runs a script alone, so readers never see half of
 //! it. Reads that take several keys run as one `MULTI`/`EXEC` or a script.
 //!
-//! The two indexes are in their own slots, so they cannot be part of a conversation's script
+//! The two indexes and the response-id hints are in their own slots, so they cannot be part of a conversation's script
 //! on a cluster: they are kept *after* it (`ZADD` at each write and TTL record, `ZREM` after a
 //! delete) and are hints, the conversation's own keys being the truth. A listing or TTL page
 //! that meets an entry whose conversation (or record) is gone, removed by a delete that died
@@ -71,7 +73,7 @@ use super::StoreError;
 use super::engine::{Engine, Loaded, Page, Refresh, Scope, Version, Write};
 use super::records::{ConversationMeta, Deleted, Entry, StoredBranch, StoredMessage, TtlRecord};
 use super::sled_engine::{assemble_branches, branch_rows, decode, encode};
-use crate::identity::ConversationKey;
+use crate::identity::{ConversationKey, TenantId};
 
 /// How often a read or delete retries when a write changed the conversation under it.
 const MAX_ATTEMPTS: usize = 8;
@@ -189,9 +191,9 @@ end
 /// The grace past a conversation's TTL before Redis expires its keys (in the Lua above).
 pub const EXPIRY_GRACE_MS: u64 = 60_000;
 
-/// KEYS: conv, m, s, b, k, ttl. ARGV: expected version ('' = absent), key bytes, meta JSON,
+/// KEYS: conv, m, s, b, k, ttl, r. ARGV: expected version ('' = absent), key bytes, meta JSON,
 /// id, last activity, then counted lists: turns to remove, (turn, member) to add, summary
-/// numbers to remove, (number, member) to add, (field, value) branch rows. Returns the new
+/// numbers to remove, (number, member) to add, (field, value) branch rows, response ids. Returns the new
 /// version, or false when stale.
 const WRITE: &str = r"
 local v = redis.call('HGET', KEYS[1], 'ver')
@@ -213,6 +215,8 @@ for _ = 1, n do
 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]); i = i + 2 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('SADD', KEYS[7], ARGV[i]); i = i + 1 end
 local count = 1
 if v then
   local old = redis.call('HGET', KEYS[1], 'id')
@@ -221,6 +225,7 @@ end
 local ver = ARGV[4] .. ':' .. count
 redis.call('HSET', KEYS[1], 'ver', ver, 'key', ARGV[2], 'meta', ARGV[3], 'id', ARGV[4], 'last', ARGV[5])
 expire_all(KEYS[6], 1, 5)
+expire_all(KEYS[6], 7, 7)
 return ver
 ";
 
@@ -236,7 +241,7 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], ARGV[2], '+inf')) do out
 return out
 ";
 
-/// KEYS: conv, m, s, b, k, ttl, lease. ARGV: the id read, idle cutoff ('' = none). Returns
+/// KEYS: conv, m, s, b, k, ttl, lease, r. ARGV: the id read, idle cutoff ('' = none). Returns
 /// `{0}` (not stored, or used since the cutoff), `{-1}` (the id changed: read again) or
 /// `{1, messages, summaries, branches}`.
 const DELETE: &str = r"
@@ -249,7 +254,7 @@ for _, f in ipairs(redis.call('HKEYS', KEYS[4])) do
   if string.byte(f, 17) == 0 then branches = branches + 1 end
 end
 local out = {1, redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]), branches}
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
 return out
 ";
 
@@ -264,13 +269,13 @@ if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 return 1
 ";
 
-/// KEYS: ttl, conv, m, s, b, k. ARGV: record, the id read ('' = not stored). Writes the
+/// KEYS: ttl, conv, m, s, b, k, r. ARGV: record, the id read ('' = not stored). Writes the
 /// record and expires the conversation's keys by it; -1 when the id changed (read again).
 const PUT_TTL: &str = r"
 local id = redis.call('HGET', KEYS[2], 'id') or ''
 if id ~= ARGV[2] then return -1 end
 redis.call('SET', KEYS[1], ARGV[1])
-if id == '' then expire_all(KEYS[1], 1, 1) else expire_all(KEYS[1], 1, 6) end
+if id == '' then expire_all(KEYS[1], 1, 1) else expire_all(KEYS[1], 1, 7) end
 return 1
 ";
 
@@ -349,16 +354,25 @@ impl Keys {
     }
 
     fn of_bytes(prefix: &str, key: &[u8]) -> Keys {
-        let digest = Sha256::digest(key);
-        let mut tag = String::with_capacity(32);
-        for b in &digest[..16] {
-            tag.push_str(&format!("{b:02x}"));
-        }
+        Keys::of_tag(prefix, &hex32(key))
+    }
+
+    fn of_tag(prefix: &str, tag: &str) -> Keys {
         let tag_prefix = format!("{prefix}{{{tag}}}:");
         Keys {
             conv: format!("{tag_prefix}conv"),
             tag_prefix,
         }
+    }
+
+    /// The hash tag `T`.
+    fn tag(&self) -> &str {
+        let inner = self.tag_prefix.rsplit_once('{').map_or("", |(_, t)| t);
+        inner.split_once('}').map_or("", |(t, _)| t)
+    }
+
+    fn responses(&self, id: u64) -> String {
+        format!("{}r:{id}", self.tag_prefix)
     }
 
     fn messages(&self, id: u64) -> String {
@@ -379,6 +393,16 @@ impl Keys {
     fn lease(&self) -> String {
         format!("{}lease", self.tag_prefix)
     }
+}
+
+/// 32 hex digits of a SHA-256 of `bytes`.
+fn hex32(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    let mut out = String::with_capacity(32);
+    for b in &digest[..16] {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
 }
 
 /// A sorted-set member: `n` (8 bytes BE) then `payload`, unique per `n`.
@@ -476,6 +500,57 @@ impl RedisEngine {
 
     fn keys(&self, key: &ConversationKey) -> Keys {
         Keys::of(&self.prefix, key)
+    }
+
+    /// The hint key of `tenant`'s `response_id`.
+    fn response_hint(&self, tenant: &TenantId, response_id: &str) -> String {
+        let bytes = [tenant.as_str().as_bytes(), b"\0", response_id.as_bytes()].concat();
+        format!("{}rid:{}", self.prefix, hex32(&bytes))
+    }
+
+    /// The conversation `tenant`'s `response_id` was written in, and its id, checked against
+    /// the conversation's own keys; a hint that finds nothing is dropped.
+    fn response_target(
+        &self,
+        c: &mut Connection,
+        tenant: &TenantId,
+        response_id: &str,
+    ) -> Result<Option<(ConversationKey, Keys, u64)>, StoreError> {
+        let hint = self.response_hint(tenant, response_id);
+        let target: Option<String> = redis::cmd("GET").arg(&hint).query(c)?;
+        let Some((tag, id)) = target.as_deref().and_then(|t| t.split_once(':')) else {
+            return Ok(None);
+        };
+        let (Ok(id), true) = (
+            id.parse::<u64>(),
+            tag.len() == 32 && tag.bytes().all(|b| b.is_ascii_hexdigit()),
+        ) else {
+            return Err(StoreError::Corrupt(
+                "a response id hint is malformed".into(),
+            ));
+        };
+        let keys = Keys::of_tag(&self.prefix, tag);
+        let (key_bytes, stored_id, member): (Option<Vec<u8>>, Option<u64>, bool) = redis::pipe()
+            .cmd("HGET")
+            .arg(&keys.conv)
+            .arg("key")
+            .cmd("HGET")
+            .arg(&keys.conv)
+            .arg("id")
+            .cmd("SISMEMBER")
+            .arg(keys.responses(id))
+            .arg(response_id)
+            .query(c)?;
+        let key = key_bytes.as_deref().and_then(ConversationKey::from_bytes);
+        match key {
+            Some(key) if stored_id == Some(id) && member && key.tenant == *tenant => {
+                Ok(Some((key, keys, id)))
+            }
+            _ => {
+                let _: i64 = redis::cmd("DEL").arg(&hint).query(c)?;
+                Ok(None)
+            }
+        }
     }
 
     fn index_conversations(&self) -> String {
@@ -700,6 +775,7 @@ impl Engine for RedisEngine {
             .key(keys.branches(id))
             .key(keys.secret(id))
             .key(keys.ttl())
+            .key(keys.responses(id))
             .arg(expected.token().unwrap_or_default())
             .arg(key_bytes.as_slice())
             .arg(encode(write.meta)?)
@@ -728,6 +804,10 @@ impl Engine for RedisEngine {
         for (field, value) in &rows {
             invocation.arg(&field[..]).arg(value.as_slice());
         }
+        invocation.arg(write.response_ids.len());
+        for response_id in write.response_ids {
+            invocation.arg(response_id);
+        }
         let mut c = self.connection()?;
         let version: Option<Vec<u8>> = invocation.invoke(&mut *c)?;
         let Some(version) = version else {
@@ -738,6 +818,23 @@ impl Engine for RedisEngine {
             .arg(0)
             .arg(key_bytes.as_slice())
             .query(&mut *c)?;
+        if !write.response_ids.is_empty() {
+            // The hints live as long as the conversation would if left idle from now.
+            let ttl: i64 = redis::cmd("PTTL").arg(&keys.conv).query(&mut *c)?;
+            let target = format!("{}:{id}", keys.tag());
+            let mut pipe = redis::pipe();
+            for response_id in write.response_ids {
+                let set = pipe
+                    .cmd("SET")
+                    .arg(self.response_hint(&key.tenant, response_id))
+                    .arg(&target);
+                if ttl > 0 {
+                    set.arg("PX").arg(ttl);
+                }
+                set.ignore();
+            }
+            let _: () = pipe.query(&mut *c)?;
+        }
         self.wait(&mut c)?;
         Ok(Version::of(version))
     }
@@ -756,6 +853,11 @@ impl Engine for RedisEngine {
                 .arg("id")
                 .query(&mut *c)?;
             let id = id.unwrap_or(0);
+            // Read before the delete: an id a write adds in between leaves a hint that finds
+            // nothing, and is dropped when looked up.
+            let response_ids: Vec<String> = redis::cmd("SMEMBERS")
+                .arg(keys.responses(id))
+                .query(&mut *c)?;
             let reply: Vec<i64> = self
                 .scripts
                 .delete
@@ -766,22 +868,28 @@ impl Engine for RedisEngine {
                 .key(keys.secret(id))
                 .key(keys.ttl())
                 .key(keys.lease())
+                .key(keys.responses(id))
                 .arg(id)
                 .arg(idle_before_ms.map(|ms| ms.to_string()).unwrap_or_default())
                 .invoke(&mut *c)?;
             match reply.as_slice() {
                 [-1] => continue,
                 [1, messages, summaries, branches] => {
-                    let _: () = redis::pipe()
-                        .cmd("ZREM")
+                    let mut pipe = redis::pipe();
+                    pipe.cmd("ZREM")
                         .arg(self.index_conversations())
                         .arg(key_bytes.as_slice())
                         .ignore()
                         .cmd("ZREM")
                         .arg(self.index_ttl())
                         .arg(key_bytes.as_slice())
-                        .ignore()
-                        .query(&mut *c)?;
+                        .ignore();
+                    for response_id in &response_ids {
+                        pipe.cmd("DEL")
+                            .arg(self.response_hint(&key.tenant, response_id))
+                            .ignore();
+                    }
+                    let _: () = pipe.query(&mut *c)?;
                     self.wait(&mut c)?;
                     let count = |n: &i64| usize::try_from(*n).unwrap_or(0);
                     return Ok(Some(Deleted {
@@ -896,6 +1004,7 @@ impl Engine for RedisEngine {
                 .key(keys.summaries(n))
                 .key(keys.branches(n))
                 .key(keys.secret(n))
+                .key(keys.responses(n))
                 .arg(record.as_slice())
                 .arg(id.map(|id| id.to_string()).unwrap_or_default())
                 .invoke(&mut *c)?;
@@ -1083,6 +1192,35 @@ impl Engine for RedisEngine {
             .unwrap_or(0)
     }
 
+    fn response_conversation(
+        &self,
+        tenant: &TenantId,
+        response_id: &str,
+    ) -> Result<Option<ConversationKey>, StoreError> {
+        let mut c = self.connection()?;
+        Ok(self
+            .response_target(&mut c, tenant, response_id)?
+            .map(|(key, _, _)| key))
+    }
+
+    fn forget_response(&self, tenant: &TenantId, response_id: &str) -> Result<bool, StoreError> {
+        let mut c = self.connection()?;
+        let Some((_, keys, id)) = self.response_target(&mut c, tenant, response_id)? else {
+            return Ok(false);
+        };
+        let _: () = redis::pipe()
+            .cmd("SREM")
+            .arg(keys.responses(id))
+            .arg(response_id)
+            .ignore()
+            .cmd("DEL")
+            .arg(self.response_hint(tenant, response_id))
+            .ignore()
+            .query(&mut *c)?;
+        self.wait(&mut c)?;
+        Ok(true)
+    }
+
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
         if needle.is_empty() {
             return Ok(true);
@@ -1097,6 +1235,7 @@ impl Engine for RedisEngine {
             let values: Vec<Vec<u8>> = match kind.as_str() {
                 "string" => redis::cmd("GET").arg(&key).query(&mut *c)?,
                 "hash" => redis::cmd("HGETALL").arg(&key).query(&mut *c)?,
+                "set" => redis::cmd("SMEMBERS").arg(&key).query(&mut *c)?,
                 "zset" => redis::cmd("ZRANGE")
                     .arg(&key)
                     .arg(0)

@@ -576,6 +576,7 @@ impl Writer {
                 summaries: &summaries,
                 remove_summaries: &[],
                 branches: &salvaged.branches,
+                response_ids: &[],
             },
         )?;
         if let Some(ttl) = &salvaged.ttl {

@@ -458,6 +458,7 @@ mod tests {
                     summaries: &[(1, &record)],
                     remove_summaries: &[],
                     branches: &[],
+                    response_ids: &[],
                 },
             )
             .unwrap();

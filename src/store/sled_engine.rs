@@ -10,6 +10,10 @@
 //!   BE)` for each of its messages and `2 ++ summary number (u64 BE)` for each of its summary
 //!   records (both as they were stored on the main line);
 //! - `ttl`: `tenant \0 agent \0 conversation` → [`TtlRecord`] (JSON);
+//! - `responses`: `tenant \0 response id` → conversation id (u64 BE) ++ the conversation's key
+//!   bytes: the Responses API ids a write named (`Write::response_ids`);
+//! - `conversation_responses`: `conversation id (u64 BE) ++ response id` → nothing: the same
+//!   ids by conversation, so a delete finds them;
 //! - `owners`: owner key bytes ([`OwnerKey::to_bytes`]) → [`OwnerMeta`] (JSON);
 //! - `owner_records`: owner key bytes `\0 space id` → the record's value.
 //!
@@ -48,7 +52,7 @@ use super::records::{
     BranchRecord, ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
     StoredMessage, TtlRecord,
 };
-use crate::identity::ConversationKey;
+use crate::identity::{ConversationKey, TenantId};
 
 /// How often a delete retries when a commit changed the conversation under it.
 const MAX_ATTEMPTS: usize = 8;
@@ -74,6 +78,8 @@ pub(super) struct Trees {
     pub(super) summaries: sled::Tree,
     pub(super) branches: sled::Tree,
     pub(super) ttl: sled::Tree,
+    pub(super) responses: sled::Tree,
+    pub(super) conversation_responses: sled::Tree,
     pub(super) owners: sled::Tree,
     pub(super) owner_records: sled::Tree,
 }
@@ -86,6 +92,8 @@ impl Trees {
             summaries: db.open_tree("summaries")?,
             branches: db.open_tree("branches")?,
             ttl: db.open_tree("ttl")?,
+            responses: db.open_tree("responses")?,
+            conversation_responses: db.open_tree("conversation_responses")?,
             owners: db.open_tree("owners")?,
             owner_records: db.open_tree("owner_records")?,
             db,
@@ -109,6 +117,16 @@ impl From<sled::Error> for StoreError {
             other => StoreError::Engine(Box::new(other)),
         }
     }
+}
+
+/// The `responses` tree's key of `tenant`'s `response_id`.
+fn response_key(tenant: &TenantId, response_id: &str) -> Vec<u8> {
+    [tenant.as_str().as_bytes(), b"\0", response_id.as_bytes()].concat()
+}
+
+/// The `conversation_responses` tree's key of conversation `id`'s `response_id`.
+fn conversation_response_key(id: u64, response_id: &str) -> Vec<u8> {
+    [&id.to_be_bytes()[..], response_id.as_bytes()].concat()
 }
 
 pub(super) fn message_key(id: u64, turn: u64) -> [u8; 16] {
@@ -334,6 +352,7 @@ impl Engine for SledEngine {
         write: Write<'_>,
     ) -> Result<Version, StoreError> {
         let t = self.trees()?;
+        let key_of = key;
         let key = key.to_bytes();
         let id = write.meta.id;
         let meta_bytes = encode(write.meta)?;
@@ -343,9 +362,27 @@ impl Engine for SledEngine {
             .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
             .collect::<Result<Vec<_>, StoreError>>()?;
         let branch_rows = branch_rows(id, write.branches)?;
+        let responses: Vec<(Vec<u8>, Vec<u8>)> = write
+            .response_ids
+            .iter()
+            .map(|r| {
+                (
+                    response_key(&key_of.tenant, r),
+                    conversation_response_key(id, r),
+                )
+            })
+            .collect();
+        let response_value = [&id.to_be_bytes()[..], &key].concat();
         let expected = expected.token();
-        let result = (&t.conversations, &t.messages, &t.summaries, &t.branches).transaction(
-            |(convs, msgs, sums, branches)| {
+        let result = (
+            &t.conversations,
+            &t.messages,
+            &t.summaries,
+            &t.branches,
+            &t.responses,
+            &t.conversation_responses,
+        )
+            .transaction(|(convs, msgs, sums, branches, by_id, by_conversation)| {
                 if convs.get(&key)?.as_deref() != expected {
                     return Err(ConflictableTransactionError::Abort(()));
                 }
@@ -364,10 +401,13 @@ impl Engine for SledEngine {
                 for (k, v) in &branch_rows {
                     branches.insert(&k[..], v.as_slice())?;
                 }
+                for (by_id_key, by_conversation_key) in &responses {
+                    by_id.insert(by_id_key.as_slice(), response_value.as_slice())?;
+                    by_conversation.insert(by_conversation_key.as_slice(), &[][..])?;
+                }
                 convs.insert(key.as_slice(), meta_bytes.as_slice())?;
                 Ok(())
-            },
-        );
+            });
         match result {
             Ok(()) => Ok(Version::of(meta_bytes)),
             Err(TransactionError::Abort(())) => Err(StoreError::Stale),
@@ -407,30 +447,48 @@ impl Engine for SledEngine {
                 .scan_prefix(prefix)
                 .keys()
                 .collect::<Result<Vec<_>, _>>()?;
+            let response_keys = t
+                .conversation_responses
+                .scan_prefix(prefix)
+                .keys()
+                .map(|k| {
+                    let k = k?;
+                    let response_id = String::from_utf8_lossy(&k[8..]).into_owned();
+                    Ok((k, response_key(&key.tenant, &response_id)))
+                })
+                .collect::<Result<Vec<_>, sled::Error>>()?;
             let result = (
                 &t.conversations,
                 &t.messages,
                 &t.summaries,
                 &t.branches,
                 &t.ttl,
+                &t.responses,
+                &t.conversation_responses,
             )
-                .transaction(|(convs, msgs, sums, branches, ttl)| {
-                    if convs.get(&key_bytes)?.as_ref() != Some(&stored_meta) {
-                        return Err(ConflictableTransactionError::Abort(()));
-                    }
-                    for k in &message_keys {
-                        msgs.remove(k)?;
-                    }
-                    for k in &summary_keys {
-                        sums.remove(k)?;
-                    }
-                    for k in &branch_keys {
-                        branches.remove(k)?;
-                    }
-                    convs.remove(key_bytes.as_slice())?;
-                    ttl.remove(key_bytes.as_slice())?;
-                    Ok(())
-                });
+                .transaction(
+                    |(convs, msgs, sums, branches, ttl, by_id, by_conversation)| {
+                        if convs.get(&key_bytes)?.as_ref() != Some(&stored_meta) {
+                            return Err(ConflictableTransactionError::Abort(()));
+                        }
+                        for k in &message_keys {
+                            msgs.remove(k)?;
+                        }
+                        for k in &summary_keys {
+                            sums.remove(k)?;
+                        }
+                        for k in &branch_keys {
+                            branches.remove(k)?;
+                        }
+                        for (by_conversation_key, by_id_key) in &response_keys {
+                            by_conversation.remove(by_conversation_key)?;
+                            by_id.remove(by_id_key.as_slice())?;
+                        }
+                        convs.remove(key_bytes.as_slice())?;
+                        ttl.remove(key_bytes.as_slice())?;
+                        Ok(())
+                    },
+                );
             match result {
                 Ok(()) => {
                     // A writer that does not check the record (a summary written in the
@@ -799,6 +857,47 @@ impl Engine for SledEngine {
             out.push((owner, decode(&value)?));
         }
         Ok((out, None))
+    }
+
+    fn response_conversation(
+        &self,
+        tenant: &TenantId,
+        response_id: &str,
+    ) -> Result<Option<ConversationKey>, StoreError> {
+        let t = self.trees()?;
+        let Some(value) = t.responses.get(response_key(tenant, response_id))? else {
+            return Ok(None);
+        };
+        let Some((id, key_bytes)) = value.split_first_chunk::<8>() else {
+            return Err(StoreError::Corrupt(
+                "a response id record is too short".into(),
+            ));
+        };
+        let Some(key) = ConversationKey::from_bytes(key_bytes) else {
+            return Err(StoreError::Corrupt(
+                "a response id record names no conversation".into(),
+            ));
+        };
+        // The conversation must still live with the id the record was written for.
+        let Some(meta) = t.conversations.get(key_bytes)? else {
+            return Ok(None);
+        };
+        let meta: ConversationMeta = decode(&meta)?;
+        Ok((meta.id == u64::from_be_bytes(*id) && key.tenant == *tenant).then_some(key))
+    }
+
+    fn forget_response(&self, tenant: &TenantId, response_id: &str) -> Result<bool, StoreError> {
+        let t = self.trees()?;
+        let Some(value) = t.responses.remove(response_key(tenant, response_id))? else {
+            return Ok(false);
+        };
+        if let Some((id, _)) = value.split_first_chunk::<8>() {
+            t.conversation_responses.remove(conversation_response_key(
+                u64::from_be_bytes(*id),
+                response_id,
+            ))?;
+        }
+        Ok(true)
     }
 
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {

@@ -225,6 +225,7 @@ impl Store {
             return Ok(imported);
         }
         let (secret, created_key) = self.sealing_key(&conversation.key, meta.id)?;
+        let response_ids = super::response_ids_of(&added);
         seal_messages(&secret, &mut added)?;
         let sealed_summaries = wanted
             .into_iter()
@@ -252,6 +253,7 @@ impl Store {
                 summaries: &summary_rows,
                 remove_summaries: &[],
                 branches: &sealed_branches,
+                response_ids: &response_ids,
             },
             (created_key && empty).then_some(meta.id),
         )?;

@@ -121,7 +121,8 @@ impl ApiRequest {
 
     /// The body to forward: the prompt (neutral messages, in order) written in this request's
     /// format, every other field as it came. A Responses request goes stateless: its
-    /// `previous_response_id` is left out, memory sends the history itself.
+    /// `previous_response_id` and `conversation` are left out, memory sends the history
+    /// itself.
     pub fn render<'a>(&self, prompt: impl IntoIterator<Item = &'a RawValue>) -> Vec<u8> {
         match self.api {
             Api::Chat => {
@@ -130,7 +131,12 @@ impl ApiRequest {
             }
             Api::Responses => {
                 let list = json_list(responses::render_input(prompt));
-                write_fields(&self.fields, "input", &list, &["previous_response_id"])
+                write_fields(
+                    &self.fields,
+                    "input",
+                    &list,
+                    &["previous_response_id", "conversation"],
+                )
             }
             Api::Anthropic => anthropic::render(&self.fields, prompt),
         }

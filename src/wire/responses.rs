@@ -7,6 +7,9 @@
 //!   whose `tool_calls` are the calls (by `call_id`), so the window never parts a call from
 //!   its `function_call_output` (a `tool` message).
 //! - `instructions` stay a top-level field, sent as the client sent them: never turns.
+//! - `conversation` (OpenAI's own conversation object) names memory's conversation when no
+//!   conversation id header does; like `previous_response_id` it is not forwarded when memory
+//!   runs (memory sends the history itself).
 //! - The reply is the answer's `output` (from the JSON body, or from `response.completed` in a
 //!   stream), one assistant message carrying the response id.
 
@@ -99,6 +102,36 @@ pub fn previous_id_field(
                 "`previous_response_id` must be a string",
             )
         }),
+    }
+}
+
+/// The `conversation` field (a string, or an object with a string `id`), checked against the
+/// rules of conversation ids: memory uses it as the request's conversation.
+pub fn conversation_field(
+    fields: &[(String, Box<RawValue>)],
+) -> Result<Option<String>, InvalidRequest> {
+    let Some((_, raw)) = fields.iter().find(|(k, _)| k == "conversation") else {
+        return Ok(None);
+    };
+    let bad = || {
+        InvalidRequest::field(
+            "conversation",
+            "`conversation` must be a conversation id (1-128 characters from A-Za-z0-9._:@-) or an object with one as `id`",
+        )
+    };
+    let id = match serde_json::from_str::<Value>(raw.get()).map_err(|_| bad())? {
+        Value::Null => return Ok(None),
+        Value::String(id) => id,
+        Value::Object(mut object) => match object.remove("id") {
+            Some(Value::String(id)) => id,
+            _ => return Err(bad()),
+        },
+        _ => return Err(bad()),
+    };
+    if crate::identity::is_valid_id(&id) {
+        Ok(Some(id))
+    } else {
+        Err(bad())
     }
 }
 
