@@ -366,3 +366,46 @@ async fn a_budget_of_zero_or_a_bad_value_is_refused() {
     // And no header can lift a budget: it is no setting.
     assert!(memproxy::settings::kind_of("compression_max_tokens_per_day").is_none());
 }
+
+#[tokio::test]
+async fn memory_extraction_spends_on_behalf_of_its_conversation() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "2"),
+    ];
+    for text in ["I live in Lisbon", "Please answer in bullet points"] {
+        let answer = chat(&proxy, "extracted", &body(&[user(text)]), &extra).await;
+        assert_eq!(answer.status, 200);
+    }
+    // The extraction runs in the background after the second exchange; the mock's answer
+    // reports usage (2 tokens).
+    let labels = [("agent", "other"), ("task", "extraction")];
+    let mut spent = 0.0;
+    for _ in 0..100 {
+        spent = value(
+            &scrape(&proxy).await,
+            "memproxy_ledger_background_tokens_total",
+            &labels,
+        );
+        if spent > 0.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(mock.extraction_requests().len(), 1);
+    assert_eq!(spent, 2.0, "the usage of the extraction call");
+    // The conversation's ledger takes it at its next commit.
+    chat(&proxy, "extracted", &body(&[user("thanks")]), &extra).await;
+    let stats = admin(
+        &proxy,
+        "GET",
+        &format!("{}/stats", conversation_path(TOKEN, "default", "extracted")),
+        "",
+    )
+    .await
+    .json();
+    assert_eq!(stats["ledger"]["background_tokens"], 2, "{stats}");
+}

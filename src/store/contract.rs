@@ -376,7 +376,10 @@ pub fn the_ledger_is_kept_in_the_record(engine: &dyn Engine) {
         )
         .unwrap();
     let stored = engine.meta(&k).unwrap().unwrap();
-    assert_eq!((stored.tokens_forwarded, stored.ledger), (40, record.ledger));
+    assert_eq!(
+        (stored.tokens_forwarded, stored.ledger),
+        (40, record.ledger)
+    );
     assert_eq!(engine.load(&k).unwrap().meta.unwrap().ledger, record.ledger);
     let tenant = k.tenant.clone();
     let scope = Scope {
