@@ -151,12 +151,7 @@ pub fn new_id() -> String {
         // The system's generator failed: no receipt id is better than a guessable one.
         return String::new();
     }
-    let mut id = String::with_capacity(5 + 32);
-    id.push_str("rcpt_");
-    for byte in bytes {
-        id.push_str(&format!("{byte:02x}"));
-    }
-    id
+    format!("rcpt_{}", hex(&bytes))
 }
 
 /// What the plan decided, kept for the receipt (the prompt's parts are moved in whole).
@@ -260,12 +255,12 @@ pub struct Receipt {
     pub created_ms: i64,
     /// The request headers a replay sends again ([`REPLAYED_HEADERS`]).
     pub headers: Vec<(String, String)>,
-    /// The body forwarded, byte for byte, and its SHA-256 (hex).
+    /// The body forwarded, byte for byte (its SHA-256 is computed when the receipt is read,
+    /// off the request's path: [`Receipt::sha256`]).
     pub body: Bytes,
-    pub sha256: String,
     pub planned: Planned,
-    /// The settings in effect, as `(name, value)`.
-    pub settings: Vec<(&'static str, String)>,
+    /// The settings in effect (described by name when the receipt is read).
+    pub settings: MemorySettings,
     pub outcome: Mutex<Outcome>,
     started: Instant,
     /// What the receipt takes in the cache.
@@ -292,7 +287,6 @@ impl Receipt {
         if id.is_empty() {
             return None;
         }
-        let sha256 = hex(&Sha256::digest(&made.body));
         let headers: Vec<(String, String)> = REPLAYED_HEADERS
             .iter()
             .filter_map(|name| {
@@ -318,13 +312,17 @@ impl Receipt {
             created_ms: crate::store::now_ms(),
             headers,
             body: made.body,
-            sha256,
             planned: made.planned,
-            settings: made.settings.describe(),
+            settings: made.settings.clone(),
             outcome: Mutex::new(Outcome::default()),
             started: Instant::now(),
             weight,
         })
+    }
+
+    /// The SHA-256 of the forwarded body, hex.
+    pub fn sha256(&self) -> String {
+        hex(&Sha256::digest(&self.body))
     }
 
     /// What the receipt takes in the cache (bytes).
@@ -370,9 +368,11 @@ impl Receipt {
 }
 
 fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(bytes.len() * 2);
     for byte in bytes {
-        out.push_str(&format!("{byte:02x}"));
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 15)]));
     }
     out
 }

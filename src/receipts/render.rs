@@ -63,8 +63,8 @@ pub fn to_json(receipt: &Receipt) -> Value {
 
     let dropped = &planned.dropped;
     let mut settings = Map::new();
-    for (name, text) in &receipt.settings {
-        settings.insert((*name).to_string(), json!(text));
+    for (name, text) in receipt.settings.describe() {
+        settings.insert(name.to_string(), json!(text));
     }
     json!({
         "id": receipt.id,
@@ -78,7 +78,7 @@ pub fn to_json(receipt: &Receipt) -> Value {
         "forwarded": {
             "body": String::from_utf8_lossy(&receipt.body),
             "bytes": receipt.body.len(),
-            "sha256": receipt.sha256,
+            "sha256": receipt.sha256(),
         },
         "prompt": {
             "instructions": part(&instructions),
