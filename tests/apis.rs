@@ -244,6 +244,10 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
     let fetched = get(id.clone()).await;
     assert_eq!(fetched.status, 200);
     assert_eq!(fetched.json()["id"], id.as_str());
+    // As the upstream answered it: its output, creation time and usage.
+    assert_eq!(fetched.json()["created_at"], 1);
+    assert_eq!(fetched.json()["usage"]["total_tokens"], 2);
+    assert_eq!(fetched.json()["output"][0]["type"], "message");
     assert_eq!(mock.recorded().len(), before);
     let deleted = send(
         "DELETE",
@@ -263,11 +267,14 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
     assert_eq!(proxy.stored(Some(TOKEN), "kept").len(), 4, "the turns stay");
 
     // Deleting the conversation takes its ids along: nothing is left to chain to.
+    let kept = key(Some(TOKEN), "kept");
+    let export =
+        serde_json::to_vec(&memproxy::admin::ops::export(proxy.store(), &kept).unwrap()).unwrap();
     proxy
         .state
         .memory()
         .unwrap()
-        .delete_conversation(&key(Some(TOKEN), "kept"))
+        .delete_conversation(&kept)
         .unwrap()
         .unwrap();
     let after = responses(
@@ -279,6 +286,17 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
     assert_eq!(after.header("x-memory-status"), "off");
     assert_eq!(after.header("x-memory-reason"), "unknown-previous-response");
     assert!(!proxy.store().any_trace_of(second.as_bytes()).unwrap());
+
+    // An import brings the replies back, and their ids with them.
+    memproxy::admin::ops::import(proxy.store(), &kept, &export, false).unwrap();
+    let imported = responses(
+        &proxy,
+        None,
+        &json!({"model": "m", "input": "and now?", "previous_response_id": second}),
+    )
+    .await;
+    assert_eq!(imported.header("x-memory-status"), "stored");
+    assert_eq!(imported.header("x-memory-conversation-id"), "kept");
 }
 
 #[tokio::test]
@@ -327,6 +345,37 @@ async fn the_conversation_field_names_the_conversation_and_is_not_forwarded() {
         assert_eq!(answer.json()["error"]["param"], "conversation");
     }
     assert_eq!(mock.recorded().len(), sent);
+
+    // With no conversation header the user id still counts: the user's other conversation is
+    // searched.
+    let user_said = send(
+        "POST",
+        &proxy.url("/v1/responses"),
+        &[
+            ("authorization", AUTH),
+            ("content-type", "application/json"),
+            ("x-memory-user-id", "ana"),
+        ],
+        json!({"model": "m", "input": "my locker number is 4711", "conversation": "lockers"})
+            .to_string(),
+    )
+    .await;
+    assert_eq!(user_said.header("x-memory-status"), "stored");
+    let asked = send(
+        "POST",
+        &proxy.url("/v1/responses"),
+        &[
+            ("authorization", AUTH),
+            ("content-type", "application/json"),
+            ("x-memory-user-id", "ana"),
+        ],
+        json!({"model": "m", "input": "what is my locker number?", "conversation": "fresh"})
+            .to_string(),
+    )
+    .await;
+    assert_ne!(asked.header("x-memory-retrieved-elsewhere"), "");
+    let forwarded = mock.responses_requests().last().unwrap().json().to_string();
+    assert!(forwarded.contains("4711"), "{forwarded}");
 }
 
 #[tokio::test]

@@ -177,6 +177,10 @@ pub struct Wire {
     pub response_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// A Responses answer's `created_at`, `status`, `usage` and `incomplete_details` (what
+    /// `GET /v1/responses/{id}` answers besides the output).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response: Option<Box<RawValue>>,
 }
 
 /// A neutral message, written with `role` first.

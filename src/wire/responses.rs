@@ -144,7 +144,7 @@ fn flush(
     if run.is_empty() {
         return Ok(());
     }
-    let raw = assistant(std::mem::take(run), None, None);
+    let raw = assistant(std::mem::take(run), None, None, None);
     messages.push(parsed(raw, &format!("input[{start}]"))?);
     Ok(())
 }
@@ -154,6 +154,7 @@ fn assistant(
     items: Vec<(Box<RawValue>, Value)>,
     response_id: Option<String>,
     model: Option<String>,
+    response: Option<Box<RawValue>>,
 ) -> Box<RawValue> {
     let mut texts: Vec<String> = Vec::new();
     let mut calls: Vec<Value> = Vec::new();
@@ -197,6 +198,7 @@ fn assistant(
             responses: Some(items.into_iter().map(|(raw, _)| raw).collect()),
             response_id,
             model,
+            response,
             ..Wire::default()
         }),
     }
@@ -342,7 +344,14 @@ struct ResponseObject {
     status: Option<String>,
     #[serde(default)]
     output: Vec<Box<RawValue>>,
+    created_at: Option<Box<RawValue>>,
+    usage: Option<Box<RawValue>>,
+    incomplete_details: Option<Box<RawValue>>,
 }
+
+/// The fields of a response object kept with its reply besides the output: small, and what a
+/// client reads back (`usage`); the request's echo (`instructions`, `tools`) is not kept.
+const KEPT_FIELDS: [&str; 4] = ["created_at", "status", "usage", "incomplete_details"];
 
 /// The reply in a response object: its `output`, as one assistant message carrying the id;
 /// `None` for a failed response.
@@ -359,7 +368,23 @@ pub fn reply_from_response(response: &RawValue) -> Option<Box<RawValue>> {
             (raw, value)
         })
         .collect();
-    Some(assistant(items, object.id, object.model))
+    let mut kept = serde_json::Map::new();
+    let raw_fields = [
+        ("created_at", object.created_at),
+        ("usage", object.usage),
+        ("incomplete_details", object.incomplete_details),
+    ];
+    for (name, raw) in raw_fields {
+        let value: Option<Value> = raw.and_then(|raw| serde_json::from_str(raw.get()).ok());
+        if let Some(value) = value.filter(|v| !v.is_null()) {
+            kept.insert(name.to_string(), value);
+        }
+    }
+    if let Some(status) = object.status {
+        kept.insert("status".to_string(), Value::String(status));
+    }
+    let kept = serde_json::value::to_raw_value(&kept).ok();
+    Some(assistant(items, object.id, object.model, kept))
 }
 
 /// The reply in a JSON answer.
@@ -427,13 +452,22 @@ pub fn response_object(reply: &RawValue) -> Option<Value> {
         .iter()
         .filter_map(|raw| serde_json::from_str(raw.get()).ok())
         .collect();
-    Some(json!({
+    let mut object = json!({
         "id": wire.response_id?,
         "object": "response",
         "status": "completed",
         "model": wire.model,
         "output": output,
-    }))
+    });
+    let kept: Option<serde_json::Map<String, Value>> = wire
+        .response
+        .and_then(|raw| serde_json::from_str(raw.get()).ok());
+    for (name, value) in kept.into_iter().flatten() {
+        if KEPT_FIELDS.contains(&name.as_str()) {
+            object[name] = value;
+        }
+    }
+    Some(object)
 }
 
 #[cfg(test)]
