@@ -1,12 +1,28 @@
 //! Compression replay: how many tokens each turn forwards as a conversation grows to 500
-//! exchanges, with compression on and off, and what the turn that triggers a summary costs in
-//! async and sync mode.
+//! exchanges, with compression on and off, how much of it a provider's prompt cache could
+//! serve, and what the turn that triggers a summary costs in async and sync mode.
 //!
 //! ```text
 //! cargo run --release --example compression_replay
 //! cargo run --release --example compression_replay -- --reply-words 150   # model-length replies
 //! cargo run --release --example compression_replay -- --exchanges 200 --summary-delay-ms 300
+//! cargo run --example compression_replay -- --reply-words 150 --no-trigger   # tokens only
 //! ```
+//!
+//! The prompt cache: per turn, the longest prefix (in tokens) the forwarded prompt shares with
+//! the conversation's previous one, counted the way OpenAI caches (nothing below 1,024 tokens,
+//! else rounded down to a multiple of 128). Whole messages that are equal count whole; in the
+//! first message that differs, the tokens of the text both start with (less one, for the
+//! token that may straddle the difference). Reported: the cacheable share of all forwarded
+//! tokens, and the effective input cost `uncached + 0.1 × cached` (cached input is billed at a
+//! tenth), also as a ratio to today's layout.
+//!
+//! "Today's layout" (before issue 14) is measured in the same run: memproxy with
+//! `window_step = 0` (the window slides every turn, as it did), whose forwarded messages the
+//! replay puts back in the old order (instructions · memories · summary · recalled turns ·
+//! window · new message) before measuring. The window, the recall and the summaries are then
+//! exactly what the old code chose (the window and the pool it bounds are the same), and only
+//! the order differs, as it did.
 //!
 //! In one process: the mock upstream (its summaries are about a quarter of their input, each
 //! made after `--summary-delay-ms`, like a real model call) and a real memproxy per scenario on
@@ -66,6 +82,10 @@ struct Args {
     /// triggering turn's latency.
     #[arg(long, default_value_t = 20)]
     trigger_samples: usize,
+    /// Leave out the triggering turn's latency (token figures only: they do not depend on the
+    /// build's speed, but for when an async summary lands).
+    #[arg(long)]
+    no_trigger: bool,
 }
 
 const WORDS: &[&str] = &[
@@ -87,43 +107,177 @@ fn words(rng: &mut Rng, turn: usize, n: usize) -> String {
     format!("Turn {turn}: {} ({}).", words.join(" "), rng.below(100_000))
 }
 
-fn prompt_tokens(messages: &[Value]) -> u64 {
-    messages
+/// A message's text as counted: its content, a string or (parts, tool calls) its JSON.
+fn message_text(message: &Value) -> String {
+    match &message["content"] {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Token counts of messages, each counted once (the prompts repeat them turn after turn).
+#[derive(Default)]
+struct Counter {
+    seen: std::collections::HashMap<String, u64>,
+}
+
+impl Counter {
+    /// A message's tokens: content plus the per-message overhead.
+    fn message(&mut self, message: &Value) -> u64 {
+        let text = message_text(message);
+        if let Some(&n) = self.seen.get(&text) {
+            return n;
+        }
+        let n = u64::from(tokens::count_message(None, &text));
+        self.seen.insert(text, n);
+        n
+    }
+
+    fn prompt(&mut self, messages: &[Value]) -> u64 {
+        messages.iter().map(|m| self.message(m)).sum()
+    }
+
+    /// The tokens `next` shares as a prefix with `previous` (see the module's documentation).
+    fn shared_prefix(&mut self, previous: &[Value], next: &[Value]) -> u64 {
+        let mut shared = 0;
+        for (a, b) in previous.iter().zip(next) {
+            if a == b {
+                shared += self.message(a);
+                continue;
+            }
+            if a["role"] == b["role"] {
+                let (a, b) = (message_text(a), message_text(b));
+                let common: usize = a
+                    .char_indices()
+                    .zip(b.chars())
+                    .take_while(|((_, x), y)| x == y)
+                    .last()
+                    .map_or(0, |((i, c), _)| i + c.len_utf8());
+                if common > 0 {
+                    shared += u64::from(tokens::count_text(None, &a[..common])).saturating_sub(1);
+                }
+            }
+            break;
+        }
+        shared
+    }
+}
+
+/// What a provider serves from its cache of a shared prefix: nothing under 1,024 tokens, else
+/// the prefix rounded down to 128 tokens.
+fn cacheable(shared: u64) -> u64 {
+    if shared < 1024 { 0 } else { shared / 128 * 128 }
+}
+
+/// The messages in today's (pre-issue-14) order: instructions · memories · summary · recalled ·
+/// window · new, from a prompt in the new order (instructions · summary · memories · window ·
+/// recalled · new). The replay names no user, so there are no memories.
+fn in_old_order(messages: Vec<Value>) -> Vec<Value> {
+    let marked = |m: &Value, marker: &str| {
+        m["role"] == "system" && m["content"].as_str().is_some_and(|c| c.starts_with(marker))
+    };
+    let summary = |m: &Value| marked(m, memproxy::message::SUMMARY_MARKER);
+    let recalled = |m: &Value| marked(m, memproxy::message::RECALL_MARKER);
+    // The client's instructions: the system messages before the first injected or turn one.
+    let leading = messages
         .iter()
-        .map(|m| {
-            let text = match &m["content"] {
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            u64::from(tokens::count_message(None, &text))
-        })
-        .sum()
+        .position(|m| m["role"] != "system" || summary(m) || recalled(m))
+        .unwrap_or(messages.len());
+    let (head, rest) = messages.split_at(leading);
+    let mut out: Vec<Value> = head.to_vec();
+    out.extend(rest.iter().filter(|m| summary(m)).cloned());
+    out.extend(rest.iter().filter(|m| recalled(m)).cloned());
+    out.extend(rest.iter().filter(|m| !summary(m) && !recalled(m)).cloned());
+    out
 }
 
 #[derive(Clone, Copy, PartialEq)]
-enum Scenario {
-    FullHistory,
-    WindowRecall,
+enum Compression {
+    Off,
     Async,
     Sync,
 }
 
-impl Scenario {
-    fn name(self) -> &'static str {
-        match self {
-            Scenario::FullHistory => "full history (no memory)",
-            Scenario::WindowRecall => "window+recall (compression off)",
-            Scenario::Async => "compression async",
-            Scenario::Sync => "compression sync",
-        }
-    }
+/// One replay: a client and the memproxy settings in front of the mock.
+#[derive(Clone, Copy)]
+struct Scenario {
+    name: &'static str,
+    /// `None`: no memory, the client re-sends its whole history.
+    compression: Option<Compression>,
+    /// `window_step`, as the config file takes it.
+    window_step: &'static str,
+    /// Measure the prompt in today's order.
+    old_order: bool,
 }
+
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "full history (no memory)",
+        compression: None,
+        window_step: "\"auto\"",
+        old_order: false,
+    },
+    Scenario {
+        name: "today's layout, compression off",
+        compression: Some(Compression::Off),
+        window_step: "0",
+        old_order: true,
+    },
+    Scenario {
+        name: "new layout, compression off",
+        compression: Some(Compression::Off),
+        window_step: "\"auto\"",
+        old_order: false,
+    },
+    Scenario {
+        name: "today's layout, compression async",
+        compression: Some(Compression::Async),
+        window_step: "0",
+        old_order: true,
+    },
+    Scenario {
+        name: "new layout, compression async",
+        compression: Some(Compression::Async),
+        window_step: "\"auto\"",
+        old_order: false,
+    },
+    Scenario {
+        name: "new layout, async, window_step 30",
+        compression: Some(Compression::Async),
+        window_step: "30",
+        old_order: false,
+    },
+    Scenario {
+        name: "new layout, compression sync",
+        compression: Some(Compression::Sync),
+        window_step: "\"auto\"",
+        old_order: false,
+    },
+];
 
 struct Outcome {
     tokens: Vec<u64>,
+    /// Per turn, what the provider could serve from its cache.
+    cached: Vec<u64>,
     /// Turns whose answer carried a new summary label.
     summary_turns: Vec<usize>,
     summaries: usize,
+}
+
+impl Outcome {
+    fn total(&self) -> u64 {
+        self.tokens.iter().sum()
+    }
+
+    fn cached_share(&self) -> f64 {
+        self.cached.iter().sum::<u64>() as f64 / self.total() as f64
+    }
+
+    /// `uncached + 0.1 × cached`, over the whole replay.
+    fn effective_cost(&self) -> f64 {
+        let cached = self.cached.iter().sum::<u64>() as f64;
+        (self.total() as f64 - cached) + 0.1 * cached
+    }
 }
 
 /// A mock upstream and a real memproxy in front of it, in this process.
@@ -147,16 +301,17 @@ impl Harness {
             ));
         }
         let dir = tempfile::tempdir().unwrap();
-        let (enabled, is_async) = match scenario {
-            Scenario::FullHistory | Scenario::WindowRecall => (false, true),
-            Scenario::Async => (true, true),
-            Scenario::Sync => (true, false),
+        let (enabled, is_async) = match scenario.compression {
+            None | Some(Compression::Off) => (false, true),
+            Some(Compression::Async) => (true, true),
+            Some(Compression::Sync) => (true, false),
         };
         let text = format!(
-            "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\n[memory]\ncompression_enabled = {enabled}\ncompression_async = {is_async}\ncompression_interval = \"PT0S\"\ncompression_threshold_tokens = {}\nmax_messages = 100000\n",
+            "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\n[memory]\ncompression_enabled = {enabled}\ncompression_async = {is_async}\ncompression_interval = \"PT0S\"\ncompression_threshold_tokens = {}\nmax_messages = 100000\nwindow_step = {}\n",
             mock.base_url(),
             dir.path().display(),
-            args.threshold
+            args.threshold,
+            scenario.window_step,
         );
         let config = memproxy::config::from_toml(&text, &|_| None).unwrap();
         // memproxy runs on a runtime of its own, as the binary does, so the replay's client and
@@ -234,13 +389,17 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
     let mut history: Vec<Value> = Vec::new();
     let mut outcome = Outcome {
         tokens: vec![],
+        cached: vec![],
         summary_turns: vec![],
         summaries: 0,
     };
+    let mut counter = Counter::default();
+    let mut previous: Vec<Value> = Vec::new();
+    let full_history = scenario.compression.is_none();
     let mut last_label = "none".to_string();
     for turn in 1..=args.exchanges {
         let message = json!({"role": "user", "content": sentence(&mut rng, turn)});
-        let messages = if scenario == Scenario::FullHistory {
+        let messages = if full_history {
             history.push(message);
             history.clone()
         } else {
@@ -250,15 +409,23 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
             mock.push(Reply::Text(words(&mut rng, turn, args.reply_words)));
         }
         tokio::time::sleep(Duration::from_millis(args.turn_pause_ms)).await;
-        let conversation = (scenario != Scenario::FullHistory).then_some("replay");
+        let conversation = (!full_history).then_some("replay");
         let (label, answer, _) = send(&client, addr, conversation, &messages).await;
         if label != last_label {
             outcome.summary_turns.push(turn);
             last_label = label;
         }
-        outcome.tokens.push(prompt_tokens(&mock.last_messages()));
+        let mut forwarded = mock.last_messages();
+        if scenario.old_order {
+            forwarded = in_old_order(forwarded);
+        }
+        outcome.tokens.push(counter.prompt(&forwarded));
+        outcome
+            .cached
+            .push(cacheable(counter.shared_prefix(&previous, &forwarded)));
+        previous = forwarded;
         mock.clear();
-        if scenario == Scenario::FullHistory {
+        if full_history {
             history.push(answer["choices"][0]["message"].clone());
         }
     }
@@ -293,12 +460,12 @@ impl TriggerSample {
 /// Grows `samples` conversations on one proxy until each triggers its first summary (or, with
 /// `at_turns`, to those turns) and compares that turn's latency with the turns before it.
 async fn trigger_latency(
-    scenario: Scenario,
+    scenario: &Scenario,
     samples: usize,
     at_turns: &[usize],
     args: &Args,
 ) -> Vec<TriggerSample> {
-    let harness = Harness::start(scenario, args, samples * 4).await;
+    let harness = Harness::start(*scenario, args, samples * 4).await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let mut out = Vec::new();
     for sample in 0..samples {
@@ -366,46 +533,78 @@ async fn main() {
         "compression_replay  exchanges={}  threshold={} tokens  recent_n=10  top_k=5  summary call={} ms (mock)  pause between turns={} ms",
         args.exchanges, args.threshold, args.summary_delay_ms, args.turn_pause_ms
     );
-    println!("forwarded prompt tokens at turn (o200k_base, content + 4 per message):");
-    print!("{:<34}", "scenario");
+    println!(
+        "forwarded prompt tokens at turn (o200k_base, content + 4 per message); cacheable: the prefix shared with the previous prompt (>= 1024, in steps of 128) over all forwarded tokens; cost: uncached + 0.1 x cached, over all turns, and its ratio to today's layout with the same compression:"
+    );
+    print!("{:<36}", "scenario");
     for t in &checkpoints {
         print!("{:>9}", format!("t{t}"));
     }
-    println!("{:>12}{:>11}", "t500/t50", "summaries");
-    let mut outcomes = Vec::new();
-    for scenario in [
-        Scenario::FullHistory,
-        Scenario::WindowRecall,
-        Scenario::Async,
-        Scenario::Sync,
-    ] {
-        let outcome = run(scenario, &args).await;
-        print!("{:<34}", scenario.name());
+    println!(
+        "{:>10}{:>11}{:>12}{:>9}{:>11}",
+        "tN/t50", "cacheable", "cost", "/today", "summaries"
+    );
+    let mut outcomes: Vec<(Scenario, Outcome)> = Vec::new();
+    for scenario in SCENARIOS {
+        let outcome = run(*scenario, &args).await;
+        let today = outcomes
+            .iter()
+            .find(|(s, _)| s.old_order && s.compression == scenario.compression)
+            .map(|(_, o)| o.effective_cost());
+        print!("{:<36}", scenario.name);
         for t in &checkpoints {
             print!("{:>9}", outcome.tokens[t - 1]);
         }
         let last = *checkpoints.last().unwrap();
-        println!(
-            "{:>12.2}{:>11}",
+        print!(
+            "{:>10.2}{:>11.3}{:>12.0}",
             outcome.tokens[last - 1] as f64 / outcome.tokens[49.min(last - 1)] as f64,
-            outcome.summaries
+            outcome.cached_share(),
+            outcome.effective_cost(),
         );
+        match today {
+            Some(today) => print!("{:>9.3}", outcome.effective_cost() / today),
+            None => print!("{:>9}", "—"),
+        }
+        println!("{:>11}", outcome.summaries);
         if !outcome.summary_turns.is_empty() {
             println!(
-                "{:<34}summary in the prompt changed at turns {:?}",
+                "{:<36}summary in the prompt changed at turns {:?}",
                 "", outcome.summary_turns
             );
         }
-        outcomes.push((scenario, outcome));
+        outcomes.push((*scenario, outcome));
+    }
+    if args.no_trigger {
+        println!("\nwall time {:.1} s", started.elapsed().as_secs_f64());
+        return;
     }
     println!(
         "\nlatency of the turn that triggers a conversation's first summary, minus the median of the {BEFORE} turns before it\n({} conversations per mode; control: compression off, the same turns):",
         args.trigger_samples
     );
-    let asynchronous = trigger_latency(Scenario::Async, args.trigger_samples, &[], &args).await;
+    let new_layout = |compression: Compression| {
+        SCENARIOS
+            .iter()
+            .find(|s| !s.old_order && s.compression == Some(compression))
+            .unwrap()
+    };
+    let asynchronous = trigger_latency(
+        new_layout(Compression::Async),
+        args.trigger_samples,
+        &[],
+        &args,
+    )
+    .await;
     let turns: Vec<usize> = asynchronous.iter().map(|s| s.turn).collect();
-    let control = trigger_latency(Scenario::WindowRecall, turns.len(), &turns, &args).await;
-    let synchronous = trigger_latency(Scenario::Sync, args.trigger_samples, &[], &args).await;
+    let control = trigger_latency(new_layout(Compression::Off), turns.len(), &turns, &args).await;
+    let synchronous = trigger_latency(
+        new_layout(Compression::Sync),
+        args.trigger_samples,
+        &[],
+        &args,
+    )
+    .await;
     for (name, samples) in [
         ("control (compression off)", control),
         ("compression async", asynchronous),

@@ -72,13 +72,13 @@ else
     cargo test
 fi
 
-# The admin API, TTL and metrics suites once more with memory in Redis (each test starts its own
+# The admin API, TTL, metrics and long-term memory suites once more with memory in Redis (each test starts its own
 # redis-server; `tests/support/admin.rs`).
-step "the admin API, TTL and metrics suites with memory in Redis"
+step "the admin API, TTL, metrics and long-term memory suites with memory in Redis"
 if cargo nextest --version >/dev/null 2>&1; then
-    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test admin --test ttl --test metrics
+    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test admin --test ttl --test metrics --test longterm
 else
-    MEMPROXY_TEST_BACKEND=redis cargo test --test admin --test ttl --test metrics
+    MEMPROXY_TEST_BACKEND=redis cargo test --test admin --test ttl --test metrics --test longterm
 fi
 
 # Bounded fuzzing: the property tests of the three parsers a client's bytes reach (SSE, the

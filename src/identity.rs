@@ -50,6 +50,9 @@ pub const ANONYMOUS: &str = "anonymous";
 /// What every tenant hash starts with.
 const TENANT_DOMAIN: &[u8] = b"memproxy-tenant-v1\0";
 
+/// What every prompt cache key's hash starts with.
+const PROMPT_CACHE_DOMAIN: &[u8] = b"memproxy-prompt-cache-v1\0";
+
 /// A credential a request presents, in the canonical form its tenant is the hash of (see the
 /// module's documentation). `Debug` never shows the secret.
 #[derive(Clone, PartialEq, Eq)]
@@ -197,6 +200,15 @@ impl ConversationKey {
         out
     }
 
+    /// The `prompt_cache_key` memproxy sets for the conversation when the client set none:
+    /// `mp-` and 32 hex digits of a SHA-256 over the key in its own domain. The tenant in it is
+    /// already a hash of the credential; the hash also keeps agent and conversation ids out of
+    /// what the upstream sees, and no two conversations share a key.
+    pub fn prompt_cache_key(&self) -> String {
+        let digest = Sha256::digest([PROMPT_CACHE_DOMAIN, &self.to_bytes()].concat());
+        format!("mp-{}", hex(&digest[..16]))
+    }
+
     pub fn from_bytes(bytes: &[u8]) -> Option<ConversationKey> {
         let text = std::str::from_utf8(bytes).ok()?;
         let mut parts = text.split('\0');
@@ -250,6 +262,22 @@ mod tests {
         for bad in ["", "../x", "/etc", "a b", "é", "a\0b", &"a".repeat(129)] {
             assert!(!is_valid_id(bad), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn prompt_cache_keys_are_hashes_per_conversation() {
+        let key = |token: &str, conversation: &str| ConversationKey {
+            tenant: TenantId::from_token(Some(token)),
+            agent: "default".into(),
+            conversation: conversation.into(),
+        };
+        let a = key("sk-secret", "chat-1").prompt_cache_key();
+        assert_eq!(a, key("sk-secret", "chat-1").prompt_cache_key());
+        assert_eq!(a.len(), 35);
+        assert!(a.starts_with("mp-") && a[3..].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(!a.contains("chat-1") && !a.contains(key("sk-secret", "x").tenant.as_str()));
+        assert_ne!(a, key("sk-other", "chat-1").prompt_cache_key());
+        assert_ne!(a, key("sk-secret", "chat-2").prompt_cache_key());
     }
 
     #[test]

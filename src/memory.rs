@@ -235,12 +235,7 @@ pub fn delete_tenant_in(
     // Long-term memory: the tenant's users, agents and the tenant's own memories.
     let mut after: Option<Vec<u8>> = None;
     loop {
-        let (page, next) = match store.owners(after.as_deref(), 1000) {
-            Ok(page) => page,
-            // An engine without long-term records has none.
-            Err(StoreError::Unsupported(_)) => break,
-            Err(err) => return Err(err),
-        };
+        let (page, next) = store.owners(after.as_deref(), 1000)?;
         for (owner, _) in page {
             if owner.tenant == *tenant {
                 store.delete_owner(&owner)?;

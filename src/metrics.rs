@@ -16,6 +16,10 @@ use std::time::Duration;
 
 use crate::ledger::Task;
 use crate::memory::Memory;
+
+// Long-term memory's extraction metrics.
+#[path = "metrics_longterm.rs"]
+mod longterm;
 use crate::memory_guard::{MemoryGuard, Pressure};
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -272,6 +276,7 @@ pub struct Metrics {
     memory_budget: Gauge,
     memory_high_water: Gauge,
     memory_in_flight: Gauge,
+    longterm: longterm::LongTermMetrics,
     /// Held while a scrape mirrors counters kept elsewhere, so two scrapes never add twice.
     scrape: Mutex<()>,
 }
@@ -508,6 +513,7 @@ impl Metrics {
             Unit::Bytes,
             memory_in_flight.clone(),
         );
+        let longterm = longterm::LongTermMetrics::register(&mut registry);
         let metrics = Metrics {
             registry,
             requests,
@@ -545,6 +551,7 @@ impl Metrics {
             memory_budget,
             memory_high_water,
             memory_in_flight,
+            longterm,
             scrape: Mutex::new(()),
         };
         // Every labelled series exists from the start, so dashboards see zeros, not gaps.
@@ -786,6 +793,8 @@ impl Metrics {
                 );
             }
         }
+        self.longterm
+            .mirror(&memory.longterm.extractor.counters, catch_up);
     }
 }
 

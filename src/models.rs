@@ -2,6 +2,12 @@
 //! belongs to: a model whose name starts with one of `[upstream.anthropic] model_prefixes`
 //! is called with the Anthropic Messages API on the Anthropic upstream, every other one with
 //! chat completions on `[upstream]`. Both go through the one forward path.
+//!
+//! Structured output (a `response_format` of type `json_schema`, the memory extraction's
+//! contract) has no `response_format` in the Messages API: there it is a forced tool call,
+//! the tool named as the schema with the schema as its `input_schema` and `tool_choice`
+//! `{"type": "tool", "name": ...}`; the `tool_use` block's `input` is the answer, read as the
+//! same JSON.
 
 use http::header::{HeaderMap, HeaderValue};
 use serde_json::{Value, json};
@@ -70,25 +76,56 @@ fn anthropic_body(call: &ModelRequest) -> String {
     if !system.is_empty() {
         body["system"] = Value::String(system.join("\n\n"));
     }
+    if let Some((name, schema)) = forced_tool(call) {
+        body["tools"] = json!([{
+            "name": name,
+            "description": "Record the answer in this schema.",
+            "input_schema": schema,
+        }]);
+        body["tool_choice"] = json!({"type": "tool", "name": name});
+    }
     body.to_string()
 }
 
-/// The text and usage of a Messages API answer.
-fn anthropic_reply(body: &[u8]) -> Result<ModelReply, ModelError> {
+/// The tool a call's `json_schema` response format becomes in the Messages API: its name and
+/// input schema.
+fn forced_tool(call: &ModelRequest) -> Option<(&str, &Value)> {
+    let format = call.response_format.as_ref()?;
+    if format.get("type")?.as_str()? != "json_schema" {
+        return None;
+    }
+    let schema = format.get("json_schema")?;
+    Some((schema.get("name")?.as_str()?, schema.get("schema")?))
+}
+
+/// The text and usage of a Messages API answer; with `tool`, the `input` of that forced
+/// tool's `tool_use` block, as JSON text.
+fn anthropic_reply(body: &[u8], tool: Option<&str>) -> Result<ModelReply, ModelError> {
     let value: Value =
         serde_json::from_slice(body).map_err(|_| ModelError::BadAnswer("not JSON"))?;
-    let text: Vec<&str> = value
+    let blocks = value
         .get("content")
         .and_then(Value::as_array)
-        .map(|blocks| {
-            blocks
-                .iter()
-                .filter(|b| b["type"] == "text")
-                .filter_map(|b| b.get("text").and_then(Value::as_str))
-                .collect()
-        })
-        .unwrap_or_default();
-    let text = text.join("").trim().to_string();
+        .map_or(&[][..], Vec::as_slice);
+    let text = match tool {
+        Some(tool) => blocks
+            .iter()
+            .find(|b| b["type"] == "tool_use" && b["name"] == tool)
+            .and_then(|b| b.get("input"))
+            .filter(|input| input.is_object())
+            .map(Value::to_string)
+            .ok_or(ModelError::BadAnswer(
+                "no tool_use of the structured output",
+            ))?,
+        None => blocks
+            .iter()
+            .filter(|b| b["type"] == "text")
+            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("")
+            .trim()
+            .to_string(),
+    };
     if text.is_empty() {
         return Err(ModelError::BadAnswer("no text"));
     }
@@ -118,7 +155,7 @@ async fn anthropic_complete(
     let body = upstream
         .model_post("/v1/messages", &call.credentials, headers, body, call.task)
         .await?;
-    anthropic_reply(&body)
+    anthropic_reply(&body, forced_tool(&call).map(|(name, _)| name))
 }
 
 #[cfg(test)]
@@ -150,12 +187,51 @@ mod tests {
             body["messages"],
             json!([{"role": "user", "content": "sum up"}])
         );
+        assert!(body.get("tools").is_none());
         let reply = anthropic_reply(
             br#"{"content":[{"type":"thinking","thinking":"x"},{"type":"text","text":" ok "}],"usage":{"input_tokens":3,"output_tokens":1}}"#,
+            None,
         )
         .unwrap();
         assert_eq!(reply.text, "ok");
         assert_eq!(reply.prompt_tokens, 3);
-        assert!(anthropic_reply(br#"{"content":[]}"#).is_err());
+        assert!(anthropic_reply(br#"{"content":[]}"#, None).is_err());
+    }
+
+    #[test]
+    fn a_json_schema_response_format_is_a_forced_tool_call() {
+        let schema = json!({"type": "object", "properties": {"memories": {"type": "array"}}});
+        let call = ModelRequest {
+            model: "claude-x".into(),
+            messages: vec![ModelMessage {
+                role: "user",
+                content: "extract".into(),
+            }],
+            task: "extraction",
+            credentials: Credentials::default(),
+            response_format: Some(json!({"type": "json_schema",
+                "json_schema": {"name": "memproxy_memories", "strict": true, "schema": schema}})),
+        };
+        let body: Value = serde_json::from_str(&anthropic_body(&call)).unwrap();
+        assert_eq!(body["tools"][0]["name"], "memproxy_memories");
+        assert_eq!(body["tools"][0]["input_schema"], schema);
+        assert_eq!(
+            body["tool_choice"],
+            json!({"type": "tool", "name": "memproxy_memories"})
+        );
+        assert!(body.get("response_format").is_none());
+        let answer = br#"{"content":[{"type":"tool_use","id":"t","name":"memproxy_memories","input":{"memories":[]}}]}"#;
+        let reply = anthropic_reply(answer, Some("memproxy_memories")).unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(&reply.text).unwrap(),
+            json!({"memories": []})
+        );
+        // A text answer, or another tool, is not the structured output.
+        for bad in [
+            &br#"{"content":[{"type":"text","text":"{"memories":[]}"}]}"#[..],
+            br#"{"content":[{"type":"tool_use","id":"t","name":"other","input":{}}]}"#,
+        ] {
+            assert!(anthropic_reply(bad, Some("memproxy_memories")).is_err());
+        }
     }
 }

@@ -28,6 +28,8 @@ pub const DEFAULT_EXTRACTION_EVERY: u64 = 6;
 /// 30 days.
 pub const DEFAULT_MEMORY_HALF_LIFE: Duration = Duration::from_secs(30 * 86_400);
 pub const DEFAULT_MEMORY_MIN_DECAY: f64 = 0.2;
+/// The largest `window_step` accepted.
+pub const MAX_WINDOW_STEP: usize = 10_000;
 
 /// The effective settings for one request: built-in defaults ← `[memory]` ← `[agents.NAME]` ←
 /// headers.
@@ -39,6 +41,9 @@ pub struct MemorySettings {
     pub persist: bool,
     /// Stored messages forwarded verbatim before the new ones (widened to a round start).
     pub recent_n: usize,
+    /// How far the recent window grows past `recent_n` before its start jumps forward
+    /// (`pipeline/window.rs`); `None`: `recent_n`; `Some(0)`: the window slides every turn.
+    pub window_step: Option<usize>,
     /// Messages kept per conversation; the oldest whole rounds are trimmed past it.
     pub max_messages: usize,
     pub relevance_enabled: bool,
@@ -69,12 +74,23 @@ pub struct MemorySettings {
     /// Memories whose decay score falls below this are deleted by the sweeper. Stored as
     /// millionths so the settings stay `Eq`.
     pub memory_min_decay_micros: u32,
+    /// Set `prompt_cache_key` (derived from tenant and conversation) on requests to an
+    /// OpenAI-compatible upstream whose client set none (`wire/`).
+    pub prompt_cache_key: bool,
+    /// Mark the end of the stable part of an Anthropic prompt with `cache_control`
+    /// breakpoints, within the API's four (`wire/anthropic.rs`).
+    pub cache_breakpoints: bool,
 }
 
 impl MemorySettings {
     /// `memory_min_decay` as a fraction.
     pub fn memory_min_decay(&self) -> f64 {
         f64::from(self.memory_min_decay_micros) / 1e6
+    }
+
+    /// `window_step` as it applies: `recent_n` unless set.
+    pub fn window_step(&self) -> usize {
+        self.window_step.unwrap_or(self.recent_n)
     }
 }
 
@@ -84,6 +100,7 @@ impl Default for MemorySettings {
             enabled: true,
             persist: true,
             recent_n: DEFAULT_RECENT_N,
+            window_step: None,
             max_messages: DEFAULT_MAX_MESSAGES,
             relevance_enabled: true,
             relevance_top_k: DEFAULT_RELEVANCE_TOP_K,
@@ -102,6 +119,8 @@ impl Default for MemorySettings {
             extraction_every: DEFAULT_EXTRACTION_EVERY,
             memory_half_life: DEFAULT_MEMORY_HALF_LIFE,
             memory_min_decay_micros: (DEFAULT_MEMORY_MIN_DECAY * 1e6) as u32,
+            prompt_cache_key: true,
+            cache_breakpoints: true,
         }
     }
 }
@@ -117,6 +136,10 @@ pub enum Kind {
     },
     /// An integer in `1..=max`, or `none` for unset.
     OptionalInteger {
+        max: u64,
+    },
+    /// An integer in `0..=max`, or `auto` for the default another setting implies.
+    IntegerOrAuto {
         max: u64,
     },
     /// An ISO-8601 duration such as `PT1H`.
@@ -137,9 +160,10 @@ impl Kind {
     /// What the setting accepts, for error messages.
     pub fn describe(self) -> String {
         match self {
-            Kind::Bool => "`true` or `false`".to_string(),
+            Kind::Bool => "`true` or `false` (also `on` or `off`)".to_string(),
             Kind::Integer { min, max } => format!("an integer from {min} to {max}"),
             Kind::OptionalInteger { max } => format!("an integer from 1 to {max}, or `none`"),
+            Kind::IntegerOrAuto { max } => format!("an integer from 0 to {max}, or `auto`"),
             Kind::Duration => "an ISO-8601 duration such as `PT1H`, `PT30M` or `P1D`".to_string(),
             Kind::OptionalDuration => {
                 "an ISO-8601 duration longer than zero such as `PT1H` or `P30D`, or `none`"
@@ -167,6 +191,12 @@ pub const SETTINGS: &[(&str, Kind)] = &[
         Kind::Integer {
             min: 0,
             max: MAX_RECENT_N as u64,
+        },
+    ),
+    (
+        "window_step",
+        Kind::IntegerOrAuto {
+            max: MAX_WINDOW_STEP as u64,
         },
     ),
     (
@@ -226,6 +256,8 @@ pub const SETTINGS: &[(&str, Kind)] = &[
     ),
     ("memory_half_life", Kind::PositiveDuration),
     ("memory_min_decay", Kind::Fraction),
+    ("prompt_cache_key", Kind::Bool),
+    ("cache_breakpoints", Kind::Bool),
 ];
 
 /// Looks a setting up by its snake-case name.
@@ -250,8 +282,8 @@ fn parse_value(kind: Kind, text: &str) -> Option<Value> {
     let text = text.trim();
     match kind {
         Kind::Bool => match text.to_ascii_lowercase().as_str() {
-            "true" => Some(Value::Bool(true)),
-            "false" => Some(Value::Bool(false)),
+            "true" | "on" => Some(Value::Bool(true)),
+            "false" | "off" => Some(Value::Bool(false)),
             _ => None,
         },
         Kind::Integer { min, max } => text
@@ -266,6 +298,15 @@ fn parse_value(kind: Kind, text: &str) -> Option<Value> {
             text.parse::<u64>()
                 .ok()
                 .filter(|n| (1..=max).contains(n))
+                .map(|n| Value::OptionalInteger(Some(n)))
+        }
+        Kind::IntegerOrAuto { max } => {
+            if text.eq_ignore_ascii_case("auto") {
+                return Some(Value::OptionalInteger(None));
+            }
+            text.parse::<u64>()
+                .ok()
+                .filter(|n| *n <= max)
                 .map(|n| Value::OptionalInteger(Some(n)))
         }
         Kind::Duration => parse_iso8601_duration(text).map(Value::Duration),
@@ -319,6 +360,7 @@ impl MemorySettings {
             ("enabled", Value::Bool(b)) => self.enabled = b,
             ("persist", Value::Bool(b)) => self.persist = b,
             ("recent_n", Value::Integer(n)) => self.recent_n = n as usize,
+            ("window_step", Value::OptionalInteger(n)) => self.window_step = n.map(|n| n as usize),
             ("max_messages", Value::Integer(n)) => self.max_messages = n as usize,
             ("relevance_enabled", Value::Bool(b)) => self.relevance_enabled = b,
             ("relevance_top_k", Value::Integer(n)) => self.relevance_top_k = n as usize,
@@ -339,6 +381,8 @@ impl MemorySettings {
             ("extraction_every", Value::Integer(n)) => self.extraction_every = n,
             ("memory_half_life", Value::Duration(d)) => self.memory_half_life = d,
             ("memory_min_decay", Value::Fraction(f)) => self.memory_min_decay_micros = f,
+            ("prompt_cache_key", Value::Bool(b)) => self.prompt_cache_key = b,
+            ("cache_breakpoints", Value::Bool(b)) => self.cache_breakpoints = b,
             _ => return Err(bad()),
         }
         Ok(())
@@ -352,6 +396,11 @@ impl MemorySettings {
             ("enabled", self.enabled.to_string()),
             ("persist", self.persist.to_string()),
             ("recent_n", self.recent_n.to_string()),
+            (
+                "window_step",
+                self.window_step
+                    .map_or_else(|| "auto".to_string(), |n| n.to_string()),
+            ),
             ("max_messages", self.max_messages.to_string()),
             ("relevance_enabled", self.relevance_enabled.to_string()),
             ("relevance_top_k", self.relevance_top_k.to_string()),
@@ -399,6 +448,8 @@ impl MemorySettings {
                 format_iso8601_duration(self.memory_half_life),
             ),
             ("memory_min_decay", self.memory_min_decay().to_string()),
+            ("prompt_cache_key", self.prompt_cache_key.to_string()),
+            ("cache_breakpoints", self.cache_breakpoints.to_string()),
         ]
     }
 }
@@ -542,6 +593,22 @@ mod tests {
         assert_eq!(s.memory_half_life, Duration::from_secs(7 * 86_400));
         assert!(s.apply("memory_half_life", "PT0S").is_err());
         assert!(s.apply("extraction_every", "0").is_err());
+        s.apply("window_step", "0").unwrap();
+        assert_eq!((s.window_step, s.window_step()), (Some(0), 0));
+        s.apply("window_step", "AUTO").unwrap();
+        assert_eq!((s.window_step, s.window_step()), (None, 6));
+        let err = s.apply("window_step", "-1").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "`window_step` must be an integer from 0 to 10000, or `auto`"
+        );
+        assert!(s.apply("window_step", "10001").is_err());
+        assert!(s.apply("window_step", "none").is_err());
+        s.apply("prompt_cache_key", "off").unwrap();
+        assert!(!s.prompt_cache_key);
+        s.apply("prompt_cache_key", "On").unwrap();
+        assert!(s.prompt_cache_key);
+        assert!(s.apply("prompt_cache_key", "maybe").is_err());
         s.apply("extraction_model", "gpt-4o-mini").unwrap();
         assert_eq!(s.extraction_model.as_deref(), Some("gpt-4o-mini"));
         assert_eq!(

@@ -726,29 +726,8 @@ async fn the_openapi_document_matches_the_server() {
         .await
         .header("x-memory-receipt")
         .to_string();
-    // With memory in Redis (`MEMPROXY_TEST_BACKEND=redis`) long-term memory is not kept yet:
-    // its routes answer 501 naming why, and the rest of the document is checked.
-    let memory_names: &[&str] = if std::env::var("MEMPROXY_TEST_BACKEND").as_deref() == Ok("redis")
-    {
-        let refused = admin(
-            &proxy,
-            "POST",
-            &format!("/admin/v1/users/{}/c/memories", tenant(TOKEN)),
-            r#"{"text": "The user likes tea", "type": "preference"}"#,
-        )
-        .await;
-        assert_eq!(refused.status, 501, "{:?}", refused.body);
-        assert!(
-            refused.json()["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("does not keep long-term memory")
-        );
-        documented.retain(|(_, path, _)| !path.starts_with("/admin/v1/users/"));
-        &[]
-    } else {
-        &["c", "del", "gone"]
-    };
+    // Long-term memory is kept by both engines (`MEMPROXY_TEST_BACKEND=redis` reruns this).
+    let memory_names: &[&str] = &["c", "del", "gone"];
     // Users with a memory each (long-term memory): `c` and `del` as the conversations are,
     // `gone` for the user delete.
     let mut memory_ids = std::collections::HashMap::new();

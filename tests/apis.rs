@@ -680,8 +680,8 @@ async fn anthropic_tool_rounds_thinking_and_memory_in_system_keep_the_list_valid
         "history stored once"
     );
 
-    // Later turns: older ones are recalled into `system`, the list starts with a user turn and
-    // alternates.
+    // Later turns: older ones are recalled into the newest user turn, the list starts with a
+    // user turn and alternates.
     for text in [
         "tell me about fjords",
         "and about trolls",
@@ -698,8 +698,11 @@ async fn anthropic_tool_rounds_thinking_and_memory_in_system_keep_the_list_valid
         assert_eq!(forwarded["system"][0]["text"], "Be brief.");
     }
     let forwarded = claude.anthropic_requests().last().unwrap().json();
-    let system = forwarded["system"].to_string();
-    assert!(system.contains("Bergen"), "recalled into system: {system}");
+    let newest = forwarded["messages"].as_array().unwrap().last().unwrap()["content"].to_string();
+    assert!(
+        newest.contains("Bergen"),
+        "recalled into the newest user turn: {newest}"
+    );
 }
 
 #[tokio::test]

@@ -284,6 +284,7 @@ async fn summaries_of_abandoned_turns_are_not_used_for_the_branch() {
     }
     let headers = [
         ("x-memory-recent-n", "2"),
+        ("x-memory-window-step", "0"),
         ("x-memory-compression-threshold-tokens", "15"),
         ("x-memory-compression-async", "false"),
         ("x-memory-compression-interval", "PT0S"),

@@ -12,8 +12,9 @@ use memproxy::message::Role;
 use memproxy::pipeline::commit::TRIM_BATCH;
 use memproxy::state::AppState;
 use memproxy::store::{
-    ConversationMeta, Deleted, Engine, ImportMeta, Loaded, Origin, Page, Scope, SledEngine, Store,
-    StoreError, StoredBranch, StoredMessage, TtlRecord, Version, Write, now_ms,
+    ConversationMeta, Deleted, Engine, ImportMeta, Loaded, Origin, OwnerKey, OwnerMeta,
+    OwnerRecord, Page, Scope, SledEngine, Store, StoreError, StoredBranch, StoredMessage,
+    TtlRecord, Version, Write, now_ms,
 };
 use memproxy::upstream::Upstream;
 use serde_json::Value;
@@ -314,6 +315,48 @@ impl Engine for Counting {
     }
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
         self.inner.any_trace_of(needle)
+    }
+    fn owner(&self, owner: &OwnerKey) -> Result<Option<OwnerMeta>, StoreError> {
+        self.inner.owner(owner)
+    }
+    fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError> {
+        self.inner.create_owner(owner, meta)
+    }
+    fn write_owner(
+        &self,
+        owner: &OwnerKey,
+        id: u64,
+        put: &[OwnerRecord],
+        remove: &[(u8, Vec<u8>)],
+    ) -> Result<bool, StoreError> {
+        self.inner.write_owner(owner, id, put, remove)
+    }
+    fn owner_record(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        id: &[u8],
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.owner_record(owner, space, id)
+    }
+    fn owner_records(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<OwnerRecord>, StoreError> {
+        self.inner.owner_records(owner, space, after, limit)
+    }
+    fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
+        self.inner.delete_owner(owner)
+    }
+    fn owners(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
+        self.inner.owners(after, limit)
     }
 }
 

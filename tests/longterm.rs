@@ -18,6 +18,12 @@ use support::*;
 const FACT: &str = "My favourite city is Lisbon and I am allergic to peanuts";
 const QUESTION: &str = "Which city is my favourite, and what am I allergic to?";
 
+/// memproxy on the mock, its memory in sled, or with `MEMPROXY_TEST_BACKEND=redis` (as
+/// `scripts/test.sh` runs this file a second time) in a redis-server of its own.
+async fn start(mock: &MockUpstream, dir: &std::path::Path) -> Proxy {
+    support_admin::start_admin(mock, dir, "").await
+}
+
 /// The recalled-turns system message of the last forwarded prompt, if any.
 fn recalled(mock: &MockUpstream) -> String {
     mock.last_messages()
@@ -53,7 +59,7 @@ async fn say(
 async fn a_fact_from_one_conversation_is_recalled_in_the_users_next_one() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
 
     say(&proxy, TOKEN, Some("ana"), "trip-planning", FACT).await;
     say(
@@ -126,7 +132,7 @@ async fn a_fact_from_one_conversation_is_recalled_in_the_users_next_one() {
 async fn the_conversations_own_turns_and_other_conversations_share_the_slots() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     say(
         &proxy,
         TOKEN,
@@ -182,7 +188,7 @@ async fn the_conversations_own_turns_and_other_conversations_share_the_slots() {
 async fn a_conversation_deleted_by_its_ttl_stays_searchable_and_is_rebuilt() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     let extra = [("x-memory-user-id", "ana"), ("x-memory-ttl", "PT1H")];
     for text in [FACT, "Book me a table for Friday"] {
         let answer = chat(&proxy, "short-lived", &body(&[support::user(text)]), &extra).await;
@@ -230,7 +236,7 @@ async fn a_conversation_deleted_by_its_ttl_stays_searchable_and_is_rebuilt() {
 async fn a_bad_user_id_is_a_400_naming_the_header() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     for (header, value) in [
         ("x-memory-user-id", "../etc/passwd"),
         ("x-memory-long-term-top-k", "many"),
@@ -259,6 +265,17 @@ fn memories_of(proxy: &Proxy, user: &str) -> Vec<memproxy::longterm::memories::M
     }
 }
 
+/// Says `text` in conversation `a` with `extra` headers (user `ana`), then waits until she
+/// has `memories` memories.
+async fn tell_ana(proxy: &Proxy, text: &str, extra: &[(&str, &str)], memories: usize) {
+    let answer = chat(proxy, "a", &body(&[support::user(text)]), extra).await;
+    assert_eq!(answer.status, 200);
+    eventually("the extraction", || {
+        memories_of(proxy, "ana").len() == memories
+    })
+    .await;
+}
+
 /// Waits (bounded) until `done` holds.
 async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     for _ in 0..100 {
@@ -278,7 +295,7 @@ fn extraction_answer(memories: serde_json::Value) -> support::mock_upstream::Rep
 async fn extracted_memories_reach_the_next_conversation_and_a_move_supersedes_the_old_city() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "2"),
@@ -395,7 +412,7 @@ async fn extracted_memories_reach_the_next_conversation_and_a_move_supersedes_th
 async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let proxy = start(&mock, dir.path()).await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "1"),
@@ -437,10 +454,10 @@ async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
 
 #[tokio::test]
 async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
-    use support_admin::{admin, start_admin, tenant};
+    use support_admin::{admin, start_admin_backend, tenant};
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let (proxy, redis) = start_admin_backend(&mock, dir.path(), "").await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "1"),
@@ -449,15 +466,7 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
         {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
          "importance": 0.9, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
     ])));
-    let answer = chat(
-        &proxy,
-        "a",
-        &body(&[support::user("I live in Lisbon, Rua Augusta")]),
-        &extra,
-    )
-    .await;
-    assert_eq!(answer.status, 200);
-    eventually("the extraction", || memories_of(&proxy, "ana").len() == 1).await;
+    tell_ana(&proxy, "I live in Lisbon, Rua Augusta", &extra, 1).await;
     let base = format!("/admin/v1/users/{}/ana", tenant(TOKEN));
 
     // Listed and searched through the API.
@@ -534,6 +543,10 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
     for needle in ["Rua Augusta", "Porto", "vegetarian"] {
         assert!(!store.any_trace_of(needle.as_bytes()).unwrap(), "{needle}");
     }
+    if let Some(redis) = &redis {
+        // With Redis: no key of the user is left, only the id counter.
+        assert_eq!(redis.command("KEYS mp:*"), "*1\r\n$6\r\nmp:ids\r\n");
+    }
     proxy.stop().await;
     for (path, bytes) in files(dir.path()) {
         for needle in [&b"Rua Augusta"[..], b"Porto", b"vegetarian"] {
@@ -553,7 +566,7 @@ async fn with_memories(
     said: &str,
     memories: serde_json::Value,
 ) -> Proxy {
-    let proxy = Proxy::start(mock, dir, "").await;
+    let proxy = start(mock, dir).await;
     let count = memories.as_array().unwrap().len();
     mock.push_extraction(extraction_answer(memories));
     let extra = [
@@ -627,6 +640,134 @@ async fn a_memory_used_in_a_prompt_is_refreshed_and_escapes_the_sweep() {
     memory.clock.advance(Duration::from_secs(30 * 86_400));
     let pass = sweep_pass(memory, &state.config, &mut Cursor::default()).unwrap();
     assert_eq!(pass.decayed, 0);
+    assert_eq!(memories_of(&proxy, "ana").len(), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_stored_summary_is_extracted_from_too() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, dir.path()).await;
+    mock.push_summary(support::mock_upstream::Reply::Text(
+        "The user keeps bees on a rooftop in Porto and sells the honey.".into(),
+    ));
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user keeps bees in Porto", "type": "profile", "scope": "private",
+         "importance": 0.7, "confidence": 0.9, "tags": ["hobby"], "source_turns": [1], "supersedes": []}
+    ])));
+    // Extraction by count is out of the way (every 100 user messages): only the summary
+    // brings one.
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "100"),
+        ("x-memory-recent-n", "2"),
+        ("x-memory-compression-threshold-tokens", "40"),
+    ];
+    const SAID: [&str; 4] = [
+        "I keep bees on the rooftop of my building in Porto, three hives in all",
+        "Every autumn I sell the honey at the market near the river",
+        "The bees were calm this year, even in the heat of August",
+        "Next spring I want to add a fourth hive if the roof allows it",
+    ];
+    for text in SAID {
+        let answer = chat(&proxy, "bees", &body(&[support::user(text)]), &extra).await;
+        assert_eq!(answer.status, 200);
+    }
+    eventually("the summary's extraction", || {
+        memories_of(&proxy, "ana").len() == 1
+    })
+    .await;
+    let calls = mock.extraction_requests();
+    assert_eq!(calls.len(), 1, "one extraction, from the summary");
+    let prompt = calls[0].json()["messages"][1]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        prompt.contains("Summary of conversation turns #1 to #")
+            && prompt.contains("rooftop in Porto and sells the honey"),
+        "{prompt}"
+    );
+    assert!(!prompt.contains("[turn #"), "{prompt}");
+    // The summary's credentials are the triggering request's.
+    assert_eq!(
+        calls[0].headers["authorization"],
+        format!("Bearer {TOKEN}").as_str()
+    );
+    let memory = &memories_of(&proxy, "ana")[0];
+    assert_eq!(memory.text, "The user keeps bees in Porto");
+    assert_eq!(memory.conversation.as_deref(), Some("bees"));
+    assert!(
+        memory.excerpt.contains("rooftop of my building"),
+        "{memory:?}"
+    );
+    // Without a user id a summary brings no extraction.
+    for text in SAID {
+        chat(
+            &proxy,
+            "anonymous",
+            &body(&[support::user(text)]),
+            &extra[2..],
+        )
+        .await;
+    }
+    eventually("the anonymous conversation's summary", || {
+        mock.summary_requests().len() == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(mock.extraction_requests().len(), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_claude_extraction_model_answers_the_contract_through_a_forced_tool_call() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = format!(
+        "[upstream.anthropic]\nbase_url = \"{}\"\n",
+        mock.anthropic_base_url()
+    );
+    let proxy = Proxy::start_with_upstream(&mock, dir.path(), &upstream, "").await;
+    mock.push_extraction(extraction_answer(serde_json::json!([
+        {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
+         "importance": 0.9, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
+    ])));
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+        ("x-memory-extraction-model", "claude-haiku-4-5"),
+    ];
+    tell_ana(&proxy, "I live in Lisbon", &extra, 1).await;
+    let call = mock.extraction_requests().pop().unwrap();
+    assert!(call.path.ends_with("/v1/messages"), "{}", call.path);
+    let call = call.json();
+    assert_eq!(call["model"], "claude-haiku-4-5");
+    assert!(call.get("response_format").is_none());
+    assert_eq!(
+        call["tool_choice"],
+        serde_json::json!({"type": "tool", "name": "memproxy_memories"})
+    );
+    assert_eq!(call["tools"][0]["name"], "memproxy_memories");
+    assert_eq!(
+        call["tools"][0]["input_schema"],
+        memproxy::longterm::extract::response_format()["json_schema"]["schema"]
+    );
+    assert_eq!(
+        memories_of(&proxy, "ana")[0].text,
+        "The user lives in Lisbon"
+    );
+    // A tool call whose input is not the contract changes nothing (a bad answer).
+    let counters = &proxy.state.memory().unwrap().longterm.extractor.counters;
+    for _ in 0..3 {
+        mock.push_extraction(support::mock_upstream::Reply::Text("not json".into()));
+    }
+    chat(&proxy, "a", &body(&[support::user("I like jazz")]), &extra).await;
+    eventually("three bad answers", || {
+        counters.failures.load(std::sync::atomic::Ordering::Relaxed) == 1
+    })
+    .await;
     assert_eq!(memories_of(&proxy, "ana").len(), 1);
     proxy.stop().await;
 }

@@ -301,3 +301,111 @@ async fn summaries_made_are_counted_with_their_tokens() {
         made
     );
 }
+
+/// Waits (bounded) until a scrape shows `metric{labels}` at `expected`.
+async fn scraped(proxy: &Proxy, metric: &str, labels: &[(&str, &str)], expected: f64) -> Scrape {
+    for _ in 0..100 {
+        let (scrape, _) = scrape(proxy).await;
+        if value(&scrape, metric, labels) == expected {
+            return scrape;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("{metric} {labels:?} never reached {expected}");
+}
+
+#[tokio::test]
+async fn extractions_are_counted_with_what_they_did_to_the_memories() {
+    use support::mock_upstream::Reply;
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let (before, _) = scrape(&proxy).await;
+    for result in ["done", "failed", "dropped"] {
+        assert!(
+            before
+                .samples
+                .iter()
+                .any(|s| s.metric == "memproxy_extractions_total"
+                    && s.labels.get("result") == Some(result)),
+            "{result}: every series exists from the start"
+        );
+    }
+    let extra = [
+        ("x-memory-user-id", "ana"),
+        ("x-memory-extraction-every", "1"),
+    ];
+    let memory = |text: &str, supersedes: Vec<u64>| {
+        json!({"text": text, "type": "profile", "scope": "private", "importance": 0.8,
+               "confidence": 0.9, "tags": [], "source_turns": [1], "supersedes": supersedes})
+    };
+    // A bad answer, then one with a new memory, a rejected one (no type known) and a
+    // near-duplicate of the new one.
+    mock.push_extraction(Reply::Text("not json".into()));
+    mock.push_extraction(Reply::Text(
+        json!({"memories": [
+            memory("The user lives in Lisbon", vec![]),
+            {"text": "x", "type": "mood", "scope": "private", "importance": 0.5,
+             "confidence": 0.9, "tags": [], "source_turns": [], "supersedes": []},
+            memory("The user lives in Lisbon", vec![]),
+        ]})
+        .to_string(),
+    ));
+    let answer = chat(&proxy, "a", &body(&[user("I live in Lisbon")]), &extra).await;
+    assert_eq!(answer.status, 200);
+    let after = scraped(
+        &proxy,
+        "memproxy_extractions_total",
+        &[("result", "done")],
+        1.0,
+    )
+    .await;
+    let memories = |scrape: &Scrape, result: &str| {
+        value(
+            scrape,
+            "memproxy_extracted_memories_total",
+            &[("result", result)],
+        )
+    };
+    assert_eq!(memories(&after, "added"), 1.0);
+    assert_eq!(memories(&after, "rejected"), 1.0);
+    assert_eq!(memories(&after, "ignored"), 1.0);
+    assert_eq!(
+        value(&after, "memproxy_extraction_bad_answers_total", &[]),
+        1.0
+    );
+    assert_eq!(value(&after, "memproxy_extraction_retries_total", &[]), 1.0);
+    // A move the model names as superseding the first memory; then the model down.
+    let store = proxy.store();
+    let owner = memproxy::store::OwnerKey::user(&key(Some(TOKEN), "a").tenant, "ana");
+    let handle = store.owner(&owner, false).unwrap().unwrap();
+    let id = memproxy::longterm::memories::all(store, &handle).unwrap()[0].id;
+    mock.push_extraction(Reply::Text(
+        json!({"memories": [memory("The user lives in Berlin", vec![id])]}).to_string(),
+    ));
+    chat(&proxy, "a", &body(&[user("I moved to Berlin")]), &extra).await;
+    let after = scraped(
+        &proxy,
+        "memproxy_extracted_memories_total",
+        &[("result", "superseded")],
+        1.0,
+    )
+    .await;
+    assert_eq!(memories(&after, "updated"), 0.0);
+    for _ in 0..3 {
+        mock.push_extraction(Reply::Status(503, "{}".into()));
+    }
+    chat(&proxy, "a", &body(&[user("I like jazz")]), &extra).await;
+    let after = scraped(
+        &proxy,
+        "memproxy_extractions_total",
+        &[("result", "failed")],
+        1.0,
+    )
+    .await;
+    assert_eq!(value(&after, "memproxy_extraction_retries_total", &[]), 3.0);
+    assert_eq!(
+        value(&after, "memproxy_extractions_total", &[("result", "done")]),
+        2.0
+    );
+}

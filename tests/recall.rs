@@ -81,12 +81,12 @@ async fn the_turn_3_fact_comes_back_at_turn_30() {
     assert!(turns.windows(2).all(|w| w[0] < w[1]));
 
     let forwarded = mock.last_messages();
-    // Client system message · recalled turns · window · new message.
+    // Client system message · window · recalled turns · new message.
     assert_eq!(
         role_content(&forwarded[0]),
         "system:You are a bank assistant."
     );
-    let recalled = forwarded[1]["content"].as_str().unwrap();
+    let recalled = forwarded[forwarded.len() - 2]["content"].as_str().unwrap();
     assert!(recalled.starts_with("[Earlier in this conversation"));
     let lines: Vec<&str> = recalled.lines().skip(1).collect();
     assert_eq!(lines.len(), 5);
@@ -107,9 +107,11 @@ async fn the_turn_3_fact_comes_back_at_turn_30() {
         previous = n;
         assert!(line.contains("T") && line.contains("Z] "), "{line}");
     }
-    assert_eq!(forwarded.len(), 2 + 10 + 1);
+    // The window: the 20 messages from turn 11 (30 stored; at most recent_n + window_step
+    // from a turn `k × 10 + 1`); turn 3 is older.
+    assert_eq!(forwarded.len(), 1 + 20 + 1 + 1);
     // Nothing recalled is also in the window.
-    for window_message in &forwarded[2..12] {
+    for window_message in &forwarded[1..21] {
         let text = window_message["content"].as_str().unwrap();
         assert!(
             !lines.iter().any(|l| l.ends_with(&format!(": {text}"))),
@@ -159,7 +161,15 @@ async fn tool_turns_come_back_as_text() {
         history.push(reply_message(&answer));
     }
     history.push(user("Was order 88123 shipped by courier?"));
-    chat(&proxy, "tools", &body(&history), &[]).await;
+    // The window slides (as it did before `window_step`), so the tool round is outside it: a
+    // growing window would still hold all 20 stored messages.
+    chat(
+        &proxy,
+        "tools",
+        &body(&history),
+        &[("x-memory-window-step", "0")],
+    )
+    .await;
     let forwarded = mock.last_messages();
     check_tool_sequence(&forwarded).unwrap();
     assert!(

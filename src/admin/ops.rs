@@ -35,9 +35,6 @@ pub enum AdminError {
     /// disk), or its files are damaged.
     #[error("the store is unavailable: {0}")]
     Unavailable(String),
-    /// The storage engine does not do this (long-term memory with Redis).
-    #[error("{0}")]
-    NotImplemented(String),
     #[error("internal error: {0}")]
     Internal(String),
     /// The memory guard did not admit the request: memproxy is at its memory high-water mark.
@@ -66,7 +63,6 @@ impl ApiError for AdminError {
             AdminError::Forbidden(_) => StatusCode::FORBIDDEN,
             AdminError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             AdminError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            AdminError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             AdminError::MemoryBudget => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -82,7 +78,6 @@ impl ApiError for AdminError {
             AdminError::Forbidden(_) => "forbidden",
             AdminError::RequestTimeout(_) => "request_timeout",
             AdminError::Unavailable(_) => "store_unavailable",
-            AdminError::NotImplemented(_) => "not_implemented",
             AdminError::Internal(_) => "internal_error",
             AdminError::MemoryBudget => "memory_budget_exceeded",
         }
@@ -97,10 +92,9 @@ impl ApiError for AdminError {
             AdminError::Unauthorized => "authentication_error",
             AdminError::Forbidden(_) => "permission_error",
             AdminError::NotFound(_) => "not_found_error",
-            AdminError::Unavailable(_)
-            | AdminError::NotImplemented(_)
-            | AdminError::Internal(_)
-            | AdminError::MemoryBudget => "server_error",
+            AdminError::Unavailable(_) | AdminError::Internal(_) | AdminError::MemoryBudget => {
+                "server_error"
+            }
         }
     }
 
@@ -133,8 +127,6 @@ impl From<StoreError> for AdminError {
     fn from(err: StoreError) -> AdminError {
         if err.is_write_failure() || matches!(err, StoreError::Damaged(_)) {
             AdminError::Unavailable(err.to_string())
-        } else if let StoreError::Unsupported(what) = err {
-            AdminError::NotImplemented(what)
         } else {
             AdminError::Internal(err.to_string())
         }

@@ -101,7 +101,9 @@ fn apply_table(
         let text = match (kind, value) {
             (settings::Kind::Bool, toml::Value::Boolean(b)) => b.to_string(),
             (
-                settings::Kind::Integer { .. } | settings::Kind::OptionalInteger { .. },
+                settings::Kind::Integer { .. }
+                | settings::Kind::OptionalInteger { .. }
+                | settings::Kind::IntegerOrAuto { .. },
                 toml::Value::Integer(n),
             ) => n.to_string(),
             (settings::Kind::Fraction, toml::Value::Float(f)) => f.to_string(),
@@ -112,7 +114,8 @@ fn apply_table(
                 | settings::Kind::OptionalDuration
                 | settings::Kind::OptionalName
                 | settings::Kind::Language
-                | settings::Kind::OptionalInteger { .. },
+                | settings::Kind::OptionalInteger { .. }
+                | settings::Kind::IntegerOrAuto { .. },
                 toml::Value::String(s),
             ) => s.clone(),
             _ => {

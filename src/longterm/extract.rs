@@ -3,6 +3,9 @@
 //! since the last extraction to `extraction_every`; queued by the commit (so only what was
 //! stored is read); run by one background worker, which reads the turns from the user's
 //! archive, asks the model, checks the answer and applies it ([`super::memories::apply`]).
+//! Also queued whenever a model summary of a user's conversation is stored: then the model
+//! reads the summary's text instead of the turns (the source turns being the range the
+//! summary covers), as the reference design extracts from its summaries.
 //!
 //! The wire contract (fixed, `docs/memories.md`): a chat completion with `response_format`
 //! `{"type": "json_schema", "json_schema": {"name": "memproxy_memories", ...}}`, answered by
@@ -48,6 +51,38 @@ const TURN_CHARS: usize = 4000;
 pub struct ExtractionCall {
     pub model: String,
     pub credentials: Credentials,
+    /// When the triggering request's answer has been handed over: the worker starts the job
+    /// only then (or after [`HAND_OVER_WAIT`]), so its work never competes with that request.
+    pub handed_over: Option<HandedOver>,
+}
+
+/// Held by the triggering request's answer, dropped once it is handed over.
+#[derive(Debug)]
+pub struct HandOver(#[allow(dead_code)] tokio::sync::watch::Sender<()>);
+
+/// Waits for its [`HandOver`] to be dropped.
+#[derive(Debug, Clone)]
+pub struct HandedOver(tokio::sync::watch::Receiver<()>);
+
+/// A hand-over and what waits for it.
+pub fn hand_over() -> (HandOver, HandedOver) {
+    let (tx, rx) = tokio::sync::watch::channel(());
+    (HandOver(tx), HandedOver(rx))
+}
+
+/// How long a job waits for its request's answer to be handed over, at most (a client
+/// reading its answer slowly holds no extraction back longer).
+const HAND_OVER_WAIT: Duration = Duration::from_secs(30);
+
+impl HandedOver {
+    async fn wait(&self) {
+        let mut rx = self.0.clone();
+        let _ = tokio::time::timeout(HAND_OVER_WAIT, async {
+            // Nothing is ever sent: `changed` fails once the sender is dropped.
+            while rx.changed().await.is_ok() {}
+        })
+        .await;
+    }
 }
 
 /// One extraction: a run of turns of one life of a conversation, for one user.
@@ -60,17 +95,33 @@ pub struct Job {
     pub from_turn: u64,
     pub to_turn: u64,
     pub call: ExtractionCall,
+    /// Extract from this summary of `from_turn..=to_turn` instead of the turns themselves.
+    pub summary: Option<String>,
 }
 
-/// Extraction's counters, for metrics.
+/// Turns of a summary's range read for the memories' excerpts and sources, at most (the
+/// newest): a summary of a long conversation covers all of it.
+const SUMMARY_SOURCE_TURNS: u64 = 500;
+
+/// Extraction's counters, for metrics (`memproxy_extractions_total` and the others).
 #[derive(Debug, Default)]
 pub struct ExtractionCounters {
+    /// Jobs started, and how they ended: applied, or failed after every attempt.
     pub runs: AtomicU64,
+    pub done: AtomicU64,
     pub failures: AtomicU64,
+    /// Attempts whose answer was not the contract's JSON.
     pub bad_answers: AtomicU64,
+    /// Waits before another attempt (back-offs).
+    pub retries: AtomicU64,
+    /// Jobs dropped: the queue was full or closed.
     pub dropped: AtomicU64,
+    /// Candidates: added, a new version of a similar memory, a new version of a memory the
+    /// model named as superseded, a near-duplicate that only raised scores, rejected.
     pub added: AtomicU64,
     pub updated: AtomicU64,
+    pub superseded: AtomicU64,
+    pub ignored: AtomicU64,
     pub rejected: AtomicU64,
 }
 
@@ -158,17 +209,25 @@ impl Extractor {
 
     /// Runs a job with retries; a failure leaves the memories as they were.
     async fn run(&self, job: Job) {
+        if let Some(handed_over) = &job.call.handed_over {
+            handed_over.wait().await;
+        }
         self.counters.runs.fetch_add(1, Ordering::Relaxed);
         let mut wait = FIRST_BACKOFF;
         for attempt in 1..=ATTEMPTS {
             match self.attempt(&job).await {
                 Ok(applied) => {
                     let c = &self.counters;
-                    c.added.fetch_add(applied.added as u64, Ordering::Relaxed);
-                    c.updated
-                        .fetch_add(applied.updated as u64, Ordering::Relaxed);
-                    c.rejected
-                        .fetch_add(applied.rejected as u64, Ordering::Relaxed);
+                    for (counter, n) in [
+                        (&c.added, applied.added),
+                        (&c.updated, applied.updated),
+                        (&c.superseded, applied.superseded),
+                        (&c.ignored, applied.ignored),
+                        (&c.rejected, applied.rejected),
+                    ] {
+                        counter.fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                    c.done.fetch_add(1, Ordering::Relaxed);
                     return;
                 }
                 Err(err) => {
@@ -177,6 +236,7 @@ impl Extractor {
                     }
                     tracing::warn!(error = %err, attempt, "memory extraction failed");
                     if attempt < ATTEMPTS {
+                        self.counters.retries.fetch_add(1, Ordering::Relaxed);
                         tokio::time::sleep(wait).await;
                         wait *= 2;
                     }
@@ -192,7 +252,7 @@ impl Extractor {
         let (turns, known) = tokio::task::spawn_blocking(move || read(&store, &read_job))
             .await
             .map_err(|err| ExtractError::Task(err.to_string()))??;
-        if turns.is_empty() {
+        if turns.is_empty() && job.summary.is_none() {
             return Ok(memories::Applied::default());
         }
         let key = ConversationKey {
@@ -260,7 +320,13 @@ fn read(store: &Store, job: &Job) -> Result<(Vec<SourceTurn>, Known), StoreError
         return Ok((Vec::new(), Known::new()));
     };
     let mut turns = Vec::new();
-    let mut after = archive::turn_id(job.conversation_id, job.from_turn.saturating_sub(1));
+    let from_turn = if job.summary.is_some() {
+        job.from_turn
+            .max(job.to_turn.saturating_sub(SUMMARY_SOURCE_TURNS - 1))
+    } else {
+        job.from_turn
+    };
+    let mut after = archive::turn_id(job.conversation_id, from_turn.saturating_sub(1));
     'pages: loop {
         let (page, next) =
             store.owner_records(&handle, archive::SPACE_ARCHIVE, Some(&after), 200)?;
@@ -369,12 +435,20 @@ fn request(job: &Job, turns: &[SourceTurn], known: &Known) -> ModelRequest {
     if shown == 0 {
         prompt.push_str("(none)\n");
     }
-    prompt.push_str("\nNew conversation turns:\n");
-    for turn in turns {
-        prompt.push_str(&format!(
-            "[turn #{}] {}: {}\n",
-            turn.turn, turn.role, turn.text
-        ));
+    match &job.summary {
+        Some(summary) => prompt.push_str(&format!(
+            "\nSummary of conversation turns #{} to #{}:\n{summary}\n",
+            job.from_turn, job.to_turn
+        )),
+        None => {
+            prompt.push_str("\nNew conversation turns:\n");
+            for turn in turns {
+                prompt.push_str(&format!(
+                    "[turn #{}] {}: {}\n",
+                    turn.turn, turn.role, turn.text
+                ));
+            }
+        }
     }
     ModelRequest {
         model: job.call.model.clone(),
@@ -470,6 +544,19 @@ fn prune(store: &Store, owner: &OwnerKey, count: usize) -> Result<(), StoreError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_job_waits_until_its_requests_answer_is_handed_over() {
+        let (held, handed_over) = hand_over();
+        let waiting = tokio::spawn(async move { handed_over.wait().await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished());
+        drop(held);
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .unwrap()
+            .unwrap();
+    }
 
     #[test]
     fn answers_parse_only_in_the_contract_shape() {

@@ -221,7 +221,10 @@ pub struct Origin {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Applied {
     pub added: usize,
+    /// New versions of a similar memory.
     pub updated: usize,
+    /// New versions of a memory the model named in `supersedes`.
+    pub superseded: usize,
     pub ignored: usize,
     pub rejected: usize,
 }
@@ -391,7 +394,11 @@ pub fn apply(
                             memory.supersedes.push(*id);
                         }
                     }
-                    applied.updated += 1;
+                    if superseding {
+                        applied.superseded += 1;
+                    } else {
+                        applied.updated += 1;
+                    }
                 }
                 let record = memory.clone();
                 upsert(changed.entry(owner).or_default(), record);
@@ -620,7 +627,7 @@ mod tests {
         let mut moved = candidate("The user moved from Lisbon to Berlin", "profile");
         moved.supersedes = vec![id];
         let (applied, changed) = apply(&mut existing, &[moved], &origin, &mut ids).unwrap();
-        assert_eq!(applied.updated, 1);
+        assert_eq!((applied.superseded, applied.updated), (1, 0));
         let memory = &changed[&origin.user][0];
         assert_eq!(memory.id, id);
         assert_eq!(memory.version, 2);

@@ -30,6 +30,7 @@ use crate::ledger::Ledger;
 use crate::model::ModelCall;
 use crate::recall::tokenize::TextLanguage;
 use crate::store::{Conversation, OwnerKey, Store, StoreError, StoredMessage};
+use crate::summary::OnStored;
 
 pub use archive::{ArchivedTurn, ExtractionRule, SPACE_ARCHIVE, SPACE_CONVERSATIONS};
 pub use extract::{ExtractionCall, Extractor};
@@ -157,6 +158,7 @@ impl LongTerm {
                         from_turn: due.from_turn,
                         to_turn: due.to_turn,
                         call: call.clone(),
+                        summary: None,
                     });
                 }
             }
@@ -173,6 +175,38 @@ impl LongTerm {
         if let Some(state) = self.users.get(user) {
             self.users.insert(user.clone(), state);
         }
+    }
+
+    /// What a summary job of conversation `key` (life `conversation_id`) of `user` does once
+    /// its model summary is stored: queues one extraction from the summary's text (with the
+    /// job's credentials), its source turns the range the summary covers.
+    pub fn extraction_from_summary(
+        &self,
+        user: &OwnerKey,
+        key: &ConversationKey,
+        conversation_id: u64,
+        model: String,
+    ) -> OnStored {
+        let extractor = Arc::clone(&self.extractor);
+        let (user, agent, conversation) =
+            (user.clone(), key.agent.clone(), key.conversation.clone());
+        OnStored::new(move |record, credentials| {
+            extractor.enqueue(extract::Job {
+                user,
+                agent,
+                conversation,
+                conversation_id,
+                from_turn: record.from_turn,
+                to_turn: record.to_turn,
+                // Made once the summary is stored: after its request's answer.
+                call: ExtractionCall {
+                    model,
+                    credentials: credentials.clone(),
+                    handed_over: None,
+                },
+                summary: Some(record.text.clone()),
+            });
+        })
     }
 
     /// True when a request adding `new_user_messages` user messages to the conversation
@@ -361,12 +395,7 @@ pub fn sweep_decayed(
     decay: memories::Decay,
     now_ms: i64,
 ) -> Result<(usize, Option<Vec<u8>>), StoreError> {
-    let (page, next) = match store.owners(after, limit.max(1)) {
-        Ok(page) => page,
-        // An engine without long-term records has nothing to sweep.
-        Err(StoreError::Unsupported(_)) => return Ok((0, None)),
-        Err(err) => return Err(err),
-    };
+    let (page, next) = store.owners(after, limit.max(1))?;
     let mut deleted = 0;
     for (owner, _) in page {
         let Some(handle) = store.owner(&owner, false)? else {

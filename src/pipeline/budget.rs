@@ -4,6 +4,14 @@
 //! keep its end behind a notice. The client's instructions and new messages are never cut.
 //!
 //! Counts come from the stored token counts; only a message being cut is encoded again.
+//!
+//! What a cut does to the provider's prompt cache: dropping recalled turns costs nothing (they
+//! come after everything a next prompt repeats). Cutting the window's oldest rounds moves its
+//! start, so a prompt the budget cut shares only instructions, summary and memories with the
+//! previous one; a conversation whose window passes the budget on every turn slides again, as
+//! with `window_step = 0`, until the anchor's next jump leaves the window short enough
+//! (`window.rs`). The window is cut only on the turns where it is too long, which with an
+//! anchor are the last ones before a jump. Truncating the newest message changes only the end.
 
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};

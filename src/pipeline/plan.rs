@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::assemble::{Prompt, is_injected_echo, split_request};
+use super::assemble::{CacheHints, Prompt, is_injected_echo, split_request};
 use super::budget::{self, Dropped, Fitted};
 use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
@@ -210,13 +210,18 @@ pub fn plan_for_user(
 
     // Window: it must hold the current round when the new messages continue it.
     let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
-    let start = window_start(history, settings.recent_n, continue_round);
+    let start = window_start(
+        history,
+        settings.recent_n,
+        settings.window_step(),
+        continue_round,
+    );
     let mut window: Vec<StoredMessage> =
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
 
     // Summary: the newest one goes in the prompt (of a branch: the newest that covers only
     // turns it keeps); a new one may be due.
-    let summary = plan_summary(
+    let mut summary = plan_summary(
         memory,
         &conversation,
         settings,
@@ -307,17 +312,21 @@ pub fn plan_for_user(
                         memory.clock.now_ms(),
                     ) =>
             {
-                extraction_due = Some(
-                    settings
-                        .extraction_model
-                        .clone()
-                        .or_else(|| settings.compression_model.clone())
-                        .or_else(|| model.clone())
-                        .unwrap_or_else(|| "gpt-4o-mini".to_string()),
-                );
+                extraction_due = Some(extraction_model(settings, model.as_deref()));
             }
             Ok(_) => {}
             Err(err) => tracing::warn!(error = %err, "reading the user's archive failed"),
+        }
+        // A summary made for this conversation is extracted from too, once stored.
+        if let Some(job) = summary.due.as_mut()
+            && settings.persist
+        {
+            job.on_stored = Some(memory.longterm.extraction_from_summary(
+                user,
+                key,
+                job.conversation_id,
+                extraction_model(settings, model.as_deref()),
+            ));
         }
     }
     let memories_tokens: u64 = if chosen.is_empty() {
@@ -379,7 +388,7 @@ pub fn plan_for_user(
         .filter(|r| r.elsewhere_at.is_some())
         .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
         .collect();
-    let (instructions, incoming) = split_request(messages, first_new);
+    let split = split_request(messages, first_new);
     let exchange = Exchange {
         key: key.clone(),
         handle: Arc::clone(&handle),
@@ -431,12 +440,17 @@ pub fn plan_for_user(
     timings.assemble = started.elapsed();
     Ok(Plan {
         prompt: Prompt {
-            instructions,
-            memories: memories::render(&chosen),
+            instructions: split.instructions,
             summary: summary.current.as_ref().and_then(super::summary::render),
-            recalled: render(&recalled),
+            memories: memories::render(&chosen),
             window: window.into_iter().map(|m| m.message).collect(),
-            incoming,
+            recalled: render(&recalled),
+            incoming: split.incoming,
+            answers: split.answers,
+            cache: CacheHints {
+                key: settings.prompt_cache_key.then(|| key.prompt_cache_key()),
+                breakpoints: settings.cache_breakpoints,
+            },
         },
         exchange,
         stored_count,
@@ -486,6 +500,18 @@ pub async fn start_due(
         }
     }
     None
+}
+
+/// The model of an extraction: `extraction_model`, else `compression_model`, else the
+/// request's.
+fn extraction_model(settings: &MemorySettings, request_model: Option<&str>) -> String {
+    settings
+        .extraction_model
+        .as_deref()
+        .or(settings.compression_model.as_deref())
+        .or(request_model)
+        .unwrap_or("gpt-4o-mini")
+        .to_string()
 }
 
 /// The conversation a line of [`elsewhere_turns`] names.

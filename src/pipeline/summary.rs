@@ -104,6 +104,7 @@ pub fn plan_summary(
             // before it calls the model: this request only queues the job.
             stand_in: latest.is_none() && settings.compression_async,
             reservation,
+            on_stored: None,
         });
     }
 

@@ -1,27 +1,93 @@
-//! The recent window: the last `recent_n` stored messages, widened backwards to the start of a
-//! round (a user message) so the window never begins with a tool result or separates an
-//! assistant's `tool_calls` from their results.
+//! The recent window: the stored messages forwarded verbatim, from an anchor to the newest,
+//! widened backwards to the start of a round (a user message) so the window never begins with
+//! a tool result or separates an assistant's `tool_calls` from their results.
+//!
+//! # The anchor
+//!
+//! A provider caches a prompt's longest exact prefix, so a window that slides by one round each
+//! turn makes every prompt new after the summary. Instead the window starts at an anchor and
+//! grows turn by turn; only when it holds more than `recent_n + window_step` messages does the
+//! anchor jump forward, to leave between `recent_n + 1` and `recent_n + window_step` of them.
+//! Between two jumps each prompt's window extends the previous one.
+//!
+//! The anchor is a function of what is stored, never of what a process remembers, so every
+//! replica sharing a store and a restarted one pick the same: anchors sit on turn numbers
+//! `k × window_step + 1` (turn numbers are stored and only grow, so the trimming of the oldest
+//! messages by `max_messages` does not move them), and the anchor is the first of those from
+//! which at most `recent_n + window_step` messages are stored. Appending only ever moves it
+//! forward; a closed branch (fewer messages on the main line) may move it back. The round
+//! widening reads only stored roles. `window_step = 0` is the sliding window: the last
+//! `recent_n` messages.
 
 use crate::message::{HasRole, Role};
+use crate::store::Entry;
 
-/// The index where the window over `roles` (stored messages, oldest first) starts.
+/// A stored message as the window sees it: its role and its turn number.
+pub trait Positioned: HasRole {
+    fn turn(&self) -> u64;
+}
+
+impl Positioned for Entry {
+    fn turn(&self) -> u64 {
+        self.turn
+    }
+}
+
+/// The index where the window over `history` (stored messages, oldest first) starts.
 /// `continue_round`: the request's new messages continue the last stored round (tool results,
 /// or nothing new at all), so the window must hold at least that round.
-pub fn window_start<R: HasRole>(roles: &[R], recent_n: usize, continue_round: bool) -> usize {
-    let n = roles.len();
-    let mut start = n.saturating_sub(recent_n);
+pub fn window_start<P: Positioned>(
+    history: &[P],
+    recent_n: usize,
+    window_step: usize,
+    continue_round: bool,
+) -> usize {
+    let n = history.len();
+    let mut start = anchor(history, recent_n, window_step);
     if continue_round {
-        start = start.min(last_round_start(roles));
+        start = start.min(last_round_start(history));
     }
-    while start > 0 && start < n && roles[start].role() != Role::User {
+    while start > 0 && start < n && history[start].role() != Role::User {
         start -= 1;
     }
     // A history that begins with orphan tool results (sent that way by a client) cannot be
     // forwarded as it is; skip them.
-    while start < n && roles[start].role() == Role::Tool {
+    while start < n && history[start].role() == Role::Tool {
         start += 1;
     }
     start
+}
+
+/// The anchor before the round widening (see the module's documentation): the index of the
+/// first message at or after the first turn boundary `k × step + 1` from which at most
+/// `recent_n + step` messages are stored. A binary search over `k`, each step one over the
+/// turns: no work grows with the conversation beyond a logarithm.
+pub fn anchor<P: Positioned>(history: &[P], recent_n: usize, step: usize) -> usize {
+    let n = history.len();
+    let most = recent_n.saturating_add(step);
+    if step == 0 {
+        return n.saturating_sub(recent_n);
+    }
+    if n <= most {
+        return 0;
+    }
+    let step = step as u64;
+    let from_boundary = |k: u64| -> usize {
+        let boundary = k.saturating_mul(step).saturating_add(1);
+        history.partition_point(|p| p.turn() < boundary)
+    };
+    // count(k) = n - from_boundary(k) only falls as k grows; the last turn's boundary holds at
+    // most one message, which is within `most` (at least 1 here, as `n > most`).
+    let (mut low, mut high) = (0u64, history[n - 1].turn() / step);
+    while low < high {
+        let mid = low + (high - low) / 2;
+        if n - from_boundary(mid) <= most {
+            high = mid;
+        } else {
+            low = mid + 1;
+        }
+    }
+    from_boundary(low)
 }
 
 /// The index of the last user message (the start of the last round), or 0.
@@ -69,9 +135,35 @@ mod tests {
             .collect()
     }
 
-    fn check(history: &str, recent_n: usize, continue_round: bool, expected_window: &str) {
-        let r = roles(history);
-        let start = window_start(&r, recent_n, continue_round);
+    /// A stored message in a test: its role, and its turn number.
+    #[derive(Clone, Copy)]
+    struct At(Role, u64);
+
+    impl HasRole for At {
+        fn role(&self) -> Role {
+            self.0
+        }
+    }
+
+    impl Positioned for At {
+        fn turn(&self) -> u64 {
+            self.1
+        }
+    }
+
+    /// `spec`'s messages numbered from `first_turn` on.
+    fn history(spec: &str, first_turn: u64) -> Vec<At> {
+        roles(spec)
+            .into_iter()
+            .zip(first_turn..)
+            .map(|(r, t)| At(r, t))
+            .collect()
+    }
+
+    fn check(history_spec: &str, recent_n: usize, continue_round: bool, expected_window: &str) {
+        let r = history(history_spec, 1);
+        let start = window_start(&r, recent_n, 0, continue_round);
+        let history = history_spec;
         let window: String = history[start..].to_string();
         assert_eq!(
             window, expected_window,
@@ -97,6 +189,101 @@ mod tests {
         check("ucttctta", 2, false, "ucttctta");
         // Orphan tool results at the very start are skipped.
         check("ttua", 10, false, "ua");
+    }
+
+    /// (stored messages, first turn, recent_n, window_step) → the window's length.
+    #[test]
+    fn anchors() {
+        let u = |n: usize| "ua".repeat(n / 2) + &"u".repeat(n % 2);
+        #[rustfmt::skip]
+        let cases: &[(usize, u64, usize, usize, usize)] = &[
+            // Up to recent_n + step the window holds everything.
+            (0, 1, 4, 4, 0),
+            (8, 1, 4, 4, 8),
+            // Past it, the anchor jumps to turn 5 (a multiple of the step, plus 1): 5 left…
+            (9, 1, 4, 4, 5),
+            (10, 1, 4, 4, 6),
+            (12, 1, 4, 4, 8),
+            // …then grows again until it passes 8, and jumps to turn 9.
+            (13, 1, 4, 4, 5),
+            (16, 1, 4, 4, 8),
+            (17, 1, 4, 4, 5),
+            // A step of 0 slides: the last recent_n (widened to the round start).
+            (9, 1, 4, 0, 5),
+            (10, 1, 4, 0, 4),
+            (11, 1, 4, 0, 5),
+            // A step larger than recent_n.
+            (30, 1, 4, 10, 10),
+            (31, 1, 4, 10, 11),
+            (35, 1, 4, 10, 5),
+            // The oldest messages trimmed (max_messages): turn numbers, not positions,
+            // place the anchor, so trimming does not move it.
+            (10, 3, 4, 4, 8),
+            (8, 5, 4, 4, 8),
+            (6, 7, 4, 4, 6),
+            // A recent_n of 0.
+            (5, 1, 0, 2, 1),
+            (6, 1, 0, 2, 2),
+        ];
+        for &(n, first, recent_n, step, expected) in cases {
+            let h = history(&u(n), first);
+            let start = window_start(&h, recent_n, step, false);
+            assert_eq!(
+                n - start,
+                expected,
+                "{n} stored from turn {first}, recent_n {recent_n}, step {step}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_anchor_moves_only_at_jumps_and_only_forward() {
+        // Messages appended one at a time: between jumps the window keeps its start, so each
+        // window extends the previous one; a jump leaves more than recent_n messages and at
+        // most recent_n + step.
+        for (recent_n, step) in [(4, 4), (10, 10), (10, 3), (3, 17), (1, 1)] {
+            let spec = "ua".repeat(100);
+            let full = history(&spec, 1);
+            let mut previous = 0;
+            let mut jumps = 0;
+            for n in 1..=full.len() {
+                let start = window_start(&full[..n], recent_n, step, false);
+                assert!(start >= previous, "the anchor went back at {n}");
+                let len = n - start;
+                assert!(len <= recent_n + step + 1, "{len} at {n}");
+                if start != previous {
+                    jumps += 1;
+                    assert!(len > recent_n, "a jump left {len} at {n}");
+                    assert!(n - previous > recent_n + step, "jumped early at {n}");
+                }
+                previous = start;
+            }
+            assert!(jumps > 0);
+        }
+    }
+
+    #[test]
+    fn gaps_in_turn_numbers_still_leave_more_than_recent_n() {
+        // Turns missing (replaced replies, a closed branch): the anchor is still the first
+        // boundary from which at most recent_n + step messages are stored.
+        let turns = [1, 2, 3, 4, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 30, 31];
+        let h: Vec<At> = turns
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                At(
+                    if i % 2 == 0 {
+                        Role::User
+                    } else {
+                        Role::Assistant
+                    },
+                    t,
+                )
+            })
+            .collect();
+        // recent_n 4, step 4: boundaries 1, 5, 9, 13, 17; from 13 on: 13..18, 30, 31 = 8.
+        assert_eq!(anchor(&h, 4, 4), 8);
+        assert_eq!(window_start(&h, 4, 4, false), 8);
     }
 
     #[test]

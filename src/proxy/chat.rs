@@ -29,6 +29,7 @@ use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full}
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
 use crate::longterm::ExtractionCall;
+use crate::longterm::extract::HandOver;
 use crate::memory::Memory;
 use crate::memory_guard::{self, Pressure};
 use crate::metrics::{Refusal, ReplyKind, Stage, UpstreamTime};
@@ -50,6 +51,8 @@ struct Before {
     plan: Result<Plan, DegradedReason>,
     headers: HeaderMap,
     deferred: Option<DeferredSummary>,
+    /// A due extraction starts once this is dropped with the answer.
+    hand_over: Option<HandOver>,
 }
 
 /// Runs a request of `api` with memory on, forwarded to the upstream's `api_path`; with
@@ -261,7 +264,11 @@ async fn with_memory(
             state.config.response_limit_bytes,
         )
         .with_ledger(ledger);
-        let mut response = Response::from_parts(head, boxed(tee));
+        let body = match before.hand_over {
+            None => boxed(tee),
+            Some(hand_over) => boxed(OnDrop::new(boxed(tee), move || drop(hand_over))),
+        };
+        let mut response = Response::from_parts(head, body);
         set_memory_headers(&mut response, status, conversation_id, Some(turns));
         return Ok(response);
     }
@@ -305,9 +312,9 @@ async fn with_memory(
     };
     // A due summary starts once the answer has been handed over, so its work never competes
     // with the request that triggered it.
-    let body = match before.deferred {
-        None => full(body),
-        Some(summary) => boxed(OnDrop::new(full(body), move || drop(summary))),
+    let body = match (before.deferred, before.hand_over) {
+        (None, None) => full(body),
+        (summary, hand_over) => boxed(OnDrop::new(full(body), move || drop((summary, hand_over)))),
     };
     let mut response = Response::from_parts(head, body);
     set_memory_headers(&mut response, status, conversation_id, Some(turns));
@@ -394,6 +401,7 @@ async fn before(
                 plan: Err(DegradedReason::StoreFailed),
                 headers: HeaderMap::new(),
                 deferred: None,
+                hand_over: None,
             });
         }
     };
@@ -407,19 +415,24 @@ async fn before(
                 start_due(memory, settings, &mut plan, || credentials(&parts.headers)).await;
             // Long-term memory: a due extraction gets the request's credentials, copied only
             // then; it is queued by the commit, off the request's path.
+            let mut hand_over = None;
             if let Some(model) = plan.extraction_due.take() {
+                let (held, handed_over) = crate::longterm::extract::hand_over();
+                hand_over = Some(held);
                 plan.exchange.extraction = Some(ExtractionCall {
                     model,
                     credentials: credentials(&parts.headers),
+                    handed_over: Some(handed_over),
                 });
             }
             record_plan(state, &key.agent, &plan);
             plan.exchange.history_tokens = plan.history_tokens.max(plan.prompt_tokens);
             Ok(Before {
-                body: Bytes::from(request.render(plan.prompt.messages())),
+                body: Bytes::from(request.render_parts(plan.prompt.parts(), &plan.prompt.cache)),
                 headers: headers_of(&plan),
                 plan: Ok(plan),
                 deferred,
+                hand_over,
             })
         }
         Err(PlanError::Store(err)) => {
@@ -435,6 +448,7 @@ async fn before(
                 plan: Err(degraded),
                 headers: HeaderMap::new(),
                 deferred: None,
+                hand_over: None,
             })
         }
         Err(limit @ (PlanError::TooManyMessages { .. } | PlanError::TooManyTokens { .. })) => {

@@ -928,3 +928,4 @@ pub(crate) fn redis_options(url: &str) -> super::RedisOptions {
 }
 
 contract_tests!(redis_engine, super::redis);
+contract_tests!(owners: redis_engine_owners, super::redis);

@@ -331,16 +331,10 @@ pub trait Engine: Send + Sync + 'static {
     fn size_bytes(&self) -> u64;
 
     /// The owner's record.
-    fn owner(&self, owner: &OwnerKey) -> Result<Option<OwnerMeta>, StoreError> {
-        let _ = owner;
-        Err(no_owners(self.name()))
-    }
+    fn owner(&self, owner: &OwnerKey) -> Result<Option<OwnerMeta>, StoreError>;
 
     /// The owner's record, created with `meta` if there is none; returns the one stored.
-    fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError> {
-        let _ = (owner, meta);
-        Err(no_owners(self.name()))
-    }
+    fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError>;
 
     /// Puts `put` and removes `remove` (space, id) among the owner's records, atomically, if
     /// the owner's record still has the id `id`; false (and nothing written) when it does not.
@@ -350,10 +344,7 @@ pub trait Engine: Send + Sync + 'static {
         id: u64,
         put: &[OwnerRecord],
         remove: &[(u8, Vec<u8>)],
-    ) -> Result<bool, StoreError> {
-        let _ = (owner, id, put, remove);
-        Err(no_owners(self.name()))
-    }
+    ) -> Result<bool, StoreError>;
 
     /// One record of the owner.
     fn owner_record(
@@ -361,10 +352,7 @@ pub trait Engine: Send + Sync + 'static {
         owner: &OwnerKey,
         space: u8,
         id: &[u8],
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        let _ = (owner, space, id);
-        Err(no_owners(self.name()))
-    }
+    ) -> Result<Option<Vec<u8>>, StoreError>;
 
     /// Up to `limit` records of the owner in `space` with an id after `after`, in id order.
     fn owner_records(
@@ -373,26 +361,17 @@ pub trait Engine: Send + Sync + 'static {
         space: u8,
         after: Option<&[u8]>,
         limit: usize,
-    ) -> Result<Page<OwnerRecord>, StoreError> {
-        let _ = (owner, space, after, limit);
-        Err(no_owners(self.name()))
-    }
+    ) -> Result<Page<OwnerRecord>, StoreError>;
 
     /// Removes the owner's record and all its records; the id it had, `None` when it had none.
-    fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
-        let _ = owner;
-        Err(no_owners(self.name()))
-    }
+    fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError>;
 
     /// Up to `limit` owners after the cursor `after` (owner key bytes), in key order.
     fn owners(
         &self,
         after: Option<&[u8]>,
         limit: usize,
-    ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
-        let _ = (after, limit);
-        Err(no_owners(self.name()))
-    }
+    ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError>;
 
     /// The conversation `tenant` was answered the Responses API id `response_id` in (a write
     /// named it), while that conversation lives with the id it had then.
@@ -408,12 +387,4 @@ pub trait Engine: Send + Sync + 'static {
     /// True when `needle` occurs in any stored key or value: a full scan, to prove a deletion
     /// left no trace (tests, audits).
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError>;
-}
-
-/// The error of an engine that does not keep owners' records (long-term memory is then off
-/// for every request, which goes on without it).
-fn no_owners(engine: &str) -> StoreError {
-    StoreError::Unsupported(format!(
-        "the {engine} storage engine does not keep long-term memory yet (use backend = \"sled\" for it)"
-    ))
 }

@@ -182,12 +182,7 @@ impl Store {
         // Owners of long-term records hold keys too.
         let mut after: Option<Vec<u8>> = None;
         loop {
-            let (page, next) = match self.engine.owners(after.as_deref(), 1000) {
-                Ok(page) => page,
-                // An engine without long-term records has no owner keys.
-                Err(StoreError::Unsupported(_)) => break,
-                Err(err) => return Err(err),
-            };
+            let (page, next) = self.engine.owners(after.as_deref(), 1000)?;
             live.extend(page.iter().map(|(_, meta)| meta.id));
             match next {
                 Some(next) => after = Some(next),

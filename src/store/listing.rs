@@ -165,11 +165,7 @@ impl Store {
         // Owners' records (long-term memory), opened with each owner's key.
         let mut after: Option<Vec<u8>> = None;
         loop {
-            let (page, next) = match self.owners(after.as_deref(), 100) {
-                Ok(page) => page,
-                Err(StoreError::Unsupported(_)) => return Ok(false),
-                Err(err) => return Err(err),
-            };
+            let (page, next) = self.owners(after.as_deref(), 100)?;
             for (owner, _) in page {
                 let Some(handle) = self.owner(&owner, false).ok().flatten() else {
                     continue;

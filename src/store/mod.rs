@@ -196,9 +196,6 @@ pub enum StoreError {
     /// The engine is closed: reopening it after a failure did not succeed (yet).
     #[error("the store is closed after a failure to write")]
     Closed,
-    /// The engine does not do this (yet): long-term memory with Redis.
-    #[error("{0}")]
-    Unsupported(String),
     /// Writes failed earlier and the store has not recovered yet (see [`Store::writable`]).
     #[error("the store cannot write ({0}); memory is off until it can")]
     Unwritable(String),

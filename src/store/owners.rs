@@ -161,7 +161,7 @@ impl Store {
 /// The conversation key an owner's key is filed under: key files go by id alone; an engine
 /// that keeps keys itself places them by this key (the owner's tenant, a reserved agent name
 /// no request can use, since ids never hold `/`).
-fn key_ref(owner: &OwnerKey) -> crate::identity::ConversationKey {
+pub(super) fn key_ref(owner: &OwnerKey) -> crate::identity::ConversationKey {
     crate::identity::ConversationKey {
         tenant: owner.tenant.clone(),
         agent: "memproxy/owner".to_string(),

@@ -71,9 +71,16 @@ use sha2::{Digest, Sha256};
 
 use super::StoreError;
 use super::engine::{Engine, Loaded, Page, Refresh, Scope, Version, Write};
-use super::records::{ConversationMeta, Deleted, Entry, StoredBranch, StoredMessage, TtlRecord};
+use super::records::{
+    ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
+    StoredMessage, TtlRecord,
+};
 use super::sled_engine::{assemble_branches, branch_rows, decode, encode};
 use crate::identity::{ConversationKey, TenantId};
+
+// Owners' records (long-term memory): their keys, scripts and methods.
+#[path = "redis_owners.rs"]
+mod owner_records;
 
 /// How often a read or delete retries when a write changed the conversation under it.
 const MAX_ATTEMPTS: usize = 8;
@@ -139,6 +146,7 @@ pub struct RedisEngine {
     wait_replicas: u32,
     wait_timeout: Duration,
     scripts: Scripts,
+    owner_scripts: owner_records::OwnerScripts,
 }
 
 impl std::fmt::Debug for RedisEngine {
@@ -489,6 +497,7 @@ impl RedisEngine {
             wait_replicas: options.wait_replicas,
             wait_timeout: options.wait_timeout,
             scripts: Scripts::new(),
+            owner_scripts: owner_records::OwnerScripts::new(),
         })
     }
 
@@ -594,6 +603,60 @@ impl RedisEngine {
             (Some(ver), Some(meta)) => Ok(Some((decode(&meta)?, ver))),
             _ => Ok(None),
         }
+    }
+
+    /// A page of the index `index` (key bytes, score 0): up to `limit` members after
+    /// `after`, each parsed and read by `read` (one command of a pipeline) and kept as `keep`
+    /// makes it. Members that do not parse or whose value is gone (expired by Redis, or left
+    /// by a delete that stopped half way) are removed from the index.
+    fn index_page<K, T>(
+        &self,
+        index: &str,
+        after: Option<&[u8]>,
+        limit: usize,
+        read: impl Fn(&[u8]) -> Option<(K, redis::Cmd)>,
+        keep: impl Fn(K, Vec<u8>) -> Result<T, StoreError>,
+    ) -> Result<Page<T>, StoreError> {
+        let mut c = self.connection()?;
+        let members: Vec<Vec<u8>> = redis::cmd("ZRANGEBYLEX")
+            .arg(index)
+            .arg(lex_after(after, b""))
+            .arg("+")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query(&mut *c)?;
+        let mut pipe = redis::pipe();
+        let mut asked = Vec::new();
+        let mut gone = Vec::new();
+        for bytes in &members {
+            match read(bytes) {
+                Some((parsed, command)) => {
+                    pipe.add_command(command);
+                    asked.push((bytes, parsed));
+                }
+                None => gone.push(bytes),
+            }
+        }
+        let values: Vec<Option<Vec<u8>>> = if asked.is_empty() {
+            Vec::new()
+        } else {
+            pipe.query(&mut *c)?
+        };
+        let mut out = Vec::new();
+        for ((bytes, parsed), value) in asked.into_iter().zip(values) {
+            match value {
+                Some(value) => out.push(keep(parsed, value)?),
+                None => gone.push(bytes),
+            }
+        }
+        if !gone.is_empty() {
+            let _: i64 = redis::cmd("ZREM").arg(index).arg(gone).query(&mut *c)?;
+        }
+        let cursor = (members.len() == limit)
+            .then(|| members.last().cloned())
+            .flatten();
+        Ok((out, cursor))
     }
 
     /// Entries of what `ZRANGE` gave, in turn order.
@@ -1025,43 +1088,17 @@ impl Engine for RedisEngine {
         after: Option<&[u8]>,
         limit: usize,
     ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
-        let mut c = self.connection()?;
-        let members: Vec<Vec<u8>> = redis::cmd("ZRANGEBYLEX")
-            .arg(self.index_ttl())
-            .arg(lex_after(after, b""))
-            .arg("+")
-            .arg("LIMIT")
-            .arg(0)
-            .arg(limit)
-            .query(&mut *c)?;
-        if members.is_empty() {
-            return Ok((Vec::new(), None));
-        }
-        let mut pipe = redis::pipe();
-        for bytes in &members {
-            pipe.cmd("GET")
-                .arg(Keys::of_bytes(&self.prefix, bytes).ttl());
-        }
-        let records: Vec<Option<Vec<u8>>> = pipe.query(&mut *c)?;
-        let mut out = Vec::new();
-        let mut gone = Vec::new();
-        for (bytes, record) in members.iter().zip(records) {
-            match (ConversationKey::from_bytes(bytes), record) {
-                (Some(key), Some(record)) => out.push((key, decode(&record)?)),
-                _ => gone.push(bytes),
-            }
-        }
-        if !gone.is_empty() {
-            // Expired by Redis, or left by a delete that stopped half way.
-            let _: i64 = redis::cmd("ZREM")
-                .arg(self.index_ttl())
-                .arg(gone)
-                .query(&mut *c)?;
-        }
-        let cursor = (members.len() == limit)
-            .then(|| members.last().cloned())
-            .flatten();
-        Ok((out, cursor))
+        self.index_page(
+            &self.index_ttl(),
+            after,
+            limit,
+            |bytes| {
+                let mut get = redis::cmd("GET");
+                get.arg(Keys::of_bytes(&self.prefix, bytes).ttl());
+                ConversationKey::from_bytes(bytes).map(|key| (key, get))
+            },
+            |key, record| Ok((key, decode(&record)?)),
+        )
     }
 
     fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError> {
@@ -1313,6 +1350,57 @@ impl Engine for RedisEngine {
             .arg(holder)
             .invoke(&mut *c)?;
         Ok(())
+    }
+
+    // Owners' records (long-term memory): `redis_owners.rs`.
+
+    fn owner(&self, owner: &OwnerKey) -> Result<Option<OwnerMeta>, StoreError> {
+        self.owner_meta(owner)
+    }
+
+    fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError> {
+        self.create_owner_record(owner, meta)
+    }
+
+    fn write_owner(
+        &self,
+        owner: &OwnerKey,
+        id: u64,
+        put: &[OwnerRecord],
+        remove: &[(u8, Vec<u8>)],
+    ) -> Result<bool, StoreError> {
+        self.write_owner_records(owner, id, put, remove)
+    }
+
+    fn owner_record(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        id: &[u8],
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.one_owner_record(owner, space, id)
+    }
+
+    fn owner_records(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<OwnerRecord>, StoreError> {
+        self.owner_record_page(owner, space, after, limit)
+    }
+
+    fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
+        self.delete_owner_records(owner)
+    }
+
+    fn owners(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
+        self.owner_page(after, limit)
     }
 }
 

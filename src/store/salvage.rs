@@ -24,6 +24,11 @@
 //! - a summary record that cannot be read is lost; the others are kept;
 //! - a conversation left with no message and no summary is lost.
 //!
+//! Long-term memory's owners (`store/owners.rs`: users, agents, tenants) are read the same
+//! way: an owner whose record cannot be read is lost with its records; a record that does not
+//! open with the owner's key is lost; an owner without a readable key keeps nothing. A repair
+//! writes each under a new id, its key file copied, its records as they were sealed.
+//!
 //! A repair writes each salvaged conversation into the fresh store in one atomic write, with
 //! its turn numbers, times, token counts, summaries and TTL record, its values as they were
 //! sealed and its key file copied (under the conversation's new id: ids are the fresh
@@ -35,7 +40,9 @@ use std::path::{Path, PathBuf};
 
 use super::engine::{Engine, Version, Write};
 use super::keys::{self, KEY_LEN, KeyFiles};
-use super::records::{ConversationMeta, StoredBranch, StoredMessage, TtlRecord};
+use super::records::{
+    ConversationMeta, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch, StoredMessage, TtlRecord,
+};
 use super::seal::{open_message, open_summary, sealed_message, sealed_record};
 use super::sled_salvage::SalvageReader;
 use super::{SledEngine, StoreError, legacy_workspace_dir, workspace_dir};
@@ -72,6 +79,9 @@ pub struct Report {
     /// Closed branches (histories a client left by editing or regenerating).
     pub branches: Tally,
     pub ttl_records: Tally,
+    /// Long-term memory's owners (users, agents, tenants) and their records.
+    pub owners: Tally,
+    pub owner_records: Tally,
     /// Key files, and those of them no stored conversation uses (left by a delete that
     /// crashed; harmless).
     pub key_files: u64,
@@ -104,6 +114,8 @@ impl Report {
             ("summaries", self.summaries),
             ("closed branches", self.branches),
             ("TTL records", self.ttl_records),
+            ("long-term owners", self.owners),
+            ("long-term records", self.owner_records),
         ] {
             let _ = writeln!(
                 out,
@@ -161,6 +173,14 @@ struct Salvaged {
     secret: Option<[u8; KEY_LEN]>,
 }
 
+/// One long-term owner as salvaged, ready for a fresh store.
+struct SalvagedOwner {
+    owner: OwnerKey,
+    meta: OwnerMeta,
+    records: Vec<OwnerRecord>,
+    secret: [u8; KEY_LEN],
+}
+
 /// A key file as found.
 enum KeyFile {
     Key([u8; KEY_LEN]),
@@ -171,7 +191,7 @@ enum KeyFile {
 /// directory it creates and removes) for the copy of the engine's files.
 pub fn check(data_dir: &Path, scratch: &Path) -> Result<Report, SalvageError> {
     let copy = Copy::make(data_dir, scratch)?;
-    let result = read(data_dir, &copy.store, |_| Ok(()));
+    let result = read(data_dir, &copy.store, |_| Ok(()), |_| Ok(()));
     drop(copy);
     result
 }
@@ -191,10 +211,15 @@ pub fn repair(data_dir: &Path, into: &Path) -> Result<Report, SalvageError> {
     std::fs::create_dir_all(into)?;
     let copy = Copy::make(data_dir, &into.join(".damaged-copy"))?;
     let writer = Writer::open(into)?;
-    let result = read(data_dir, &copy.store, |salvaged| {
-        writer.write(salvaged)?;
-        copy_workspace(data_dir, into, &salvaged.key)
-    });
+    let result = read(
+        data_dir,
+        &copy.store,
+        |salvaged| {
+            writer.write(salvaged)?;
+            copy_workspace(data_dir, into, &salvaged.key)
+        },
+        |owner| writer.write_owner(owner),
+    );
     let flushed = writer.engine.flush();
     drop(copy);
     let report = result?;
@@ -300,11 +325,13 @@ fn key_files(data_dir: &Path) -> Result<BTreeMap<u64, KeyFile>, StoreError> {
 }
 
 /// Reads the copy of the engine's files at `store` and the key files of `data_dir`, calling
-/// `salvaged` with each conversation that keeps anything.
+/// `salvaged` with each conversation that keeps anything and `owner` with each long-term
+/// owner.
 fn read(
     data_dir: &Path,
     store: &Path,
     mut salvaged: impl FnMut(&Salvaged) -> Result<(), StoreError>,
+    owner: impl FnMut(&SalvagedOwner) -> Result<(), StoreError>,
 ) -> Result<Report, SalvageError> {
     let mut report = Report::default();
     let keys = key_files(data_dir)?;
@@ -353,6 +380,7 @@ fn read(
         report.conversations.kept += 1;
         salvaged(&conversation)?;
     }
+    salvage_owners(&reader, &keys, &mut ids, &mut report, owner)?;
     report.unused_key_files = keys.keys().filter(|id| !ids.contains(id)).count() as u64;
     let messages = reader.message_ids();
     let orphans: Vec<(u64, usize)> = messages
@@ -372,6 +400,87 @@ fn read(
         report.problem("the messages have pages that cannot be read".to_string());
     }
     Ok(report)
+}
+
+/// Reads long-term memory's owners and their records, calling `salvaged` with each owner
+/// that keeps its key; their ids go into `ids` (their key files are in use).
+fn salvage_owners(
+    reader: &SalvageReader,
+    keys: &BTreeMap<u64, KeyFile>,
+    ids: &mut BTreeSet<u64>,
+    report: &mut Report,
+    mut salvaged: impl FnMut(&SalvagedOwner) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    let owners = reader.owners();
+    let records = reader.owner_records();
+    if !owners.complete {
+        report.problem("the long-term owners have pages that cannot be read".to_string());
+    }
+    if !records.complete {
+        report.problem("the long-term records have pages that cannot be read".to_string());
+    }
+    report.owner_records.found += records.records.len() as u64;
+    for (bytes, meta) in owners.records {
+        report.owners.found += 1;
+        let (Some(owner), Some(meta)) = (OwnerKey::from_bytes(&bytes), meta) else {
+            report.problem("a long-term owner's record cannot be read; it is lost".to_string());
+            continue;
+        };
+        ids.insert(meta.id);
+        let address = format!("{}/{:?}/{}", owner.tenant, owner.kind, owner.name);
+        let secret = match keys.get(&meta.id) {
+            Some(KeyFile::Key(bytes)) => *bytes,
+            _ => {
+                report.problem(format!(
+                    "long-term owner {address}: its key file is missing or malformed; its records are lost"
+                ));
+                continue;
+            }
+        };
+        let key = keys::key_of(&secret)?;
+        let mut prefix = bytes.clone();
+        prefix.push(0);
+        let mut kept = Vec::new();
+        let mut lost = 0;
+        for (record_key, value) in &records.records {
+            let Some(rest) = record_key.strip_prefix(prefix.as_slice()) else {
+                continue;
+            };
+            let Some((space, id)) = rest.split_first() else {
+                lost += 1;
+                continue;
+            };
+            let opens = std::str::from_utf8(value)
+                .ok()
+                .and_then(|v| v.strip_prefix(super::seal::SEALED_PREFIX))
+                .is_some_and(|sealed| {
+                    super::seal::open(&key, super::seal::Kind::Record, sealed).is_ok()
+                });
+            if opens {
+                kept.push(OwnerRecord {
+                    space: *space,
+                    id: id.to_vec(),
+                    value: value.clone(),
+                });
+            } else {
+                lost += 1;
+            }
+        }
+        if lost > 0 {
+            report.problem(format!(
+                "long-term owner {address}: {lost} record(s) cannot be read; they are lost"
+            ));
+        }
+        report.owners.kept += 1;
+        report.owner_records.kept += kept.len() as u64;
+        salvaged(&SalvagedOwner {
+            owner,
+            meta,
+            records: kept,
+            secret,
+        })?;
+    }
+    Ok(())
 }
 
 /// What can be kept of one conversation, its problems added to `report`; `None` when nothing.
@@ -584,6 +693,20 @@ impl Writer {
         }
         Ok(())
     }
+
+    /// Writes one long-term owner under a new id: its key first, then its record, then its
+    /// records in one write.
+    fn write_owner(&self, salvaged: &SalvagedOwner) -> Result<(), StoreError> {
+        let meta = OwnerMeta {
+            id: self.engine.new_id()?,
+            ..salvaged.meta
+        };
+        self.keys.install(meta.id, &salvaged.secret)?;
+        self.engine.create_owner(&salvaged.owner, meta)?;
+        self.engine
+            .write_owner(&salvaged.owner, meta.id, &salvaged.records, &[])?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -616,6 +739,61 @@ mod tests {
             store.sync().await.unwrap();
             store.close().await.unwrap();
         }
+    }
+
+    #[tokio::test]
+    async fn a_repair_carries_long_term_owners_and_their_records() {
+        use crate::identity::TenantId;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let tenant = TenantId::from_token(Some("t"));
+        let (ana, gone) = (
+            OwnerKey::user(&tenant, "ana"),
+            OwnerKey::user(&tenant, "gone"),
+        );
+        {
+            let store = Store::open(&data, options()).unwrap();
+            for (owner, text) in [(&ana, "ana lives in Lisbon"), (&gone, "gone likes tea")] {
+                let handle = store.owner(owner, true).unwrap().unwrap();
+                let records = (0u8..3)
+                    .map(|n| (n, vec![n], format!("{text} {n}").into_bytes()))
+                    .collect();
+                assert!(store.write_owner(&handle, records, &[]).unwrap());
+            }
+            // The second owner's key file goes: its records cannot be read any more.
+            let gone_id = store.owner(&gone, false).unwrap().unwrap().id;
+            store.close().await.unwrap();
+            std::fs::remove_file(data.join("keys").join(format!("{gone_id:016x}.key"))).unwrap();
+        }
+        let report = check(&data, &dir.path().join("scratch")).unwrap();
+        assert_eq!(report.owners, Tally { found: 2, kept: 1 });
+        assert_eq!(report.owner_records, Tally { found: 6, kept: 3 });
+        assert!(
+            report
+                .render(false)
+                .contains("long-term owners: 2 found, 1 salvageable, 1 lost")
+        );
+        assert!(
+            report
+                .problems
+                .iter()
+                .any(|p| p.contains("key file is missing"))
+        );
+        let into = dir.path().join("repaired");
+        let repaired = repair(&data, &into).unwrap();
+        assert_eq!(repaired.owner_records, report.owner_records);
+        let store = Store::open(&into, options()).unwrap();
+        let handle = store.owner(&ana, false).unwrap().unwrap();
+        for space in 0u8..3 {
+            assert_eq!(
+                store.owner_record(&handle, space, &[space]).unwrap(),
+                Some(format!("ana lives in Lisbon {space}").into_bytes())
+            );
+        }
+        assert!(store.owner(&gone, false).unwrap().is_none());
+        store.close().await.unwrap();
+        drop(store);
+        assert!(!check(&into, &dir.path().join("scratch")).unwrap().damaged());
     }
 
     #[tokio::test]

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::StoreError;
-use super::records::{ConversationMeta, StoredBranch, StoredMessage, TtlRecord};
+use super::records::{ConversationMeta, OwnerMeta, StoredBranch, StoredMessage, TtlRecord};
 use super::sled_engine::{Trees, decode, message_key, open_trees, read_branches};
 use crate::identity::ConversationKey;
 
@@ -133,6 +133,33 @@ impl SalvageReader {
         Walk {
             records: found.into_iter().collect(),
             complete: index.complete,
+        }
+    }
+
+    /// Every long-term owner record sled can reach: the owner key bytes and the record (or
+    /// `None` when it does not decode).
+    pub fn owners(&self) -> Walk<(Vec<u8>, Option<OwnerMeta>)> {
+        let walked = walk(&self.trees.owners);
+        Walk {
+            records: walked
+                .records
+                .iter()
+                .map(|(key, value)| (key.to_vec(), decode(value).ok()))
+                .collect(),
+            complete: walked.complete,
+        }
+    }
+
+    /// Every owner's record sled can reach, as stored: (owner key bytes `\0` space id, value).
+    pub fn owner_records(&self) -> Walk<(Vec<u8>, Vec<u8>)> {
+        let walked = walk(&self.trees.owner_records);
+        Walk {
+            records: walked
+                .records
+                .iter()
+                .map(|(key, value)| (key.to_vec(), value.to_vec()))
+                .collect(),
+            complete: walked.complete,
         }
     }
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::identity::ConversationKey;
 use crate::model::Credentials;
+use crate::store::SummaryRecord;
 
 /// What a summary job needs.
 #[derive(Debug)]
@@ -24,6 +25,30 @@ pub struct Job {
     pub stand_in: bool,
     /// Marks the conversation busy from planning until the job is done or dropped.
     pub reservation: Reservation,
+    /// Handed the model summary once it is stored (long-term memory queues an extraction
+    /// from it); never called when no summary is stored.
+    pub on_stored: Option<OnStored>,
+}
+
+/// What to do with a summary once it is stored, given the summary and the job's credentials.
+pub struct OnStored(Box<StoredHook>);
+
+type StoredHook = dyn FnOnce(&SummaryRecord, &Credentials) + Send + Sync;
+
+impl OnStored {
+    pub fn new(f: impl FnOnce(&SummaryRecord, &Credentials) + Send + Sync + 'static) -> OnStored {
+        OnStored(Box::new(f))
+    }
+
+    pub(super) fn call(self, record: &SummaryRecord, credentials: &Credentials) {
+        (self.0)(record, credentials);
+    }
+}
+
+impl std::fmt::Debug for OnStored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnStored")
+    }
 }
 
 /// A conversation's place in the summarizer's in-flight set, from the moment a job is planned

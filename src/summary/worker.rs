@@ -166,13 +166,13 @@ impl Summarizer {
     }
 
     /// Runs a job now and waits for it (synchronous compression).
-    pub async fn run_now(&self, job: Job) -> Result<SummaryRecord, SummaryError> {
+    pub async fn run_now(&self, mut job: Job) -> Result<SummaryRecord, SummaryError> {
         let result = self.make(&job).await;
-        self.finish(&job.key, &result);
+        self.finish(&mut job, &result);
         result
     }
 
-    async fn run(&self, job: Job) {
+    async fn run(&self, mut job: Job) {
         if job.stand_in {
             let (store, key) = (Arc::clone(&self.store), job.key.clone());
             let (id, upto) = (job.conversation_id, job.upto_turn);
@@ -187,12 +187,17 @@ impl Summarizer {
             }
         }
         let result = self.make(&job).await;
-        self.finish(&job.key, &result);
+        self.finish(&mut job, &result);
     }
 
-    /// Counts and logs a job's result and sets the back-off after a failure. The job's
-    /// reservation is released when the caller drops the job, after this.
-    fn finish(&self, key: &ConversationKey, result: &Result<SummaryRecord, SummaryError>) {
+    /// Counts and logs a job's result, hands a stored summary to the job's
+    /// [`Job::on_stored`], and sets the back-off after a failure. The job's reservation is
+    /// released when the caller drops the job, after this.
+    fn finish(&self, job: &mut Job, result: &Result<SummaryRecord, SummaryError>) {
+        if let (Ok(record), Some(on_stored)) = (result, job.on_stored.take()) {
+            on_stored.call(record, &job.credentials);
+        }
+        let key = &job.key;
         match result {
             Ok(record) => {
                 guard(&self.backoff).remove(key);
@@ -525,6 +530,7 @@ mod tests {
             credentials: Credentials::new(vec![("authorization".into(), "Bearer k".into())]),
             stand_in: false,
             reservation: summarizer.reserve(key).unwrap(),
+            on_stored: None,
         }
     }
 

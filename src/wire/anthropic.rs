@@ -2,8 +2,10 @@
 //! back.
 //!
 //! - The top-level `system` (a string or text blocks) is the client's instructions: never a
-//!   turn, forwarded as sent. What memory adds (the summary, recalled turns, memories) goes
-//!   into `system` as extra text blocks, so the messages list stays what the API accepts.
+//!   turn, forwarded as sent. What memory adds that changes rarely (the summary, memories)
+//!   goes into `system` as extra text blocks, so the messages list stays what the API accepts;
+//!   the recalled turns, new with every question, go at the start of the last user turn, so
+//!   they never break the cached prefix ([`render`]).
 //! - A user message is its `tool_result` blocks (one `tool` message each, answering the
 //!   `tool_use` id) and then the rest (text, images, documents) as one user message. An
 //!   assistant message is one assistant message: its text, its `tool_use` blocks as tool
@@ -16,7 +18,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-use super::{Neutral, Wire, content_text, parsed, tool_call};
+use super::{Neutral, Part, Wire, content_text, parsed, tool_call};
 use crate::message::{InvalidRequest, Message, canonical_json, write_fields};
 
 /// What goes first when a prompt would otherwise open with an assistant turn.
@@ -217,18 +219,66 @@ fn anthropic_part(part: &Value) -> Option<Value> {
     }
 }
 
-/// A message being written: its role and blocks (each with whether it is a tool result).
+/// A block being written: raw, whether it is a tool result, and the index in the prompt of
+/// the message it came from (`usize::MAX`: memproxy's own).
+struct Block {
+    raw: Box<RawValue>,
+    tool_result: bool,
+    source: usize,
+}
+
+/// A message being written: its role and blocks.
 struct Turn {
     role: &'static str,
     /// `Some` while the turn is one string content, as sent.
     text: Option<String>,
-    blocks: Vec<(Box<RawValue>, bool)>,
+    blocks: Vec<Block>,
+    /// The prompt message a string content came from.
+    source: usize,
 }
 
 impl Turn {
-    fn into_blocks(self) -> Vec<(Box<RawValue>, bool)> {
+    fn new(role: &'static str, blocks: Vec<(Box<RawValue>, bool)>) -> Turn {
+        Turn {
+            role,
+            text: None,
+            blocks: blocks
+                .into_iter()
+                .map(|(raw, tool_result)| Block {
+                    raw,
+                    tool_result,
+                    source: usize::MAX,
+                })
+                .collect(),
+            source: usize::MAX,
+        }
+    }
+
+    fn text(role: &'static str, text: String) -> Turn {
+        Turn {
+            role,
+            text: Some(text),
+            blocks: Vec::new(),
+            source: usize::MAX,
+        }
+    }
+
+    /// The turn as coming from prompt message `source`.
+    fn tagged_with(mut self, source: usize) -> Turn {
+        self.source = source;
+        for block in &mut self.blocks {
+            block.source = source;
+        }
+        self
+    }
+
+    fn into_blocks(self) -> Vec<Block> {
         match self.text {
-            Some(text) => vec![(raw(&json!({"type": "text", "text": text})), false)],
+            Some(text) => vec![Block {
+                raw: raw(&json!({"type": "text", "text": text})),
+                tool_result: false,
+                source: self.source,
+            }],
             None => self.blocks,
         }
     }
@@ -244,20 +294,61 @@ fn is_tool_result(block: &RawValue) -> bool {
         .is_some_and(|b| b["type"] == "tool_result")
 }
 
-/// The request body for a prompt of neutral messages: system messages (the client's own
-/// system-role messages, memproxy's summary, recall and memories) become extra `system` text
-/// blocks after the client's `system`; the rest become alternating turns starting with a user
-/// turn.
+/// The most `cache_control` breakpoints a request may carry.
+pub const MAX_BREAKPOINTS: usize = 4;
+
+/// `block` with an ephemeral `cache_control` breakpoint, or `None` when it cannot take one
+/// (thinking blocks cannot) or already has one.
+fn with_breakpoint(block: &RawValue) -> Option<Box<RawValue>> {
+    let mut value: Value = serde_json::from_str(block.get()).ok()?;
+    let object = value.as_object_mut()?;
+    let kind = object.get("type").and_then(Value::as_str)?;
+    if matches!(kind, "thinking" | "redacted_thinking") || object.contains_key("cache_control") {
+        return None;
+    }
+    object.insert("cache_control".into(), json!({"type": "ephemeral"}));
+    Some(raw(&value))
+}
+
+/// How many `cache_control` breakpoints a piece of request JSON holds (a key, never text: a
+/// quote inside a string is escaped).
+fn breakpoints_in(json: &str) -> usize {
+    json.matches("\"cache_control\"").count()
+}
+
+/// The request body for a prompt of neutral messages, each tagged with its part.
+///
+/// - System messages (memproxy's summary and memories, and any system-role message) become
+///   extra `system` text blocks after the client's `system`, in the prompt's order; the rest
+///   become alternating turns starting with a user turn.
+/// - The recalled turns change with every question, and Anthropic caches in the order tools →
+///   system → messages: as a `system` block they would make every turn's messages new. They
+///   go instead as a text block at the start of the last user turn (after its tool results,
+///   which the API wants first): the newest user turn is new anyway, so tools, system and
+///   every earlier turn stay the previous prompt's prefix. (A prompt without a user turn gets
+///   them as the last `system` block.)
+/// - With `breakpoints`, `cache_control` marks the last block of the recent window (the end
+///   of what the next prompt repeats) and then the last `system` block memproxy added (what
+///   survives a jump of the window's anchor), as far as the API's four breakpoints allow with
+///   the ones the request already carries. The provider reads earlier cached prefixes back
+///   from a later breakpoint, so the mark moving forward each turn keeps reusing them.
 pub fn render<'a>(
     fields: &[(String, Box<RawValue>)],
-    prompt: impl IntoIterator<Item = &'a RawValue>,
+    prompt: impl IntoIterator<Item = (Part, &'a RawValue)>,
+    breakpoints: bool,
 ) -> Vec<u8> {
     let mut system_texts: Vec<String> = Vec::new();
+    let mut recalled: Option<String> = None;
+    let mut window_end: Option<usize> = None;
     let mut turns: Vec<Turn> = Vec::new();
-    for message in prompt {
+    for (source, (part, message)) in prompt.into_iter().enumerate() {
         let Some(neutral) = Neutral::read(message) else {
             continue;
         };
+        if part == Part::Recalled {
+            recalled = Some(neutral.text());
+            continue;
+        }
         let turn = match neutral.role.as_str() {
             "system" | "developer" => {
                 system_texts.push(neutral.text());
@@ -268,16 +359,13 @@ pub fn render<'a>(
         let Some(turn) = turn else {
             continue;
         };
+        if part == Part::Window {
+            window_end = Some(source);
+        }
+        let turn = turn.tagged_with(source);
         match turns.last_mut() {
             Some(last) if last.role == turn.role => {
-                let previous = std::mem::replace(
-                    last,
-                    Turn {
-                        role: turn.role,
-                        text: None,
-                        blocks: Vec::new(),
-                    },
-                );
+                let previous = std::mem::replace(last, Turn::new(turn.role, Vec::new()));
                 let mut blocks = previous.into_blocks();
                 blocks.extend(turn.into_blocks());
                 last.blocks = blocks;
@@ -286,15 +374,67 @@ pub fn render<'a>(
         }
     }
     if turns.first().is_some_and(|t| t.role == "assistant") {
-        turns.insert(
-            0,
-            Turn {
-                role: "user",
-                text: Some(OPENING_USER_TURN.to_string()),
-                blocks: Vec::new(),
-            },
-        );
+        turns.insert(0, Turn::text("user", OPENING_USER_TURN.to_string()));
     }
+    if let Some(text) = recalled {
+        match turns.iter().rposition(|t| t.role == "user") {
+            Some(i) => {
+                let turn = std::mem::replace(&mut turns[i], Turn::new("user", Vec::new()));
+                let mut blocks = vec![Block {
+                    raw: raw(&json!({"type": "text", "text": text})),
+                    tool_result: false,
+                    source: usize::MAX,
+                }];
+                blocks.extend(turn.into_blocks());
+                turns[i].blocks = blocks;
+            }
+            None => system_texts.push(text),
+        }
+    }
+    let added_system = system_texts.len();
+
+    // Breakpoints: the room the request's own leave.
+    let client_breakpoints: usize = fields
+        .iter()
+        .filter(|(k, _)| k == "tools" || k == "system")
+        .map(|(_, v)| breakpoints_in(v.get()))
+        .sum::<usize>()
+        + turns
+            .iter()
+            .flat_map(|t| &t.blocks)
+            .map(|b| breakpoints_in(b.raw.get()))
+            .sum::<usize>();
+    let mut room = if breakpoints {
+        MAX_BREAKPOINTS.saturating_sub(client_breakpoints)
+    } else {
+        0
+    };
+    if let Some(end) = window_end
+        && room > 0
+        && let Some(turn) = turns
+            .iter_mut()
+            .rfind(|t| t.source == end || t.blocks.iter().any(|b| b.source == end))
+    {
+        if turn.text.is_some() {
+            let whole = std::mem::replace(turn, Turn::new(turn.role, Vec::new()));
+            let role = whole.role;
+            *turn = Turn {
+                blocks: whole.into_blocks(),
+                ..Turn::new(role, Vec::new())
+            };
+        }
+        let marked = turn
+            .blocks
+            .iter_mut()
+            .rev()
+            .filter(|b| b.source == end)
+            .find_map(|b| with_breakpoint(&b.raw).map(|raw| (b, raw)));
+        if let Some((block, marked)) = marked {
+            block.raw = marked;
+            room -= 1;
+        }
+    }
+
     let mut list = String::from("[");
     for (i, turn) in turns.into_iter().enumerate() {
         if i > 0 {
@@ -307,13 +447,13 @@ pub fn render<'a>(
             None => {
                 // Tool results first in a user turn, as the API requires.
                 let mut blocks = turn.blocks;
-                blocks.sort_by_key(|(_, tool_result)| !tool_result);
+                blocks.sort_by_key(|b| !b.tool_result);
                 list.push('[');
-                for (j, (block, _)) in blocks.iter().enumerate() {
+                for (j, block) in blocks.iter().enumerate() {
                     if j > 0 {
                         list.push(',');
                     }
-                    list.push_str(block.get());
+                    list.push_str(block.raw.get());
                 }
                 list.push(']');
             }
@@ -335,6 +475,13 @@ pub fn render<'a>(
     };
     for text in system_texts {
         system.push(raw(&json!({"type": "text", "text": text})));
+    }
+    if room > 0
+        && added_system > 0
+        && let Some(last) = system.last_mut()
+        && let Some(marked) = with_breakpoint(last)
+    {
+        *last = marked;
     }
     let system = super::json_list(system);
     let mut fields = fields.to_vec();
@@ -363,11 +510,7 @@ fn to_turn(neutral: Neutral) -> Option<Turn> {
                 (b, tool_result)
             })
             .collect();
-        return Some(Turn {
-            role,
-            text: None,
-            blocks,
-        });
+        return Some(Turn::new(role, blocks));
     }
     match neutral.role.as_str() {
         "assistant" => {
@@ -383,39 +526,26 @@ fn to_turn(neutral: Neutral) -> Option<Turn> {
                     false,
                 ));
             }
-            (!blocks.is_empty()).then_some(Turn {
-                role,
-                text: None,
-                blocks,
-            })
+            (!blocks.is_empty()).then(|| Turn::new(role, blocks))
         }
-        "tool" | "function" => Some(Turn {
+        "tool" | "function" => Some(Turn::new(
             role,
-            text: None,
-            blocks: vec![(
+            vec![(
                 raw(
                     &json!({"type": "tool_result", "tool_use_id": neutral.tool_call_id.clone().unwrap_or_default(), "content": neutral.text()}),
                 ),
                 true,
             )],
-        }),
+        )),
         _ => match &neutral.content {
-            Value::String(text) => Some(Turn {
-                role,
-                text: Some(text.clone()),
-                blocks: Vec::new(),
-            }),
+            Value::String(text) => Some(Turn::text(role, text.clone())),
             Value::Array(parts) => {
                 let blocks: Vec<_> = parts
                     .iter()
                     .filter_map(anthropic_part)
                     .map(|b| (raw(&b), false))
                     .collect();
-                (!blocks.is_empty()).then_some(Turn {
-                    role,
-                    text: None,
-                    blocks,
-                })
+                (!blocks.is_empty()).then(|| Turn::new(role, blocks))
             }
             _ => None,
         },
@@ -594,7 +724,11 @@ mod tests {
         assert_eq!(parsed[1].tool_call_ids, ["t1"]);
         assert_eq!(parsed[2].tool_call_id.as_deref(), Some("t1"));
 
-        let body = render(&fields, parsed.iter().map(|m| &*m.raw));
+        let body = render(
+            &fields,
+            parsed.iter().map(|m| (Part::Incoming, &*m.raw)),
+            true,
+        );
         let text = String::from_utf8(body).unwrap();
         assert!(text.contains(thinking), "{text}");
         let value: Value = serde_json::from_str(&text).unwrap();
@@ -622,8 +756,12 @@ mod tests {
             neutral(json!({"role": "tool", "tool_call_id": "c", "content": "ok"})),
             neutral(json!({"role": "user", "content": "new"})),
         ];
-        let body: Value =
-            serde_json::from_slice(&render(&fields, prompt.iter().map(|m| &**m))).unwrap();
+        let body: Value = serde_json::from_slice(&render(
+            &fields,
+            prompt.iter().map(|m| (Part::Incoming, &**m)),
+            false,
+        ))
+        .unwrap();
         assert_eq!(body["system"][0]["text"], "Be brief.");
         assert_eq!(
             body["system"][1]["text"],
@@ -636,6 +774,155 @@ mod tests {
         assert_eq!(list[3]["content"][0]["input"]["x"], 1);
         assert_eq!(list[4]["content"][0]["type"], "tool_result");
         assert_eq!(list[4]["content"][1]["text"], "new");
+    }
+
+    /// A prompt of every part, as the pipeline assembles it.
+    fn parts_prompt(window_last: Value) -> Vec<(Part, Box<RawValue>)> {
+        vec![
+            (
+                Part::Summary,
+                raw(&json!({"role": "system", "content": "[Summary of earlier conversation] s"})),
+            ),
+            (
+                Part::Memories,
+                raw(&json!({"role": "system", "content": "[What you know about the user] m"})),
+            ),
+            (Part::Window, raw(&json!({"role": "user", "content": "w1"}))),
+            (Part::Window, raw(&window_last)),
+            (
+                Part::Recalled,
+                raw(&json!({"role": "system", "content": "[Recalled] r"})),
+            ),
+            (
+                Part::Incoming,
+                raw(&json!({"role": "user", "content": "new"})),
+            ),
+        ]
+    }
+
+    fn render_value(
+        fields: &[(String, Box<RawValue>)],
+        prompt: &[(Part, Box<RawValue>)],
+        breakpoints: bool,
+    ) -> Value {
+        serde_json::from_slice(&render(
+            fields,
+            prompt.iter().map(|(p, m)| (*p, &**m)),
+            breakpoints,
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn recalled_turns_open_the_last_user_turn_and_breakpoints_mark_the_stable_parts() {
+        let fields = request(
+            json!([{"role": "user", "content": "new"}]),
+            Some(json!("Be brief.")),
+        );
+        let prompt = parts_prompt(json!({"role": "assistant", "content": "w2"}));
+        let body = render_value(&fields, &prompt, true);
+        let system: Vec<&str> = body["system"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["text"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            system,
+            [
+                "Be brief.",
+                "[Summary of earlier conversation] s",
+                "[What you know about the user] m"
+            ]
+        );
+        assert_eq!(
+            body["system"][2]["cache_control"],
+            json!({"type": "ephemeral"})
+        );
+        assert!(body["system"][1].get("cache_control").is_none());
+        let list = body["messages"].as_array().unwrap();
+        assert_eq!(list.len(), 3);
+        assert_eq!(list[0], json!({"role": "user", "content": "w1"}));
+        // The end of the window carries the breakpoint.
+        assert_eq!(
+            list[1]["content"],
+            json!([{"type": "text", "text": "w2", "cache_control": {"type": "ephemeral"}}])
+        );
+        // The recalled turns open the newest user turn.
+        assert_eq!(
+            list[2]["content"],
+            json!([{"type": "text", "text": "[Recalled] r"}, {"type": "text", "text": "new"}])
+        );
+
+        // Without breakpoints: nothing marked, the same order.
+        let plain = render_value(&fields, &prompt, false);
+        assert_eq!(breakpoints_in(&plain.to_string()), 0);
+        assert_eq!(
+            plain["messages"][1]["content"],
+            json!([{"type": "text", "text": "w2"}])
+        );
+
+        // The request's own breakpoints leave room for fewer: 3 of the client's, one added
+        // at the window's end.
+        let mut own = request(
+            json!([{"role": "user", "content": "new"}]),
+            Some(
+                json!([{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "b", "cache_control": {"type": "ephemeral"}}]),
+            ),
+        );
+        own.push((
+            "tools".into(),
+            raw(
+                &json!([{"name": "t", "input_schema": {}, "cache_control": {"type": "ephemeral"}}]),
+            ),
+        ));
+        let body = render_value(&own, &prompt, true);
+        assert_eq!(breakpoints_in(&body.to_string()), 4);
+        assert!(
+            body["messages"][1]["content"][0]
+                .get("cache_control")
+                .is_some()
+        );
+        assert!(body["system"][3].get("cache_control").is_none());
+        own.push(("metadata".into(), raw(&json!({"cache_control": 1}))));
+        own[1].1 = raw(
+            &json!([{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "b", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "c", "cache_control": {"type": "ephemeral"}}]),
+        );
+        let body = render_value(&own, &prompt, true);
+        assert_eq!(breakpoints_in(&body["messages"].to_string()), 0);
+    }
+
+    #[test]
+    fn recalled_turns_follow_tool_results_and_breakpoints_skip_thinking() {
+        let fields = request(json!([{"role": "user", "content": "x"}]), None);
+        let thinking = json!({"type": "thinking", "thinking": "t", "signature": "S"});
+        let call = json!({"type": "tool_use", "id": "c", "name": "f", "input": {}});
+        let mut prompt = parts_prompt(json!({"role": "assistant", "content": null,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            "_wire": {"anthropic": [call, thinking]}}));
+        prompt.insert(
+            5,
+            (
+                Part::Incoming,
+                raw(&json!({"role": "tool", "tool_call_id": "c", "content": "ok"})),
+            ),
+        );
+        let body = render_value(&fields, &prompt, true);
+        let list = body["messages"].as_array().unwrap();
+        // The tool_use block takes the breakpoint: the thinking block after it cannot.
+        assert_eq!(
+            list[1]["content"][0]["cache_control"],
+            json!({"type": "ephemeral"})
+        );
+        assert!(list[1]["content"][1].get("cache_control").is_none());
+        let kinds: Vec<&str> = list[2]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["type"].as_str().unwrap())
+            .collect();
+        assert_eq!(kinds, ["tool_result", "text", "text"]);
+        assert_eq!(list[2]["content"][1]["text"], "[Recalled] r");
     }
 
     #[test]

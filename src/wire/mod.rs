@@ -22,6 +22,15 @@
 //! matches what is stored. Opaque parts have no text: they are never summarized, recalled or
 //! indexed.
 //!
+//! # The provider's prompt cache
+//!
+//! Every writer keeps the prompt's order (`pipeline/assemble.rs`: stable parts first, recalled
+//! turns last before the new messages), so consecutive prompts of a conversation share their
+//! longest prefix. Chat completions and Responses requests also get a `prompt_cache_key`
+//! ([`CacheHints::key`]) when the client set none, so the provider routes a conversation's
+//! requests to the same cache; the Anthropic writer places recalled turns and `cache_control`
+//! breakpoints as `anthropic.rs` describes.
+//!
 //! No HTTP here: the edge (`proxy/`) picks the format from the route.
 
 pub mod anthropic;
@@ -71,6 +80,38 @@ impl Api {
         }
     }
 }
+
+/// Which part of memproxy's prompt a message is (`pipeline/assemble.rs`): the Anthropic writer
+/// places the parts apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The client's system/developer messages before the new ones.
+    Instructions,
+    /// memproxy's summary of older history.
+    Summary,
+    /// memproxy's message of the user's memories.
+    Memories,
+    /// Stored messages, verbatim.
+    Window,
+    /// memproxy's message of recalled older turns.
+    Recalled,
+    /// The request's new messages (and instructions among them), as sent.
+    Incoming,
+}
+
+/// What a writer adds for the provider's prompt cache.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheHints {
+    /// The `prompt_cache_key` to set on a chat-completions or Responses request whose client
+    /// set none (the field present at all, even `null`, is the client's choice).
+    pub key: Option<String>,
+    /// Anthropic: `cache_control` breakpoints at the end of the stable parts, within the four
+    /// the API allows.
+    pub breakpoints: bool,
+}
+
+/// The field that names a prompt's cache on the OpenAI APIs.
+pub const PROMPT_CACHE_KEY: &str = "prompt_cache_key";
 
 /// A request of any of the three APIs: its top-level fields in order (raw), and its
 /// conversation as neutral messages.
@@ -124,21 +165,52 @@ impl ApiRequest {
     /// `previous_response_id` and `conversation` are left out, memory sends the history
     /// itself.
     pub fn render<'a>(&self, prompt: impl IntoIterator<Item = &'a RawValue>) -> Vec<u8> {
+        self.render_parts(
+            prompt.into_iter().map(|m| (Part::Incoming, m)),
+            &CacheHints::default(),
+        )
+    }
+
+    /// [`ApiRequest::render`] for a prompt whose messages are tagged with their part, with
+    /// what `cache` asks for the provider's prompt cache.
+    pub fn render_parts<'a>(
+        &self,
+        prompt: impl IntoIterator<Item = (Part, &'a RawValue)>,
+        cache: &CacheHints,
+    ) -> Vec<u8> {
         match self.api {
             Api::Chat => {
-                let list = json_list(prompt.into_iter().filter_map(for_chat));
-                write_fields(&self.fields, "messages", &list, &[])
+                let list = json_list(prompt.into_iter().filter_map(|(_, m)| for_chat(m)));
+                write_fields(&self.with_cache_key(cache), "messages", &list, &[])
             }
             Api::Responses => {
-                let list = json_list(responses::render_input(prompt));
+                let list = json_list(responses::render_input(prompt.into_iter().map(|(_, m)| m)));
                 write_fields(
-                    &self.fields,
+                    &self.with_cache_key(cache),
                     "input",
                     &list,
                     &["previous_response_id", "conversation"],
                 )
             }
-            Api::Anthropic => anthropic::render(&self.fields, prompt),
+            Api::Anthropic => anthropic::render(&self.fields, prompt, cache.breakpoints),
+        }
+    }
+
+    /// The fields with `prompt_cache_key` added last when `cache` has one and the client
+    /// set none.
+    fn with_cache_key(&self, cache: &CacheHints) -> Cow<'_, [(String, Box<RawValue>)]> {
+        let client_set = self.fields.iter().any(|(k, _)| k == PROMPT_CACHE_KEY);
+        let key = match &cache.key {
+            Some(key) if !client_set => serde_json::value::to_raw_value(key).ok(),
+            _ => None,
+        };
+        match key {
+            None => Cow::Borrowed(&self.fields),
+            Some(key) => {
+                let mut fields = self.fields.clone();
+                fields.push((PROMPT_CACHE_KEY.to_string(), key));
+                Cow::Owned(fields)
+            }
         }
     }
 }
@@ -315,6 +387,53 @@ mod tests {
         .unwrap();
         let out: Value = serde_json::from_str(for_chat(&mixed).unwrap().get()).unwrap();
         assert_eq!(out, json!({"role": "assistant", "content": "hi"}));
+    }
+
+    #[test]
+    fn the_prompt_cache_key_is_set_only_when_the_client_set_none() {
+        let cache = CacheHints {
+            key: Some("mp-0123".into()),
+            breakpoints: true,
+        };
+        let user = RawValue::from_string(r#"{"role":"user","content":"x"}"#.into()).unwrap();
+        let prompt = [(Part::Incoming, &*user)];
+        for (api, body) in [
+            (
+                Api::Chat,
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+            ),
+            (Api::Responses, json!({"model": "m", "input": "x"})),
+        ] {
+            let request = ApiRequest::parse(api, body.to_string().as_bytes()).unwrap();
+            let out: Value = serde_json::from_slice(&request.render_parts(prompt, &cache)).unwrap();
+            assert_eq!(out[PROMPT_CACHE_KEY], "mp-0123", "{api:?}");
+            let out: Value =
+                serde_json::from_slice(&request.render_parts(prompt, &CacheHints::default()))
+                    .unwrap();
+            assert!(out.get(PROMPT_CACHE_KEY).is_none(), "{api:?}");
+            // The client's own, even null, is left alone.
+            for own in [json!("mine"), Value::Null] {
+                let mut body = body.clone();
+                body[PROMPT_CACHE_KEY] = own.clone();
+                let request = ApiRequest::parse(api, body.to_string().as_bytes()).unwrap();
+                let text = request.render_parts(prompt, &cache);
+                let out: Value = serde_json::from_slice(&text).unwrap();
+                assert_eq!(out[PROMPT_CACHE_KEY], own, "{api:?}");
+                assert_eq!(
+                    String::from_utf8(text)
+                        .unwrap()
+                        .matches(PROMPT_CACHE_KEY)
+                        .count(),
+                    1
+                );
+            }
+        }
+        // Never sent to Anthropic.
+        let body =
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]});
+        let request = ApiRequest::parse(Api::Anthropic, body.to_string().as_bytes()).unwrap();
+        let out: Value = serde_json::from_slice(&request.render_parts(prompt, &cache)).unwrap();
+        assert!(out.get(PROMPT_CACHE_KEY).is_none());
     }
 
     mod fuzz {

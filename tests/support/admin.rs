@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::support::mock_upstream::MockUpstream;
 use crate::support::redis_server::RedisServer;
@@ -37,8 +38,18 @@ pub fn config_with_storage(
 /// the test run's environment (`scripts/test.sh` runs the admin suite so a second time), its
 /// memory is in a redis-server of its own instead of sled.
 pub async fn start_admin(mock: &MockUpstream, data_dir: &Path, extra_toml: &str) -> Proxy {
-    let redis =
-        (std::env::var("MEMPROXY_TEST_BACKEND").as_deref() == Ok("redis")).then(RedisServer::start);
+    start_admin_backend(mock, data_dir, extra_toml).await.0
+}
+
+/// [`start_admin`], and the redis-server its memory is in (with `MEMPROXY_TEST_BACKEND=redis`)
+/// for tests that look into it (kept alive by the proxy too).
+pub async fn start_admin_backend(
+    mock: &MockUpstream,
+    data_dir: &Path,
+    extra_toml: &str,
+) -> (Proxy, Option<Arc<RedisServer>>) {
+    let redis = (std::env::var("MEMPROXY_TEST_BACKEND").as_deref() == Ok("redis"))
+        .then(|| Arc::new(RedisServer::start()));
     let storage = redis.as_ref().map_or(String::new(), |redis| {
         format!(
             "backend = \"redis\"\nredis_url = \"{}\"\nredis_key_prefix = \"mp:\"\n",
@@ -53,8 +64,8 @@ pub async fn start_admin(mock: &MockUpstream, data_dir: &Path, extra_toml: &str)
     .unwrap();
     let proxy = Proxy::start_config(config).await;
     match redis {
-        Some(redis) => proxy.keeping(redis),
-        None => proxy,
+        Some(redis) => (proxy.keeping(Arc::clone(&redis)), Some(redis)),
+        None => (proxy, None),
     }
 }
 

@@ -373,6 +373,26 @@ async fn answer(
         let (reply, auto) = if is_summary_call(&recorded) {
             let reply = lock(&shared.summary_script).pop_front();
             (reply, Reply::Text(default_summary(&text)))
+        } else if anthropic && is_extraction_call(&recorded) {
+            // Structured output on the Messages API: the scripted JSON becomes the input of
+            // the tool the request forces, as a model answers a forced tool call.
+            let reply = lock(&shared.extraction_script).pop_front();
+            let reply = resolve(
+                reply.unwrap_or(Reply::Auto),
+                Reply::Text(r#"{"memories":[]}"#.to_string()),
+            )
+            .await;
+            let forced = request
+                .pointer("/tool_choice/name")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            let reply = match (reply, forced) {
+                (Reply::Text(json), Some(name)) => {
+                    Reply::ToolCalls(vec![("toolu_mock".to_string(), name, json)])
+                }
+                (reply, _) => reply,
+            };
+            (Some(reply), Reply::Auto)
         } else {
             let reply = lock(&shared.script).pop_front();
             (reply, Reply::Text(format!("reply to: {text}")))
