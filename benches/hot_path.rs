@@ -205,6 +205,7 @@ fn fixture(runtime: &tokio::runtime::Runtime, n: usize) -> Fixture {
                     add,
                     tokens_forwarded: 0,
                     branch_from_turn: None,
+                    ..Change::default()
                 },
             )
             .unwrap();

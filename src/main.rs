@@ -112,12 +112,13 @@ fn check_config(config: &Config) -> ExitCode {
     let budget = &config.memory_budget;
     let mib = |bytes: u64| bytes >> 20;
     println!(
-        "memory budget = {} MiB: state cache {} MiB, sled page cache {} MiB, recall cache {} MiB, the storage engine beyond its cache {} MiB, the process itself about {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
+        "memory budget = {} MiB: state cache {} MiB, sled page cache {} MiB, recall cache {} MiB, the storage engine beyond its cache {} MiB, receipts {} MiB, the process itself about {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
         mib(budget.total),
         mib(budget.state_cache),
         mib(budget.store_cache),
         mib(budget.recall_cache),
         mib(budget.engine_reserve),
+        mib(budget.receipts),
         mib(memproxy::config::PROCESS_BASE),
         mib(budget.in_flight()),
         mib(budget.high_water),

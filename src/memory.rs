@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::config::{self, CompressionConfig, Config};
 use crate::identity::{ConversationKey, TenantId};
+use crate::ledger::Ledger;
 use crate::longterm::LongTerm;
 use crate::model::ModelCall;
 use crate::recall::Recall;
@@ -59,6 +60,8 @@ pub struct Memory {
     /// Long-term memory per user: archives, their indexes, extracted memories.
     pub longterm: LongTerm,
     pub summarizer: Arc<Summarizer>,
+    /// Background tokens per agent and conversation, and the daily budget (`ledger.rs`).
+    pub ledger: Arc<Ledger>,
     pub clock: Clock,
     pub sweeps: SweepCounters,
     /// Branches closed by commits (a client's history left the stored line).
@@ -99,6 +102,7 @@ impl Memory {
         model: Arc<dyn ModelCall>,
         compression: CompressionConfig,
         recall_cache_bytes: u64,
+        ledger: Arc<Ledger>,
     ) -> Memory {
         Memory {
             // The recall share of the memory budget is split: three quarters for the
@@ -109,8 +113,15 @@ impl Memory {
                 recall_cache_bytes / 4,
                 Arc::clone(&store),
                 Arc::clone(&model),
+                Arc::clone(&ledger),
             ),
-            summarizer: Summarizer::start(Arc::clone(&store), model, compression),
+            summarizer: Summarizer::start(
+                Arc::clone(&store),
+                model,
+                compression,
+                Arc::clone(&ledger),
+            ),
+            ledger,
             store,
             clock: Clock::default(),
             sweeps: SweepCounters::default(),
@@ -146,6 +157,7 @@ impl Memory {
     ) -> Result<Option<Deleted>, StoreError> {
         let deleted = self.store.delete_conversation(key)?;
         self.recall.forget(key);
+        self.ledger.forget(key);
         Ok(deleted)
     }
 

@@ -14,6 +14,7 @@ use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::ledger::Task;
 use crate::memory::Memory;
 
 // Long-term memory's extraction metrics.
@@ -151,6 +152,18 @@ struct StageLabels {
     stage: &'static str,
 }
 
+/// An agent label: a name from the config, or `other` (`ledger.rs`): a closed set.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AgentLabels {
+    agent: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AgentTaskLabels {
+    agent: String,
+    task: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CacheLabels {
     cache: &'static str,
@@ -238,6 +251,13 @@ pub struct Metrics {
     summary_output_tokens: Counter,
     tokens_forwarded: Counter,
     tokens_history: Counter,
+    ledger_history: Family<AgentLabels, Counter>,
+    ledger_forwarded: Family<AgentLabels, Counter>,
+    ledger_cached: Family<AgentLabels, Counter>,
+    ledger_background: Family<AgentTaskLabels, Counter>,
+    background_budget_exhausted: Family<AgentTaskLabels, Counter>,
+    receipts_bytes: Gauge,
+    receipts_kept: Gauge,
     store_size: Gauge,
     store_up: Gauge,
     cached_conversations: Gauge,
@@ -340,6 +360,45 @@ impl Metrics {
             "Tokens of the full history those prompts stood for (stored messages plus the new ones); the saving is this minus prompt_tokens_forwarded",
             tokens_history.clone(),
         );
+        let ledger_history = Family::<AgentLabels, Counter>::default();
+        registry.register(
+            "ledger_history_tokens",
+            "Token ledger, by agent: tokens the memory-on requests would have sent without memproxy (the whole history each time)",
+            ledger_history.clone(),
+        );
+        let ledger_forwarded = Family::<AgentLabels, Counter>::default();
+        registry.register(
+            "ledger_forwarded_tokens",
+            "Token ledger, by agent: tokens of the prompts memproxy forwarded for them",
+            ledger_forwarded.clone(),
+        );
+        let ledger_cached = Family::<AgentLabels, Counter>::default();
+        registry.register(
+            "ledger_cached_tokens",
+            "Token ledger, by agent: of the prompts forwarded, the tokens the upstream reported read from its prompt cache",
+            ledger_cached.clone(),
+        );
+        let ledger_background = Family::<AgentTaskLabels, Counter>::default();
+        registry.register(
+            "ledger_background_tokens",
+            "Token ledger, by agent and task (summary, extraction): tokens memproxy's own model calls spent (the upstream's usage, else counted)",
+            ledger_background.clone(),
+        );
+        let background_budget_exhausted = Family::<AgentTaskLabels, Counter>::default();
+        registry.register(
+            "background_budget_exhausted",
+            "Background model calls not made because the agent's budget for the UTC day (compression.max_tokens_per_day) was spent, by agent and task",
+            background_budget_exhausted.clone(),
+        );
+        let receipts_bytes = Gauge::default();
+        registry.register_with_unit(
+            "receipts",
+            "Memory the kept receipts take (receipts.max_bytes bounds it)",
+            Unit::Bytes,
+            receipts_bytes.clone(),
+        );
+        let receipts_kept = Gauge::default();
+        registry.register("receipts_kept", "Receipts kept now", receipts_kept.clone());
         let store_size = Gauge::default();
         registry.register_with_unit(
             "store_size",
@@ -467,6 +526,13 @@ impl Metrics {
             summary_output_tokens,
             tokens_forwarded,
             tokens_history,
+            ledger_history,
+            ledger_forwarded,
+            ledger_cached,
+            ledger_background,
+            background_budget_exhausted,
+            receipts_bytes,
+            receipts_kept,
             store_size,
             store_up,
             cached_conversations,
@@ -558,6 +624,35 @@ impl Metrics {
         self.tokens_forwarded.inc_by(forwarded_tokens);
         self.tokens_history
             .inc_by(history_tokens.max(forwarded_tokens));
+    }
+
+    /// The token ledger of a planned memory-on request of agent label `agent`: the tokens it
+    /// would have sent without memproxy, and those forwarded.
+    pub fn ledger_exchange(&self, agent: &str, history_tokens: u64, forwarded_tokens: u64) {
+        let labels = AgentLabels {
+            agent: agent.to_string(),
+        };
+        self.ledger_history
+            .get_or_create(&labels)
+            .inc_by(history_tokens);
+        self.ledger_forwarded
+            .get_or_create(&labels)
+            .inc_by(forwarded_tokens);
+    }
+
+    /// The cached prompt tokens the upstream reported for an exchange of agent label `agent`.
+    pub fn ledger_cached(&self, agent: &str, cached_tokens: u64) {
+        self.ledger_cached
+            .get_or_create(&AgentLabels {
+                agent: agent.to_string(),
+            })
+            .inc_by(cached_tokens);
+    }
+
+    /// The receipts kept: their bytes and their number.
+    pub fn receipts(&self, bytes: u64, kept: u64) {
+        self.receipts_bytes.set(gauge(bytes));
+        self.receipts_kept.set(gauge(kept));
     }
 
     /// Counts a cache lookup, and whether it missed.
@@ -671,6 +766,33 @@ impl Metrics {
             &self.summary_output_tokens,
             counters.completion_tokens.load(Ordering::Relaxed),
         );
+        // The ledger's background side, per agent label; every label's series exists.
+        for (agent, counters) in memory.ledger.labels() {
+            let labels = AgentLabels {
+                agent: agent.to_string(),
+            };
+            let _ = self.ledger_history.get_or_create(&labels);
+            let _ = self.ledger_forwarded.get_or_create(&labels);
+            let _ = self.ledger_cached.get_or_create(&labels);
+            for task in Task::ALL {
+                let labels = AgentTaskLabels {
+                    agent: agent.to_string(),
+                    task: task.as_str(),
+                };
+                let (tokens, skipped) = match task {
+                    Task::Summary => (&counters.summary_tokens, &counters.summary_skipped),
+                    Task::Extraction => (&counters.extraction_tokens, &counters.extraction_skipped),
+                };
+                catch_up(
+                    &self.ledger_background.get_or_create(&labels),
+                    tokens.load(Ordering::Relaxed),
+                );
+                catch_up(
+                    &self.background_budget_exhausted.get_or_create(&labels),
+                    skipped.load(Ordering::Relaxed),
+                );
+            }
+        }
         self.longterm
             .mirror(&memory.longterm.extractor.counters, catch_up);
     }

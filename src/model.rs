@@ -66,6 +66,15 @@ impl ModelRequest {
             response_format: None,
         }
     }
+
+    /// The request's messages counted with the model's tokenizer: what the ledger counts
+    /// when the answer reports no usage.
+    pub fn counted_tokens(&self) -> u64 {
+        self.messages
+            .iter()
+            .map(|m| u64::from(crate::tokens::count_message(Some(&self.model), &m.content)))
+            .sum()
+    }
 }
 
 /// The model's answer.
@@ -74,6 +83,18 @@ pub struct ModelReply {
     pub text: String,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+}
+
+impl ModelReply {
+    /// The tokens the call spent: the upstream's usage, or, when the answer has none, the
+    /// request's `counted` tokens and the reply counted with the tokenizer.
+    pub fn spent_tokens(&self, counted: u64) -> u64 {
+        if self.prompt_tokens + self.completion_tokens > 0 {
+            self.prompt_tokens + self.completion_tokens
+        } else {
+            counted + u64::from(crate::tokens::count_text(None, &self.text))
+        }
+    }
 }
 
 /// Why a model call failed. Never carries message text or credentials.

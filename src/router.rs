@@ -263,6 +263,9 @@ fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
     if state.config.protect_metrics && !crate::admin::authorized(state, headers) {
         return crate::admin::AdminError::Unauthorized.into_response();
     }
+    state
+        .metrics
+        .receipts(state.receipts.weighted_size(), state.receipts.len());
     let mut response = Response::new(full(
         state
             .metrics

@@ -10,6 +10,7 @@ use crate::memory::{self, Memory};
 use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
 use crate::models::Models;
+use crate::receipts::Receipts;
 use crate::store::Store;
 use crate::ttl::Sweeper;
 use crate::upstream::{Upstream, UpstreamSetupError};
@@ -47,6 +48,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Admission against `server.memory_budget`.
     pub memory_guard: MemoryGuard,
+    /// The receipts of recent memory-on exchanges (`[receipts]`).
+    pub receipts: Receipts,
     next_request: AtomicU64,
     /// Distinguishes request ids across restarts.
     boot: u64,
@@ -86,10 +89,12 @@ impl AppState {
                 )),
                 config.compression.clone(),
                 config.recall_cache_bytes,
+                Arc::new(crate::ledger::Ledger::new(config.background_budget.clone())),
             ))
         });
         AppState {
             memory_guard: MemoryGuard::new(config.memory_budget),
+            receipts: Receipts::new(&config.receipts),
             config,
             memory,
             upstream,

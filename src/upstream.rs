@@ -222,6 +222,11 @@ impl Upstream {
         })
     }
 
+    /// True when memproxy holds this upstream's key (it replaces every client credential).
+    pub fn has_key(&self) -> bool {
+        self.key.is_some()
+    }
+
     /// Reads an answer's whole body, at most `limit` bytes, within the read timeout.
     pub async fn read_answer(
         &self,

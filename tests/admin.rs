@@ -721,6 +721,11 @@ async fn the_openapi_document_matches_the_server() {
     .body;
     let export = String::from_utf8(export.to_vec()).unwrap();
     let chat_body = body(&[user("hello")]).to_string();
+    // A receipt to read and replay.
+    let receipt_id = chat(&proxy, "c", &body(&[user("for a receipt")]), &[])
+        .await
+        .header("x-memory-receipt")
+        .to_string();
     // Long-term memory is kept by both engines (`MEMPROXY_TEST_BACKEND=redis` reruns this).
     let memory_names: &[&str] = &["c", "del", "gone"];
     // Users with a memory each (long-term memory): `c` and `del` as the conversations are,
@@ -750,6 +755,11 @@ async fn the_openapi_document_matches_the_server() {
 
     let fill = |template: &str, tenant: &str, id: &str| {
         let memory = memory_ids.get(id).map_or("1", String::as_str);
+        let id = if template.starts_with("/admin/v1/receipts/") && id == "c" {
+            receipt_id.as_str()
+        } else {
+            id
+        };
         template
             .replace("{tenant}", tenant)
             .replace("{agent}", "default")
@@ -801,6 +811,11 @@ async fn the_openapi_document_matches_the_server() {
                     Some(ADMIN_TOKEN),
                     request_body.clone(),
                 ),
+                200 if is_tenant_route && template.ends_with("/stats") => (
+                    fill(template, &tenant(TOKEN), "c"),
+                    Some(ADMIN_TOKEN),
+                    String::new(),
+                ),
                 200 if is_tenant_route => (
                     fill(template, &tenant("sk-third"), "x"),
                     Some(ADMIN_TOKEN),
@@ -821,6 +836,12 @@ async fn the_openapi_document_matches_the_server() {
                     Some(ADMIN_TOKEN),
                     request_body.clone(),
                 ),
+                // A replay with another tenant's credential.
+                403 => (
+                    fill(template, &tenant(TOKEN), "c"),
+                    Some(ADMIN_TOKEN),
+                    String::new(),
+                ),
                 // Past the memory high-water mark (pretended).
                 503 => (
                     fill(template, &tenant(TOKEN), "c"),
@@ -831,7 +852,23 @@ async fn the_openapi_document_matches_the_server() {
             };
             let guard = &proxy.state.memory_guard;
             guard.pretend_resident((*status == 503).then_some(guard.budget().high_water));
-            let answer = admin_as(&proxy, token, method, &path, &body).await;
+            // A replay brings the client's credential (another tenant's for the 403).
+            let credential = match status {
+                200 => Some(format!("Bearer {TOKEN}")),
+                403 => Some("Bearer sk-nobody".to_string()),
+                _ => None,
+            };
+            let answer = match credential {
+                Some(credential) if template.ends_with("/replay") => {
+                    let auth = format!("Bearer {ADMIN_TOKEN}");
+                    let headers = [
+                        ("authorization", auth.as_str()),
+                        ("x-memory-upstream-authorization", credential.as_str()),
+                    ];
+                    send(method, &proxy.url(&path), &headers, body.clone()).await
+                }
+                _ => admin_as(&proxy, token, method, &path, &body).await,
+            };
             guard.pretend_resident(None);
             assert_eq!(
                 answer.status.as_u16(),

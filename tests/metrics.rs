@@ -187,7 +187,7 @@ async fn metrics_parse_and_move_as_requests_flow() {
         assert!(!text.contains(needle), "{needle} leaked into /metrics");
     }
     let allowed = [
-        "route", "status", "stage", "cache", "result", "le", "action", "reason",
+        "route", "status", "stage", "cache", "result", "le", "action", "reason", "agent", "task",
     ];
     for sample in &after.samples {
         let labels = format!("{:?}", sample.labels);
@@ -199,6 +199,23 @@ async fn metrics_parse_and_move_as_requests_flow() {
             );
         }
     }
+
+    // The agent label is a closed set: no agent is named in this config, so all are `other`.
+    for sample in &after.samples {
+        if let Some(agent) = sample.labels.get("agent") {
+            assert_eq!(agent, "other", "{}", sample.metric);
+        }
+        if let Some(task) = sample.labels.get("task") {
+            assert!(task == "summary" || task == "extraction", "{task}");
+        }
+    }
+    assert!(
+        value(
+            &after,
+            "memproxy_ledger_forwarded_tokens_total",
+            &[("agent", "other")]
+        ) > 0.0
+    );
 
     // More traffic moves the counters again.
     let answer = chat(&proxy, "another", &body(&[user("hello")]), &[]).await;

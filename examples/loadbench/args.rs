@@ -59,8 +59,9 @@ pub struct Args {
     /// fails if RSS ever exceeds it plus 64 MiB.
     #[arg(long)]
     pub budget_mib: Option<u64>,
-    /// Soak: a TOML file added to the generated config (diagnostics: cache sizes, say); any
-    /// section but `[server]` and `[memory]`, which the soak writes.
+    /// A TOML file added to the generated config: for the soak (diagnostics: cache sizes, say)
+    /// and for a benchmark run (`[receipts]\nenabled = false` to compare); any section but
+    /// `[server]`, `[upstream]`, `[storage]` and `[memory]`, which they write.
     #[arg(long)]
     pub proxy_config: Option<PathBuf>,
     /// Internal: serve memproxy with this config file, print `port N`, serve until stdin closes.

@@ -15,8 +15,8 @@ use crate::identity::ConversationKey;
 use crate::message::{Message, Role};
 use crate::settings::format_iso8601_duration;
 use crate::store::{
-    BranchRecord, ConversationMeta, ConversationSummary, Deleted, Origin, StoredBranch,
-    StoredMessage, TtlRecord,
+    BranchRecord, ConversationMeta, ConversationSummary, Deleted, LedgerTotals, Origin,
+    StoredBranch, StoredMessage, TtlRecord,
 };
 
 /// The `format` of an export.
@@ -44,6 +44,11 @@ pub struct Export {
     /// Closed branches, oldest first (absent in exports made before branches existed).
     #[serde(default)]
     pub branches: Vec<ExportBranch>,
+    /// The token ledger (absent in exports made before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_forwarded: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ledger: Option<LedgerTotals>,
 }
 
 /// One exported closed branch: its record, its messages (each with its `turn`) and the
@@ -344,5 +349,21 @@ pub fn export(
             .map(|(number, record)| ExportSummary { number, record })
             .collect(),
         branches: branches.iter().map(ExportBranch::of).collect(),
+        tokens_forwarded: Some(meta.tokens_forwarded),
+        ledger: Some(meta.ledger),
     }
+}
+
+/// A token ledger as the admin API shows it: what the requests would have sent without
+/// memproxy, what was forwarded, what that saved, what the provider cached, what memproxy's own
+/// calls spent.
+pub fn ledger(exchanges: u64, forwarded: u64, totals: &LedgerTotals) -> Value {
+    json!({
+        "exchanges": exchanges,
+        "history_tokens": totals.history_tokens,
+        "forwarded_tokens": forwarded,
+        "saved_tokens": totals.history_tokens.saturating_sub(forwarded),
+        "cached_tokens": totals.cached_tokens,
+        "background_tokens": totals.background_tokens,
+    })
 }

@@ -13,6 +13,7 @@
 pub mod format;
 pub mod offline;
 pub mod ops;
+pub mod receipts;
 pub mod store_cli;
 pub mod users;
 
@@ -62,6 +63,9 @@ pub const ROUTES: &[(&str, &str)] = &[
         "/admin/v1/conversations/{tenant}/{agent}/{id}/import",
     ),
     ("DELETE", "/admin/v1/tenants/{tenant}"),
+    ("GET", "/admin/v1/tenants/{tenant}/stats"),
+    ("GET", "/admin/v1/receipts/{id}"),
+    ("POST", "/admin/v1/receipts/{id}/replay"),
     ("DELETE", "/admin/v1/users/{tenant}/{user}"),
     ("GET", "/admin/v1/users/{tenant}/{user}/export"),
     ("POST", "/admin/v1/users/{tenant}/{user}/import"),
@@ -138,12 +142,32 @@ async fn route(
             Method::GET => ok(ops::list(&memory.store, &query)?),
             _ => Err(wrong_method("GET")),
         },
+        ["tenants", tenant, "stats"] => match method {
+            Method::GET => ok(ops::tenant_stats(&memory.store, &tenant_of(tenant)?)?),
+            _ => Err(wrong_method("GET")),
+        },
+        ["receipts", id] => match method {
+            Method::GET => {
+                let receipt = receipts::find(state, id, &query)?;
+                let _reservation = admit(state, Some(receipt.weight() as u64))?;
+                ok(receipts::show(&receipt))
+            }
+            _ => Err(wrong_method("GET")),
+        },
+        ["receipts", id, "replay"] => match method {
+            Method::POST => {
+                let receipt = receipts::find(state, id, &query)?;
+                receipts::replay(state, &receipt, request.headers()).await
+            }
+            _ => Err(wrong_method("POST")),
+        },
         ["tenants", tenant] => match method {
             Method::DELETE => {
                 let tenant = tenant_of(tenant)?;
                 let deleted =
                     ops::delete_tenant_in(&memory.store, &tenant, |key| memory.recall.forget(key))?;
                 memory.longterm.forget_tenant(&tenant);
+                state.receipts.forget(&tenant, None);
                 state.metrics.admin_deleted(deleted);
                 ok(json!({"tenant": tenant.as_str(), "deleted_conversations": deleted}))
             }
@@ -223,6 +247,7 @@ async fn route(
                         .delete_conversation(&key)?
                         .ok_or_else(|| missing(&key))?;
                     state.metrics.admin_deleted(1);
+                    state.receipts.forget(&key.tenant, Some(&key));
                     tracing::info!(agent = %key.agent, "conversation deleted by an operator");
                     ok(format::deleted(&key, &deleted))
                 }
@@ -270,6 +295,15 @@ async fn route(
 
 fn ok(value: Value) -> Result<Response<ProxyBody>, AdminError> {
     Ok(json_response(StatusCode::OK, value.to_string()))
+}
+
+/// The value of `name` in a query string, as given (ids and tenants need no decoding).
+fn query_value<'a>(query: &'a str, name: &str) -> Option<&'a str> {
+    query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v)
 }
 
 fn query_flag(query: &str, name: &str) -> bool {

@@ -26,6 +26,8 @@ pub enum AdminError {
     MethodNotAllowed(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("{0}")]
+    Forbidden(String),
     /// The request body did not come within `server.body_read_timeout`.
     #[error("{0}")]
     RequestTimeout(String),
@@ -58,6 +60,7 @@ impl ApiError for AdminError {
             AdminError::NotFound(_) => StatusCode::NOT_FOUND,
             AdminError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             AdminError::Conflict(_) => StatusCode::CONFLICT,
+            AdminError::Forbidden(_) => StatusCode::FORBIDDEN,
             AdminError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             AdminError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -72,6 +75,7 @@ impl ApiError for AdminError {
             AdminError::NotFound(_) => "not_found",
             AdminError::MethodNotAllowed(_) => "method_not_allowed",
             AdminError::Conflict(_) => "conflict",
+            AdminError::Forbidden(_) => "forbidden",
             AdminError::RequestTimeout(_) => "request_timeout",
             AdminError::Unavailable(_) => "store_unavailable",
             AdminError::Internal(_) => "internal_error",
@@ -86,6 +90,7 @@ impl ApiError for AdminError {
             | AdminError::Conflict(_)
             | AdminError::RequestTimeout(_) => "invalid_request_error",
             AdminError::Unauthorized => "authentication_error",
+            AdminError::Forbidden(_) => "permission_error",
             AdminError::NotFound(_) => "not_found_error",
             AdminError::Unavailable(_) | AdminError::Internal(_) | AdminError::MemoryBudget => {
                 "server_error"
@@ -294,6 +299,7 @@ pub fn stats(
         "max_context_tokens": budget,
         "used_percent": budget.map_or(Value::Null, |b| percent(active_tokens + latest_summary_tokens, b)),
     });
+    value["ledger"] = format::ledger(meta.ledger.exchanges, meta.tokens_forwarded, &meta.ledger);
     value["next_summary"] = json!({
         "enabled": settings.compression_enabled,
         "threshold_tokens": settings.compression_threshold_tokens,
@@ -304,6 +310,53 @@ pub fn stats(
         },
     });
     Ok(value)
+}
+
+/// A tenant's token ledger: its conversations' ledgers added up (every conversation's record
+/// is read, a page at a time).
+pub fn tenant_stats(store: &Store, tenant: &TenantId) -> Result<Value, AdminError> {
+    let scope = Scope {
+        tenant: Some(tenant),
+        agent: None,
+    };
+    let (mut conversations, mut forwarded) = (0u64, 0u64);
+    let mut totals = crate::store::LedgerTotals::default();
+    let mut agents: std::collections::BTreeMap<String, (u64, crate::store::LedgerTotals)> =
+        std::collections::BTreeMap::new();
+    let mut cursor: Option<Vec<u8>> = None;
+    loop {
+        let (page, next) = store.list(scope, cursor.as_deref(), MAX_PAGE)?;
+        for conversation in &page {
+            conversations += 1;
+            forwarded += conversation.meta.tokens_forwarded;
+            totals.add(&conversation.meta.ledger);
+            let agent = agents.entry(conversation.key.agent.clone()).or_default();
+            agent.0 += conversation.meta.tokens_forwarded;
+            agent.1.add(&conversation.meta.ledger);
+        }
+        match next {
+            Some(next) if !page.is_empty() => cursor = Some(next),
+            _ => break,
+        }
+    }
+    if conversations == 0 {
+        return Err(AdminError::NotFound(format!(
+            "no conversation of tenant {tenant}"
+        )));
+    }
+    let mut by_agent = serde_json::Map::new();
+    for (agent, (forwarded, totals)) in &agents {
+        by_agent.insert(
+            agent.clone(),
+            format::ledger(totals.exchanges, *forwarded, totals),
+        );
+    }
+    Ok(json!({
+        "tenant": tenant.as_str(),
+        "conversations": conversations,
+        "ledger": format::ledger(totals.exchanges, forwarded, &totals),
+        "agents": by_agent,
+    }))
 }
 
 /// A conversation in the export format.
@@ -351,6 +404,8 @@ pub fn import(
         created_ms: export.created_ms,
         last_activity_ms: export.last_activity_ms,
         next_turn: export.next_turn,
+        tokens_forwarded: export.tokens_forwarded,
+        ledger: export.ledger,
     };
     let imported = store.import_conversation(key, messages, summaries, branches, hint)?;
     let mut value = format::address(key);

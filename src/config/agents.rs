@@ -12,6 +12,30 @@ pub(super) struct Profiles {
     pub allow_header_overrides: bool,
     pub memory: MemorySettings,
     pub agents: BTreeMap<String, MemorySettings>,
+    /// Each agent's `compression_max_tokens_per_day`, where set.
+    pub max_tokens_per_day: BTreeMap<String, u64>,
+}
+
+/// The key of `[agents.NAME]` that is no setting: the agent's daily budget for background
+/// model calls. Not a setting, so no `X-Memory-*` header can lift it.
+pub const AGENT_BUDGET_KEY: &str = "compression_max_tokens_per_day";
+
+/// The daily budget of background model calls (summaries, memory extraction), per agent
+/// label: each agent named in the config has its own; every other agent shares the budget of
+/// the label `other`. Tokens of one UTC day; `None`: no limit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackgroundBudget {
+    /// `compression.max_tokens_per_day`: agents without their own, and `other`.
+    pub default: Option<u64>,
+    /// Named agents' budgets (their own, else the default).
+    pub agents: BTreeMap<String, Option<u64>>,
+}
+
+impl BackgroundBudget {
+    /// The budget of an agent label (a name from the config, or `other`).
+    pub fn limit(&self, label: &str) -> Option<u64> {
+        self.agents.get(label).copied().unwrap_or(self.default)
+    }
 }
 
 /// Checks `[memory]` (with its one key that is no setting, `allow_header_overrides`) and every
@@ -33,19 +57,31 @@ pub(super) fn check_profiles(
     };
     let memory = apply_table(MemorySettings::default(), &memory_table, "memory", problems);
     let mut agents = BTreeMap::new();
+    let mut max_tokens_per_day = BTreeMap::new();
     for (name, table) in agent_tables {
         if !is_valid_id(name) {
             problems.push(format!(
                 "agents.{name}: an agent name is 1-128 characters from A-Za-z0-9._:@-"
             ));
         }
-        let profile = apply_table(memory.clone(), table, &format!("agents.{name}"), problems);
+        let mut table = table.clone();
+        match table.remove(AGENT_BUDGET_KEY) {
+            None => {}
+            Some(toml::Value::Integer(n)) if n > 0 => {
+                max_tokens_per_day.insert(name.clone(), n as u64);
+            }
+            Some(other) => problems.push(format!(
+                "agents.{name}.{AGENT_BUDGET_KEY}: must be a whole number of tokens above 0, got {other}"
+            )),
+        }
+        let profile = apply_table(memory.clone(), &table, &format!("agents.{name}"), problems);
         agents.insert(name.clone(), profile);
     }
     Profiles {
         allow_header_overrides,
         memory,
         agents,
+        max_tokens_per_day,
     }
 }
 

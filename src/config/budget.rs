@@ -14,6 +14,10 @@
 //! | recall indexes (`storage.recall_cache_bytes`) | 2 | 32 MiB |
 //! | requests in flight, allocator slack | 2 | 32 MiB |
 //!
+//! Receipts (`receipts.max_bytes`) take a quarter of the requests' two eighths (8 MiB at the
+//! default): a receipt is what a request held (the body it forwarded, the prompt's parts),
+//! kept a little longer. A size set explicitly may take up to half of those two eighths.
+//!
 //! sled's memory is not bounded by its page cache: its page table and write buffers grow with
 //! what is stored (measured with sled 0.34 and a 1 MiB cache, 300-byte values: 40 MiB at
 //! 200,000 records, 70 MiB at 1.6 million), so it gets a reserve of its own. With Redis (no
@@ -62,6 +66,8 @@ pub struct MemoryBudget {
     /// Left for the storage engine's memory beyond its page cache (sled's page table and
     /// write buffers, which grow with what is stored).
     pub engine_reserve: u64,
+    /// `receipts.max_bytes`: explicit, or the share (0 with receipts off).
+    pub receipts: u64,
 }
 
 impl MemoryBudget {
@@ -72,6 +78,7 @@ impl MemoryBudget {
             .saturating_sub(PROCESS_BASE)
             .saturating_sub(self.state_cache + self.store_cache + self.recall_cache)
             .saturating_sub(self.engine_reserve)
+            .saturating_sub(self.receipts)
     }
 }
 
@@ -81,6 +88,11 @@ pub struct ExplicitCaches {
     pub state: Option<u64>,
     pub store: Option<u64>,
     pub recall: Option<u64>,
+}
+
+/// The receipts' share: a quarter of what requests in flight would have.
+fn receipts_share(budget: &MemoryBudget) -> u64 {
+    budget.in_flight() / 4
 }
 
 /// Which storage engine the budget is split for.
@@ -108,15 +120,27 @@ pub fn split_for(total: u64, engine: Engine) -> MemoryBudget {
         store_cache: STORE_EIGHTHS * eighth,
         recall_cache: RECALL_EIGHTHS * eighth,
         engine_reserve: ENGINE_EIGHTHS * eighth,
+        receipts: 0,
+    };
+    let embedded = MemoryBudget {
+        receipts: receipts_share(&embedded),
+        ..embedded
     };
     match engine {
         Engine::Embedded => embedded,
-        Engine::Remote => MemoryBudget {
-            store_cache: 0,
-            engine_reserve: 0,
-            recall_cache: (RECALL_EIGHTHS + 2) * eighth,
-            ..embedded
-        },
+        Engine::Remote => {
+            let remote = MemoryBudget {
+                store_cache: 0,
+                engine_reserve: 0,
+                recall_cache: (RECALL_EIGHTHS + 2) * eighth,
+                receipts: 0,
+                ..embedded
+            };
+            MemoryBudget {
+                receipts: receipts_share(&remote),
+                ..remote
+            }
+        }
     }
 }
 
@@ -161,6 +185,33 @@ pub(super) fn check_budget(
     budget
 }
 
+/// Sets the receipts' part of `budget` (`receipts`: `[receipts]` as checked, `explicit`: its
+/// `max_bytes` when set): nothing with receipts off, else the size set or the share; a size
+/// past half of what requests in flight and receipts have together is a problem.
+pub(super) fn apply_receipts(
+    budget: &mut MemoryBudget,
+    receipts: &mut super::ReceiptsConfig,
+    explicit: Option<u64>,
+    problems: &mut Vec<String>,
+) {
+    let room = (budget.in_flight() + budget.receipts) / 2;
+    if !receipts.enabled {
+        budget.receipts = 0;
+    } else if let Some(bytes) = explicit {
+        if bytes > room {
+            problems.push(format!(
+                "receipts.max_bytes: {} MiB is more than the {} MiB server.memory_budget = {} MiB leaves receipts; lower it or raise the budget",
+                bytes / MIB,
+                room / MIB,
+                budget.total / MIB
+            ));
+        } else {
+            budget.receipts = bytes;
+        }
+    }
+    receipts.max_bytes = budget.receipts;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,9 +234,10 @@ mod tests {
                 store_cache: 16 * MIB,
                 recall_cache: 32 * MIB,
                 engine_reserve: 32 * MIB,
+                receipts: 8 * MIB,
             }
         );
-        assert_eq!(budget.in_flight(), 32 * MIB);
+        assert_eq!(budget.in_flight(), 24 * MIB);
     }
 
     #[test]
@@ -198,6 +250,7 @@ mod tests {
                 + budget.store_cache
                 + budget.recall_cache
                 + budget.engine_reserve
+                + budget.receipts
                 + budget.in_flight();
             assert_eq!(parts, total, "{total_mib} MiB");
             assert!(budget.high_water < total, "{total_mib} MiB");
@@ -267,7 +320,7 @@ mod tests {
             ),
             (16 * MIB, 0, 64 * MIB, 0, 176 * MIB)
         );
-        assert_eq!(budget.in_flight(), 48 * MIB);
+        assert_eq!((budget.receipts, budget.in_flight()), (12 * MIB, 36 * MIB));
         let mut problems = Vec::new();
         assert_eq!(
             check_budget(
@@ -279,6 +332,37 @@ mod tests {
             budget
         );
         assert!(problems.is_empty());
+    }
+
+    #[test]
+    fn receipts_take_their_share_or_the_size_set_within_half_the_requests_part() {
+        let config = |enabled| super::super::ReceiptsConfig {
+            enabled,
+            retention: std::time::Duration::from_secs(900),
+            max_bytes: 0,
+        };
+        let mut problems = Vec::new();
+        let mut budget = split(192 * MIB);
+        let mut receipts = config(true);
+        apply_receipts(&mut budget, &mut receipts, None, &mut problems);
+        assert_eq!(receipts.max_bytes, 8 * MIB);
+        apply_receipts(&mut budget, &mut receipts, Some(16 * MIB), &mut problems);
+        assert_eq!(
+            (receipts.max_bytes, budget.in_flight()),
+            (16 * MIB, 16 * MIB)
+        );
+        assert!(problems.is_empty());
+        apply_receipts(&mut budget, &mut receipts, Some(17 * MIB), &mut problems);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("receipts.max_bytes"),
+            "{}",
+            problems[0]
+        );
+        let mut off = config(false);
+        let mut budget = split(192 * MIB);
+        apply_receipts(&mut budget, &mut off, None, &mut Vec::new());
+        assert_eq!((off.max_bytes, budget.in_flight()), (0, 32 * MIB));
     }
 
     #[test]

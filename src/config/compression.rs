@@ -53,6 +53,9 @@ pub struct CompressionConfig {
     /// Longest summary kept (tokens); the prompt asks for it through `{max_summary_tokens}`
     /// and a longer answer is cut to it. Bounds what every later prompt carries.
     pub max_summary_tokens: u32,
+    /// Tokens the background model calls (summaries, extraction) of one agent may spend per
+    /// UTC day (`None`: no limit); agents may set their own (`BackgroundBudget`).
+    pub max_tokens_per_day: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -66,6 +69,7 @@ pub(super) struct RawCompression {
     retry_backoff: Option<String>,
     max_input_tokens: Option<u64>,
     max_summary_tokens: Option<u64>,
+    max_tokens_per_day: Option<u64>,
 }
 
 /// Checks `[compression]`; a `prompt_file` is read here.
@@ -135,5 +139,15 @@ pub(super) fn check_compression(
             problems,
         ))
         .unwrap_or(u32::MAX),
+        max_tokens_per_day: match raw.max_tokens_per_day {
+            Some(0) => {
+                problems.push(
+                    "compression.max_tokens_per_day: must be above 0 (leave it unset for no limit)"
+                        .to_string(),
+                );
+                None
+            }
+            other => other,
+        },
     }
 }

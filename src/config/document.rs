@@ -21,6 +21,7 @@ use super::admin::RawAdmin;
 use super::auth::RawAuth;
 use super::compression::RawCompression;
 use super::limits::RawLimits;
+use super::receipts::RawReceipts;
 use super::server::{RawLog, RawServer};
 use super::storage::RawStorage;
 use super::sweeper::RawSweeper;
@@ -38,6 +39,7 @@ pub(super) struct RawConfig {
     pub sweeper: RawSweeper,
     pub compression: RawCompression,
     pub limits: RawLimits,
+    pub receipts: RawReceipts,
     /// `[memory]`: checked key by key against the settings table.
     pub memory: toml::Table,
     /// `[agents.NAME]`: checked like `[memory]`.
@@ -67,6 +69,7 @@ impl RawConfig {
             sweeper: document.section("sweeper"),
             compression: document.section("compression"),
             limits: document.section("limits"),
+            receipts: document.section("receipts"),
             memory: document.section("memory"),
             agents: document.section("agents"),
         };

@@ -25,6 +25,7 @@ mod budget;
 mod compression;
 mod document;
 mod limits;
+mod receipts;
 mod server;
 mod storage;
 mod sweeper;
@@ -39,6 +40,7 @@ use std::time::Duration;
 use crate::settings::MemorySettings;
 
 pub use admin::DEFAULT_ADMIN_TOKEN_ENV;
+pub use agents::{AGENT_BUDGET_KEY, BackgroundBudget};
 pub use auth::hash_key;
 pub use budget::{MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, split as split_memory_budget};
 pub use compression::{
@@ -47,6 +49,7 @@ pub use compression::{
     DEFAULT_SUMMARY_TIMEOUT,
 };
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
+pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{
     DEFAULT_BODY_LIMIT_BYTES, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET,
@@ -120,6 +123,12 @@ pub struct Config {
     pub compression: CompressionConfig,
     /// What one request may add to memory.
     pub limits: LimitsConfig,
+    /// The receipts of memory-on exchanges (`[receipts]`).
+    pub receipts: ReceiptsConfig,
+    /// Tokens of background model calls (summaries, extraction) per UTC day:
+    /// `compression.max_tokens_per_day` and each `[agents.NAME]`'s
+    /// `compression_max_tokens_per_day` (`None`: no limit).
+    pub background_budget: BackgroundBudget,
 }
 
 impl Config {
@@ -208,14 +217,33 @@ fn check(
         storage::Backend::Sled => budget::Engine::Embedded,
         storage::Backend::Redis(_) => budget::Engine::Remote,
     };
-    let memory_budget =
+    let mut memory_budget =
         budget::check_budget(server.memory_budget, engine, storage.caches, &mut problems);
+    let (mut receipts, receipts_bytes) = receipts::check_receipts(raw.receipts, &mut problems);
+    budget::apply_receipts(
+        &mut memory_budget,
+        &mut receipts,
+        receipts_bytes,
+        &mut problems,
+    );
     let log_format = server::check_log(raw.log, overrides.log_format.clone(), &mut problems);
     let profiles = agents::check_profiles(raw.memory, &raw.agents, &mut problems);
     let admin = admin::check_admin(raw.admin, env, &mut problems);
     let sweeper = sweeper::check_sweeper(raw.sweeper, &mut problems);
     let compression = compression::check_compression(raw.compression, &mut problems);
     let limits = limits::check_limits(raw.limits, &mut problems);
+
+    let background_budget = BackgroundBudget {
+        default: compression.max_tokens_per_day,
+        agents: profiles
+            .agents
+            .keys()
+            .map(|name| {
+                let own = profiles.max_tokens_per_day.get(name).copied();
+                (name.clone(), own.or(compression.max_tokens_per_day))
+            })
+            .collect(),
+    };
 
     if !problems.is_empty() {
         return Err(ConfigError { problems });
@@ -249,6 +277,8 @@ fn check(
         sweeper,
         compression,
         limits,
+        receipts,
+        background_budget,
     })
 }
 
@@ -458,6 +488,9 @@ mod tests {
             split_memory_budget(DEFAULT_MEMORY_BUDGET)
         );
         assert!(text.contains("\nmemory_budget = \"192MiB\"\n"));
+        assert!(config.receipts.enabled);
+        assert_eq!(config.receipts.retention, DEFAULT_RECEIPT_RETENTION);
+        assert_eq!(config.compression.max_tokens_per_day, None);
         let anthropic = &config.upstream.anthropic;
         assert_eq!(
             anthropic.base_url.to_string(),

@@ -25,6 +25,8 @@ use tokio::task::JoinHandle;
 
 use super::archive;
 use super::memories::{self, Candidate, MemoryRecord, Origin, SPACE_MEMORIES};
+use crate::identity::ConversationKey;
+use crate::ledger::{Ledger, Task};
 use crate::model::{Credentials, ModelCall, ModelMessage, ModelRequest};
 use crate::store::{OwnerKey, Store, StoreError, now_ms};
 
@@ -127,6 +129,8 @@ pub struct ExtractionCounters {
 pub struct Extractor {
     store: Arc<Store>,
     model: Arc<dyn ModelCall>,
+    /// Where the calls' tokens are counted, and the daily budget that stops them.
+    ledger: Arc<Ledger>,
     queue: Mutex<Option<mpsc::Sender<Job>>>,
     stop: Notify,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -158,11 +162,16 @@ pub enum ExtractError {
 
 impl Extractor {
     /// Starts the worker. Must be called inside a tokio runtime.
-    pub fn start(store: Arc<Store>, model: Arc<dyn ModelCall>) -> Arc<Extractor> {
+    pub fn start(
+        store: Arc<Store>,
+        model: Arc<dyn ModelCall>,
+        ledger: Arc<Ledger>,
+    ) -> Arc<Extractor> {
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let extractor = Arc::new(Extractor {
             store,
             model,
+            ledger,
             queue: Mutex::new(Some(tx)),
             stop: Notify::new(),
             worker: Mutex::new(None),
@@ -246,11 +255,23 @@ impl Extractor {
         if turns.is_empty() && job.summary.is_none() {
             return Ok(memories::Applied::default());
         }
+        let key = ConversationKey {
+            tenant: job.user.tenant.clone(),
+            agent: job.agent.clone(),
+            conversation: job.conversation.clone(),
+        };
+        if !self.ledger.allow(&job.agent, Task::Extraction, now_ms()) {
+            tracing::debug!("the agent's background budget for today is spent; no extraction");
+            return Ok(memories::Applied::default());
+        }
         let request = request(job, &turns, &known);
+        let prompt_tokens = request.counted_tokens();
         let reply = tokio::time::timeout(CALL_TIMEOUT, self.model.complete(request))
             .await
             .map_err(|_| ExtractError::Model("timed out".into()))?
             .map_err(|err| ExtractError::Model(err.to_string()))?;
+        let spent = reply.spent_tokens(prompt_tokens);
+        self.ledger.spent(&key, Task::Extraction, spent, now_ms());
         let candidates = parse(&reply.text)?;
         let store = Arc::clone(&self.store);
         let job = job.clone();

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::identity::{ConversationKey, TenantId};
+use crate::ledger::Ledger;
 use crate::model::ModelCall;
 use crate::recall::tokenize::TextLanguage;
 use crate::store::{Conversation, OwnerKey, Store, StoreError, StoredMessage};
@@ -90,7 +91,12 @@ impl LongTerm {
     /// Long-term memory whose user indexes take at most `capacity_bytes`, its memories
     /// extracted by `model`. Must be called inside a tokio runtime: the extraction worker
     /// starts here.
-    pub fn new(capacity_bytes: u64, store: Arc<Store>, model: Arc<dyn ModelCall>) -> LongTerm {
+    pub fn new(
+        capacity_bytes: u64,
+        store: Arc<Store>,
+        model: Arc<dyn ModelCall>,
+        ledger: Arc<Ledger>,
+    ) -> LongTerm {
         let users = moka::sync::Cache::builder()
             .max_capacity(capacity_bytes.max(1))
             .weigher(|_key: &OwnerKey, state: &Arc<Mutex<UserState>>| {
@@ -103,7 +109,7 @@ impl LongTerm {
         LongTerm {
             users,
             counters: Counters::default(),
-            extractor: Extractor::start(store, model),
+            extractor: Extractor::start(store, model, ledger),
         }
     }
 

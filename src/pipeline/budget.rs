@@ -50,6 +50,60 @@ impl Fitted {
     }
 }
 
+/// What the budget dropped, by name: the recalled turns (with their scores) and the window's
+/// turns that were candidates for the prompt and left out (for the receipt).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Dropped {
+    /// Recalled turns dropped, best first: (turn, BM25 score); turns of the user's other
+    /// conversations have their conversation named.
+    pub recalled: Vec<(Option<String>, u64, f32)>,
+    /// Window turns dropped, oldest first.
+    pub window: Vec<u64>,
+}
+
+/// The candidates before fitting, to tell afterwards what was dropped.
+#[derive(Debug, Clone)]
+pub struct Candidates {
+    recalled: Vec<(Option<String>, u64, f32)>,
+    window: Vec<u64>,
+}
+
+impl Candidates {
+    pub fn of(recalled: &[RecalledTurn], window: &[StoredMessage]) -> Candidates {
+        Candidates {
+            recalled: recalled.iter().map(candidate).collect(),
+            window: window.iter().map(|m| m.turn).collect(),
+        }
+    }
+
+    /// The candidates no longer in `recalled` and `window`.
+    pub fn dropped(self, recalled: &[RecalledTurn], window: &[StoredMessage]) -> Dropped {
+        let kept: Vec<(Option<String>, u64, f32)> = recalled.iter().map(candidate).collect();
+        Dropped {
+            recalled: self
+                .recalled
+                .into_iter()
+                .filter(|c| !kept.iter().any(|k| k.0 == c.0 && k.1 == c.1))
+                .collect(),
+            window: self
+                .window
+                .into_iter()
+                .filter(|turn| !window.iter().any(|m| m.turn == *turn))
+                .collect(),
+        }
+    }
+}
+
+fn candidate(r: &RecalledTurn) -> (Option<String>, u64, f32) {
+    let elsewhere = r.elsewhere_at.is_some().then(|| {
+        r.line
+            .strip_prefix("[earlier conversation ")
+            .and_then(|rest| rest.split_once(", turn #"))
+            .map_or_else(String::new, |(name, _)| name.to_string())
+    });
+    (elsewhere, r.turn, r.score)
+}
+
 fn recalled_cost(recalled: &[RecalledTurn]) -> u64 {
     if recalled.is_empty() {
         0

@@ -27,7 +27,8 @@ use crate::longterm::{ExtractionCall, ExtractionRule};
 use crate::memory::Memory;
 use crate::message::{HasRole, Message, Role};
 use crate::store::{
-    Change, Conversation, Entry, Origin, OwnerKey, StoreError, StoredMessage, lock, now_ms,
+    Change, Conversation, Entry, LedgerTotals, Origin, OwnerKey, StoreError, StoredMessage, lock,
+    now_ms,
 };
 use crate::tokens;
 
@@ -69,6 +70,11 @@ pub struct Exchange {
     pub model: Option<String>,
     /// Tokens of the prompt forwarded for this exchange.
     pub prompt_tokens: u64,
+    /// Tokens the request would have sent without memproxy (the token ledger).
+    pub history_tokens: u64,
+    /// Of the prompt, the tokens the upstream reported cached (set by the edge once the
+    /// answer's usage is read).
+    pub cached_tokens: u64,
     /// The TTL the request ran with (`ttl` setting or `X-Memory-Ttl`), remembered for the
     /// conversation once the exchange is stored.
     pub ttl: Option<Duration>,
@@ -182,10 +188,14 @@ impl Exchange {
                 unsaid.extend(conversation.entries.last().map(|e| e.turn));
             }
             let added_count = planned.change.add.len();
+            let mut change = planned.change;
+            // What memproxy's own calls spent for the conversation since its last commit.
+            let background = memory.ledger.take_pending(&self.key);
+            change.ledger.background_tokens = background;
             let still_new = self.still_new(alignment, &self.new_texts);
             let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
             added_texts.push(reply_search.clone());
-            match store.commit(&mut conversation, planned.change) {
+            match store.commit(&mut conversation, change) {
                 Ok(()) => {
                     if !closed.is_empty() {
                         memory
@@ -222,10 +232,14 @@ impl Exchange {
                     break;
                 }
                 Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
+                    memory.ledger.give_back(&self.key, background);
                     back_off(memory, attempt);
                     reread(memory, &self.key, &mut conversation)?;
                 }
-                Err(err) => return Err(err),
+                Err(err) => {
+                    memory.ledger.give_back(&self.key, background);
+                    return Err(err);
+                }
             }
         }
         if !self.refresh_memories.is_empty() {
@@ -285,6 +299,12 @@ impl Exchange {
                 remove_turns,
                 add,
                 tokens_forwarded: self.prompt_tokens,
+                ledger: LedgerTotals {
+                    exchanges: 1,
+                    history_tokens: self.history_tokens,
+                    cached_tokens: self.cached_tokens,
+                    background_tokens: 0,
+                },
                 branch_from_turn,
             },
             trimmed,

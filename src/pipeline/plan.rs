@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::assemble::{CacheHints, Prompt, is_injected_echo, split_request};
-use super::budget::{self, Fitted};
+use super::budget::{self, Dropped, Fitted};
 use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
 use super::recall::{RecalledTurn, elsewhere_turns, recalled_turns, render};
@@ -57,6 +57,8 @@ pub struct Plan {
     pub prompt_tokens: u64,
     /// What the token budget did, when one is set.
     pub fitted: Option<Fitted>,
+    /// What the token budget dropped, by name (for the receipt).
+    pub dropped: Dropped,
     /// The summary in the prompt.
     pub summary: Option<SummaryRecord>,
     /// A new summary is due: the job (without credentials; the caller adds them).
@@ -301,7 +303,15 @@ pub fn plan_for_user(
             .longterm
             .extraction_due(store, user, key, new_user, settings.extraction_every)
         {
-            Ok(true) if limits.writes && settings.persist => {
+            Ok(true)
+                if limits.writes
+                    && settings.persist
+                    && memory.ledger.allow(
+                        &key.agent,
+                        crate::ledger::Task::Extraction,
+                        memory.clock.now_ms(),
+                    ) =>
+            {
                 extraction_due = Some(extraction_model(settings, model.as_deref()));
             }
             Ok(_) => {}
@@ -350,9 +360,15 @@ pub fn plan_for_user(
             .sum::<u64>()
             + summary_tokens
             + memories_tokens;
+    let candidates = settings
+        .max_context_tokens
+        .map(|_| budget::Candidates::of(&recalled, &window));
     let fitted = settings
         .max_context_tokens
         .map(|budget| budget::fit(budget, fixed, &mut recalled, &mut window, model_name));
+    let dropped = candidates
+        .map(|c| c.dropped(&recalled, &window))
+        .unwrap_or_default();
     let prompt_tokens = fitted.map_or_else(
         || {
             fixed
@@ -385,6 +401,10 @@ pub fn plan_for_user(
         max_messages: settings.max_messages,
         model,
         prompt_tokens,
+        // The edge fills in the ledger's figures (`history_tokens` below; the cached tokens
+        // once the answer is read).
+        history_tokens: 0,
+        cached_tokens: 0,
         ttl: settings.ttl,
         user: user.clone(),
         extraction_rule: user.as_ref().map(|_| ExtractionRule {
@@ -440,6 +460,7 @@ pub fn plan_for_user(
         recalled_elsewhere,
         prompt_tokens,
         fitted,
+        dropped,
         summary: summary.current,
         summary_due: summary.due,
         extraction_due,

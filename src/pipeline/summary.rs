@@ -8,6 +8,7 @@
 use serde_json::value::RawValue;
 
 use super::assemble::SUMMARY_MARKER;
+use crate::ledger::Task;
 use crate::memory::Memory;
 use crate::model::Credentials;
 use crate::settings::MemorySettings;
@@ -86,6 +87,11 @@ pub fn plan_summary(
         && writes
         && let Some(model) = model
         && !summarizer.backing_off(&conversation.key)
+        // The agent's background budget for the day (`compression.max_tokens_per_day`):
+        // once spent, no job; the stand-in below is used.
+        && memory
+            .ledger
+            .allow(&conversation.key.agent, Task::Summary, now_ms())
         && let Some(reservation) = summarizer.reserve(&conversation.key)
     {
         plan.due = Some(Job {

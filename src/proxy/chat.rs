@@ -12,12 +12,13 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Request, Response, request::Parts};
 use http_body::Body as _;
 use hyper::body::Incoming;
 
 use super::identify::{CREDENTIAL_HEADERS, UserId};
+use super::ledger::ExchangeLedger;
 use super::responses::Chain;
 use super::tee::{Pending, TeeBody};
 use super::{
@@ -31,14 +32,16 @@ use crate::longterm::ExtractionCall;
 use crate::longterm::extract::HandOver;
 use crate::memory::Memory;
 use crate::memory_guard::{self, Pressure};
-use crate::metrics::{Refusal, ReplyKind, Stage};
+use crate::metrics::{Refusal, ReplyKind, Stage, UpstreamTime};
 use crate::model::Credentials;
 use crate::pipeline::plan::start_due;
 use crate::pipeline::plan::{self, Limits, Plan, PlanError, Timings};
+use crate::receipts::{Made, Planned, RECEIPT_HEADER, Receipt};
 use crate::reply::reply_of;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::summary::DeferredSummary;
+use crate::wire::usage::Usage;
 use crate::wire::{Api, ApiRequest};
 
 /// What the `before` step made: the body to forward, and the plan (or why memory failed: the
@@ -174,13 +177,40 @@ async fn with_memory(
     api: Api,
     api_path: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let before = before(state, memory, &parts, body, &key, &settings, api).await?;
-    let forwarded = forward_held(state, &parts, before.body, api, api_path, true).await?;
+    let mut before = before(state, memory, &parts, body, &key, &settings, api).await?;
+    let receipt = match &mut before.plan {
+        Ok(plan) => receipt_of(
+            state,
+            &parts,
+            &key,
+            &settings,
+            api,
+            api_path,
+            &before.body,
+            plan,
+        ),
+        Err(_) => None,
+    };
+    if let Some(receipt) = &receipt
+        && let Ok(value) = HeaderValue::from_str(&receipt.id)
+    {
+        before.headers.insert(RECEIPT_HEADER, value);
+    }
+    let forwarded = forward_held(state, &parts, before.body, api, api_path, true).await;
+    let forwarded = match forwarded {
+        Ok(forwarded) => forwarded,
+        Err(err) => {
+            if let Some(receipt) = &receipt {
+                receipt.ended("error", None);
+            }
+            return Err(err);
+        }
+    };
     let (mut head, upstream_body) = forwarded.into_parts();
     head.headers.extend(before.headers);
     let conversation_id = key.conversation.as_str();
 
-    let plan = match before.plan {
+    let mut plan = match before.plan {
         Ok(plan) => plan,
         Err(reason) => {
             let mut response = Response::from_parts(head, boxed(upstream_body));
@@ -190,6 +220,17 @@ async fn with_memory(
         }
     };
 
+    let is_stream = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    if let Some(receipt) = &receipt {
+        let latency = head.extensions.get::<UpstreamTime>().map(|t| t.0);
+        receipt.answered(head.status.as_u16(), latency, is_stream);
+    }
+    let ledger = ExchangeLedger::new(state, &key.agent, receipt);
+
     if !head.status.is_success() {
         let mut response = Response::from_parts(head, boxed(upstream_body));
         set_memory_headers(
@@ -198,14 +239,9 @@ async fn with_memory(
             conversation_id,
             Some(plan.stored_count),
         );
+        ledger.status(MemoryStatus::NotStored);
         return Ok(response);
     }
-
-    let is_stream = head
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
 
     if is_stream {
         let (status, turns, pending) = if settings.persist {
@@ -217,6 +253,7 @@ async fn with_memory(
         } else {
             (MemoryStatus::NotStored, plan.stored_count, None)
         };
+        ledger.status(status);
         // The deferred summary rides with the stream: queued once it is committed or dropped.
         let tee = TeeBody::new(
             upstream_body,
@@ -225,7 +262,8 @@ async fn with_memory(
             before.deferred,
             state.config.limits.max_sse_event_bytes,
             state.config.response_limit_bytes,
-        );
+        )
+        .with_ledger(ledger);
         let body = match before.hand_over {
             None => boxed(tee),
             Some(hand_over) => boxed(OnDrop::new(boxed(tee), move || drop(hand_over))),
@@ -240,7 +278,17 @@ async fn with_memory(
     let body = state
         .upstream_for(api)
         .read_answer(upstream_body, state.config.response_limit_bytes)
-        .await?;
+        .await;
+    let body = match body {
+        Ok(body) => body,
+        Err(err) => {
+            ledger.ended(false, None);
+            return Err(err.into());
+        }
+    };
+    let usage = Usage::from_json(api, &body);
+    plan.exchange.cached_tokens = usage.map_or(0, |u| u.cached_tokens);
+    ledger.ended(true, usage);
     let mut degraded = DegradedReason::CommitFailed;
     let (status, turns) = if !settings.persist {
         (MemoryStatus::NotStored, plan.stored_count)
@@ -273,7 +321,39 @@ async fn with_memory(
     if status == MemoryStatus::Degraded {
         set_degraded_reason(&mut response, degraded);
     }
+    ledger.status(status);
     Ok(response)
+}
+
+/// Makes and keeps the receipt of an exchange about to be forwarded with `body` (receipts on):
+/// the plan's prompt moves into it.
+#[allow(clippy::too_many_arguments)]
+fn receipt_of(
+    state: &AppState,
+    parts: &Parts,
+    key: &ConversationKey,
+    settings: &MemorySettings,
+    api: Api,
+    api_path: &str,
+    body: &Bytes,
+    plan: &mut Plan,
+) -> Option<Arc<Receipt>> {
+    if !state.receipts.enabled() {
+        return None;
+    }
+    let receipt = Arc::new(Receipt::new(Made {
+        key,
+        api,
+        api_path,
+        query: parts.uri.query(),
+        model: plan.exchange.model.clone(),
+        headers: &parts.headers,
+        body: body.clone(),
+        planned: Planned::take(plan),
+        settings,
+    })?);
+    state.receipts.insert(Arc::clone(&receipt));
+    Some(receipt)
 }
 
 /// The `before` step: the client's body read (within the size limit and the body read timeout)
@@ -345,7 +425,8 @@ async fn before(
                     handed_over: Some(handed_over),
                 });
             }
-            record_plan(state, &plan);
+            record_plan(state, &key.agent, &plan);
+            plan.exchange.history_tokens = plan.history_tokens.max(plan.prompt_tokens);
             Ok(Before {
                 body: Bytes::from(request.render_parts(plan.prompt.parts(), &plan.prompt.cache)),
                 headers: headers_of(&plan),
@@ -407,7 +488,7 @@ fn credentials(headers: &HeaderMap) -> Credentials {
 
 /// Reports a plan to the metrics: its stages' times, what was recalled, the tokens forwarded
 /// and the history's.
-fn record_plan(state: &AppState, plan: &Plan) {
+fn record_plan(state: &AppState, agent: &str, plan: &Plan) {
     let Timings {
         reconcile,
         recall,
@@ -430,4 +511,11 @@ fn record_plan(state: &AppState, plan: &Plan) {
         plan.prompt_tokens,
         plan.history_tokens,
     );
+    if let Some(memory) = state.memory() {
+        metrics.ledger_exchange(
+            memory.ledger.label(agent),
+            plan.history_tokens.max(plan.prompt_tokens),
+            plan.prompt_tokens,
+        );
+    }
 }

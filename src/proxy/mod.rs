@@ -12,6 +12,7 @@
 
 pub mod chat;
 pub mod identify;
+pub mod ledger;
 pub mod responses;
 pub mod tee;
 
@@ -40,6 +41,8 @@ pub const MEMORIES_HEADER: &str = "x-memory-memories";
 /// Turns recalled from the user's other conversations (long-term memory), when there are any.
 pub const RETRIEVED_ELSEWHERE_HEADER: &str = "x-memory-retrieved-elsewhere";
 pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
+/// Tokens the request would have sent without memproxy (the token ledger).
+pub const HISTORY_TOKENS_HEADER: &str = "x-memory-history-tokens";
 pub const BUDGET_HEADER: &str = "x-memory-budget";
 pub const SUMMARY_HEADER: &str = "x-memory-summary";
 pub const REASON_HEADER: &str = "x-memory-reason";
@@ -244,6 +247,10 @@ pub fn headers_of(plan: &Plan) -> HeaderMap {
         headers.insert(MEMORIES_HEADER, HeaderValue::from(plan.memories.len()));
     }
     headers.insert(PROMPT_TOKENS_HEADER, HeaderValue::from(plan.prompt_tokens));
+    headers.insert(
+        HISTORY_TOKENS_HEADER,
+        HeaderValue::from(plan.history_tokens.max(plan.prompt_tokens)),
+    );
     if let Some(verdict) = plan.fitted.map(|f| f.verdict()) {
         headers.insert(BUDGET_HEADER, HeaderValue::from_static(verdict));
     }

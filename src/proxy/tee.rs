@@ -24,6 +24,9 @@ use crate::reply::ReplyReader;
 use crate::sse::SseParser;
 use crate::state::AppState;
 use crate::summary::DeferredSummary;
+use crate::wire::usage::UsageReader;
+
+use super::ledger::ExchangeLedger;
 use crate::wire::Api;
 
 type CommitFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -45,6 +48,9 @@ pin_project! {
         pending: Option<Pending>,
         // A due summary, queued once the stream is committed, or when the body is dropped.
         deferred: Option<DeferredSummary>,
+        // The exchange's ledger and receipt, told the usage when the stream ends.
+        ledger: Option<ExchangeLedger>,
+        usage: UsageReader,
         committing: Option<CommitFuture>,
         span: tracing::Span,
         done: bool,
@@ -69,10 +75,20 @@ impl<B> TeeBody<B> {
             reply: ReplyReader::new(api, max_reply_bytes),
             pending,
             deferred,
+            ledger: None,
+            usage: UsageReader::new(api),
             committing: None,
             span: tracing::Span::current(),
             done: false,
         }
+    }
+}
+
+impl<B> TeeBody<B> {
+    /// Reads the stream's usage too, for `ledger` (the cached tokens, the receipt).
+    pub fn with_ledger(mut self, ledger: ExchangeLedger) -> TeeBody<B> {
+        self.ledger = Some(ledger);
+        self
     }
 }
 
@@ -100,11 +116,18 @@ where
             }
             match ready!(this.inner.as_mut().poll_frame(cx)) {
                 Some(Ok(frame)) => {
+                    let storing = this.pending.is_some();
                     if let Some(data) = frame.data_ref()
-                        && this.pending.is_some()
+                        && (storing || this.ledger.is_some())
                     {
                         let reply = &mut *this.reply;
-                        this.parser.feed(data, |event| reply.on_event(event));
+                        let usage = &mut *this.usage;
+                        this.parser.feed(data, |event| {
+                            if storing {
+                                reply.on_event(event);
+                            }
+                            usage.on_event(event);
+                        });
                         if this.parser.overflowed() {
                             reply.fail();
                         }
@@ -113,13 +136,24 @@ where
                 }
                 Some(Err(err)) => {
                     *this.done = true;
+                    if let Some(ledger) = this.ledger.take() {
+                        ledger.ended(false, this.usage.usage());
+                    }
                     if this.pending.take().is_some() {
                         tracing::warn!(parent: &*this.span, "upstream stream failed midway; nothing stored");
                     }
                     return Poll::Ready(Some(Err(err.into())));
                 }
                 None => match this.pending.take() {
-                    Some(Pending { state, exchange }) if this.reply.is_complete() => {
+                    Some(Pending {
+                        state,
+                        mut exchange,
+                    }) if this.reply.is_complete() => {
+                        let usage = this.usage.usage();
+                        exchange.cached_tokens = usage.map_or(0, |u| u.cached_tokens);
+                        if let Some(ledger) = this.ledger.take() {
+                            ledger.ended(true, usage);
+                        }
                         let reply = this.reply.to_message();
                         let deferred = this.deferred.take();
                         let commit = async move {
@@ -135,9 +169,18 @@ where
                     }
                     Some(_) => {
                         tracing::warn!(parent: &*this.span, "upstream stream ended without a finish; nothing stored");
+                        if let Some(ledger) = this.ledger.take() {
+                            ledger.ended(false, this.usage.usage());
+                        }
                         *this.done = true;
                     }
-                    None => *this.done = true,
+                    None => {
+                        // Nothing to store: the stream's end is its end.
+                        if let Some(ledger) = this.ledger.take() {
+                            ledger.ended(true, this.usage.usage());
+                        }
+                        *this.done = true;
+                    }
                 },
             }
         }

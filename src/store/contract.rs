@@ -347,6 +347,52 @@ pub fn a_delete_leaves_nothing(engine: &dyn Engine) {
     assert!(engine.delete(&kept, Some(i64::MAX)).unwrap().is_some());
 }
 
+/// The token ledger rides in the conversation's record: written with an exchange, read back by
+/// `meta`, `load` and the listing, listed per tenant, and gone with a delete.
+pub fn the_ledger_is_kept_in_the_record(engine: &dyn Engine) {
+    let k = key("t", "a", "ledgered");
+    let (id, version) = create(engine, &k, 1);
+    let mut record = meta(id, 3, 2);
+    record.tokens_forwarded = 40;
+    record.ledger = crate::store::LedgerTotals {
+        exchanges: 1,
+        history_tokens: 100,
+        cached_tokens: 32,
+        background_tokens: 7,
+    };
+    engine
+        .write(
+            &k,
+            &version,
+            Write {
+                meta: &record,
+                remove_turns: &[],
+                add: &[message(2, "reply")],
+                summaries: &[],
+                remove_summaries: &[],
+                branches: &[],
+                response_ids: &[],
+            },
+        )
+        .unwrap();
+    let stored = engine.meta(&k).unwrap().unwrap();
+    assert_eq!(
+        (stored.tokens_forwarded, stored.ledger),
+        (40, record.ledger)
+    );
+    assert_eq!(engine.load(&k).unwrap().meta.unwrap().ledger, record.ledger);
+    let tenant = k.tenant.clone();
+    let scope = Scope {
+        tenant: Some(&tenant),
+        agent: None,
+    };
+    let (page, _) = engine.list(scope, None, 10, 10_000).unwrap();
+    let (_, listed) = page.iter().find(|(key, _)| *key == k).unwrap();
+    assert_eq!(listed.ledger, record.ledger);
+    engine.delete(&k, None).unwrap().unwrap();
+    assert!(engine.meta(&k).unwrap().is_none());
+}
+
 /// Response ids named by a write are found for the conversation's tenant only, for as long as
 /// the conversation lives with that id; forgetting or deleting takes them away.
 pub fn response_ids_follow_their_conversation(engine: &dyn Engine) {
@@ -821,7 +867,8 @@ macro_rules! contract_tests {
                 a_delete_leaves_no_branch,
                 flush_and_readiness,
                 a_reopen_keeps_what_was_flushed,
-                response_ids_follow_their_conversation
+                response_ids_follow_their_conversation,
+                the_ledger_is_kept_in_the_record
             );
         }
     };

@@ -58,8 +58,8 @@ pub use health::RETRY_AFTER;
 pub use owners::OwnerHandle;
 pub use records::{
     BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
-    MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord, StoredBranch,
-    StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between, transcript_line,
+    LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord,
+    StoredBranch, StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between, transcript_line,
 };
 pub use redis_engine::{RedisEngine, RedisOptions};
 pub use sled_engine::SledEngine;
@@ -150,6 +150,8 @@ pub struct Change {
     pub add: Vec<StoredMessage>,
     /// Tokens of the prompt forwarded for this exchange, added to the conversation's total.
     pub tokens_forwarded: u64,
+    /// The exchange's part of the conversation's token ledger, added to its totals.
+    pub ledger: LedgerTotals,
     /// Closes a branch: the stored messages from this turn on leave the main line, and are
     /// kept as a closed branch with the summaries that reach them, in the same write.
     pub branch_from_turn: Option<u64>,
@@ -506,6 +508,7 @@ impl Store {
         meta.total_tokens = meta.total_tokens - removed_tokens + added_tokens;
         meta.last_activity_ms = now;
         meta.tokens_forwarded += change.tokens_forwarded;
+        meta.ledger.add(&change.ledger);
 
         let response_ids = response_ids_of(&change.add);
         let mut created_key = false;
@@ -728,6 +731,7 @@ pub(crate) mod tests {
                 let mut conv = lock(&handle);
                 let change = Change {
                     tokens_forwarded: 0,
+                    ledger: LedgerTotals::default(),
                     branch_from_turn: None,
                     remove_turns: vec![],
                     add: vec![message(Role::User, "a"), message(Role::Assistant, "bb")],
@@ -808,6 +812,7 @@ pub(crate) mod tests {
                     remove_turns: vec![],
                     add: vec![message(Role::User, "a")],
                     tokens_forwarded: 0,
+                    ledger: LedgerTotals::default(),
                     branch_from_turn: None,
                 },
             )
@@ -819,6 +824,7 @@ pub(crate) mod tests {
                     remove_turns: vec![],
                     add: vec![message(Role::User, "b")],
                     tokens_forwarded: 0,
+                    ledger: LedgerTotals::default(),
                     branch_from_turn: None,
                 },
             )
@@ -834,6 +840,7 @@ pub(crate) mod tests {
                     remove_turns: vec![1],
                     add: vec![message(Role::User, "b")],
                     tokens_forwarded: 0,
+                    ledger: LedgerTotals::default(),
                     branch_from_turn: None,
                 },
             )

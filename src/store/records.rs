@@ -48,6 +48,39 @@ pub struct ConversationMeta {
     /// Closed branches so far: the next one closed is numbered one more.
     #[serde(default)]
     pub branches: u64,
+    /// The token ledger of the stored exchanges (beside `tokens_forwarded`).
+    #[serde(default)]
+    pub ledger: LedgerTotals,
+}
+
+/// What a conversation's stored exchanges cost and saved, in tokens: kept in its record, so
+/// it is written with each exchange, survives a restart, is shared by replicas and goes with
+/// a delete.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerTotals {
+    /// Exchanges stored.
+    #[serde(default)]
+    pub exchanges: u64,
+    /// Tokens the requests would have sent without memproxy (the whole history each time).
+    #[serde(default)]
+    pub history_tokens: u64,
+    /// Of the prompts forwarded, the tokens the upstream reported read from its cache.
+    #[serde(default)]
+    pub cached_tokens: u64,
+    /// Tokens memproxy's own model calls (summaries, memory extraction) spent for the
+    /// conversation.
+    #[serde(default)]
+    pub background_tokens: u64,
+}
+
+impl LedgerTotals {
+    /// Adds `other` in.
+    pub fn add(&mut self, other: &LedgerTotals) {
+        self.exchanges += other.exchanges;
+        self.history_tokens += other.history_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.background_tokens += other.background_tokens;
+    }
 }
 
 impl ConversationMeta {
@@ -62,6 +95,7 @@ impl ConversationMeta {
             last_activity_ms: now,
             tokens_forwarded: 0,
             branches: 0,
+            ledger: LedgerTotals::default(),
         }
     }
 }
@@ -373,6 +407,9 @@ pub struct ImportMeta {
     pub created_ms: Option<i64>,
     pub last_activity_ms: Option<i64>,
     pub next_turn: Option<u64>,
+    /// The exported token ledger: taken by an import that creates the conversation.
+    pub tokens_forwarded: Option<u64>,
+    pub ledger: Option<LedgerTotals>,
 }
 
 /// A stored summary of a conversation's older turns.

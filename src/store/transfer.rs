@@ -181,6 +181,9 @@ impl Store {
         }
         if empty {
             meta.next_turn = meta.next_turn.max(hint.next_turn.unwrap_or(0));
+            // The ledger comes along with a conversation imported whole, once.
+            meta.tokens_forwarded = hint.tokens_forwarded.unwrap_or(meta.tokens_forwarded);
+            meta.ledger = hint.ledger.unwrap_or(meta.ledger);
         }
         meta.message_count += new.len() as u64;
         let newest = new.iter().map(|m| m.at_ms).max();
@@ -463,6 +466,7 @@ mod tests {
             created_ms: Some(7),
             last_activity_ms: Some(9),
             next_turn: Some(8),
+            ..ImportMeta::default()
         };
         let first = store
             .import_conversation(

@@ -47,6 +47,10 @@ pub enum SummaryError {
     Leased,
     #[error("a background step failed: {0}")]
     Task(String),
+    /// The agent's background budget for the day is spent (`compression.max_tokens_per_day`):
+    /// the heuristic stand-in stays in use until the next UTC day.
+    #[error("the agent's background token budget for today is spent")]
+    BudgetSpent,
 }
 
 fn guard<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

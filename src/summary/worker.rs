@@ -16,6 +16,7 @@ use super::prompt::{cap_tokens, fill, ratio};
 use super::{SummaryError, TASK, guard, heuristic};
 use crate::config::CompressionConfig;
 use crate::identity::ConversationKey;
+use crate::ledger::{Ledger, Task};
 use crate::model::{ModelCall, ModelRequest};
 use crate::store::{Store, StoredMessage, SummaryRecord, lock, now_ms};
 use crate::tokens;
@@ -40,6 +41,8 @@ pub struct Summarizer {
     holder: String,
     model: Arc<dyn ModelCall>,
     config: Arc<CompressionConfig>,
+    /// Where the calls' tokens are counted, and the daily budget that stops them.
+    ledger: Arc<Ledger>,
     queue: Mutex<Option<mpsc::Sender<Job>>>,
     in_flight: Arc<Mutex<HashSet<ConversationKey>>>,
     /// Failures in a row and when the conversation may be tried again.
@@ -82,6 +85,7 @@ impl Summarizer {
         store: Arc<Store>,
         model: Arc<dyn ModelCall>,
         config: CompressionConfig,
+        ledger: Arc<Ledger>,
     ) -> Arc<Summarizer> {
         let (tx, rx) = mpsc::channel(config.queue_capacity);
         let summarizer = Arc::new(Summarizer {
@@ -89,6 +93,7 @@ impl Summarizer {
             store,
             model,
             config: Arc::new(config),
+            ledger,
             queue: Mutex::new(Some(tx)),
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             backoff: Mutex::new(HashMap::new()),
@@ -213,7 +218,12 @@ impl Summarizer {
             }
             // Another summary covered these turns meanwhile, or a branch took some of them off
             // the main line: nothing to do, not a failure.
-            Err(SummaryError::Empty | SummaryError::Branched | SummaryError::Leased) => {
+            Err(
+                SummaryError::Empty
+                | SummaryError::Branched
+                | SummaryError::Leased
+                | SummaryError::BudgetSpent,
+            ) => {
                 tracing::debug!("summary not needed any more")
             }
             Err(err) => {
@@ -306,10 +316,25 @@ impl Summarizer {
             &messages,
             self.config.max_summary_tokens,
         );
+        if !self.ledger.allow(&job.key.agent, Task::Summary, now_ms()) {
+            return Err(SummaryError::BudgetSpent);
+        }
         let request = ModelRequest::prompt(&job.model, TASK, prompt, job.credentials.clone());
-        let reply = tokio::time::timeout(self.config.timeout, self.model.complete(request))
+        let prompt_tokens = request.counted_tokens();
+        let mut reply = tokio::time::timeout(self.config.timeout, self.model.complete(request))
             .await
             .map_err(|_| SummaryError::Timeout(self.config.timeout))??;
+        // An answer without usage is counted with the tokenizer.
+        if reply.prompt_tokens == 0 && reply.completion_tokens == 0 {
+            reply.prompt_tokens = prompt_tokens;
+            reply.completion_tokens = tokens::count_text(Some(&job.model), &reply.text).into();
+        }
+        self.ledger.spent(
+            &job.key,
+            Task::Summary,
+            reply.prompt_tokens + reply.completion_tokens,
+            now_ms(),
+        );
 
         let model = Some(job.model.as_str());
         // A model that ignores the length asked for is cut to it (keeping the start).
@@ -441,7 +466,12 @@ mod tests {
             retry_backoff: Duration::from_secs(60),
             max_input_tokens: 10_000,
             max_summary_tokens: 50,
+            max_tokens_per_day: None,
         }
+    }
+
+    fn ledger() -> Arc<Ledger> {
+        Arc::new(Ledger::new(crate::config::BackgroundBudget::default()))
     }
 
     /// A store holding one conversation of four messages; its key and id.
@@ -512,7 +542,7 @@ mod tests {
             answer: Ok("the user stated facts 1 to 3".into()),
             asked: StdMutex::new(Vec::new()),
         });
-        let summarizer = Summarizer::start(Arc::clone(&store), model.clone(), config());
+        let summarizer = Summarizer::start(Arc::clone(&store), model.clone(), config(), ledger());
         let job = job(&summarizer, &key, id);
         assert!(summarizer.in_flight(&key));
         let record = summarizer.run_now(job).await.unwrap();
@@ -548,7 +578,7 @@ mod tests {
             answer: Err(ModelError::Status(503)),
             asked: StdMutex::new(Vec::new()),
         });
-        let summarizer = Summarizer::start(Arc::clone(&store), model, config());
+        let summarizer = Summarizer::start(Arc::clone(&store), model, config(), ledger());
         let job = job(&summarizer, &key, id);
         assert!(matches!(
             summarizer.run_now(job).await,

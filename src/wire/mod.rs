@@ -35,6 +35,7 @@
 
 pub mod anthropic;
 pub mod responses;
+pub mod usage;
 
 use std::borrow::Cow;
 

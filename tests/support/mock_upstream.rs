@@ -321,9 +321,23 @@ async fn answer(
     if options.record {
         lock(&shared.recorded).push(recorded.clone());
     }
+    // `x-mock-cached-tokens: N` makes every usage the answer carries report N cached prompt
+    // tokens, in each API's own field.
+    let cached = parts
+        .headers
+        .get("x-mock-cached-tokens")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let recorded_json = |recorded: &Recorded| {
+        let mut request = recorded.json();
+        if let (Some(n), Some(object)) = (cached, request.as_object_mut()) {
+            object.insert(MOCK_CACHED.to_string(), json!(n));
+        }
+        request
+    };
 
     if parts.uri.path().ends_with("/chat/completions") && is_summary_call(&recorded) {
-        let request = recorded.json();
+        let request = recorded_json(&recorded);
         let auto = Reply::Text(default_summary(&last_user_text(&request)));
         let reply = lock(&shared.summary_script)
             .pop_front()
@@ -331,7 +345,7 @@ async fn answer(
         return chat_answer(&request, reply, auto, options).await;
     }
     if parts.uri.path().ends_with("/chat/completions") && is_extraction_call(&recorded) {
-        let request = recorded.json();
+        let request = recorded_json(&recorded);
         let auto = Reply::Text(r#"{"memories":[]}"#.to_string());
         let reply = lock(&shared.extraction_script)
             .pop_front()
@@ -339,7 +353,7 @@ async fn answer(
         return chat_answer(&request, reply, auto, options).await;
     }
     if parts.uri.path().ends_with("/chat/completions") {
-        let request = recorded.json();
+        let request = recorded_json(&recorded);
         let auto = Reply::Text(format!("reply to: {}", last_user_text(&request)));
         let reply = lock(&shared.script).pop_front().unwrap_or(Reply::Auto);
         return chat_answer(&request, reply, auto, options).await;
@@ -349,7 +363,7 @@ async fn answer(
     }
     let api_path = parts.uri.path();
     if api_path.ends_with("/responses") || api_path.ends_with("/v1/messages") {
-        let request = recorded.json();
+        let request = recorded_json(&recorded);
         let anthropic = api_path.ends_with("/v1/messages");
         let text = if anthropic {
             last_anthropic_user_text(&request)
@@ -471,7 +485,8 @@ async fn chat_answer(
     let usage = request
         .pointer("/stream_options/include_usage")
         .and_then(Value::as_bool)
-        .unwrap_or(false);
+        .unwrap_or(false)
+        .then(|| chat_usage(request));
     let model = request
         .get("model")
         .and_then(Value::as_str)
@@ -493,7 +508,7 @@ async fn chat_answer(
             json!({
                 "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                "usage": chat_usage(request),
             }),
         ),
         Reply::ToolCalls(calls) if !stream => {
@@ -532,7 +547,12 @@ async fn chat_answer(
 }
 
 /// The SSE events of a streamed answer; `Err(())` marks where the stream breaks.
-fn sse_events(model: &str, reply: Reply, chunks: usize, usage: bool) -> Vec<Result<String, ()>> {
+fn sse_events(
+    model: &str,
+    reply: Reply,
+    chunks: usize,
+    usage: Option<Value>,
+) -> Vec<Result<String, ()>> {
     let chunk = |delta: Value, finish: Value| {
         Ok(format!(
             "data: {}\n\n",
@@ -590,15 +610,33 @@ fn sse_events(model: &str, reply: Reply, chunks: usize, usage: bool) -> Vec<Resu
         }
         Reply::Status(..) | Reply::Delay(..) | Reply::Auto | Reply::Reasoning(..) => {}
     }
-    if usage {
+    if let Some(usage) = usage {
         events.push(Ok(format!(
             "data: {}\n\n",
             json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": model, "choices": [],
-                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                   "usage": usage})
         )));
     }
     events.push(Ok("data: [DONE]\n\n".to_string()));
     events
+}
+
+/// The field `answer` puts into a request's JSON for `x-mock-cached-tokens`.
+const MOCK_CACHED: &str = "__mock_cached_tokens";
+
+/// The cached prompt tokens the answer to `request` reports (0 unless asked for).
+fn mock_cached(request: &Value) -> u64 {
+    request
+        .get(MOCK_CACHED)
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+}
+
+/// A chat completion's `usage`, with `prompt_tokens_details.cached_tokens`.
+fn chat_usage(request: &Value) -> Value {
+    let cached = mock_cached(request);
+    json!({"prompt_tokens": 1 + cached, "completion_tokens": 1, "total_tokens": 2 + cached,
+           "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 fn json_response(status: StatusCode, value: Value) -> Response<MockBody> {
@@ -865,8 +903,8 @@ fn response_object(request: &Value, id: u64, status: &str, output: Vec<Value>) -
         "metadata": {}, "parallel_tool_calls": true, "temperature": 1.0, "top_p": 1.0,
         "tool_choice": "auto", "tools": request.get("tools").cloned().unwrap_or(json!([])),
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": false,
-        "usage": {"input_tokens": 1, "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 2},
+        "usage": {"input_tokens": 1 + mock_cached(request), "input_tokens_details": {"cached_tokens": mock_cached(request)},
+                  "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 2 + mock_cached(request)},
     })
 }
 
@@ -1026,7 +1064,8 @@ fn anthropic_message(request: &Value, id: u64, content: Vec<Value>, stop: Value)
     json!({
         "id": format!("msg_mock_{id}"), "type": "message", "role": "assistant", "model": model,
         "content": content, "stop_reason": stop, "stop_sequence": null,
-        "usage": {"input_tokens": 1, "output_tokens": 1},
+        "usage": {"input_tokens": 1, "output_tokens": 1,
+                  "cache_read_input_tokens": mock_cached(request), "cache_creation_input_tokens": 0},
     })
 }
 

@@ -1,0 +1,398 @@
+//! Receipts: for every memory-on exchange, what memproxy forwarded and why, readable for a
+//! short while by an operator (`GET /admin/v1/receipts/{id}`, `admin/receipts.rs`).
+//!
+//! A receipt is made when the prompt is planned and rendered: the exact body forwarded (and
+//! its SHA-256), the prompt's parts as the plan made them (`pipeline::assemble::Prompt`'s
+//! named fields, moved here, not copied), what the budget dropped, the settings in effect. It
+//! is filled in as the exchange goes on: the upstream's status and the time to its head, then,
+//! when the exchange ends (a JSON answer read, or a stream's end), the usage the upstream
+//! reported and what memory did with it.
+//!
+//! Receipts hold message text. They live only in this process's memory, in a cache bounded in
+//! bytes (`receipts.max_bytes`, its share of `server.memory_budget`; weighed with `heap.rs`)
+//! and in time (`receipts.retention`); they are never written to disk or logged, and the
+//! client's credential is never part of one. Token counts of the parts are counted when a
+//! receipt is read, never on the request's path.
+
+pub mod render;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use sha2::{Digest, Sha256};
+
+use crate::config::ReceiptsConfig;
+use crate::heap;
+use crate::identity::{ConversationKey, TenantId};
+use crate::pipeline::assemble::Prompt;
+use crate::pipeline::plan::Plan;
+use crate::settings::MemorySettings;
+use crate::wire::Api;
+use crate::wire::usage::Usage;
+
+/// The response header that names an exchange's receipt.
+pub const RECEIPT_HEADER: &str = "x-memory-receipt";
+
+/// Request headers a receipt keeps for its replay: what shapes the upstream's answer, never a
+/// credential.
+pub const REPLAYED_HEADERS: &[&str] = &[
+    "content-type",
+    "accept",
+    "anthropic-version",
+    "anthropic-beta",
+    "openai-beta",
+    "openai-organization",
+    "openai-project",
+];
+
+/// What a receipt takes besides its body and its prompt's messages: the plan's figures, the
+/// settings, the outcome (measured on receipts of small prompts, rounded up).
+const FIXED_BYTES: usize = 2048;
+
+/// The receipts of this process.
+pub struct Receipts {
+    cache: Option<moka::sync::Cache<String, Arc<Receipt>>>,
+    retention: Duration,
+}
+
+impl std::fmt::Debug for Receipts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receipts")
+            .field("enabled", &self.cache.is_some())
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Receipts {
+    pub fn new(config: &ReceiptsConfig) -> Receipts {
+        let cache = config.enabled.then(|| {
+            moka::sync::Cache::builder()
+                .max_capacity(config.max_bytes.max(1))
+                .time_to_live(config.retention)
+                // The newest receipts are the ones asked for: past the size, the least
+                // recently used goes (not a frequency guess that could refuse a new one).
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                // A conversation or a tenant deleted by an operator takes its receipts along.
+                .support_invalidation_closures()
+                .weigher(|_id: &String, receipt: &Arc<Receipt>| {
+                    u32::try_from(receipt.weight).unwrap_or(u32::MAX)
+                })
+                .build()
+        });
+        Receipts {
+            cache,
+            retention: config.retention,
+        }
+    }
+
+    /// True when receipts are kept.
+    pub fn enabled(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    /// Keeps a receipt; it can be read until the retention passes or newer ones push it out.
+    pub fn insert(&self, receipt: Arc<Receipt>) {
+        if let Some(cache) = &self.cache {
+            cache.insert(receipt.id.clone(), receipt);
+        }
+    }
+
+    /// The receipt `id`, while it is kept.
+    pub fn get(&self, id: &str) -> Option<Arc<Receipt>> {
+        self.cache.as_ref()?.get(id)
+    }
+
+    /// Drops the receipts of `tenant` (of its conversation `key` only, when given): an
+    /// operator's delete takes them along.
+    pub fn forget(&self, tenant: &TenantId, key: Option<&ConversationKey>) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        let (tenant, key) = (tenant.clone(), key.cloned());
+        let dropped = cache.invalidate_entries_if(move |_, receipt| {
+            receipt.key.tenant == tenant && key.as_ref().is_none_or(|key| receipt.key == *key)
+        });
+        if let Err(err) = dropped {
+            tracing::warn!(error = %err, "receipts of a deleted conversation could not be dropped");
+        }
+    }
+
+    /// Bytes the kept receipts take (their weights), after pending evictions.
+    pub fn weighted_size(&self) -> u64 {
+        self.cache.as_ref().map_or(0, |cache| {
+            cache.run_pending_tasks();
+            cache.weighted_size()
+        })
+    }
+
+    /// Receipts kept now.
+    pub fn len(&self) -> u64 {
+        self.cache.as_ref().map_or(0, |cache| {
+            cache.run_pending_tasks();
+            cache.entry_count()
+        })
+    }
+
+    /// True when none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A new receipt id: `rcpt_` and 128 random bits from the system's CSPRNG, so an id cannot
+/// be guessed from another.
+pub fn new_id() -> String {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 16];
+    if ring::rand::SystemRandom::new().fill(&mut bytes).is_err() {
+        // The system's generator failed: no receipt id is better than a guessable one.
+        return String::new();
+    }
+    format!("rcpt_{}", hex(&bytes))
+}
+
+/// What the plan decided, kept for the receipt (the prompt's parts are moved in whole).
+#[derive(Debug)]
+pub struct Planned {
+    pub prompt: Prompt,
+    pub prompt_tokens: u64,
+    pub history_tokens: u64,
+    pub stored_count: usize,
+    /// (turn, BM25 score), best first.
+    pub recalled: Vec<(u64, f32)>,
+    /// (conversation, turn, BM25 score): the user's other conversations.
+    pub recalled_elsewhere: Vec<(String, u64, f32)>,
+    /// (memory id, score, decay).
+    pub memories: Vec<(u64, f64, f64)>,
+    pub summary: Option<crate::store::SummaryRecord>,
+    pub budget: Option<crate::pipeline::budget::Fitted>,
+    pub dropped: crate::pipeline::budget::Dropped,
+}
+
+impl Planned {
+    /// Takes what the receipt needs from `plan`: its prompt is moved out (the body was
+    /// rendered from it already).
+    pub fn take(plan: &mut Plan) -> Planned {
+        Planned {
+            prompt: std::mem::take(&mut plan.prompt),
+            prompt_tokens: plan.prompt_tokens,
+            history_tokens: plan.history_tokens.max(plan.prompt_tokens),
+            stored_count: plan.stored_count,
+            recalled: plan.recalled_scores.clone(),
+            recalled_elsewhere: plan.recalled_elsewhere.clone(),
+            memories: plan
+                .memories
+                .iter()
+                .map(|c| (c.memory.id, c.score, c.decay))
+                .collect(),
+            summary: plan.summary.clone(),
+            budget: plan.fitted,
+            dropped: plan.dropped.clone(),
+        }
+    }
+
+    fn heap_bytes(&self) -> usize {
+        let raw = |m: &serde_json::value::RawValue| heap::chunk(m.get().len()) + heap::chunk(16);
+        let prompt = &self.prompt;
+        let messages: usize = prompt
+            .instructions
+            .iter()
+            .chain(&prompt.memories)
+            .chain(&prompt.summary)
+            .chain(&prompt.recalled)
+            .chain(&prompt.window)
+            .chain(&prompt.incoming)
+            .map(|m| raw(m))
+            .sum();
+        messages
+            + heap::vec::<(String, u64, f32)>(self.recalled_elsewhere.len())
+            + self
+                .recalled_elsewhere
+                .iter()
+                .map(|(c, _, _)| heap::string(c.len()))
+                .sum::<usize>()
+            + heap::vec::<(u64, f32)>(self.recalled.len())
+            + heap::vec::<(u64, f64, f64)>(self.memories.len())
+            + self.summary.as_ref().map_or(0, |s| {
+                heap::string(s.text.len()) + heap::string(s.model.len())
+            })
+            + heap::vec::<(Option<String>, u64, f32)>(self.dropped.recalled.len())
+            + heap::vec::<u64>(self.dropped.window.len())
+    }
+}
+
+/// How the exchange went, filled in as it goes.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// The upstream's status.
+    pub status: Option<u16>,
+    /// Time to the upstream's response head.
+    pub upstream_latency: Option<Duration>,
+    /// From the forward to the end of the exchange (the answer read, or the stream's end).
+    pub total: Option<Duration>,
+    pub stream: bool,
+    /// The exchange ended: `complete` (an answer or a stream that finished), `cut` (a stream
+    /// that failed or ended unfinished), or `error` (the upstream answered an error).
+    pub ended: Option<&'static str>,
+    pub usage: Option<Usage>,
+    /// `X-Memory-Status` of the exchange.
+    pub memory_status: Option<&'static str>,
+}
+
+/// One exchange's receipt.
+#[derive(Debug)]
+pub struct Receipt {
+    pub id: String,
+    pub key: ConversationKey,
+    pub api: Api,
+    /// The upstream path (`/v1/chat/completions`) and query it went to.
+    pub api_path: String,
+    pub query: Option<String>,
+    pub model: Option<String>,
+    pub created_ms: i64,
+    /// The request headers a replay sends again ([`REPLAYED_HEADERS`]).
+    pub headers: Vec<(String, String)>,
+    /// The body forwarded, byte for byte (its SHA-256 is computed when the receipt is read,
+    /// off the request's path: [`Receipt::sha256`]).
+    pub body: Bytes,
+    pub planned: Planned,
+    /// The settings in effect (described by name when the receipt is read).
+    pub settings: MemorySettings,
+    pub outcome: Mutex<Outcome>,
+    started: Instant,
+    /// What the receipt takes in the cache.
+    weight: usize,
+}
+
+/// What a receipt is made of, as the edge has it.
+pub struct Made<'a> {
+    pub key: &'a ConversationKey,
+    pub api: Api,
+    pub api_path: &'a str,
+    pub query: Option<&'a str>,
+    pub model: Option<String>,
+    pub headers: &'a HeaderMap,
+    pub body: Bytes,
+    pub planned: Planned,
+    pub settings: &'a MemorySettings,
+}
+
+impl Receipt {
+    /// A receipt with a fresh id; `None` when no id could be made.
+    pub fn new(made: Made<'_>) -> Option<Receipt> {
+        let id = new_id();
+        if id.is_empty() {
+            return None;
+        }
+        let headers: Vec<(String, String)> = REPLAYED_HEADERS
+            .iter()
+            .filter_map(|name| {
+                let value = made.headers.get(*name)?.to_str().ok()?;
+                Some((name.to_string(), value.to_string()))
+            })
+            .collect();
+        let weight = heap::CACHE_ENTRY
+            + FIXED_BYTES
+            + heap::chunk(made.body.len())
+            + made.planned.heap_bytes()
+            + headers
+                .iter()
+                .map(|(n, v)| heap::string(n.len()) + heap::string(v.len()))
+                .sum::<usize>();
+        Some(Receipt {
+            id,
+            key: made.key.clone(),
+            api: made.api,
+            api_path: made.api_path.to_string(),
+            query: made.query.map(str::to_string),
+            model: made.model,
+            created_ms: crate::store::now_ms(),
+            headers,
+            body: made.body,
+            planned: made.planned,
+            settings: made.settings.clone(),
+            outcome: Mutex::new(Outcome::default()),
+            started: Instant::now(),
+            weight,
+        })
+    }
+
+    /// The SHA-256 of the forwarded body, hex.
+    pub fn sha256(&self) -> String {
+        hex(&Sha256::digest(&self.body))
+    }
+
+    /// What the receipt takes in the cache (bytes).
+    pub fn weight(&self) -> usize {
+        self.weight
+    }
+
+    fn outcome(&self) -> std::sync::MutexGuard<'_, Outcome> {
+        self.outcome
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The upstream answered with `status` after `latency`.
+    pub fn answered(&self, status: u16, latency: Option<Duration>, stream: bool) {
+        let mut outcome = self.outcome();
+        outcome.status = Some(status);
+        outcome.upstream_latency = latency;
+        outcome.stream = stream;
+        if status >= 400 {
+            outcome.ended = Some("error");
+            outcome.total = Some(self.started.elapsed());
+        }
+    }
+
+    /// What memory did: `X-Memory-Status`.
+    pub fn memory_status(&self, status: &'static str) {
+        self.outcome().memory_status = Some(status);
+    }
+
+    /// The exchange ended (`complete` or `cut`) with `usage`.
+    pub fn ended(&self, how: &'static str, usage: Option<Usage>) {
+        let mut outcome = self.outcome();
+        outcome.ended = Some(how);
+        outcome.usage = usage;
+        outcome.total = Some(self.started.elapsed());
+    }
+
+    /// A copy of the outcome so far.
+    pub fn outcome_now(&self) -> Outcome {
+        self.outcome().clone()
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 15)]));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_random_and_unlike_each_other() {
+        let (a, b) = (new_id(), new_id());
+        assert!(a.starts_with("rcpt_") && a.len() == 37, "{a}");
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn the_sha256_is_of_the_body() {
+        assert_eq!(
+            hex(&Sha256::digest(b"abc")),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+}

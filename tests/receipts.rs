@@ -1,0 +1,543 @@
+//! Receipts through the real proxy and the mock upstream: every memory-on answer names one
+//! (`X-Memory-Receipt`), and `GET /admin/v1/receipts/{id}` gives the exact body the upstream
+//! received (chat completions, streamed or not, the Responses API, Anthropic Messages), its
+//! SHA-256, the prompt's parts, the usage; receipts are tenant-checked, expire, stay within
+//! their bytes, and can be turned off; a replay returns the upstream's answer and stores
+//! nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+#[path = "support/admin.rs"]
+mod support_admin;
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use support::mock_upstream::{MockUpstream, Recorded};
+use support::*;
+use support_admin::*;
+
+/// The Anthropic API served by the same mock.
+fn anthropic(mock: &MockUpstream) -> String {
+    format!(
+        "[upstream.anthropic]\nbase_url = \"{}\"\n",
+        mock.anthropic_base_url()
+    )
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+async fn receipt(proxy: &Proxy, answer: &Answer) -> Value {
+    let id = answer.header("x-memory-receipt");
+    let got = admin(proxy, "GET", &format!("/admin/v1/receipts/{id}"), "").await;
+    assert_eq!(got.status, 200, "{:?}", String::from_utf8_lossy(&got.body));
+    got.json()
+}
+
+/// Checks the receipt's body is byte for byte what the upstream got, and its digest.
+fn assert_same_body(receipt: &Value, recorded: &Recorded) {
+    let body = receipt["forwarded"]["body"].as_str().unwrap();
+    assert_eq!(body.as_bytes(), &recorded.body[..], "the forwarded bytes");
+    assert_eq!(receipt["forwarded"]["bytes"], recorded.body.len());
+    assert_eq!(receipt["forwarded"]["sha256"], sha256_hex(&recorded.body));
+}
+
+async fn post(proxy: &Proxy, path: &str, headers: &[(&str, &str)], body: &Value) -> Answer {
+    send("POST", &proxy.url(path), headers, body.to_string()).await
+}
+
+#[tokio::test]
+async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let cached = [("x-mock-cached-tokens", "7")];
+
+    // Chat completions, JSON: a system prompt, three turns so the window is stored messages.
+    let mut history = vec![json!({"role": "system", "content": "You are terse."})];
+    let mut last = None;
+    for text in ["my cat is Miso", "I live in Lyon", "what is my cat called?"] {
+        history.push(user(text));
+        let answer = chat(&proxy, "receipt-chat", &body(&history), &cached).await;
+        assert_eq!(answer.status, 200);
+        history.push(reply_message(&answer));
+        last = Some(answer);
+    }
+    let answer = last.unwrap();
+    let chat_receipt = receipt(&proxy, &answer).await;
+    assert_same_body(&chat_receipt, mock.chat_requests().last().unwrap());
+    assert_eq!(chat_receipt["api"], "chat");
+    assert_eq!(chat_receipt["conversation"], "receipt-chat");
+    assert_eq!(chat_receipt["tenant"], tenant(TOKEN));
+    let prompt = &chat_receipt["prompt"];
+    assert_eq!(
+        prompt["instructions"]["messages"][0]["content"],
+        "You are terse."
+    );
+    assert!(prompt["instructions"]["tokens"].as_u64().unwrap() > 0);
+    assert_eq!(
+        prompt["new"]["messages"][0]["content"],
+        "what is my cat called?"
+    );
+    assert_eq!(prompt["window"]["messages"].as_array().unwrap().len(), 4);
+    assert!(prompt["window"]["tokens"].as_u64().unwrap() > 0);
+    assert_eq!(
+        prompt["tokens"].as_u64().unwrap(),
+        answer
+            .header("x-memory-prompt-tokens")
+            .parse::<u64>()
+            .unwrap()
+    );
+    assert_eq!(
+        chat_receipt["history_tokens"].as_u64().unwrap(),
+        answer
+            .header("x-memory-history-tokens")
+            .parse::<u64>()
+            .unwrap()
+    );
+    let upstream = &chat_receipt["upstream"];
+    assert_eq!(upstream["status"], 200);
+    assert_eq!(upstream["ended"], "complete");
+    assert_eq!(upstream["stream"], false);
+    assert_eq!(upstream["usage"]["cached_tokens"], 7);
+    assert_eq!(upstream["memory_status"], "stored");
+    assert!(upstream["latency_ms"].as_f64().is_some());
+    assert_eq!(chat_receipt["settings"]["recent_n"], "10");
+    // No credential in the receipt.
+    let text = chat_receipt.to_string();
+    assert!(
+        !text.contains(TOKEN),
+        "the client's key is never in a receipt"
+    );
+
+    // Chat completions, streamed, usage in the last chunk.
+    let mut streamed = body(&[user("tell me about Lyon")]);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let answer = chat(&proxy, "receipt-stream", &streamed, &cached).await;
+    assert_eq!(answer.status, 200);
+    let stream_receipt = receipt(&proxy, &answer).await;
+    assert_same_body(&stream_receipt, mock.chat_requests().last().unwrap());
+    assert_eq!(stream_receipt["upstream"]["stream"], true);
+    assert_eq!(stream_receipt["upstream"]["ended"], "complete");
+    assert_eq!(stream_receipt["upstream"]["usage"]["cached_tokens"], 7);
+
+    // The Responses API, JSON and streamed.
+    let headers = [
+        ("authorization", "Bearer sk-test-one"),
+        ("content-type", "application/json"),
+        ("x-memory-conversation-id", "receipt-responses"),
+        ("x-mock-cached-tokens", "5"),
+    ];
+    let request = json!({"model": "gpt-4o-mini", "input": "hello there"});
+    let answer = post(&proxy, "/v1/responses", &headers, &request).await;
+    assert_eq!(answer.status, 200);
+    let responses_receipt = receipt(&proxy, &answer).await;
+    assert_same_body(
+        &responses_receipt,
+        mock.responses_requests().last().unwrap(),
+    );
+    assert_eq!(responses_receipt["api"], "responses");
+    assert_eq!(responses_receipt["upstream"]["usage"]["cached_tokens"], 5);
+    let request = json!({"model": "gpt-4o-mini", "input": "and again", "stream": true});
+    let answer = post(&proxy, "/v1/responses", &headers, &request).await;
+    let responses_stream = receipt(&proxy, &answer).await;
+    assert_same_body(&responses_stream, mock.responses_requests().last().unwrap());
+    assert_eq!(responses_stream["upstream"]["ended"], "complete");
+    assert_eq!(responses_stream["upstream"]["usage"]["cached_tokens"], 5);
+
+    // Anthropic Messages, JSON and streamed: cache_read_input_tokens.
+    let headers = [
+        ("x-api-key", "sk-ant-test"),
+        ("anthropic-version", "2023-06-01"),
+        ("content-type", "application/json"),
+        ("x-memory-conversation-id", "receipt-anthropic"),
+        ("x-mock-cached-tokens", "9"),
+    ];
+    let request = json!({"model": "claude-mock", "max_tokens": 64,
+        "messages": [{"role": "user", "content": "hi claude"}]});
+    let answer = post(&proxy, "/v1/messages", &headers, &request).await;
+    assert_eq!(answer.status, 200);
+    let anthropic_receipt = receipt(&proxy, &answer).await;
+    assert_same_body(
+        &anthropic_receipt,
+        mock.anthropic_requests().last().unwrap(),
+    );
+    assert_eq!(anthropic_receipt["api"], "anthropic");
+    assert_eq!(anthropic_receipt["upstream"]["usage"]["cached_tokens"], 9);
+    let mut request = request.clone();
+    request["stream"] = json!(true);
+    request["messages"] = json!([{"role": "user", "content": "stream it"}]);
+    let answer = post(&proxy, "/v1/messages", &headers, &request).await;
+    let anthropic_stream = receipt(&proxy, &answer).await;
+    assert_same_body(&anthropic_stream, mock.anthropic_requests().last().unwrap());
+    assert_eq!(anthropic_stream["upstream"]["stream"], true);
+    assert_eq!(anthropic_stream["upstream"]["usage"]["cached_tokens"], 9);
+    assert_eq!(
+        anthropic_stream["upstream"]["usage"]["output_tokens"], 1,
+        "from message_delta"
+    );
+
+    // Receipt ids are distinct and unguessable-looking; an unknown one is 404.
+    let ids: std::collections::HashSet<String> = [
+        &chat_receipt,
+        &stream_receipt,
+        &responses_receipt,
+        &anthropic_receipt,
+    ]
+    .iter()
+    .map(|r| r["id"].as_str().unwrap().to_string())
+    .collect();
+    assert_eq!(ids.len(), 4);
+    let missing = admin(&proxy, "GET", "/admin/v1/receipts/rcpt_0000", "").await;
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["error"]["code"], "not_found");
+    // The admin token is required.
+    let id = chat_receipt["id"].as_str().unwrap();
+    let anonymous = admin_as(&proxy, None, "GET", &format!("/admin/v1/receipts/{id}"), "").await;
+    assert_eq!(anonymous.status, 401);
+}
+
+#[tokio::test]
+async fn a_receipt_names_the_recalled_turns_the_summary_and_what_the_budget_dropped() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(
+        &mock,
+        dir.path(),
+        "[memory]\nrecent_n = 2\ncompression_threshold_tokens = 60\ncompression_async = false\ncompression_interval = \"PT0S\"\n",
+    )
+    .await;
+    let topics = [
+        "the lighthouse keeper named Orsolya paints seagulls",
+        "my favourite pasta shape is orecchiette with broccoli",
+        "the quarterly invoice number is INV-88213",
+        "our staging database runs on port 6543",
+        "the dog's vet appointment moved to Thursday",
+        "we ship the desktop release on the ninth",
+    ];
+    for text in topics {
+        let answer = chat(&proxy, "receipt-parts", &body(&[user(text)]), &[]).await;
+        assert_eq!(answer.status, 200);
+    }
+    let question = body(&[user("what does Orsolya the lighthouse keeper paint?")]);
+    let answer = chat(&proxy, "receipt-parts", &question, &[]).await;
+    let parts = receipt(&proxy, &answer).await;
+    let prompt = &parts["prompt"];
+    let recalled = &prompt["recalled"];
+    assert!(recalled.is_object(), "{prompt}");
+    let turns = recalled["turns"].as_array().unwrap();
+    assert!(turns.iter().any(|t| t["turn"] == 1), "{recalled}");
+    assert!(turns.iter().all(|t| t["score"].as_f64().unwrap() > 0.0));
+    assert!(recalled["tokens"].as_u64().unwrap() > 0);
+    let summary = &prompt["summary"];
+    assert!(summary.is_object(), "a summary was made: {prompt}");
+    assert!(summary["covers"]["to_turn"].as_u64().unwrap() >= 1);
+    assert!(summary["tokens"].as_u64().unwrap() > 0);
+
+    // A budget that cannot take the recalled turns drops them, by name.
+    let tight = body(&[user("what does Orsolya the lighthouse keeper paint?")]);
+    let answer = chat(
+        &proxy,
+        "receipt-parts",
+        &tight,
+        &[("x-memory-max-context-tokens", "1")],
+    )
+    .await;
+    let tight_receipt = receipt(&proxy, &answer).await;
+    let budget = &tight_receipt["budget"];
+    assert_eq!(budget["verdict"], "exceeded");
+    let dropped = budget["dropped"]["recalled"].as_array().unwrap();
+    assert!(dropped.iter().any(|d| d["turn"] == 1), "{budget}");
+    assert!(
+        !budget["dropped"]["window_turns"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "{budget}"
+    );
+    assert!(tight_receipt["prompt"]["recalled"].is_null());
+}
+
+#[tokio::test]
+async fn receipts_are_tenant_checked() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let answer = chat_as(
+        &proxy,
+        "sk-tenant-a",
+        "mine",
+        &body(&[user("secret of A")]),
+        &[],
+    )
+    .await;
+    let id = answer.header("x-memory-receipt").to_string();
+    let path = format!("/admin/v1/receipts/{id}");
+    let as_b = admin(
+        &proxy,
+        "GET",
+        &format!("{path}?tenant={}", tenant("sk-tenant-b")),
+        "",
+    )
+    .await;
+    assert_eq!(
+        as_b.status, 404,
+        "tenant B's scope does not see A's receipt"
+    );
+    assert!(!String::from_utf8_lossy(&as_b.body).contains("secret of A"));
+    let as_a = admin(
+        &proxy,
+        "GET",
+        &format!("{path}?tenant={}", tenant("sk-tenant-a")),
+        "",
+    )
+    .await;
+    assert_eq!(as_a.status, 200);
+    // A replay with tenant B's credential is refused; nothing reaches the upstream.
+    let before = mock.chat_requests().len();
+    let replay = send(
+        "POST",
+        &proxy.url(&format!("{path}/replay")),
+        &[
+            ("authorization", &format!("Bearer {ADMIN_TOKEN}")),
+            ("x-memory-upstream-authorization", "Bearer sk-tenant-b"),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(replay.status, 403);
+    assert_eq!(replay.json()["error"]["code"], "forbidden");
+    assert_eq!(mock.chat_requests().len(), before);
+}
+
+#[tokio::test]
+async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let first = chat(&proxy, "replayed", &body(&[user("first question")]), &[]).await;
+    let id = first.header("x-memory-receipt").to_string();
+    let original = mock.chat_requests().last().unwrap().clone();
+    let stored = proxy.stored(Some(TOKEN), "replayed").len();
+    let replay_path = proxy.url(&format!("/admin/v1/receipts/{id}/replay"));
+    let admin_auth = format!("Bearer {ADMIN_TOKEN}");
+
+    // memproxy holds no upstream key: the client's credential is required.
+    let refused = send("POST", &replay_path, &[("authorization", &admin_auth)], "").await;
+    assert_eq!(refused.status, 400);
+    assert!(
+        refused.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("x-memory-upstream-authorization")
+    );
+
+    let replay = send(
+        "POST",
+        &replay_path,
+        &[
+            ("authorization", &admin_auth),
+            (
+                "x-memory-upstream-authorization",
+                &format!("Bearer {TOKEN}"),
+            ),
+        ],
+        "",
+    )
+    .await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.header("x-memory-replay-of"), id);
+    assert_eq!(
+        replay.json()["choices"][0]["message"]["content"],
+        "reply to: first question"
+    );
+    let resent = mock.chat_requests().last().unwrap().clone();
+    assert_eq!(resent.body, original.body, "the identical body");
+    assert_eq!(
+        resent.headers["authorization"],
+        format!("Bearer {TOKEN}").as_str()
+    );
+    assert!(
+        !resent
+            .headers
+            .contains_key("x-memory-upstream-authorization")
+    );
+    // Nothing stored: the conversation is as it was, and no new receipt.
+    assert_eq!(proxy.stored(Some(TOKEN), "replayed").len(), stored);
+    assert!(replay.headers.get("x-memory-receipt").is_none());
+
+    // A streamed exchange replays as a stream.
+    let mut streamed = body(&[user("stream this")]);
+    streamed["stream"] = json!(true);
+    let answer = chat(&proxy, "replayed", &streamed, &[]).await;
+    let id = answer.header("x-memory-receipt").to_string();
+    let replay = send(
+        "POST",
+        &proxy.url(&format!("/admin/v1/receipts/{id}/replay")),
+        &[
+            ("authorization", &admin_auth),
+            (
+                "x-memory-upstream-authorization",
+                &format!("Bearer {TOKEN}"),
+            ),
+        ],
+        "",
+    )
+    .await;
+    assert!(
+        replay
+            .header("content-type")
+            .starts_with("text/event-stream")
+    );
+    assert!(String::from_utf8_lossy(&replay.body).contains("[DONE]"));
+}
+
+#[tokio::test]
+async fn with_its_own_upstream_key_memproxy_replays_without_the_clients() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let text = config_text(&mock, dir.path(), "");
+    let text = text.replacen(
+        "[upstream]\n",
+        "[upstream]\napi_key_env = \"UPSTREAM_KEY\"\n",
+        1,
+    );
+    let config = memproxy::config::from_toml(&text, &|name| match name {
+        "MEMPROXY_ADMIN_TOKEN" => Some(ADMIN_TOKEN.to_string()),
+        "UPSTREAM_KEY" => Some("sk-proxy-own".to_string()),
+        _ => None,
+    })
+    .unwrap();
+    let proxy = Proxy::start_config(config).await;
+    let answer = chat(&proxy, "keyed", &body(&[user("hello")]), &[]).await;
+    let id = answer.header("x-memory-receipt").to_string();
+    let replay = admin(
+        &proxy,
+        "POST",
+        &format!("/admin/v1/receipts/{id}/replay"),
+        "",
+    )
+    .await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(
+        mock.chat_requests().last().unwrap().headers["authorization"],
+        "Bearer sk-proxy-own"
+    );
+}
+
+#[tokio::test]
+async fn receipts_expire_after_their_retention() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "[receipts]\nretention = \"PT1S\"\n").await;
+    let answer = chat(&proxy, "short-lived", &body(&[user("hello")]), &[]).await;
+    let id = answer.header("x-memory-receipt").to_string();
+    let path = format!("/admin/v1/receipts/{id}");
+    assert_eq!(admin(&proxy, "GET", &path, "").await.status, 200);
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    assert_eq!(admin(&proxy, "GET", &path, "").await.status, 404);
+}
+
+#[tokio::test]
+async fn receipts_stay_within_their_bytes_the_newest_kept() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "[receipts]\nmax_bytes = \"256KiB\"\n").await;
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        let text = format!("{i} {}", "filler words for a large body ".repeat(1000));
+        let answer = chat(&proxy, &format!("big-{i}"), &body(&[user(&text)]), &[]).await;
+        ids.push(answer.header("x-memory-receipt").to_string());
+    }
+    let scrape = send("GET", &proxy.url("/metrics"), &[], "").await;
+    let text = String::from_utf8_lossy(&scrape.body).to_string();
+    let bytes: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("memproxy_receipts_bytes "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(bytes > 0.0 && bytes <= 256.0 * 1024.0, "{bytes}");
+    let newest = admin(
+        &proxy,
+        "GET",
+        &format!("/admin/v1/receipts/{}", ids[11]),
+        "",
+    )
+    .await;
+    assert_eq!(newest.status, 200);
+    let oldest = admin(&proxy, "GET", &format!("/admin/v1/receipts/{}", ids[0]), "").await;
+    assert_eq!(oldest.status, 404, "pushed out by newer ones");
+}
+
+#[tokio::test]
+async fn receipts_can_be_turned_off() {
+    for off in [
+        "[receipts]\nretention = \"PT0S\"\n",
+        "[receipts]\nenabled = false\n",
+    ] {
+        let mock = MockUpstream::start().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let proxy = start_admin(&mock, dir.path(), off).await;
+        let answer = chat(&proxy, "off", &body(&[user("hello")]), &[]).await;
+        assert_eq!(answer.status, 200);
+        assert!(answer.headers.get("x-memory-receipt").is_none(), "{off}");
+        assert_eq!(answer.header("x-memory-status"), "stored");
+        let got = admin(&proxy, "GET", "/admin/v1/receipts/rcpt_1", "").await;
+        assert_eq!(got.status, 404);
+    }
+}
+
+#[tokio::test]
+async fn a_request_without_memory_has_no_receipt() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let answer = send(
+        "POST",
+        &proxy.url("/v1/chat/completions"),
+        &[
+            ("authorization", "Bearer sk-test-one"),
+            ("content-type", "application/json"),
+        ],
+        body(&[user("no conversation id")]).to_string(),
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    assert!(answer.headers.get("x-memory-receipt").is_none());
+}
+
+#[tokio::test]
+async fn deleting_a_conversation_drops_its_receipts() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let gone = chat(&proxy, "to-delete", &body(&[user("delete me")]), &[]).await;
+    let kept = chat(&proxy, "to-keep", &body(&[user("keep me")]), &[]).await;
+    let path =
+        |answer: &Answer| format!("/admin/v1/receipts/{}", answer.header("x-memory-receipt"));
+    let deleted = admin(
+        &proxy,
+        "DELETE",
+        &conversation_path(TOKEN, "default", "to-delete"),
+        "",
+    )
+    .await;
+    assert_eq!(deleted.status, 200);
+    assert_eq!(admin(&proxy, "GET", &path(&gone), "").await.status, 404);
+    assert_eq!(admin(&proxy, "GET", &path(&kept), "").await.status, 200);
+    let tenant_deleted = admin(
+        &proxy,
+        "DELETE",
+        &format!("/admin/v1/tenants/{}", tenant(TOKEN)),
+        "",
+    )
+    .await;
+    assert_eq!(tenant_deleted.status, 200);
+    assert_eq!(admin(&proxy, "GET", &path(&kept), "").await.status, 404);
+}
