@@ -348,31 +348,21 @@ async fn the_conversation_field_names_the_conversation_and_is_not_forwarded() {
 
     // With no conversation header the user id still counts: the user's other conversation is
     // searched.
-    let user_said = send(
-        "POST",
-        &proxy.url("/v1/responses"),
-        &[
-            ("authorization", AUTH),
-            ("content-type", "application/json"),
-            ("x-memory-user-id", "ana"),
-        ],
-        json!({"model": "m", "input": "my locker number is 4711", "conversation": "lockers"})
-            .to_string(),
-    )
-    .await;
+    let as_ana = |conversation: &str, input: &str| {
+        let body = json!({"model": "m", "input": input, "conversation": conversation});
+        let url = proxy.url("/v1/responses");
+        async move {
+            let headers = [
+                ("authorization", AUTH),
+                ("content-type", "application/json"),
+                ("x-memory-user-id", "ana"),
+            ];
+            send("POST", &url, &headers, body.to_string()).await
+        }
+    };
+    let user_said = as_ana("lockers", "my locker number is 4711").await;
     assert_eq!(user_said.header("x-memory-status"), "stored");
-    let asked = send(
-        "POST",
-        &proxy.url("/v1/responses"),
-        &[
-            ("authorization", AUTH),
-            ("content-type", "application/json"),
-            ("x-memory-user-id", "ana"),
-        ],
-        json!({"model": "m", "input": "what is my locker number?", "conversation": "fresh"})
-            .to_string(),
-    )
-    .await;
+    let asked = as_ana("fresh", "what is my locker number?").await;
     assert_ne!(asked.header("x-memory-retrieved-elsewhere"), "");
     let forwarded = mock.responses_requests().last().unwrap().json().to_string();
     assert!(forwarded.contains("4711"), "{forwarded}");
