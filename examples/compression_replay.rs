@@ -41,7 +41,6 @@
 //! turns with compression off, so its spread is the noise.
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -49,15 +48,17 @@ use clap::Parser;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use memproxy::state::AppState;
 use memproxy::tokens;
 use serde_json::{Value, json};
 
 #[path = "../tests/support/mock_upstream.rs"]
 mod mock_upstream;
+#[path = "support/own_runtime.rs"]
+mod own_runtime;
 #[path = "../tests/support/rng.rs"]
 mod rng;
 use mock_upstream::{MockUpstream, Reply};
+use own_runtime::Served;
 use rng::Rng;
 
 #[derive(Parser)]
@@ -283,10 +284,7 @@ impl Outcome {
 /// A mock upstream and a real memproxy in front of it, in this process.
 struct Harness {
     mock: MockUpstream,
-    state: Arc<AppState>,
-    addr: std::net::SocketAddr,
-    stop: tokio::sync::oneshot::Sender<()>,
-    server: std::thread::JoinHandle<Result<(), memproxy::store::StoreError>>,
+    served: Served,
     _dir: tempfile::TempDir,
 }
 
@@ -313,40 +311,18 @@ impl Harness {
             args.threshold,
             scenario.window_step,
         );
-        let config = memproxy::config::from_toml(&text, &|_| None).unwrap();
         // memproxy runs on a runtime of its own, as the binary does, so the replay's client and
         // mock do not share its threads.
-        let (ready, started) = std::sync::mpsc::channel();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = std::thread::spawn(move || {
-            let runtime = memproxy::server::runtime(None).unwrap();
-            runtime.block_on(async move {
-                let state = AppState::build(config).unwrap();
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                ready
-                    .send((Arc::clone(&state), listener.local_addr().unwrap()))
-                    .unwrap();
-                memproxy::server::run(listener, state, async {
-                    let _ = stopped.await;
-                })
-                .await
-            })
-        });
-        let (state, addr) = started.recv().unwrap();
+        let served = Served::start(&text);
         Harness {
             mock,
-            state,
-            addr,
-            stop,
-            server,
+            served,
             _dir: dir,
         }
     }
 
     async fn stop(self) {
-        let _ = self.stop.send(());
-        let server = self.server;
-        let _ = tokio::task::spawn_blocking(move || server.join()).await;
+        self.served.stop().await;
     }
 }
 
@@ -383,7 +359,7 @@ async fn send(
 
 async fn run(scenario: Scenario, args: &Args) -> Outcome {
     let harness = Harness::start(scenario, args, args.exchanges).await;
-    let (mock, addr) = (&harness.mock, harness.addr);
+    let (mock, addr) = (&harness.mock, harness.served.addr);
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let mut rng = Rng::new(42);
     let mut history: Vec<Value> = Vec::new();
@@ -430,6 +406,7 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
         }
     }
     outcome.summaries = harness
+        .served
         .state
         .memory()
         .unwrap()
@@ -487,12 +464,18 @@ async fn trigger_latency(
             harness.mock.clear();
             let message = json!({"role": "user", "content": sentence(&mut rng, turn)});
             tokio::time::sleep(Duration::from_millis(args.turn_pause_ms)).await;
-            let (_, _, took) = send(&client, harness.addr, Some(&id), &[message]).await;
+            let (_, _, took) = send(&client, harness.served.addr, Some(&id), &[message]).await;
             latency.push(took.as_secs_f64() * 1e3);
             let triggered = match at_turns.get(sample) {
                 Some(at) => turn == *at,
                 None => {
-                    harness.state.memory().unwrap().summarizer.in_flight(&key)
+                    harness
+                        .served
+                        .state
+                        .memory()
+                        .unwrap()
+                        .summarizer
+                        .in_flight(&key)
                         || !harness.mock.summary_requests().is_empty()
                 }
             };
@@ -511,7 +494,13 @@ async fn trigger_latency(
         }
         // Let the summary finish before the next conversation, so jobs do not overlap.
         let started = Instant::now();
-        while harness.state.memory().unwrap().summarizer.in_flight(&key)
+        while harness
+            .served
+            .state
+            .memory()
+            .unwrap()
+            .summarizer
+            .in_flight(&key)
             && started.elapsed() < Duration::from_secs(30)
         {
             tokio::time::sleep(Duration::from_millis(10)).await;

@@ -28,14 +28,16 @@ use clap::Parser;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use memproxy::state::AppState;
 use serde_json::json;
 
 #[path = "../tests/support/mock_upstream.rs"]
 mod mock_upstream;
+#[path = "support/own_runtime.rs"]
+mod own_runtime;
 #[path = "../tests/support/rng.rs"]
 mod rng;
 use mock_upstream::{MockUpstream, Reply};
+use own_runtime::Served;
 use rng::Rng;
 
 #[derive(Parser)]
@@ -124,25 +126,9 @@ async fn measure(mode: Mode, args: &Args) -> Vec<(f64, f64)> {
         mock.base_url(),
         dir.path().display(),
     );
-    let config = memproxy::config::from_toml(&text, &|_| None).unwrap();
     // memproxy on a runtime of its own, as the binary runs.
-    let (ready, started) = std::sync::mpsc::channel();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = std::thread::spawn(move || {
-        let runtime = memproxy::server::runtime(None).unwrap();
-        runtime.block_on(async move {
-            let state = AppState::build(config).unwrap();
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            ready
-                .send((Arc::clone(&state), listener.local_addr().unwrap()))
-                .unwrap();
-            memproxy::server::run(listener, state, async {
-                let _ = stopped.await;
-            })
-            .await
-        })
-    });
-    let (state, addr): (Arc<AppState>, _) = started.recv().unwrap();
+    let served = Served::start(&text);
+    let (state, addr) = (Arc::clone(&served.state), served.addr);
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let counters = &state.memory().unwrap().longterm.extractor.counters;
     let every = if mode == Mode::Control {
@@ -202,8 +188,7 @@ async fn measure(mode: Mode, args: &Args) -> Vec<(f64, f64)> {
         mode.name(),
         mock.extraction_requests().len()
     );
-    let _ = stop.send(());
-    let _ = tokio::task::spawn_blocking(move || server.join()).await;
+    served.stop().await;
     out
 }
 

@@ -622,8 +622,7 @@ impl Metrics {
     pub fn prompt(&self, retrieved_turns: usize, forwarded_tokens: u64, history_tokens: u64) {
         self.retrieved_turns.observe(retrieved_turns as f64);
         self.tokens_forwarded.inc_by(forwarded_tokens);
-        self.tokens_history
-            .inc_by(history_tokens.max(forwarded_tokens));
+        self.tokens_history.inc_by(history_tokens);
     }
 
     /// The token ledger of a planned memory-on request of agent label `agent`: the tokens it

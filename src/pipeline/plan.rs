@@ -69,7 +69,7 @@ pub struct Plan {
     /// The user's memories in the prompt, with their scores (long-term memory).
     pub memories: Vec<Chosen>,
     /// Tokens of the whole history this prompt stands for: what is stored plus the new
-    /// messages.
+    /// messages, and never less than the prompt's (which carries the instructions too).
     pub history_tokens: u64,
     pub timings: Timings,
 }
@@ -389,7 +389,7 @@ pub fn plan_for_user(
         .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
         .collect();
     let split = split_request(messages, first_new);
-    let exchange = Exchange {
+    let mut exchange = Exchange {
         key: key.clone(),
         handle: Arc::clone(&handle),
         marks,
@@ -401,8 +401,7 @@ pub fn plan_for_user(
         max_messages: settings.max_messages,
         model,
         prompt_tokens,
-        // The edge fills in the ledger's figures (`history_tokens` below; the cached tokens
-        // once the answer is read).
+        // Set below, once counted; the edge fills in the cached tokens once the answer is read.
         history_tokens: 0,
         cached_tokens: 0,
         ttl: settings.ttl,
@@ -436,6 +435,10 @@ pub fn plan_for_user(
             .iter()
             .map(|&t| u64::from(t))
             .sum::<u64>();
+    // The history leaves out the client's instructions, which the prompt carries: never less
+    // than what is forwarded.
+    let history_tokens = history_tokens.max(prompt_tokens);
+    exchange.history_tokens = history_tokens;
     drop(conversation);
     timings.assemble = started.elapsed();
     Ok(Plan {

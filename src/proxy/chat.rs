@@ -426,7 +426,6 @@ async fn before(
                 });
             }
             record_plan(state, &key.agent, &plan);
-            plan.exchange.history_tokens = plan.history_tokens.max(plan.prompt_tokens);
             Ok(Before {
                 body: Bytes::from(request.render_parts(plan.prompt.parts(), &plan.prompt.cache)),
                 headers: headers_of(&plan),
@@ -514,7 +513,7 @@ fn record_plan(state: &AppState, agent: &str, plan: &Plan) {
     if let Some(memory) = state.memory() {
         metrics.ledger_exchange(
             memory.ledger.label(agent),
-            plan.history_tokens.max(plan.prompt_tokens),
+            plan.history_tokens,
             plan.prompt_tokens,
         );
     }

@@ -249,7 +249,7 @@ pub fn headers_of(plan: &Plan) -> HeaderMap {
     headers.insert(PROMPT_TOKENS_HEADER, HeaderValue::from(plan.prompt_tokens));
     headers.insert(
         HISTORY_TOKENS_HEADER,
-        HeaderValue::from(plan.history_tokens.max(plan.prompt_tokens)),
+        HeaderValue::from(plan.history_tokens),
     );
     if let Some(verdict) = plan.fitted.map(|f| f.verdict()) {
         headers.insert(BUDGET_HEADER, HeaderValue::from_static(verdict));

@@ -179,7 +179,7 @@ impl Planned {
         Planned {
             prompt: std::mem::take(&mut plan.prompt),
             prompt_tokens: plan.prompt_tokens,
-            history_tokens: plan.history_tokens.max(plan.prompt_tokens),
+            history_tokens: plan.history_tokens,
             stored_count: plan.stored_count,
             recalled: plan.recalled_scores.clone(),
             recalled_elsewhere: plan.recalled_elsewhere.clone(),

@@ -30,8 +30,13 @@ pub struct Usage {
 impl Usage {
     /// The usage in a whole JSON answer of `api`, when it has one.
     pub fn from_json(api: Api, body: &[u8]) -> Option<Usage> {
-        let value: Value = serde_json::from_slice(body).ok()?;
-        Usage::from_object(api, value.get("usage")?)
+        // Only `usage` is built; the rest of the answer (its output) is skipped, not copied.
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            usage: Option<Value>,
+        }
+        let answer: Answer = serde_json::from_slice(body).ok()?;
+        Usage::from_object(api, &answer.usage?)
     }
 
     /// Reads a `usage` object of `api`.

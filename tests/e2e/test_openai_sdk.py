@@ -113,7 +113,11 @@ def _healthy(port: int) -> bool:
 
 
 def _start_memproxy(
-    workdir: Path, upstream: str, config_text: str = ""
+    workdir: Path,
+    upstream: str,
+    config_text: str = "",
+    extra_args: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     config = workdir / "memproxy.toml"
     config.write_text(config_text)
@@ -133,9 +137,10 @@ def _start_memproxy(
                 upstream,
                 "--data-dir",
                 str(workdir / "data"),
+                *extra_args,
             ],
             cwd=workdir,
-            env=_clean_env(),
+            env={**_clean_env(), **(extra_env or {})},
             stdin=subprocess.DEVNULL,
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,

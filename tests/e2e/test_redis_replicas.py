@@ -31,10 +31,8 @@ from test_openai_sdk import (
     MOCK_BIN,
     MODEL,
     STARTUP_TIMEOUT,
-    _clean_env,
     _free_port,
-    _healthy,
-    _read_log,
+    _start_memproxy,
     _start_mock,
     _stop,
 )
@@ -73,30 +71,12 @@ def _start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
 def _start_replica(workdir: Path, upstream: str, redis_url: str, name: str) -> tuple[subprocess.Popen[bytes], int]:
     home = workdir / name
     home.mkdir()
-    config = home / "memproxy.toml"
-    config.write_text("")
-    env = _clean_env()
-    env["MEMPROXY_ADMIN_TOKEN"] = ADMIN_TOKEN
-    for attempt in range(3):
-        port = _free_port()
-        log = home / f"memproxy-{attempt}.log"
-        proc = subprocess.Popen(
-            [str(MEMPROXY_BIN), "--config", str(config), "--listen", f"127.0.0.1:{port}",
-             "--upstream", upstream, "--data-dir", str(home / "data"), "--redis-url", redis_url],
-            cwd=home,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _healthy(port):
-                return proc, port
-            time.sleep(0.05)
-        _stop(proc)
-        last = _read_log(log)
-    raise RuntimeError(f"memproxy ({name}) did not become healthy:\n{last}")
+    return _start_memproxy(
+        home,
+        upstream,
+        extra_args=("--redis-url", redis_url),
+        extra_env={"MEMPROXY_ADMIN_TOKEN": ADMIN_TOKEN},
+    )
 
 
 @pytest.fixture(scope="module")
