@@ -87,6 +87,20 @@ struct Args {
     /// build's speed, but for when an async summary lands).
     #[arg(long)]
     no_trigger: bool,
+    /// Only the scenarios whose name contains this (today's layout of the same compression is
+    /// always run too, for the ratio).
+    #[arg(long)]
+    only: Option<String>,
+    /// The `window_step` of the "longer step" scenario.
+    #[arg(long, default_value_t = 30)]
+    longer_step: usize,
+    /// `relevance_max_tokens` of the new layout (`auto`, or 0 for no limit: recalled turns
+    /// whole, as before issue 14; today's layout always has no limit).
+    #[arg(long, default_value = "auto")]
+    relevance_max_tokens: String,
+    /// Print every turn of the measured scenarios: tokens, cacheable, and the prompt's parts.
+    #[arg(long)]
+    trace: bool,
 }
 
 const WORDS: &[&str] = &[
@@ -243,9 +257,9 @@ const SCENARIOS: &[Scenario] = &[
         old_order: false,
     },
     Scenario {
-        name: "new layout, async, window_step 30",
+        name: "new layout, async, longer step",
         compression: Some(Compression::Async),
-        window_step: "30",
+        window_step: "LONGER",
         old_order: false,
     },
     Scenario {
@@ -305,11 +319,18 @@ impl Harness {
             Some(Compression::Sync) => (true, false),
         };
         let text = format!(
-            "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\n[memory]\ncompression_enabled = {enabled}\ncompression_async = {is_async}\ncompression_interval = \"PT0S\"\ncompression_threshold_tokens = {}\nmax_messages = 100000\nwindow_step = {}\n",
+            "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\n[memory]\ncompression_enabled = {enabled}\ncompression_async = {is_async}\ncompression_interval = \"PT0S\"\ncompression_threshold_tokens = {}\nmax_messages = 100000\nwindow_step = {}\nrelevance_max_tokens = {:?}\n",
             mock.base_url(),
             dir.path().display(),
             args.threshold,
-            scenario.window_step,
+            scenario
+                .window_step
+                .replace("LONGER", &args.longer_step.to_string()),
+            if scenario.old_order {
+                "0"
+            } else {
+                args.relevance_max_tokens.as_str()
+            },
         );
         // memproxy runs on a runtime of its own, as the binary does, so the replay's client and
         // mock do not share its threads.
@@ -396,9 +417,37 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
             forwarded = in_old_order(forwarded);
         }
         outcome.tokens.push(counter.prompt(&forwarded));
-        outcome
-            .cached
-            .push(cacheable(counter.shared_prefix(&previous, &forwarded)));
+        let shared = counter.shared_prefix(&previous, &forwarded);
+        outcome.cached.push(cacheable(shared));
+        if args.trace {
+            let part = |marker: &str, counter: &mut Counter| -> u64 {
+                forwarded
+                    .iter()
+                    .filter(|m| m["content"].as_str().is_some_and(|c| c.starts_with(marker)))
+                    .map(|m| counter.message(m))
+                    .sum()
+            };
+            let recalled_ids: Vec<String> = forwarded
+                .iter()
+                .filter_map(|m| m["content"].as_str())
+                .filter(|c| c.starts_with(memproxy::message::RECALL_MARKER))
+                .flat_map(|c| c.lines().filter_map(|l| l.strip_prefix("[earlier turn #")))
+                .filter_map(|l| l.split(' ').next().map(str::to_string))
+                .collect();
+            println!("  recalled {}", recalled_ids.join(","));
+            let summary = part(memproxy::message::SUMMARY_MARKER, &mut counter);
+            let recalled = part(memproxy::message::RECALL_MARKER, &mut counter);
+            println!(
+                "  trace {:<28} turn {turn:>4} msgs {:>3} tokens {:>5} shared {:>5} cached {:>5} summary {:>5} recalled {:>5}",
+                scenario.name,
+                forwarded.len(),
+                outcome.tokens.last().unwrap(),
+                shared,
+                outcome.cached.last().unwrap(),
+                summary,
+                recalled
+            );
+        }
         previous = forwarded;
         mock.clear();
         if full_history {
@@ -535,6 +584,12 @@ async fn main() {
     );
     let mut outcomes: Vec<(Scenario, Outcome)> = Vec::new();
     for scenario in SCENARIOS {
+        if let Some(only) = &args.only
+            && !scenario.name.contains(only.as_str())
+            && !(scenario.old_order && scenario.compression == Some(Compression::Async))
+        {
+            continue;
+        }
         let outcome = run(*scenario, &args).await;
         let today = outcomes
             .iter()

@@ -79,6 +79,9 @@ struct Args {
     /// (relevance on).
     #[arg(long, default_value = "window,5,10,20", value_delimiter = ',')]
     configs: Vec<String>,
+    /// `relevance_max_tokens`: the tokens recalled turns may take (`auto`, or 0 for no limit).
+    #[arg(long, default_value = "auto")]
+    relevance_max_tokens: String,
     /// Sends `X-Memory-Max-Context-Tokens: N` with every question.
     #[arg(long)]
     max_context_tokens: Option<u64>,
@@ -468,7 +471,7 @@ impl Answer {
 }
 
 impl Harness {
-    async fn start() -> BoxResult<Harness> {
+    async fn start(relevance_max_tokens: &str) -> BoxResult<Harness> {
         let mock = MockUpstream::start_with(
             MockOptions {
                 record: true,
@@ -482,9 +485,11 @@ impl Harness {
         let text = format!(
             "[upstream]\nbase_url = {}\ntimeout = \"PT60S\"\nconnect_timeout = \"PT5S\"\n\
              [storage]\ndata_dir = {}\n\
-             [memory]\nrecent_n = {RECENT_N}\ncompression_enabled = false\nmax_messages = 100000\n",
+             [memory]\nrecent_n = {RECENT_N}\ncompression_enabled = false\nmax_messages = 100000\n\
+             relevance_max_tokens = {:?}\n",
             serde_json::to_string(&mock.base_url())?,
             serde_json::to_string(&data_dir.path().display().to_string())?,
+            relevance_max_tokens,
         );
         let config = memproxy::config::from_toml(&text, &|_| None)
             .map_err(|err| format!("config: {err}"))?;
@@ -930,7 +935,7 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
     let conversations = load(&args.data, args.conversations, &mut notes)?;
     print_notes(&notes);
 
-    let harness = Harness::start().await?;
+    let harness = Harness::start(&args.relevance_max_tokens).await?;
     let mut results: Results = configs.iter().map(|c| (*c, BTreeMap::new())).collect();
     for conversation in &conversations {
         let replay_started = Instant::now();

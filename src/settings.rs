@@ -15,6 +15,8 @@ pub const DEFAULT_MAX_MESSAGES: usize = 1000;
 pub const DEFAULT_RELEVANCE_TOP_K: usize = 5;
 /// The cap on `relevance_top_k`.
 pub const MAX_RELEVANCE_TOP_K: usize = 20;
+/// `relevance_max_tokens = "auto"`: this many tokens per recalled turn (`relevance_top_k`).
+pub const AUTO_RELEVANCE_TOKENS_PER_TURN: u64 = 80;
 pub const DEFAULT_COMPRESSION_THRESHOLD_TOKENS: u64 = 8192;
 pub const DEFAULT_COMPRESSION_INTERVAL: Duration = Duration::from_secs(3600);
 /// The largest `recent_n` and `max_messages` accepted.
@@ -42,12 +44,17 @@ pub struct MemorySettings {
     /// Stored messages forwarded verbatim before the new ones (widened to a round start).
     pub recent_n: usize,
     /// How far the recent window grows past `recent_n` before its start jumps forward
-    /// (`pipeline/window.rs`); `None`: `recent_n`; `Some(0)`: the window slides every turn.
+    /// (`pipeline/window.rs`); `None`: `auto`, chosen per conversation from its message lengths
+    /// (`window::auto_step`); `Some(0)`: the window slides every turn.
     pub window_step: Option<usize>,
     /// Messages kept per conversation; the oldest whole rounds are trimmed past it.
     pub max_messages: usize,
     pub relevance_enabled: bool,
     pub relevance_top_k: usize,
+    /// Tokens the recalled turns may take in the prompt: past it, the longest are cut to the
+    /// passage that best matches the new message (`pipeline/recall.rs`). `None`: `auto`
+    /// ([`AUTO_RELEVANCE_TOKENS_PER_TURN`] per turn of `relevance_top_k`); `Some(0)`: no limit.
+    pub relevance_max_tokens: Option<u64>,
     pub compression_enabled: bool,
     pub compression_threshold_tokens: u64,
     pub compression_model: Option<String>,
@@ -88,9 +95,13 @@ impl MemorySettings {
         f64::from(self.memory_min_decay_micros) / 1e6
     }
 
-    /// `window_step` as it applies: `recent_n` unless set.
-    pub fn window_step(&self) -> usize {
-        self.window_step.unwrap_or(self.recent_n)
+    /// The tokens recalled turns may take, as it applies (`None`: no limit).
+    pub fn relevance_budget(&self) -> Option<u64> {
+        match self.relevance_max_tokens {
+            None => Some(AUTO_RELEVANCE_TOKENS_PER_TURN * self.relevance_top_k as u64),
+            Some(0) => None,
+            Some(n) => Some(n),
+        }
     }
 }
 
@@ -104,6 +115,7 @@ impl Default for MemorySettings {
             max_messages: DEFAULT_MAX_MESSAGES,
             relevance_enabled: true,
             relevance_top_k: DEFAULT_RELEVANCE_TOP_K,
+            relevance_max_tokens: None,
             compression_enabled: true,
             compression_threshold_tokens: DEFAULT_COMPRESSION_THRESHOLD_TOKENS,
             compression_model: None,
@@ -213,6 +225,10 @@ pub const SETTINGS: &[(&str, Kind)] = &[
             min: 0,
             max: MAX_RELEVANCE_TOP_K as u64,
         },
+    ),
+    (
+        "relevance_max_tokens",
+        Kind::IntegerOrAuto { max: 1_000_000 },
     ),
     ("compression_enabled", Kind::Bool),
     (
@@ -364,6 +380,7 @@ impl MemorySettings {
             ("max_messages", Value::Integer(n)) => self.max_messages = n as usize,
             ("relevance_enabled", Value::Bool(b)) => self.relevance_enabled = b,
             ("relevance_top_k", Value::Integer(n)) => self.relevance_top_k = n as usize,
+            ("relevance_max_tokens", Value::OptionalInteger(n)) => self.relevance_max_tokens = n,
             ("compression_enabled", Value::Bool(b)) => self.compression_enabled = b,
             ("compression_threshold_tokens", Value::Integer(n)) => {
                 self.compression_threshold_tokens = n
@@ -404,6 +421,11 @@ impl MemorySettings {
             ("max_messages", self.max_messages.to_string()),
             ("relevance_enabled", self.relevance_enabled.to_string()),
             ("relevance_top_k", self.relevance_top_k.to_string()),
+            (
+                "relevance_max_tokens",
+                self.relevance_max_tokens
+                    .map_or_else(|| "auto".to_string(), |n| n.to_string()),
+            ),
             ("compression_enabled", self.compression_enabled.to_string()),
             (
                 "compression_threshold_tokens",
@@ -594,9 +616,16 @@ mod tests {
         assert!(s.apply("memory_half_life", "PT0S").is_err());
         assert!(s.apply("extraction_every", "0").is_err());
         s.apply("window_step", "0").unwrap();
-        assert_eq!((s.window_step, s.window_step()), (Some(0), 0));
+        assert_eq!(s.window_step, Some(0));
         s.apply("window_step", "AUTO").unwrap();
-        assert_eq!((s.window_step, s.window_step()), (None, 6));
+        assert_eq!(s.window_step, None);
+        s.apply("relevance_max_tokens", "0").unwrap();
+        assert_eq!(s.relevance_budget(), None);
+        s.apply("relevance_max_tokens", "auto").unwrap();
+        assert_eq!(s.relevance_budget(), Some(80 * s.relevance_top_k as u64));
+        s.apply("relevance_max_tokens", "300").unwrap();
+        assert_eq!(s.relevance_budget(), Some(300));
+        assert!(s.apply("relevance_max_tokens", "-3").is_err());
         let err = s.apply("window_step", "-1").unwrap_err();
         assert_eq!(
             err.to_string(),

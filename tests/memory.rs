@@ -46,20 +46,19 @@ async fn both_client_habits_store_the_same_60_messages() {
         "instructions are not turns"
     );
 
-    // The forwarded prompt is the system message, the window, recalled older turns, then the
-    // new message. The window starts at its anchor: of the 58 messages stored before the last
-    // request, those from turn 41 (question 21) on, the first turn `k × 10 + 1` from which at
-    // most recent_n + window_step = 20 are stored.
+    // The forwarded prompt is the system message, the last 10 stored (exchanges this short
+    // stay under the provider's cache minimum, so `window_step = "auto"` slides), recalled
+    // older turns, then the new message.
     let forwarded = mock.last_messages();
     let recalled = usize::from(forwarded[forwarded.len() - 2]["role"] == "system");
-    assert_eq!(forwarded.len(), 1 + 18 + recalled + 1);
+    assert_eq!(forwarded.len(), 1 + 10 + recalled + 1);
     assert_eq!(role_content(&forwarded[0]), "system:be brief");
-    assert_eq!(role_content(&forwarded[1]), "user:question 21");
+    assert_eq!(role_content(&forwarded[1]), "user:question 25");
     assert_eq!(
-        role_content(&forwarded[18]),
+        role_content(&forwarded[10]),
         "assistant:reply to: question 29"
     );
-    assert_eq!(role_content(&forwarded[19 + recalled]), "user:question 30");
+    assert_eq!(role_content(&forwarded[11 + recalled]), "user:question 30");
 }
 
 #[tokio::test]

@@ -9,10 +9,10 @@ use super::assemble::{CacheHints, Prompt, is_injected_echo, split_request};
 use super::budget::{self, Dropped, Fitted};
 use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
-use super::recall::{RecalledTurn, elsewhere_turns, recalled_turns, render};
+use super::recall::{RecalledTurn, elsewhere_turns, fit_recalled, recalled_turns, render};
 use super::reconcile::{Alignment, Mark, align};
-use super::summary::plan_summary;
-use super::window::window_start;
+use super::summary::{adopt_at_jumps, plan_summary};
+use super::window::{auto_step, summary_adoption_cutoff, window_start};
 use crate::identity::ConversationKey;
 use crate::longterm::ExtractionRule;
 use crate::longterm::memories::{self, Chosen};
@@ -208,19 +208,25 @@ pub fn plan_for_user(
 
     timings.reconcile = started.elapsed();
 
-    // Window: it must hold the current round when the new messages continue it.
+    // Window: it must hold the current round when the new messages continue it. Its step,
+    // when `auto`, is chosen from the conversation's message lengths and the instructions.
     let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
-    let start = window_start(
-        history,
-        settings.recent_n,
-        settings.window_step(),
-        continue_round,
-    );
+    let window_step = settings.window_step.unwrap_or_else(|| {
+        let instructions: u64 = messages
+            .iter()
+            .filter(|m| m.role.is_instruction())
+            .map(|m| u64::from(tokens::count_cached(model_name, m.fingerprint, || m.text())))
+            .sum();
+        auto_step(history, settings.recent_n, instructions)
+    });
+    let start = window_start(history, settings.recent_n, window_step, continue_round);
     let mut window: Vec<StoredMessage> =
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
 
     // Summary: the newest one goes in the prompt (of a branch: the newest that covers only
-    // turns it keeps); a new one may be due.
+    // turns it keeps); a new one may be due. With the window anchored, a new summary waits for
+    // the next jump (`window.rs`); a synchronous one is made for the request that waits for
+    // it, so it is used at once.
     let mut summary = plan_summary(
         memory,
         &conversation,
@@ -230,6 +236,10 @@ pub fn plan_for_user(
         model_name,
         limits.writes,
     )?;
+    if settings.compression_async {
+        let made_by = summary_adoption_cutoff(history, settings.recent_n, window_step);
+        adopt_at_jumps(memory, &conversation, &mut summary, made_by)?;
+    }
     let summary_tokens = summary.current.as_ref().map_or(0, |r| {
         u64::from(r.tokens) + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS) + 16
     });
@@ -276,6 +286,18 @@ pub fn plan_for_user(
                 tracing::warn!(error = %err, "searching the user's other conversations failed")
             }
         }
+    }
+
+    // The recalled turns fit `relevance_max_tokens`: the longest are cut to the passage that
+    // answers the question.
+    if let Some(query) = query.as_deref() {
+        fit_recalled(
+            &mut recalled,
+            query,
+            settings.relevance_language,
+            settings.relevance_budget(),
+            model_name,
+        );
     }
 
     timings.recall = started.elapsed();

@@ -5,9 +5,14 @@
 //! forwarded list stays valid. Only turns before the recent window are searched, so nothing in
 //! the window is repeated.
 
+use std::collections::HashSet;
+
 use serde_json::value::RawValue;
 
+use crate::recall::excerpt::excerpt;
 use crate::recall::index::Hit;
+use crate::recall::stemming;
+use crate::recall::tokenize::{TextLanguage, terms};
 use crate::store::StoredMessage;
 pub use crate::store::transcript_line as render_line;
 
@@ -64,6 +69,92 @@ pub fn elsewhere_turns(found: Vec<crate::longterm::ElsewhereTurn>) -> Vec<Recall
             }
         })
         .collect()
+}
+
+/// The fewest tokens of text an excerpt keeps of a recalled message, however many turns share
+/// the budget.
+const MIN_EXCERPT_TOKENS: u32 = 16;
+
+/// Fits the recalled turns into `budget` tokens (`relevance_max_tokens`; `None`: no limit)
+/// without dropping any: when they would take more, every turn longer than a common cap is
+/// cut to the passage that best matches `query` (`recall/excerpt.rs`), the cap being the
+/// largest that fits (short turns stay whole and leave their room to the long ones). A line
+/// keeps its tag, and its token count is counted again. Which turns are recalled does not
+/// change, only how much of a long one is shown.
+pub fn fit_recalled(
+    turns: &mut [RecalledTurn],
+    query: &str,
+    language: TextLanguage,
+    budget: Option<u64>,
+    model: Option<&str>,
+) {
+    let Some(budget) = budget else { return };
+    let total: u64 = turns.iter().map(|t| u64::from(t.tokens)).sum();
+    if total <= budget {
+        return;
+    }
+    // The best match stays whole when it takes at most half the budget; the others share
+    // what it leaves.
+    let best = turns
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.score.total_cmp(&b.1.score))
+        .map(|(i, t)| (i, u64::from(t.tokens)))
+        .filter(|(_, tokens)| *tokens * 2 <= budget);
+    let shared = budget - best.map_or(0, |(_, tokens)| tokens);
+    let cap = common_cap(
+        turns
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| best.is_none_or(|(b, _)| b != *i))
+            .map(|(_, t)| t.tokens)
+            .collect(),
+        shared,
+    );
+    let overhead = LINE_OVERHEAD_TOKENS + crate::tokens::MESSAGE_OVERHEAD_TOKENS;
+    let keep = cap.saturating_sub(overhead).max(MIN_EXCERPT_TOKENS);
+    let latin = stemming(
+        language,
+        std::iter::once(query).chain(turns.iter().map(|t| t.line.as_str())),
+    );
+    let query_terms: HashSet<String> = terms(query, latin).into_iter().collect();
+    for (_, turn) in turns
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, t)| t.tokens > cap && best.is_none_or(|(b, _)| b != *i))
+    {
+        let split = content_start(&turn.line);
+        let (head, body) = turn.line.split_at(split);
+        if let Some(short) = excerpt(body, &query_terms, latin, keep, |text| {
+            crate::tokens::count_text(model, text)
+        }) {
+            turn.tokens = crate::tokens::count_message(model, &short) + LINE_OVERHEAD_TOKENS;
+            turn.line = format!("{head}{short}");
+        }
+    }
+}
+
+/// The largest `cap` with `sum(min(t, cap)) <= budget` over `tokens` (water-filling).
+fn common_cap(mut tokens: Vec<u32>, budget: u64) -> u32 {
+    tokens.sort_unstable();
+    let mut left = budget;
+    let n = tokens.len() as u64;
+    for (i, &t) in tokens.iter().enumerate() {
+        let rest = n - i as u64;
+        if u64::from(t) * rest > left {
+            return u32::try_from(left / rest).unwrap_or(u32::MAX);
+        }
+        left -= u64::from(t);
+    }
+    u32::MAX
+}
+
+/// Where a rendered line's text begins: after its tag and `role: `.
+fn content_start(line: &str) -> usize {
+    let tag_end = line.find("] ").map_or(0, |i| i + 2);
+    line[tag_end..]
+        .find(": ")
+        .map_or(tag_end, |i| tag_end + i + 2)
 }
 
 /// The one system message holding `turns`, in chronological order.
@@ -140,6 +231,71 @@ mod tests {
             render_line(&result),
             "[earlier turn #5 at 2026-11-22T10:15:00Z] tool result for c1: found"
         );
+    }
+
+    #[test]
+    fn the_common_cap_fills_the_budget_short_turns_first() {
+        assert_eq!(common_cap(vec![10, 20, 30], 100), u32::MAX);
+        // 10 and 20 whole, then 2 × 25.
+        assert_eq!(common_cap(vec![300, 10, 20, 300], 80), 25);
+        assert_eq!(common_cap(vec![100, 100], 50), 25);
+    }
+
+    fn turn(number: u64, text: &str) -> RecalledTurn {
+        let line = format!("[earlier turn #{number} at 2026-11-22T10:15:00Z] assistant: {text}");
+        RecalledTurn {
+            turn: number,
+            score: 1.0,
+            tokens: crate::tokens::count_message(None, text) + LINE_OVERHEAD_TOKENS,
+            line,
+            elsewhere_at: None,
+        }
+    }
+
+    #[test]
+    fn long_turns_are_cut_to_their_relevant_passage_and_short_ones_stay_whole() {
+        let filler = "We talked about the weather and the traffic on the way home. ".repeat(20);
+        let long = format!("{filler}The storage unit code is 7781 at the north gate. {filler}");
+        let mut turns = vec![turn(3, "My sister lives in Porto."), turn(9, &long)];
+        let short_line = turns[0].line.clone();
+        fit_recalled(
+            &mut turns,
+            "what is the code of the storage unit",
+            TextLanguage::Auto,
+            Some(120),
+            None,
+        );
+        assert_eq!(turns[0].line, short_line);
+        assert!(
+            turns[1]
+                .line
+                .starts_with("[earlier turn #9 at 2026-11-22T10:15:00Z] assistant: … ")
+        );
+        assert!(
+            turns[1].line.contains("The storage unit code is 7781"),
+            "{}",
+            turns[1].line
+        );
+        let total: u32 = turns.iter().map(|t| t.tokens).sum();
+        assert!(total <= 120, "{total}");
+        assert_eq!(
+            turns[1].tokens,
+            crate::tokens::count_message(None, turns[1].line.split_once("assistant: ").unwrap().1)
+                + LINE_OVERHEAD_TOKENS
+        );
+        // No budget, or one they fit: nothing changes.
+        let mut again = vec![turn(9, &long)];
+        let before = again[0].line.clone();
+        fit_recalled(&mut again, "storage code", TextLanguage::Auto, None, None);
+        assert_eq!(again[0].line, before);
+        fit_recalled(
+            &mut again,
+            "storage code",
+            TextLanguage::Auto,
+            Some(100_000),
+            None,
+        );
+        assert_eq!(again[0].line, before);
     }
 
     #[test]

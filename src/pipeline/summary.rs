@@ -122,6 +122,32 @@ pub fn plan_summary(
     Ok(plan)
 }
 
+/// Holds a new summary back until the window's next jump: the prompt keeps the newest summary
+/// made by `made_by` ([`super::window::summary_adoption_cutoff`]; `None`: the newest), so a new
+/// summary and an anchor jump break the provider's prompt cache once, not twice. Only a model
+/// summary is kept waiting that way: with none or only the heuristic stand-in before it, a
+/// summary is used on the next turn.
+pub fn adopt_at_jumps(
+    memory: &Memory,
+    conversation: &Conversation,
+    plan: &mut SummaryPlan,
+    made_by: Option<i64>,
+) -> Result<(), StoreError> {
+    if let (Some(cutoff), Some(meta)) = (made_by, &conversation.meta)
+        && plan.current.as_ref().is_some_and(|r| r.created_ms > cutoff)
+    {
+        let adopted = memory
+            .store
+            .summaries(&conversation.key, meta.id)?
+            .into_iter()
+            .rfind(|r| r.created_ms <= cutoff);
+        if adopted.as_ref().is_some_and(|r| !r.heuristic) {
+            plan.current = adopted;
+        }
+    }
+    Ok(())
+}
+
 /// The summary as one system message.
 pub fn render(record: &SummaryRecord) -> Option<Box<RawValue>> {
     let kind = if record.heuristic {

@@ -20,17 +20,85 @@
 //! `recent_n` messages.
 
 use crate::message::{HasRole, Role};
-use crate::store::Entry;
+use crate::store::{Entry, tokens_between};
+
+/// The shortest prefix a provider caches (OpenAI; Anthropic's for most models).
+pub const CACHE_MIN_TOKENS: u64 = 1024;
 
 /// A stored message as the window sees it: its role and its turn number.
 pub trait Positioned: HasRole {
     fn turn(&self) -> u64;
+    /// When the message was stored (ms since the epoch).
+    fn at_ms(&self) -> i64;
 }
 
 impl Positioned for Entry {
     fn turn(&self) -> u64 {
         self.turn
     }
+    fn at_ms(&self) -> i64 {
+        self.at_ms
+    }
+}
+
+/// `window_step = "auto"`: of sliding (0), `recent_n` and `2 × recent_n`, the step whose
+/// prompts cost least, cached input billed at a tenth, for a conversation whose messages are
+/// as long as its last `3 × recent_n` and whose prompt starts with `head_tokens` of
+/// instructions. Anchoring pays where prompts pass the provider's cache minimum
+/// ([`CACHE_MIN_TOKENS`]): each turn re-sends only what is new, and a longer step makes the
+/// uncached jumps rarer for a longer window. Below the minimum nothing is cached and a
+/// growing window is only longer, so short exchanges slide, as before anchoring. The choice
+/// is a function of what is stored and of the request's instructions, so every replica makes
+/// the same; on a tie the longer step wins.
+pub fn auto_step(history: &[Entry], recent_n: usize, head_tokens: u64) -> usize {
+    if recent_n == 0 {
+        return 0;
+    }
+    let n = history.len();
+    let sample = n.min(3 * recent_n);
+    if sample == 0 {
+        return 2 * recent_n;
+    }
+    let per_message = tokens_between(history, n - sample, n) as f64 / sample as f64;
+    let mut best = (f64::INFINITY, 0);
+    for step in [2 * recent_n, recent_n, 0] {
+        let cost = turn_cost(head_tokens as f64, per_message, recent_n, step);
+        if cost < best.0 {
+            best = (cost, step);
+        }
+    }
+    best.1
+}
+
+/// The mean input cost of a turn's window and head (cached tokens at a tenth) over one anchor
+/// cycle of `step`, rounds of two messages of `per_message` tokens each (the recalled turns
+/// and the new message cost the same under every step, and are left out).
+fn turn_cost(head: f64, per_message: f64, recent_n: usize, step: usize) -> f64 {
+    let cacheable = |tokens: f64| {
+        if tokens >= CACHE_MIN_TOKENS as f64 {
+            (tokens / 128.0).floor() * 128.0
+        } else {
+            0.0
+        }
+    };
+    if step == 0 {
+        return head + recent_n as f64 * per_message - 0.9 * cacheable(head);
+    }
+    let rounds = step.div_ceil(2);
+    let total: f64 = (1..=rounds)
+        .map(|k| {
+            let window = (recent_n + 2 * k) as f64 * per_message;
+            // The jump shares only the head with the prompt before it; every other turn its
+            // window but the last round.
+            let shared = if k == 1 {
+                head
+            } else {
+                head + window - 2.0 * per_message
+            };
+            head + window - 0.9 * cacheable(shared)
+        })
+        .sum();
+    total / rounds as f64
 }
 
 /// The index where the window over `history` (stored messages, oldest first) starts.
@@ -88,6 +156,43 @@ pub fn anchor<P: Positioned>(history: &[P], recent_n: usize, step: usize) -> usi
         }
     }
     from_boundary(low)
+}
+
+/// The newest summary the prompt may carry: one made (`created_ms`) at or before the returned
+/// time; `None`: any summary.
+///
+/// A new summary changes the prompt right after the instructions, so the provider's cache
+/// keeps nothing of the window behind it; an anchor jump does the same. A summary is therefore
+/// adopted at the window's next jump rather than on the turn it lands, and the two break the
+/// cache once instead of twice. The jump to the window's current start was made by the first
+/// request that found this start: the one that planned on the shortest history with it (found
+/// by a binary search, as the start only moves forward while messages are appended). The
+/// first message that request stored is when the window last jumped; a summary made after it
+/// waits. The request that jumps adopts every summary. Like the anchor, this is a function of
+/// what is stored, so every replica picks the same. The turns a waiting summary covers stay
+/// within reach of recall meanwhile.
+pub fn summary_adoption_cutoff<P: Positioned>(
+    history: &[P],
+    recent_n: usize,
+    step: usize,
+) -> Option<i64> {
+    if step == 0 {
+        return None;
+    }
+    let start = window_start(history, recent_n, step, false);
+    if start == 0 {
+        return None;
+    }
+    let (mut low, mut high) = (start, history.len());
+    while low < high {
+        let mid = low + (high - low) / 2;
+        if window_start(&history[..mid], recent_n, step, false) >= start {
+            high = mid;
+        } else {
+            low = mid + 1;
+        }
+    }
+    history.get(low).map(Positioned::at_ms)
 }
 
 /// The index of the last user message (the start of the last round), or 0.
@@ -148,6 +253,9 @@ mod tests {
     impl Positioned for At {
         fn turn(&self) -> u64 {
             self.1
+        }
+        fn at_ms(&self) -> i64 {
+            (self.1 as i64 - 1) * 1000
         }
     }
 
@@ -260,6 +368,71 @@ mod tests {
             }
             assert!(jumps > 0);
         }
+    }
+
+    #[test]
+    fn a_summary_is_adopted_at_the_next_jump_and_not_before() {
+        // Message `i` is stored at `i × 1000` ms. A summary landing while `n` messages are
+        // stored (at `n × 1000 - 500`) may be carried once a request plans on a window start
+        // later than the one planned on before it landed, and not before.
+        for (recent_n, step) in [(10, 10), (4, 4), (10, 3), (3, 17), (2, 1)] {
+            let full = history(&"ua".repeat(120), 1);
+            let start = |n: usize| window_start(&full[..n], recent_n, step, false);
+            let mut adopted_later = 0;
+            for n in 1..full.len() {
+                let landed = n as i64 * 1000 - 500;
+                for m in n..=full.len() {
+                    let cutoff = summary_adoption_cutoff(&full[..m], recent_n, step);
+                    let adoptable = cutoff.is_none_or(|at| landed <= at);
+                    assert_eq!(
+                        adoptable,
+                        start(m) != start(n - 1) || start(m) == 0,
+                        "landed with {n} stored, planned on {m} ({recent_n}, {step})"
+                    );
+                    adopted_later += usize::from(adoptable && m > n);
+                }
+            }
+            assert!(adopted_later > 0);
+        }
+        // The sliding window adopts every summary at once.
+        assert_eq!(summary_adoption_cutoff(&history("uauaua", 1), 2, 0), None);
+    }
+
+    fn entries(per_message: u32, count: usize) -> Vec<Entry> {
+        let mut cum = 0;
+        (0..count)
+            .map(|i| {
+                cum += u64::from(per_message);
+                Entry {
+                    turn: i as u64 + 1,
+                    role: if i % 2 == 0 {
+                        Role::User
+                    } else {
+                        Role::Assistant
+                    },
+                    origin: crate::store::Origin::Client,
+                    tokens: per_message,
+                    fingerprint: 0,
+                    at_ms: 0,
+                    cum_tokens: cum,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn auto_anchors_long_exchanges_and_slides_short_ones() {
+        // Model-length replies (about 124 tokens a message on average): prompts pass the cache
+        // minimum, and the longer step is cheaper.
+        assert_eq!(auto_step(&entries(124, 60), 10, 0), 20);
+        // One-line exchanges (about 45 tokens a message): nothing would be cached, so slide.
+        assert_eq!(auto_step(&entries(45, 60), 10, 0), 0);
+        // The same exchanges behind long instructions: the instructions are cached either way,
+        // and anchoring caches the window too.
+        assert_ne!(auto_step(&entries(45, 60), 10, 3000), 0);
+        // No history yet, or no window.
+        assert_eq!(auto_step(&[], 10, 0), 20);
+        assert_eq!(auto_step(&entries(124, 60), 0, 0), 0);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! window (the older pool). This module searches and keeps indexes; choosing the window and
 //! rendering the recalled turns is the pipeline's job.
 
+pub mod excerpt;
 pub mod index;
 pub mod tokenize;
 
