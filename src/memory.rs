@@ -2,8 +2,8 @@
 //! Core functions (the pipeline, the TTL sweeper, the admin operations) take a `&Memory`;
 //! nothing here knows HTTP. The HTTP edge holds it in `AppState`.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::config::{self, CompressionConfig, Config};
@@ -52,6 +52,46 @@ impl SweepCounters {
     }
 }
 
+/// What was deleted, as [`OnDelete`] is told.
+#[derive(Debug, Clone, Copy)]
+pub enum Erased<'a> {
+    /// One conversation.
+    Conversation(&'a ConversationKey),
+    /// Every conversation of a tenant (each was told as a conversation too).
+    Tenant(&'a TenantId),
+}
+
+/// What holds conversations' text above the core (the edge's receipts): told of every
+/// delete, whoever made it (an operator, a user or tenant delete, the TTL sweeper), through
+/// the one function set once by the edge. The core cannot call up into the edge's modules;
+/// this is how it tells them.
+#[derive(Default)]
+pub struct OnDelete(OnceLock<Box<Told>>);
+
+/// The function [`OnDelete`] calls.
+type Told = dyn Fn(Erased<'_>) + Send + Sync;
+
+impl OnDelete {
+    /// Sets the function told of deletes; `false` when one was set already.
+    pub fn set(&self, told: impl Fn(Erased<'_>) + Send + Sync + 'static) -> bool {
+        self.0.set(Box::new(told)).is_ok()
+    }
+
+    fn tell(&self, erased: Erased<'_>) {
+        if let Some(told) = self.0.get() {
+            told(erased);
+        }
+    }
+}
+
+impl std::fmt::Debug for OnDelete {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnDelete")
+            .field("set", &self.0.get().is_some())
+            .finish()
+    }
+}
+
 /// Everything memory is made of.
 #[derive(Debug)]
 pub struct Memory {
@@ -66,6 +106,8 @@ pub struct Memory {
     pub sweeps: SweepCounters,
     /// Branches closed by commits (a client's history left the stored line).
     pub branches_closed: AtomicU64,
+    /// Told of every delete (the receipts, above the core).
+    pub on_delete: OnDelete,
 }
 
 /// The store's options from the config.
@@ -126,6 +168,7 @@ impl Memory {
             clock: Clock::default(),
             sweeps: SweepCounters::default(),
             branches_closed: AtomicU64::new(0),
+            on_delete: OnDelete::default(),
         }
     }
 
@@ -156,9 +199,23 @@ impl Memory {
         key: &ConversationKey,
     ) -> Result<Option<Deleted>, StoreError> {
         let deleted = self.store.delete_conversation(key)?;
-        self.recall.forget(key);
+        self.forget_deleted(key);
         self.ledger.forget(key);
         Ok(deleted)
+    }
+
+    /// Drops what the caches hold of the deleted conversation `key`: its recall index, and
+    /// (told through [`OnDelete`]) its receipts.
+    pub fn forget_deleted(&self, key: &ConversationKey) {
+        self.recall.forget(key);
+        self.on_delete.tell(Erased::Conversation(key));
+    }
+
+    /// Drops what the caches hold of the deleted `tenant` (after each of its conversations
+    /// was [`Memory::forget_deleted`]): the users' indexes, and whatever [`OnDelete`] holds.
+    pub fn forget_deleted_tenant(&self, tenant: &TenantId) {
+        self.longterm.forget_tenant(tenant);
+        self.on_delete.tell(Erased::Tenant(tenant));
     }
 
     /// The TTL sweeper's delete: only if the conversation is still idle since before
@@ -166,7 +223,7 @@ impl Memory {
     pub fn delete_idle(&self, key: &ConversationKey, cutoff_ms: i64) -> Result<bool, StoreError> {
         let deleted = self.store.delete_idle_conversation(key, cutoff_ms)?;
         if deleted.is_some() {
-            self.recall.forget(key);
+            self.forget_deleted(key);
         }
         Ok(deleted.is_some())
     }
@@ -175,7 +232,7 @@ impl Memory {
     /// knows, the archive and the user's memories, with the same erasure as a conversation
     /// delete (the user's key file goes last). `None` when the user has nothing stored.
     pub fn delete_user(&self, tenant: &TenantId, user: &str) -> Result<Option<usize>, StoreError> {
-        let deleted = delete_user_in(&self.store, tenant, user, |key| self.recall.forget(key))?;
+        let deleted = delete_user_in(&self.store, tenant, user, |key| self.forget_deleted(key))?;
         self.longterm.forget(&OwnerKey::user(tenant, user));
         Ok(deleted)
     }
@@ -183,8 +240,8 @@ impl Memory {
     /// Deletes every conversation of a tenant, and the tenant's workspace folder; returns how
     /// many conversations there were.
     pub fn delete_tenant(&self, tenant: &TenantId) -> Result<usize, StoreError> {
-        let deleted = delete_tenant_in(&self.store, tenant, |key| self.recall.forget(key))?;
-        self.longterm.forget_tenant(tenant);
+        let deleted = delete_tenant_in(&self.store, tenant, |key| self.forget_deleted(key))?;
+        self.forget_deleted_tenant(tenant);
         Ok(deleted)
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::{Backend, Config};
-use crate::memory::{self, Memory};
+use crate::memory::{self, Erased, Memory};
 use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
 use crate::models::Models;
@@ -92,9 +92,19 @@ impl AppState {
                 Arc::new(crate::ledger::Ledger::new(config.background_budget.clone())),
             ))
         });
+        let receipts = Receipts::new(&config.receipts);
+        if let Ok(memory) = &memory {
+            // Whoever deletes a conversation (an operator, a user or tenant delete, the TTL
+            // sweeper), its receipts go with it.
+            let told = receipts.clone();
+            memory.on_delete.set(move |erased| match erased {
+                Erased::Conversation(key) => told.forget_conversation(key),
+                Erased::Tenant(tenant) => told.forget_tenant(tenant),
+            });
+        }
         AppState {
             memory_guard: MemoryGuard::new(config.memory_budget),
-            receipts: Receipts::new(&config.receipts),
+            receipts,
             config,
             memory,
             upstream,

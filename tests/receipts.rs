@@ -50,6 +50,21 @@ async fn post(proxy: &Proxy, path: &str, headers: &[(&str, &str)], body: &Value)
     send("POST", &proxy.url(path), headers, body.to_string()).await
 }
 
+/// Replays the receipt `id` with the admin token, the client's credential being `client` (an
+/// `Authorization` value).
+async fn replay_as(proxy: &Proxy, id: &str, client: &str) -> Answer {
+    send(
+        "POST",
+        &proxy.url(&format!("/admin/v1/receipts/{id}/replay")),
+        &[
+            ("authorization", &format!("Bearer {ADMIN_TOKEN}")),
+            ("x-memory-upstream-authorization", client),
+        ],
+        "",
+    )
+    .await
+}
+
 #[tokio::test]
 async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
     let mock = MockUpstream::start().await.unwrap();
@@ -300,16 +315,7 @@ async fn receipts_are_tenant_checked() {
     assert_eq!(as_a.status, 200);
     // A replay with tenant B's credential is refused; nothing reaches the upstream.
     let before = mock.chat_requests().len();
-    let replay = send(
-        "POST",
-        &proxy.url(&format!("{path}/replay")),
-        &[
-            ("authorization", &format!("Bearer {ADMIN_TOKEN}")),
-            ("x-memory-upstream-authorization", "Bearer sk-tenant-b"),
-        ],
-        "",
-    )
-    .await;
+    let replay = replay_as(&proxy, &id, "Bearer sk-tenant-b").await;
     assert_eq!(replay.status, 403);
     assert_eq!(replay.json()["error"]["code"], "forbidden");
     assert_eq!(mock.chat_requests().len(), before);
@@ -337,19 +343,7 @@ async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
             .contains("x-memory-upstream-authorization")
     );
 
-    let replay = send(
-        "POST",
-        &replay_path,
-        &[
-            ("authorization", &admin_auth),
-            (
-                "x-memory-upstream-authorization",
-                &format!("Bearer {TOKEN}"),
-            ),
-        ],
-        "",
-    )
-    .await;
+    let replay = replay_as(&proxy, &id, &format!("Bearer {TOKEN}")).await;
     assert_eq!(replay.status, 200);
     assert_eq!(replay.header("x-memory-replay-of"), id);
     assert_eq!(
@@ -376,19 +370,7 @@ async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
     streamed["stream"] = json!(true);
     let answer = chat(&proxy, "replayed", &streamed, &[]).await;
     let id = answer.header("x-memory-receipt").to_string();
-    let replay = send(
-        "POST",
-        &proxy.url(&format!("/admin/v1/receipts/{id}/replay")),
-        &[
-            ("authorization", &admin_auth),
-            (
-                "x-memory-upstream-authorization",
-                &format!("Bearer {TOKEN}"),
-            ),
-        ],
-        "",
-    )
-    .await;
+    let replay = replay_as(&proxy, &id, &format!("Bearer {TOKEN}")).await;
     assert!(
         replay
             .header("content-type")
@@ -540,4 +522,345 @@ async fn deleting_a_conversation_drops_its_receipts() {
     .await;
     assert_eq!(tenant_deleted.status, 200);
     assert_eq!(admin(&proxy, "GET", &path(&kept), "").await.status, 404);
+}
+
+/// Polls the receipt at `path` until its exchange ended (bounded: 5 s).
+async fn ended_receipt(proxy: &Proxy, path: &str) -> Value {
+    for _ in 0..50 {
+        let got = admin(proxy, "GET", path, "").await;
+        assert_eq!(got.status, 200);
+        let receipt = got.json();
+        if !receipt["upstream"]["ended"].is_null() {
+            return receipt;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the receipt at {path} never ended");
+}
+
+/// Checks a degraded exchange's receipt: the forwarded body (the client's own), the reason,
+/// the client's messages as its only parts, how it went.
+fn assert_degraded_receipt(receipt: &Value, recorded: &Recorded, new_messages: usize) {
+    assert_same_body(receipt, recorded);
+    let upstream = &receipt["upstream"];
+    assert_eq!(upstream["memory_status"], "degraded", "{upstream}");
+    assert_eq!(upstream["memory_reason"], "store-error");
+    assert_eq!(upstream["status"], 200);
+    assert_eq!(upstream["ended"], "complete");
+    assert!(upstream["latency_ms"].as_f64().is_some());
+    let prompt = &receipt["prompt"];
+    assert_eq!(
+        prompt["new"]["messages"].as_array().unwrap().len(),
+        new_messages,
+        "{prompt}"
+    );
+    assert!(prompt["new"]["tokens"].as_u64().unwrap() > 0);
+    assert!(prompt["window"]["messages"].as_array().unwrap().is_empty());
+    for absent in ["summary", "recalled", "memories"] {
+        assert!(prompt[absent].is_null(), "{absent}: {prompt}");
+    }
+    assert_eq!(prompt["tokens"], receipt["history_tokens"]);
+}
+
+#[tokio::test]
+async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let chat_headers = |conversation: &'static str| {
+        [
+            ("authorization", "Bearer sk-test-one"),
+            ("content-type", "application/json"),
+            ("x-memory-conversation-id", conversation),
+            ("x-mock-cached-tokens", "5"),
+        ]
+    };
+    let anthropic_headers = [
+        ("x-api-key", "sk-ant-test"),
+        ("anthropic-version", "2023-06-01"),
+        ("content-type", "application/json"),
+        ("x-memory-conversation-id", "degraded-anthropic"),
+        ("x-mock-cached-tokens", "9"),
+    ];
+    let anthropic_request = |text: &str| {
+        json!({"model": "claude-mock", "max_tokens": 64, "stream": true,
+            "messages": [{"role": "user", "content": text}]})
+    };
+    // One stored exchange in each API's conversation, then their keys lost: reading them
+    // fails (`store-error`), as in `tests/store_damage.rs`.
+    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let stored = chat(&proxy, "degraded-chat", &body(&[user("first")]), &[]).await;
+    assert_eq!(stored.header("x-memory-status"), "stored");
+    let request = json!({"model": "gpt-4o-mini", "input": "first"});
+    let stored = post(
+        &proxy,
+        "/v1/responses",
+        &chat_headers("degraded-responses"),
+        &request,
+    )
+    .await;
+    assert_eq!(stored.header("x-memory-status"), "stored");
+    let stored = post(
+        &proxy,
+        "/v1/messages",
+        &anthropic_headers,
+        &anthropic_request("first"),
+    )
+    .await;
+    assert_eq!(stored.header("x-memory-status"), "stored");
+    proxy.stop().await;
+    for file in std::fs::read_dir(dir.path().join("keys")).unwrap() {
+        std::fs::remove_file(file.unwrap().path()).unwrap();
+    }
+    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let degraded = |answer: &Answer| {
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.header("x-memory-status"), "degraded");
+        assert_eq!(answer.header("x-memory-reason"), "store-error");
+    };
+
+    // Chat completions, JSON: the client's own messages went upstream, as the receipt says.
+    let own = vec![
+        json!({"role": "system", "content": "You are terse."}),
+        user("an earlier question"),
+        assistant("an earlier answer"),
+        user("the new question"),
+    ];
+    let answer = chat(
+        &proxy,
+        "degraded-chat",
+        &body(&own),
+        &[("x-mock-cached-tokens", "5")],
+    )
+    .await;
+    degraded(&answer);
+    assert_eq!(mock.last_messages(), own);
+    let json_receipt = receipt(&proxy, &answer).await;
+    assert_degraded_receipt(&json_receipt, mock.chat_requests().last().unwrap(), 3);
+    assert_eq!(
+        json_receipt["prompt"]["instructions"]["messages"][0]["content"],
+        "You are terse."
+    );
+    assert_eq!(json_receipt["upstream"]["stream"], false);
+    assert_eq!(json_receipt["upstream"]["usage"]["cached_tokens"], 5);
+    assert_eq!(
+        json_receipt["prompt"]["new"]["messages"][2]["content"],
+        "the new question"
+    );
+
+    // Chat completions, streamed: the usage read from the stream as it passed.
+    let mut streamed = body(&[user("stream without memory")]);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let answer = chat(
+        &proxy,
+        "degraded-chat",
+        &streamed,
+        &[("x-mock-cached-tokens", "5")],
+    )
+    .await;
+    degraded(&answer);
+    assert!(String::from_utf8_lossy(&answer.body).contains("[DONE]"));
+    let stream_receipt = receipt(&proxy, &answer).await;
+    assert_degraded_receipt(&stream_receipt, mock.chat_requests().last().unwrap(), 1);
+    assert_eq!(stream_receipt["upstream"]["stream"], true);
+    assert_eq!(stream_receipt["upstream"]["usage"]["cached_tokens"], 5);
+
+    // The Responses API, JSON.
+    let request = json!({"model": "gpt-4o-mini", "input": "second"});
+    let answer = post(
+        &proxy,
+        "/v1/responses",
+        &chat_headers("degraded-responses"),
+        &request,
+    )
+    .await;
+    degraded(&answer);
+    let responses_receipt = receipt(&proxy, &answer).await;
+    assert_degraded_receipt(
+        &responses_receipt,
+        mock.responses_requests().last().unwrap(),
+        1,
+    );
+    assert_eq!(responses_receipt["api"], "responses");
+    assert_eq!(responses_receipt["upstream"]["usage"]["cached_tokens"], 5);
+
+    // Anthropic Messages, streamed.
+    let answer = post(
+        &proxy,
+        "/v1/messages",
+        &anthropic_headers,
+        &anthropic_request("second"),
+    )
+    .await;
+    degraded(&answer);
+    let anthropic_receipt = receipt(&proxy, &answer).await;
+    assert_degraded_receipt(
+        &anthropic_receipt,
+        mock.anthropic_requests().last().unwrap(),
+        1,
+    );
+    assert_eq!(anthropic_receipt["api"], "anthropic");
+    assert_eq!(anthropic_receipt["upstream"]["usage"]["cached_tokens"], 9);
+    assert!(!anthropic_receipt.to_string().contains("sk-ant-test"));
+
+    // A degraded receipt replays: the identical body again, nothing stored.
+    let id = json_receipt["id"].as_str().unwrap();
+    let replay = replay_as(&proxy, id, "Bearer sk-test-one").await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.header("x-memory-replay-of"), id);
+    assert_eq!(
+        replay.json()["choices"][0]["message"]["content"],
+        "reply to: the new question"
+    );
+    let resent = mock.chat_requests().last().unwrap().clone();
+    assert_eq!(
+        resent.body.as_ref(),
+        json_receipt["forwarded"]["body"]
+            .as_str()
+            .unwrap()
+            .as_bytes()
+    );
+}
+
+#[tokio::test]
+async fn a_stream_the_client_drops_ends_its_receipt_client_gone_with_the_usage_seen() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let open = |path: &str, headers: &[(&str, &str)], body: &Value| {
+        let mut request = http::Request::post(proxy.url(path));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                body.to_string(),
+            )))
+            .unwrap();
+        client().request(request)
+    };
+    // Reads the head and the first frame, then goes away; returns the receipt's path.
+    let drop_after_first_frame = |response: http::Response<hyper::body::Incoming>| async move {
+        use http_body_util::BodyExt;
+        assert_eq!(response.status(), 200);
+        let id = response.headers()["x-memory-receipt"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let mut body = response.into_body();
+        let first = body.frame().await.unwrap().unwrap();
+        assert!(first.data_ref().is_some());
+        drop(body);
+        format!("/admin/v1/receipts/{id}")
+    };
+
+    // Chat completions: the upstream stalls after two chunks, the client leaves.
+    mock.push(support::mock_upstream::Reply::Stall { chunks: 2 });
+    let mut streamed = body(&[user("a long answer please")]);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let response = open(
+        "/v1/chat/completions",
+        &[
+            ("authorization", "Bearer sk-test-one"),
+            ("content-type", "application/json"),
+            ("x-memory-conversation-id", "dropped"),
+        ],
+        &streamed,
+    )
+    .await
+    .unwrap();
+    let path = drop_after_first_frame(response).await;
+    let gone = ended_receipt(&proxy, &path).await;
+    assert_eq!(gone["upstream"]["ended"], "client_gone", "{gone}");
+    assert_eq!(gone["upstream"]["stream"], true);
+    assert!(gone["upstream"]["usage"].is_null(), "no usage was sent yet");
+    assert!(gone["upstream"]["total_ms"].as_f64().is_some());
+    assert!(proxy.stored(Some(TOKEN), "dropped").is_empty());
+
+    // Anthropic Messages: `message_start` carried the input side before the client left.
+    mock.push(support::mock_upstream::Reply::Stall { chunks: 2 });
+    let response = open(
+        "/v1/messages",
+        &[
+            ("x-api-key", "sk-ant-test"),
+            ("anthropic-version", "2023-06-01"),
+            ("content-type", "application/json"),
+            ("x-memory-conversation-id", "dropped-anthropic"),
+            ("x-mock-cached-tokens", "9"),
+        ],
+        &json!({"model": "claude-mock", "max_tokens": 64, "stream": true,
+            "messages": [{"role": "user", "content": "a long answer please"}]}),
+    )
+    .await
+    .unwrap();
+    let path = drop_after_first_frame(response).await;
+    let gone = ended_receipt(&proxy, &path).await;
+    assert_eq!(gone["upstream"]["ended"], "client_gone", "{gone}");
+    assert_eq!(gone["upstream"]["usage"]["cached_tokens"], 9, "{gone}");
+
+    // A stream read to its end is still `complete`.
+    let answer = chat(&proxy, "kept", &streamed, &[]).await;
+    let complete = receipt(&proxy, &answer).await;
+    assert_eq!(complete["upstream"]["ended"], "complete");
+}
+
+#[tokio::test]
+async fn a_user_delete_and_the_ttl_sweeper_drop_the_receipts_of_what_they_delete() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(&mock, dir.path(), "").await;
+    let path =
+        |answer: &Answer| format!("/admin/v1/receipts/{}", answer.header("x-memory-receipt"));
+    let status = |path: String| {
+        let proxy = &proxy;
+        async move { admin(proxy, "GET", &path, "").await.status }
+    };
+
+    // A user delete takes the receipts of the user's conversations, not the others'.
+    let of_user = chat(
+        &proxy,
+        "ana-notes",
+        &body(&[user("remember my locker code")]),
+        &[("x-memory-user-id", "ana")],
+    )
+    .await;
+    let of_other = chat(&proxy, "not-ana", &body(&[user("hello")]), &[]).await;
+    assert_eq!(status(path(&of_user)).await, 200);
+    let deleted = admin(
+        &proxy,
+        "DELETE",
+        &format!("/admin/v1/users/{}/ana", tenant(TOKEN)),
+        "",
+    )
+    .await;
+    assert_eq!(
+        deleted.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&deleted.body)
+    );
+    assert_eq!(deleted.json()["deleted_conversations"], 1);
+    assert_eq!(status(path(&of_user)).await, 404);
+    assert_eq!(status(path(&of_other)).await, 200);
+
+    // The TTL sweeper's delete takes them too.
+    let expiring = chat(
+        &proxy,
+        "expiring",
+        &body(&[user("short-lived text")]),
+        &[("x-memory-ttl", "PT1H")],
+    )
+    .await;
+    assert_eq!(status(path(&expiring)).await, 200);
+    let state = &proxy.state;
+    let memory = state.memory().unwrap();
+    memory
+        .clock
+        .advance(std::time::Duration::from_secs(2 * 3600));
+    let mut cursor = memproxy::ttl::Cursor::default();
+    let pass = memproxy::ttl::sweep_pass(memory, &state.config, &mut cursor).unwrap();
+    assert_eq!(pass.deleted, 1);
+    assert_eq!(status(path(&expiring)).await, 404);
+    assert_eq!(status(path(&of_other)).await, 200, "no TTL: kept");
 }

@@ -164,10 +164,10 @@ async fn route(
         ["tenants", tenant] => match method {
             Method::DELETE => {
                 let tenant = tenant_of(tenant)?;
-                let deleted =
-                    ops::delete_tenant_in(&memory.store, &tenant, |key| memory.recall.forget(key))?;
-                memory.longterm.forget_tenant(&tenant);
-                state.receipts.forget(&tenant, None);
+                let deleted = ops::delete_tenant_in(&memory.store, &tenant, |key| {
+                    memory.forget_deleted(key)
+                })?;
+                memory.forget_deleted_tenant(&tenant);
                 state.metrics.admin_deleted(deleted);
                 ok(json!({"tenant": tenant.as_str(), "deleted_conversations": deleted}))
             }
@@ -247,7 +247,6 @@ async fn route(
                         .delete_conversation(&key)?
                         .ok_or_else(|| missing(&key))?;
                     state.metrics.admin_deleted(1);
-                    state.receipts.forget(&key.tenant, Some(&key));
                     tracing::info!(agent = %key.agent, "conversation deleted by an operator");
                     ok(format::deleted(&key, &deleted))
                 }

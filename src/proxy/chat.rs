@@ -41,6 +41,7 @@ use crate::reply::reply_of;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::summary::DeferredSummary;
+use crate::upstream::UpstreamBody;
 use crate::wire::usage::Usage;
 use crate::wire::{Api, ApiRequest};
 
@@ -101,6 +102,13 @@ pub async fn chat(
             .await?;
             match chain {
                 Chain::Memory(key, settings) => (key, *settings),
+                Chain::Degraded(key, settings, reason) => {
+                    let to = Destination::new(&parts, &key, &settings, api, api_path);
+                    let response = without_memory(state, to, bytes, reason).await?;
+                    return Ok(
+                        response.map(|body| boxed(OnDrop::new(body, move || drop(reservation))))
+                    );
+                }
                 Chain::Forward(reason) => {
                     let response =
                         super::responses::forward_as_sent(state, &parts, bytes, api_path, reason)
@@ -177,59 +185,20 @@ async fn with_memory(
     api: Api,
     api_path: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let mut before = before(state, memory, &parts, body, &key, &settings, api).await?;
-    let receipt = match &mut before.plan {
-        Ok(plan) => receipt_of(
-            state,
-            &parts,
-            &key,
-            &settings,
-            api,
-            api_path,
-            &before.body,
-            plan,
-        ),
-        Err(_) => None,
-    };
-    if let Some(receipt) = &receipt
-        && let Ok(value) = HeaderValue::from_str(&receipt.id)
-    {
-        before.headers.insert(RECEIPT_HEADER, value);
-    }
-    let forwarded = forward_held(state, &parts, before.body, api, api_path, true).await;
-    let forwarded = match forwarded {
-        Ok(forwarded) => forwarded,
-        Err(err) => {
-            if let Some(receipt) = &receipt {
-                receipt.ended("error", None);
-            }
-            return Err(err);
-        }
-    };
-    let (mut head, upstream_body) = forwarded.into_parts();
-    head.headers.extend(before.headers);
-    let conversation_id = key.conversation.as_str();
-
+    let before = before(state, memory, &parts, body, &key, &settings, api).await?;
+    let to = Destination::new(&parts, &key, &settings, api, api_path);
     let mut plan = match before.plan {
         Ok(plan) => plan,
-        Err(reason) => {
-            let mut response = Response::from_parts(head, boxed(upstream_body));
-            set_memory_headers(&mut response, MemoryStatus::Degraded, conversation_id, None);
-            set_degraded_reason(&mut response, reason);
-            return Ok(response);
-        }
+        Err(reason) => return without_memory(state, to, before.body, reason).await,
     };
-
-    let is_stream = head
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
-    if let Some(receipt) = &receipt {
-        let latency = head.extensions.get::<UpstreamTime>().map(|t| t.0);
-        receipt.answered(head.status.as_u16(), latency, is_stream);
-    }
-    let ledger = ExchangeLedger::new(state, &key.agent, receipt);
+    let receipt = state.receipts.enabled().then(|| {
+        let model = plan.exchange.model.clone();
+        receipt_of(state, &to, &before.body, model, Planned::take(&mut plan))
+    });
+    let ledger = ExchangeLedger::new(state, &key.agent, receipt.flatten());
+    let (head, upstream_body, is_stream) =
+        forward_told(state, &to, before.body, &ledger, before.headers, true).await?;
+    let conversation_id = key.conversation.as_str();
 
     if !head.status.is_success() {
         let mut response = Response::from_parts(head, boxed(upstream_body));
@@ -275,20 +244,8 @@ async fn with_memory(
 
     // A JSON reply is complete only at its end: read it, store it, then answer.
     // Within `upstream.read_timeout`: a stalled answer is a 504 and stores nothing.
-    let body = state
-        .upstream_for(api)
-        .read_answer(upstream_body, state.config.response_limit_bytes)
-        .await;
-    let body = match body {
-        Ok(body) => body,
-        Err(err) => {
-            ledger.ended(false, None);
-            return Err(err.into());
-        }
-    };
-    let usage = Usage::from_json(api, &body);
+    let (body, usage) = read_told(state, api, upstream_body, &ledger).await?;
     plan.exchange.cached_tokens = usage.map_or(0, |u| u.cached_tokens);
-    ledger.ended(true, usage);
     let mut degraded = DegradedReason::CommitFailed;
     let (status, turns) = if !settings.persist {
         (MemoryStatus::NotStored, plan.stored_count)
@@ -320,37 +277,194 @@ async fn with_memory(
     set_memory_headers(&mut response, status, conversation_id, Some(turns));
     if status == MemoryStatus::Degraded {
         set_degraded_reason(&mut response, degraded);
+        ledger.degraded(degraded);
+    } else {
+        ledger.status(status);
     }
-    ledger.status(status);
     Ok(response)
 }
 
-/// Makes and keeps the receipt of an exchange about to be forwarded with `body` (receipts on):
-/// the plan's prompt moves into it.
-#[allow(clippy::too_many_arguments)]
-fn receipt_of(
-    state: &AppState,
-    parts: &Parts,
-    key: &ConversationKey,
-    settings: &MemorySettings,
+/// Where an exchange goes, and for whom.
+struct Destination<'a> {
+    parts: &'a Parts,
+    key: &'a ConversationKey,
+    settings: &'a MemorySettings,
     api: Api,
-    api_path: &str,
+    api_path: &'a str,
+}
+
+impl<'a> Destination<'a> {
+    fn new(
+        parts: &'a Parts,
+        key: &'a ConversationKey,
+        settings: &'a MemorySettings,
+        api: Api,
+        api_path: &'a str,
+    ) -> Destination<'a> {
+        Destination {
+            parts,
+            key,
+            settings,
+            api,
+            api_path,
+        }
+    }
+}
+
+/// A memory-on request whose memory failed (the store could not be read): the client's own
+/// `body` goes upstream, answered with `X-Memory-Status: degraded` and `reason`, nothing
+/// stored. With receipts on it gets one (the client's messages as its only parts); its answer
+/// is then read as a memory-on answer is, for the receipt's usage: a stream teed, a JSON
+/// answer read whole (within `upstream.read_timeout`). Its tokens are not counted in the
+/// token ledger, whose exchanges are those memory planned.
+async fn without_memory(
+    state: &Arc<AppState>,
+    to: Destination<'_>,
+    body: Bytes,
+    reason: DegradedReason,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let receipt = unplanned_receipt(state, &to, &body).await;
+    let ledger = ExchangeLedger::unmetered(state, receipt);
+    ledger.degraded(reason);
+    let read = ledger.receipt().is_some();
+    let (head, upstream_body, is_stream) =
+        forward_told(state, &to, body, &ledger, HeaderMap::new(), read).await?;
+    let body = match (read, head.status.is_success(), is_stream) {
+        // Nothing to read: as the upstream sent it.
+        (false, ..) | (_, false, _) => boxed(upstream_body),
+        (true, true, true) => boxed(
+            TeeBody::new(
+                upstream_body,
+                to.api,
+                None,
+                None,
+                state.config.limits.max_sse_event_bytes,
+                state.config.response_limit_bytes,
+            )
+            .with_ledger(ledger),
+        ),
+        (true, true, false) => full(read_told(state, to.api, upstream_body, &ledger).await?.0),
+    };
+    let mut response = Response::from_parts(head, body);
+    set_memory_headers(
+        &mut response,
+        MemoryStatus::Degraded,
+        &to.key.conversation,
+        None,
+    );
+    set_degraded_reason(&mut response, reason);
+    Ok(response)
+}
+
+/// The receipt of a request forwarded as the client sent it (receipts on): its messages parsed
+/// again (the plan took them) and counted, off the runtime's threads.
+async fn unplanned_receipt(
+    state: &AppState,
+    to: &Destination<'_>,
     body: &Bytes,
-    plan: &mut Plan,
 ) -> Option<Arc<Receipt>> {
     if !state.receipts.enabled() {
         return None;
     }
+    let (bytes, api) = (body.clone(), to.api);
+    let parsed = tokio::task::spawn_blocking(move || {
+        let request = ApiRequest::parse(api, &bytes).ok()?;
+        let model = request.model;
+        Some((
+            Planned::unplanned(request.messages, model.as_deref()),
+            model,
+        ))
+    })
+    .await;
+    // A body that does not parse (a planning that panicked) still has its bytes in the receipt.
+    let (planned, model) = parsed
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| (Planned::unplanned(Vec::new(), None), None));
+    receipt_of(state, to, body, model, planned)
+}
+
+/// Forwards `body` (with the receipt's id among `headers`, which go to the client; `read`:
+/// memproxy reads the answer); the receipt is told the upstream's status and time, or that it
+/// failed. Returns the answer's head, its body, and whether it is a stream.
+async fn forward_told(
+    state: &AppState,
+    to: &Destination<'_>,
+    body: Bytes,
+    ledger: &ExchangeLedger,
+    mut headers: HeaderMap,
+    read: bool,
+) -> Result<(http::response::Parts, UpstreamBody, bool), ProxyError> {
+    if let Some(receipt) = ledger.receipt()
+        && let Ok(value) = HeaderValue::from_str(&receipt.id)
+    {
+        headers.insert(RECEIPT_HEADER, value);
+    }
+    let forwarded = forward_held(state, to.parts, body, to.api, to.api_path, read).await;
+    let (mut head, upstream_body) = match forwarded {
+        Ok(forwarded) => forwarded.into_parts(),
+        Err(err) => {
+            ledger.failed();
+            return Err(err);
+        }
+    };
+    head.headers.extend(headers);
+    let is_stream = head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    if let Some(receipt) = ledger.receipt() {
+        let latency = head.extensions.get::<UpstreamTime>().map(|t| t.0);
+        receipt.answered(head.status.as_u16(), latency, is_stream);
+    }
+    Ok((head, upstream_body, is_stream))
+}
+
+/// Reads a JSON answer whole (within `upstream.read_timeout`; a stalled answer is a 504) and
+/// its usage, telling the ledger how it ended.
+async fn read_told(
+    state: &AppState,
+    api: Api,
+    body: UpstreamBody,
+    ledger: &ExchangeLedger,
+) -> Result<(Bytes, Option<Usage>), ProxyError> {
+    let body = state
+        .upstream_for(api)
+        .read_answer(body, state.config.response_limit_bytes)
+        .await;
+    match body {
+        Ok(body) => {
+            let usage = Usage::from_json(api, &body);
+            ledger.ended(true, usage);
+            Ok((body, usage))
+        }
+        Err(err) => {
+            ledger.ended(false, None);
+            Err(err.into())
+        }
+    }
+}
+
+/// Makes and keeps the receipt of an exchange about to be forwarded to `to` with `body`
+/// (receipts on).
+fn receipt_of(
+    state: &AppState,
+    to: &Destination<'_>,
+    body: &Bytes,
+    model: Option<String>,
+    planned: Planned,
+) -> Option<Arc<Receipt>> {
     let receipt = Arc::new(Receipt::new(Made {
-        key,
-        api,
-        api_path,
-        query: parts.uri.query(),
-        model: plan.exchange.model.clone(),
-        headers: &parts.headers,
+        key: to.key,
+        api: to.api,
+        api_path: to.api_path,
+        query: to.parts.uri.query(),
+        model,
+        headers: &to.parts.headers,
         body: body.clone(),
-        planned: Planned::take(plan),
-        settings,
+        planned,
+        settings: to.settings,
     })?);
     state.receipts.insert(Arc::clone(&receipt));
     Some(receipt)

@@ -11,7 +11,8 @@
 //! its conversation deleted) is forwarded as sent with `X-Memory-Status: off` and
 //! `X-Memory-Reason: unknown-previous-response`: memproxy cannot rebuild a history it never
 //! saw, and the upstream may still hold it. When the store cannot be read the request is
-//! forwarded as sent too, `degraded` with the store's reason.
+//! forwarded as sent too, `degraded` with the store's reason (and, when its conversation is
+//! named, a receipt, as every memory-on request whose memory failed).
 
 use std::sync::Arc;
 
@@ -43,6 +44,9 @@ pub enum Chain {
     Memory(ConversationKey, Box<MemorySettings>),
     /// Forwarded as sent, saying why memory did not run for it (`None`: nothing to say).
     Forward(Option<Unchained>),
+    /// Its conversation is known but the store could not be read: forwarded as sent,
+    /// `degraded`, as any memory-on request whose memory failed (with its receipt).
+    Degraded(ConversationKey, Box<MemorySettings>, DegradedReason),
 }
 
 /// Why a chained request was forwarded as sent.
@@ -108,9 +112,11 @@ pub async fn resolve(
     match answered_in(memory, tenant, previous).await {
         Err(err) => {
             tracing::warn!(error = %err, "finding a previous response's conversation failed");
-            Ok(Chain::Forward(Some(Unchained::Store(DegradedReason::of(
-                &err,
-            )))))
+            let reason = DegradedReason::of(&err);
+            Ok(match key {
+                Some(key) => Chain::Degraded(key, Box::new(settings), reason),
+                None => Chain::Forward(Some(Unchained::Store(reason))),
+            })
         }
         Ok(None) => Ok(Chain::Forward(Some(Unchained::Unknown))),
         Ok(Some(found)) => Ok(match key {

@@ -5,7 +5,8 @@
 //! parser. When the upstream ends the stream properly, the commit runs before the end of the
 //! body is given to the client, so a client that saw the end can rely on the exchange being
 //! stored. An upstream error, a cut stream or a client that goes away (the body is dropped)
-//! stores nothing.
+//! stores nothing; a dropped body tells the exchange's ledger (and its receipt:
+//! `client_gone`) with the usage read so far ([`Metering`]'s drop).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -49,8 +50,7 @@ pin_project! {
         // A due summary, queued once the stream is committed, or when the body is dropped.
         deferred: Option<DeferredSummary>,
         // The exchange's ledger and receipt, told the usage when the stream ends.
-        ledger: Option<ExchangeLedger>,
-        usage: UsageReader,
+        metering: Metering,
         committing: Option<CommitFuture>,
         span: tracing::Span,
         done: bool,
@@ -75,8 +75,10 @@ impl<B> TeeBody<B> {
             reply: ReplyReader::new(api, max_reply_bytes),
             pending,
             deferred,
-            ledger: None,
-            usage: UsageReader::new(api),
+            metering: Metering {
+                ledger: None,
+                usage: UsageReader::new(api),
+            },
             committing: None,
             span: tracing::Span::current(),
             done: false,
@@ -87,8 +89,32 @@ impl<B> TeeBody<B> {
 impl<B> TeeBody<B> {
     /// Reads the stream's usage too, for `ledger` (the cached tokens, the receipt).
     pub fn with_ledger(mut self, ledger: ExchangeLedger) -> TeeBody<B> {
-        self.ledger = Some(ledger);
+        self.metering.ledger = Some(ledger);
         self
+    }
+}
+
+/// The exchange's ledger and the usage read so far. Dropped with the body before the stream
+/// ended (the client went away), it tells the ledger so, with that usage.
+struct Metering {
+    ledger: Option<ExchangeLedger>,
+    usage: UsageReader,
+}
+
+impl Metering {
+    /// The stream ended (`complete` or not) with the usage read.
+    fn ended(&mut self, complete: bool) -> Option<ExchangeLedger> {
+        let ledger = self.ledger.take()?;
+        ledger.ended(complete, self.usage.usage());
+        Some(ledger)
+    }
+}
+
+impl Drop for Metering {
+    fn drop(&mut self) {
+        if let Some(ledger) = self.ledger.take() {
+            ledger.gone(self.usage.usage());
+        }
     }
 }
 
@@ -118,10 +144,10 @@ where
                 Some(Ok(frame)) => {
                     let storing = this.pending.is_some();
                     if let Some(data) = frame.data_ref()
-                        && (storing || this.ledger.is_some())
+                        && (storing || this.metering.ledger.is_some())
                     {
                         let reply = &mut *this.reply;
-                        let usage = &mut *this.usage;
+                        let usage = &mut this.metering.usage;
                         this.parser.feed(data, |event| {
                             if storing {
                                 reply.on_event(event);
@@ -136,9 +162,7 @@ where
                 }
                 Some(Err(err)) => {
                     *this.done = true;
-                    if let Some(ledger) = this.ledger.take() {
-                        ledger.ended(false, this.usage.usage());
-                    }
+                    this.metering.ended(false);
                     if this.pending.take().is_some() {
                         tracing::warn!(parent: &*this.span, "upstream stream failed midway; nothing stored");
                     }
@@ -149,18 +173,20 @@ where
                         state,
                         mut exchange,
                     }) if this.reply.is_complete() => {
-                        let usage = this.usage.usage();
+                        let usage = this.metering.usage.usage();
                         exchange.cached_tokens = usage.map_or(0, |u| u.cached_tokens);
-                        if let Some(ledger) = this.ledger.take() {
-                            ledger.ended(true, usage);
-                        }
+                        let ledger = this.metering.ended(true);
                         let reply = this.reply.to_message();
                         let deferred = this.deferred.take();
                         let commit = async move {
-                            if let Ok(count) =
-                                super::commit(&state, exchange, reply, ReplyKind::Stream).await
-                            {
-                                tracing::debug!(messages = count, "exchange stored");
+                            match super::commit(&state, exchange, reply, ReplyKind::Stream).await {
+                                Ok(count) => tracing::debug!(messages = count, "exchange stored"),
+                                // Said in the receipt: the stream's head said `stored` already.
+                                Err(reason) => {
+                                    if let Some(ledger) = &ledger {
+                                        ledger.degraded(reason);
+                                    }
+                                }
                             }
                             // The stream is over but for its end: a due summary starts now.
                             drop(deferred);
@@ -169,16 +195,12 @@ where
                     }
                     Some(_) => {
                         tracing::warn!(parent: &*this.span, "upstream stream ended without a finish; nothing stored");
-                        if let Some(ledger) = this.ledger.take() {
-                            ledger.ended(false, this.usage.usage());
-                        }
+                        this.metering.ended(false);
                         *this.done = true;
                     }
                     None => {
                         // Nothing to store: the stream's end is its end.
-                        if let Some(ledger) = this.ledger.take() {
-                            ledger.ended(true, this.usage.usage());
-                        }
+                        this.metering.ended(true);
                         *this.done = true;
                     }
                 },

@@ -8,14 +8,25 @@
 //! when the exchange ends (a JSON answer read, or a stream's end), the usage the upstream
 //! reported and what memory did with it.
 //!
+//! A request whose memory failed (`X-Memory-Status: degraded`: the store could not be read)
+//! gets a receipt too, of what it forwarded: the client's own body, its messages as the only
+//! parts ([`Planned::unplanned`]), with the reason.
+//!
+//! An exchange that ends without being told so (the client went away mid-stream, or before
+//! the answer came: the response body, or the request's future, is dropped) is finished by a
+//! drop: `ended` is `client_gone`, with the usage seen so far ([`Receipt::gone`]).
+//!
 //! Receipts hold message text. They live only in this process's memory, in a cache bounded in
 //! bytes (`receipts.max_bytes`, its share of `server.memory_budget`; weighed with `heap.rs`)
 //! and in time (`receipts.retention`); they are never written to disk or logged, and the
-//! client's credential is never part of one. Token counts of the parts are counted when a
-//! receipt is read, never on the request's path.
+//! client's credential is never part of one. A deleted conversation takes its receipts along,
+//! whoever deletes it (an operator, a user or tenant delete, the TTL sweeper: `Memory` tells
+//! the receipts through its `OnDelete`): an index by conversation finds them. Token counts of
+//! the parts are counted when a receipt is read, never on the request's path.
 
 pub mod render;
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,6 +37,7 @@ use sha2::{Digest, Sha256};
 use crate::config::ReceiptsConfig;
 use crate::heap;
 use crate::identity::{ConversationKey, TenantId};
+use crate::message::Message;
 use crate::pipeline::assemble::Prompt;
 use crate::pipeline::plan::Plan;
 use crate::settings::MemorySettings;
@@ -51,9 +63,21 @@ pub const REPLAYED_HEADERS: &[&str] = &[
 /// settings, the outcome (measured on receipts of small prompts, rounded up).
 const FIXED_BYTES: usize = 2048;
 
-/// The receipts of this process.
+/// What the index takes per receipt besides its id: a slot in its conversation's list and a
+/// share of the map's table and key (rounded up).
+const INDEX_BYTES: usize = 64;
+
+/// The ids of the kept receipts, by conversation: what a delete drops.
+type Index = Arc<Mutex<HashMap<ConversationKey, Vec<String>>>>;
+
+/// The receipts of this process (cloned cheaply: the clones share the cache).
+#[derive(Clone)]
 pub struct Receipts {
     cache: Option<moka::sync::Cache<String, Arc<Receipt>>>,
+    /// Every kept receipt's id under its conversation: added before the receipt is cached,
+    /// removed by the cache's eviction listener whenever it goes (expired, pushed out,
+    /// dropped). Never locked while the cache is called, as the listener locks it.
+    index: Index,
     retention: Duration,
 }
 
@@ -68,6 +92,8 @@ impl std::fmt::Debug for Receipts {
 
 impl Receipts {
     pub fn new(config: &ReceiptsConfig) -> Receipts {
+        let index = Index::default();
+        let listened = Arc::clone(&index);
         let cache = config.enabled.then(|| {
             moka::sync::Cache::builder()
                 .max_capacity(config.max_bytes.max(1))
@@ -75,15 +101,17 @@ impl Receipts {
                 // The newest receipts are the ones asked for: past the size, the least
                 // recently used goes (not a frequency guess that could refuse a new one).
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
-                // A conversation or a tenant deleted by an operator takes its receipts along.
-                .support_invalidation_closures()
                 .weigher(|_id: &String, receipt: &Arc<Receipt>| {
                     u32::try_from(receipt.weight).unwrap_or(u32::MAX)
+                })
+                .eviction_listener(move |id: Arc<String>, receipt: Arc<Receipt>, _| {
+                    unindex(&listened, &receipt.key, &id);
                 })
                 .build()
         });
         Receipts {
             cache,
+            index,
             retention: config.retention,
         }
     }
@@ -93,9 +121,16 @@ impl Receipts {
         self.cache.is_some()
     }
 
-    /// Keeps a receipt; it can be read until the retention passes or newer ones push it out.
+    /// Keeps a receipt; it can be read until the retention passes, newer ones push it out, or
+    /// its conversation is deleted.
     pub fn insert(&self, receipt: Arc<Receipt>) {
         if let Some(cache) = &self.cache {
+            // Indexed first: the listener that takes it out again may run as soon as the
+            // receipt is in the cache.
+            lock(&self.index)
+                .entry(receipt.key.clone())
+                .or_default()
+                .push(receipt.id.clone());
             cache.insert(receipt.id.clone(), receipt);
         }
     }
@@ -105,18 +140,30 @@ impl Receipts {
         self.cache.as_ref()?.get(id)
     }
 
-    /// Drops the receipts of `tenant` (of its conversation `key` only, when given): an
-    /// operator's delete takes them along.
-    pub fn forget(&self, tenant: &TenantId, key: Option<&ConversationKey>) {
-        let Some(cache) = &self.cache else {
-            return;
-        };
-        let (tenant, key) = (tenant.clone(), key.cloned());
-        let dropped = cache.invalidate_entries_if(move |_, receipt| {
-            receipt.key.tenant == tenant && key.as_ref().is_none_or(|key| receipt.key == *key)
+    /// Drops the receipts of the conversation `key` (deleted): from now on they are unknown.
+    pub fn forget_conversation(&self, key: &ConversationKey) {
+        let ids = lock(&self.index).remove(key).unwrap_or_default();
+        self.invalidate(ids);
+    }
+
+    /// Drops the receipts of every conversation of `tenant` (deleted).
+    pub fn forget_tenant(&self, tenant: &TenantId) {
+        let mut ids = Vec::new();
+        lock(&self.index).retain(|key, kept| {
+            let gone = key.tenant == *tenant;
+            if gone {
+                ids.append(kept);
+            }
+            !gone
         });
-        if let Err(err) = dropped {
-            tracing::warn!(error = %err, "receipts of a deleted conversation could not be dropped");
+        self.invalidate(ids);
+    }
+
+    fn invalidate(&self, ids: Vec<String>) {
+        if let Some(cache) = &self.cache {
+            for id in ids {
+                cache.invalidate(&id);
+            }
         }
     }
 
@@ -194,6 +241,36 @@ impl Planned {
         }
     }
 
+    /// What a request whose memory failed forwarded: the client's own `messages` (parsed from
+    /// its body), its instructions apart and the rest as its new messages; no summary, window,
+    /// recall or memories. `model` counts their tokens, the prompt's and the history's alike
+    /// (the client sent its history itself). Counts every message: call it off the runtime's
+    /// threads.
+    pub fn unplanned(messages: Vec<Message>, model: Option<&str>) -> Planned {
+        let mut prompt = Prompt::default();
+        let mut tokens = 0u64;
+        for message in messages {
+            tokens += u64::from(crate::tokens::count_message(model, &message.text()));
+            if message.role.is_instruction() {
+                prompt.instructions.push(message.raw);
+            } else {
+                prompt.incoming.push(message.raw);
+            }
+        }
+        Planned {
+            prompt,
+            prompt_tokens: tokens,
+            history_tokens: tokens,
+            stored_count: 0,
+            recalled: Vec::new(),
+            recalled_elsewhere: Vec::new(),
+            memories: Vec::new(),
+            summary: None,
+            budget: None,
+            dropped: Default::default(),
+        }
+    }
+
     fn heap_bytes(&self) -> usize {
         let raw = |m: &serde_json::value::RawValue| heap::chunk(m.get().len()) + heap::chunk(16);
         let prompt = &self.prompt;
@@ -235,11 +312,15 @@ pub struct Outcome {
     pub total: Option<Duration>,
     pub stream: bool,
     /// The exchange ended: `complete` (an answer or a stream that finished), `cut` (a stream
-    /// that failed or ended unfinished), or `error` (the upstream answered an error).
+    /// that failed or ended unfinished), `error` (the upstream answered a status other than
+    /// 2xx, or could not be reached), or `client_gone` (the client went away before the
+    /// answer or the stream was over).
     pub ended: Option<&'static str>,
     pub usage: Option<Usage>,
     /// `X-Memory-Status` of the exchange.
     pub memory_status: Option<&'static str>,
+    /// `X-Memory-Reason` of a `degraded` exchange.
+    pub memory_reason: Option<&'static str>,
 }
 
 /// One exchange's receipt.
@@ -296,6 +377,8 @@ impl Receipt {
             .collect();
         let weight = heap::CACHE_ENTRY
             + FIXED_BYTES
+            + INDEX_BYTES
+            + heap::string(id.len())
             + heap::chunk(made.body.len())
             + made.planned.heap_bytes()
             + headers
@@ -336,21 +419,35 @@ impl Receipt {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The upstream answered with `status` after `latency`.
+    /// The upstream answered with `status` after `latency`; a status other than 2xx ends the
+    /// exchange (`error`: nothing is read from its answer).
     pub fn answered(&self, status: u16, latency: Option<Duration>, stream: bool) {
         let mut outcome = self.outcome();
         outcome.status = Some(status);
         outcome.upstream_latency = latency;
         outcome.stream = stream;
-        if status >= 400 {
+        if !(200..300).contains(&status) {
             outcome.ended = Some("error");
             outcome.total = Some(self.started.elapsed());
         }
     }
 
-    /// What memory did: `X-Memory-Status`.
-    pub fn memory_status(&self, status: &'static str) {
-        self.outcome().memory_status = Some(status);
+    /// What memory did: `X-Memory-Status`, and for `degraded` its `X-Memory-Reason`.
+    pub fn memory_status(&self, status: &'static str, reason: Option<&'static str>) {
+        let mut outcome = self.outcome();
+        outcome.memory_status = Some(status);
+        outcome.memory_reason = reason;
+    }
+
+    /// The client went away before the exchange ended (a dropped response body or request):
+    /// `client_gone`, with the usage seen so far. Nothing when it had ended already.
+    pub fn gone(&self, usage: Option<Usage>) {
+        let mut outcome = self.outcome();
+        if outcome.ended.is_none() {
+            outcome.ended = Some("client_gone");
+            outcome.usage = usage;
+            outcome.total = Some(self.started.elapsed());
+        }
     }
 
     /// The exchange ended (`complete` or `cut`) with `usage`.
@@ -364,6 +461,23 @@ impl Receipt {
     /// A copy of the outcome so far.
     pub fn outcome_now(&self) -> Outcome {
         self.outcome().clone()
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Takes the receipt `id` of `key` out of the index (it left the cache).
+fn unindex(index: &Mutex<HashMap<ConversationKey, Vec<String>>>, key: &ConversationKey, id: &str) {
+    let mut index = lock(index);
+    if let Some(ids) = index.get_mut(key) {
+        ids.retain(|kept| kept != id);
+        if ids.is_empty() {
+            index.remove(key);
+        }
     }
 }
 
@@ -386,6 +500,91 @@ mod tests {
         let (a, b) = (new_id(), new_id());
         assert!(a.starts_with("rcpt_") && a.len() == 37, "{a}");
         assert_ne!(a, b);
+    }
+
+    fn receipts(max_bytes: u64) -> Receipts {
+        Receipts::new(&ReceiptsConfig {
+            enabled: true,
+            retention: Duration::from_secs(60),
+            max_bytes,
+        })
+    }
+
+    fn receipt_of(tenant: &str, conversation: &str) -> Arc<Receipt> {
+        let key = ConversationKey {
+            tenant: TenantId::from_token(Some(tenant)),
+            agent: "default".to_string(),
+            conversation: conversation.to_string(),
+        };
+        Arc::new(
+            Receipt::new(Made {
+                key: &key,
+                api: Api::Chat,
+                api_path: "/v1/chat/completions",
+                query: None,
+                model: None,
+                headers: &HeaderMap::new(),
+                body: Bytes::from_static(b"{}"),
+                planned: Planned::unplanned(Vec::new(), None),
+                settings: &MemorySettings::default(),
+            })
+            .unwrap(),
+        )
+    }
+
+    fn indexed(receipts: &Receipts) -> usize {
+        lock(&receipts.index).values().map(Vec::len).sum()
+    }
+
+    #[test]
+    fn a_deleted_conversation_or_tenant_takes_its_receipts_and_only_those() {
+        let receipts = receipts(1 << 20);
+        let (a1, a2) = (receipt_of("sk-a", "one"), receipt_of("sk-a", "one"));
+        let (other, b) = (receipt_of("sk-a", "two"), receipt_of("sk-b", "one"));
+        for receipt in [&a1, &a2, &other, &b] {
+            receipts.insert(Arc::clone(receipt));
+        }
+        receipts.forget_conversation(&a1.key);
+        assert!(receipts.get(&a1.id).is_none() && receipts.get(&a2.id).is_none());
+        assert!(receipts.get(&other.id).is_some() && receipts.get(&b.id).is_some());
+        receipts.forget_tenant(&a1.key.tenant);
+        assert!(receipts.get(&other.id).is_none());
+        assert!(receipts.get(&b.id).is_some(), "another tenant's stay");
+        assert_eq!(receipts.len(), 1);
+        assert_eq!(indexed(&receipts), 1);
+    }
+
+    #[test]
+    fn the_index_forgets_the_receipts_the_cache_lets_go() {
+        // Room for about two: the older ones are pushed out, and out of the index too.
+        let receipts = receipts(2 * receipt_of("sk-a", "c").weight() as u64);
+        for i in 0..20 {
+            receipts.insert(receipt_of("sk-a", &format!("c{}", i % 3)));
+        }
+        let kept = receipts.len();
+        assert!(kept <= 2, "{kept}");
+        assert_eq!(indexed(&receipts) as u64, kept);
+    }
+
+    #[test]
+    fn a_receipt_dropped_before_its_end_says_client_gone_once() {
+        let receipt = receipt_of("sk-a", "c");
+        receipt.answered(200, None, true);
+        let usage = Usage {
+            input_tokens: 10,
+            cached_tokens: 4,
+            ..Usage::default()
+        };
+        receipt.gone(Some(usage));
+        receipt.gone(None);
+        let outcome = receipt.outcome_now();
+        assert_eq!(outcome.ended, Some("client_gone"));
+        assert_eq!(outcome.usage, Some(usage));
+        let ended = receipt_of("sk-a", "c");
+        ended.ended("complete", None);
+        ended.gone(Some(usage));
+        assert_eq!(ended.outcome_now().ended, Some("complete"));
+        assert_eq!(ended.outcome_now().usage, None);
     }
 
     #[test]

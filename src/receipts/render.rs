@@ -115,6 +115,7 @@ fn outcome(outcome: &Outcome) -> Value {
         "ended": outcome.ended,
         "usage": outcome.usage,
         "memory_status": outcome.memory_status,
+        "memory_reason": outcome.memory_reason,
     })
 }
 
