@@ -16,7 +16,7 @@ pub const DEFAULT_RELEVANCE_TOP_K: usize = 5;
 /// The cap on `relevance_top_k`.
 pub const MAX_RELEVANCE_TOP_K: usize = 20;
 /// `relevance_max_tokens = "auto"`: this many tokens per recalled turn (`relevance_top_k`).
-pub const AUTO_RELEVANCE_TOKENS_PER_TURN: u64 = 80;
+pub const AUTO_RELEVANCE_TOKENS_PER_TURN: u64 = 100;
 pub const DEFAULT_COMPRESSION_THRESHOLD_TOKENS: u64 = 8192;
 pub const DEFAULT_COMPRESSION_INTERVAL: Duration = Duration::from_secs(3600);
 /// The largest `recent_n` and `max_messages` accepted.
@@ -622,7 +622,7 @@ mod tests {
         s.apply("relevance_max_tokens", "0").unwrap();
         assert_eq!(s.relevance_budget(), None);
         s.apply("relevance_max_tokens", "auto").unwrap();
-        assert_eq!(s.relevance_budget(), Some(80 * s.relevance_top_k as u64));
+        assert_eq!(s.relevance_budget(), Some(100 * s.relevance_top_k as u64));
         s.apply("relevance_max_tokens", "300").unwrap();
         assert_eq!(s.relevance_budget(), Some(300));
         assert!(s.apply("relevance_max_tokens", "-3").is_err());

@@ -12,7 +12,7 @@ use memproxy::message::RECALL_MARKER;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
+use support::mock_upstream::{MockUpstream, Reply};
 use support::*;
 
 /// The byte offset in `body` where each of its `messages` starts.
@@ -242,6 +242,8 @@ async fn bad_values_are_400s_naming_the_header() {
         ("x-memory-window-step", "none"),
         ("x-memory-prompt-cache-key", "maybe"),
         ("x-memory-cache-breakpoints", "2"),
+        ("x-memory-relevance-max-tokens", "-5"),
+        ("x-memory-relevance-max-tokens", "lots"),
     ] {
         let answer = chat(&proxy, "bad", &body(&[user("hi")]), &[(header, value)]).await;
         assert_eq!(answer.status, 400, "{header}: {value}");
@@ -258,6 +260,8 @@ async fn bad_values_are_400s_naming_the_header() {
         ("x-memory-window-step", "0"),
         ("x-memory-prompt-cache-key", "ON"),
         ("x-memory-cache-breakpoints", "false"),
+        ("x-memory-relevance-max-tokens", "auto"),
+        ("x-memory-relevance-max-tokens", "0"),
     ] {
         let answer = chat(&proxy, "good", &body(&[user("hi")]), &[(header, value)]).await;
         assert_eq!(answer.status, 200, "{header}: {value}");
@@ -431,5 +435,212 @@ async fn anthropic_prompts_keep_recalled_turns_out_of_the_cached_prefix() {
     assert_eq!(answer.status, 200);
     let last = claude.anthropic_requests().last().unwrap().json();
     assert!(!last.to_string().contains("cache_control"));
+    proxy.stop().await;
+}
+
+/// The number of stored messages forwarded as the window (non-system messages but the new one).
+fn window_len(messages: &[Value]) -> usize {
+    messages.iter().filter(|m| m["role"] != "system").count() - 1
+}
+
+/// The summary message of a forwarded prompt, if any.
+fn summary_text(messages: &[Value]) -> Option<String> {
+    messages
+        .iter()
+        .filter_map(|m| m["content"].as_str())
+        .find(|c| c.starts_with(memproxy::message::SUMMARY_MARKER))
+        .map(str::to_string)
+}
+
+/// `words` words of filler, numbered so no two replies are alike.
+fn filler_words(seed: usize, words: usize) -> String {
+    let pool = [
+        "weather", "traffic", "lunch", "meeting", "printer", "parking", "coffee",
+    ];
+    (0..words)
+        .map(|i| pool[(seed * 7 + i) % pool.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[tokio::test]
+async fn a_new_model_summary_waits_for_the_anchor_jump() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let settings = "[memory]\nrecent_n = 4\nwindow_step = 6\nrelevance_enabled = false\n\
+                    compression_threshold_tokens = 120\ncompression_interval = \"PT0S\"\n";
+    let proxy = Proxy::start(&mock, dir.path(), settings).await;
+    let conversation = key(Some(TOKEN), "waits");
+    let summarizer = &proxy.state.memory().unwrap().summarizer;
+    let mut windows = Vec::new();
+    let mut summaries = Vec::new();
+    for n in 1..=40 {
+        let text = format!("Note {n}: {}", filler_words(n, 12));
+        let answer = chat(&proxy, "waits", &body(&[user(&text)]), &[]).await;
+        assert_eq!(answer.status, 200);
+        let forwarded = mock.last_messages();
+        windows.push(window_len(&forwarded));
+        summaries.push(summary_text(&forwarded));
+        // Every summary lands before the next turn, so when it is used is the proxy's choice.
+        let started = std::time::Instant::now();
+        while summarizer.in_flight(&conversation) {
+            assert!(started.elapsed() < std::time::Duration::from_secs(10));
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+    assert!(mock.summary_requests().len() >= 4, "summaries were made");
+    let mut waited = 0;
+    let mut model_changes = 0;
+    for i in 1..summaries.len() {
+        let jumped = windows[i] < windows[i - 1];
+        let from_model = summaries[i - 1]
+            .as_ref()
+            .is_some_and(|s| !s.contains("heuristic"));
+        if summaries[i] != summaries[i - 1] && from_model {
+            model_changes += 1;
+            assert!(
+                jumped,
+                "turn {}: a model summary replaced another between jumps ({windows:?})",
+                i + 1
+            );
+        }
+        // A summary made on a turn between jumps is not in the next prompt.
+        if !jumped && summaries[i] == summaries[i - 1] && from_model {
+            waited += 1;
+        }
+    }
+    assert!(model_changes >= 2, "{model_changes} changes: {windows:?}");
+    assert!(waited > 0);
+    // The newest summary is stored, and reached the prompt at a jump.
+    let made = mock.summary_requests().len();
+    assert!(made > model_changes, "made {made}, used {model_changes}");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn auto_slides_short_exchanges_and_anchors_long_ones() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = Proxy::start(
+        &mock,
+        dir.path(),
+        "[memory]\ncompression_enabled = false\nrelevance_enabled = false\n",
+    )
+    .await;
+    // One-line exchanges: the prompt never reaches the provider's 1,024-token cache minimum,
+    // so the window slides, `recent_n` messages long.
+    for n in 1..=20 {
+        chat(&proxy, "short", &body(&[user(&format!("hi {n}"))]), &[]).await;
+    }
+    let short: Vec<usize> = mock
+        .chat_requests()
+        .iter()
+        .map(|r| window_len(r.json()["messages"].as_array().unwrap()))
+        .collect();
+    assert!(short[5..].iter().all(|&w| w == 10), "{short:?}");
+    mock.clear();
+
+    // Model-length replies: the window grows between jumps (past 2 × recent_n), and every
+    // prompt between two jumps extends the one before it.
+    for n in 1..=40 {
+        mock.push(Reply::Text(format!("Reply {n}: {}", filler_words(n, 150))));
+        chat(
+            &proxy,
+            "long",
+            &body(&[user(&format!("question {n}"))]),
+            &[],
+        )
+        .await;
+    }
+    let bodies = chat_bodies(&mock);
+    let long: Vec<usize> = bodies
+        .iter()
+        .map(|b| {
+            window_len(
+                serde_json::from_str::<Value>(b).unwrap()["messages"]
+                    .as_array()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    assert!(long.iter().any(|&w| w > 20), "{long:?}");
+    let jumps = (1..long.len()).filter(|&i| long[i] < long[i - 1]).count();
+    assert!(jumps >= 1, "{long:?}");
+    for i in 1..bodies.len() {
+        if long[i] > long[i - 1] {
+            let previous = &bodies[i - 1];
+            let cut = *message_offsets(previous).last().unwrap();
+            assert!(bodies[i].starts_with(&previous[..cut]), "turn {}", i + 1);
+        }
+    }
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn long_recalled_turns_are_cut_to_their_relevant_passage_within_the_budget() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let settings = "[memory]\nrecent_n = 2\nwindow_step = 0\ncompression_enabled = false\nrelevance_top_k = 3\nrelevance_max_tokens = 150\n";
+    let proxy = Proxy::start(&mock, dir.path(), settings).await;
+    let fact = "The spare key for the boathouse is taped under the third step.";
+    mock.push(Reply::Text(format!(
+        "{}. {fact} {}.",
+        filler_words(1, 200),
+        filler_words(2, 200)
+    )));
+    chat(
+        &proxy,
+        "cut",
+        &body(&[user("Tell me about the house.")]),
+        &[],
+    )
+    .await;
+    for n in 0..6 {
+        chat(
+            &proxy,
+            "cut",
+            &body(&[user(&format!("Unrelated note {n}."))]),
+            &[],
+        )
+        .await;
+    }
+    let question = user("Where is the spare key for the boathouse?");
+    chat(&proxy, "cut", &body(std::slice::from_ref(&question)), &[]).await;
+    let forwarded = mock.last_messages();
+    let recalled = forwarded
+        .iter()
+        .find(|m| is_recalled(m))
+        .and_then(|m| m["content"].as_str())
+        .unwrap()
+        .to_string();
+    let line = recalled
+        .lines()
+        .find(|l| l.contains("] assistant: "))
+        .unwrap();
+    assert!(line.contains(fact), "{line}");
+    assert!(
+        line.contains("] assistant: … ") && line.ends_with(" …"),
+        "{line}"
+    );
+    let tokens = memproxy::tokens::count_text(None, &recalled);
+    assert!(tokens <= 150 + 30, "{tokens} tokens: {recalled}");
+
+    // No limit: the reply comes back whole.
+    chat(
+        &proxy,
+        "cut",
+        &body(&[question]),
+        &[
+            ("x-memory-relevance-max-tokens", "0"),
+            ("x-memory-persist", "false"),
+        ],
+    )
+    .await;
+    let whole = mock.last_messages();
+    let recalled = whole.iter().find(|m| is_recalled(m)).unwrap()["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(recalled.contains(&filler_words(2, 200)), "{recalled}");
     proxy.stop().await;
 }

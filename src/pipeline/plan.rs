@@ -211,13 +211,21 @@ pub fn plan_for_user(
     // Window: it must hold the current round when the new messages continue it. Its step,
     // when `auto`, is chosen from the conversation's message lengths and the instructions.
     let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
+    let latest_summary = match &conversation.meta {
+        Some(meta) if settings.compression_enabled => {
+            store.latest_summary(&conversation.key, meta.id)?
+        }
+        _ => None,
+    };
     let window_step = settings.window_step.unwrap_or_else(|| {
-        let instructions: u64 = messages
+        // What precedes the window: the instructions and the summary.
+        let head: u64 = messages
             .iter()
             .filter(|m| m.role.is_instruction())
             .map(|m| u64::from(tokens::count_cached(model_name, m.fingerprint, || m.text())))
-            .sum();
-        auto_step(history, settings.recent_n, instructions)
+            .sum::<u64>()
+            + latest_summary.as_ref().map_or(0, |r| u64::from(r.tokens));
+        auto_step(history, settings.recent_n, head)
     });
     let start = window_start(history, settings.recent_n, window_step, continue_round);
     let mut window: Vec<StoredMessage> =
@@ -231,6 +239,7 @@ pub fn plan_for_user(
         memory,
         &conversation,
         settings,
+        latest_summary,
         start,
         closing_from,
         model_name,

@@ -29,13 +29,18 @@ pub struct SummaryPlan {
 /// Decides the summary stage for a conversation whose recent window starts at `pool_end`
 /// (an index into its entries). Without `writes` (a preview) nothing is reserved or stored.
 ///
+/// `latest`: the conversation's newest summary record, read by the caller (which sizes the
+/// window with it).
+///
 /// `closing_from`: the request closes a branch from this turn on. Summaries that reach it go
 /// with the branch, so the prompt carries the newest one that does not; nothing is reserved or
 /// stored while the stored line is about to change (the next request plans on the new one).
+#[allow(clippy::too_many_arguments)]
 pub fn plan_summary(
     memory: &Memory,
     conversation: &Conversation,
     settings: &MemorySettings,
+    latest: Option<SummaryRecord>,
     pool_end: usize,
     closing_from: Option<u64>,
     request_model: Option<&str>,
@@ -56,7 +61,6 @@ pub fn plan_summary(
         });
     }
     let summarizer = &memory.summarizer;
-    let latest = store.latest_summary(&conversation.key, meta.id)?;
     let model_summary = latest.as_ref().filter(|r| !r.heuristic);
     let covered_to = model_summary.map_or(0, |r| r.to_turn);
     let entries = &conversation.entries;

@@ -43,13 +43,14 @@ impl Positioned for Entry {
 
 /// `window_step = "auto"`: of sliding (0), `recent_n` and `2 × recent_n`, the step whose
 /// prompts cost least, cached input billed at a tenth, for a conversation whose messages are
-/// as long as its last `3 × recent_n` and whose prompt starts with `head_tokens` of
-/// instructions. Anchoring pays where prompts pass the provider's cache minimum
+/// as long as its last `3 × recent_n` and whose prompt starts with `head_tokens` (the
+/// instructions and the summary). Anchoring pays where prompts pass the provider's cache minimum
 /// ([`CACHE_MIN_TOKENS`]): each turn re-sends only what is new, and a longer step makes the
 /// uncached jumps rarer for a longer window. Below the minimum nothing is cached and a
 /// growing window is only longer, so short exchanges slide, as before anchoring. The choice
 /// is a function of what is stored and of the request's instructions, so every replica makes
-/// the same; on a tie the longer step wins.
+/// the same; on a tie the longer step wins. A conversation whose messages change length may
+/// change step (one cache miss, as at a jump).
 pub fn auto_step(history: &[Entry], recent_n: usize, head_tokens: u64) -> usize {
     if recent_n == 0 {
         return 0;
