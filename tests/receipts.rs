@@ -864,3 +864,55 @@ async fn a_user_delete_and_the_ttl_sweeper_drop_the_receipts_of_what_they_delete
     assert_eq!(status(path(&expiring)).await, 404);
     assert_eq!(status(path(&of_other)).await, 200, "no TTL: kept");
 }
+
+#[tokio::test]
+async fn a_receipt_names_the_excerpted_turns_and_the_window_step_in_effect() {
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start_admin(
+        &mock,
+        dir.path(),
+        "[memory]\nrecent_n = 2\nwindow_step = \"auto\"\ncompression_enabled = false\nrelevance_top_k = 2\nrelevance_max_tokens = 120\n",
+    )
+    .await;
+    let filler = "we spoke about the weather and the trains again. ".repeat(40);
+    mock.push(support::mock_upstream::Reply::Text(format!(
+        "{filler}The boathouse key is under the third step. {filler}"
+    )));
+    chat(
+        &proxy,
+        "cut",
+        &body(&[user("Tell me about the house.")]),
+        &[],
+    )
+    .await;
+    for n in 0..4 {
+        chat(&proxy, "cut", &body(&[user(&format!("note {n}"))]), &[]).await;
+    }
+    let answer = chat(
+        &proxy,
+        "cut",
+        &body(&[user("Where is the boathouse key?")]),
+        &[],
+    )
+    .await;
+    let receipt = receipt(&proxy, &answer).await;
+    let recalled = &receipt["prompt"]["recalled"];
+    assert_eq!(recalled["excerpted"], json!([2]), "{recalled}");
+    assert!(
+        recalled["messages"][0]["content"]
+            .as_str()
+            .unwrap()
+            .contains("The boathouse key is under the third step."),
+        "{recalled}"
+    );
+    assert_eq!(receipt["settings"]["relevance_max_tokens"], "120");
+    assert_eq!(receipt["settings"]["window_step"], "auto");
+    // Short exchanges and one long reply: the step chosen is in the receipt, a number.
+    assert!(
+        receipt["settings"]["window_step_in_effect"].is_u64(),
+        "{}",
+        receipt["settings"]
+    );
+    proxy.stop().await;
+}

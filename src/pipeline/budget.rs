@@ -223,6 +223,7 @@ mod tests {
                 tokens: 10,
                 line: String::new(),
                 elsewhere_at: None,
+                excerpted: false,
             })
             .collect()
     }

@@ -50,6 +50,11 @@ pub struct Plan {
     pub recalled_turns: Vec<u64>,
     /// The recalled turns with their BM25 scores, best first.
     pub recalled_scores: Vec<(u64, f32)>,
+    /// The conversation's recalled turns cut to their most relevant passage
+    /// (`relevance_max_tokens`), in turn order.
+    pub excerpted_turns: Vec<u64>,
+    /// The `window_step` in effect (`auto` resolved).
+    pub window_step: usize,
     /// Turns recalled from the user's other conversations (long-term memory), best first:
     /// (conversation, turn, score).
     pub recalled_elsewhere: Vec<(String, u64, f32)>,
@@ -414,6 +419,8 @@ pub fn plan_for_user(
     let mut recalled_turns: Vec<u64> = own().map(|r| r.turn).collect();
     recalled_turns.sort_unstable();
     let recalled_scores: Vec<(u64, f32)> = own().map(|r| (r.turn, r.score)).collect();
+    let mut excerpted_turns: Vec<u64> = own().filter(|r| r.excerpted).map(|r| r.turn).collect();
+    excerpted_turns.sort_unstable();
     let recalled_elsewhere: Vec<(String, u64, f32)> = recalled
         .iter()
         .filter(|r| r.elsewhere_at.is_some())
@@ -491,6 +498,8 @@ pub fn plan_for_user(
         planned_count,
         recalled_turns,
         recalled_scores,
+        excerpted_turns,
+        window_step,
         recalled_elsewhere,
         prompt_tokens,
         fitted,

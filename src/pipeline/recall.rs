@@ -33,6 +33,8 @@ pub struct RecalledTurn {
     /// For a turn of another of the user's conversations (long-term memory): when it was
     /// stored. Those come first in the message, oldest first, then the conversation's own.
     pub elsewhere_at: Option<i64>,
+    /// Cut to its most relevant passage by [`fit_recalled`].
+    pub excerpted: bool,
 }
 
 /// Turns `hits` and their stored messages (same order) into recalled turns, best first.
@@ -45,6 +47,7 @@ pub fn recalled_turns(hits: &[Hit], messages: Vec<StoredMessage>) -> Vec<Recalle
             tokens: message.tokens + LINE_OVERHEAD_TOKENS,
             line: render_line(&message),
             elsewhere_at: None,
+            excerpted: false,
         })
         .collect()
 }
@@ -66,6 +69,7 @@ pub fn elsewhere_turns(found: Vec<crate::longterm::ElsewhereTurn>) -> Vec<Recall
                 tokens: turn.message.tokens + LINE_OVERHEAD_TOKENS + 4,
                 line,
                 elsewhere_at: Some(turn.message.at_ms),
+                excerpted: false,
             }
         })
         .collect()
@@ -130,6 +134,7 @@ pub fn fit_recalled(
         }) {
             turn.tokens = crate::tokens::count_message(model, &short) + LINE_OVERHEAD_TOKENS;
             turn.line = format!("{head}{short}");
+            turn.excerpted = true;
         }
     }
 }
@@ -249,6 +254,7 @@ mod tests {
             tokens: crate::tokens::count_message(None, text) + LINE_OVERHEAD_TOKENS,
             line,
             elsewhere_at: None,
+            excerpted: false,
         }
     }
 
@@ -278,6 +284,7 @@ mod tests {
         );
         let total: u32 = turns.iter().map(|t| t.tokens).sum();
         assert!(total <= 120, "{total}");
+        assert!(!turns[0].excerpted && turns[1].excerpted);
         assert_eq!(
             turns[1].tokens,
             crate::tokens::count_message(None, turns[1].line.split_once("assistant: ").unwrap().1)
@@ -307,6 +314,7 @@ mod tests {
                 tokens: 1,
                 line: "nine".into(),
                 elsewhere_at: None,
+                excerpted: false,
             },
             RecalledTurn {
                 turn: 2,
@@ -314,6 +322,7 @@ mod tests {
                 tokens: 1,
                 line: "two".into(),
                 elsewhere_at: None,
+                excerpted: false,
             },
         ];
         let message: Value = serde_json::from_str(render(&turns).unwrap().get()).unwrap();

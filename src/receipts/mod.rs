@@ -212,6 +212,10 @@ pub struct Planned {
     pub recalled: Vec<(u64, f32)>,
     /// (conversation, turn, BM25 score): the user's other conversations.
     pub recalled_elsewhere: Vec<(String, u64, f32)>,
+    /// Recalled turns cut to their most relevant passage.
+    pub excerpted: Vec<u64>,
+    /// The `window_step` in effect (`auto` resolved); `None` when nothing was planned.
+    pub window_step: Option<usize>,
     /// (memory id, score, decay).
     pub memories: Vec<(u64, f64, f64)>,
     pub summary: Option<crate::store::SummaryRecord>,
@@ -230,6 +234,8 @@ impl Planned {
             stored_count: plan.stored_count,
             recalled: plan.recalled_scores.clone(),
             recalled_elsewhere: plan.recalled_elsewhere.clone(),
+            excerpted: plan.excerpted_turns.clone(),
+            window_step: Some(plan.window_step),
             memories: plan
                 .memories
                 .iter()
@@ -264,6 +270,8 @@ impl Planned {
             stored_count: 0,
             recalled: Vec::new(),
             recalled_elsewhere: Vec::new(),
+            excerpted: Vec::new(),
+            window_step: None,
             memories: Vec::new(),
             summary: None,
             budget: None,
@@ -292,6 +300,7 @@ impl Planned {
                 .map(|(c, _, _)| heap::string(c.len()))
                 .sum::<usize>()
             + heap::vec::<(u64, f32)>(self.recalled.len())
+            + heap::vec::<u64>(self.excerpted.len())
             + heap::vec::<(u64, f64, f64)>(self.memories.len())
             + self.summary.as_ref().map_or(0, |s| {
                 heap::string(s.text.len()) + heap::string(s.model.len())

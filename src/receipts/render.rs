@@ -58,6 +58,7 @@ pub fn to_json(receipt: &Receipt) -> Value {
                 json!({"conversation": conversation, "turn": turn, "score": score})
             })
             .collect();
+        part["excerpted"] = json!(planned.excerpted);
         part
     });
 
@@ -65,6 +66,9 @@ pub fn to_json(receipt: &Receipt) -> Value {
     let mut settings = Map::new();
     for (name, text) in receipt.settings.describe() {
         settings.insert(name.to_string(), json!(text));
+    }
+    if let Some(step) = planned.window_step {
+        settings.insert("window_step_in_effect".to_string(), json!(step));
     }
     json!({
         "id": receipt.id,
