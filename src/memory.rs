@@ -200,14 +200,15 @@ impl Memory {
     ) -> Result<Option<Deleted>, StoreError> {
         let deleted = self.store.delete_conversation(key)?;
         self.forget_deleted(key);
-        self.ledger.forget(key);
         Ok(deleted)
     }
 
-    /// Drops what the caches hold of the deleted conversation `key`: its recall index, and
-    /// (told through [`OnDelete`]) its receipts.
+    /// Drops what the caches hold of the deleted conversation `key`: its recall index, its
+    /// background tokens not yet committed (the ledger), and (told through [`OnDelete`]) its
+    /// receipts. Every delete goes through here: admin, user, tenant, TTL.
     pub fn forget_deleted(&self, key: &ConversationKey) {
         self.recall.forget(key);
+        self.ledger.forget(key);
         self.on_delete.tell(Erased::Conversation(key));
     }
 
