@@ -1,7 +1,8 @@
 //! Micro-benchmarks of the request path's hot steps, on synthetic conversations of 1,000 and
 //! 10,000 messages: reconciliation of a re-sent history, recall (index search alone), recall +
-//! assembly (the whole plan: reconcile, window, recall, budget, render), token counting of a
-//! new message, and a commit with its group flush.
+//! assembly (the whole plan: reconcile, window, recall, budget, render), fitting long recalled
+//! turns into `relevance_max_tokens`, token counting of a new message, and a commit with its
+//! group flush.
 //!
 //! `cargo bench --bench hot_path` runs them with criterion. Before that it prints latency
 //! percentiles of the plan step (criterion reports means) and the recall index's memory per
@@ -17,10 +18,11 @@ use memproxy::config;
 use memproxy::identity::{ConversationKey, TenantId};
 use memproxy::message::{Message, Role};
 use memproxy::pipeline::plan::plan;
+use memproxy::pipeline::recall::{RecalledTurn, fit_recalled};
 use memproxy::pipeline::reconcile::{Mark, align};
 use memproxy::proxy::chat::limits;
 use memproxy::recall::index::Index;
-use memproxy::recall::tokenize::{Lang, terms};
+use memproxy::recall::tokenize::{Lang, TextLanguage, terms};
 use memproxy::settings::MemorySettings;
 use memproxy::state::AppState;
 use memproxy::store::{Change, Origin, StoredMessage, lock};
@@ -313,6 +315,44 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
         incoming.push(Mark::from(&message(Role::User, "and one more thing")));
         group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
             b.iter(|| black_box(align(&conv.entries, true, &incoming)))
+        });
+    }
+    group.finish();
+
+    // Fitting 5 recalled replies of 150 words (about 200 tokens each) into the default budget
+    // of 500 tokens: the 4 not best cut to their passage. `none`: the same turns, no limit
+    // (the baseline: nothing to do).
+    let mut group = c.benchmark_group("fit_recalled_5x150_words");
+    let mut rng = Rng::new(21);
+    let turns: Vec<RecalledTurn> = (0..5)
+        .map(|i| {
+            let text = sentence(&mut rng, 150);
+            RecalledTurn {
+                turn: i * 7 + 1,
+                score: 5.0 - i as f32,
+                tokens: tokens::count_message(Some("gpt-4o"), &text) + 20,
+                line: format!(
+                    "[earlier turn #{} at 2026-11-22T10:15:00Z] assistant: {text}",
+                    i * 7 + 1
+                ),
+                elsewhere_at: None,
+                excerpted: false,
+            }
+        })
+        .collect();
+    for (name, budget) in [("500", Some(500)), ("none", None)] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let mut fitted = turns.clone();
+                fit_recalled(
+                    &mut fitted,
+                    QUESTION,
+                    TextLanguage::Auto,
+                    budget,
+                    Some("gpt-4o"),
+                );
+                black_box(fitted)
+            })
         });
     }
     group.finish();
