@@ -142,9 +142,7 @@ pub fn adopt_at_jumps(
     {
         let adopted = memory
             .store
-            .summaries(&conversation.key, meta.id)?
-            .into_iter()
-            .rfind(|r| r.created_ms <= cutoff);
+            .newest_summary_where(&conversation.key, meta.id, |r| r.created_ms <= cutoff)?;
         if adopted.as_ref().is_some_and(|r| !r.heuristic) {
             plan.current = adopted;
         }

@@ -40,6 +40,23 @@ impl Store {
             .collect()
     }
 
+    /// The newest summary record of conversation `id` that `wanted` accepts, opening records
+    /// from the newest back only until one does.
+    pub fn newest_summary_where(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        wanted: impl Fn(&SummaryRecord) -> bool,
+    ) -> Result<Option<SummaryRecord>, StoreError> {
+        for (_, bytes) in self.engine.summaries(key, id)?.into_iter().rev() {
+            let record = decode(&self.open_summary(key, id, bytes)?)?;
+            if wanted(&record) {
+                return Ok(Some(record));
+            }
+        }
+        Ok(None)
+    }
+
     /// The summary records of conversation `id` as stored (opaque JSON, opened), by number:
     /// what an export carries.
     pub fn raw_summaries(
