@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 use serde_json::value::RawValue;
 
-use crate::recall::excerpt::excerpt;
+use crate::recall::excerpt::excerpt_counted;
 use crate::recall::index::Hit;
 use crate::recall::stemming;
 use crate::recall::tokenize::{TextLanguage, terms};
@@ -129,7 +129,9 @@ pub fn fit_recalled(
     {
         let split = content_start(&turn.line);
         let (head, body) = turn.line.split_at(split);
-        if let Some(short) = excerpt(body, &query_terms, latin, keep, |text| {
+        // The line's tokens less its tag and the message overhead: the text's stored count.
+        let body_tokens = turn.tokens.saturating_sub(overhead);
+        if let Some(short) = excerpt_counted(body, body_tokens, &query_terms, latin, keep, |text| {
             crate::tokens::count_text(model, text)
         }) {
             turn.tokens = crate::tokens::count_message(model, &short) + LINE_OVERHEAD_TOKENS;

@@ -31,7 +31,18 @@ pub fn excerpt(
     max_tokens: u32,
     count: impl Fn(&str) -> u32,
 ) -> Option<String> {
-    let total = count(text);
+    excerpt_counted(text, count(text), query_terms, latin, max_tokens, count)
+}
+
+/// [`excerpt`] of a `text` whose tokens are known to be `total` (a stored count).
+pub fn excerpt_counted(
+    text: &str,
+    total: u32,
+    query_terms: &HashSet<String>,
+    latin: Option<Lang>,
+    max_tokens: u32,
+    count: impl Fn(&str) -> u32,
+) -> Option<String> {
     if total <= max_tokens {
         return None;
     }
@@ -39,11 +50,18 @@ pub fn excerpt(
     if words.is_empty() {
         return None;
     }
-    // Each word's query terms (usually none or one).
+    // Each word's query terms (usually none or one). Stemming cuts or changes a word's end,
+    // never its first three letters, so an ASCII word that starts like no query term cannot
+    // match and is not stemmed; other scripts (CJK bigrams anywhere in a piece) always are.
+    let prefixes: HashSet<String> = query_terms.iter().map(|t| prefix(t)).collect();
     let matched: Vec<Vec<String>> = words
         .iter()
         .map(|&(start, end)| {
-            terms(&text[start..end], latin)
+            let word = text[start..end].trim_start_matches(|c: char| !c.is_alphanumeric());
+            if word.is_ascii() && !prefixes.contains(&prefix(word)) {
+                return Vec::new();
+            }
+            terms(word, latin)
                 .into_iter()
                 .filter(|t| query_terms.contains(t))
                 .collect()
@@ -144,6 +162,11 @@ type Score = (usize, usize, std::cmp::Reverse<usize>);
 
 fn ends_sentence(word: &str) -> bool {
     word.ends_with(['.', '!', '?', ':', ';', '。', '！', '？'])
+}
+
+/// The first three characters of `word`, lowercased (all of it when shorter).
+fn prefix(word: &str) -> String {
+    word.chars().take(3).flat_map(char::to_lowercase).collect()
 }
 
 /// Byte ranges of the words of `text`: runs between whitespace, long runs cut into pieces.
