@@ -113,6 +113,10 @@ fn best_sentences(
             from = i + 1;
         }
     }
+    // One sentence, and the text does not fit: it does not either.
+    if sentences.len() == 1 {
+        return None;
+    }
     let tokens: Vec<u32> = sentences
         .iter()
         .map(|&(from, to)| count(&text[words[from].0..words[to - 1].1]))
