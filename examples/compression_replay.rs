@@ -434,18 +434,18 @@ async fn run(scenario: Scenario, args: &Args) -> Outcome {
                 .flat_map(|c| c.lines().filter_map(|l| l.strip_prefix("[earlier turn #")))
                 .filter_map(|l| l.split(' ').next().map(str::to_string))
                 .collect();
-            println!("  recalled {}", recalled_ids.join(","));
             let summary = part(memproxy::message::SUMMARY_MARKER, &mut counter);
             let recalled = part(memproxy::message::RECALL_MARKER, &mut counter);
             println!(
-                "  trace {:<28} turn {turn:>4} msgs {:>3} tokens {:>5} shared {:>5} cached {:>5} summary {:>5} recalled {:>5}",
+                "  trace {:<28} turn {turn:>4} msgs {:>3} tokens {:>5} shared {:>5} cached {:>5} summary {:>5} recalled {:>5} turns {}",
                 scenario.name,
                 forwarded.len(),
                 outcome.tokens.last().unwrap(),
                 shared,
                 outcome.cached.last().unwrap(),
                 summary,
-                recalled
+                recalled,
+                recalled_ids.join(",")
             );
         }
         previous = forwarded;

@@ -222,14 +222,16 @@ pub fn plan_for_user(
         }
         _ => None,
     };
+    // The client's instructions, counted once (cached per distinct message): they size the
+    // window's step and are part of the budget's fixed tokens.
+    let instruction_tokens: u64 = messages
+        .iter()
+        .filter(|m| m.role.is_instruction())
+        .map(|m| u64::from(tokens::count_cached(model_name, m.fingerprint, || m.text())))
+        .sum();
     let window_step = settings.window_step.unwrap_or_else(|| {
         // What precedes the window: the instructions and the summary.
-        let head: u64 = messages
-            .iter()
-            .filter(|m| m.role.is_instruction())
-            .map(|m| u64::from(tokens::count_cached(model_name, m.fingerprint, || m.text())))
-            .sum::<u64>()
-            + latest_summary.as_ref().map_or(0, |r| u64::from(r.tokens));
+        let head = instruction_tokens + latest_summary.as_ref().map_or(0, |r| u64::from(r.tokens));
         auto_step(history, settings.recent_n, head)
     });
     let start = window_start(history, settings.recent_n, window_step, continue_round);
@@ -379,23 +381,11 @@ pub fn plan_for_user(
     // Budget: what cannot be cut is the client's instructions and new messages.
     let started = Instant::now();
     let first_new = turn_index.get(from).copied().unwrap_or(messages.len());
-    let mut new_iter = new_tokens.iter();
-    let fixed: u64 =
-        messages
-            .iter()
-            .enumerate()
-            .filter(|(i, m)| *i >= first_new || m.role.is_instruction())
-            .map(|(_, m)| {
-                let counted = (!m.role.is_instruction())
-                    .then(|| new_iter.next())
-                    .flatten();
-                u64::from(counted.copied().unwrap_or_else(|| {
-                    tokens::count_cached(model_name, m.fingerprint, || m.text())
-                }))
-            })
-            .sum::<u64>()
-            + summary_tokens
-            + memories_tokens;
+    // The new messages are the request's non-instruction messages from `first_new` on.
+    let fixed: u64 = instruction_tokens
+        + new_tokens.iter().map(|&t| u64::from(t)).sum::<u64>()
+        + summary_tokens
+        + memories_tokens;
     let candidates = settings
         .max_context_tokens
         .map(|_| budget::Candidates::of(&recalled, &window));

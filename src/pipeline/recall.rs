@@ -9,7 +9,7 @@ use std::collections::HashSet;
 
 use serde_json::value::RawValue;
 
-use crate::recall::excerpt::excerpt_counted;
+use crate::recall::excerpt::excerpt;
 use crate::recall::index::Hit;
 use crate::recall::stemming;
 use crate::recall::tokenize::{TextLanguage, terms};
@@ -80,9 +80,10 @@ pub fn elsewhere_turns(found: Vec<crate::longterm::ElsewhereTurn>) -> Vec<Recall
 const MIN_EXCERPT_TOKENS: u32 = 16;
 
 /// Fits the recalled turns into `budget` tokens (`relevance_max_tokens`; `None`: no limit)
-/// without dropping any: when they would take more, every turn longer than a common cap is
-/// cut to the passage that best matches `query` (`recall/excerpt.rs`), the cap being the
-/// largest that fits (short turns stay whole and leave their room to the long ones). A line
+/// without dropping any: when they would take more, the best match stays whole while it takes
+/// at most half the budget, and every other turn longer than a common cap is cut to the
+/// passage that best matches `query` (`recall/excerpt.rs`), the cap being the largest that
+/// fits (short turns stay whole and leave their room to the long ones). A line
 /// keeps its tag, and its token count is counted again. Which turns are recalled does not
 /// change, only how much of a long one is shown.
 pub fn fit_recalled(
@@ -99,18 +100,19 @@ pub fn fit_recalled(
     }
     // The best match stays whole when it takes at most half the budget; the others share
     // what it leaves.
-    let best = turns
+    let whole = turns
         .iter()
         .enumerate()
         .max_by(|a, b| a.1.score.total_cmp(&b.1.score))
-        .map(|(i, t)| (i, u64::from(t.tokens)))
-        .filter(|(_, tokens)| *tokens * 2 <= budget);
-    let shared = budget - best.map_or(0, |(_, tokens)| tokens);
+        .filter(|(_, t)| u64::from(t.tokens) * 2 <= budget)
+        .map(|(i, _)| i);
+    let shares = |i: usize| whole != Some(i);
+    let shared = budget - whole.map_or(0, |i| u64::from(turns[i].tokens));
     let cap = common_cap(
         turns
             .iter()
             .enumerate()
-            .filter(|(i, _)| best.is_none_or(|(b, _)| b != *i))
+            .filter(|(i, _)| shares(*i))
             .map(|(_, t)| t.tokens)
             .collect(),
         shared,
@@ -125,13 +127,13 @@ pub fn fit_recalled(
     for (_, turn) in turns
         .iter_mut()
         .enumerate()
-        .filter(|(i, t)| t.tokens > cap && best.is_none_or(|(b, _)| b != *i))
+        .filter(|(i, t)| t.tokens > cap && shares(*i))
     {
         let split = content_start(&turn.line);
         let (head, body) = turn.line.split_at(split);
         // The line's tokens less its tag and the message overhead: the text's stored count.
         let body_tokens = turn.tokens.saturating_sub(overhead);
-        if let Some(short) = excerpt_counted(body, body_tokens, &query_terms, latin, keep, |text| {
+        if let Some(short) = excerpt(body, body_tokens, &query_terms, latin, keep, |text| {
             crate::tokens::count_text(model, text)
         }) {
             turn.tokens = crate::tokens::count_message(model, &short) + LINE_OVERHEAD_TOKENS;

@@ -21,21 +21,11 @@ pub const ELLIPSIS: &str = "…";
 /// Japanese, a long identifier) are cut into pieces of this many characters.
 const MAX_WORD_CHARS: usize = 12;
 
-/// The excerpt of `text` for `query_terms`, at most `max_tokens` as `count` counts them
-/// (ellipses included), or `None` when `text` fits whole. Never empty when `text` is not:
-/// with no term matching, the excerpt is the text's beginning.
+/// The excerpt of `text`, whose tokens are `total` (a stored count), for `query_terms`, at
+/// most `max_tokens` as `count` counts them (ellipses included), or `None` when `text` fits
+/// whole. Never empty when `text` is not: with no term matching, the excerpt is the text's
+/// beginning.
 pub fn excerpt(
-    text: &str,
-    query_terms: &HashSet<String>,
-    latin: Option<Lang>,
-    max_tokens: u32,
-    count: impl Fn(&str) -> u32,
-) -> Option<String> {
-    excerpt_counted(text, count(text), query_terms, latin, max_tokens, count)
-}
-
-/// [`excerpt`] of a `text` whose tokens are known to be `total` (a stored count).
-pub fn excerpt_counted(
     text: &str,
     total: u32,
     query_terms: &HashSet<String>,
@@ -68,6 +58,12 @@ pub fn excerpt_counted(
         })
         .collect();
     let by_sentence = best_sentences(text, &words, &matched, max_tokens, &count);
+    // Whole sentences holding every term the text has cannot be beaten by a run of words.
+    if let Some((terms, candidate)) = &by_sentence
+        && *terms == distinct(&matched)
+    {
+        return Some(candidate.clone());
+    }
     // A first width from the text's own tokens per word, corrected below by counting.
     let per_word = f64::from(total) / words.len() as f64;
     let mut width = ((f64::from(max_tokens) / per_word).floor() as usize).clamp(1, words.len());
@@ -300,13 +296,24 @@ mod tests {
         text.split_whitespace().count() as u32
     }
 
+    /// [`excerpt`], the text counted by `count`.
+    fn cut(
+        text: &str,
+        query_terms: &HashSet<String>,
+        latin: Option<Lang>,
+        max_tokens: u32,
+        count: impl Fn(&str) -> u32,
+    ) -> Option<String> {
+        excerpt(text, count(text), query_terms, latin, max_tokens, count)
+    }
+
     fn query(text: &str) -> HashSet<String> {
         terms(text, Some(Lang::English)).into_iter().collect()
     }
 
     #[test]
     fn a_text_that_fits_is_left_whole() {
-        assert_eq!(excerpt("short text", &query("text"), None, 10, count), None);
+        assert_eq!(cut("short text", &query("text"), None, 10, count), None);
     }
 
     #[test]
@@ -314,7 +321,7 @@ mod tests {
         let filler = "the weather was mild and nothing else happened that day. ".repeat(10);
         let text =
             format!("{filler}My locker code is 4471 and the locker is in the basement. {filler}");
-        let got = excerpt(
+        let got = cut(
             &text,
             &query("what is my locker code"),
             Some(Lang::English),
@@ -337,7 +344,7 @@ mod tests {
             "nothing to see here at all. ".repeat(8),
             "more filler words follow now. ".repeat(8)
         );
-        let got = excerpt(
+        let got = cut(
             &text,
             &query("did we run to the concerts"),
             Some(Lang::English),
@@ -352,7 +359,7 @@ mod tests {
     fn the_excerpt_starts_its_sentence_when_it_can() {
         let text = "Alpha beta gamma delta. The invoice number was 88123 for the March order. \
                     Then many other words followed here without any relevance whatsoever today.";
-        let got = excerpt(
+        let got = cut(
             text,
             &query("invoice number"),
             Some(Lang::English),
@@ -369,7 +376,7 @@ mod tests {
         let text = "I went hiking last weekend with my dog\n\
                     We saw a waterfall near the old mill and I took many photos of it\n\
                     Then we had pizza";
-        let got = excerpt(
+        let got = cut(
             text,
             &query("photos of the waterfall"),
             Some(Lang::English),
@@ -387,7 +394,7 @@ mod tests {
     fn no_match_keeps_the_beginning_and_text_without_spaces_is_cut() {
         let text = "one two three four five six seven eight nine ten";
         assert_eq!(
-            excerpt(text, &query("zebra"), None, 4, count).unwrap(),
+            cut(text, &query("zebra"), None, 4, count).unwrap(),
             "one two three …"
         );
         // Chinese: no spaces, cut into pieces; the matching piece is kept.
@@ -397,7 +404,7 @@ mod tests {
             "没有别的事".repeat(12)
         );
         let terms: HashSet<String> = terms("储物柜密码", None).into_iter().collect();
-        let got = excerpt(&text, &terms, None, 14, |t| {
+        let got = cut(&text, &terms, None, 14, |t| {
             t.chars().filter(|c| !c.is_whitespace()).count() as u32
         })
         .unwrap();
