@@ -241,7 +241,8 @@ pub fn split_path_form(path: &str) -> Option<(&str, &str, &str)> {
     (tail == "/v1" || tail.starts_with("/v1/")).then_some((agent, conversation, tail))
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// Lowercase hexadecimal of `bytes`.
+pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(bytes.len() * 2);
     for b in bytes {

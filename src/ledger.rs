@@ -120,19 +120,13 @@ impl Ledger {
     /// True when `agent` may make a background call of `task` now (`now_ms`: UTC); false once
     /// its label's budget for the day is spent, and then the call not made is counted.
     pub fn allow(&self, agent: &str, task: Task, now_ms: i64) -> bool {
-        let label = self.label(agent);
-        let Some(limit) = self.budget.limit(label) else {
+        let (spent, Some(limit)) = self.today(agent, now_ms) else {
             return true;
-        };
-        let day = now_ms.div_euclid(DAY_MS);
-        let spent = match guard(&self.days).get(label) {
-            Some((d, spent)) if *d == day => *spent,
-            _ => 0,
         };
         if spent < limit {
             return true;
         }
-        if let Some(counters) = self.counters.get(label) {
+        if let Some(counters) = self.counters.get(self.label(agent)) {
             counters.skipped(task).fetch_add(1, Ordering::Relaxed);
         }
         false

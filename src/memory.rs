@@ -238,14 +238,6 @@ impl Memory {
         Ok(deleted)
     }
 
-    /// Deletes every conversation of a tenant, and the tenant's workspace folder; returns how
-    /// many conversations there were.
-    pub fn delete_tenant(&self, tenant: &TenantId) -> Result<usize, StoreError> {
-        let deleted = delete_tenant_in(&self.store, tenant, |key| self.forget_deleted(key))?;
-        self.forget_deleted_tenant(tenant);
-        Ok(deleted)
-    }
-
     /// Stops the summary worker (waiting up to `grace` for jobs in flight), then flushes and
     /// closes the store: the last steps of shutdown.
     pub async fn shutdown(&self, grace: Duration) -> Result<(), StoreError> {

@@ -9,6 +9,7 @@ use super::format::{self, EXPORT_FORMAT, Export};
 use super::{DEFAULT_PAGE, MAX_PAGE, key_of, tenant_of};
 use crate::body::ProxyBody;
 use crate::error::ApiError;
+use crate::identity::hex;
 use crate::identity::{ConversationKey, TenantId, is_valid_id};
 use crate::settings::MemorySettings;
 use crate::store::{Scope, Store, StoreError, now_ms};
@@ -138,10 +139,6 @@ fn missing(key: &ConversationKey) -> AdminError {
         "no conversation {}/{}/{}",
         key.tenant, key.agent, key.conversation
     ))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn unhex(text: &str) -> Option<Vec<u8>> {

@@ -36,6 +36,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::ReceiptsConfig;
 use crate::heap;
+use crate::identity::hex;
 use crate::identity::{ConversationKey, TenantId};
 use crate::message::Message;
 use crate::pipeline::assemble::Prompt;
@@ -224,26 +225,26 @@ pub struct Planned {
 }
 
 impl Planned {
-    /// Takes what the receipt needs from `plan`: its prompt is moved out (the body was
-    /// rendered from it already).
+    /// Takes what the receipt needs from `plan`, moved out: the body was rendered from the plan
+    /// and its headers made already; what is left of it is the exchange to commit.
     pub fn take(plan: &mut Plan) -> Planned {
         Planned {
             prompt: std::mem::take(&mut plan.prompt),
             prompt_tokens: plan.prompt_tokens,
             history_tokens: plan.history_tokens,
             stored_count: plan.stored_count,
-            recalled: plan.recalled_scores.clone(),
-            recalled_elsewhere: plan.recalled_elsewhere.clone(),
-            excerpted: plan.excerpted_turns.clone(),
+            recalled: std::mem::take(&mut plan.recalled_scores),
+            recalled_elsewhere: std::mem::take(&mut plan.recalled_elsewhere),
+            excerpted: std::mem::take(&mut plan.excerpted_turns),
             window_step: Some(plan.window_step),
             memories: plan
                 .memories
                 .iter()
                 .map(|c| (c.memory.id, c.score, c.decay))
                 .collect(),
-            summary: plan.summary.clone(),
+            summary: plan.summary.take(),
             budget: plan.fitted,
-            dropped: plan.dropped.clone(),
+            dropped: std::mem::take(&mut plan.dropped),
         }
     }
 
@@ -488,16 +489,6 @@ fn unindex(index: &Mutex<HashMap<ConversationKey, Vec<String>>>, key: &Conversat
             index.remove(key);
         }
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 15)]));
-    }
-    out
 }
 
 #[cfg(test)]

@@ -72,8 +72,32 @@ impl Usage {
     }
 }
 
+/// What [`UsageReader`] reads of an event: a `usage` present as `null` is `Some(Null)`, as
+/// `Value::get` would give it.
+#[derive(serde::Deserialize)]
+struct UsageEvent {
+    #[serde(rename = "type")]
+    kind: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    usage: Option<Value>,
+    response: Option<Holder>,
+    message: Option<Holder>,
+}
+
+#[derive(serde::Deserialize)]
+struct Holder {
+    #[serde(default, deserialize_with = "present")]
+    usage: Option<Value>,
+}
+
+/// A field that is there, `null` included.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    <Value as serde::Deserialize>::deserialize(d).map(Some)
+}
+
 /// Reads the usage of a stream from its events' data as they pass. Only events that mention
-/// `usage` are parsed a second time, so a long stream of deltas costs a substring search each.
+/// `usage` are parsed a second time, and only for their type and usage, so a long stream of
+/// deltas costs a substring search each.
 #[derive(Debug)]
 pub struct UsageReader {
     api: Api,
@@ -90,38 +114,40 @@ impl UsageReader {
         if !data.contains("\"usage\"") {
             return;
         }
-        let Ok(event) = serde_json::from_str::<Value>(data) else {
+        // Only the event's type and its `usage` objects are built; the rest (Responses'
+        // `response.completed` carries the whole answer) is skipped, not copied.
+        let Ok(event) = serde_json::from_str::<UsageEvent>(data) else {
             return;
         };
         match self.api {
             Api::Chat => {
-                if let Some(usage) = event.get("usage").filter(|u| !u.is_null()) {
-                    self.usage = Usage::from_object(Api::Chat, usage);
+                if let Some(usage) = event.usage.filter(|u| !u.is_null()) {
+                    self.usage = Usage::from_object(Api::Chat, &usage);
                 }
             }
             Api::Responses => {
-                if event.get("type").and_then(Value::as_str) == Some("response.completed")
-                    && let Some(usage) = event.pointer("/response/usage")
+                if event.kind.as_ref().and_then(Value::as_str) == Some("response.completed")
+                    && let Some(usage) = event.response.and_then(|r| r.usage)
                 {
-                    self.usage = Usage::from_object(Api::Responses, usage);
+                    self.usage = Usage::from_object(Api::Responses, &usage);
                 }
             }
             // `message_start` has the input side; `message_delta` the output tokens so far
             // (and, from some models, the input side again).
-            Api::Anthropic => match event.get("type").and_then(Value::as_str) {
+            Api::Anthropic => match event.kind.as_ref().and_then(Value::as_str) {
                 Some("message_start") => {
-                    if let Some(usage) = event.pointer("/message/usage") {
-                        self.usage = Usage::from_object(Api::Anthropic, usage);
+                    if let Some(usage) = event.message.and_then(|m| m.usage) {
+                        self.usage = Usage::from_object(Api::Anthropic, &usage);
                     }
                 }
                 Some("message_delta") => {
-                    if let Some(delta) = event.get("usage") {
+                    if let Some(delta) = event.usage {
                         let mut usage = self.usage.unwrap_or_default();
                         if let Some(out) = delta.get("output_tokens").and_then(Value::as_u64) {
                             usage.output_tokens = out;
                         }
                         if delta.get("input_tokens").and_then(Value::as_u64).is_some()
-                            && let Some(again) = Usage::from_object(Api::Anthropic, delta)
+                            && let Some(again) = Usage::from_object(Api::Anthropic, &delta)
                         {
                             usage.input_tokens = again.input_tokens;
                             usage.cached_tokens = again.cached_tokens;
