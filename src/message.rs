@@ -399,7 +399,7 @@ impl ChatRequest {
         }
         list.push(b']');
 
-        write_fields(&self.fields, "messages", &list, &[])
+        write_fields(&self.fields, None, "messages", &list, &[])
     }
 }
 
@@ -446,9 +446,10 @@ pub fn model_and_stream(
 
 /// Writes `fields` back as a JSON object: `key`'s value replaced by `replacement` (raw JSON,
 /// appended at the end when the body had no such field), the fields in `drop` left out, every
-/// other field byte for byte in its place.
+/// other field byte for byte in its place; `added`, a field the body did not have, after them.
 pub fn write_fields(
     fields: &[(String, Box<RawValue>)],
+    added: Option<(&str, &RawValue)>,
     key: &str,
     replacement: &[u8],
     drop: &[&str],
@@ -477,6 +478,9 @@ pub fn write_fields(
         } else {
             put(&mut out, name, value.get().as_bytes());
         }
+    }
+    if let Some((name, value)) = added {
+        put(&mut out, name, value.get().as_bytes());
     }
     if !replaced {
         put(&mut out, key, replacement);

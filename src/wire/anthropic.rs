@@ -463,7 +463,7 @@ pub fn render<'a>(
     list.push(']');
 
     if system_texts.is_empty() {
-        return write_fields(fields, "messages", list.as_bytes(), &[]);
+        return write_fields(fields, None, "messages", list.as_bytes(), &[]);
     }
     let mut system: Vec<Box<RawValue>> = match fields.iter().find(|(k, _)| k == "system") {
         None => Vec::new(),
@@ -491,7 +491,7 @@ pub fn render<'a>(
         Some((_, value)) => *value = system,
         None => fields.insert(0, ("system".to_string(), system)),
     }
-    write_fields(&fields, "messages", list.as_bytes(), &[])
+    write_fields(&fields, None, "messages", list.as_bytes(), &[])
 }
 
 /// One neutral message as an Anthropic turn (`None`: nothing of it can be sent).

@@ -181,12 +181,15 @@ impl ApiRequest {
         match self.api {
             Api::Chat => {
                 let list = json_list(prompt.into_iter().filter_map(|(_, m)| for_chat(m)));
-                write_fields(&self.with_cache_key(cache), "messages", &list, &[])
+                let key = self.cache_key(cache);
+                write_fields(&self.fields, added(&key), "messages", &list, &[])
             }
             Api::Responses => {
                 let list = json_list(responses::render_input(prompt.into_iter().map(|(_, m)| m)));
+                let key = self.cache_key(cache);
                 write_fields(
-                    &self.with_cache_key(cache),
+                    &self.fields,
+                    added(&key),
                     "input",
                     &list,
                     &["previous_response_id", "conversation"],
@@ -196,23 +199,20 @@ impl ApiRequest {
         }
     }
 
-    /// The fields with `prompt_cache_key` added last when `cache` has one and the client
-    /// set none.
-    fn with_cache_key(&self, cache: &CacheHints) -> Cow<'_, [(String, Box<RawValue>)]> {
+    /// The `prompt_cache_key` to add after the client's fields: `cache`'s, when the client
+    /// set none (the client's fields are written as they are, never copied).
+    fn cache_key(&self, cache: &CacheHints) -> Option<Box<RawValue>> {
         let client_set = self.fields.iter().any(|(k, _)| k == PROMPT_CACHE_KEY);
-        let key = match &cache.key {
+        match &cache.key {
             Some(key) if !client_set => serde_json::value::to_raw_value(key).ok(),
             _ => None,
-        };
-        match key {
-            None => Cow::Borrowed(&self.fields),
-            Some(key) => {
-                let mut fields = self.fields.clone();
-                fields.push((PROMPT_CACHE_KEY.to_string(), key));
-                Cow::Owned(fields)
-            }
         }
     }
+}
+
+/// `prompt_cache_key` as [`write_fields`] adds it.
+fn added(key: &Option<Box<RawValue>>) -> Option<(&'static str, &RawValue)> {
+    key.as_deref().map(|key| (PROMPT_CACHE_KEY, key))
 }
 
 /// The reply in a JSON answer of `api`, as a neutral assistant message.
