@@ -87,12 +87,13 @@ pub struct ModelReply {
 
 impl ModelReply {
     /// The tokens the call spent: the upstream's usage, or, when the answer has none, the
-    /// request's `counted` tokens and the reply counted with the tokenizer.
-    pub fn spent_tokens(&self, counted: u64) -> u64 {
+    /// request's tokens (`counted`, called only then) and the reply counted with the
+    /// tokenizer of `model`.
+    pub fn spent_tokens(&self, model: Option<&str>, counted: impl FnOnce() -> u64) -> u64 {
         if self.prompt_tokens + self.completion_tokens > 0 {
             self.prompt_tokens + self.completion_tokens
         } else {
-            counted + u64::from(crate::tokens::count_text(None, &self.text))
+            counted() + u64::from(crate::tokens::count_text(model, &self.text))
         }
     }
 }

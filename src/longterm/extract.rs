@@ -265,12 +265,13 @@ impl Extractor {
             return Ok(memories::Applied::default());
         }
         let request = request(job, &turns, &known);
-        let prompt_tokens = request.counted_tokens();
+        // Kept to count the prompt with the tokenizer only if the answer reports no usage.
+        let sent = request.clone();
         let reply = tokio::time::timeout(CALL_TIMEOUT, self.model.complete(request))
             .await
             .map_err(|_| ExtractError::Model("timed out".into()))?
             .map_err(|err| ExtractError::Model(err.to_string()))?;
-        let spent = reply.spent_tokens(prompt_tokens);
+        let spent = reply.spent_tokens(None, || sent.counted_tokens());
         self.ledger.spent(&key, Task::Extraction, spent, now_ms());
         let candidates = parse(&reply.text)?;
         let store = Arc::clone(&self.store);

@@ -320,13 +320,14 @@ impl Summarizer {
             return Err(SummaryError::BudgetSpent);
         }
         let request = ModelRequest::prompt(&job.model, TASK, prompt, job.credentials.clone());
-        let prompt_tokens = request.counted_tokens();
+        // Kept to count the prompt with the tokenizer only if the answer reports no usage.
+        let sent = request.clone();
         let mut reply = tokio::time::timeout(self.config.timeout, self.model.complete(request))
             .await
             .map_err(|_| SummaryError::Timeout(self.config.timeout))??;
         // An answer without usage is counted with the tokenizer.
         if reply.prompt_tokens == 0 && reply.completion_tokens == 0 {
-            reply.prompt_tokens = prompt_tokens;
+            reply.prompt_tokens = sent.counted_tokens();
             reply.completion_tokens = tokens::count_text(Some(&job.model), &reply.text).into();
         }
         self.ledger.spent(
