@@ -165,7 +165,7 @@ pub fn plan_for_user(
     let turn_index: Vec<usize> = messages
         .iter()
         .enumerate()
-        .filter(|(_, m)| !m.role.is_instruction())
+        .filter(|(_, m)| !m.is_instruction())
         .map(|(i, _)| i)
         .collect();
     let marks: Vec<Mark> = turn_index
@@ -191,7 +191,7 @@ pub fn plan_for_user(
     }
     let new_turns: Vec<Message> = turn_index[from..]
         .iter()
-        .map(|&i| messages[i].clone())
+        .map(|&i| crate::wire::stored_form(messages[i].clone()))
         .collect();
     // One parse per new message gives its text (token count, recall query) and its recall
     // text for the index at commit. Counting stops at the token limit.
@@ -226,7 +226,7 @@ pub fn plan_for_user(
     // window's step and are part of the budget's fixed tokens.
     let instruction_tokens: u64 = messages
         .iter()
-        .filter(|m| m.role.is_instruction())
+        .filter(|m| m.is_instruction())
         .map(|m| u64::from(tokens::count_cached(model_name, m.fingerprint, || m.text())))
         .sum();
     let window_step = settings.window_step.unwrap_or_else(|| {
@@ -417,6 +417,14 @@ pub fn plan_for_user(
         .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
         .collect();
     let split = split_request(messages, first_new);
+    // In a tool loop the recalled turns go before the round's opening user message.
+    let in_loop = !exchange_has_user(&new_turns);
+    let recalled_at = in_loop.then(|| {
+        window
+            .iter()
+            .rposition(|m| crate::message::opens_round(m.role, &m.message))
+            .unwrap_or(0)
+    });
     let mut exchange = Exchange {
         key: key.clone(),
         handle: Arc::clone(&handle),
@@ -462,9 +470,11 @@ pub fn plan_for_user(
             .new_tokens
             .iter()
             .map(|&t| u64::from(t))
-            .sum::<u64>();
-    // The history leaves out the client's instructions, which the prompt carries: never less
-    // than what is forwarded.
+            .sum::<u64>()
+        // The client's instructions count on both sides, as the prompt carries them.
+        + instruction_tokens;
+    // memproxy's own parts (a summary, recalled turns) can make a short conversation's prompt
+    // larger than its history: never less than what is forwarded.
     let history_tokens = history_tokens.max(prompt_tokens);
     exchange.history_tokens = history_tokens;
     drop(conversation);
@@ -478,6 +488,7 @@ pub fn plan_for_user(
             recalled: render(&recalled),
             incoming: split.incoming,
             answers: split.answers,
+            recalled_at,
             cache: CacheHints {
                 key: settings.prompt_cache_key.then(|| key.prompt_cache_key()),
                 breakpoints: settings.cache_breakpoints,
@@ -554,19 +565,33 @@ fn elsewhere_name(line: &str) -> String {
         .map_or_else(String::new, |(name, _)| name.to_string())
 }
 
-/// What recall searches with: the new messages, and when they continue a round (tool results)
-/// the user message that opened it.
+/// True when the new messages hold a user message (else they continue a round: a tool loop's
+/// results, or a retry).
+fn exchange_has_user(new_turns: &[Message]) -> bool {
+    new_turns.iter().any(Message::opens_round)
+}
+
+/// What recall searches with: the new messages; when they continue a round (a tool loop's
+/// results, a retry), the user message that opened it, alone: a tool's output is no question,
+/// and the same query at every step of a loop recalls the same turns (the provider's cache
+/// holds).
 fn query_text(
     new_turns: &[Message],
     texts: &[(String, String)],
     window: &[StoredMessage],
 ) -> String {
-    let mut query: Vec<String> = texts.iter().map(|(text, _)| text.clone()).collect();
-    if !new_turns.iter().any(|m| m.role == Role::User)
-        && let Some(opening) = window.iter().rev().find(|m| m.role == Role::User)
+    if !exchange_has_user(new_turns)
+        && let Some(opening) = window
+            .iter()
+            .rev()
+            .find(|m| crate::message::opens_round(m.role, &m.message))
         && let Ok(message) = Message::parse(opening.message.clone(), "window")
     {
-        query.push(message.text());
+        return message.text();
     }
-    query.join("\n")
+    texts
+        .iter()
+        .map(|(text, _)| text.as_str())
+        .collect::<Vec<_>>()
+        .join("\n")
 }

@@ -253,6 +253,15 @@ pub struct Wire {
     /// `GET /v1/responses/{id}` answers besides the output).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response: Option<Box<RawValue>>,
+    /// A system message that is a turn, kept where the client put it (an Anthropic
+    /// `system`-role message inside `messages`): stored and replayed in place, never moved
+    /// into the instructions.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_place: bool,
+    /// A user message sent in the same turn as tool results (an Anthropic user turn holding
+    /// `tool_result` blocks and text): it continues the tool loop, it opens no round.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub beside_results: bool,
 }
 
 /// A neutral message, written with `role` first.
@@ -352,6 +361,30 @@ pub fn for_chat(raw: &RawValue) -> Option<Cow<'_, RawValue>> {
         neutral.content = Value::Null;
     }
     Some(Cow::Owned(neutral.to_raw()))
+}
+
+/// `message` as it is stored: without the `cache_control` markers of its Anthropic blocks.
+/// A marker is the client's hint for one request (it moves its breakpoints to the newest
+/// message each time); replayed from the store it would pile up past the API's four.
+pub fn stored_form(message: Message) -> Message {
+    if !message.raw.get().contains("\"cache_control\"") {
+        return message;
+    }
+    let Some(mut neutral) = Neutral::read(&message.raw) else {
+        return message;
+    };
+    let Some(blocks) = neutral.wire.as_mut().and_then(|w| w.anthropic.as_mut()) else {
+        return message;
+    };
+    for block in blocks.iter_mut() {
+        if let Some(stripped) = anthropic::strip_markers(block) {
+            *block = stripped;
+        }
+    }
+    Message {
+        raw: neutral.to_raw(),
+        ..message
+    }
 }
 
 /// The Responses id a stored reply came from.
