@@ -370,7 +370,7 @@ class Run:
         done = subprocess.run(
             command, cwd=self.work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=AGENT_TIMEOUT
         )
-        self.outputs.append(f"$ {self.agent} {prompt[:60]!r} -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        self.outputs.append(f"$ {self.agent} {prompt[:60]!r} -> exit {done.returncode}\n{done.stdout[-800:]}\n{done.stderr[-1500:]}")
         if check:
             assert done.returncode == 0, self.report()
         return done
@@ -453,16 +453,17 @@ def _stored_key(message: dict[str, Any]) -> str:
     )
 
 
-def check_stored_once(run: Run, texts: list[str]) -> list[dict[str, Any]]:
-    """The stored history (admin API) holds no message twice, and each of `texts` (the user's
-    prompts, the tool outputs, the scripted answers) in exactly one message."""
+def check_stored_once(run: Run, texts: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The stored history (admin API) holds no message twice, and each `(role, text)` (the
+    user's prompts, the tool outputs, the scripted answers) is in exactly one message of that
+    role (the mock's default answer quotes the prompt: roles keep them apart)."""
     messages = run.stored_messages()
     keys = Counter(_stored_key(m) for m in messages)
     twice = [k[:300] for k, n in keys.items() if n > 1]
     assert not twice, f"stored more than once: {twice}\n{run.report()}"
-    for text in texts:
-        holding = [m["turn"] for m in messages if text in _text_of(m.get("content"))]
-        assert len(holding) == 1, f"{text!r} is in stored messages {holding}, not exactly one\n{run.report()}"
+    for role, text in texts:
+        holding = [m["turn"] for m in messages if m.get("role") == role and text in _text_of(m.get("content"))]
+        assert len(holding) == 1, f"{role} {text!r} is in stored messages {holding}, not exactly one\n{run.report()}"
     return messages
 
 
@@ -538,7 +539,7 @@ def test_tool_round_then_resume_recalls_the_first_turn(make_run: Callable[[str, 
     fact = f"my cat is called Zorblax{tag}"
     echoed = f"tool-ran-{tag}"
     first = f"Remember this: {fact}. Then run echo for me."
-    answer = f"Done, the tool printed {echoed}."
+    answer = f"Done, the tool ran ({tag})."
     run.script({"tool_calls": [run.tool_call(f"call_{tag}", f"echo {echoed}")]}, {"text": answer})
     run.turn(first)
     later = "What is my cat called?"
@@ -553,15 +554,18 @@ def test_tool_round_then_resume_recalls_the_first_turn(make_run: Callable[[str, 
     assert fact in _text_of(_body_messages(main[2])), run.report()
     assert later in _text_of(_body_messages(main[2])[-1]), run.report()
     if route == "memproxy":
-        check_stored_once(run, [fact, later, answer, echoed])
+        check_stored_once(run, [("user", fact), ("user", later), ("assistant", answer), ("tool", echoed)])
 
 
 # ----------------------------------------------------------------------------------------------
 # A 20-step tool loop.
 
 LOOP_STEPS = 20
-# Each step's output is long enough for the history to outgrow the window within the loop.
+# Each step's output is long enough for the history to outgrow the window.
 FILLER = " ".join(f"w{i}" for i in range(120))
+# A first exchange of words no later message shares: once the window has left it behind, recall
+# does not bring it back, and the history is larger than the prompt.
+BACKGROUND = "Background notes for the archive: " + " ".join(f"zq{i}x" for i in range(300))
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -569,25 +573,33 @@ FILLER = " ".join(f"w{i}" for i in range(120))
 def test_twenty_step_tool_loop(make_run: Callable[[str, str], Run], agent: str, route: str) -> None:
     run = make_run(agent, route)
     tag = _tag()
+    run.turn(BACKGROUND)
     calls = [f"call_{tag}_{i}" for i in range(1, LOOP_STEPS + 1)]
     run.script(*({"tool_calls": [run.tool_call(c, f"echo step-{i}-{tag} {FILLER}")]} for i, c in enumerate(calls, 1)))
     final = f"All {LOOP_STEPS} steps ran ({tag})."
     run.script({"text": final})
     prompt = f"Run the {LOOP_STEPS} steps of the build, one command at a time ({tag})."
-    done = run.turn(prompt)
+    done = run.turn(prompt, again=True)
     assert final in done.stdout, run.report()
+    after = "Thanks. Which step comes next?"
+    run.turn(after, again=True)
 
     check_accepted(run)
     main = _main_calls(run.mock_requests())
-    assert len(main) == LOOP_STEPS + 1, run.report()
-    for i, request in enumerate(main[1:], 1):
+    assert len(main) == 1 + (LOOP_STEPS + 1) + 1, run.report()
+    loop = main[1 : LOOP_STEPS + 2]
+    for i, request in enumerate(loop[1:], 1):
         assert f"step-{i}-{tag}" in _text_of(_body_messages(request)), run.report()
         # While the newest input is a tool result, nothing comes after it.
         assert _last_is_tool_result(request, calls[i - 1]), f"step {i}: the forwarded request does not end with the tool result\n{run.report()}"
         # The loop's user question stays in the prompt.
         assert prompt in _text_of(_body_messages(request)), f"step {i}: the loop's question is gone\n{run.report()}"
+    assert after in _text_of(_body_messages(main[-1])), run.report()
     if route == "memproxy":
-        check_stored_once(run, [prompt, final, *(f"step-{i}-{tag}" for i in range(1, LOOP_STEPS + 1))])
+        check_stored_once(
+            run,
+            [("user", prompt), ("user", after), ("assistant", final), *(("tool", f"step-{i}-{tag}") for i in range(1, LOOP_STEPS + 1))],
+        )
         check_ledger_saves(run)
 
 
@@ -638,7 +650,7 @@ def test_own_compaction_then_recall_from_before_it(make_run: Callable[[str, str]
         assert code not in _text_of(last["body"]), run.report()
     else:
         assert code in _text_of(last["body"]), f"the fact from before the compaction did not reach the upstream\n{run.report()}"
-        check_stored_once(run, [noted, question])
+        check_stored_once(run, [("assistant", noted), ("user", question)])
         check_not_stored(run, [CC_SUMMARIZER_PREFIX, CODEX_SUMMARIZER_PREFIX])
 
 
@@ -665,7 +677,7 @@ def test_claude_code_compact_command_then_recall(make_run: Callable[[str, str], 
         assert code not in _text_of(last["body"]), run.report()
     else:
         assert code in _text_of(last["body"]), f"the fact from before /compact did not reach the upstream\n{run.report()}"
-        check_stored_once(run, [noted, question])
+        check_stored_once(run, [("assistant", noted), ("user", question)])
         check_not_stored(run, [CC_SUMMARIZER_PREFIX])
 
 
@@ -696,5 +708,5 @@ def test_title_generation_stays_out_of_the_conversation(make_run: Callable[[str,
         assert "<session>" not in _text_of(_body_messages(request)), f"the title call's prompt is in a turn's prompt\n{run.report()}"
     assert f"Pip{tag}" in _text_of(_body_messages(main[-1])), run.report()
     if route == "memproxy":
-        check_stored_once(run, [first, later])
+        check_stored_once(run, [("user", first), ("user", later)])
         check_not_stored(run, ["<session>", TITLE_PROMPT])
