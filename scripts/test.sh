@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's whole test run, as CI runs it: formatting, lints, build, the Rust test suites,
 # the end-to-end tests with the clients agents use (OpenAI Python and Node SDKs, the OpenAI
-# Agents SDK, LangChain, the Anthropic Python SDK), and the Dockerfile lint.
+# Agents SDK, LangChain, the Anthropic Python SDK) and the coding agents (Claude Code, the Codex
+# CLI, the Claude Agent SDK), and the Dockerfile lint.
 #
 #   ./scripts/test.sh
 #
@@ -50,7 +51,7 @@ export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=
 PY_SCRIPTS=$("$PYTHON" -c 'import os, sysconfig; print(os.pathsep.join([sysconfig.get_path("scripts"), sysconfig.get_path("scripts", os.name + "_user")]))')
 export PATH="$PY_SCRIPTS:$PATH"
 
-step "npm ci (tests/e2e/node: the OpenAI Node SDK)"
+step "npm ci (tests/e2e/node: the OpenAI Node SDK, Claude Code, the Codex CLI, the Claude Agent SDK)"
 (cd tests/e2e/node && npm ci --no-audit --no-fund --loglevel=error)
 
 step "cargo fmt --all -- --check"
