@@ -194,6 +194,11 @@ pub fn plan_for_user(
             let marks: Vec<Mark> = unknown.iter().map(|&i| Mark::from(&messages[i])).collect();
             let alignment = if *retried {
                 Alignment::ReplaceLastReply { from: 0 }
+            } else if let Some(keep) = summarizer_exchange(store, &conversation, &messages)? {
+                // The stored line's last exchange was the client's own summarizer call: its
+                // answer is now the client's summary. It leaves the main line (a closed
+                // branch), so its instruction and answer are never a turn.
+                Alignment::Branch { keep, from: 0 }
             } else {
                 Alignment::Append { from: 0 }
             };
@@ -631,6 +636,39 @@ pub async fn start_due(
         }
     }
     None
+}
+
+/// Where the stored line's last exchange starts, when it was the client's own summarizer
+/// call: its answer (or the `<summary>` inside it) is held, as the client's summary, by a
+/// message of the rebasing request.
+fn summarizer_exchange(
+    store: &crate::store::Store,
+    conversation: &crate::store::Conversation,
+    messages: &[Message],
+) -> Result<Option<usize>, StoreError> {
+    /// Shorter answers prove nothing (an "ok" is in many messages).
+    const MIN_SUMMARY_CHARS: usize = 24;
+    let entries = &conversation.entries;
+    let (Some(last), true) = (entries.last(), last_is_reply(entries)) else {
+        return Ok(None);
+    };
+    let Some(opening) = entries.iter().rposition(|e| e.role == Role::User) else {
+        return Ok(None);
+    };
+    let Some(reply) = store.messages(conversation, [last.turn])?.pop() else {
+        return Ok(None);
+    };
+    let text = Message::parse(reply.message, "reply").map_or_else(|_| String::new(), |m| m.text());
+    let summary = match (text.find("<summary>"), text.rfind("</summary>")) {
+        (Some(start), Some(end)) if start + 9 <= end => &text[start + 9..end],
+        _ => text.as_str(),
+    }
+    .trim();
+    let held = summary.len() >= MIN_SUMMARY_CHARS
+        && messages
+            .iter()
+            .any(|m| m.role == Role::User && m.text().contains(summary));
+    Ok(held.then_some(opening))
 }
 
 /// The model of an extraction: `extraction_model`, else `compression_model`, else the

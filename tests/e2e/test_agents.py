@@ -419,6 +419,13 @@ def _text_of(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _answer_is(content: Any, text: str) -> bool:
+    """A stored answer's content (a string or text parts) is `text`."""
+    if isinstance(content, list):
+        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return isinstance(content, str) and content.strip() == text
+
+
 def _mock_refusals(stack: Stack) -> list[Any] | None:
     """The strict mock's refusals (`GET /_mock/refusals`), or None when this mock has no such
     endpoint (it then echoes unknown paths as an object)."""
@@ -458,11 +465,20 @@ def check_stored_once(run: Run, texts: list[tuple[str, str]]) -> list[dict[str, 
     user's prompts, the tool outputs, the scripted answers) is in exactly one message of that
     role (the mock's default answer quotes the prompt: roles keep them apart)."""
     messages = run.stored_messages()
-    keys = Counter(_stored_key(m) for m in messages)
+    # Claude Code repeats the same system reminder ("The user hasn't heard from you in a
+    # while…") at several places of its history: each is a message of its own there.
+    keys = Counter(_stored_key(m) for m in messages if m.get("role") != "system")
     twice = [k[:300] for k, n in keys.items() if n > 1]
     assert not twice, f"stored more than once: {twice}\n{run.report()}"
     for role, text in texts:
-        holding = [m["turn"] for m in messages if m.get("role") == role and text in _text_of(m.get("content"))]
+        # An answer is itself; a user message holds the prompt among the client's reminders.
+        # (The mock's default answer quotes the last user turn, recalled lines included.)
+        holding = [
+            m["turn"]
+            for m in messages
+            if m.get("role") == role
+            and (_answer_is(m.get("content"), text) if role == "assistant" else text in _text_of(m.get("content")))
+        ]
         assert len(holding) == 1, f"{role} {text!r} is in stored messages {holding}, not exactly one\n{run.report()}"
     return messages
 
