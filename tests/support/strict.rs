@@ -190,32 +190,60 @@ fn listed(values: &[&str]) -> String {
     }
 }
 
+/// OpenAI's refusal of a value of the wrong JSON type at `param`.
+fn invalid_type(param: &str, expected: &str, value: &Value) -> Fault {
+    fault_at(
+        format!(
+            "Invalid type for '{param}': expected {expected}, but got {} instead.",
+            kind(value)
+        ),
+        param,
+    )
+}
+
+/// OpenAI's refusal of `value` at `param` unless it is one of `allowed`.
+fn one_of(value: &str, allowed: &[&str], param: impl Into<String>) -> Checked {
+    if allowed.contains(&value) {
+        return Ok(());
+    }
+    Err(fault_at(
+        format!(
+            "Invalid value: '{value}'. Supported values are: {}.",
+            listed(allowed)
+        ),
+        param,
+    ))
+}
+
+/// An OpenAI message's `role`, required and one of `allowed`.
+fn openai_role<'a>(
+    object: &'a Map<String, Value>,
+    at: &str,
+    allowed: &[&str],
+) -> Result<&'a str, Fault> {
+    let role = object
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| missing(&format!("{at}.role")))?;
+    one_of(role, allowed, format!("{at}.role"))?;
+    Ok(role)
+}
+
+/// Each part of `parts` has a `type` among `allowed` (`param` names the part's field).
+fn part_types(parts: &[Value], allowed: &[&str], param: impl Fn(usize) -> String) -> Checked {
+    for (j, part) in parts.iter().enumerate() {
+        let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
+        one_of(kind, allowed, param(j))?;
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Anthropic Messages
 // ---------------------------------------------------------------------------------------------
 
-/// The content block types the Messages API knows (client blocks and the server tools' blocks).
-const ANTHROPIC_BLOCKS: &[&str] = &[
-    "text",
-    "image",
-    "document",
-    "search_result",
-    "container_upload",
-    "tool_use",
-    "tool_result",
-    "thinking",
-    "redacted_thinking",
-    "server_tool_use",
-    "web_search_tool_result",
-    "web_fetch_tool_result",
-    "code_execution_tool_result",
-    "bash_code_execution_tool_result",
-    "text_editor_code_execution_tool_result",
-    "tool_search_tool_result",
-    "mcp_tool_use",
-    "mcp_tool_result",
-    "compaction",
-];
+/// The content block types either role may hold.
+const EITHER_ROLE: &[&str] = &["text"];
 
 /// Blocks only the model writes: they may appear in `assistant` messages only.
 const ASSISTANT_ONLY: &[&str] = &[
@@ -590,10 +618,14 @@ fn anthropic_block(block: &Value, role: &str, at: &str, issued: &Issued) -> Chec
         .get("type")
         .and_then(Value::as_str)
         .ok_or_else(|| fault(format!("{at}.type: Field required")))?;
-    if !ANTHROPIC_BLOCKS.contains(&kind) {
+    // The known types: those of either role, the client's and the model's (server tools'
+    // blocks included).
+    let known = || EITHER_ROLE.iter().chain(USER_ONLY).chain(ASSISTANT_ONLY);
+    if !known().any(|k| *k == kind) {
+        let all: Vec<&str> = known().copied().collect();
         return Err(fault(format!(
             "{at}.type: Input tag '{kind}' found using 'type' does not match any of the expected tags: {}",
-            listed(ANTHROPIC_BLOCKS)
+            listed(&all)
         )));
     }
     if role == "system" && kind != "text" {
@@ -795,12 +827,10 @@ fn check_responses(request: &Map<String, Value>, issued: &Issued) -> Checked {
         None | Some(Value::Null) | Some(Value::String(_)) => return Ok(()),
         Some(Value::Array(items)) => items,
         Some(other) => {
-            return Err(fault_at(
-                format!(
-                    "Invalid type for 'input': expected one of a string or array of input items, but got {} instead.",
-                    kind(other)
-                ),
+            return Err(invalid_type(
                 "input",
+                "one of a string or array of input items",
+                other,
             ));
         }
     };
@@ -814,13 +844,7 @@ fn check_responses(request: &Map<String, Value>, issued: &Issued) -> Checked {
     for (i, item) in items.iter().enumerate() {
         let at = format!("input[{i}]");
         let Some(object) = item.as_object() else {
-            return Err(fault_at(
-                format!(
-                    "Invalid type for '{at}': expected an input item, but got {} instead.",
-                    kind(item)
-                ),
-                at,
-            ));
+            return Err(invalid_type(&at, "an input item", item));
         };
         if let Some(id) = object.get("id").and_then(Value::as_str)
             && !ids.insert(id)
@@ -865,13 +889,11 @@ fn check_responses(request: &Map<String, Value>, issued: &Issued) -> Checked {
                     Some(found) => found.2 = true,
                     None if stored_turns => {}
                     None => {
-                        let what = if call == "function_call" {
-                            "function call"
-                        } else {
-                            "custom tool call"
-                        };
                         return Err(fault_at(
-                            format!("No tool call found for {what} output with call_id {call_id}."),
+                            format!(
+                                "No tool call found for {} output with call_id {call_id}.",
+                                call_name(call)
+                            ),
                             "input",
                         ));
                     }
@@ -893,30 +915,25 @@ fn check_responses(request: &Map<String, Value>, issued: &Issued) -> Checked {
                     )));
                 }
             }
-            Some(t) if RESPONSES_ITEMS.contains(&t) => {}
-            Some(t) => {
-                return Err(fault_at(
-                    format!(
-                        "Invalid value: '{t}'. Supported values are: {}.",
-                        listed(RESPONSES_ITEMS)
-                    ),
-                    format!("{at}.type"),
-                ));
-            }
+            Some(t) => one_of(t, RESPONSES_ITEMS, format!("{at}.type"))?,
         }
     }
     if let Some((kind, call_id, _)) = calls.iter().find(|(_, _, answered)| !answered) {
-        let what = if *kind == "function_call" {
-            "function call"
-        } else {
-            "custom tool call"
-        };
         return Err(fault_at(
-            format!("No tool output found for {what} {call_id}."),
+            format!("No tool output found for {} {call_id}.", call_name(kind)),
             "input",
         ));
     }
     Ok(())
+}
+
+/// How the Responses API names a call type in its refusals.
+fn call_name(kind: &str) -> &'static str {
+    if kind == "function_call" {
+        "function call"
+    } else {
+        "custom tool call"
+    }
 }
 
 fn missing(param: &str) -> Fault {
@@ -925,30 +942,16 @@ fn missing(param: &str) -> Fault {
 
 /// A message item: a known role, and content parts of the role's side.
 fn responses_message(item: &Map<String, Value>, at: &str) -> Checked {
-    let role = item
-        .get("role")
-        .and_then(Value::as_str)
-        .ok_or_else(|| missing(&format!("{at}.role")))?;
-    if !RESPONSES_ROLES.contains(&role) {
-        return Err(fault_at(
-            format!(
-                "Invalid value: '{role}'. Supported values are: {}.",
-                listed(RESPONSES_ROLES)
-            ),
-            format!("{at}.role"),
-        ));
-    }
+    let role = openai_role(item, at, RESPONSES_ROLES)?;
     let parts = match item.get("content") {
         None | Some(Value::Null) => return Err(missing(&format!("{at}.content"))),
         Some(Value::String(_)) => return Ok(()),
         Some(Value::Array(parts)) => parts,
         Some(other) => {
-            return Err(fault_at(
-                format!(
-                    "Invalid type for '{at}.content': expected one of a string or array of input items, but got {} instead.",
-                    kind(other)
-                ),
-                format!("{at}.content"),
+            return Err(invalid_type(
+                &format!("{at}.content"),
+                "one of a string or array of input items",
+                other,
             ));
         }
     };
@@ -957,19 +960,7 @@ fn responses_message(item: &Map<String, Value>, at: &str) -> Checked {
     } else {
         RESPONSES_INPUT_PARTS
     };
-    for (j, part) in parts.iter().enumerate() {
-        let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
-        if !allowed.contains(&kind) {
-            return Err(fault_at(
-                format!(
-                    "Invalid value: '{kind}'. Supported values are: {}.",
-                    listed(allowed)
-                ),
-                format!("{at}.content[{j}]"),
-            ));
-        }
-    }
-    Ok(())
+    part_types(parts, allowed, |j| format!("{at}.content[{j}]"))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1011,15 +1002,7 @@ fn check_chat(request: &Map<String, Value>) -> Checked {
     let messages = match request.get("messages") {
         None | Some(Value::Null) => return Err(missing("messages")),
         Some(Value::Array(messages)) => messages,
-        Some(other) => {
-            return Err(fault_at(
-                format!(
-                    "Invalid type for 'messages': expected an array, but got {} instead.",
-                    kind(other)
-                ),
-                "messages",
-            ));
-        }
+        Some(other) => return Err(invalid_type("messages", "an array", other)),
     };
     if messages.is_empty() {
         return Err(fault_at(
@@ -1033,27 +1016,9 @@ fn check_chat(request: &Map<String, Value>) -> Checked {
     for (i, message) in messages.iter().enumerate() {
         let at = format!("messages[{i}]");
         let Some(object) = message.as_object() else {
-            return Err(fault_at(
-                format!(
-                    "Invalid type for '{at}': expected an object, but got {} instead.",
-                    kind(message)
-                ),
-                at,
-            ));
+            return Err(invalid_type(&at, "an object", message));
         };
-        let role = object
-            .get("role")
-            .and_then(Value::as_str)
-            .ok_or_else(|| missing(&format!("{at}.role")))?;
-        if !CHAT_ROLES.contains(&role) {
-            return Err(fault_at(
-                format!(
-                    "Invalid value: '{role}'. Supported values are: {}.",
-                    listed(CHAT_ROLES)
-                ),
-                format!("{at}.role"),
-            ));
-        }
+        let role = openai_role(object, &at, CHAT_ROLES)?;
         if role != "tool"
             && let Some((assistant, calls, answered)) = pending.take()
         {
@@ -1130,13 +1095,7 @@ fn chat_tool_calls<'a>(message: &'a Map<String, Value>, at: &str) -> Result<Vec<
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(calls)) => calls,
         Some(other) => {
-            return Err(fault_at(
-                format!(
-                    "Invalid type for '{at}.tool_calls': expected an array, but got {} instead.",
-                    kind(other)
-                ),
-                format!("{at}.tool_calls"),
-            ));
+            return Err(invalid_type(&format!("{at}.tool_calls"), "an array", other));
         }
     };
     if calls.is_empty() {
@@ -1167,14 +1126,7 @@ fn chat_tool_calls<'a>(message: &'a Map<String, Value>, at: &str) -> Result<Vec<
             }
             Some("custom") => {}
             None => return Err(missing(&format!("{call_at}.type"))),
-            Some(other) => {
-                return Err(fault_at(
-                    format!(
-                        "Invalid value: '{other}'. Supported values are: 'function' and 'custom'."
-                    ),
-                    format!("{call_at}.type"),
-                ));
-            }
+            Some(other) => one_of(other, &["function", "custom"], format!("{call_at}.type"))?,
         }
         ids.push(id);
     }
@@ -1201,26 +1153,12 @@ fn chat_content(
         Some(Value::String(_)) => return Ok(()),
         Some(Value::Array(parts)) => parts,
         Some(other) => {
-            return Err(fault_at(
-                format!(
-                    "Invalid type for '{at}.content': expected one of a string or array of objects, but got {} instead.",
-                    kind(other)
-                ),
-                format!("{at}.content"),
+            return Err(invalid_type(
+                &format!("{at}.content"),
+                "one of a string or array of objects",
+                other,
             ));
         }
     };
-    for (j, part) in parts.iter().enumerate() {
-        let kind = part.get("type").and_then(Value::as_str).unwrap_or("");
-        if !allowed.contains(&kind) {
-            return Err(fault_at(
-                format!(
-                    "Invalid value: '{kind}'. Supported values are: {}.",
-                    listed(allowed)
-                ),
-                format!("{at}.content[{j}].type"),
-            ));
-        }
-    }
-    Ok(())
+    part_types(parts, allowed, |j| format!("{at}.content[{j}].type"))
 }
