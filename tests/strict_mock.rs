@@ -612,6 +612,8 @@ async fn a_refused_request_gets_the_providers_error_and_is_listed() {
         answer.json()["choices"][0]["message"]["content"],
         "scripted"
     );
+    assert_eq!(mock.take_refusals().len(), 2);
+    assert!(mock.refusals().is_empty(), "taken");
 }
 
 #[tokio::test]
@@ -650,7 +652,7 @@ async fn strictness_can_be_turned_off_for_a_mock() {
         post(&mock, "/v1/chat/completions", &[], &bad).await.status,
         400
     );
-    assert_eq!(mock.refusals().len(), 2);
+    assert_eq!(mock.take_refusals().len(), 2);
 }
 
 #[tokio::test]
@@ -713,6 +715,17 @@ async fn what_the_mock_issued_comes_back_accepted_and_anything_else_is_refused()
             .status,
         400
     );
+    assert_eq!(mock.take_refusals().len(), 2);
+}
+
+/// A refusal nobody took fails the test when its mock is dropped, even though the test never
+/// read the answer.
+#[tokio::test]
+#[should_panic(expected = "the strict mock upstream refused 1 request(s)")]
+async fn a_refusal_nobody_took_fails_the_test() {
+    let mock = MockUpstream::start().await.unwrap();
+    let bad = chat_body(json!([said("user", "go"), tool("call_a")]));
+    let _ignored = post(&mock, "/v1/chat/completions", &[], &bad).await;
 }
 
 #[test]

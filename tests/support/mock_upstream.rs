@@ -178,7 +178,8 @@ struct Shared {
     next_id: std::sync::atomic::AtomicU64,
 }
 
-/// A running mock upstream. Dropping it stops the server.
+/// A running mock upstream. Dropping it stops the server (and fails the test when it refused a
+/// request nobody took).
 #[derive(Debug)]
 pub struct MockUpstream {
     pub addr: SocketAddr,
@@ -337,6 +338,34 @@ impl MockUpstream {
     /// The requests refused so far under the provider's rules.
     pub fn refusals(&self) -> Vec<Refused> {
         lock(&self.shared.refusals).clone()
+    }
+
+    /// The requests refused so far, forgotten: a test that expects refusals takes them, so that
+    /// dropping the mock does not fail the test.
+    pub fn take_refusals(&self) -> Vec<Refused> {
+        std::mem::take(&mut *lock(&self.shared.refusals))
+    }
+}
+
+/// A test whose mock refused a request fails when the mock is dropped, even if it never looked at
+/// the answer: memproxy forwarded something the provider would refuse. Refusals a test expects
+/// are taken with [`MockUpstream::take_refusals`] first.
+impl Drop for MockUpstream {
+    fn drop(&mut self) {
+        // A test already failing says why; a second panic while unwinding would abort.
+        if std::thread::panicking() {
+            return;
+        }
+        let refusals = lock(&self.shared.refusals);
+        let reasons: Vec<String> = refusals
+            .iter()
+            .map(|r| format!("{} {}: {}", r.method, r.path, r.refusal.message))
+            .collect();
+        assert!(
+            reasons.is_empty(),
+            "the strict mock upstream refused {} request(s): {reasons:#?}",
+            reasons.len()
+        );
     }
 }
 
