@@ -20,7 +20,8 @@
 //! request the provider would refuse is refused as the provider would (400, the provider's error
 //! JSON), before any scripted reply is used. Refusals are kept ([`MockUpstream::refusals`]) and
 //! printed to stderr as one line each (method, path, task and the reason: never a header or a
-//! body). A test that forwards an invalid body on purpose turns this off with
+//! body); one that no test took ([`MockUpstream::take_refusals`]) fails the test when the mock is
+//! dropped. A test that forwards an invalid body on purpose turns this off with
 //! `MockOptions { strict: false, .. }` or [`MockUpstream::set_strict`].
 //!
 //! For end-to-end tests in other languages the mock also answers, outside `/v1`:
