@@ -13,6 +13,11 @@
 //! `reply to: <last user message text>` (JSON, or SSE when the request asks for a stream);
 //! `GET /v1/models` lists `mock-model`. `GET /_mock/requests` lists what it received and
 //! `POST /_mock/script` queues a reply (`{"text": ..}` or `{"tool_calls": [[id, name, args]]}`).
+//!
+//! It is strict: a model call the provider would refuse under its documented rules (tool calls
+//! left unanswered, more than 4 Anthropic cache breakpoints, a changed thinking signature …) is
+//! answered with the provider's 400 and listed by `GET /_mock/refusals`. `--lenient` (or
+//! `POST /_mock/strict` with `{"strict": false}`) answers anything.
 #![allow(clippy::print_stdout)]
 
 use std::io::Write;
@@ -42,6 +47,9 @@ struct Args {
     /// Do not keep the requests received (for load tests: memory stays flat).
     #[arg(long)]
     no_record: bool,
+    /// Answer every request, even one the provider would refuse.
+    #[arg(long)]
+    lenient: bool,
 }
 
 #[tokio::main]
@@ -51,6 +59,7 @@ async fn main() -> ExitCode {
         stream_chunks: args.stream_chunks,
         chunk_delay: Duration::from_millis(args.chunk_delay_ms),
         record: !args.no_record,
+        strict: !args.lenient,
     };
     let mock = match MockUpstream::start_with(options, Some(args.listen)).await {
         Ok(mock) => mock,
@@ -69,6 +78,9 @@ async fn main() -> ExitCode {
     }
     drop(stdout);
     memproxy::server::shutdown_signal().await;
+    // The e2e tests read the refusals over HTTP (`GET /_mock/refusals`); exiting is not the
+    // place to fail on them.
+    let _ = mock.take_refusals();
     drop(mock);
     ExitCode::SUCCESS
 }

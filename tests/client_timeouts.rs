@@ -235,6 +235,7 @@ async fn a_request_in_flight_outlives_the_idle_timeout() {
         stream_chunks: 6,
         chunk_delay: Duration::from_millis(400),
         record: true,
+        strict: true,
     };
     let mock = MockUpstream::start_with(options, None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();

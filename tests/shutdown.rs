@@ -54,6 +54,7 @@ async fn twenty_streams_in_flight_at_sigterm_all_complete_and_are_stored() {
         stream_chunks: 8,
         chunk_delay: Duration::from_millis(100),
         record: false,
+        strict: true,
     };
     let mock = MockUpstream::start_with(options, None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -102,6 +103,7 @@ async fn a_stream_open_past_the_grace_period_is_cut_and_stores_nothing() {
         stream_chunks: 20,
         chunk_delay: Duration::from_millis(300),
         record: false,
+        strict: true,
     };
     let mock = MockUpstream::start_with(options, None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -72,6 +72,7 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
         stream_chunks: 6,
         chunk_delay: Duration::from_millis(150),
         record: true,
+        strict: true,
     };
     let mock = MockUpstream::start_with(options, None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -190,6 +191,7 @@ async fn a_client_that_disconnects_mid_stream_stores_nothing() {
         stream_chunks: 8,
         chunk_delay: Duration::from_millis(100),
         record: true,
+        strict: true,
     };
     let mock = MockUpstream::start_with(options, None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -229,6 +231,7 @@ async fn shutdown_lets_a_stream_in_flight_finish_and_stores_it() {
         stream_chunks: 6,
         chunk_delay: Duration::from_millis(100),
         record: true,
+        strict: true,
     };
     let mock = MockUpstream::start_with(options, None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -151,6 +151,7 @@ async fn a_slow_but_steady_stream_is_not_cut() {
         stream_chunks: 6,
         chunk_delay: Duration::from_millis(500),
         record: true,
+        strict: true,
     };
     let mock = MockUpstream::start_with(options, None).await.unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -69,6 +69,7 @@ pub fn serve_mock() -> ExitCode {
             record: false,
             stream_chunks: 8,
             chunk_delay: Duration::ZERO,
+            strict: true,
         };
         let mock = match MockUpstream::start_with(options, None).await {
             Ok(mock) => mock,

@@ -25,6 +25,7 @@ from test_openai_sdk import (
     MEMPROXY_BIN,
     MOCK_BIN,
     Servers,
+    _assert_no_refusals,
     _start_mock,
     _start_memproxy,
     _stop,
@@ -49,6 +50,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             workdir, mock_url, f'[upstream.anthropic]\nbase_url = "{anthropic_url}"\n'
         )
         yield Servers(mock_url=mock_url, proxy_port=port)
+        _assert_no_refusals(mock_url)
     finally:
         _stop(proxy)
         _stop(mock)

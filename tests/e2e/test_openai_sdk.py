@@ -9,10 +9,16 @@ and stops both at the end.
 The mock answers every chat completion with `reply to: <last user message text>`. It does not
 expose what it received over HTTP, so memory is checked through memproxy's own response headers:
 `x-memory-status` and `x-memory-turns` (messages stored for the conversation).
+
+The mock is strict: it refuses, with the provider's own 400, any request the provider's documented
+rules refuse. Each fixture that starts one checks at its end that it refused nothing
+(`GET /_mock/refusals`), so a forwarded request the provider would refuse fails the run even where
+a test reads no answer.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -102,6 +108,15 @@ def _start_mock(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, line[len(prefix):]
 
 
+def _assert_no_refusals(mock_url: str) -> None:
+    """Fails when the strict mock refused a request (each listed with its reason)."""
+    root = mock_url.removesuffix("/v1")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(root + "/_mock/refusals", timeout=5) as response:
+        refusals = json.loads(response.read())
+    assert refusals == [], f"the strict mock refused forwarded requests: {refusals}"
+
+
 def _healthy(port: int) -> bool:
     # No proxies: the request must go straight to the loopback address.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -170,6 +185,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     try:
         proxy, port = _start_memproxy(workdir, mock_url)
         yield Servers(mock_url=mock_url, proxy_port=port)
+        _assert_no_refusals(mock_url)
     finally:
         _stop(proxy)
         _stop(mock)

@@ -31,6 +31,7 @@ from test_openai_sdk import (
     MOCK_BIN,
     MODEL,
     STARTUP_TIMEOUT,
+    _assert_no_refusals,
     _free_port,
     _start_memproxy,
     _start_mock,
@@ -98,6 +99,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, in
             started.append(proc)
             ports.append(port)
         yield ports[0], ports[1]
+        _assert_no_refusals(mock_url)
     finally:
         for proc in started:
             _stop(proc)

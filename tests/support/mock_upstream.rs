@@ -15,10 +15,21 @@
 //! [`MockUpstream::push`]. `GET /v1/models` lists one model (in Anthropic's shape when asked with
 //! `anthropic-version`); any other path echoes its method, path and body length as JSON.
 //!
+//! The mock is strict by default: every model call (memproxy's own summary and extraction calls
+//! too) is checked against the provider's documented rules ([`strict`], in `strict.rs`) and a
+//! request the provider would refuse is refused as the provider would (400, the provider's error
+//! JSON), before any scripted reply is used. Refusals are kept ([`MockUpstream::refusals`]) and
+//! printed to stderr as one line each (method, path, task and the reason: never a header or a
+//! body); one that no test took ([`MockUpstream::take_refusals`]) fails the test when the mock is
+//! dropped. A test that forwards an invalid body on purpose turns this off with
+//! `MockOptions { strict: false, .. }` or [`MockUpstream::set_strict`].
+//!
 //! For end-to-end tests in other languages the mock also answers, outside `/v1`:
 //! `GET /_mock/requests` (every request recorded: method, path, headers, body as JSON),
+//! `GET /_mock/refusals` (every refused request: method, path, api, task, status, message),
 //! `POST /_mock/script` (queues a reply: `{"text": ".."}` or
-//! `{"tool_calls": [[id, name, arguments]]}`) and `POST /_mock/clear`.
+//! `{"tool_calls": [[id, name, arguments]]}`), `POST /_mock/strict` (`{"strict": false}` turns
+//! the checks off) and `POST /_mock/clear` (requests, script and refusals).
 // Each target that includes this file uses a different part of it.
 #![allow(dead_code)]
 
@@ -42,6 +53,11 @@ use hyper_util::server::conn::auto;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
+
+// A sibling file: `#[path]` is relative to this file's directory, so the examples that include
+// this file by `#[path]` find it too.
+#[path = "strict.rs"]
+pub mod strict;
 
 /// The header memproxy marks its own summary calls with (mirrors
 /// `memproxy::upstream::TASK_HEADER`); its value is `summary`.
@@ -111,6 +127,9 @@ pub struct MockOptions {
     pub chunk_delay: Duration,
     /// Keep recorded requests (off for load benchmarks).
     pub record: bool,
+    /// Refuse what the provider would refuse (on unless a test forwards an invalid body on
+    /// purpose).
+    pub strict: bool,
 }
 
 impl Default for MockOptions {
@@ -119,13 +138,37 @@ impl Default for MockOptions {
             stream_chunks: 4,
             chunk_delay: Duration::ZERO,
             record: true,
+            strict: true,
         }
     }
 }
 
+/// A request the mock refused under the provider's rules.
+#[derive(Debug, Clone)]
+pub struct Refused {
+    pub method: String,
+    pub path: String,
+    /// memproxy's [`TASK_HEADER`] (`summary`, `extraction`), empty for a client's own call.
+    pub task: String,
+    pub refusal: strict::Refusal,
+}
+
+/// The most refusals kept: enough for any test, and flat memory for a long load run.
+const MAX_REFUSALS: usize = 1000;
+
+/// The thinking text of every `thinking` block the mock sends (what its signature signs).
+pub const THINKING_TEXT: &str = "Let me think.";
+
 #[derive(Debug, Default)]
 struct Shared {
     recorded: Mutex<Vec<Recorded>>,
+    /// Whether requests are checked ([`MockOptions::strict`], [`MockUpstream::set_strict`]).
+    strict: std::sync::atomic::AtomicBool,
+    /// The requests refused, oldest first, at most [`MAX_REFUSALS`].
+    refusals: Mutex<Vec<Refused>>,
+    /// The signatures and encrypted contents the mock sent, which come back unchanged or are
+    /// refused.
+    issued: Mutex<strict::Issued>,
     script: Mutex<VecDeque<Reply>>,
     /// Answers to memproxy's summary calls (requests whose [`TASK_HEADER`] is `summary`).
     summary_script: Mutex<VecDeque<Reply>>,
@@ -136,7 +179,8 @@ struct Shared {
     next_id: std::sync::atomic::AtomicU64,
 }
 
-/// A running mock upstream. Dropping it stops the server.
+/// A running mock upstream. Dropping it stops the server (and fails the test when it refused a
+/// request nobody took).
 #[derive(Debug)]
 pub struct MockUpstream {
     pub addr: SocketAddr,
@@ -159,6 +203,9 @@ impl MockUpstream {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared::default());
+        shared
+            .strict
+            .store(options.strict, std::sync::atomic::Ordering::Relaxed);
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let server_shared = Arc::clone(&shared);
         let options = Arc::new(options);
@@ -280,6 +327,47 @@ impl MockUpstream {
     pub fn clear(&self) {
         lock(&self.shared.recorded).clear();
     }
+
+    /// Turns the provider's rules on or off for the requests to come (off: anything is answered,
+    /// for a test that forwards an invalid body on purpose).
+    pub fn set_strict(&self, strict: bool) {
+        self.shared
+            .strict
+            .store(strict, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The requests refused so far under the provider's rules.
+    pub fn refusals(&self) -> Vec<Refused> {
+        lock(&self.shared.refusals).clone()
+    }
+
+    /// The requests refused so far, forgotten: a test that expects refusals takes them, so that
+    /// dropping the mock does not fail the test.
+    pub fn take_refusals(&self) -> Vec<Refused> {
+        std::mem::take(&mut *lock(&self.shared.refusals))
+    }
+}
+
+/// A test whose mock refused a request fails when the mock is dropped, even if it never looked at
+/// the answer: memproxy forwarded something the provider would refuse. Refusals a test expects
+/// are taken with [`MockUpstream::take_refusals`] first.
+impl Drop for MockUpstream {
+    fn drop(&mut self) {
+        // A test already failing says why; a second panic while unwinding would abort.
+        if std::thread::panicking() {
+            return;
+        }
+        let refusals = lock(&self.shared.refusals);
+        let reasons: Vec<String> = refusals
+            .iter()
+            .map(|r| format!("{} {}: {}", r.method, r.path, r.refusal.message))
+            .collect();
+        assert!(
+            reasons.is_empty(),
+            "the strict mock upstream refused {} request(s): {reasons:#?}",
+            reasons.len()
+        );
+    }
 }
 
 fn is_summary_call(r: &Recorded) -> bool {
@@ -320,6 +408,9 @@ async fn answer(
     };
     if options.record {
         lock(&shared.recorded).push(recorded.clone());
+    }
+    if let Some(refused) = refuse(shared, &recorded) {
+        return refused;
     }
     // `x-mock-cached-tokens: N` makes every usage the answer carries report N cached prompt
     // tokens, in each API's own field.
@@ -402,6 +493,7 @@ async fn answer(
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             + 1;
         let reply = resolve(reply.unwrap_or(Reply::Auto), auto).await;
+        issue(shared, &reply, anthropic);
         return if anthropic {
             anthropic_answer(&request, reply, id, options)
         } else {
@@ -429,6 +521,67 @@ async fn answer(
         StatusCode::OK,
         json!({"method": recorded.method, "path": path, "body_len": body.len()}),
     )
+}
+
+/// The provider's refusal of `recorded` when the mock is strict and the request breaks one of the
+/// provider's rules; the refusal is kept and printed (without headers or body).
+fn refuse(shared: &Shared, recorded: &Recorded) -> Option<Response<MockBody>> {
+    if !shared.strict.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
+    let api = strict::Api::of(&recorded.method, recorded.path.as_str())?;
+    let beta = recorded
+        .headers
+        .get_all("anthropic-beta")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect::<Vec<_>>()
+        .join(",");
+    let refusal = strict::check(api, &beta, &recorded.body, &lock(&shared.issued)).err()?;
+    let task = recorded
+        .headers
+        .get(TASK_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    eprintln!(
+        "mock upstream refused {} {}{}: {}",
+        recorded.method,
+        recorded.path,
+        if task.is_empty() {
+            String::new()
+        } else {
+            format!(" (task {task})")
+        },
+        refusal.message
+    );
+    let body = refusal.body().to_string();
+    let mut refusals = lock(&shared.refusals);
+    if refusals.len() < MAX_REFUSALS {
+        refusals.push(Refused {
+            method: recorded.method.clone(),
+            path: recorded.path.clone(),
+            task,
+            refusal,
+        });
+    }
+    Some(status_response(strict::Refusal::STATUS, body))
+}
+
+/// Registers the opaque parts of `reply` the mock is about to send (thinking signatures for the
+/// Messages API, encrypted reasoning for Responses), so that they are accepted when they come
+/// back unchanged.
+fn issue(shared: &Shared, reply: &Reply, anthropic: bool) {
+    let mut reply = reply;
+    let mut issued = lock(&shared.issued);
+    while let Reply::Reasoning(secret, inner) = reply {
+        if anthropic {
+            issued.thinking(secret, THINKING_TEXT);
+        } else {
+            issued.encrypted_content(secret);
+        }
+        reply = inner;
+    }
 }
 
 /// A deterministic stand-in for a model's summary of a summary prompt: a count, the previous
@@ -783,9 +936,34 @@ fn control(
             lock(&shared.script).push_back(reply);
             Some(json_response(StatusCode::OK, json!({"queued": true})))
         }
+        ("GET", "/_mock/refusals") => {
+            let list: Vec<Value> = lock(&shared.refusals)
+                .iter()
+                .map(|r| {
+                    json!({"method": r.method, "path": r.path, "api": r.refusal.api.name(),
+                           "task": r.task, "status": strict::Refusal::STATUS,
+                           "message": r.refusal.message, "error": r.refusal.body()})
+                })
+                .collect();
+            Some(json_response(StatusCode::OK, Value::Array(list)))
+        }
+        ("POST", "/_mock/strict") => {
+            let value: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            let Some(on) = value.get("strict").and_then(Value::as_bool) else {
+                return Some(json_response(
+                    StatusCode::BAD_REQUEST,
+                    json!({"error": {"message": "needs `strict`: true or false"}}),
+                ));
+            };
+            shared
+                .strict
+                .store(on, std::sync::atomic::Ordering::Relaxed);
+            Some(json_response(StatusCode::OK, json!({"strict": on})))
+        }
         ("POST", "/_mock/clear") => {
             lock(&shared.recorded).clear();
             lock(&shared.script).clear();
+            lock(&shared.refusals).clear();
             Some(json_response(StatusCode::OK, json!({"cleared": true})))
         }
         _ => None,
@@ -1040,7 +1218,7 @@ fn anthropic_content(reply: &Reply) -> Vec<Value> {
     match reply {
         Reply::Reasoning(secret, inner) => {
             let mut blocks =
-                vec![json!({"type": "thinking", "thinking": "Let me think.", "signature": secret})];
+                vec![json!({"type": "thinking", "thinking": THINKING_TEXT, "signature": secret})];
             blocks.extend(anthropic_content(inner));
             blocks
         }
