@@ -95,6 +95,11 @@ fn anthropic_system_messages_need_the_mid_conversation_system_beta() {
         "tools-2024-04-04, mid-conversation-system-2026-04-07",
         &Issued::default(),
     ));
+    accepted(check_anthropic_value(
+        &body,
+        "claude-code-20250219,interleaved-thinking-2025-05-14",
+        &Issued::default(),
+    ));
     // Leading system messages pass with the beta; the first other message is still a user one.
     let leading = claude(json!([
         {"role": "system", "content": "rules"},

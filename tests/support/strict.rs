@@ -278,6 +278,9 @@ pub const MAX_CACHE_BREAKPOINTS: usize = 4;
 /// The prefix of the beta that lets `system`-role messages into `messages` (Claude Code sends
 /// `mid-conversation-system-2026-04-07`).
 const MID_CONVERSATION_SYSTEM: &str = "mid-conversation-system";
+/// Claude Code's own beta (`claude-code-20250219`), under which it sends `system`-role
+/// messages without naming the mid-conversation one.
+const CLAUDE_CODE_BETA: &str = "claude-code-";
 
 /// One block of a turn (a run of same-role messages the API merges into one turn), with where it
 /// was in the request.
@@ -398,9 +401,12 @@ fn check_anthropic(request: &Map<String, Value>, beta: &str, issued: &Issued) ->
     let tool_names = anthropic_tools(request.get("tools"), &mut breakpoints)?;
     anthropic_thinking_config(request, max_tokens, &tool_names)?;
     anthropic_system(request.get("system"), &mut breakpoints)?;
-    let system_beta = beta
-        .split(',')
-        .any(|b| b.trim().starts_with(MID_CONVERSATION_SYSTEM));
+    // `system`-role messages inside `messages`: the `mid-conversation-system` beta names them,
+    // and the API takes them from Claude Code (its own `claude-code-` beta) without it.
+    let system_beta = beta.split(',').any(|b| {
+        let b = b.trim();
+        b.starts_with(MID_CONVERSATION_SYSTEM) || b.starts_with(CLAUDE_CODE_BETA)
+    });
 
     let mut turns: Vec<Turn> = Vec::new();
     let mut tool_use_ids: HashSet<&str> = HashSet::new();
@@ -570,7 +576,9 @@ fn anthropic_blocks<'a>(
     role: &str,
     last: bool,
 ) -> Result<Vec<Placed<'a>>, Fault> {
-    let empty_allowed = last && role == "assistant";
+    // Claude Code sends a `system` message with `content: []` after `/compact`, and the API
+    // takes it.
+    let empty_allowed = (last && role == "assistant") || role == "system";
     let empty = || {
         fault(format!(
             "messages.{i}: all messages must have non-empty content except for the optional final assistant message"
