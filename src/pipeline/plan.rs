@@ -194,7 +194,8 @@ pub fn plan_for_user(
             let marks: Vec<Mark> = unknown.iter().map(|&i| Mark::from(&messages[i])).collect();
             let alignment = if *retried {
                 Alignment::ReplaceLastReply { from: 0 }
-            } else if let Some(keep) = summarizer_exchange(store, &conversation, &messages)? {
+            } else if let Some(keep) = summarizer_exchange(store, &conversation, &marks, &messages)?
+            {
                 // The stored line's last exchange was the client's own summarizer call: its
                 // answer is now the client's summary. It leaves the main line (a closed
                 // branch), so its instruction and answer are never a turn.
@@ -640,10 +641,13 @@ pub async fn start_due(
 
 /// Where the stored line's last exchange starts, when it was the client's own summarizer
 /// call: its answer (or the `<summary>` inside it) is held, as the client's summary, by a
-/// message of the rebasing request.
+/// message of the rebasing request. A client never re-sends its summarizer call's
+/// instruction: when the request (`marks`) holds the exchange's opening message, it was a turn,
+/// and nothing is read (every later request of a compacted client is a rebase too).
 fn summarizer_exchange(
     store: &crate::store::Store,
     conversation: &crate::store::Conversation,
+    marks: &[Mark],
     messages: &[Message],
 ) -> Result<Option<usize>, StoreError> {
     /// Shorter answers prove nothing (an "ok" is in many messages).
@@ -655,6 +659,12 @@ fn summarizer_exchange(
     let Some(opening) = entries.iter().rposition(|e| e.role == Role::User) else {
         return Ok(None);
     };
+    if marks
+        .iter()
+        .any(|m| m.fingerprint == entries[opening].fingerprint)
+    {
+        return Ok(None);
+    }
     let Some(reply) = store.messages(conversation, [last.turn])?.pop() else {
         return Ok(None);
     };

@@ -80,12 +80,7 @@ pub fn parse_messages(fields: &[(String, Box<RawValue>)]) -> Result<Vec<Message>
             "user" => user(parsed_blocks, &path, &mut messages)?,
             "assistant" => messages.push(parsed(assistant(parsed_blocks, None), &path)?),
             "system" => {
-                let text = parsed_blocks
-                    .iter()
-                    .filter(|(_, b)| b["type"] == "text")
-                    .filter_map(|(_, b)| b.get("text").and_then(Value::as_str))
-                    .collect::<Vec<_>>()
-                    .join("\n");
+                let text = block_texts(&parsed_blocks).join("\n");
                 let blocks = parsed_blocks.into_iter().map(|(raw, _)| raw).collect();
                 let neutral = system_turn(Value::String(text), Some(blocks));
                 messages.push(parsed(neutral.to_raw(), &path)?);
@@ -94,6 +89,15 @@ pub fn parse_messages(fields: &[(String, Box<RawValue>)]) -> Result<Vec<Message>
         }
     }
     Ok(messages)
+}
+
+/// The texts of a message's `text` blocks, in order.
+fn block_texts(blocks: &[(Box<RawValue>, Value)]) -> Vec<&str> {
+    blocks
+        .iter()
+        .filter(|(_, b)| b["type"] == "text")
+        .filter_map(|(_, b)| b.get("text").and_then(Value::as_str))
+        .collect()
 }
 
 /// What a message's `role` may be.
@@ -166,11 +170,7 @@ fn user(
 
 /// An assistant turn of blocks as one assistant message.
 fn assistant(blocks: Vec<(Box<RawValue>, Value)>, model: Option<String>) -> Box<RawValue> {
-    let texts: Vec<&str> = blocks
-        .iter()
-        .filter(|(_, b)| b["type"] == "text")
-        .filter_map(|(_, b)| b.get("text").and_then(Value::as_str))
-        .collect();
+    let texts = block_texts(&blocks);
     let calls: Vec<Value> = blocks
         .iter()
         .filter(|(_, b)| b["type"] == "tool_use")
@@ -232,10 +232,15 @@ fn chat_part(block: &Value) -> Value {
 /// request, so a marker is no part of what a block means.
 fn without_marker(block: &Value) -> Value {
     let mut block = block.clone();
+    remove_marker(&mut block);
+    block
+}
+
+/// Removes `cache_control` from a block (an object; anything else is left alone).
+fn remove_marker(block: &mut Value) {
     if let Some(object) = block.as_object_mut() {
         object.remove("cache_control");
     }
-    block
 }
 
 /// `block` without the `cache_control` markers it carries at its top or in its nested content
@@ -246,14 +251,9 @@ pub fn strip_markers(block: &RawValue) -> Option<Box<RawValue>> {
         return None;
     }
     let mut value: Value = serde_json::from_str(block.get()).ok()?;
-    let object = value.as_object_mut()?;
-    object.remove("cache_control");
-    if let Some(Value::Array(inner)) = object.get_mut("content") {
-        for part in inner {
-            if let Some(part) = part.as_object_mut() {
-                part.remove("cache_control");
-            }
-        }
+    remove_marker(&mut value);
+    if let Some(Value::Array(inner)) = value.get_mut("content") {
+        inner.iter_mut().for_each(remove_marker);
     }
     Some(raw(&value))
 }

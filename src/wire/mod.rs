@@ -243,22 +243,26 @@ impl SideCall {
 
 impl ApiRequest {
     /// The side call this request is, if it is one ([`SideCall`]).
+    ///
+    /// On every request's path, so the large fields (`tools`, `input`) are never built as
+    /// values: an empty list is read as a list of nothing, and `input` is looked into only
+    /// when its text names a `compaction_trigger`.
     pub fn side_call(&self) -> Option<SideCall> {
-        let field = |name: &str| {
+        let raw = |name: &str| {
             self.fields
                 .iter()
                 .find(|(k, _)| k == name)
-                .and_then(|(_, v)| serde_json::from_str::<Value>(v.get()).ok())
+                .map(|(_, v)| v.get())
         };
-        let tools = field("tools");
-        if tools
-            .as_ref()
-            .and_then(Value::as_array)
-            .is_some_and(Vec::is_empty)
-        {
+        let field = |name: &str| raw(name).and_then(|v| serde_json::from_str::<Value>(v).ok());
+        let tools = raw("tools");
+        if tools.is_some_and(|t| {
+            serde_json::from_str::<Vec<serde::de::IgnoredAny>>(t).is_ok_and(|t| t.is_empty())
+        }) {
             return Some(SideCall::NoTools);
         }
         if self.api == Api::Responses
+            && raw("input").is_some_and(|input| input.contains("\"compaction_trigger\""))
             && field("input")
                 .as_ref()
                 .and_then(Value::as_array)
@@ -546,6 +550,66 @@ mod tests {
         let request = ApiRequest::parse(Api::Anthropic, body.to_string().as_bytes()).unwrap();
         let out: Value = serde_json::from_slice(&request.render_parts(prompt, &cache)).unwrap();
         assert!(out.get(PROMPT_CACHE_KEY).is_none());
+    }
+
+    #[test]
+    fn side_calls_are_told_by_their_shape() {
+        let side = |api: Api, body: Value| {
+            ApiRequest::parse(api, body.to_string().as_bytes())
+                .unwrap()
+                .side_call()
+        };
+        let user = json!([{"role": "user", "content": "x"}]);
+        let schema = json!({"type": "json_schema", "schema": {"type": "object"}});
+        // Claude Code's title call: no tools, a JSON schema.
+        assert_eq!(
+            side(
+                Api::Anthropic,
+                json!({"model": "m", "max_tokens": 5, "tools": [], "messages": user, "output_config": {"format": schema}})
+            ),
+            Some(SideCall::NoTools)
+        );
+        assert_eq!(
+            side(
+                Api::Anthropic,
+                json!({"model": "m", "max_tokens": 5, "messages": user, "output_format": schema})
+            ),
+            Some(SideCall::StructuredOutput)
+        );
+        assert_eq!(
+            side(
+                Api::Chat,
+                json!({"model": "m", "messages": user, "response_format": schema})
+            ),
+            Some(SideCall::StructuredOutput)
+        );
+        assert_eq!(
+            side(
+                Api::Responses,
+                json!({"model": "m", "input": [{"role": "user", "content": "x"}, {"type": "compaction_trigger"}]})
+            ),
+            Some(SideCall::Compaction)
+        );
+        // Turns: tools offered (with a schema too), plain text, a text that names the trigger.
+        let tool = json!([{"name": "t", "input_schema": {"type": "object"}}]);
+        assert_eq!(
+            side(
+                Api::Anthropic,
+                json!({"model": "m", "max_tokens": 5, "tools": tool, "messages": user, "output_config": {"format": schema}})
+            ),
+            None
+        );
+        assert_eq!(
+            side(Api::Chat, json!({"model": "m", "messages": user})),
+            None
+        );
+        assert_eq!(
+            side(
+                Api::Responses,
+                json!({"model": "m", "input": "what is a \"compaction_trigger\"?"})
+            ),
+            None
+        );
     }
 
     mod fuzz {
