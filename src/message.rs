@@ -89,6 +89,10 @@ pub struct Message {
     /// A system message memproxy itself injected (recalled turns, a summary), sent back by a
     /// client: never stored or forwarded twice. Decided once, when the message is parsed.
     pub injected: bool,
+    /// A system message that is a turn of the conversation, kept in place (an Anthropic
+    /// `system`-role message inside `messages`, `_wire.in_place`): stored like any turn, not
+    /// gathered with the instructions.
+    pub in_place: bool,
 }
 
 /// How the recalled-turns message memproxy injects begins.
@@ -171,6 +175,14 @@ impl Message {
                         || c.starts_with(SUMMARY_MARKER)
                         || c.starts_with(MEMORIES_MARKER)
                 });
+        // `_wire` is the neutral message's own field (`wire::WIRE_KEY`; `wire` builds on this
+        // module, not the other way round).
+        let in_place = role == Role::System
+            && object
+                .get("_wire")
+                .and_then(|wire| wire.get("in_place"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
         Ok(Message {
             fingerprint: fingerprint(role, &object),
             raw,
@@ -178,7 +190,20 @@ impl Message {
             tool_call_ids,
             tool_call_id,
             injected,
+            in_place,
         })
+    }
+
+    /// A user message that opens a round: not one sent beside tool results, which continues
+    /// the round (`_wire.beside_results`).
+    pub fn opens_round(&self) -> bool {
+        opens_round(self.role, &self.raw)
+    }
+
+    /// The client's instructions (system and developer messages), not turns of the
+    /// conversation: a system message kept in place ([`Message::in_place`]) is a turn.
+    pub fn is_instruction(&self) -> bool {
+        self.role.is_instruction() && !self.in_place
     }
 
     /// The message's text: content text parts joined by newlines, then any tool calls as
@@ -201,6 +226,13 @@ impl Message {
             Err(_) => (String::new(), String::new()),
         }
     }
+}
+
+/// True for a user message (`role`, `raw`) that opens a round, not one sent beside tool
+/// results (`_wire.beside_results`, which serde writes exactly so: a client's text holding
+/// those characters has its quotes escaped).
+pub fn opens_round(role: Role, raw: &RawValue) -> bool {
+    role == Role::User && !raw.get().contains("\"beside_results\":true")
 }
 
 /// The searchable text of a raw stored message: [`text_of`] and its `name`.

@@ -196,6 +196,11 @@ impl Refusal {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RefusalLabels {
     action: &'static str,
     reason: &'static str,
@@ -272,6 +277,7 @@ pub struct Metrics {
     branches_closed: Counter,
     stream_commit_failures: Counter,
     admission_refused: Family<RefusalLabels, Counter>,
+    memory_off: Family<ReasonLabels, Counter>,
     resident_memory: Gauge,
     memory_budget: Gauge,
     memory_high_water: Gauge,
@@ -485,6 +491,12 @@ impl Metrics {
             "Requests refused memory by the memory guard (server.memory_budget), by what they got (degraded: served with memory off; unavailable: 503) and why (resident: the RSS reached the high-water mark; in_flight: with the requests in flight it would have)",
             admission_refused.clone(),
         );
+        let memory_off = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "memory_off",
+            "Requests with a conversation id forwarded as sent with memory off (X-Memory-Status: off), by X-Memory-Reason (side-call-no-tools, side-call-structured-output, side-call-compaction: a request shaped as no turn of its conversation)",
+            memory_off.clone(),
+        );
         let resident_memory = Gauge::default();
         registry.register_with_unit(
             "resident_memory",
@@ -547,6 +559,7 @@ impl Metrics {
             branches_closed,
             stream_commit_failures,
             admission_refused,
+            memory_off,
             resident_memory,
             memory_budget,
             memory_high_water,
@@ -680,6 +693,13 @@ impl Metrics {
                 action: action.as_str(),
                 reason: reason.as_str(),
             })
+            .inc();
+    }
+
+    /// Counts a request forwarded with memory off, and why.
+    pub fn memory_off(&self, reason: &'static str) {
+        self.memory_off
+            .get_or_create(&ReasonLabels { reason })
             .inc();
     }
 

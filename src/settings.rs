@@ -87,6 +87,10 @@ pub struct MemorySettings {
     /// Mark the end of the stable part of an Anthropic prompt with `cache_control`
     /// breakpoints, within the API's four (`wire/anthropic.rs`).
     pub cache_breakpoints: bool,
+    /// Store side calls (a title, a classification, a client's own compaction call: requests
+    /// shaped as no turn of the conversation, `wire::side_call`) as turns. Off by default:
+    /// they go upstream as sent, memory off.
+    pub store_side_calls: bool,
 }
 
 impl MemorySettings {
@@ -133,6 +137,7 @@ impl Default for MemorySettings {
             memory_min_decay_micros: (DEFAULT_MEMORY_MIN_DECAY * 1e6) as u32,
             prompt_cache_key: true,
             cache_breakpoints: true,
+            store_side_calls: false,
         }
     }
 }
@@ -274,6 +279,7 @@ pub const SETTINGS: &[(&str, Kind)] = &[
     ("memory_min_decay", Kind::Fraction),
     ("prompt_cache_key", Kind::Bool),
     ("cache_breakpoints", Kind::Bool),
+    ("store_side_calls", Kind::Bool),
 ];
 
 /// Looks a setting up by its snake-case name.
@@ -400,6 +406,7 @@ impl MemorySettings {
             ("memory_min_decay", Value::Fraction(f)) => self.memory_min_decay_micros = f,
             ("prompt_cache_key", Value::Bool(b)) => self.prompt_cache_key = b,
             ("cache_breakpoints", Value::Bool(b)) => self.cache_breakpoints = b,
+            ("store_side_calls", Value::Bool(b)) => self.store_side_calls = b,
             _ => return Err(bad()),
         }
         Ok(())
@@ -472,6 +479,7 @@ impl MemorySettings {
             ("memory_min_decay", self.memory_min_decay().to_string()),
             ("prompt_cache_key", self.prompt_cache_key.to_string()),
             ("cache_breakpoints", self.cache_breakpoints.to_string()),
+            ("store_side_calls", self.store_side_calls.to_string()),
         ]
     }
 }

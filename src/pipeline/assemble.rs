@@ -13,7 +13,10 @@
 //! slot and nothing else changes. Instructions (system/developer messages) that came before the
 //! new messages go first, as sent; those among the new messages stay in place. Tool results at
 //! the start of the new messages answer the window's last tool calls, so the recalled turns
-//! come after them: a tool call is never parted from its results.
+//! come after them: a tool call is never parted from its results. In a tool loop (the new
+//! messages are tool results only) nothing comes after the newest tool result: the recalled
+//! turns go before the user message that opened the round, found with the same query at
+//! every step of the loop, so the prompt stays the same prefix from step to step.
 
 use serde_json::value::RawValue;
 
@@ -45,6 +48,11 @@ pub struct Prompt {
     /// How many of `incoming`, from its start, are tool results answering the window's last
     /// tool calls: the recalled turns go after them.
     pub answers: usize,
+    /// Where the recalled turns go when the request continues a round (a tool loop: its new
+    /// messages are tool results, no user message): before the window's message at this
+    /// index, the user message that opened the round. The newest input stays the tool result,
+    /// and the prompt is the same at every step of the loop. `None`: after the answers.
+    pub recalled_at: Option<usize>,
     /// What the writers add for the provider's prompt cache (`wire/`).
     pub cache: CacheHints,
 }
@@ -53,13 +61,29 @@ impl Prompt {
     /// The forwarded list, in order, each message with the part it belongs to.
     pub fn parts(&self) -> impl Iterator<Item = (Part, &RawValue)> {
         let answers = self.answers.min(self.incoming.len());
+        // The recalled turns sit between a first and a second piece of the window and the
+        // new messages: after the window and the answers, or inside the window.
+        let (window, incoming) = match self.recalled_at {
+            Some(at) => {
+                let at = at.min(self.window.len());
+                (
+                    self.window.split_at(at),
+                    ([].as_slice(), &self.incoming[..]),
+                )
+            }
+            None => (
+                (&self.window[..], [].as_slice()),
+                self.incoming.split_at(answers),
+            ),
+        };
         tagged(Part::Instructions, &self.instructions)
             .chain(tagged(Part::Summary, self.summary.as_slice()))
             .chain(tagged(Part::Memories, self.memories.as_slice()))
-            .chain(tagged(Part::Window, &self.window))
-            .chain(tagged(Part::Incoming, &self.incoming[..answers]))
+            .chain(tagged(Part::Window, window.0))
+            .chain(tagged(Part::Incoming, incoming.0))
             .chain(tagged(Part::Recalled, self.recalled.as_slice()))
-            .chain(tagged(Part::Incoming, &self.incoming[answers..]))
+            .chain(tagged(Part::Window, window.1))
+            .chain(tagged(Part::Incoming, incoming.1))
     }
 
     /// The forwarded list, in order.
@@ -96,7 +120,7 @@ pub fn split_request(messages: Vec<Message>, first_new: usize) -> Split {
                 split.answers += 1;
             }
             split.incoming.push(message.raw);
-        } else if message.role.is_instruction() {
+        } else if message.is_instruction() {
             split.instructions.push(message.raw);
         }
     }
@@ -144,6 +168,7 @@ mod tests {
             window: vec![raw(json!({"role": "user", "content": "w"}))],
             incoming: split.incoming,
             answers: split.answers,
+            recalled_at: None,
             cache: CacheHints::default(),
         };
         assert_eq!(
@@ -208,6 +233,49 @@ mod tests {
                 "tool:r2",
                 "system:recalled",
                 "user:and?"
+            ]
+        );
+    }
+
+    #[test]
+    fn in_a_tool_loop_the_recalled_turns_go_before_the_round_and_nothing_after_the_results() {
+        let raw = |v: Value| RawValue::from_string(v.to_string()).unwrap();
+        let prompt = Prompt {
+            window: vec![
+                raw(json!({"role": "user", "content": "earlier"})),
+                raw(json!({"role": "assistant", "content": "earlier reply"})),
+                raw(json!({"role": "user", "content": "q"})),
+                raw(json!({"role": "assistant", "content": "calls"})),
+            ],
+            recalled: Some(raw(json!({"role": "system", "content": "recalled"}))),
+            incoming: vec![raw(
+                json!({"role": "tool", "tool_call_id": "c1", "content": "r1"}),
+            )],
+            answers: 1,
+            recalled_at: Some(2),
+            ..Prompt::default()
+        };
+        assert_eq!(
+            texts(prompt.messages()),
+            [
+                "user:earlier",
+                "assistant:earlier reply",
+                "system:recalled",
+                "user:q",
+                "assistant:calls",
+                "tool:r1"
+            ]
+        );
+        let parts: Vec<Part> = prompt.parts().map(|(part, _)| part).collect();
+        assert_eq!(
+            parts,
+            [
+                Part::Window,
+                Part::Window,
+                Part::Recalled,
+                Part::Window,
+                Part::Window,
+                Part::Incoming
             ]
         );
     }

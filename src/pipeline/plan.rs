@@ -5,12 +5,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::assemble::{CacheHints, Prompt, is_injected_echo, split_request};
+use super::assemble::{CacheHints, Prompt, Split, is_injected_echo, split_request};
 use super::budget::{self, Dropped, Fitted};
 use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
 use super::recall::{RecalledTurn, elsewhere_turns, fit_recalled, recalled_turns, render};
-use super::reconcile::{Alignment, Mark, align};
+use super::reconcile::{Alignment, Mark, align, rebase};
 use super::summary::{adopt_at_jumps, plan_summary};
 use super::window::{auto_step, summary_adoption_cutoff, window_start};
 use crate::identity::ConversationKey;
@@ -165,7 +165,7 @@ pub fn plan_for_user(
     let turn_index: Vec<usize> = messages
         .iter()
         .enumerate()
-        .filter(|(_, m)| !m.role.is_instruction())
+        .filter(|(_, m)| !m.is_instruction())
         .map(|(i, _)| i)
         .collect();
     let marks: Vec<Mark> = turn_index
@@ -173,6 +173,34 @@ pub fn plan_for_user(
         .map(|&i| Mark::from(&messages[i]))
         .collect();
     let alignment = align(entries, last_is_reply(entries), &marks);
+    // The client's own compaction: its history is forwarded as sent, and only the messages
+    // not stored yet are new (`reconcile::rebase`).
+    let rebased = rebase(entries, &marks, alignment).map(|known| {
+        let retried = known.iter().all(|&k| k)
+            && last_is_reply(entries)
+            && entries.len() >= 2
+            && marks.last().map(|m| m.fingerprint) == Some(entries[entries.len() - 2].fingerprint);
+        (known, retried)
+    });
+    let (turn_index, marks, alignment) = match &rebased {
+        None => (turn_index, marks, alignment),
+        Some((known, retried)) => {
+            let unknown: Vec<usize> = turn_index
+                .iter()
+                .zip(known)
+                .filter(|(_, known)| !**known)
+                .map(|(&i, _)| i)
+                .collect();
+            let marks: Vec<Mark> = unknown.iter().map(|&i| Mark::from(&messages[i])).collect();
+            let alignment = if *retried {
+                Alignment::ReplaceLastReply { from: 0 }
+            } else {
+                Alignment::Append { from: 0 }
+            };
+            (unknown, marks, alignment)
+        }
+    };
+    let rebase = rebased.is_some();
     let from = alignment.from().min(marks.len());
     // What stays on the main line: a replaced reply and the stored line past a branch are
     // not part of this request's history.
@@ -191,7 +219,7 @@ pub fn plan_for_user(
     }
     let new_turns: Vec<Message> = turn_index[from..]
         .iter()
-        .map(|&i| messages[i].clone())
+        .map(|&i| crate::wire::stored_form(messages[i].clone()))
         .collect();
     // One parse per new message gives its text (token count, recall query) and its recall
     // text for the index at commit. Counting stops at the token limit.
@@ -226,7 +254,7 @@ pub fn plan_for_user(
     // window's step and are part of the budget's fixed tokens.
     let instruction_tokens: u64 = messages
         .iter()
-        .filter(|m| m.role.is_instruction())
+        .filter(|m| m.is_instruction())
         .map(|m| u64::from(tokens::count_cached(model_name, m.fingerprint, || m.text())))
         .sum();
     let window_step = settings.window_step.unwrap_or_else(|| {
@@ -234,25 +262,63 @@ pub fn plan_for_user(
         let head = instruction_tokens + latest_summary.as_ref().map_or(0, |r| u64::from(r.tokens));
         auto_step(history, settings.recent_n, head)
     });
-    let start = window_start(history, settings.recent_n, window_step, continue_round);
+    // A rebase brings its own history (the client's compacted one, forwarded as sent): the
+    // window holds none of the stored line, and all of it is the older pool.
+    let start = if rebase {
+        history.len()
+    } else {
+        window_start(history, settings.recent_n, window_step, continue_round)
+    };
     let mut window: Vec<StoredMessage> =
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
+    // The rebase's split: the client's messages before its newest question stand as the
+    // window, the rest as the new messages (the recalled turns go between).
+    let opener = rebase.then(|| {
+        messages
+            .iter()
+            .rposition(|m| !m.is_instruction() && m.opens_round())
+            .unwrap_or(0)
+    });
+    if let Some(opener) = opener {
+        window = messages[..opener]
+            .iter()
+            .map(|m| StoredMessage {
+                turn: 0,
+                role: m.role,
+                origin: crate::store::Origin::Client,
+                at_ms: 0,
+                // Instructions are counted once, with the budget's fixed part.
+                tokens: if m.is_instruction() {
+                    0
+                } else {
+                    tokens::count_cached(model_name, m.fingerprint, || m.text())
+                },
+                fingerprint: m.fingerprint,
+                message: m.raw.clone(),
+            })
+            .collect();
+    }
 
     // Summary: the newest one goes in the prompt (of a branch: the newest that covers only
     // turns it keeps); a new one may be due. With the window anchored, a new summary waits for
     // the next jump (`window.rs`); a synchronous one is made for the request that waits for
     // it, so it is used at once.
-    let mut summary = plan_summary(
-        memory,
-        &conversation,
-        settings,
-        latest_summary,
-        start,
-        closing_from,
-        model_name,
-        limits.writes,
-    )?;
-    if settings.compression_async {
+    // A rebase carries the client's own summary: none of memproxy's is added or made.
+    let mut summary = if rebase {
+        super::summary::SummaryPlan::default()
+    } else {
+        plan_summary(
+            memory,
+            &conversation,
+            settings,
+            latest_summary,
+            start,
+            closing_from,
+            model_name,
+            limits.writes,
+        )?
+    };
+    if settings.compression_async && !rebase {
         let made_by = summary_adoption_cutoff(history, settings.recent_n, window_step);
         adopt_at_jumps(memory, &conversation, &mut summary, made_by)?;
     }
@@ -264,8 +330,11 @@ pub fn plan_for_user(
     let started = Instant::now();
     let mut recalled: Vec<RecalledTurn> = Vec::new();
     let searching = settings.relevance_enabled && settings.relevance_top_k > 0;
-    let query = (searching && (start > 0 || user.is_some()))
-        .then(|| query_text(&new_turns, &texts, &window));
+    let query = (searching && (start > 0 || user.is_some())).then(|| match opener {
+        // A rebase's new messages hold the client's summary: the question is the newest one.
+        Some(opener) => messages[opener].text(),
+        None => query_text(&new_turns, &texts, &window),
+    });
     if let Some(query) = query.as_deref()
         && start > 0
     {
@@ -281,6 +350,17 @@ pub fn plan_for_user(
         )?;
         let found = store.messages(&conversation, hits.iter().map(|h| h.turn))?;
         recalled = recalled_turns(&hits, found);
+        // A rebase's history is the client's: what it already holds is not recalled again.
+        if rebase {
+            let held: std::collections::HashSet<u64> =
+                messages.iter().map(|m| m.fingerprint).collect();
+            let held_turns: std::collections::HashSet<u64> = entries
+                .iter()
+                .filter(|e| held.contains(&e.fingerprint))
+                .map(|e| e.turn)
+                .collect();
+            recalled.retain(|r| !held_turns.contains(&r.turn));
+        }
     }
     // Long-term memory: the user's other conversations compete for the same slots.
     if let (Some(user), Some(query)) = (&user, query.as_deref()) {
@@ -416,7 +496,22 @@ pub fn plan_for_user(
         .filter(|r| r.elsewhere_at.is_some())
         .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
         .collect();
-    let split = split_request(messages, first_new);
+    let split = match opener {
+        Some(opener) => Split {
+            instructions: Vec::new(),
+            incoming: messages.into_iter().skip(opener).map(|m| m.raw).collect(),
+            answers: 0,
+        },
+        None => split_request(messages, first_new),
+    };
+    // In a tool loop the recalled turns go before the round's opening user message.
+    let in_loop = !exchange_has_user(&new_turns);
+    let recalled_at = in_loop.then(|| {
+        window
+            .iter()
+            .rposition(|m| crate::message::opens_round(m.role, &m.message))
+            .unwrap_or(0)
+    });
     let mut exchange = Exchange {
         key: key.clone(),
         handle: Arc::clone(&handle),
@@ -462,9 +557,11 @@ pub fn plan_for_user(
             .new_tokens
             .iter()
             .map(|&t| u64::from(t))
-            .sum::<u64>();
-    // The history leaves out the client's instructions, which the prompt carries: never less
-    // than what is forwarded.
+            .sum::<u64>()
+        // The client's instructions count on both sides, as the prompt carries them.
+        + instruction_tokens;
+    // memproxy's own parts (a summary, recalled turns) can make a short conversation's prompt
+    // larger than its history: never less than what is forwarded.
     let history_tokens = history_tokens.max(prompt_tokens);
     exchange.history_tokens = history_tokens;
     drop(conversation);
@@ -478,6 +575,7 @@ pub fn plan_for_user(
             recalled: render(&recalled),
             incoming: split.incoming,
             answers: split.answers,
+            recalled_at,
             cache: CacheHints {
                 key: settings.prompt_cache_key.then(|| key.prompt_cache_key()),
                 breakpoints: settings.cache_breakpoints,
@@ -554,19 +652,33 @@ fn elsewhere_name(line: &str) -> String {
         .map_or_else(String::new, |(name, _)| name.to_string())
 }
 
-/// What recall searches with: the new messages, and when they continue a round (tool results)
-/// the user message that opened it.
+/// True when the new messages hold a user message (else they continue a round: a tool loop's
+/// results, or a retry).
+fn exchange_has_user(new_turns: &[Message]) -> bool {
+    new_turns.iter().any(Message::opens_round)
+}
+
+/// What recall searches with: the new messages; when they continue a round (a tool loop's
+/// results, a retry), the user message that opened it, alone: a tool's output is no question,
+/// and the same query at every step of a loop recalls the same turns (the provider's cache
+/// holds).
 fn query_text(
     new_turns: &[Message],
     texts: &[(String, String)],
     window: &[StoredMessage],
 ) -> String {
-    let mut query: Vec<String> = texts.iter().map(|(text, _)| text.clone()).collect();
-    if !new_turns.iter().any(|m| m.role == Role::User)
-        && let Some(opening) = window.iter().rev().find(|m| m.role == Role::User)
+    if !exchange_has_user(new_turns)
+        && let Some(opening) = window
+            .iter()
+            .rev()
+            .find(|m| crate::message::opens_round(m.role, &m.message))
         && let Ok(message) = Message::parse(opening.message.clone(), "window")
     {
-        query.push(message.text());
+        return message.text();
     }
-    query.join("\n")
+    texts
+        .iter()
+        .map(|(text, _)| text.as_str())
+        .collect::<Vec<_>>()
+        .join("\n")
 }

@@ -205,6 +205,45 @@ pub fn align<S: Marked, I: Marked>(stored: &[S], last_is_reply: bool, incoming: 
     Alignment::Append { from: 0 }
 }
 
+/// The client's own compaction (a rebase): a re-sent history that neither continues, retries
+/// nor branches off the stored line, yet holds messages already stored. Claude Code's
+/// `/compact` sends its summary, then a few of the old messages and the new prompt; Codex keeps
+/// earlier user messages verbatim, re-inserts its context items in another place and adds its
+/// summary. The client's history is the truth for the prompt: it is forwarded as sent, and
+/// only what is not stored yet is stored (a moved or re-sent item never becomes a duplicate);
+/// the stored line stays whole, so what the client compacted away is still recalled.
+///
+/// Returns, per request message, whether it is already stored; `None` when the request is no
+/// rebase. A request that opens with a tool result continues a round (a newest-only client
+/// answering a tool call), and one that shares nothing with the stored line is a new history
+/// (appended, as ever).
+pub fn rebase<S: Marked, I: Marked>(
+    stored: &[S],
+    incoming: &[I],
+    alignment: Alignment,
+) -> Option<Vec<bool>> {
+    let (m, n) = (incoming.len(), stored.len());
+    if m < 2 || n == 0 || incoming[0].role() == Role::Tool {
+        return None;
+    }
+    let Alignment::Append { from } = alignment else {
+        return None;
+    };
+    // Step 1 of `align`: the request continues the stored line.
+    if from > 0
+        && incoming[from - 1].fingerprint() == stored[n - 1].fingerprint()
+        && ends_match(stored, incoming, from)
+    {
+        return None;
+    }
+    let on_line: std::collections::HashSet<u64> = stored.iter().map(Marked::fingerprint).collect();
+    let known: Vec<bool> = incoming
+        .iter()
+        .map(|message| on_line.contains(&message.fingerprint()))
+        .collect();
+    known.iter().any(|&k| k).then_some(known)
+}
+
 /// A run of the request's messages equal to a run of stored messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Run {
@@ -288,6 +327,33 @@ mod tests {
             got
         };
         assert_eq!(got, expected, "stored [{stored}] incoming [{incoming}]");
+    }
+
+    fn rebased(stored: &str, incoming: &str) -> Option<Vec<bool>> {
+        let (stored, incoming) = (marks(stored), marks(incoming));
+        rebase(&stored, &incoming, align(&stored, true, &incoming))
+    }
+
+    #[test]
+    fn a_client_compaction_is_a_rebase_that_stores_only_what_is_new() {
+        // Claude Code after `/compact`: its summary, the last answer kept, the new prompt.
+        assert_eq!(
+            rebased("u1 a1 u2 a2", "u9 a2 u3"),
+            Some(vec![false, true, false])
+        );
+        // Codex: earlier user messages kept verbatim and moved, its summary, the new prompt.
+        assert_eq!(
+            rebased("u0 u1 a1 u2 a2", "u1 u2 u0 u8 u3"),
+            Some(vec![true, true, true, false, false])
+        );
+        // Not rebases: a continuation, a retry, a branch, a newest-only request, a new history
+        // sharing nothing, a request that opens with tool results.
+        assert_eq!(rebased("u1 a1", "u1 a1 u2"), None);
+        assert_eq!(rebased("u1 a1 u2 a2", "u1 a1 u2"), None);
+        assert_eq!(rebased("u1 a1 u2 a2", "u1 a1 u3"), None);
+        assert_eq!(rebased("u1 a1", "u2"), None);
+        assert_eq!(rebased("u1 a1", "u5 a5 u6"), None);
+        assert_eq!(rebased("u1 a1", "t1 u1"), None);
     }
 
     #[test]

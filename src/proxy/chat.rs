@@ -49,11 +49,18 @@ use crate::wire::{Api, ApiRequest};
 /// client's own body goes upstream).
 struct Before {
     body: Bytes,
-    plan: Result<Plan, DegradedReason>,
+    plan: Result<Plan, Skipped>,
     headers: HeaderMap,
     deferred: Option<DeferredSummary>,
     /// A due extraction starts once this is dropped with the answer.
     hand_over: Option<HandOver>,
+}
+
+/// Why the `before` step made no plan: memory failed (`degraded`), or the request is not one
+/// for memory (`off`: a side call, forwarded as sent).
+enum Skipped {
+    Degraded(DegradedReason),
+    Off(&'static str),
 }
 
 /// Runs a request of `api` with memory on, forwarded to the upstream's `api_path`; with
@@ -189,7 +196,10 @@ async fn with_memory(
     let to = Destination::new(&parts, &key, &settings, api, api_path);
     let mut plan = match before.plan {
         Ok(plan) => plan,
-        Err(reason) => return without_memory(state, to, before.body, reason).await,
+        Err(Skipped::Degraded(reason)) => {
+            return without_memory(state, to, before.body, reason).await;
+        }
+        Err(Skipped::Off(reason)) => return memory_off(state, to, before.body, reason).await,
     };
     let receipt = state.receipts.enabled().then(|| {
         let model = plan.exchange.model.clone();
@@ -309,6 +319,24 @@ impl<'a> Destination<'a> {
             api_path,
         }
     }
+}
+
+/// A request that is not one for memory (a side call, `wire::SideCall`): forwarded as the
+/// client sent it, nothing stored, with `X-Memory-Status: off` and `X-Memory-Reason`.
+async fn memory_off(
+    state: &Arc<AppState>,
+    to: Destination<'_>,
+    body: Bytes,
+    reason: &'static str,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    state.metrics.memory_off(reason);
+    tracing::debug!(reason, "forwarding a side call with memory off");
+    let mut response = forward_bytes(state, to.parts, body, to.api, to.api_path, false).await?;
+    set_memory_headers(&mut response, MemoryStatus::Off, &to.key.conversation, None);
+    if let Ok(value) = HeaderValue::from_str(reason) {
+        response.headers_mut().insert(super::REASON_HEADER, value);
+    }
+    Ok(response)
 }
 
 /// A memory-on request whose memory failed (the store could not be read): the client's own
@@ -488,8 +516,12 @@ async fn before(
     let (job_memory, job_key, job_settings) = (Arc::clone(memory), key.clone(), settings.clone());
     let user = parts.extensions.get::<UserId>().map(|user| user.0.clone());
     let client_body = bytes.clone();
+    let store_side_calls = settings.store_side_calls;
     let planning = tokio::task::spawn_blocking(move || {
         let mut request = ApiRequest::parse(api, &bytes)?;
+        if !store_side_calls && let Some(side) = request.side_call() {
+            return Ok((request, Err(side), bytes));
+        }
         let messages = std::mem::take(&mut request.messages);
         let model = request.model.clone();
         let planned = plan::plan_for_user(
@@ -501,18 +533,28 @@ async fn before(
             model,
             messages,
         );
-        Ok::<_, ProxyError>((request, planned, bytes))
+        Ok::<_, ProxyError>((request, Ok(planned), bytes))
     })
     .await;
     let (request, planned, bytes) = match planning {
-        Ok(done) => done?,
+        Ok(Ok((request, Ok(planned), bytes))) => (request, planned, bytes),
+        Ok(Ok((_, Err(side), bytes))) => {
+            return Ok(Before {
+                body: bytes,
+                plan: Err(Skipped::Off(side.as_str())),
+                headers: HeaderMap::new(),
+                deferred: None,
+                hand_over: None,
+            });
+        }
+        Ok(Err(err)) => return Err(err),
         // A panic while planning (the storage engine can panic on damaged files) is a memory
         // failure like any other: the client's own body goes upstream.
         Err(err) => {
             tracing::error!(error = %err, "planning failed; forwarding the client's own messages");
             return Ok(Before {
                 body: client_body,
-                plan: Err(DegradedReason::StoreFailed),
+                plan: Err(Skipped::Degraded(DegradedReason::StoreFailed)),
                 headers: HeaderMap::new(),
                 deferred: None,
                 hand_over: None,
@@ -558,7 +600,7 @@ async fn before(
             }
             Ok(Before {
                 body: bytes,
-                plan: Err(degraded),
+                plan: Err(Skipped::Degraded(degraded)),
                 headers: HeaderMap::new(),
                 deferred: None,
                 hand_over: None,

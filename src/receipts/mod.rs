@@ -258,7 +258,7 @@ impl Planned {
         let mut tokens = 0u64;
         for message in messages {
             tokens += u64::from(crate::tokens::count_message(model, &message.text()));
-            if message.role.is_instruction() {
+            if message.is_instruction() {
                 prompt.instructions.push(message.raw);
             } else {
                 prompt.incoming.push(message.raw);

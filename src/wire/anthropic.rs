@@ -55,7 +55,8 @@ pub fn parse_messages(fields: &[(String, Box<RawValue>)]) -> Result<Vec<Message>
                     content: Value::String(text),
                     ..Neutral::default()
                 },
-                _ => return Err(bad(format!("{path}.role"), "must be user or assistant")),
+                "system" => system_turn(Value::String(text), None),
+                _ => return Err(bad(format!("{path}.role"), ROLES)),
             };
             messages.push(parsed(neutral.to_raw(), &path)?);
             continue;
@@ -78,10 +79,39 @@ pub fn parse_messages(fields: &[(String, Box<RawValue>)]) -> Result<Vec<Message>
         match message.role.as_str() {
             "user" => user(parsed_blocks, &path, &mut messages)?,
             "assistant" => messages.push(parsed(assistant(parsed_blocks, None), &path)?),
-            _ => return Err(bad(format!("{path}.role"), "must be user or assistant")),
+            "system" => {
+                let text = parsed_blocks
+                    .iter()
+                    .filter(|(_, b)| b["type"] == "text")
+                    .filter_map(|(_, b)| b.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                let blocks = parsed_blocks.into_iter().map(|(raw, _)| raw).collect();
+                let neutral = system_turn(Value::String(text), Some(blocks));
+                messages.push(parsed(neutral.to_raw(), &path)?);
+            }
+            _ => return Err(bad(format!("{path}.role"), ROLES)),
         }
     }
     Ok(messages)
+}
+
+/// What a message's `role` may be.
+const ROLES: &str = "must be user, assistant or system";
+
+/// A `system`-role message inside `messages` (Claude Code's mid-conversation system messages):
+/// a turn kept where the client put it, its text as the neutral content and its blocks raw.
+fn system_turn(text: Value, blocks: Option<Vec<Box<RawValue>>>) -> Neutral {
+    Neutral {
+        role: "system".into(),
+        content: text,
+        wire: Some(Wire {
+            anthropic: blocks,
+            in_place: true,
+            ..Wire::default()
+        }),
+        ..Neutral::default()
+    }
 }
 
 /// A user turn of blocks: its tool results, then the rest as one user message.
@@ -91,6 +121,7 @@ fn user(
     messages: &mut Vec<Message>,
 ) -> Result<(), InvalidRequest> {
     let mut rest: Vec<(Box<RawValue>, Value)> = Vec::new();
+    let mut results = false;
     for (j, (raw, block)) in blocks.into_iter().enumerate() {
         if block["type"] != "tool_result" {
             rest.push((raw, block));
@@ -103,6 +134,7 @@ fn user(
                 let param = format!("{path}.content[{j}].tool_use_id");
                 InvalidRequest::field(param.clone(), format!("`{param}` is required"))
             })?;
+        results = true;
         let neutral = Neutral {
             role: "tool".into(),
             content: Value::String(content_text(block.get("content").unwrap_or(&Value::Null))),
@@ -122,6 +154,7 @@ fn user(
             content,
             wire: Some(Wire {
                 anthropic: Some(rest.into_iter().map(|(raw, _)| raw).collect()),
+                beside_results: results,
                 ..Wire::default()
             }),
             ..Neutral::default()
@@ -189,10 +222,40 @@ fn chat_part(block: &Value) -> Value {
             Some("url") => {
                 json!({"type": "image_url", "image_url": {"url": block.pointer("/source/url").cloned().unwrap_or(Value::Null)}})
             }
-            _ => block.clone(),
+            _ => without_marker(block),
         },
-        _ => block.clone(),
+        _ => without_marker(block),
     }
+}
+
+/// A block without its `cache_control` marker: the client moves its markers from request to
+/// request, so a marker is no part of what a block means.
+fn without_marker(block: &Value) -> Value {
+    let mut block = block.clone();
+    if let Some(object) = block.as_object_mut() {
+        object.remove("cache_control");
+    }
+    block
+}
+
+/// `block` without the `cache_control` markers it carries at its top or in its nested content
+/// (a `tool_result`'s blocks); `None` when it carries none. Markers are the client's, for one
+/// request: a stored block never brings one back.
+pub fn strip_markers(block: &RawValue) -> Option<Box<RawValue>> {
+    if breakpoints_in(block.get()) == 0 {
+        return None;
+    }
+    let mut value: Value = serde_json::from_str(block.get()).ok()?;
+    let object = value.as_object_mut()?;
+    object.remove("cache_control");
+    if let Some(Value::Array(inner)) = object.get_mut("content") {
+        for part in inner {
+            if let Some(part) = part.as_object_mut() {
+                part.remove("cache_control");
+            }
+        }
+    }
+    Some(raw(&value))
 }
 
 /// A chat-completions content part as an Anthropic block (`None`: it has no Anthropic form).
@@ -323,10 +386,14 @@ fn breakpoints_in(json: &str) -> usize {
 ///   become alternating turns starting with a user turn.
 /// - The recalled turns change with every question, and Anthropic caches in the order tools →
 ///   system → messages: as a `system` block they would make every turn's messages new. They
-///   go instead as a text block at the start of the last user turn (after its tool results,
-///   which the API wants first): the newest user turn is new anyway, so tools, system and
-///   every earlier turn stay the previous prompt's prefix. (A prompt without a user turn gets
-///   them as the last `system` block.)
+///   go instead as a text block at the start of the user turn that follows their place in the
+///   prompt (after its tool results, which the API wants first): the newest user turn, new
+///   anyway, so tools, system and every earlier turn stay the previous prompt's prefix; in a
+///   tool loop, the turn that opened the round, so the newest input stays the tool result.
+///   (A prompt without such a turn gets them as the last `system` block.)
+/// - A `system`-role message inside `messages` (`_wire.in_place`) stays a message, in place.
+/// - Only the request's own blocks keep their `cache_control` markers: a stored block's
+///   markers (from before they were stripped at store time) are dropped.
 /// - With `breakpoints`, `cache_control` marks the last block of the recent window (the end
 ///   of what the next prompt repeats) and then the last `system` block memproxy added (what
 ///   survives a jump of the window's anchor), as far as the API's four breakpoints allow with
@@ -338,7 +405,8 @@ pub fn render<'a>(
     breakpoints: bool,
 ) -> Vec<u8> {
     let mut system_texts: Vec<String> = Vec::new();
-    let mut recalled: Option<String> = None;
+    // The recalled turns' text and where they stand in the prompt.
+    let mut recalled: Option<(usize, String)> = None;
     let mut window_end: Option<usize> = None;
     let mut turns: Vec<Turn> = Vec::new();
     for (source, (part, message)) in prompt.into_iter().enumerate() {
@@ -346,19 +414,29 @@ pub fn render<'a>(
             continue;
         };
         if part == Part::Recalled {
-            recalled = Some(neutral.text());
+            recalled = Some((source, neutral.text()));
             continue;
         }
+        let in_place = neutral.wire.as_ref().is_some_and(|w| w.in_place);
         let turn = match neutral.role.as_str() {
-            "system" | "developer" => {
+            "system" | "developer" if !in_place => {
                 system_texts.push(neutral.text());
                 continue;
             }
             _ => to_turn(neutral),
         };
-        let Some(turn) = turn else {
+        let Some(mut turn) = turn else {
             continue;
         };
+        // Only the request's own messages keep the client's markers: one stored from an
+        // earlier request would pile up with the client's new ones past the API's four.
+        if part != Part::Incoming {
+            for block in &mut turn.blocks {
+                if let Some(stripped) = strip_markers(&block.raw) {
+                    block.raw = stripped;
+                }
+            }
+        }
         if part == Part::Window {
             window_end = Some(source);
         }
@@ -376,8 +454,18 @@ pub fn render<'a>(
     if turns.first().is_some_and(|t| t.role == "assistant") {
         turns.insert(0, Turn::text("user", OPENING_USER_TURN.to_string()));
     }
-    if let Some(text) = recalled {
-        match turns.iter().rposition(|t| t.role == "user") {
+    if let Some((at, text)) = recalled {
+        // The first turn after the recalled turns' place: the newest user turn, or in a tool
+        // loop the user turn that opened the round.
+        let after = |turn: &Turn| {
+            let from = |source: usize| source != usize::MAX && source > at;
+            from(turn.source) || turn.blocks.iter().any(|b| from(b.source))
+        };
+        match turns
+            .iter()
+            .position(after)
+            .filter(|&i| turns[i].role == "user")
+        {
             Some(i) => {
                 let turn = std::mem::replace(&mut turns[i], Turn::new("user", Vec::new()));
                 let mut blocks = vec![Block {
@@ -497,10 +585,11 @@ pub fn render<'a>(
 /// One neutral message as an Anthropic turn (`None`: nothing of it can be sent).
 fn to_turn(neutral: Neutral) -> Option<Turn> {
     let own = neutral.wire.as_ref().and_then(|w| w.anthropic.clone());
-    let role: &'static str = if neutral.role == "assistant" {
-        "assistant"
-    } else {
-        "user"
+    let in_place = neutral.wire.as_ref().is_some_and(|w| w.in_place);
+    let role: &'static str = match neutral.role.as_str() {
+        "assistant" => "assistant",
+        "system" | "developer" if in_place => "system",
+        _ => "user",
     };
     if let Some(blocks) = own {
         let blocks = blocks

@@ -210,6 +210,85 @@ impl ApiRequest {
     }
 }
 
+/// Why a request is a side call, not a turn of its conversation: the client asks something
+/// about the conversation (a title, a classification, a compaction of its own) under the
+/// same conversation id. Decided from the request's shape alone, never from a client's name
+/// or its prompt's words:
+///
+/// - `no-tools`: it offers an empty tool list. A client that sends `tools: []` is saying this
+///   call is not its agent's turn (chat completions refuse an empty list, so no plain chat
+///   client sends one); Claude Code's title call and Codex's compaction call both do.
+/// - `structured-output`: it asks for an answer bound to a JSON schema (Anthropic
+///   `output_config.format` or `output_format`, Responses `text.format`, chat completions
+///   `response_format`, each of type `json_schema`) and offers no tools: a value for the
+///   program, not an answer in the conversation.
+/// - `compaction`: a Responses input that asks the provider to compact the conversation (a
+///   `compaction_trigger` item).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SideCall {
+    NoTools,
+    StructuredOutput,
+    Compaction,
+}
+
+impl SideCall {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SideCall::NoTools => "side-call-no-tools",
+            SideCall::StructuredOutput => "side-call-structured-output",
+            SideCall::Compaction => "side-call-compaction",
+        }
+    }
+}
+
+impl ApiRequest {
+    /// The side call this request is, if it is one ([`SideCall`]).
+    pub fn side_call(&self) -> Option<SideCall> {
+        let field = |name: &str| {
+            self.fields
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| serde_json::from_str::<Value>(v.get()).ok())
+        };
+        let tools = field("tools");
+        if tools
+            .as_ref()
+            .and_then(Value::as_array)
+            .is_some_and(Vec::is_empty)
+        {
+            return Some(SideCall::NoTools);
+        }
+        if self.api == Api::Responses
+            && field("input")
+                .as_ref()
+                .and_then(Value::as_array)
+                .is_some_and(|items| {
+                    items.iter().any(|i| {
+                        i.get("type").and_then(Value::as_str) == Some("compaction_trigger")
+                    })
+                })
+        {
+            return Some(SideCall::Compaction);
+        }
+        let schema = |value: Option<Value>, pointer: &str| {
+            value
+                .as_ref()
+                .and_then(|v| v.pointer(pointer))
+                .and_then(Value::as_str)
+                == Some("json_schema")
+        };
+        let structured = match self.api {
+            Api::Anthropic => {
+                schema(field("output_config"), "/format/type")
+                    || schema(field("output_format"), "/type")
+            }
+            Api::Responses => schema(field("text"), "/format/type"),
+            Api::Chat => schema(field("response_format"), "/type"),
+        };
+        (structured && tools.is_none()).then_some(SideCall::StructuredOutput)
+    }
+}
+
 /// `prompt_cache_key` as [`write_fields`] adds it.
 fn added(key: &Option<Box<RawValue>>) -> Option<(&'static str, &RawValue)> {
     key.as_deref().map(|key| (PROMPT_CACHE_KEY, key))
@@ -253,6 +332,15 @@ pub struct Wire {
     /// `GET /v1/responses/{id}` answers besides the output).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response: Option<Box<RawValue>>,
+    /// A system message that is a turn, kept where the client put it (an Anthropic
+    /// `system`-role message inside `messages`): stored and replayed in place, never moved
+    /// into the instructions.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_place: bool,
+    /// A user message sent in the same turn as tool results (an Anthropic user turn holding
+    /// `tool_result` blocks and text): it continues the tool loop, it opens no round.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub beside_results: bool,
 }
 
 /// A neutral message, written with `role` first.
@@ -352,6 +440,30 @@ pub fn for_chat(raw: &RawValue) -> Option<Cow<'_, RawValue>> {
         neutral.content = Value::Null;
     }
     Some(Cow::Owned(neutral.to_raw()))
+}
+
+/// `message` as it is stored: without the `cache_control` markers of its Anthropic blocks.
+/// A marker is the client's hint for one request (it moves its breakpoints to the newest
+/// message each time); replayed from the store it would pile up past the API's four.
+pub fn stored_form(message: Message) -> Message {
+    if !message.raw.get().contains("\"cache_control\"") {
+        return message;
+    }
+    let Some(mut neutral) = Neutral::read(&message.raw) else {
+        return message;
+    };
+    let Some(blocks) = neutral.wire.as_mut().and_then(|w| w.anthropic.as_mut()) else {
+        return message;
+    };
+    for block in blocks.iter_mut() {
+        if let Some(stripped) = anthropic::strip_markers(block) {
+            *block = stripped;
+        }
+    }
+    Message {
+        raw: neutral.to_raw(),
+        ..message
+    }
 }
 
 /// The Responses id a stored reply came from.
