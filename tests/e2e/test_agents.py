@@ -20,7 +20,9 @@ Scenarios, for each agent:
   `x-mock-cached-tokens`; Codex: `model_auto_compact_token_limit`), then a turn asking for a fact
   only an answer before the compaction held (the mock's scripted summary does not hold it):
   directly the fact is gone from the prompt, through memproxy it must come back by recall;
-  Claude Code's `/compact` too;
+  Claude Code's `/compact` too, and Codex with `remote_compaction = "v2"` (the provider answers
+  a `compaction_trigger` with an opaque `compaction` item: `Front` answers it in the mock's place,
+  once the mock has accepted the request);
 - title generation on (Claude Code with `CLAUDE_CODE_ENTRYPOINT=sdk-ts`, the SDK by default;
   Codex makes no such call).
 
@@ -77,6 +79,8 @@ TITLE_PROMPT = "You are naming a coding session"
 class Stack:
     mock_url: str  # http://127.0.0.1:P/v1
     proxy_port: int
+    # The upstream both routes reach: a relay to the mock that answers compaction triggers.
+    upstream: "Front"
 
     @property
     def mock_root(self) -> str:
@@ -97,17 +101,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("memproxy-agents")
     mock, mock_url = _start_mock(workdir)
     proxy = None
+    upstream = Front(mock_url.removesuffix("/v1"), answer_compaction=True)
     try:
         proxy, port = _start_memproxy(
             workdir,
-            mock_url,
-            f'[upstream.anthropic]\nbase_url = "{mock_url.removesuffix("/v1")}"\n',
+            f"{upstream.url}/v1",
+            f'[upstream.anthropic]\nbase_url = "{upstream.url}"\n',
             extra_env={"MEMPROXY_ADMIN_TOKEN": ADMIN_TOKEN},
         )
-        yield Stack(mock_url=mock_url, proxy_port=port)
+        yield Stack(mock_url=mock_url, proxy_port=port, upstream=upstream)
     finally:
         _stop(proxy)
         _stop(mock)
+        upstream.close()
 
 
 def _http(url: str, body: object | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -134,14 +140,49 @@ class Exchange:
     headers: dict[str, str]
 
 
+def _compaction_answer(request: dict[str, Any], number: int, stream: bool) -> tuple[str, bytes]:
+    """A Responses answer of one `compaction` item, as a provider with remote compaction answers
+    a request whose last input item is `compaction_trigger` (what Codex's
+    `remote_compaction = "v2"` asks for). The mock cannot answer it (yet): the upstream front
+    below puts it in place of the mock's own answer, once the mock has accepted the request."""
+    item = {"type": "compaction", "id": f"cmp_front_{number}", "encrypted_content": f"opaque-compaction-{number}"}
+    usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}
+    response = {"id": f"resp_front_{number}", "object": "response", "created_at": 1, "status": "completed", "model": request.get("model"), "output": [item], "usage": usage}
+    if not stream:
+        return "application/json", json.dumps(response).encode()
+    events = [
+        ("response.created", {"response": {**response, "status": "in_progress", "output": []}}),
+        ("response.output_item.added", {"output_index": 0, "item": item}),
+        ("response.output_item.done", {"output_index": 0, "item": item}),
+        ("response.completed", {"response": response}),
+    ]
+    text = "".join(f"event: {name}\ndata: {json.dumps({**data, 'type': name, 'sequence_number': i})}\n\n" for i, (name, data) in enumerate(events))
+    return "text/event-stream", text.encode()
+
+
+def _is_compaction_trigger(body: bytes | None) -> dict[str, Any] | None:
+    try:
+        request = json.loads(body or b"")
+    except ValueError:
+        return None
+    items = request.get("input") if isinstance(request, dict) else None
+    if isinstance(items, list) and items and isinstance(items[-1], dict) and items[-1].get("type") == "compaction_trigger":
+        return request
+    return None
+
+
 class Front:
     """A recording relay on a free loopback port: every request goes to `target` as it came,
     every answer comes back as it goes (streams chunk by chunk); each answer's status and
-    headers are kept in `exchanges`."""
+    headers are kept in `exchanges`. With `answer_compaction`, a Responses request ending with a
+    `compaction_trigger` item, once the target answered it 200, gets a `compaction` item instead
+    (`_compaction_answer`)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, answer_compaction: bool = False) -> None:
         self.target = target  # http://127.0.0.1:P
         self.exchanges: list[Exchange] = []
+        self.bodies: list[bytes] = []  # the POST bodies, as the client sent them
+        self.compactions = 0
         front = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -153,6 +194,8 @@ class Front:
             def _relay(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else None
+                if self.command == "POST" and body:
+                    front.bodies.append(body)
                 host, port = front.target.removeprefix("http://").split(":")
                 conn = http.client.HTTPConnection(host, int(port), timeout=AGENT_TIMEOUT)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection", "transfer-encoding")}
@@ -165,6 +208,19 @@ class Front:
                     return
                 kept = {k.lower(): v for k, v in answer.getheaders()}
                 front.exchanges.append(Exchange(self.command, self.path, answer.status, kept))
+                trigger = _is_compaction_trigger(body) if answer_compaction and self.command == "POST" else None
+                if trigger is not None and answer.status == 200:
+                    answer.read()
+                    conn.close()
+                    front.compactions += 1
+                    content_type, data = _compaction_answer(trigger, front.compactions, bool(trigger.get("stream")))
+                    self.send_response(200)
+                    self.send_header("content-type", content_type)
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    self.wfile.flush()
+                    return
                 self.send_response(answer.status)
                 for k, v in answer.getheaders():
                     if k.lower() not in ("content-length", "transfer-encoding", "connection"):
@@ -247,7 +303,7 @@ class Run:
         self.work = self.root / "work"
         self.home.mkdir(parents=True)
         self.work.mkdir(parents=True)
-        target = self.stack.mock_root if self.route == "direct" else self.stack.proxy_root
+        target = self.stack.upstream.url if self.route == "direct" else self.stack.proxy_root
         self.front = Front(target)
 
     # The agent's API path and tool call shape.
@@ -307,7 +363,7 @@ class Run:
             {"ANTHROPIC_BASE_URL": self.front.url, "ANTHROPIC_API_KEY": API_KEY, "ANTHROPIC_CUSTOM_HEADERS": headers, **(extra or {})}
         )
 
-    def _codex_config(self, cached_tokens: int | None, compact_limit: int | None) -> None:
+    def _codex_config(self, cached_tokens: int | None, compact_limit: int | None, remote_compaction: bool = False) -> None:
         assert self.front is not None
         headers = {HEADER: self.cid}
         if cached_tokens is not None:
@@ -332,6 +388,8 @@ class Run:
             "stream_max_retries = 0",
             f"http_headers = {{ {inline} }}",
         ]
+        if remote_compaction:
+            lines += ["", "[model_providers.mock.capabilities]", 'remote_compaction = "v2"']
         (self.home / "config.toml").write_text("\n".join(lines) + "\n")
 
     def turn(
@@ -342,6 +400,7 @@ class Run:
         cached_tokens: int | None = None,
         compact_window: bool = False,
         title: bool = False,
+        remote_compaction: bool = False,
         check: bool = True,
     ) -> subprocess.CompletedProcess[str]:
         """One run of the agent: a new session, or (`again`) the newest one continued."""
@@ -361,7 +420,7 @@ class Run:
             command = [_node(), str(NODE_DIR / "agent_sdk.mjs"), json.dumps(args)]
             env = self._anthropic_env(cached_tokens, extra)
         else:
-            self._codex_config(cached_tokens, 1000 if compact_window else None)
+            self._codex_config(cached_tokens, 1000 if compact_window else None, remote_compaction)
             command = [_node(), str(MODULES / "@openai" / "codex" / "bin" / "codex.js"), "exec", "--skip-git-repo-check"]
             if again:
                 command += ["resume", "--last"]
@@ -460,16 +519,49 @@ def _stored_key(message: dict[str, Any]) -> str:
     )
 
 
+def _stored_listing(messages: list[dict[str, Any]]) -> str:
+    return "\n".join(f"  stored #{m.get('turn')} {m.get('role')}: {_text_of(m.get('content'))[:160]}" for m in messages)
+
+
+def _plain(value: Any) -> str:
+    """The text of a message's content, whatever its shape (a string, blocks, tool results)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(_plain(v) for v in value)
+    if isinstance(value, dict):
+        for key in ("text", "content", "output"):
+            if key in value:
+                return _plain(value[key])
+    return ""
+
+
+def _client_repeats(run: Run, text: str) -> int:
+    """How many times the client itself had a message of this text in one request (Claude Code
+    repeats its "The user hasn't heard from you in a while" system message in a long loop)."""
+    assert run.front is not None
+    most = 0
+    for body in run.front.bodies:
+        try:
+            request = json.loads(body)
+        except ValueError:
+            continue
+        items = request.get("input") if isinstance(request.get("input"), list) else request.get("messages") or []
+        most = max(most, sum(1 for item in items if isinstance(item, dict) and _plain(item.get("content", item.get("output"))) == text))
+    return most
+
+
 def check_stored_once(run: Run, texts: list[tuple[str, str]]) -> list[dict[str, Any]]:
-    """The stored history (admin API) holds no message twice, and each `(role, text)` (the
-    user's prompts, the tool outputs, the scripted answers) is in exactly one message of that
-    role (the mock's default answer quotes the prompt: roles keep them apart)."""
+    """The stored history (admin API) holds no message more often than the client itself sent it
+    in one request, and each `(role, text)` (the user's prompts, the tool outputs, the scripted
+    answers) is in exactly one message of that role."""
     messages = run.stored_messages()
-    # Claude Code repeats the same system reminder ("The user hasn't heard from you in a
-    # while…") at several places of its history: each is a message of its own there.
-    keys = Counter(_stored_key(m) for m in messages if m.get("role") != "system")
-    twice = [k[:300] for k, n in keys.items() if n > 1]
-    assert not twice, f"stored more than once: {twice}\n{run.report()}"
+    # A client may repeat a message itself (Claude Code's "The user hasn't heard from you in a
+    # while…" system reminder at several places of its history): each is a message there.
+    keys = Counter(_stored_key(m) for m in messages)
+    by_key = {_stored_key(m): m for m in messages}
+    twice = [k[:300] for k, n in keys.items() if n > 1 and n > _client_repeats(run, _plain(by_key[k].get("content")))]
+    assert not twice, f"stored more than once: {twice}\n{_stored_listing(messages)}\n{run.report()}"
     for role, text in texts:
         # An answer is itself; a user message holds the prompt among the client's reminders.
         # (The mock's default answer quotes the last user turn, recalled lines included.)
@@ -479,7 +571,9 @@ def check_stored_once(run: Run, texts: list[tuple[str, str]]) -> list[dict[str, 
             if m.get("role") == role
             and (_answer_is(m.get("content"), text) if role == "assistant" else text in _text_of(m.get("content")))
         ]
-        assert len(holding) == 1, f"{role} {text!r} is in stored messages {holding}, not exactly one\n{run.report()}"
+        assert len(holding) == 1, (
+            f"{role} {text!r} is in stored messages {holding}, not exactly one\n{_stored_listing(messages)}\n{run.report()}"
+        )
     return messages
 
 
@@ -650,7 +744,9 @@ def test_own_compaction_then_recall_from_before_it(make_run: Callable[[str, str]
     # A second exchange, whose answer reports a large usage: the next turn starts by compacting.
     run.turn("Now let us talk about something else: the weather today.", again=True, compact_window=True, cached_tokens=190000 if agent != "codex" else 5000)
     summary = "<analysis>ok</analysis><summary>The user talked about the weather.</summary>" if agent != "codex" else "The user talked about the weather."
-    run.script({"text": summary})
+    # The last answer is scripted: the mock's default one would quote the prompt, recalled turns
+    # included, and be stored with them.
+    run.script({"text": summary}, {"text": f"Let me look ({tag})."})
     question = "What is the vault code you noted?"
     run.turn(question, again=True, compact_window=True)
 
@@ -682,6 +778,7 @@ def test_claude_code_compact_command_then_recall(make_run: Callable[[str, str], 
     run.script({"text": "<analysis>ok</analysis><summary>The user talked about the weather.</summary>"})
     run.turn("/compact", again=True)
     question = "What is the locker code you noted?"
+    run.script({"text": f"Let me look ({tag})."})
     run.turn(question, again=True)
 
     check_accepted(run)
@@ -695,6 +792,39 @@ def test_claude_code_compact_command_then_recall(make_run: Callable[[str, str], 
         assert code in _text_of(last["body"]), f"the fact from before /compact did not reach the upstream\n{run.report()}"
         check_stored_once(run, [("assistant", noted), ("user", question)])
         check_not_stored(run, [CC_SUMMARIZER_PREFIX])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_codex_remote_compaction_then_recall(make_run: Callable[[str, str], Run], route: str) -> None:
+    """Codex with `remote_compaction = "v2"`: the provider compacts (a request ending with a
+    `compaction_trigger` item, answered with one opaque `compaction` item), and the history
+    after it carries that item in place of the answers."""
+    run = make_run("codex", route)
+    tag = _tag()
+    code = f"{tag}-2468"
+    noted = f"Noted: the vault code is {code}."
+    run.script({"text": noted})
+    run.turn("Please take note of the vault code for later.", compact_window=True, remote_compaction=True)
+    run.turn("Now let us talk about something else: the weather today.", again=True, compact_window=True, cached_tokens=5000, remote_compaction=True)
+    question = "What is the vault code you noted?"
+    # The compaction call takes the first (the relay replaces the mock's answer), the turn the second.
+    run.script({"text": "(replaced by the compaction item)"}, {"text": f"Let me look ({tag})."})
+    done = run.turn(question, again=True, compact_window=True, remote_compaction=True, check=False)
+
+    main = run.mock_requests()
+    triggers = [r for r in main if _is_compaction_trigger(json.dumps(r["body"]).encode()) is not None]
+    assert len(triggers) == 1, f"no request reached the upstream ending with the compaction_trigger item\n{run.report()}"
+    assert done.returncode == 0, run.report()
+    check_accepted(run)
+    last = main[-1]
+    items = _body_messages(last)
+    assert any(i.get("type") == "compaction" for i in items), f"the last call does not carry the compaction item\n{run.report()}"
+    assert question in _text_of(items[-1]), run.report()
+    if route == "direct":
+        assert code not in _text_of(last["body"]), run.report()
+    else:
+        assert code in _text_of(last["body"]), f"the fact from before the compaction did not reach the upstream\n{run.report()}"
+        check_stored_once(run, [("assistant", noted), ("user", question)])
 
 
 # ----------------------------------------------------------------------------------------------

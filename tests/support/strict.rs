@@ -803,6 +803,10 @@ const RESPONSES_ITEMS: &[&str] = &[
     "mcp_call",
     "item_reference",
     "compaction",
+    // Remote compaction v2: the Codex CLI ends a request with it to have the model answer with
+    // a `compaction` item (the API's compaction, in the input list instead of
+    // `/v1/responses/compact`).
+    "compaction_trigger",
 ];
 
 const RESPONSES_ROLES: &[&str] = &["assistant", "system", "developer", "user"];
