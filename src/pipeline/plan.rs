@@ -263,20 +263,35 @@ pub fn plan_for_user(
         .filter(|m| m.is_instruction())
         .map(|m| u64::from(tokens::count_cached(model_name, m.fingerprint, || m.text())))
         .sum();
-    let window_step = settings.window_step.unwrap_or_else(|| {
-        // What precedes the window: the instructions and the summary.
-        let head = instruction_tokens + latest_summary.as_ref().map_or(0, |r| u64::from(r.tokens));
-        auto_step(history, settings.recent_n, head)
-    });
+    // What precedes the window: the instructions and the summary.
+    let head = instruction_tokens + latest_summary.as_ref().map_or(0, |r| u64::from(r.tokens));
+    let step_over = |history: &[crate::store::Entry]| {
+        settings
+            .window_step
+            .unwrap_or_else(|| auto_step(history, settings.recent_n, head))
+    };
+    let window_step = step_over(history);
     // A rebase brings its own history (the client's compacted one, forwarded as sent): the
     // window holds none of the stored line, and all of it is the older pool.
-    let start = if rebase {
+    let mut start = if rebase {
         history.len()
     } else {
         window_start(history, settings.recent_n, window_step, continue_round)
     };
     let mut window: Vec<StoredMessage> =
         store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
+    // A provider's compaction in the window (a compaction block or item its answer carried):
+    // the provider reads nothing before the newest one, so the window starts there and what
+    // came before joins the older pool, for recall (`wire::holds_compaction`).
+    if let Some(at) = window
+        .iter()
+        .rposition(|m| m.role == Role::Assistant && crate::wire::holds_compaction(&m.message))
+        .filter(|&at| at > 0)
+    {
+        let turn = window[at].turn;
+        window.drain(..at);
+        start = history.partition_point(|e| e.turn < turn);
+    }
     // The rebase's split: the client's messages before its newest question stand as the
     // window, the rest as the new messages (the recalled turns go between).
     let opener = rebase.then(|| {
@@ -332,20 +347,27 @@ pub fn plan_for_user(
         u64::from(r.tokens) + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS) + 16
     });
 
-    // Recall: the older pool is everything before the window.
+    // Recall: the older pool is everything before the window; in a tool loop, everything
+    // before the window the loop's opening question had, so every step recalls what the first
+    // did (`loop_pool_end`).
     let started = Instant::now();
     let mut recalled: Vec<RecalledTurn> = Vec::new();
     let searching = settings.relevance_enabled && settings.relevance_top_k > 0;
-    let query = (searching && (start > 0 || user.is_some())).then(|| match opener {
+    let pool_end = match opener {
+        Some(_) => start,
+        None => loop_pool_end(history, &new_turns, &window, settings.recent_n, step_over)
+            .unwrap_or(start),
+    };
+    let query = (searching && (pool_end > 0 || user.is_some())).then(|| match opener {
         // A rebase's new messages hold the client's summary: the question is the newest one.
         Some(opener) => messages[opener].text(),
         None => query_text(&new_turns, &texts, &window),
     });
     if let Some(query) = query.as_deref()
-        && start > 0
+        && pool_end > 0
     {
         let before_turn =
-            history[start.min(history.len() - 1)].turn + u64::from(start == history.len());
+            history[pool_end.min(history.len() - 1)].turn + u64::from(pool_end == history.len());
         let hits = memory.recall.search(
             store,
             &conversation,
@@ -704,6 +726,30 @@ fn elsewhere_name(line: &str) -> String {
 /// results, or a retry).
 fn exchange_has_user(new_turns: &[Message]) -> bool {
     new_turns.iter().any(Message::opens_round)
+}
+
+/// In a tool loop (the new messages continue a round opened by a stored user message), where
+/// recall's pool ends: the window's start over the history the loop's opening question found,
+/// as the request that sent it computed it. The pool, like the query, is then the same at
+/// every step of the loop, so the recalled turns are too, and the loop's own messages (stored
+/// since) never reach it. `None`: no loop.
+fn loop_pool_end(
+    history: &[crate::store::Entry],
+    new_turns: &[Message],
+    window: &[StoredMessage],
+    recent_n: usize,
+    step_over: impl Fn(&[crate::store::Entry]) -> usize,
+) -> Option<usize> {
+    if exchange_has_user(new_turns) {
+        return None;
+    }
+    let opening = window
+        .iter()
+        .rev()
+        .find(|m| crate::message::opens_round(m.role, &m.message))?;
+    let opened = history.partition_point(|e| e.turn < opening.turn);
+    let before = &history[..opened];
+    Some(window_start(before, recent_n, step_over(before), false))
 }
 
 /// What recall searches with: the new messages; when they continue a round (a tool loop's

@@ -226,15 +226,31 @@ pub fn rebase<S: Marked, I: Marked>(
     if m < 2 || n == 0 || incoming[0].role() == Role::Tool {
         return None;
     }
-    let Alignment::Append { from } = alignment else {
-        return None;
-    };
-    // Step 1 of `align`: the request continues the stored line.
-    if from > 0
-        && incoming[from - 1].fingerprint() == stored[n - 1].fingerprint()
-        && ends_match(stored, incoming, from)
-    {
-        return None;
+    match alignment {
+        // Step 1 of `align`: the request continues the stored line.
+        Alignment::Append { from }
+            if from > 0
+                && incoming[from - 1].fingerprint() == stored[n - 1].fingerprint()
+                && ends_match(stored, incoming, from) =>
+        {
+            return None;
+        }
+        Alignment::Append { .. } => {}
+        // A history that leaves the stored line yet holds its newest message past the point
+        // where it left is the client's own edit of its history, not a branch: a branch goes
+        // on from an earlier message and never holds what the line said after it. So is the
+        // next request of a client that compacted (its history holds the stored messages in
+        // its own order, the rebase stored only what was new).
+        Alignment::Branch { from, .. } => {
+            let newest = stored[n - 1].fingerprint();
+            if !incoming[from.min(m)..]
+                .iter()
+                .any(|message| message.fingerprint() == newest)
+            {
+                return None;
+            }
+        }
+        Alignment::ReplaceLastReply { .. } => return None,
     }
     let on_line: std::collections::HashSet<u64> = stored.iter().map(Marked::fingerprint).collect();
     let known: Vec<bool> = incoming
@@ -345,6 +361,17 @@ mod tests {
         assert_eq!(
             rebased("u0 u1 a1 u2 a2", "u1 u2 u0 u8 u3"),
             Some(vec![true, true, true, false, false])
+        );
+        // The next request of a client that compacted: its history in its own order, every
+        // message stored, the last answer and a new question past them.
+        assert_eq!(
+            rebased("u1 a1 u2 a2 u9 u3 a3", "u9 a2 u3 a3 u4"),
+            Some(vec![true, true, true, true, false])
+        );
+        // A client's own edit of an earlier message (a pruned tool output), going on.
+        assert_eq!(
+            rebased("u1 a1 t1 u2 a2", "u1 a1 t7 u2 a2 u3"),
+            Some(vec![true, true, false, true, true, false])
         );
         // Not rebases: a continuation, a retry, a branch, a newest-only request, a new history
         // sharing nothing, a request that opens with tool results.

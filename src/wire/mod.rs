@@ -470,6 +470,33 @@ pub fn stored_form(message: Message) -> Message {
     }
 }
 
+/// Whether `raw` (a neutral message) holds a provider's compaction: an Anthropic `compaction`
+/// block or a Responses `compaction` item (server-side compaction, or `/v1/responses/compact`'s
+/// output). The provider reads nothing before the newest one ("drop items that came before the
+/// most recent compaction item"; "the API drops all message blocks prior to the compaction
+/// block"), so the recent window starts there and what came before is left to recall.
+pub fn holds_compaction(raw: &RawValue) -> bool {
+    if !raw.get().contains("compaction") {
+        return false;
+    }
+    let Some(wire) = Neutral::read(raw).and_then(|n| n.wire) else {
+        return false;
+    };
+    wire.anthropic
+        .iter()
+        .chain(wire.responses.iter())
+        .flatten()
+        .any(|part| {
+            #[derive(Deserialize)]
+            struct Typed<'a> {
+                #[serde(borrow, rename = "type")]
+                kind: Option<Cow<'a, str>>,
+            }
+            serde_json::from_str::<Typed>(part.get())
+                .is_ok_and(|t| t.kind.as_deref() == Some("compaction"))
+        })
+}
+
 /// The Responses id a stored reply came from.
 pub fn response_id_of(raw: &RawValue) -> Option<String> {
     if !raw.get().contains("\"response_id\"") {
@@ -487,6 +514,55 @@ fn parsed(raw: Box<RawValue>, path: &str) -> Result<Message, InvalidRequest> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_providers_compaction_is_found_in_either_format_and_nowhere_else() {
+        let raw = |v: Value| RawValue::from_string(v.to_string()).unwrap();
+        let anthropic = json!({"role": "assistant", "content": "ok", "_wire": {"anthropic": [
+            {"type": "compaction", "content": "Summary: …"}, {"type": "text", "text": "ok"}]}});
+        assert!(holds_compaction(&raw(anthropic)));
+        let responses = json!({"role": "assistant", "content": null, "_wire": {"responses": [
+            {"type": "compaction", "id": "cmp_1", "encrypted_content": "e"}]}});
+        assert!(holds_compaction(&raw(responses)));
+        // The word in a text, or another item type, is no compaction.
+        let said = json!({"role": "assistant", "content": "type compaction", "_wire": {"anthropic": [
+            {"type": "text", "text": "\"type\":\"compaction\""}]}});
+        assert!(!holds_compaction(&raw(said)));
+        let trigger = json!({"role": "assistant", "content": null, "_wire": {"responses": [
+            {"type": "compaction_trigger"}]}});
+        assert!(!holds_compaction(&raw(trigger)));
+        assert!(!holds_compaction(&raw(
+            json!({"role": "user", "content": "compaction"})
+        )));
+    }
+
+    #[test]
+    fn a_stored_message_keeps_no_cache_marker() {
+        let message = Message::parse(
+            RawValue::from_string(
+                json!({"role": "user", "content": "q", "_wire": {"anthropic": [
+                    {"type": "text", "text": "q", "cache_control": {"type": "ephemeral"}},
+                    {"type": "tool_result", "tool_use_id": "t", "content": [
+                        {"type": "text", "text": "r", "cache_control": {"type": "ephemeral"}}]}]}})
+                .to_string(),
+            )
+            .unwrap(),
+            "m",
+        )
+        .unwrap();
+        let fingerprint = message.fingerprint;
+        let stored = stored_form(message);
+        assert!(
+            !stored.raw.get().contains("cache_control"),
+            "{}",
+            stored.raw.get()
+        );
+        assert!(stored.raw.get().contains("tool_result"));
+        assert_eq!(
+            stored.fingerprint, fingerprint,
+            "a marker is no part of the message"
+        );
+    }
 
     #[test]
     fn chat_drops_wire_and_opaque_only_messages() {

@@ -116,6 +116,10 @@ pub enum Reply {
     /// `encrypted_content`, or an Anthropic `thinking` block with this `signature` (chat
     /// completions ignore it).
     Reasoning(String, Box<Reply>),
+    /// `inner`, preceded by the provider's compaction of the conversation so far (server-side
+    /// compaction): an Anthropic `compaction` block with this text as its `content`, or a
+    /// Responses `compaction` item with it as `encrypted_content` (chat completions ignore it).
+    Compaction(String, Box<Reply>),
 }
 
 /// How the default answers are shaped.
@@ -574,13 +578,19 @@ fn refuse(shared: &Shared, recorded: &Recorded) -> Option<Response<MockBody>> {
 fn issue(shared: &Shared, reply: &Reply, anthropic: bool) {
     let mut reply = reply;
     let mut issued = lock(&shared.issued);
-    while let Reply::Reasoning(secret, inner) = reply {
-        if anthropic {
-            issued.thinking(secret, THINKING_TEXT);
-        } else {
-            issued.encrypted_content(secret);
-        }
-        reply = inner;
+    loop {
+        reply = match reply {
+            Reply::Reasoning(secret, inner) => {
+                if anthropic {
+                    issued.thinking(secret, THINKING_TEXT);
+                } else {
+                    issued.encrypted_content(secret);
+                }
+                inner
+            }
+            Reply::Compaction(_, inner) => inner,
+            _ => break,
+        };
     }
 }
 
@@ -627,8 +637,8 @@ async fn chat_answer(
     options: &MockOptions,
 ) -> Response<MockBody> {
     let mut reply = resolve(reply, auto).await;
-    // Chat completions have no opaque reasoning part.
-    while let Reply::Reasoning(_, inner) = reply {
+    // Chat completions have no opaque reasoning part, nor compaction.
+    while let Reply::Reasoning(_, inner) | Reply::Compaction(_, inner) = reply {
         reply = *inner;
     }
     let stream = request
@@ -761,7 +771,11 @@ fn sse_events(
             }
             return events;
         }
-        Reply::Status(..) | Reply::Delay(..) | Reply::Auto | Reply::Reasoning(..) => {}
+        Reply::Status(..)
+        | Reply::Delay(..)
+        | Reply::Auto
+        | Reply::Reasoning(..)
+        | Reply::Compaction(..) => {}
     }
     if let Some(usage) = usage {
         events.push(Ok(format!(
@@ -884,6 +898,9 @@ async fn resolve(mut reply: Reply, auto: Reply) -> Reply {
         Reply::Auto => auto,
         Reply::Reasoning(secret, inner) => {
             Reply::Reasoning(secret, Box::new(Box::pin(resolve(*inner, auto)).await))
+        }
+        Reply::Compaction(summary, inner) => {
+            Reply::Compaction(summary, Box::new(Box::pin(resolve(*inner, auto)).await))
         }
         other => other,
     }
@@ -1056,6 +1073,11 @@ fn responses_output(reply: &Reply, id: u64) -> Vec<Value> {
             items.extend(responses_output(inner, id));
             items
         }
+        Reply::Compaction(summary, inner) => {
+            let mut items = vec![json!({"type": "compaction", "id": format!("cmp_mock_{id}"), "encrypted_content": summary})];
+            items.extend(responses_output(inner, id));
+            items
+        }
         Reply::ToolCalls(calls) => calls
             .iter()
             .enumerate()
@@ -1222,6 +1244,11 @@ fn anthropic_content(reply: &Reply) -> Vec<Value> {
             blocks.extend(anthropic_content(inner));
             blocks
         }
+        Reply::Compaction(summary, inner) => {
+            let mut blocks = vec![json!({"type": "compaction", "content": summary})];
+            blocks.extend(anthropic_content(inner));
+            blocks
+        }
         Reply::ToolCalls(calls) => calls
             .iter()
             .map(|(call_id, name, args)| {
@@ -1337,6 +1364,13 @@ fn anthropic_events(
                 events.push(event("content_block_start", json!({"index": index, "content_block": {"type": "thinking", "thinking": "", "signature": ""}})));
                 events.push(event("content_block_delta", json!({"index": index, "delta": {"type": "thinking_delta", "thinking": block["thinking"]}})));
                 events.push(event("content_block_delta", json!({"index": index, "delta": {"type": "signature_delta", "signature": block["signature"]}})));
+            }
+            Some("compaction") => {
+                events.push(event(
+                    "content_block_start",
+                    json!({"index": index, "content_block": {"type": "compaction", "content": ""}}),
+                ));
+                events.push(event("content_block_delta", json!({"index": index, "delta": {"type": "compaction_delta", "content": block["content"]}})));
             }
             Some("tool_use") => {
                 events.push(event("content_block_start", json!({"index": index, "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}})));
