@@ -848,3 +848,83 @@ async fn a_user_exported_and_imported_comes_back_with_memories_and_archive() {
     .await;
     assert_eq!(bad.status, 400);
 }
+
+#[tokio::test]
+async fn the_preview_of_a_request_with_a_user_shows_her_memories_and_other_conversations() {
+    use support_admin::{ADMIN_TOKEN, admin, conversation_path, tenant};
+    let mock = MockUpstream::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = start(&mock, dir.path()).await;
+    // Ana said a fact in conversation `a`, has a memory, and talks in `b`.
+    say(&proxy, TOKEN, Some("ana"), "a", FACT).await;
+    let base = format!("/admin/v1/users/{}/ana", tenant(TOKEN));
+    let created = admin(
+        &proxy,
+        "POST",
+        &format!("{base}/memories"),
+        r#"{"text": "The user is vegetarian", "type": "preference"}"#,
+    )
+    .await;
+    assert_eq!(created.status, 200, "{:?}", created.body);
+    say(&proxy, TOKEN, Some("ana"), "b", "hello again").await;
+    let accessed_before: Vec<i64> = memories_of(&proxy, "ana")
+        .iter()
+        .map(|m| m.last_accessed_ms)
+        .collect();
+
+    let path = format!("{}/preview", conversation_path(TOKEN, "default", "b"));
+    let request = body(&[support::user(QUESTION)]).to_string();
+    let preview_as = |user: Option<&'static str>| {
+        let (proxy, path, request) = (&proxy, path.clone(), request.clone());
+        async move {
+            let auth = format!("Bearer {ADMIN_TOKEN}");
+            let mut headers = vec![
+                ("content-type", "application/json"),
+                ("authorization", auth.as_str()),
+            ];
+            if let Some(user) = user {
+                headers.push(("x-memory-user-id", user));
+            }
+            send("POST", &proxy.url(&path), &headers, request).await
+        }
+    };
+    let requests_before = mock.recorded().len();
+    let stored_before = proxy.stored(Some(TOKEN), "b").len();
+    let with_user = preview_as(Some("ana")).await;
+    assert_eq!(with_user.status, 200, "{:?}", with_user.body);
+    let forwarded = with_user.json()["messages"].to_string();
+    assert!(forwarded.contains("vegetarian"), "her memory: {forwarded}");
+    assert!(
+        forwarded.contains("Lisbon"),
+        "the turn from her other conversation: {forwarded}"
+    );
+
+    let accessed_after: Vec<i64> = memories_of(&proxy, "ana")
+        .iter()
+        .map(|m| m.last_accessed_ms)
+        .collect();
+    assert_eq!(
+        accessed_after, accessed_before,
+        "a preview refreshes no memory"
+    );
+
+    // What the request itself would forward is what the preview showed.
+    let answer = say(&proxy, TOKEN, Some("ana"), "b", QUESTION).await;
+    assert_eq!(answer.status, 200);
+    let sent = serde_json::Value::Array(mock.last_messages()).to_string();
+    assert_eq!(sent, forwarded);
+
+    // Without the header: neither; a bad header is a 400 naming it.
+    let without = preview_as(None).await.json()["messages"].to_string();
+    assert!(
+        !without.contains("vegetarian") && !without.contains("Lisbon"),
+        "{without}"
+    );
+    let bad = preview_as(Some("../ana")).await;
+    assert_eq!(bad.status, 400);
+    assert!(String::from_utf8_lossy(&bad.body).contains("x-memory-user-id"));
+
+    // The previews stored nothing and called no upstream (only the chat request did).
+    assert_eq!(mock.recorded().len(), requests_before + 1);
+    assert_eq!(proxy.stored(Some(TOKEN), "b").len(), stored_before + 2);
+}

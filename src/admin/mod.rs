@@ -387,7 +387,9 @@ async fn read_body(state: &AppState, body: Incoming) -> Result<Bytes, AdminError
 
 /// The exact `messages` memproxy would forward for a chat-completions body, planned against
 /// the stored conversation without forwarding or storing anything. `X-Memory-*` setting
-/// headers on the admin request apply as they would on a chat request.
+/// headers on the admin request apply as they would on a chat request, `X-Memory-User-Id`
+/// included: the user's memories and the turns recalled from their other conversations are
+/// then in the preview, as they would be in the forwarded prompt.
 fn preview(
     state: &AppState,
     memory: &Memory,
@@ -399,6 +401,7 @@ fn preview(
         return Err(missing(key));
     }
     let settings = settings_for(state.config.profile(&key.agent).clone(), headers)?;
+    let user = preview_user(headers)?;
     let mut request = ChatRequest::parse(body)
         .map_err(|err| AdminError::BadRequest(format!("the chat-completions body: {err}")))?;
     let messages = std::mem::take(&mut request.messages);
@@ -410,6 +413,7 @@ fn preview(
     let planned = plan(
         memory,
         key,
+        user.as_deref(),
         &settings,
         limits,
         request.model.clone(),
@@ -443,6 +447,20 @@ fn preview(
             .then(|| serde_json::to_value(&planned.summary).unwrap_or(Value::Null)),
         "budget": budget,
     }))
+}
+
+/// The user a preview plans for: its `X-Memory-User-Id` header, checked as on a chat request.
+fn preview_user(headers: &HeaderMap) -> Result<Option<String>, AdminError> {
+    let header = crate::proxy::identify::USER_HEADER;
+    let Some(value) = headers.get(header) else {
+        return Ok(None);
+    };
+    match value.to_str() {
+        Ok(user) if is_valid_id(user) => Ok(Some(user.to_string())),
+        _ => Err(AdminError::BadRequest(format!(
+            "header `{header}` must be 1-128 characters from A-Za-z0-9._:@-"
+        ))),
+    }
 }
 
 /// The agent's profile with the request's `X-Memory-*` setting headers applied.

@@ -107,22 +107,10 @@ pub enum PlanError {
     TooManyTokens { limit: u64 },
 }
 
-/// Plans a request that names no user: [`plan_for_user`] without long-term memory.
-pub fn plan(
-    memory: &Memory,
-    key: &ConversationKey,
-    settings: &MemorySettings,
-    limits: Limits,
-    model: Option<String>,
-    messages: Vec<Message>,
-) -> Result<Plan, PlanError> {
-    plan_for_user(memory, key, None, settings, limits, model, messages)
-}
-
 /// Plans a request of conversation `key`; with a `user` (and `long_term_enabled`) long-term
 /// memory takes part (`crate::longterm`): the user's other conversations are searched too, and
 /// a conversation deleted by its TTL is rebuilt from the user's archive.
-pub fn plan_for_user(
+pub fn plan(
     memory: &Memory,
     key: &ConversationKey,
     user: Option<&str>,

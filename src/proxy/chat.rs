@@ -524,7 +524,7 @@ async fn before(
         }
         let messages = std::mem::take(&mut request.messages);
         let model = request.model.clone();
-        let planned = plan::plan_for_user(
+        let planned = plan::plan(
             &job_memory,
             &job_key,
             user.as_deref(),
