@@ -231,6 +231,7 @@ fn run_plan(f: &Fixture, question: &Message) -> usize {
     let p = plan(
         f.state.memory().unwrap(),
         &f.key,
+        None,
         &settings(),
         limits(&f.state),
         Some("gpt-4o-mini".into()),
@@ -371,6 +372,7 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
             let p = plan(
                 f.state.memory().unwrap(),
                 &f.key,
+                None,
                 &settings(),
                 limits(&f.state),
                 None,
