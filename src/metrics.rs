@@ -98,15 +98,17 @@ impl Route {
 pub enum Stage {
     Reconcile,
     Recall,
+    Budget,
     Assemble,
     Commit,
     Summary,
 }
 
 impl Stage {
-    pub const ALL: [Stage; 5] = [
+    pub const ALL: [Stage; 6] = [
         Stage::Reconcile,
         Stage::Recall,
+        Stage::Budget,
         Stage::Assemble,
         Stage::Commit,
         Stage::Summary,
@@ -116,6 +118,7 @@ impl Stage {
         match self {
             Stage::Reconcile => "reconcile",
             Stage::Recall => "recall",
+            Stage::Budget => "budget",
             Stage::Assemble => "assemble",
             Stage::Commit => "commit",
             Stage::Summary => "summary",

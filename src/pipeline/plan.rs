@@ -32,6 +32,7 @@ const REFRESH_AFTER_MS: i64 = 3_600_000;
 pub struct Timings {
     pub reconcile: Duration,
     pub recall: Duration,
+    pub budget: Duration,
     pub assemble: Duration,
     /// A summary made on the request's path (synchronous compression).
     pub summary: Option<Duration>,
@@ -110,6 +111,10 @@ pub enum PlanError {
 /// Plans a request of conversation `key`; with a `user` (and `long_term_enabled`) long-term
 /// memory takes part (`crate::longterm`): the user's other conversations are searched too, and
 /// a conversation deleted by its TTL is rebuilt from the user's archive.
+///
+/// The stages run in the order of the diagram (ARCHITECTURE.md), under the conversation's
+/// lock, each a function below with its own output: reconcile → window → summary → recall →
+/// long-term memory → budget → assemble.
 pub fn plan(
     memory: &Memory,
     key: &ConversationKey,
@@ -122,34 +127,156 @@ pub fn plan(
     // A store whose writes fail (a full disk) is not planned against: what it holds in memory
     // may never reach the disk. It is retried here, once a retry is due.
     memory.writable()?;
-    let store = &memory.store;
-    let user = user
-        .filter(|_| settings.long_term_enabled)
-        .map(|user| OwnerKey::user(&key.tenant, user));
-    if let Some(user) = &user
-        && limits.writes
-        && let Err(err) = memory.longterm.rebuild(store, user, key)
-    {
-        tracing::warn!(error = %err, "rebuilding the conversation from the user's archive failed");
-    }
+    let user = long_term_user(memory, key, user, settings, limits);
     let mut timings = Timings::default();
-    let model_name = model.as_deref();
     let started = Instant::now();
-    let handle = store.conversation(key)?;
+    let handle = memory.store.conversation(key)?;
     let mut conversation = lock(&handle);
     // Another replica sharing the store may have written since this one cached it.
     catch_up(memory, key, &mut conversation)?;
-    let conversation = conversation;
-    let entries = &conversation.entries;
+    let on = Planning {
+        memory,
+        conversation: &conversation,
+        key,
+        user: user.as_ref(),
+        settings,
+        limits,
+        model: model.as_deref(),
+    };
 
+    let request = reconciled(&on, messages)?;
+    timings.reconcile = started.elapsed();
+    let latest_summary = match &conversation.meta {
+        Some(meta) if settings.compression_enabled => {
+            memory.store.latest_summary(&conversation.key, meta.id)?
+        }
+        _ => None,
+    };
+    // What precedes the window: the instructions and the summary.
+    let head =
+        request.instruction_tokens + latest_summary.as_ref().map_or(0, |r| u64::from(r.tokens));
+    let steps = Steps { settings, head };
+    let mut window = windowed(&on, &request, &steps)?;
+    let mut summary = summarized(&on, &request, &window, latest_summary)?;
+
+    let started = Instant::now();
+    let mut recall = recalled(&on, &request, &window, &steps)?;
+    timings.recall = started.elapsed();
+    let long_term = long_term(
+        &on,
+        &request,
+        &window,
+        recall.query.as_deref(),
+        &mut summary,
+    );
+
+    let started = Instant::now();
+    let budget = budgeted(
+        &on,
+        &request,
+        &summary,
+        &long_term,
+        &mut recall.turns,
+        &mut window.messages,
+    );
+    timings.budget = started.elapsed();
+
+    let started = Instant::now();
+    let mut plan = assembled(
+        &on, &handle, request, window, summary, recall, long_term, budget,
+    );
+    drop(conversation);
+    timings.assemble = started.elapsed();
+    plan.timings = timings;
+    Ok(plan)
+}
+
+/// What every stage of one plan reads: the conversation (locked), whose request it is, and
+/// the settings and limits it runs under.
+struct Planning<'a> {
+    memory: &'a Memory,
+    conversation: &'a crate::store::Conversation,
+    key: &'a ConversationKey,
+    /// The user, when long-term memory takes part.
+    user: Option<&'a OwnerKey>,
+    settings: &'a MemorySettings,
+    limits: Limits,
+    /// The request's model.
+    model: Option<&'a str>,
+}
+
+/// The user whose long-term memory takes part (with `long_term_enabled`); a conversation of
+/// theirs deleted by its TTL is rebuilt from their archive first (not by a preview).
+fn long_term_user(
+    memory: &Memory,
+    key: &ConversationKey,
+    user: Option<&str>,
+    settings: &MemorySettings,
+    limits: Limits,
+) -> Option<OwnerKey> {
+    let user = user
+        .filter(|_| settings.long_term_enabled)
+        .map(|user| OwnerKey::user(&key.tenant, user))?;
+    if limits.writes
+        && let Err(err) = memory.longterm.rebuild(&memory.store, &user, key)
+    {
+        tracing::warn!(error = %err, "rebuilding the conversation from the user's archive failed");
+    }
+    Some(user)
+}
+
+/// The reconcile stage's output: the request's messages aligned with the stored line.
+struct Reconciled {
+    /// The request's messages (memproxy's own echoed back left out), instructions included.
+    messages: Vec<Message>,
+    /// The indexes in `messages` of the conversation's messages (not instructions); of a
+    /// rebase, only those not stored yet.
+    turn_index: Vec<usize>,
+    marks: Vec<Mark>,
+    alignment: Alignment,
+    /// A client's own compaction (`reconcile::rebase`): its history is forwarded as sent.
+    rebase: bool,
+    /// The index in `marks` of the first new message.
+    from: usize,
+    /// How many stored messages stay on the main line for this request.
+    kept: usize,
+    /// A branch: the first stored turn that leaves the main line with it.
+    closing_from: Option<u64>,
+    /// The new messages as they will be stored, their texts (text, recall text) and tokens.
+    new_turns: Vec<Message>,
+    texts: Vec<(String, String)>,
+    new_tokens: Vec<u32>,
+    /// The client's instructions, counted once (cached per distinct message): they size the
+    /// window's step and are part of the budget's fixed tokens.
+    instruction_tokens: u64,
+}
+
+impl Reconciled {
+    /// The stored messages that stay on the main line for this request: a replaced reply
+    /// and the stored line past a branch are not part of its history.
+    fn history<'a>(&self, on: &Planning<'a>) -> &'a [crate::store::Entry] {
+        &on.conversation.entries[..self.kept]
+    }
+
+    /// The new messages continue the last stored round (tool results, or nothing new).
+    fn continues_round(&self) -> bool {
+        self.marks
+            .get(self.from)
+            .is_none_or(|m| m.role != Role::User)
+    }
+}
+
+/// Reconcile: which of the request's messages are new, a retry, a branch or a rebase, checked
+/// against the limits on what one request may add.
+fn reconciled(on: &Planning<'_>, messages: Vec<Message>) -> Result<Reconciled, PlanError> {
+    let entries = &on.conversation.entries;
     // Messages memproxy itself injected, echoed back by a client, are neither stored nor sent
     // twice.
     let messages: Vec<Message> = messages
         .into_iter()
         .filter(|m| !is_injected_echo(m))
         .collect();
-
-    // Reconcile: the request's conversation messages (instructions are not turns).
+    // The request's conversation messages (instructions are not turns).
     let turn_index: Vec<usize> = messages
         .iter()
         .enumerate()
@@ -170,19 +297,21 @@ pub fn plan(
             && marks.last().map(|m| m.fingerprint) == Some(entries[entries.len() - 2].fingerprint);
         (known, retried)
     });
-    let (turn_index, marks, alignment) = match &rebased {
+    let rebase = rebased.is_some();
+    let (turn_index, marks, alignment) = match rebased {
         None => (turn_index, marks, alignment),
         Some((known, retried)) => {
             let unknown: Vec<usize> = turn_index
                 .iter()
-                .zip(known)
+                .zip(&known)
                 .filter(|(_, known)| !**known)
                 .map(|(&i, _)| i)
                 .collect();
             let marks: Vec<Mark> = unknown.iter().map(|&i| Mark::from(&messages[i])).collect();
-            let alignment = if *retried {
+            let alignment = if retried {
                 Alignment::ReplaceLastReply { from: 0 }
-            } else if let Some(keep) = summarizer_exchange(store, &conversation, &marks, &messages)?
+            } else if let Some(keep) =
+                summarizer_exchange(&on.memory.store, on.conversation, &marks, &messages)?
             {
                 // The stored line's last exchange was the client's own summarizer call: its
                 // answer is now the client's summary. It leaves the main line (a closed
@@ -194,16 +323,13 @@ pub fn plan(
             (unknown, marks, alignment)
         }
     };
-    let rebase = rebased.is_some();
     let from = alignment.from().min(marks.len());
-    // What stays on the main line: a replaced reply and the stored line past a branch are
-    // not part of this request's history.
-    let history = &entries[..alignment.kept(entries.len())];
-    // A branch: the first stored turn that leaves the main line with it.
+    let kept = alignment.kept(entries.len());
     let closing_from = match alignment {
-        Alignment::Branch { .. } => entries.get(history.len()).map(|e| e.turn),
+        Alignment::Branch { .. } => entries.get(kept).map(|e| e.turn),
         Alignment::Append { .. } | Alignment::ReplaceLastReply { .. } => None,
     };
+    let limits = on.limits;
     let new_count = turn_index.len() - from;
     if new_count > limits.max_new_messages {
         return Err(PlanError::TooManyMessages {
@@ -222,7 +348,7 @@ pub fn plan(
     let mut new_total: u64 = 0;
     for message in &new_turns {
         let (text, search) = message.text_and_search_text();
-        let counted = tokens::count_message(model_name, &text);
+        let counted = tokens::count_message(on.model, &text);
         new_total += u64::from(counted);
         if new_total > limits.max_new_tokens {
             return Err(PlanError::TooManyTokens {
@@ -232,64 +358,102 @@ pub fn plan(
         texts.push((text, search));
         new_tokens.push(counted);
     }
-
-    timings.reconcile = started.elapsed();
-
-    // Window: it must hold the current round when the new messages continue it. Its step,
-    // when `auto`, is chosen from the conversation's message lengths and the instructions.
-    let continue_round = marks.get(from).is_none_or(|m| m.role != Role::User);
-    let latest_summary = match &conversation.meta {
-        Some(meta) if settings.compression_enabled => {
-            store.latest_summary(&conversation.key, meta.id)?
-        }
-        _ => None,
-    };
-    // The client's instructions, counted once (cached per distinct message): they size the
-    // window's step and are part of the budget's fixed tokens.
     let instruction_tokens: u64 = messages
         .iter()
         .filter(|m| m.is_instruction())
-        .map(|m| u64::from(tokens::count_cached(model_name, m.fingerprint, || m.text())))
+        .map(|m| u64::from(tokens::count_cached(on.model, m.fingerprint, || m.text())))
         .sum();
-    // What precedes the window: the instructions and the summary.
-    let head = instruction_tokens + latest_summary.as_ref().map_or(0, |r| u64::from(r.tokens));
-    let step_over = |history: &[crate::store::Entry]| {
-        settings
+    Ok(Reconciled {
+        messages,
+        turn_index,
+        marks,
+        alignment,
+        rebase,
+        from,
+        kept,
+        closing_from,
+        new_turns,
+        texts,
+        new_tokens,
+        instruction_tokens,
+    })
+}
+
+/// The window's step over a history: `window_step`, or when `auto`, the cheapest for the
+/// conversation's message lengths and what precedes the window (`head`: instructions and
+/// summary).
+struct Steps<'a> {
+    settings: &'a MemorySettings,
+    head: u64,
+}
+
+impl Steps<'_> {
+    fn over(&self, history: &[crate::store::Entry]) -> usize {
+        self.settings
             .window_step
-            .unwrap_or_else(|| auto_step(history, settings.recent_n, head))
-    };
-    let window_step = step_over(history);
+            .unwrap_or_else(|| auto_step(history, self.settings.recent_n, self.head))
+    }
+}
+
+/// The window stage's output.
+struct Windowed {
+    /// Where the window starts in the request's history (an index into its entries): the
+    /// older pool is everything before it.
+    start: usize,
+    /// The messages forwarded verbatim: stored ones, or a rebase's own history before its
+    /// newest question.
+    messages: Vec<StoredMessage>,
+    /// The `window_step` in effect (`auto` resolved).
+    step: usize,
+    /// A rebase: the index in the request's messages of its newest question, where its own
+    /// history (standing as the window) ends.
+    opener: Option<usize>,
+}
+
+/// Window: the stored messages forwarded verbatim (`window.rs`); it holds the current round
+/// when the new messages continue it, and starts no earlier than a provider's compaction.
+fn windowed(
+    on: &Planning<'_>,
+    request: &Reconciled,
+    steps: &Steps<'_>,
+) -> Result<Windowed, PlanError> {
+    let history = request.history(on);
+    let settings = on.settings;
+    let step = steps.over(history);
     // A rebase brings its own history (the client's compacted one, forwarded as sent): the
     // window holds none of the stored line, and all of it is the older pool.
-    let mut start = if rebase {
+    let mut start = if request.rebase {
         history.len()
     } else {
-        window_start(history, settings.recent_n, window_step, continue_round)
+        window_start(history, settings.recent_n, step, request.continues_round())
     };
-    let mut window: Vec<StoredMessage> =
-        store.messages(&conversation, history[start..].iter().map(|e| e.turn))?;
+    let mut messages: Vec<StoredMessage> = on
+        .memory
+        .store
+        .messages(on.conversation, history[start..].iter().map(|e| e.turn))?;
     // A provider's compaction in the window (a compaction block or item its answer carried):
     // the provider reads nothing before the newest one, so the window starts there and what
     // came before joins the older pool, for recall (`wire::holds_compaction`).
-    if let Some(at) = window
+    if let Some(at) = messages
         .iter()
         .rposition(|m| m.role == Role::Assistant && crate::wire::holds_compaction(&m.message))
         .filter(|&at| at > 0)
     {
-        let turn = window[at].turn;
-        window.drain(..at);
+        let turn = messages[at].turn;
+        messages.drain(..at);
         start = history.partition_point(|e| e.turn < turn);
     }
     // The rebase's split: the client's messages before its newest question stand as the
     // window, the rest as the new messages (the recalled turns go between).
-    let opener = rebase.then(|| {
-        messages
+    let opener = request.rebase.then(|| {
+        request
+            .messages
             .iter()
             .rposition(|m| !m.is_instruction() && m.opens_round())
             .unwrap_or(0)
     });
     if let Some(opener) = opener {
-        window = messages[..opener]
+        messages = request.messages[..opener]
             .iter()
             .map(|m| StoredMessage {
                 turn: 0,
@@ -300,98 +464,133 @@ pub fn plan(
                 tokens: if m.is_instruction() {
                     0
                 } else {
-                    tokens::count_cached(model_name, m.fingerprint, || m.text())
+                    tokens::count_cached(on.model, m.fingerprint, || m.text())
                 },
                 fingerprint: m.fingerprint,
                 message: m.raw.clone(),
             })
             .collect();
     }
+    Ok(Windowed {
+        start,
+        messages,
+        step,
+        opener,
+    })
+}
 
-    // Summary: the newest one goes in the prompt (of a branch: the newest that covers only
-    // turns it keeps); a new one may be due. With the window anchored, a new summary waits for
-    // the next jump (`window.rs`); a synchronous one is made for the request that waits for
-    // it, so it is used at once.
-    // A rebase carries the client's own summary: none of memproxy's is added or made.
-    let mut summary = if rebase {
-        super::summary::SummaryPlan::default()
-    } else {
-        plan_summary(
-            memory,
-            &conversation,
-            settings,
-            latest_summary,
-            start,
-            closing_from,
-            model_name,
-            limits.writes,
-        )?
-    };
-    if settings.compression_async && !rebase {
-        let made_by = summary_adoption_cutoff(history, settings.recent_n, window_step);
-        adopt_at_jumps(memory, &conversation, &mut summary, made_by)?;
+/// Summary: the newest one goes in the prompt (of a branch: the newest that covers only turns
+/// it keeps); a new one may be due. With the window anchored, a new summary waits for the next
+/// jump (`window.rs`); a synchronous one is made for the request that waits for it, so it is
+/// used at once. A rebase carries the client's own summary: none of memproxy's is added or
+/// made.
+fn summarized(
+    on: &Planning<'_>,
+    request: &Reconciled,
+    window: &Windowed,
+    latest: Option<SummaryRecord>,
+) -> Result<super::summary::SummaryPlan, PlanError> {
+    if request.rebase {
+        return Ok(super::summary::SummaryPlan::default());
     }
-    let summary_tokens = summary.current.as_ref().map_or(0, |r| {
-        u64::from(r.tokens) + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS) + 16
-    });
+    let settings = on.settings;
+    let mut summary = plan_summary(
+        on.memory,
+        on.conversation,
+        settings,
+        latest,
+        window.start,
+        request.closing_from,
+        on.model,
+        on.limits.writes,
+    )?;
+    if settings.compression_async {
+        let made_by = summary_adoption_cutoff(request.history(on), settings.recent_n, window.step);
+        adopt_at_jumps(on.memory, on.conversation, &mut summary, made_by)?;
+    }
+    Ok(summary)
+}
 
-    // Recall: the older pool is everything before the window; in a tool loop, everything
-    // before the window the loop's opening question had, so every step recalls what the first
-    // did (`loop_pool_end`).
-    let started = Instant::now();
-    let mut recalled: Vec<RecalledTurn> = Vec::new();
+/// The recall stage's output.
+struct Recalled {
+    /// What recall searched with (`None`: it did not search).
+    query: Option<String>,
+    /// The recalled turns, fitted to `relevance_max_tokens`.
+    turns: Vec<RecalledTurn>,
+}
+
+/// Recall: the older pool is everything before the window; in a tool loop, everything before
+/// the window the loop's opening question had, so every step recalls what the first did
+/// (`loop_pool_end`). With a user, the user's other conversations compete for the same slots.
+fn recalled(
+    on: &Planning<'_>,
+    request: &Reconciled,
+    window: &Windowed,
+    steps: &Steps<'_>,
+) -> Result<Recalled, PlanError> {
+    let (settings, store) = (on.settings, &on.memory.store);
+    let history = request.history(on);
+    let mut turns: Vec<RecalledTurn> = Vec::new();
     let searching = settings.relevance_enabled && settings.relevance_top_k > 0;
-    let pool_end = match opener {
-        Some(_) => start,
-        None => loop_pool_end(history, &new_turns, &window, settings.recent_n, step_over)
-            .unwrap_or(start),
+    let pool_end = match window.opener {
+        Some(_) => window.start,
+        None => loop_pool_end(
+            history,
+            &request.new_turns,
+            &window.messages,
+            settings.recent_n,
+            steps,
+        )
+        .unwrap_or(window.start),
     };
-    let query = (searching && (pool_end > 0 || user.is_some())).then(|| match opener {
+    let query = (searching && (pool_end > 0 || on.user.is_some())).then(|| match window.opener {
         // A rebase's new messages hold the client's summary: the question is the newest one.
-        Some(opener) => messages[opener].text(),
-        None => query_text(&new_turns, &texts, &window),
+        Some(opener) => request.messages[opener].text(),
+        None => query_text(&request.new_turns, &request.texts, &window.messages),
     });
     if let Some(query) = query.as_deref()
         && pool_end > 0
     {
         let before_turn =
             history[pool_end.min(history.len() - 1)].turn + u64::from(pool_end == history.len());
-        let hits = memory.recall.search(
+        let hits = on.memory.recall.search(
             store,
-            &conversation,
+            on.conversation,
             settings.relevance_language,
             query,
             before_turn,
             settings.relevance_top_k,
         )?;
-        let found = store.messages(&conversation, hits.iter().map(|h| h.turn))?;
-        recalled = recalled_turns(&hits, found);
+        let found = store.messages(on.conversation, hits.iter().map(|h| h.turn))?;
+        turns = recalled_turns(&hits, found);
         // A rebase's history is the client's: what it already holds is not recalled again.
-        if rebase {
+        if request.rebase {
             let held: std::collections::HashSet<u64> =
-                messages.iter().map(|m| m.fingerprint).collect();
-            let held_turns: std::collections::HashSet<u64> = entries
+                request.messages.iter().map(|m| m.fingerprint).collect();
+            let held_turns: std::collections::HashSet<u64> = on
+                .conversation
+                .entries
                 .iter()
                 .filter(|e| held.contains(&e.fingerprint))
                 .map(|e| e.turn)
                 .collect();
-            recalled.retain(|r| !held_turns.contains(&r.turn));
+            turns.retain(|r| !held_turns.contains(&r.turn));
         }
     }
     // Long-term memory: the user's other conversations compete for the same slots.
-    if let (Some(user), Some(query)) = (&user, query.as_deref()) {
-        match memory.longterm.search(
+    if let (Some(user), Some(query)) = (on.user, query.as_deref()) {
+        match on.memory.longterm.search(
             store,
             user,
-            key,
+            on.key,
             settings.relevance_language,
             query,
             settings.relevance_top_k,
         ) {
             Ok(found) if !found.is_empty() => {
-                recalled.extend(elsewhere_turns(found));
-                recalled.sort_by(|a, b| b.score.total_cmp(&a.score));
-                recalled.truncate(settings.relevance_top_k);
+                turns.extend(elsewhere_turns(found));
+                turns.sort_by(|a, b| b.score.total_cmp(&a.score));
+                turns.truncate(settings.relevance_top_k);
             }
             Ok(_) => {}
             Err(err) => {
@@ -399,97 +598,143 @@ pub fn plan(
             }
         }
     }
-
     // The recalled turns fit `relevance_max_tokens`: the longest are cut to the passage that
     // answers the question.
     if let Some(query) = query.as_deref() {
         fit_recalled(
-            &mut recalled,
+            &mut turns,
             query,
             settings.relevance_language,
             settings.relevance_budget(),
-            model_name,
+            on.model,
         );
     }
+    Ok(Recalled { query, turns })
+}
 
-    timings.recall = started.elapsed();
+/// The long-term memory stage's output.
+#[derive(Default)]
+struct LongTerm {
+    /// The user's memories for the prompt, with their scores.
+    chosen: Vec<Chosen>,
+    /// Memories are due to be extracted once this exchange is stored: the model to use.
+    extraction_due: Option<String>,
+}
 
-    // Long-term memory: what is known about the user, and whether an extraction is due.
-    let mut chosen: Vec<Chosen> = Vec::new();
-    let mut extraction_due = None;
-    if let Some(user) = &user {
-        let query = query
-            .clone()
-            .unwrap_or_else(|| query_text(&new_turns, &texts, &window));
-        match memory.longterm.memories_for(
-            store,
-            user,
-            &key.agent,
-            &query,
-            settings,
-            memory.clock.now_ms(),
-        ) {
-            Ok(found) => chosen = found,
-            Err(err) => tracing::warn!(error = %err, "reading the user's memories failed"),
-        }
-        let new_user = new_turns.iter().filter(|m| m.role == Role::User).count() as u64;
-        match memory
-            .longterm
-            .extraction_due(store, user, key, new_user, settings.extraction_every)
-        {
-            Ok(true)
-                if limits.writes
-                    && settings.persist
-                    && memory.ledger.allow(
-                        &key.agent,
-                        crate::ledger::Task::Extraction,
-                        memory.clock.now_ms(),
-                    ) =>
-            {
-                extraction_due = Some(extraction_model(settings, model.as_deref()));
-            }
-            Ok(_) => {}
-            Err(err) => tracing::warn!(error = %err, "reading the user's archive failed"),
-        }
-        // A summary made for this conversation is extracted from too, once stored.
-        if let Some(job) = summary.due.as_mut()
-            && settings.persist
-        {
-            job.on_stored = Some(memory.longterm.extraction_from_summary(
-                user,
-                key,
-                job.conversation_id,
-                extraction_model(settings, model.as_deref()),
-            ));
-        }
+/// Long-term memory: what is known about the user, and whether an extraction is due (a due
+/// summary is extracted from too, once stored). Its failures are logged, never returned.
+fn long_term(
+    on: &Planning<'_>,
+    request: &Reconciled,
+    window: &Windowed,
+    query: Option<&str>,
+    summary: &mut super::summary::SummaryPlan,
+) -> LongTerm {
+    let Some(user) = on.user else {
+        return LongTerm::default();
+    };
+    let (memory, settings, key) = (on.memory, on.settings, on.key);
+    let store = &memory.store;
+    let mut out = LongTerm::default();
+    let query = query.map_or_else(
+        || query_text(&request.new_turns, &request.texts, &window.messages),
+        str::to_string,
+    );
+    match memory.longterm.memories_for(
+        store,
+        user,
+        &key.agent,
+        &query,
+        settings,
+        memory.clock.now_ms(),
+    ) {
+        Ok(found) => out.chosen = found,
+        Err(err) => tracing::warn!(error = %err, "reading the user's memories failed"),
     }
-    let memories_tokens: u64 = if chosen.is_empty() {
+    let new_user = request
+        .new_turns
+        .iter()
+        .filter(|m| m.role == Role::User)
+        .count() as u64;
+    match memory
+        .longterm
+        .extraction_due(store, user, key, new_user, settings.extraction_every)
+    {
+        Ok(true)
+            if on.limits.writes
+                && settings.persist
+                && memory.ledger.allow(
+                    &key.agent,
+                    crate::ledger::Task::Extraction,
+                    memory.clock.now_ms(),
+                ) =>
+        {
+            out.extraction_due = Some(extraction_model(settings, on.model));
+        }
+        Ok(_) => {}
+        Err(err) => tracing::warn!(error = %err, "reading the user's archive failed"),
+    }
+    // A summary made for this conversation is extracted from too, once stored.
+    if let Some(job) = summary.due.as_mut()
+        && settings.persist
+    {
+        job.on_stored = Some(memory.longterm.extraction_from_summary(
+            user,
+            key,
+            job.conversation_id,
+            extraction_model(settings, on.model),
+        ));
+    }
+    out
+}
+
+/// The budget stage's output.
+struct Budgeted {
+    /// What the token budget did, when one is set.
+    fitted: Option<Fitted>,
+    dropped: Dropped,
+    /// The forwarded prompt's size in tokens, from stored counts.
+    prompt_tokens: u64,
+}
+
+/// Budget (`max_context_tokens`): what cannot be cut is the client's instructions and new
+/// messages, the summary and the memories; recalled turns, then old rounds go first
+/// (`budget.rs`).
+fn budgeted(
+    on: &Planning<'_>,
+    request: &Reconciled,
+    summary: &super::summary::SummaryPlan,
+    long_term: &LongTerm,
+    recalled: &mut Vec<RecalledTurn>,
+    window: &mut Vec<StoredMessage>,
+) -> Budgeted {
+    let summary_tokens = summary.current.as_ref().map_or(0, |r| {
+        u64::from(r.tokens) + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS) + 16
+    });
+    let memories_tokens: u64 = if long_term.chosen.is_empty() {
         0
     } else {
-        chosen
+        long_term
+            .chosen
             .iter()
             .map(|c| memories::memory_tokens(&c.memory))
             .sum::<u64>()
             + u64::from(tokens::MESSAGE_OVERHEAD_TOKENS)
             + 16
     };
-
-    // Budget: what cannot be cut is the client's instructions and new messages.
-    let started = Instant::now();
-    let first_new = turn_index.get(from).copied().unwrap_or(messages.len());
-    // The new messages are the request's non-instruction messages from `first_new` on.
-    let fixed: u64 = instruction_tokens
-        + new_tokens.iter().map(|&t| u64::from(t)).sum::<u64>()
+    let fixed: u64 = request.instruction_tokens
+        + request
+            .new_tokens
+            .iter()
+            .map(|&t| u64::from(t))
+            .sum::<u64>()
         + summary_tokens
         + memories_tokens;
-    let candidates = settings
-        .max_context_tokens
-        .map(|_| budget::Candidates::of(&recalled, &window));
-    let fitted = settings
-        .max_context_tokens
-        .map(|budget| budget::fit(budget, fixed, &mut recalled, &mut window, model_name));
+    let max = on.settings.max_context_tokens;
+    let candidates = max.map(|_| budget::Candidates::of(recalled, window));
+    let fitted = max.map(|budget| budget::fit(budget, fixed, recalled, window, on.model));
     let dropped = candidates
-        .map(|c| c.dropped(&recalled, &window))
+        .map(|c| c.dropped(recalled, window))
         .unwrap_or_default();
     let prompt_tokens = fitted.map_or_else(
         || {
@@ -499,8 +744,29 @@ pub fn plan(
         },
         |f| f.total,
     );
+    Budgeted {
+        fitted,
+        dropped,
+        prompt_tokens,
+    }
+}
 
-    // Assemble.
+/// Assemble: the prompt (`assemble.rs`: instructions · summary · memories · window · recalled ·
+/// new), the exchange to commit, and what the edge reports.
+#[allow(clippy::too_many_arguments)] // the stages' outputs, each moved in once
+fn assembled(
+    on: &Planning<'_>,
+    handle: &crate::store::Handle,
+    request: Reconciled,
+    window: Windowed,
+    summary: super::summary::SummaryPlan,
+    recall: Recalled,
+    long_term: LongTerm,
+    budget: Budgeted,
+) -> Plan {
+    let (memory, settings, key) = (on.memory, on.settings, on.key);
+    let entries = &on.conversation.entries;
+    let recalled = recall.turns;
     let own = || recalled.iter().filter(|r| r.elsewhere_at.is_none());
     let mut recalled_turns: Vec<u64> = own().map(|r| r.turn).collect();
     recalled_turns.sort_unstable();
@@ -512,7 +778,22 @@ pub fn plan(
         .filter(|r| r.elsewhere_at.is_some())
         .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
         .collect();
-    let split = match opener {
+    let history_len = request.kept;
+    let Reconciled {
+        messages,
+        turn_index,
+        marks,
+        alignment,
+        from,
+        new_turns,
+        texts,
+        new_tokens,
+        instruction_tokens,
+        ..
+    } = request;
+    // The new messages are the request's non-instruction messages from `first_new` on.
+    let first_new = turn_index.get(from).copied().unwrap_or(messages.len());
+    let split = match window.opener {
         Some(opener) => Split {
             instructions: Vec::new(),
             incoming: messages.into_iter().skip(opener).map(|m| m.raw).collect(),
@@ -524,34 +805,37 @@ pub fn plan(
     let in_loop = !exchange_has_user(&new_turns);
     let recalled_at = in_loop.then(|| {
         window
+            .messages
             .iter()
             .rposition(|m| crate::message::opens_round(m.role, &m.message))
             .unwrap_or(0)
     });
+    let chosen = long_term.chosen;
+    let model = on.model.map(str::to_string);
     let mut exchange = Exchange {
         key: key.clone(),
-        handle: Arc::clone(&handle),
+        handle: Arc::clone(handle),
         marks,
         alignment,
         new_turns,
         new_tokens,
         new_texts: texts.into_iter().map(|(_, search)| search).collect(),
-        planned_next_turn: conversation.meta.as_ref().map(|m| m.next_turn),
+        planned_next_turn: on.conversation.meta.as_ref().map(|m| m.next_turn),
         max_messages: settings.max_messages,
         model,
-        prompt_tokens,
+        prompt_tokens: budget.prompt_tokens,
         // Set below, once counted; the edge fills in the cached tokens once the answer is read.
         history_tokens: 0,
         cached_tokens: 0,
         ttl: settings.ttl,
-        user: user.clone(),
-        extraction_rule: user.as_ref().map(|_| ExtractionRule {
+        user: on.user.cloned(),
+        extraction_rule: on.user.map(|_| ExtractionRule {
             every: settings.extraction_every,
             may_queue: true,
         }),
         extraction: None,
         // Refreshed at most once an hour each, so a busy user does not write per request.
-        refresh_memories: if limits.writes && settings.persist {
+        refresh_memories: if on.limits.writes && settings.persist {
             let now = memory.clock.now_ms();
             chosen
                 .iter()
@@ -564,11 +848,12 @@ pub fn plan(
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
-    let history_tokens = conversation
+    let history_tokens = on
+        .conversation
         .meta
         .as_ref()
         .map_or(0, |m| m.total_tokens)
-        .saturating_sub(tokens_between(entries, history.len(), entries.len()))
+        .saturating_sub(tokens_between(entries, history_len, entries.len()))
         + exchange
             .new_tokens
             .iter()
@@ -578,16 +863,14 @@ pub fn plan(
         + instruction_tokens;
     // memproxy's own parts (a summary, recalled turns) can make a short conversation's prompt
     // larger than its history: never less than what is forwarded.
-    let history_tokens = history_tokens.max(prompt_tokens);
+    let history_tokens = history_tokens.max(budget.prompt_tokens);
     exchange.history_tokens = history_tokens;
-    drop(conversation);
-    timings.assemble = started.elapsed();
-    Ok(Plan {
+    Plan {
         prompt: Prompt {
             instructions: split.instructions,
             summary: summary.current.as_ref().and_then(super::summary::render),
             memories: memories::render(&chosen),
-            window: window.into_iter().map(|m| m.message).collect(),
+            window: window.messages.into_iter().map(|m| m.message).collect(),
             recalled: render(&recalled),
             incoming: split.incoming,
             answers: split.answers,
@@ -603,18 +886,18 @@ pub fn plan(
         recalled_turns,
         recalled_scores,
         excerpted_turns,
-        window_step,
+        window_step: window.step,
         recalled_elsewhere,
-        prompt_tokens,
-        fitted,
-        dropped,
+        prompt_tokens: budget.prompt_tokens,
+        fitted: budget.fitted,
+        dropped: budget.dropped,
         summary: summary.current,
         summary_due: summary.due,
-        extraction_due,
+        extraction_due: long_term.extraction_due,
         memories: chosen,
         history_tokens,
-        timings,
-    })
+        timings: Timings::default(),
+    }
 }
 
 /// Starts the summary a plan found due, with the triggering request's `credentials`: with
@@ -726,7 +1009,7 @@ fn loop_pool_end(
     new_turns: &[Message],
     window: &[StoredMessage],
     recent_n: usize,
-    step_over: impl Fn(&[crate::store::Entry]) -> usize,
+    steps: &Steps<'_>,
 ) -> Option<usize> {
     if exchange_has_user(new_turns) {
         return None;
@@ -737,7 +1020,7 @@ fn loop_pool_end(
         .find(|m| crate::message::opens_round(m.role, &m.message))?;
     let opened = history.partition_point(|e| e.turn < opening.turn);
     let before = &history[..opened];
-    Some(window_start(before, recent_n, step_over(before), false))
+    Some(window_start(before, recent_n, steps.over(before), false))
 }
 
 /// What recall searches with: the new messages; when they continue a round (a tool loop's

@@ -647,6 +647,7 @@ fn record_plan(state: &AppState, agent: &str, plan: &Plan) {
     let Timings {
         reconcile,
         recall,
+        budget,
         assemble,
         summary,
     } = plan.timings;
@@ -654,6 +655,7 @@ fn record_plan(state: &AppState, agent: &str, plan: &Plan) {
     for (stage, took) in [
         (Stage::Reconcile, Some(reconcile)),
         (Stage::Recall, Some(recall)),
+        (Stage::Budget, Some(budget)),
         (Stage::Assemble, Some(assemble)),
         (Stage::Summary, summary),
     ] {
