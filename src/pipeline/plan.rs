@@ -182,9 +182,15 @@ pub fn plan(
     timings.budget = started.elapsed();
 
     let started = Instant::now();
-    let mut plan = assembled(
-        &on, &handle, request, window, summary, recall, long_term, budget,
-    );
+    let staged = Staged {
+        request,
+        window,
+        summary,
+        recall,
+        long_term,
+        budget,
+    };
+    let mut plan = assembled(&on, &handle, staged);
     drop(conversation);
     timings.assemble = started.elapsed();
     plan.timings = timings;
@@ -688,6 +694,60 @@ fn long_term(
     out
 }
 
+/// What the edge reports of the recalled turns.
+struct RecallReport {
+    /// The conversation's own recalled turns, oldest first.
+    turns: Vec<u64>,
+    /// The same with their scores, best first.
+    scores: Vec<(u64, f32)>,
+    /// Those cut to their most relevant passage, in turn order.
+    excerpted: Vec<u64>,
+    /// Turns of the user's other conversations: (conversation, turn, score), best first.
+    elsewhere: Vec<(String, u64, f32)>,
+}
+
+impl RecallReport {
+    fn of(recalled: &[RecalledTurn]) -> RecallReport {
+        let own = || recalled.iter().filter(|r| r.elsewhere_at.is_none());
+        let mut turns: Vec<u64> = own().map(|r| r.turn).collect();
+        turns.sort_unstable();
+        let mut excerpted: Vec<u64> = own().filter(|r| r.excerpted).map(|r| r.turn).collect();
+        excerpted.sort_unstable();
+        RecallReport {
+            turns,
+            scores: own().map(|r| (r.turn, r.score)).collect(),
+            excerpted,
+            elsewhere: recalled
+                .iter()
+                .filter(|r| r.elsewhere_at.is_some())
+                .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
+                .collect(),
+        }
+    }
+}
+
+/// Tokens of the whole history a prompt stands for: what is stored on the request's main line
+/// (its first `kept` messages) plus the new messages and the client's instructions (they count
+/// on both sides, as the prompt carries them). memproxy's own parts (a summary, recalled
+/// turns) can make a short conversation's prompt larger than its history: never less than
+/// what is forwarded (`prompt_tokens`).
+fn history_tokens(
+    conversation: &crate::store::Conversation,
+    kept: usize,
+    new_tokens: &[u32],
+    instruction_tokens: u64,
+    prompt_tokens: u64,
+) -> u64 {
+    let entries = &conversation.entries;
+    let stored = conversation
+        .meta
+        .as_ref()
+        .map_or(0, |m| m.total_tokens)
+        .saturating_sub(tokens_between(entries, kept, entries.len()));
+    let new: u64 = new_tokens.iter().map(|&t| u64::from(t)).sum();
+    (stored + new + instruction_tokens).max(prompt_tokens)
+}
+
 /// The budget stage's output.
 struct Budgeted {
     /// What the token budget did, when one is set.
@@ -751,33 +811,48 @@ fn budgeted(
     }
 }
 
-/// Assemble: the prompt (`assemble.rs`: instructions · summary · memories · window · recalled ·
-/// new), the exchange to commit, and what the edge reports.
-#[allow(clippy::too_many_arguments)] // the stages' outputs, each moved in once
-fn assembled(
-    on: &Planning<'_>,
-    handle: &crate::store::Handle,
+/// What the stages before assembly made, each moved in once.
+struct Staged {
     request: Reconciled,
     window: Windowed,
     summary: super::summary::SummaryPlan,
     recall: Recalled,
     long_term: LongTerm,
     budget: Budgeted,
-) -> Plan {
-    let (memory, settings, key) = (on.memory, on.settings, on.key);
+}
+
+/// The memories recalled into a prompt to mark accessed once it is stored: at most once an
+/// hour each, so a busy user does not write per request (none for a preview).
+fn memories_to_refresh(
+    on: &Planning<'_>,
+    chosen: &[Chosen],
+) -> Vec<(OwnerKey, memories::MemoryRecord)> {
+    if !(on.limits.writes && on.settings.persist) {
+        return Vec::new();
+    }
+    let now = on.memory.clock.now_ms();
+    chosen
+        .iter()
+        .filter(|c| now - c.memory.last_accessed_ms > REFRESH_AFTER_MS)
+        .map(|c| (c.owner.clone(), c.memory.clone()))
+        .collect()
+}
+
+/// Assemble: the prompt (`assemble.rs`: instructions · summary · memories · window · recalled ·
+/// new), the exchange to commit, and what the edge reports.
+fn assembled(on: &Planning<'_>, handle: &crate::store::Handle, staged: Staged) -> Plan {
+    let Staged {
+        request,
+        window,
+        summary,
+        recall,
+        long_term,
+        budget,
+    } = staged;
+    let (settings, key) = (on.settings, on.key);
     let entries = &on.conversation.entries;
     let recalled = recall.turns;
-    let own = || recalled.iter().filter(|r| r.elsewhere_at.is_none());
-    let mut recalled_turns: Vec<u64> = own().map(|r| r.turn).collect();
-    recalled_turns.sort_unstable();
-    let recalled_scores: Vec<(u64, f32)> = own().map(|r| (r.turn, r.score)).collect();
-    let mut excerpted_turns: Vec<u64> = own().filter(|r| r.excerpted).map(|r| r.turn).collect();
-    excerpted_turns.sort_unstable();
-    let recalled_elsewhere: Vec<(String, u64, f32)> = recalled
-        .iter()
-        .filter(|r| r.elsewhere_at.is_some())
-        .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
-        .collect();
+    let report = RecallReport::of(&recalled);
     let history_len = request.kept;
     let Reconciled {
         messages,
@@ -834,36 +909,17 @@ fn assembled(
             may_queue: true,
         }),
         extraction: None,
-        // Refreshed at most once an hour each, so a busy user does not write per request.
-        refresh_memories: if on.limits.writes && settings.persist {
-            let now = memory.clock.now_ms();
-            chosen
-                .iter()
-                .filter(|c| now - c.memory.last_accessed_ms > REFRESH_AFTER_MS)
-                .map(|c| (c.owner.clone(), c.memory.clone()))
-                .collect()
-        } else {
-            Vec::new()
-        },
+        refresh_memories: memories_to_refresh(on, &chosen),
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
-    let history_tokens = on
-        .conversation
-        .meta
-        .as_ref()
-        .map_or(0, |m| m.total_tokens)
-        .saturating_sub(tokens_between(entries, history_len, entries.len()))
-        + exchange
-            .new_tokens
-            .iter()
-            .map(|&t| u64::from(t))
-            .sum::<u64>()
-        // The client's instructions count on both sides, as the prompt carries them.
-        + instruction_tokens;
-    // memproxy's own parts (a summary, recalled turns) can make a short conversation's prompt
-    // larger than its history: never less than what is forwarded.
-    let history_tokens = history_tokens.max(budget.prompt_tokens);
+    let history_tokens = history_tokens(
+        on.conversation,
+        history_len,
+        &exchange.new_tokens,
+        instruction_tokens,
+        budget.prompt_tokens,
+    );
     exchange.history_tokens = history_tokens;
     Plan {
         prompt: Prompt {
@@ -883,11 +939,11 @@ fn assembled(
         exchange,
         stored_count,
         planned_count,
-        recalled_turns,
-        recalled_scores,
-        excerpted_turns,
+        recalled_turns: report.turns,
+        recalled_scores: report.scores,
+        excerpted_turns: report.excerpted,
         window_step: window.step,
-        recalled_elsewhere,
+        recalled_elsewhere: report.elsewhere,
         prompt_tokens: budget.prompt_tokens,
         fitted: budget.fitted,
         dropped: budget.dropped,
