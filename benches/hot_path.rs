@@ -336,7 +336,7 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
                     "[earlier turn #{} at 2026-11-22T10:15:00Z] assistant: {text}",
                     i * 7 + 1
                 ),
-                elsewhere_at: None,
+                elsewhere: None,
                 excerpted: false,
             }
         })

@@ -7,8 +7,9 @@
 //!
 //! - [`server`] accepts connections (at most `server.max_connections`), times out clients
 //!   that stall, tracks the connections and shuts down gracefully; [`cli`] the flags;
-//! - [`router`] answers health checks, checks client keys, and picks memory for
-//!   `POST /v1/chat/completions` or pass-through for everything else;
+//! - [`router`] answers health checks, checks client keys, and picks memory for the three
+//!   APIs it serves (`POST /v1/chat/completions`, `/v1/responses`, `/v1/messages`) or
+//!   pass-through for everything else;
 //! - [`admin`] is the `/admin/v1/` API (and what the offline CLI shares with it);
 //! - [`proxy`] is the HTTP edge of memory: identify, the `before`/`after` steps around the one
 //!   forward path, the SSE tee, the `X-Memory-*` headers;

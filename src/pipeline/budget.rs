@@ -95,12 +95,7 @@ impl Candidates {
 }
 
 fn candidate(r: &RecalledTurn) -> (Option<String>, u64, f32) {
-    let elsewhere = r.elsewhere_at.is_some().then(|| {
-        r.line
-            .strip_prefix("[earlier conversation ")
-            .and_then(|rest| rest.split_once(", turn #"))
-            .map_or_else(String::new, |(name, _)| name.to_string())
-    });
+    let elsewhere = r.elsewhere.as_ref().map(|e| e.conversation.clone());
     (elsewhere, r.turn, r.score)
 }
 
@@ -222,7 +217,7 @@ mod tests {
                 score: *s,
                 tokens: 10,
                 line: String::new(),
-                elsewhere_at: None,
+                elsewhere: None,
                 excerpted: false,
             })
             .collect()

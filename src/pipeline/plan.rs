@@ -708,7 +708,7 @@ struct RecallReport {
 
 impl RecallReport {
     fn of(recalled: &[RecalledTurn]) -> RecallReport {
-        let own = || recalled.iter().filter(|r| r.elsewhere_at.is_none());
+        let own = || recalled.iter().filter(|r| r.elsewhere.is_none());
         let mut turns: Vec<u64> = own().map(|r| r.turn).collect();
         turns.sort_unstable();
         let mut excerpted: Vec<u64> = own().filter(|r| r.excerpted).map(|r| r.turn).collect();
@@ -719,8 +719,7 @@ impl RecallReport {
             excerpted,
             elsewhere: recalled
                 .iter()
-                .filter(|r| r.elsewhere_at.is_some())
-                .map(|r| (elsewhere_name(&r.line), r.turn, r.score))
+                .filter_map(|r| Some((r.elsewhere.as_ref()?.conversation.clone(), r.turn, r.score)))
                 .collect(),
         }
     }
@@ -1040,13 +1039,6 @@ fn extraction_model(settings: &MemorySettings, request_model: Option<&str>) -> S
         .or(request_model)
         .unwrap_or("gpt-4o-mini")
         .to_string()
-}
-
-/// The conversation a line of [`elsewhere_turns`] names.
-fn elsewhere_name(line: &str) -> String {
-    line.strip_prefix("[earlier conversation ")
-        .and_then(|rest| rest.split_once(", turn #"))
-        .map_or_else(String::new, |(name, _)| name.to_string())
 }
 
 /// True when the new messages hold a user message (else they continue a round: a tool loop's

@@ -30,11 +30,20 @@ pub struct RecalledTurn {
     /// The stored token count plus the line overhead.
     pub tokens: u32,
     pub line: String,
-    /// For a turn of another of the user's conversations (long-term memory): when it was
-    /// stored. Those come first in the message, oldest first, then the conversation's own.
-    pub elsewhere_at: Option<i64>,
+    /// For a turn of another of the user's conversations (long-term memory): which, and when
+    /// it was stored. Those come first in the message, oldest first, then the conversation's
+    /// own.
+    pub elsewhere: Option<Elsewhere>,
     /// Cut to its most relevant passage by [`fit_recalled`].
     pub excerpted: bool,
+}
+
+/// Where a recalled turn of another of the user's conversations comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Elsewhere {
+    pub conversation: String,
+    /// When it was stored (ms since the epoch).
+    pub at_ms: i64,
 }
 
 /// Turns `hits` and their stored messages (same order) into recalled turns, best first.
@@ -46,7 +55,7 @@ pub fn recalled_turns(hits: &[Hit], messages: Vec<StoredMessage>) -> Vec<Recalle
             score: hit.score,
             tokens: message.tokens + LINE_OVERHEAD_TOKENS,
             line: render_line(&message),
-            elsewhere_at: None,
+            elsewhere: None,
             excerpted: false,
         })
         .collect()
@@ -68,7 +77,10 @@ pub fn elsewhere_turns(found: Vec<crate::longterm::ElsewhereTurn>) -> Vec<Recall
                 score: turn.score,
                 tokens: turn.message.tokens + LINE_OVERHEAD_TOKENS + 4,
                 line,
-                elsewhere_at: Some(turn.message.at_ms),
+                elsewhere: Some(Elsewhere {
+                    conversation: turn.conversation,
+                    at_ms: turn.message.at_ms,
+                }),
                 excerpted: false,
             }
         })
@@ -176,8 +188,8 @@ pub fn render(turns: &[RecalledTurn]) -> Option<Box<RawValue>> {
     // order; without long-term memory only the latter.
     ordered.sort_by_key(|t| {
         (
-            t.elsewhere_at.is_none(),
-            t.elsewhere_at.unwrap_or(0),
+            t.elsewhere.is_none(),
+            t.elsewhere.as_ref().map_or(0, |e| e.at_ms),
             t.turn,
         )
     });
@@ -257,7 +269,7 @@ mod tests {
             score: 1.0,
             tokens: crate::tokens::count_message(None, text) + LINE_OVERHEAD_TOKENS,
             line,
-            elsewhere_at: None,
+            elsewhere: None,
             excerpted: false,
         }
     }
@@ -317,7 +329,7 @@ mod tests {
                 score: 3.0,
                 tokens: 1,
                 line: "nine".into(),
-                elsewhere_at: None,
+                elsewhere: None,
                 excerpted: false,
             },
             RecalledTurn {
@@ -325,7 +337,7 @@ mod tests {
                 score: 1.0,
                 tokens: 1,
                 line: "two".into(),
-                elsewhere_at: None,
+                elsewhere: None,
                 excerpted: false,
             },
         ];

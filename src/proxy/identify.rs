@@ -35,8 +35,9 @@ pub static CREDENTIAL_HEADERS: [HeaderName; 3] = [
 /// Who the request is for and how memory behaves for it.
 #[derive(Debug, Clone)]
 pub struct Identity {
-    /// The conversation memory runs for: a chat completion with a conversation id and memory
-    /// on. `None`: the request is forwarded untouched.
+    /// The conversation memory runs for: a request of one of the APIs memory serves (chat
+    /// completions, Responses, Anthropic Messages) with a conversation id and memory on.
+    /// `None`: the request is forwarded untouched.
     pub key: Option<ConversationKey>,
     /// The conversation id the request names, also when memory does not run for it.
     pub conversation: Option<String>,
@@ -63,8 +64,8 @@ pub struct PathIds<'a> {
     pub conversation: &'a str,
 }
 
-/// Identifies a request. `is_chat`: it is a chat completion, the one route memory runs for, so
-/// the only one whose tenant is looked for.
+/// Identifies a request. `is_chat`: it is a request of an API memory serves (chat completions,
+/// Responses, Anthropic Messages), so the only kind whose tenant is looked for.
 pub fn identify(
     config: &Config,
     headers: &HeaderMap,

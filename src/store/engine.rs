@@ -45,7 +45,7 @@
 //!   returns [`StoreError::Disk`]; an engine may then refuse every later write until
 //!   [`Engine::reopen`] (sled does). After a reopen, reads see every write a successful flush
 //!   covered and none that no flush did, each exchange whole or not at all.
-//! - **Response ids** (the Responses API's, `crate::response_ids`): a write may name the ids
+//! - **Response ids** (the Responses API's, resolved at the edge by `crate::proxy::responses`): a write may name the ids
 //!   of the replies it adds; each is then found by [`Engine::response_conversation`] for the
 //!   conversation's tenant (never another's), as long as the conversation lives with that id.
 //!   Delete removes them with the conversation; [`Engine::forget_response`] removes one.

@@ -3,7 +3,8 @@
 //! optimistic commits against the version the request planned on, and group flushes.
 //!
 //! - `engine.rs` — the storage contract every engine keeps (read it first);
-//! - `sled_engine.rs` — the embedded engine;
+//! - `sled_engine.rs` — the embedded engine; `redis_engine.rs`, `redis_owners.rs` — the
+//!   engine shared by replicas (conversations, and owners' records) in a Redis server;
 //! - `records.rs` — what is stored (records, messages, summaries, TTL);
 //! - this file — the request path: handles, load, read, commit, durability;
 //! - `summaries.rs`, `branches.rs`, `ttl.rs`, `listing.rs`, `transfer.rs` — summary records
@@ -684,6 +685,27 @@ pub(crate) mod tests {
     use crate::identity::TenantId;
     use crate::message::Role;
     use serde_json::value::RawValue;
+
+    /// The module documentation names every file of the store (a file added without its line
+    /// there fails here, so the list cannot go stale).
+    #[test]
+    fn the_module_documentation_names_every_file() {
+        let doc: String = include_str!("mod.rs")
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/store");
+        for file in std::fs::read_dir(dir).unwrap() {
+            let name = file.unwrap().file_name().to_string_lossy().into_owned();
+            if name.ends_with(".rs") && name != "mod.rs" {
+                assert!(
+                    doc.contains(&format!("`{name}`")),
+                    "store/mod.rs does not name {name}"
+                );
+            }
+        }
+    }
 
     /// A conversation of tenant `t`, agent `default` (also for the other store tests).
     pub(crate) fn key(conversation: &str) -> ConversationKey {
