@@ -21,7 +21,8 @@ use crate::config::hash_key;
 use crate::error::{ProxyError, json_response};
 use crate::identity::{Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
-use crate::proxy::identify::{AgentName, PathIds, UserId, credential_of, identify};
+use crate::proxy::chat::MemoryRequest;
+use crate::proxy::identify::{PathIds, credential_of, identify};
 use crate::proxy::{self, DegradedReason, MemoryStatus, set_degraded_reason, set_memory_headers};
 use crate::state::AppState;
 use crate::wire::Api;
@@ -142,22 +143,18 @@ async fn route(
     match (identity.key, identity.conversation, api) {
         (Some(key), _, Some(api)) => match &state.memory {
             Ok(memory) => {
-                let (mut parts, body) = request.into_parts();
-                if let Some(user) = identity.user {
-                    parts.extensions.insert(UserId(user));
-                }
-                let settings = identity.settings;
-                proxy::chat::chat(
-                    state,
-                    memory,
+                let (parts, body) = request.into_parts();
+                let request = MemoryRequest {
                     parts,
                     body,
-                    Some(key),
-                    settings,
+                    key: Some(key),
+                    agent: identity.agent,
+                    user: identity.user,
+                    settings: identity.settings,
                     api,
-                    &api_path,
-                )
-                .await
+                    api_path,
+                };
+                proxy::chat::chat(state, memory, request).await
             }
             // No store: the request goes through untouched, said in its headers (the cause was
             // logged once at start and is in `/readyz`).
@@ -178,22 +175,18 @@ async fn route(
         // name one, or its `previous_response_id` one memproxy answered.
         (None, None, Some(Api::Responses)) if identity.settings.enabled => match &state.memory {
             Ok(memory) => {
-                let (mut parts, body) = request.into_parts();
-                if let Some(user) = identity.user {
-                    parts.extensions.insert(UserId(user));
-                }
-                parts.extensions.insert(AgentName(identity.agent));
-                proxy::chat::chat(
-                    state,
-                    memory,
+                let (parts, body) = request.into_parts();
+                let request = MemoryRequest {
                     parts,
                     body,
-                    None,
-                    identity.settings,
-                    Api::Responses,
-                    &api_path,
-                )
-                .await
+                    key: None,
+                    agent: identity.agent,
+                    user: identity.user,
+                    settings: identity.settings,
+                    api: Api::Responses,
+                    api_path,
+                };
+                proxy::chat::chat(state, memory, request).await
             }
             Err(_) => proxy::passthrough(state, request, &api_path).await,
         },

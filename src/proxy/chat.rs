@@ -17,7 +17,7 @@ use http::{Request, Response, request::Parts};
 use http_body::Body as _;
 use hyper::body::Incoming;
 
-use super::identify::{CREDENTIAL_HEADERS, UserId};
+use super::identify::CREDENTIAL_HEADERS;
 use super::ledger::ExchangeLedger;
 use super::responses::Chain;
 use super::tee::{Pending, TeeBody};
@@ -63,20 +63,41 @@ enum Skipped {
     Off(&'static str),
 }
 
-/// Runs a request of `api` with memory on, forwarded to the upstream's `api_path`; with
-/// memory off if the memory guard does not admit it. `key` is `None` only for a Responses
-/// request without a conversation id, whose `previous_response_id` may name one.
-#[allow(clippy::too_many_arguments)]
+/// A request for memory, as the router identified it.
+pub struct MemoryRequest {
+    pub parts: Parts,
+    pub body: Incoming,
+    /// Its conversation; `None` only for a Responses request without a conversation id,
+    /// whose `conversation` field or `previous_response_id` may name one.
+    pub key: Option<ConversationKey>,
+    /// The agent whose profile applies (`X-Memory-Agent`, or the path form's).
+    pub agent: String,
+    /// The user it names (`X-Memory-User-Id`): long-term memory takes part.
+    pub user: Option<String>,
+    pub settings: MemorySettings,
+    pub api: Api,
+    /// The upstream path it goes to.
+    pub api_path: String,
+}
+
+/// Runs a request of an API memory serves with memory on; with memory off if the memory
+/// guard does not admit it.
 pub async fn chat(
     state: &Arc<AppState>,
     memory: &Arc<Memory>,
-    parts: Parts,
-    body: Incoming,
-    key: Option<ConversationKey>,
-    settings: MemorySettings,
-    api: Api,
-    api_path: &str,
+    request: MemoryRequest,
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    let MemoryRequest {
+        parts,
+        body,
+        key,
+        agent,
+        user,
+        settings,
+        api,
+        api_path,
+    } = request;
+    let api_path = api_path.as_str();
     // A body announced past the size limit is refused (413) before anything is read.
     let announced = body.size_hint().exact();
     if announced.is_some_and(|len| len > state.config.body_limit_bytes as u64) {
@@ -93,17 +114,13 @@ pub async fn chat(
     let bytes = collect_body(state, body).await?;
     let (key, settings) = match (api, key) {
         (Api::Responses, key) => {
-            let agent = parts
-                .extensions
-                .get::<super::identify::AgentName>()
-                .map(|a| a.0.clone());
             let chain = super::responses::resolve(
                 state,
                 memory,
                 &parts.headers,
                 &bytes,
                 key,
-                agent.as_deref(),
+                Some(&agent),
                 settings,
             )
             .await?;
@@ -132,7 +149,8 @@ pub async fn chat(
             return Ok(forwarded);
         }
     };
-    let response = with_memory(state, memory, parts, bytes, key, settings, api, api_path).await?;
+    let to = Destination::new(&parts, &key, &settings, api, api_path);
+    let response = with_memory(state, memory, to, user, bytes).await?;
     Ok(response.map(|body| boxed(OnDrop::new(body, move || drop(reservation)))))
 }
 
@@ -181,19 +199,15 @@ async fn degraded(
 }
 
 /// The request with memory: before, forward, after.
-#[allow(clippy::too_many_arguments)]
 async fn with_memory(
     state: &Arc<AppState>,
     memory: &Arc<Memory>,
-    parts: Parts,
+    to: Destination<'_>,
+    user: Option<String>,
     body: Bytes,
-    key: ConversationKey,
-    settings: MemorySettings,
-    api: Api,
-    api_path: &str,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let before = before(state, memory, &parts, body, &key, &settings, api).await?;
-    let to = Destination::new(&parts, &key, &settings, api, api_path);
+    let (key, settings, api) = (to.key, to.settings, to.api);
+    let before = before(state, memory, &to, user, body).await?;
     let mut plan = match before.plan {
         Ok(plan) => plan,
         Err(Skipped::Degraded(reason)) => {
@@ -504,17 +518,15 @@ fn receipt_of(
 async fn before(
     state: &AppState,
     memory: &Arc<Memory>,
-    parts: &Parts,
+    to: &Destination<'_>,
+    user: Option<String>,
     bytes: Bytes,
-    key: &ConversationKey,
-    settings: &MemorySettings,
-    api: Api,
 ) -> Result<Before, ProxyError> {
+    let (parts, key, settings, api) = (to.parts, to.key, to.settings, to.api);
     // Parsing and planning are CPU and store work, and planning waits for the conversation's
     // lock: both run on the blocking pool, never on a thread that serves other requests.
     let limits = limits(state);
     let (job_memory, job_key, job_settings) = (Arc::clone(memory), key.clone(), settings.clone());
-    let user = parts.extensions.get::<UserId>().map(|user| user.0.clone());
     let client_body = bytes.clone();
     let store_side_calls = settings.store_side_calls;
     let planning = tokio::task::spawn_blocking(move || {

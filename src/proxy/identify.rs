@@ -47,16 +47,6 @@ pub struct Identity {
     pub settings: MemorySettings,
 }
 
-/// The user a chat request names (`X-Memory-User-Id`), carried to the planner in the
-/// request's extensions (set by the router from [`Identity::user`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UserId(pub String);
-
-/// The agent a Responses request without a conversation id names, carried in the request's
-/// extensions (set by the router): its `conversation` field may then name the conversation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AgentName(pub String);
-
 /// Ids given by the path form `/agents/{agent}/conversations/{conversation}/v1/...`.
 #[derive(Debug, Clone, Copy)]
 pub struct PathIds<'a> {
