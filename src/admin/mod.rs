@@ -428,23 +428,23 @@ fn preview(
         .messages()
         .map(|raw| serde_json::from_str(raw.get()).unwrap_or(Value::Null))
         .collect();
-    let budget = planned.fitted.map(|fitted| fitted.verdict());
+    let budget = planned.report.fitted.map(|fitted| fitted.verdict());
     Ok(json!({
         "model": request.model,
         "messages": forwarded,
-        "prompt_tokens": planned.prompt_tokens,
-        "recalled_turns": planned.recalled_turns,
+        "prompt_tokens": planned.report.prompt_tokens,
+        "recalled_turns": planned.report.recalled_turns,
         "recalled": planned
-            .recalled_scores
+            .report.recalled_scores
             .iter()
             .map(|(turn, score)| json!({"turn": turn, "score": score}))
             .collect::<Vec<_>>(),
-        "stored_messages": planned.stored_count,
+        "stored_messages": planned.report.stored_count,
         "summary": planned
             .prompt
             .summary
             .is_some()
-            .then(|| serde_json::to_value(&planned.summary).unwrap_or(Value::Null)),
+            .then(|| serde_json::to_value(&planned.report.summary).unwrap_or(Value::Null)),
         "budget": budget,
     }))
 }

@@ -38,11 +38,25 @@ pub struct Timings {
     pub summary: Option<Duration>,
 }
 
-/// A planned exchange: the prompt to forward and what to commit afterwards.
+/// A planned exchange: the prompt to forward, what to commit afterwards, and what the edge
+/// reports of it.
 #[derive(Debug)]
 pub struct Plan {
     pub prompt: Prompt,
     pub exchange: Exchange,
+    /// What the headers, the receipt, the metrics and the admin preview say of the plan.
+    pub report: Report,
+    /// A new summary is due: the job (without credentials; the caller adds them).
+    pub summary_due: Option<Job>,
+    /// Memories are due to be extracted once this exchange is stored: the model to use
+    /// (the caller adds the credentials into `exchange.extraction`).
+    pub extraction_due: Option<String>,
+    pub timings: Timings,
+}
+
+/// What a plan is reported as: none of it is forwarded or committed.
+#[derive(Debug)]
+pub struct Report {
     /// Messages stored now (before this exchange).
     pub stored_count: usize,
     /// Messages stored once this exchange commits as planned.
@@ -67,17 +81,11 @@ pub struct Plan {
     pub dropped: Dropped,
     /// The summary in the prompt.
     pub summary: Option<SummaryRecord>,
-    /// A new summary is due: the job (without credentials; the caller adds them).
-    pub summary_due: Option<Job>,
-    /// Memories are due to be extracted once this exchange is stored: the model to use
-    /// (the caller adds the credentials into `exchange.extraction`).
-    pub extraction_due: Option<String>,
     /// The user's memories in the prompt, with their scores (long-term memory).
     pub memories: Vec<Chosen>,
     /// Tokens of the whole history this prompt stands for: what is stored plus the new
     /// messages, and never less than the prompt's (which carries the instructions too).
     pub history_tokens: u64,
-    pub timings: Timings,
 }
 
 /// What one request may add to memory; past it the request is refused before its new
@@ -936,21 +944,23 @@ fn assembled(on: &Planning<'_>, handle: &crate::store::Handle, staged: Staged) -
             },
         },
         exchange,
-        stored_count,
-        planned_count,
-        recalled_turns: report.turns,
-        recalled_scores: report.scores,
-        excerpted_turns: report.excerpted,
-        window_step: window.step,
-        recalled_elsewhere: report.elsewhere,
-        prompt_tokens: budget.prompt_tokens,
-        fitted: budget.fitted,
-        dropped: budget.dropped,
-        summary: summary.current,
+        report: Report {
+            stored_count,
+            planned_count,
+            recalled_turns: report.turns,
+            recalled_scores: report.scores,
+            excerpted_turns: report.excerpted,
+            window_step: window.step,
+            recalled_elsewhere: report.elsewhere,
+            prompt_tokens: budget.prompt_tokens,
+            fitted: budget.fitted,
+            dropped: budget.dropped,
+            summary: summary.current,
+            memories: chosen,
+            history_tokens,
+        },
         summary_due: summary.due,
         extraction_due: long_term.extraction_due,
-        memories: chosen,
-        history_tokens,
         timings: Timings::default(),
     }
 }
@@ -978,7 +988,7 @@ pub async fn start_due(
     match result {
         Ok(record) => {
             plan.prompt.summary = super::summary::render(&record);
-            plan.summary = Some(record);
+            plan.report.summary = Some(record);
         }
         Err(err) => {
             tracing::warn!(error = %err, "synchronous summary failed; using the previous one")

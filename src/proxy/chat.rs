@@ -230,7 +230,7 @@ async fn with_memory(
             &mut response,
             MemoryStatus::NotStored,
             conversation_id,
-            Some(plan.stored_count),
+            Some(plan.report.stored_count),
         );
         ledger.status(MemoryStatus::NotStored);
         return Ok(response);
@@ -242,9 +242,13 @@ async fn with_memory(
                 state: Arc::clone(state),
                 exchange: plan.exchange,
             };
-            (MemoryStatus::Stored, plan.planned_count, Some(pending))
+            (
+                MemoryStatus::Stored,
+                plan.report.planned_count,
+                Some(pending),
+            )
         } else {
-            (MemoryStatus::NotStored, plan.stored_count, None)
+            (MemoryStatus::NotStored, plan.report.stored_count, None)
         };
         ledger.status(status);
         // The deferred summary rides with the stream: queued once it is committed or dropped.
@@ -272,7 +276,7 @@ async fn with_memory(
     plan.exchange.cached_tokens = usage.map_or(0, |u| u.cached_tokens);
     let mut degraded = DegradedReason::CommitFailed;
     let (status, turns) = if !settings.persist {
-        (MemoryStatus::NotStored, plan.stored_count)
+        (MemoryStatus::NotStored, plan.report.stored_count)
     } else {
         match reply_of(api, &body) {
             None => {
@@ -280,13 +284,13 @@ async fn with_memory(
                     api = api.as_str(),
                     "upstream answer has no reply to read; nothing stored"
                 );
-                (MemoryStatus::NotStored, plan.stored_count)
+                (MemoryStatus::NotStored, plan.report.stored_count)
             }
             Some(reply) => match commit(state, plan.exchange, reply, ReplyKind::Json).await {
                 Ok(count) => (MemoryStatus::Stored, count),
                 Err(reason) => {
                     degraded = reason;
-                    (MemoryStatus::Degraded, plan.stored_count)
+                    (MemoryStatus::Degraded, plan.report.stored_count)
                 }
             },
         }
@@ -676,15 +680,15 @@ fn record_plan(state: &AppState, agent: &str, plan: &Plan) {
         }
     }
     metrics.prompt(
-        plan.recalled_turns.len(),
-        plan.prompt_tokens,
-        plan.history_tokens,
+        plan.report.recalled_turns.len(),
+        plan.report.prompt_tokens,
+        plan.report.history_tokens,
     );
     if let Some(memory) = state.memory() {
         metrics.ledger_exchange(
             memory.ledger.label(agent),
-            plan.history_tokens,
-            plan.prompt_tokens,
+            plan.report.history_tokens,
+            plan.report.prompt_tokens,
         );
     }
 }

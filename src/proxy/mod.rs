@@ -223,6 +223,7 @@ pub async fn commit(
 pub fn headers_of(plan: &Plan) -> HeaderMap {
     let mut headers = HeaderMap::new();
     let label = plan
+        .report
         .summary
         .as_ref()
         .map_or_else(|| "none".to_string(), |r| r.label());
@@ -231,27 +232,38 @@ pub fn headers_of(plan: &Plan) -> HeaderMap {
     }
     headers.insert(
         RETRIEVED_HEADER,
-        HeaderValue::from(plan.recalled_turns.len()),
+        HeaderValue::from(plan.report.recalled_turns.len()),
     );
-    let turns: Vec<String> = plan.recalled_turns.iter().map(u64::to_string).collect();
+    let turns: Vec<String> = plan
+        .report
+        .recalled_turns
+        .iter()
+        .map(u64::to_string)
+        .collect();
     if let Ok(value) = HeaderValue::from_str(&turns.join(",")) {
         headers.insert(RETRIEVED_TURNS_HEADER, value);
     }
-    if !plan.recalled_elsewhere.is_empty() {
+    if !plan.report.recalled_elsewhere.is_empty() {
         headers.insert(
             RETRIEVED_ELSEWHERE_HEADER,
-            HeaderValue::from(plan.recalled_elsewhere.len()),
+            HeaderValue::from(plan.report.recalled_elsewhere.len()),
         );
     }
-    if !plan.memories.is_empty() {
-        headers.insert(MEMORIES_HEADER, HeaderValue::from(plan.memories.len()));
+    if !plan.report.memories.is_empty() {
+        headers.insert(
+            MEMORIES_HEADER,
+            HeaderValue::from(plan.report.memories.len()),
+        );
     }
-    headers.insert(PROMPT_TOKENS_HEADER, HeaderValue::from(plan.prompt_tokens));
+    headers.insert(
+        PROMPT_TOKENS_HEADER,
+        HeaderValue::from(plan.report.prompt_tokens),
+    );
     headers.insert(
         HISTORY_TOKENS_HEADER,
-        HeaderValue::from(plan.history_tokens),
+        HeaderValue::from(plan.report.history_tokens),
     );
-    if let Some(verdict) = plan.fitted.map(|f| f.verdict()) {
+    if let Some(verdict) = plan.report.fitted.map(|f| f.verdict()) {
         headers.insert(BUDGET_HEADER, HeaderValue::from_static(verdict));
     }
     headers

@@ -230,21 +230,22 @@ impl Planned {
     pub fn take(plan: &mut Plan) -> Planned {
         Planned {
             prompt: std::mem::take(&mut plan.prompt),
-            prompt_tokens: plan.prompt_tokens,
-            history_tokens: plan.history_tokens,
-            stored_count: plan.stored_count,
-            recalled: std::mem::take(&mut plan.recalled_scores),
-            recalled_elsewhere: std::mem::take(&mut plan.recalled_elsewhere),
-            excerpted: std::mem::take(&mut plan.excerpted_turns),
-            window_step: Some(plan.window_step),
+            prompt_tokens: plan.report.prompt_tokens,
+            history_tokens: plan.report.history_tokens,
+            stored_count: plan.report.stored_count,
+            recalled: std::mem::take(&mut plan.report.recalled_scores),
+            recalled_elsewhere: std::mem::take(&mut plan.report.recalled_elsewhere),
+            excerpted: std::mem::take(&mut plan.report.excerpted_turns),
+            window_step: Some(plan.report.window_step),
             memories: plan
+                .report
                 .memories
                 .iter()
                 .map(|c| (c.memory.id, c.score, c.decay))
                 .collect(),
-            summary: plan.summary.take(),
-            budget: plan.fitted,
-            dropped: std::mem::take(&mut plan.dropped),
+            summary: plan.report.summary.take(),
+            budget: plan.report.fitted,
+            dropped: std::mem::take(&mut plan.report.dropped),
         }
     }
 
