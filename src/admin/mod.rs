@@ -406,7 +406,7 @@ fn preview(
         .map_err(|err| AdminError::BadRequest(format!("the chat-completions body: {err}")))?;
     let messages = std::mem::take(&mut request.messages);
     // A preview stores nothing: no summary job, no heuristic stand-in.
-    let limits = crate::pipeline::plan::Limits {
+    let limits = crate::pipeline::plan::RequestLimits {
         writes: false,
         ..crate::proxy::chat::limits(state)
     };

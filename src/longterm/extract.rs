@@ -24,7 +24,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use super::archive;
-use super::memories::{self, Candidate, MemoryRecord, Origin, SPACE_MEMORIES};
+use super::memories::{self, Candidate, CandidateSource, MemoryRecord, SPACE_MEMORIES};
 use crate::identity::ConversationKey;
 use crate::ledger::{Ledger, Task};
 use crate::model::{Credentials, ModelCall, ModelMessage, ModelRequest};
@@ -87,7 +87,7 @@ impl HandedOver {
 
 /// One extraction: a run of turns of one life of a conversation, for one user.
 #[derive(Debug, Clone)]
-pub struct Job {
+pub struct ExtractionJob {
     pub user: OwnerKey,
     pub agent: String,
     pub conversation: String,
@@ -131,7 +131,7 @@ pub struct Extractor {
     model: Arc<dyn ModelCall>,
     /// Where the calls' tokens are counted, and the daily budget that stops them.
     ledger: Arc<Ledger>,
-    queue: Mutex<Option<mpsc::Sender<Job>>>,
+    queue: Mutex<Option<mpsc::Sender<ExtractionJob>>>,
     stop: Notify,
     worker: Mutex<Option<JoinHandle<()>>>,
     pub counters: ExtractionCounters,
@@ -183,7 +183,7 @@ impl Extractor {
     }
 
     /// Queues a job; false (counted) when the queue is full or closed.
-    pub fn enqueue(&self, job: Job) -> bool {
+    pub fn enqueue(&self, job: ExtractionJob) -> bool {
         let sent = match &*guard(&self.queue) {
             Some(tx) => tx.try_send(job).is_ok(),
             None => false,
@@ -194,7 +194,7 @@ impl Extractor {
         sent
     }
 
-    async fn work(self: Arc<Self>, mut rx: mpsc::Receiver<Job>) {
+    async fn work(self: Arc<Self>, mut rx: mpsc::Receiver<ExtractionJob>) {
         loop {
             tokio::select! {
                 job = rx.recv() => {
@@ -208,7 +208,7 @@ impl Extractor {
     }
 
     /// Runs a job with retries; a failure leaves the memories as they were.
-    async fn run(&self, job: Job) {
+    async fn run(&self, job: ExtractionJob) {
         if let Some(handed_over) = &job.call.handed_over {
             handed_over.wait().await;
         }
@@ -246,7 +246,7 @@ impl Extractor {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
     }
 
-    async fn attempt(&self, job: &Job) -> Result<memories::Applied, ExtractError> {
+    async fn attempt(&self, job: &ExtractionJob) -> Result<memories::Applied, ExtractError> {
         let store = Arc::clone(&self.store);
         let read_job = job.clone();
         let (turns, known) = tokio::task::spawn_blocking(move || read(&store, &read_job))
@@ -316,7 +316,7 @@ pub fn owners(user: &OwnerKey, agent: &str) -> [OwnerKey; 3] {
 type Known = HashMap<OwnerKey, Vec<MemoryRecord>>;
 
 /// The job's turns from the user's archive and the memories it may touch.
-fn read(store: &Store, job: &Job) -> Result<(Vec<SourceTurn>, Known), StoreError> {
+fn read(store: &Store, job: &ExtractionJob) -> Result<(Vec<SourceTurn>, Known), StoreError> {
     let Some(handle) = store.owner(&job.user, false)? else {
         return Ok((Vec::new(), Known::new()));
     };
@@ -416,7 +416,7 @@ importance and confidence: numbers from 0 to 1. source_turns: the turn numbers i
 When a statement changes or corrects a known memory, put that memory's id in supersedes. \
 Do not repeat known memories unchanged. Answer with {\"memories\": []} when nothing is worth keeping.";
 
-fn request(job: &Job, turns: &[SourceTurn], known: &Known) -> ModelRequest {
+fn request(job: &ExtractionJob, turns: &[SourceTurn], known: &Known) -> ModelRequest {
     let mut prompt = String::from("Known memories:\n");
     let mut shown = 0;
     for memory in known.values().flatten().take(KNOWN_IN_PROMPT) {
@@ -486,20 +486,20 @@ pub fn parse(text: &str) -> Result<Vec<Candidate>, ExtractError> {
 
 fn apply(
     store: &Store,
-    job: &Job,
+    job: &ExtractionJob,
     turns: &[SourceTurn],
     candidates: &[Candidate],
 ) -> Result<memories::Applied, StoreError> {
     // Read again now: a hand edit or another extraction may have changed them meanwhile.
     let (_, mut known) = read(
         store,
-        &Job {
+        &ExtractionJob {
             from_turn: 1,
             to_turn: 0,
             ..job.clone()
         },
     )?;
-    let origin = Origin {
+    let origin = CandidateSource {
         user: job.user.clone(),
         agent: job.agent.clone(),
         conversation: Some(job.conversation.clone()),

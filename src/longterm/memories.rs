@@ -208,7 +208,7 @@ pub struct Candidate {
 
 /// Where a batch of candidates came from.
 #[derive(Debug, Clone)]
-pub struct Origin {
+pub struct CandidateSource {
     pub user: OwnerKey,
     pub agent: String,
     pub conversation: Option<String>,
@@ -317,7 +317,7 @@ fn checked(candidate: &Candidate) -> Option<(MemoryType, MemoryScope)> {
 pub fn apply(
     existing: &mut HashMap<OwnerKey, Vec<MemoryRecord>>,
     candidates: &[Candidate],
-    origin: &Origin,
+    origin: &CandidateSource,
     mut new_id: impl FnMut() -> Result<u64, StoreError>,
 ) -> Result<(Applied, HashMap<OwnerKey, Vec<MemoryRecord>>), StoreError> {
     let mut applied = Applied::default();
@@ -570,8 +570,8 @@ mod tests {
     use super::*;
     use crate::identity::TenantId;
 
-    fn origin() -> Origin {
-        Origin {
+    fn origin() -> CandidateSource {
+        CandidateSource {
             user: OwnerKey::user(&TenantId::from_token(Some("t")), "ana"),
             agent: "default".into(),
             conversation: Some("c".into()),

@@ -150,7 +150,7 @@ impl LongTerm {
                     }
                 }
                 if let (Some(due), Some((_, Some(call)))) = (due, extraction) {
-                    self.extractor.enqueue(extract::Job {
+                    self.extractor.enqueue(extract::ExtractionJob {
                         user: user.clone(),
                         agent: conversation.key.agent.clone(),
                         conversation: conversation.key.conversation.clone(),
@@ -191,7 +191,7 @@ impl LongTerm {
         let (user, agent, conversation) =
             (user.clone(), key.agent.clone(), key.conversation.clone());
         OnStored::new(move |record, credentials| {
-            extractor.enqueue(extract::Job {
+            extractor.enqueue(extract::ExtractionJob {
                 user,
                 agent,
                 conversation,

@@ -43,7 +43,7 @@ pub const TRIM_BATCH: usize = 512;
 
 /// A planned write: the change, how many stored messages it trims, and how many of the
 /// exchange's own oldest messages are left out to stay within `max_messages`.
-struct Planned {
+struct PlannedWrite {
     change: Change,
     trimmed: usize,
     dropped_new: usize,
@@ -276,7 +276,7 @@ impl Exchange {
         alignment: Alignment,
         new: &[StoredMessage],
         reply: &StoredMessage,
-    ) -> Planned {
+    ) -> PlannedWrite {
         let mut remove_turns = Vec::new();
         let kept = alignment.kept(entries.len());
         let mut branch_from_turn = None;
@@ -294,7 +294,7 @@ impl Exchange {
         remove_turns.extend(entries[..trimmed].iter().map(|e| e.turn));
         let dropped_new = (cut - trimmed).min(add.len() - 1);
         add.drain(..dropped_new);
-        Planned {
+        PlannedWrite {
             change: Change {
                 remove_turns,
                 add,

@@ -91,7 +91,7 @@ pub struct Report {
 /// What one request may add to memory; past it the request is refused before its new
 /// messages are counted further or stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub struct RequestLimits {
     pub max_new_messages: usize,
     pub max_new_tokens: u64,
     /// A plan for a request that will be forwarded (it may reserve a summary job and write
@@ -128,7 +128,7 @@ pub fn plan(
     key: &ConversationKey,
     user: Option<&str>,
     settings: &MemorySettings,
-    limits: Limits,
+    limits: RequestLimits,
     model: Option<String>,
     messages: Vec<Message>,
 ) -> Result<Plan, PlanError> {
@@ -214,7 +214,7 @@ struct Planning<'a> {
     /// The user, when long-term memory takes part.
     user: Option<&'a OwnerKey>,
     settings: &'a MemorySettings,
-    limits: Limits,
+    limits: RequestLimits,
     /// The request's model.
     model: Option<&'a str>,
 }
@@ -226,7 +226,7 @@ fn long_term_user(
     key: &ConversationKey,
     user: Option<&str>,
     settings: &MemorySettings,
-    limits: Limits,
+    limits: RequestLimits,
 ) -> Option<OwnerKey> {
     let user = user
         .filter(|_| settings.long_term_enabled)

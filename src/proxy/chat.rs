@@ -35,7 +35,7 @@ use crate::memory_guard::{self, Pressure};
 use crate::metrics::{Refusal, ReplyKind, Stage, UpstreamTime};
 use crate::model::Credentials;
 use crate::pipeline::plan::start_due;
-use crate::pipeline::plan::{self, Limits, Plan, PlanError, Timings};
+use crate::pipeline::plan::{self, Plan, PlanError, RequestLimits, Timings};
 use crate::receipts::{Made, Planned, RECEIPT_HEADER, Receipt};
 use crate::reply::reply_of;
 use crate::settings::MemorySettings;
@@ -635,8 +635,8 @@ async fn before(
 }
 
 /// The per-request limits from the config.
-pub fn limits(state: &AppState) -> Limits {
-    Limits {
+pub fn limits(state: &AppState) -> RequestLimits {
+    RequestLimits {
         max_new_messages: state.config.limits.max_new_messages,
         max_new_tokens: state.config.limits.max_new_tokens as u64,
         writes: true,

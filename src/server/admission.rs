@@ -36,8 +36,8 @@ const LINGER_BYTES: usize = 64 * 1024;
 pub enum Admit {
     /// Serve it, holding this slot until it closes.
     Serve(OwnedSemaphorePermit),
-    /// Answer it 503 and close it ([`Refusal::answer`]).
-    Refuse(Refusal),
+    /// Answer it 503 and close it ([`RefusedConnection::answer`]).
+    Refuse(RefusedConnection),
     /// Close it at once: too many refusals are running already.
     Close,
 }
@@ -81,7 +81,7 @@ impl Admission {
         }
         self.refused += 1;
         match Arc::clone(&self.refusals).try_acquire_owned() {
-            Ok(permit) => Admit::Refuse(Refusal {
+            Ok(permit) => Admit::Refuse(RefusedConnection {
                 answer: self.answer.clone(),
                 _permit: permit,
             }),
@@ -91,12 +91,12 @@ impl Admission {
 }
 
 /// One refusal: the 503's bytes and its place among the refusals running.
-pub struct Refusal {
+pub struct RefusedConnection {
     answer: Bytes,
     _permit: OwnedSemaphorePermit,
 }
 
-impl Refusal {
+impl RefusedConnection {
     /// Writes the 503 to `stream` and closes it, within a few seconds.
     pub async fn answer(self, mut stream: TcpStream) {
         let written = tokio::time::timeout(WRITE_WITHIN, async {

@@ -1,5 +1,5 @@
 //! A summary job, from the moment a request finds one due until the worker is done with it:
-//! the [`Job`] and the [`Reservation`] that marks its conversation busy. (The
+//! the [`Job`] and the [`InFlight`] that marks its conversation busy. (The
 //! `DeferredSummary` that queues a job once its request is over is the worker's.)
 
 use std::collections::HashSet;
@@ -24,7 +24,7 @@ pub struct Job {
     /// wait for it).
     pub stand_in: bool,
     /// Marks the conversation busy from planning until the job is done or dropped.
-    pub reservation: Reservation,
+    pub reservation: InFlight,
     /// Handed the model summary once it is stored (long-term memory queues an extraction
     /// from it); never called when no summary is stored.
     pub on_stored: Option<OnStored>,
@@ -54,18 +54,18 @@ impl std::fmt::Debug for OnStored {
 /// A conversation's place in the summarizer's in-flight set, from the moment a job is planned
 /// until the job is finished or dropped (whichever way: never sent, refused by a full queue,
 /// cancelled at shutdown), so a job can never leave a conversation marked busy.
-pub struct Reservation {
+pub struct InFlight {
     pub(super) in_flight: Arc<Mutex<HashSet<ConversationKey>>>,
     pub(super) key: ConversationKey,
 }
 
-impl std::fmt::Debug for Reservation {
+impl std::fmt::Debug for InFlight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reservation").finish_non_exhaustive()
+        f.debug_struct("InFlight").finish_non_exhaustive()
     }
 }
 
-impl Drop for Reservation {
+impl Drop for InFlight {
     fn drop(&mut self) {
         super::guard(&self.in_flight).remove(&self.key);
     }

@@ -16,7 +16,7 @@ mod worker;
 use std::sync::Mutex;
 use std::time::Duration;
 
-pub use job::{Job, OnStored, Reservation};
+pub use job::{InFlight, Job, OnStored};
 pub use prompt::ratio;
 pub use worker::{DeferredSummary, Summarizer, SummaryCounters};
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 
-use super::job::{Job, Reservation};
+use super::job::{InFlight, Job};
 use super::prompt::{cap_tokens, fill, ratio};
 use super::{SummaryError, TASK, guard, heuristic};
 use crate::config::CompressionConfig;
@@ -143,10 +143,10 @@ impl Summarizer {
     }
 
     /// Marks `key` busy for a job about to be planned; `None` when a job for it already is.
-    pub fn reserve(&self, key: &ConversationKey) -> Option<Reservation> {
+    pub fn reserve(&self, key: &ConversationKey) -> Option<InFlight> {
         guard(&self.in_flight)
             .insert(key.clone())
-            .then(|| Reservation {
+            .then(|| InFlight {
                 in_flight: Arc::clone(&self.in_flight),
                 key: key.clone(),
             })
