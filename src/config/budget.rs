@@ -95,9 +95,9 @@ fn receipts_share(budget: &MemoryBudget) -> u64 {
     budget.in_flight() / 4
 }
 
-/// Which storage engine the budget is split for.
+/// Where the store lives, which the budget is split for (the storage trait is `store::Engine`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Engine {
+pub enum StoreResidence {
     /// sled, in the process: its page cache and its own memory take their shares.
     Embedded,
     /// Redis, another process: the sled shares go to the recall indexes (two eighths) and to
@@ -107,11 +107,11 @@ pub enum Engine {
 
 /// The split of `total` with no cache size set explicitly (sled).
 pub fn split(total: u64) -> MemoryBudget {
-    split_for(total, Engine::Embedded)
+    split_for(total, StoreResidence::Embedded)
 }
 
 /// The split of `total` for `engine`, with no cache size set explicitly.
-pub fn split_for(total: u64, engine: Engine) -> MemoryBudget {
+pub fn split_for(total: u64, engine: StoreResidence) -> MemoryBudget {
     let eighth = total.saturating_sub(PROCESS_BASE) / 8;
     let embedded = MemoryBudget {
         total,
@@ -127,8 +127,8 @@ pub fn split_for(total: u64, engine: Engine) -> MemoryBudget {
         ..embedded
     };
     match engine {
-        Engine::Embedded => embedded,
-        Engine::Remote => {
+        StoreResidence::Embedded => embedded,
+        StoreResidence::Remote => {
             let remote = MemoryBudget {
                 store_cache: 0,
                 engine_reserve: 0,
@@ -148,7 +148,7 @@ pub fn split_for(total: u64, engine: Engine) -> MemoryBudget {
 /// [`MIN_MEMORY_BUDGET`] and for caches that together take more than their part.
 pub(super) fn check_budget(
     total: u64,
-    engine: Engine,
+    engine: StoreResidence,
     explicit: ExplicitCaches,
     problems: &mut Vec<String>,
 ) -> MemoryBudget {
@@ -218,7 +218,7 @@ mod tests {
 
     fn check(total: u64, explicit: ExplicitCaches) -> (MemoryBudget, Vec<String>) {
         let mut problems = Vec::new();
-        let budget = check_budget(total, Engine::Embedded, explicit, &mut problems);
+        let budget = check_budget(total, StoreResidence::Embedded, explicit, &mut problems);
         (budget, problems)
     }
 
@@ -309,7 +309,7 @@ mod tests {
 
     #[test]
     fn with_redis_the_sled_shares_go_to_recall_and_requests() {
-        let budget = split_for(192 * MIB, Engine::Remote);
+        let budget = split_for(192 * MIB, StoreResidence::Remote);
         assert_eq!(
             (
                 budget.state_cache,
@@ -325,7 +325,7 @@ mod tests {
         assert_eq!(
             check_budget(
                 192 * MIB,
-                Engine::Remote,
+                StoreResidence::Remote,
                 ExplicitCaches::default(),
                 &mut problems
             ),

@@ -214,8 +214,8 @@ fn check(
         &mut problems,
     );
     let engine = match storage.backend {
-        storage::Backend::Sled => budget::Engine::Embedded,
-        storage::Backend::Redis(_) => budget::Engine::Remote,
+        storage::Backend::Sled => budget::StoreResidence::Embedded,
+        storage::Backend::Redis(_) => budget::StoreResidence::Remote,
     };
     let mut memory_budget =
         budget::check_budget(server.memory_budget, engine, storage.caches, &mut problems);
