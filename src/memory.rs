@@ -13,7 +13,7 @@ use crate::longterm::LongTerm;
 use crate::model::ModelCall;
 use crate::recall::Recall;
 use crate::store::{
-    Deleted, Durability, OwnerKey, RedisOptions, Scope, Store, StoreError, StoreOptions, now_ms,
+    Deleted, OwnerKey, RedisOptions, Scope, Store, StoreError, StoreOptions, now_ms,
 };
 use crate::summary::Summarizer;
 
@@ -127,10 +127,7 @@ pub fn redis_options(redis: &config::RedisConfig) -> RedisOptions {
 
 pub fn store_options(config: &Config) -> StoreOptions {
     StoreOptions {
-        durability: match config.durability {
-            config::Durability::Commit => Durability::Commit,
-            config::Durability::Interval(every) => Durability::Interval(every),
-        },
+        durability: config.durability,
         page_cache_bytes: config.store_cache_bytes,
         state_cache_bytes: config.state_cache_bytes,
     }

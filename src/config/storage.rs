@@ -47,15 +47,8 @@ pub struct RedisConfig {
     pub wait_timeout: Duration,
 }
 
-/// When a commit reaches the disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Durability {
-    /// Each commit is flushed before the client sees the end of the response; concurrent
-    /// commits share one flush (group commit).
-    Commit,
-    /// The store is flushed on this interval; a crash can lose the commits of the last one.
-    Interval(Duration),
-}
+/// When a commit reaches the disk: the store's own type.
+pub use crate::store::Durability;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -71,12 +71,14 @@ use crate::identity::ConversationKey;
 use flush::GroupFlusher;
 use keys::{EngineKeys, KeyFiles, Keys};
 
-/// When a commit is durable.
+/// When a commit reaches the disk (`storage.durability`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
-    /// Before the response ends: commits wait for a (shared) flush.
+    /// Each commit is flushed before the client sees the end of the response; concurrent
+    /// commits share one flush (group commit).
     Commit,
-    /// Within this interval: the engine flushes in the background.
+    /// The store is flushed on this interval in the background; a crash can lose the commits
+    /// of the last one.
     Interval(Duration),
 }
 
