@@ -81,6 +81,8 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+// Allowed: `memproxy check-config` prints its report on stdout, as a command's answer (tracing,
+// which logs to stderr, is not even started for it).
 #[allow(clippy::print_stdout)]
 fn check_config(config: &Config) -> ExitCode {
     println!("config OK");

@@ -11,7 +11,7 @@
 //! conversations) are read when the scrape happens.
 
 use std::sync::Mutex;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::ledger::Task;
@@ -21,6 +21,7 @@ use crate::memory::Memory;
 #[path = "metrics_longterm.rs"]
 mod longterm;
 use crate::memory_guard::{MemoryGuard, Pressure};
+use crate::summary::SummaryCounters;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -246,45 +247,18 @@ fn added_buckets() -> Histogram {
     ])
 }
 
-/// Every metric memproxy exports.
+/// Every metric memproxy exports, in groups by what they describe. Each group registers its
+/// own families; the order the groups register in is the order of the scrape.
 pub struct Metrics {
     registry: Registry,
-    requests: Family<RequestLabels, Counter>,
-    upstream_latency: Histogram,
-    added_time: Histogram,
-    stages: Family<StageLabels, Histogram, fn() -> Histogram>,
-    retrieved_turns: Histogram,
-    summaries: Family<ResultLabels, Counter>,
-    summary_input_tokens: Counter,
-    summary_output_tokens: Counter,
-    tokens_forwarded: Counter,
-    tokens_history: Counter,
-    ledger_history: Family<AgentLabels, Counter>,
-    ledger_forwarded: Family<AgentLabels, Counter>,
-    ledger_cached: Family<AgentLabels, Counter>,
-    ledger_background: Family<AgentTaskLabels, Counter>,
-    background_budget_exhausted: Family<AgentTaskLabels, Counter>,
-    receipts_bytes: Gauge,
-    receipts_kept: Gauge,
-    store_size: Gauge,
-    store_up: Gauge,
-    cached_conversations: Gauge,
-    recall_cache_bytes: Gauge,
-    cache_lookups: Family<CacheLabels, Counter>,
-    cache_misses: Family<CacheLabels, Counter>,
-    ttl_deletions: Counter,
-    ttl_passes: Counter,
-    ttl_scanned: Counter,
-    admin_deletions: Counter,
-    commit_failures: Counter,
-    branches_closed: Counter,
-    stream_commit_failures: Counter,
-    admission_refused: Family<RefusalLabels, Counter>,
-    memory_off: Family<ReasonLabels, Counter>,
-    resident_memory: Gauge,
-    memory_budget: Gauge,
-    memory_high_water: Gauge,
-    memory_in_flight: Gauge,
+    traffic: TrafficMetrics,
+    summaries: SummaryMetrics,
+    tokens: TokenMetrics,
+    receipts: ReceiptMetrics,
+    store: StoreMetrics,
+    deletions: DeletionMetrics,
+    commits: CommitMetrics,
+    admission: AdmissionMetrics,
     longterm: longterm::LongTermMetrics,
     /// Held while a scrape mirrors counters kept elsewhere, so two scrapes never add twice.
     scrape: Mutex<()>,
@@ -302,281 +276,250 @@ impl Default for Metrics {
     }
 }
 
-impl Metrics {
-    pub fn new() -> Metrics {
-        let mut registry = Registry::with_prefix("memproxy");
-        let requests = Family::<RequestLabels, Counter>::default();
+/// The request path: requests answered, the upstream's time and the time memproxy added,
+/// each stage's time, and the older turns recalled into a prompt.
+struct TrafficMetrics {
+    requests: Family<RequestLabels, Counter>,
+    upstream_latency: Histogram,
+    added_time: Histogram,
+    stages: Family<StageLabels, Histogram, fn() -> Histogram>,
+    retrieved_turns: Histogram,
+}
+
+impl TrafficMetrics {
+    fn register(registry: &mut Registry) -> TrafficMetrics {
+        let metrics = TrafficMetrics {
+            requests: Family::default(),
+            upstream_latency: latency_buckets(),
+            added_time: added_buckets(),
+            stages: Family::new_with_constructor(added_buckets),
+            retrieved_turns: Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 10.0, 15.0, 20.0]),
+        };
         registry.register(
             "requests",
             "Requests answered, by route and HTTP status",
-            requests.clone(),
+            metrics.requests.clone(),
         );
-        let upstream_latency = latency_buckets();
         registry.register_with_unit(
             "upstream_latency",
             "Time the upstream took to answer with its response head",
             Unit::Seconds,
-            upstream_latency.clone(),
+            metrics.upstream_latency.clone(),
         );
-        let added_time = added_buckets();
         registry.register_with_unit(
             "added_time",
             "Time memproxy added to a forwarded request: time to the response head minus the upstream's time",
             Unit::Seconds,
-            added_time.clone(),
+            metrics.added_time.clone(),
         );
-        let stages: Family<StageLabels, Histogram, fn() -> Histogram> =
-            Family::new_with_constructor(added_buckets);
         registry.register_with_unit(
             "stage_duration",
             "Time spent in each memory stage (reconcile, recall, assemble, commit, summary)",
             Unit::Seconds,
-            stages.clone(),
+            metrics.stages.clone(),
         );
-        let retrieved_turns = Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 10.0, 15.0, 20.0]);
         registry.register(
             "retrieved_turns",
             "Older turns recalled into a forwarded prompt",
-            retrieved_turns.clone(),
+            metrics.retrieved_turns.clone(),
         );
-        let summaries = Family::<ResultLabels, Counter>::default();
-        registry.register(
-            "summaries",
-            "Summary jobs by result: made, failed, dropped (queue full or shutting down)",
-            summaries.clone(),
-        );
-        let summary_input_tokens = Counter::default();
-        registry.register(
-            "summary_input_tokens",
-            "Prompt tokens the summary calls used (the upstream's usage)",
-            summary_input_tokens.clone(),
-        );
-        let summary_output_tokens = Counter::default();
-        registry.register(
-            "summary_output_tokens",
-            "Completion tokens of the summary calls (the upstream's usage)",
-            summary_output_tokens.clone(),
-        );
-        let tokens_forwarded = Counter::default();
-        registry.register(
-            "prompt_tokens_forwarded",
-            "Tokens of the prompts memproxy forwarded upstream",
-            tokens_forwarded.clone(),
-        );
-        let tokens_history = Counter::default();
-        registry.register(
-            "history_tokens",
-            "Tokens of the full history those prompts stood for (stored messages plus the new ones); the saving is this minus prompt_tokens_forwarded",
-            tokens_history.clone(),
-        );
-        let ledger_history = Family::<AgentLabels, Counter>::default();
-        registry.register(
-            "ledger_history_tokens",
-            "Token ledger, by agent: tokens the memory-on requests would have sent without memproxy (the whole history each time)",
-            ledger_history.clone(),
-        );
-        let ledger_forwarded = Family::<AgentLabels, Counter>::default();
-        registry.register(
-            "ledger_forwarded_tokens",
-            "Token ledger, by agent: tokens of the prompts memproxy forwarded for them",
-            ledger_forwarded.clone(),
-        );
-        let ledger_cached = Family::<AgentLabels, Counter>::default();
-        registry.register(
-            "ledger_cached_tokens",
-            "Token ledger, by agent: of the prompts forwarded, the tokens the upstream reported read from its prompt cache",
-            ledger_cached.clone(),
-        );
-        let ledger_background = Family::<AgentTaskLabels, Counter>::default();
-        registry.register(
-            "ledger_background_tokens",
-            "Token ledger, by agent and task (summary, extraction): tokens memproxy's own model calls spent (the upstream's usage, else counted)",
-            ledger_background.clone(),
-        );
-        let background_budget_exhausted = Family::<AgentTaskLabels, Counter>::default();
-        registry.register(
-            "background_budget_exhausted",
-            "Background model calls not made because the agent's budget for the UTC day (compression.max_tokens_per_day) was spent, by agent and task",
-            background_budget_exhausted.clone(),
-        );
-        let receipts_bytes = Gauge::default();
-        registry.register_with_unit(
-            "receipts",
-            "Memory the kept receipts take (receipts.max_bytes bounds it)",
-            Unit::Bytes,
-            receipts_bytes.clone(),
-        );
-        let receipts_kept = Gauge::default();
-        registry.register("receipts_kept", "Receipts kept now", receipts_kept.clone());
-        let store_size = Gauge::default();
-        registry.register_with_unit(
-            "store_size",
-            "Size of the store on disk",
-            Unit::Bytes,
-            store_size.clone(),
-        );
-        let store_up = Gauge::default();
-        registry.register(
-            "store_up",
-            "1 when the store was opened and takes writes, with no conversation found unreadable; 0 when memory is off or degraded (see /readyz)",
-            store_up.clone(),
-        );
-        let cached_conversations = Gauge::default();
-        registry.register(
-            "cached_conversations",
-            "Conversations whose state is held in memory",
-            cached_conversations.clone(),
-        );
-        let recall_cache_bytes = Gauge::default();
-        registry.register_with_unit(
-            "recall_cache",
-            "Approximate heap size of the cached recall indexes",
-            Unit::Bytes,
-            recall_cache_bytes.clone(),
-        );
-        let cache_lookups = Family::<CacheLabels, Counter>::default();
-        registry.register(
-            "cache_lookups",
-            "Lookups in memproxy's in-memory caches, by cache",
-            cache_lookups.clone(),
-        );
-        let cache_misses = Family::<CacheLabels, Counter>::default();
-        registry.register(
-            "cache_misses",
-            "Lookups that missed and loaded from the store, by cache",
-            cache_misses.clone(),
-        );
-        let ttl_deletions = Counter::default();
-        registry.register(
-            "ttl_deletions",
-            "Conversations deleted by the TTL sweeper",
-            ttl_deletions.clone(),
-        );
-        let ttl_passes = Counter::default();
-        registry.register(
-            "ttl_sweeps",
-            "Passes of the TTL sweeper",
-            ttl_passes.clone(),
-        );
-        let ttl_scanned = Counter::default();
-        registry.register(
-            "ttl_scanned",
-            "Conversations the TTL sweeper looked at",
-            ttl_scanned.clone(),
-        );
-        let admin_deletions = Counter::default();
-        registry.register(
-            "admin_deletions",
-            "Conversations deleted through the admin API or the CLI",
-            admin_deletions.clone(),
-        );
-        let branches_closed = Counter::default();
-        registry.register(
-            "branches_closed",
-            "Branches closed: requests whose re-sent history left the stored line (an edited earlier message, a regenerated earlier reply)",
-            branches_closed.clone(),
-        );
-        let commit_failures = Counter::default();
-        registry.register(
-            "commit_failures",
-            "Exchanges that could not be stored",
-            commit_failures.clone(),
-        );
-        let stream_commit_failures = Counter::default();
-        registry.register(
-            "stream_commit_failures",
-            "Streamed exchanges that could not be stored after X-Memory-Status: stored was sent",
-            stream_commit_failures.clone(),
-        );
-        let admission_refused = Family::<RefusalLabels, Counter>::default();
-        registry.register(
-            "admission_refused",
-            "Requests refused memory by the memory guard (server.memory_budget), by what they got (degraded: served with memory off; unavailable: 503) and why (resident: the RSS reached the high-water mark; in_flight: with the requests in flight it would have)",
-            admission_refused.clone(),
-        );
-        let memory_off = Family::<ReasonLabels, Counter>::default();
-        registry.register(
-            "memory_off",
-            "Requests with a conversation id forwarded as sent with memory off (X-Memory-Status: off), by X-Memory-Reason (side-call-no-tools, side-call-structured-output, side-call-compaction: a request shaped as no turn of its conversation)",
-            memory_off.clone(),
-        );
-        let resident_memory = Gauge::default();
-        registry.register_with_unit(
-            "resident_memory",
-            "The process's resident memory (RSS) as the memory guard last read it",
-            Unit::Bytes,
-            resident_memory.clone(),
-        );
-        let memory_budget = Gauge::default();
-        registry.register_with_unit(
-            "memory_budget",
-            "server.memory_budget",
-            Unit::Bytes,
-            memory_budget.clone(),
-        );
-        let memory_high_water = Gauge::default();
-        registry.register_with_unit(
-            "memory_high_water",
-            "The RSS from which new chat requests are served with memory off",
-            Unit::Bytes,
-            memory_high_water.clone(),
-        );
-        let memory_in_flight = Gauge::default();
-        registry.register_with_unit(
-            "memory_in_flight",
-            "Bytes reserved by the memory requests in flight (their estimates)",
-            Unit::Bytes,
-            memory_in_flight.clone(),
-        );
-        let longterm = longterm::LongTermMetrics::register(&mut registry);
-        let metrics = Metrics {
-            registry,
-            requests,
-            upstream_latency,
-            added_time,
-            stages,
-            retrieved_turns,
-            summaries,
-            summary_input_tokens,
-            summary_output_tokens,
-            tokens_forwarded,
-            tokens_history,
-            ledger_history,
-            ledger_forwarded,
-            ledger_cached,
-            ledger_background,
-            background_budget_exhausted,
-            receipts_bytes,
-            receipts_kept,
-            store_size,
-            store_up,
-            cached_conversations,
-            recall_cache_bytes,
-            cache_lookups,
-            cache_misses,
-            ttl_deletions,
-            ttl_passes,
-            ttl_scanned,
-            admin_deletions,
-            commit_failures,
-            branches_closed,
-            stream_commit_failures,
-            admission_refused,
-            memory_off,
-            resident_memory,
-            memory_budget,
-            memory_high_water,
-            memory_in_flight,
-            longterm,
-            scrape: Mutex::new(()),
-        };
         // Every labelled series exists from the start, so dashboards see zeros, not gaps.
         for stage in Stage::ALL {
             let _ = metrics.stage(stage);
         }
-        for result in ["made", "failed", "dropped"] {
-            let _ = metrics.summaries.get_or_create(&ResultLabels { result });
+        metrics
+    }
+
+    fn stage(&self, stage: Stage) -> impl std::ops::Deref<Target = Histogram> + '_ {
+        self.stages.get_or_create(&StageLabels {
+            stage: stage.as_str(),
+        })
+    }
+}
+
+/// The summarizer's jobs by result and the tokens its calls used (mirrored at each scrape).
+struct SummaryMetrics {
+    results: Family<ResultLabels, Counter>,
+    input_tokens: Counter,
+    output_tokens: Counter,
+}
+
+/// The `result` of `memproxy_summaries_total` and the summarizer's counter behind each.
+fn summary_results(c: &SummaryCounters) -> [(&'static str, &AtomicU64); 3] {
+    [
+        ("made", &c.made),
+        ("failed", &c.failed),
+        ("dropped", &c.dropped),
+    ]
+}
+
+impl SummaryMetrics {
+    fn register(registry: &mut Registry) -> SummaryMetrics {
+        let metrics = SummaryMetrics {
+            results: Family::default(),
+            input_tokens: Counter::default(),
+            output_tokens: Counter::default(),
+        };
+        registry.register(
+            "summaries",
+            "Summary jobs by result: made, failed, dropped (queue full or shutting down)",
+            metrics.results.clone(),
+        );
+        registry.register(
+            "summary_input_tokens",
+            "Prompt tokens the summary calls used (the upstream's usage)",
+            metrics.input_tokens.clone(),
+        );
+        registry.register(
+            "summary_output_tokens",
+            "Completion tokens of the summary calls (the upstream's usage)",
+            metrics.output_tokens.clone(),
+        );
+        for (result, _) in summary_results(&SummaryCounters::default()) {
+            let _ = metrics.results.get_or_create(&ResultLabels { result });
         }
+        metrics
+    }
+}
+
+/// What prompts cost: the tokens forwarded against the history they stand for, in all and per
+/// agent (the token ledger), and what memproxy's own model calls spent or were refused.
+struct TokenMetrics {
+    forwarded: Counter,
+    history: Counter,
+    ledger_history: Family<AgentLabels, Counter>,
+    ledger_forwarded: Family<AgentLabels, Counter>,
+    ledger_cached: Family<AgentLabels, Counter>,
+    ledger_background: Family<AgentTaskLabels, Counter>,
+    background_budget_exhausted: Family<AgentTaskLabels, Counter>,
+}
+
+impl TokenMetrics {
+    fn register(registry: &mut Registry) -> TokenMetrics {
+        let metrics = TokenMetrics {
+            forwarded: Counter::default(),
+            history: Counter::default(),
+            ledger_history: Family::default(),
+            ledger_forwarded: Family::default(),
+            ledger_cached: Family::default(),
+            ledger_background: Family::default(),
+            background_budget_exhausted: Family::default(),
+        };
+        registry.register(
+            "prompt_tokens_forwarded",
+            "Tokens of the prompts memproxy forwarded upstream",
+            metrics.forwarded.clone(),
+        );
+        registry.register(
+            "history_tokens",
+            "Tokens of the full history those prompts stood for (stored messages plus the new ones); the saving is this minus prompt_tokens_forwarded",
+            metrics.history.clone(),
+        );
+        registry.register(
+            "ledger_history_tokens",
+            "Token ledger, by agent: tokens the memory-on requests would have sent without memproxy (the whole history each time)",
+            metrics.ledger_history.clone(),
+        );
+        registry.register(
+            "ledger_forwarded_tokens",
+            "Token ledger, by agent: tokens of the prompts memproxy forwarded for them",
+            metrics.ledger_forwarded.clone(),
+        );
+        registry.register(
+            "ledger_cached_tokens",
+            "Token ledger, by agent: of the prompts forwarded, the tokens the upstream reported read from its prompt cache",
+            metrics.ledger_cached.clone(),
+        );
+        registry.register(
+            "ledger_background_tokens",
+            "Token ledger, by agent and task (summary, extraction): tokens memproxy's own model calls spent (the upstream's usage, else counted)",
+            metrics.ledger_background.clone(),
+        );
+        registry.register(
+            "background_budget_exhausted",
+            "Background model calls not made because the agent's budget for the UTC day (compression.max_tokens_per_day) was spent, by agent and task",
+            metrics.background_budget_exhausted.clone(),
+        );
+        metrics
+    }
+}
+
+/// The receipts kept in memory: their bytes and their number.
+struct ReceiptMetrics {
+    bytes: Gauge,
+    kept: Gauge,
+}
+
+impl ReceiptMetrics {
+    fn register(registry: &mut Registry) -> ReceiptMetrics {
+        let metrics = ReceiptMetrics {
+            bytes: Gauge::default(),
+            kept: Gauge::default(),
+        };
+        registry.register_with_unit(
+            "receipts",
+            "Memory the kept receipts take (receipts.max_bytes bounds it)",
+            Unit::Bytes,
+            metrics.bytes.clone(),
+        );
+        registry.register("receipts_kept", "Receipts kept now", metrics.kept.clone());
+        metrics
+    }
+}
+
+/// The store and the caches in front of it: size on disk, health, what is cached, and the
+/// caches' lookups and misses (read at each scrape).
+struct StoreMetrics {
+    size: Gauge,
+    up: Gauge,
+    cached_conversations: Gauge,
+    recall_cache_bytes: Gauge,
+    cache_lookups: Family<CacheLabels, Counter>,
+    cache_misses: Family<CacheLabels, Counter>,
+}
+
+impl StoreMetrics {
+    fn register(registry: &mut Registry) -> StoreMetrics {
+        let metrics = StoreMetrics {
+            size: Gauge::default(),
+            up: Gauge::default(),
+            cached_conversations: Gauge::default(),
+            recall_cache_bytes: Gauge::default(),
+            cache_lookups: Family::default(),
+            cache_misses: Family::default(),
+        };
+        registry.register_with_unit(
+            "store_size",
+            "Size of the store on disk",
+            Unit::Bytes,
+            metrics.size.clone(),
+        );
+        registry.register(
+            "store_up",
+            "1 when the store was opened and takes writes, with no conversation found unreadable; 0 when memory is off or degraded (see /readyz)",
+            metrics.up.clone(),
+        );
+        registry.register(
+            "cached_conversations",
+            "Conversations whose state is held in memory",
+            metrics.cached_conversations.clone(),
+        );
+        registry.register_with_unit(
+            "recall_cache",
+            "Approximate heap size of the cached recall indexes",
+            Unit::Bytes,
+            metrics.recall_cache_bytes.clone(),
+        );
+        registry.register(
+            "cache_lookups",
+            "Lookups in memproxy's in-memory caches, by cache",
+            metrics.cache_lookups.clone(),
+        );
+        registry.register(
+            "cache_misses",
+            "Lookups that missed and loaded from the store, by cache",
+            metrics.cache_misses.clone(),
+        );
         for cache in [Cache::Conversation, Cache::Recall] {
             let labels = CacheLabels {
                 cache: cache.as_str(),
@@ -584,9 +527,143 @@ impl Metrics {
             let _ = metrics.cache_lookups.get_or_create(&labels);
             let _ = metrics.cache_misses.get_or_create(&labels);
         }
+        metrics
+    }
+}
+
+/// Conversations deleted: by the TTL sweeper (with its passes and what it looked at, mirrored
+/// from its counters) and by an operator.
+struct DeletionMetrics {
+    ttl_deletions: Counter,
+    ttl_passes: Counter,
+    ttl_scanned: Counter,
+    admin_deletions: Counter,
+}
+
+impl DeletionMetrics {
+    fn register(registry: &mut Registry) -> DeletionMetrics {
+        let metrics = DeletionMetrics {
+            ttl_deletions: Counter::default(),
+            ttl_passes: Counter::default(),
+            ttl_scanned: Counter::default(),
+            admin_deletions: Counter::default(),
+        };
+        registry.register(
+            "ttl_deletions",
+            "Conversations deleted by the TTL sweeper",
+            metrics.ttl_deletions.clone(),
+        );
+        registry.register(
+            "ttl_sweeps",
+            "Passes of the TTL sweeper",
+            metrics.ttl_passes.clone(),
+        );
+        registry.register(
+            "ttl_scanned",
+            "Conversations the TTL sweeper looked at",
+            metrics.ttl_scanned.clone(),
+        );
+        registry.register(
+            "admin_deletions",
+            "Conversations deleted through the admin API or the CLI",
+            metrics.admin_deletions.clone(),
+        );
+        metrics
+    }
+}
+
+/// What commits did beyond storing an exchange: branches closed, and exchanges that could not
+/// be stored (streamed ones apart: their `stored` status was already sent).
+struct CommitMetrics {
+    branches_closed: Counter,
+    failures: Counter,
+    stream_failures: Counter,
+}
+
+impl CommitMetrics {
+    fn register(registry: &mut Registry) -> CommitMetrics {
+        let metrics = CommitMetrics {
+            branches_closed: Counter::default(),
+            failures: Counter::default(),
+            stream_failures: Counter::default(),
+        };
+        registry.register(
+            "branches_closed",
+            "Branches closed: requests whose re-sent history left the stored line (an edited earlier message, a regenerated earlier reply)",
+            metrics.branches_closed.clone(),
+        );
+        registry.register(
+            "commit_failures",
+            "Exchanges that could not be stored",
+            metrics.failures.clone(),
+        );
+        registry.register(
+            "stream_commit_failures",
+            "Streamed exchanges that could not be stored after X-Memory-Status: stored was sent",
+            metrics.stream_failures.clone(),
+        );
+        metrics
+    }
+}
+
+/// Requests served without memory (refused by the memory guard, or side calls), and the
+/// memory guard's figures (read at each scrape).
+struct AdmissionMetrics {
+    refused: Family<RefusalLabels, Counter>,
+    memory_off: Family<ReasonLabels, Counter>,
+    resident: Gauge,
+    budget: Gauge,
+    high_water: Gauge,
+    in_flight: Gauge,
+}
+
+impl AdmissionMetrics {
+    fn register(registry: &mut Registry) -> AdmissionMetrics {
+        let metrics = AdmissionMetrics {
+            refused: Family::default(),
+            memory_off: Family::default(),
+            resident: Gauge::default(),
+            budget: Gauge::default(),
+            high_water: Gauge::default(),
+            in_flight: Gauge::default(),
+        };
+        registry.register(
+            "admission_refused",
+            "Requests refused memory by the memory guard (server.memory_budget), by what they got (degraded: served with memory off; unavailable: 503) and why (resident: the RSS reached the high-water mark; in_flight: with the requests in flight it would have)",
+            metrics.refused.clone(),
+        );
+        registry.register(
+            "memory_off",
+            "Requests with a conversation id forwarded as sent with memory off (X-Memory-Status: off), by X-Memory-Reason (side-call-no-tools, side-call-structured-output, side-call-compaction: a request shaped as no turn of its conversation)",
+            metrics.memory_off.clone(),
+        );
+        registry.register_with_unit(
+            "resident_memory",
+            "The process's resident memory (RSS) as the memory guard last read it",
+            Unit::Bytes,
+            metrics.resident.clone(),
+        );
+        registry.register_with_unit(
+            "memory_budget",
+            "server.memory_budget",
+            Unit::Bytes,
+            metrics.budget.clone(),
+        );
+        registry.register_with_unit(
+            "memory_high_water",
+            "The RSS from which new chat requests are served with memory off",
+            Unit::Bytes,
+            metrics.high_water.clone(),
+        );
+        registry.register_with_unit(
+            "memory_in_flight",
+            "Bytes reserved by the memory requests in flight (their estimates)",
+            Unit::Bytes,
+            metrics.in_flight.clone(),
+        );
         for action in Refusal::ALL {
             for reason in Pressure::ALL {
-                let _ = metrics.admission_refused.get_or_create(&RefusalLabels {
+                let _ = metrics.refused.get_or_create(&RefusalLabels {
                     action: action.as_str(),
                     reason: reason.as_str(),
                 });
@@ -594,10 +671,38 @@ impl Metrics {
         }
         metrics
     }
+}
 
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("memproxy");
+        let traffic = TrafficMetrics::register(&mut registry);
+        let summaries = SummaryMetrics::register(&mut registry);
+        let tokens = TokenMetrics::register(&mut registry);
+        let receipts = ReceiptMetrics::register(&mut registry);
+        let store = StoreMetrics::register(&mut registry);
+        let deletions = DeletionMetrics::register(&mut registry);
+        let commits = CommitMetrics::register(&mut registry);
+        let admission = AdmissionMetrics::register(&mut registry);
+        let longterm = longterm::LongTermMetrics::register(&mut registry);
+        Metrics {
+            registry,
+            traffic,
+            summaries,
+            tokens,
+            receipts,
+            store,
+            deletions,
+            commits,
+            admission,
+            longterm,
+            scrape: Mutex::new(()),
+        }
+    }
     /// Counts one answered request.
     pub fn request(&self, route: Route, status: http::StatusCode) {
-        self.requests
+        self.traffic
+            .requests
             .get_or_create(&RequestLabels {
                 route: route.as_str(),
                 status: status.as_u16(),
@@ -609,7 +714,8 @@ impl Metrics {
     /// upstream took (when it was called). Observes the time memproxy added.
     pub fn timings(&self, total: Duration, upstream: Option<Duration>) {
         if let Some(upstream) = upstream {
-            self.added_time
+            self.traffic
+                .added_time
                 .observe(total.saturating_sub(upstream).as_secs_f64());
         }
     }
@@ -617,15 +723,13 @@ impl Metrics {
     /// Records the upstream's time to its response head, and notes it in `extensions` (the
     /// response's) so the router can tell the time memproxy added.
     pub fn upstream(&self, extensions: &mut http::Extensions, elapsed: Duration) {
-        self.upstream_latency.observe(elapsed.as_secs_f64());
+        self.traffic.upstream_latency.observe(elapsed.as_secs_f64());
         extensions.insert(UpstreamTime(elapsed));
     }
 
     /// The histogram of one stage's durations: `metrics.stage(Stage::Recall).observe(secs)`.
     pub fn stage(&self, stage: Stage) -> impl std::ops::Deref<Target = Histogram> + '_ {
-        self.stages.get_or_create(&StageLabels {
-            stage: stage.as_str(),
-        })
+        self.traffic.stage(stage)
     }
 
     /// Records the time one stage took.
@@ -636,9 +740,9 @@ impl Metrics {
     /// Records a planned prompt: how many older turns were recalled, the tokens forwarded and
     /// the tokens of the full history they stand for.
     pub fn prompt(&self, retrieved_turns: usize, forwarded_tokens: u64, history_tokens: u64) {
-        self.retrieved_turns.observe(retrieved_turns as f64);
-        self.tokens_forwarded.inc_by(forwarded_tokens);
-        self.tokens_history.inc_by(history_tokens);
+        self.traffic.retrieved_turns.observe(retrieved_turns as f64);
+        self.tokens.forwarded.inc_by(forwarded_tokens);
+        self.tokens.history.inc_by(history_tokens);
     }
 
     /// The token ledger of a planned memory-on request of agent label `agent`: the tokens it
@@ -647,17 +751,20 @@ impl Metrics {
         let labels = AgentLabels {
             agent: agent.to_string(),
         };
-        self.ledger_history
+        self.tokens
+            .ledger_history
             .get_or_create(&labels)
             .inc_by(history_tokens);
-        self.ledger_forwarded
+        self.tokens
+            .ledger_forwarded
             .get_or_create(&labels)
             .inc_by(forwarded_tokens);
     }
 
     /// The cached prompt tokens the upstream reported for an exchange of agent label `agent`.
     pub fn ledger_cached(&self, agent: &str, cached_tokens: u64) {
-        self.ledger_cached
+        self.tokens
+            .ledger_cached
             .get_or_create(&AgentLabels {
                 agent: agent.to_string(),
             })
@@ -666,8 +773,8 @@ impl Metrics {
 
     /// The receipts kept: their bytes and their number.
     pub fn receipts(&self, bytes: u64, kept: u64) {
-        self.receipts_bytes.set(gauge(bytes));
-        self.receipts_kept.set(gauge(kept));
+        self.receipts.bytes.set(gauge(bytes));
+        self.receipts.kept.set(gauge(kept));
     }
 
     /// Counts a cache lookup, and whether it missed.
@@ -675,23 +782,24 @@ impl Metrics {
         let labels = CacheLabels {
             cache: cache.as_str(),
         };
-        self.cache_lookups.get_or_create(&labels).inc();
+        self.store.cache_lookups.get_or_create(&labels).inc();
         if !hit {
-            self.cache_misses.get_or_create(&labels).inc();
+            self.store.cache_misses.get_or_create(&labels).inc();
         }
     }
 
     /// Counts an exchange that could not be stored.
     pub fn commit_failed(&self, kind: ReplyKind) {
-        self.commit_failures.inc();
+        self.commits.failures.inc();
         if kind == ReplyKind::Stream {
-            self.stream_commit_failures.inc();
+            self.commits.stream_failures.inc();
         }
     }
 
     /// Counts a request the memory guard refused memory, what it got and why.
     pub fn admission_refused(&self, action: Refusal, reason: Pressure) {
-        self.admission_refused
+        self.admission
+            .refused
             .get_or_create(&RefusalLabels {
                 action: action.as_str(),
                 reason: reason.as_str(),
@@ -701,14 +809,15 @@ impl Metrics {
 
     /// Counts a request forwarded with memory off, and why.
     pub fn memory_off(&self, reason: &'static str) {
-        self.memory_off
+        self.admission
+            .memory_off
             .get_or_create(&ReasonLabels { reason })
             .inc();
     }
 
     /// Counts conversations deleted by an operator.
     pub fn admin_deleted(&self, count: usize) {
-        self.admin_deletions.inc_by(count as u64);
+        self.deletions.admin_deletions.inc_by(count as u64);
     }
 
     /// The scrape: OpenMetrics text, with the memory core's and the memory guard's gauges and
@@ -719,15 +828,18 @@ impl Metrics {
             .scrape
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        self.resident_memory
+        self.admission
+            .resident
             .set(gauge(guard.resident_bytes().unwrap_or(0)));
-        self.memory_budget.set(gauge(guard.budget().total));
-        self.memory_high_water.set(gauge(guard.budget().high_water));
-        self.memory_in_flight.set(gauge(guard.reserved_bytes()));
+        self.admission.budget.set(gauge(guard.budget().total));
+        self.admission
+            .high_water
+            .set(gauge(guard.budget().high_water));
+        self.admission.in_flight.set(gauge(guard.reserved_bytes()));
         match memory {
             Some(memory) => self.mirror(memory),
             None => {
-                self.store_up.set(0);
+                self.store.up.set(0);
             }
         }
         let mut out = String::new();
@@ -741,51 +853,60 @@ impl Metrics {
     fn mirror(&self, memory: &Memory) {
         let store = &memory.store;
         let up = store.write_failure().is_none() && store.damaged_conversations() == 0;
-        self.store_up.set(i64::from(up));
-        self.store_size.set(gauge(store.size_on_disk()));
-        self.cached_conversations
+        self.store.up.set(i64::from(up));
+        self.store.size.set(gauge(store.size_on_disk()));
+        self.store
+            .cached_conversations
             .set(gauge(store.cached_conversations()));
-        self.recall_cache_bytes.set(gauge(
+        self.store.recall_cache_bytes.set(gauge(
             memory.recall.weighted_size() + memory.longterm.weighted_size(),
         ));
         let (lookups, misses) = store.cache_counts();
         let labels = CacheLabels {
             cache: Cache::Conversation.as_str(),
         };
-        catch_up(&self.cache_lookups.get_or_create(&labels), lookups);
-        catch_up(&self.cache_misses.get_or_create(&labels), misses);
+        catch_up(&self.store.cache_lookups.get_or_create(&labels), lookups);
+        catch_up(&self.store.cache_misses.get_or_create(&labels), misses);
         let (lookups, misses) = memory.recall.cache_counts();
         let labels = CacheLabels {
             cache: Cache::Recall.as_str(),
         };
-        catch_up(&self.cache_lookups.get_or_create(&labels), lookups);
-        catch_up(&self.cache_misses.get_or_create(&labels), misses);
+        catch_up(&self.store.cache_lookups.get_or_create(&labels), lookups);
+        catch_up(&self.store.cache_misses.get_or_create(&labels), misses);
         // The sweeper and the summarizer keep their own counters; they are mirrored here.
         let sweeps = &memory.sweeps;
-        catch_up(&self.ttl_passes, sweeps.passes.load(Ordering::Relaxed));
-        catch_up(&self.ttl_scanned, sweeps.scanned.load(Ordering::Relaxed));
-        catch_up(&self.ttl_deletions, sweeps.deleted.load(Ordering::Relaxed));
         catch_up(
-            &self.branches_closed,
+            &self.deletions.ttl_passes,
+            sweeps.passes.load(Ordering::Relaxed),
+        );
+        catch_up(
+            &self.deletions.ttl_scanned,
+            sweeps.scanned.load(Ordering::Relaxed),
+        );
+        catch_up(
+            &self.deletions.ttl_deletions,
+            sweeps.deleted.load(Ordering::Relaxed),
+        );
+        catch_up(
+            &self.commits.branches_closed,
             memory.branches_closed.load(Ordering::Relaxed),
         );
         let counters = &memory.summarizer.counters;
-        for (result, counter) in [
-            ("made", &counters.made),
-            ("failed", &counters.failed),
-            ("dropped", &counters.dropped),
-        ] {
+        for (result, counter) in summary_results(counters) {
             catch_up(
-                &self.summaries.get_or_create(&ResultLabels { result }),
+                &self
+                    .summaries
+                    .results
+                    .get_or_create(&ResultLabels { result }),
                 counter.load(Ordering::Relaxed),
             );
         }
         catch_up(
-            &self.summary_input_tokens,
+            &self.summaries.input_tokens,
             counters.prompt_tokens.load(Ordering::Relaxed),
         );
         catch_up(
-            &self.summary_output_tokens,
+            &self.summaries.output_tokens,
             counters.completion_tokens.load(Ordering::Relaxed),
         );
         // The ledger's background side, per agent label; every label's series exists.
@@ -793,9 +914,9 @@ impl Metrics {
             let labels = AgentLabels {
                 agent: agent.to_string(),
             };
-            let _ = self.ledger_history.get_or_create(&labels);
-            let _ = self.ledger_forwarded.get_or_create(&labels);
-            let _ = self.ledger_cached.get_or_create(&labels);
+            let _ = self.tokens.ledger_history.get_or_create(&labels);
+            let _ = self.tokens.ledger_forwarded.get_or_create(&labels);
+            let _ = self.tokens.ledger_cached.get_or_create(&labels);
             for task in Task::ALL {
                 let labels = AgentTaskLabels {
                     agent: agent.to_string(),
@@ -806,11 +927,14 @@ impl Metrics {
                     Task::Extraction => (&counters.extraction_tokens, &counters.extraction_skipped),
                 };
                 catch_up(
-                    &self.ledger_background.get_or_create(&labels),
+                    &self.tokens.ledger_background.get_or_create(&labels),
                     tokens.load(Ordering::Relaxed),
                 );
                 catch_up(
-                    &self.background_budget_exhausted.get_or_create(&labels),
+                    &self
+                        .tokens
+                        .background_budget_exhausted
+                        .get_or_create(&labels),
                     skipped.load(Ordering::Relaxed),
                 );
             }

@@ -117,6 +117,9 @@ pub async fn handle(state: &Arc<AppState>, request: Request<Incoming>) -> Respon
     }
 }
 
+/// Runs the operation the path (under [`PREFIX`]) and the method name: each route takes its
+/// own methods (405 for others), and the smaller operations are written out here, the others
+/// in the functions below.
 async fn route(
     state: &Arc<AppState>,
     request: Request<Incoming>,
@@ -126,7 +129,7 @@ async fn route(
     let method = request.method().clone();
     let rest = path
         .strip_prefix(PREFIX)
-        .ok_or_else(|| AdminError::NotFound(format!("no admin route for {method} {path}")))?;
+        .ok_or_else(|| no_route(&method, &path))?;
     // Every operation needs the store: without one (it could not be opened at start) the
     // admin API answers 503, as it would a store whose writes fail.
     let memory = state
@@ -134,161 +137,235 @@ async fn route(
         .as_ref()
         .map_err(|unavailable| AdminError::Unavailable(unavailable.to_string()))?;
     let parts: Vec<&str> = rest.split('/').collect();
-    let not_found = || AdminError::NotFound(format!("no admin route for {method} {path}"));
-    let wrong_method = |allowed: &str| AdminError::MethodNotAllowed(allowed.to_string());
+    let call = AdminCall {
+        state,
+        memory,
+        method: method.clone(),
+        query: &query,
+        request,
+    };
 
     match parts.as_slice() {
-        ["conversations"] => match method {
-            Method::GET => ok(ops::list(&memory.store, &query)?),
-            _ => Err(wrong_method("GET")),
-        },
-        ["tenants", tenant, "stats"] => match method {
-            Method::GET => ok(ops::tenant_stats(&memory.store, &tenant_of(tenant)?)?),
-            _ => Err(wrong_method("GET")),
-        },
-        ["receipts", id] => match method {
-            Method::GET => {
-                let receipt = receipts::find(state, id, &query)?;
-                let _reservation = admit(state, Some(receipt.weight() as u64))?;
-                ok(receipts::show(&receipt))
-            }
-            _ => Err(wrong_method("GET")),
-        },
-        ["receipts", id, "replay"] => match method {
-            Method::POST => {
-                let receipt = receipts::find(state, id, &query)?;
-                receipts::replay(state, &receipt, request.headers()).await
-            }
-            _ => Err(wrong_method("POST")),
-        },
-        ["tenants", tenant] => match method {
-            Method::DELETE => {
-                let tenant = tenant_of(tenant)?;
-                let deleted = ops::delete_tenant_in(&memory.store, &tenant, |key| {
-                    memory.forget_deleted(key)
-                })?;
-                memory.forget_deleted_tenant(&tenant);
-                state.metrics.admin_deleted(deleted);
-                ok(json!({"tenant": tenant.as_str(), "deleted_conversations": deleted}))
-            }
-            _ => Err(wrong_method("DELETE")),
-        },
+        ["conversations"] => {
+            call.allow(Method::GET)?;
+            ok(ops::list(&memory.store, &query)?)
+        }
+        ["tenants", tenant, "stats"] => {
+            call.allow(Method::GET)?;
+            ok(ops::tenant_stats(&memory.store, &tenant_of(tenant)?)?)
+        }
+        ["receipts", id] => {
+            call.allow(Method::GET)?;
+            let receipt = receipts::find(state, id, &query)?;
+            let _reservation = admit(state, Some(receipt.weight() as u64))?;
+            ok(receipts::show(&receipt))
+        }
+        ["receipts", id, "replay"] => {
+            call.allow(Method::POST)?;
+            let receipt = receipts::find(state, id, &query)?;
+            receipts::replay(state, &receipt, call.request.headers()).await
+        }
+        ["tenants", tenant] => {
+            call.allow(Method::DELETE)?;
+            delete_tenant(state, memory, &tenant_of(tenant)?)
+        }
         ["users", tenant, user] => {
             let (tenant, user) = user_of(tenant, user)?;
-            match method {
-                Method::DELETE => ok(users::delete_user(memory, &tenant, user)?),
-                _ => Err(wrong_method("DELETE")),
-            }
+            call.allow(Method::DELETE)?;
+            ok(users::delete_user(memory, &tenant, user)?)
         }
-        ["users", tenant, user, "memories"] => {
-            let (tenant, user) = user_of(tenant, user)?;
-            match method {
-                Method::GET => {
-                    let now = memory.clock.now_ms();
-                    ok(users::list(&memory.store, now, &tenant, user, &query)?)
-                }
-                Method::POST => {
-                    let (_, body) = request.into_parts();
-                    let bytes = read_body(state, body).await?;
-                    ok(users::create(&memory.store, &tenant, user, &bytes)?)
-                }
-                _ => Err(wrong_method("GET, POST")),
-            }
-        }
+        ["users", tenant, user, "memories"] => user_memories(call, user_of(tenant, user)?).await,
         ["users", tenant, user, "export"] => {
             let (tenant, user) = user_of(tenant, user)?;
-            match method {
-                Method::GET => {
-                    let _reservation = admit(state, None)?;
-                    ok(users::export_user(&memory.store, &tenant, user)?)
-                }
-                _ => Err(wrong_method("GET")),
-            }
+            call.allow(Method::GET)?;
+            let _reservation = admit(state, None)?;
+            ok(users::export_user(&memory.store, &tenant, user)?)
         }
-        ["users", tenant, user, "import"] => {
-            let (tenant, user) = user_of(tenant, user)?;
-            match method {
-                Method::POST => {
-                    let force = query_flag(&query, "force_tenant");
-                    let _reservation = admit(state, request.body().size_hint().exact())?;
-                    let (_, body) = request.into_parts();
-                    let bytes = read_body(state, body).await?;
-                    let imported = users::import_user(&memory.store, &tenant, user, &bytes, force)?;
-                    memory
-                        .longterm
-                        .forget(&crate::store::OwnerKey::user(&tenant, user));
-                    ok(imported)
-                }
-                _ => Err(wrong_method("POST")),
-            }
-        }
+        ["users", tenant, user, "import"] => import_user(call, user_of(tenant, user)?).await,
         ["users", tenant, user, "memories", id] => {
-            let (tenant, user) = user_of(tenant, user)?;
-            let id: u64 = id
-                .parse()
-                .map_err(|_| AdminError::BadRequest("a memory id is a number".to_string()))?;
-            match method {
-                Method::GET => ok(users::get(&memory.store, &tenant, user, id)?),
-                Method::PATCH => {
-                    let (_, body) = request.into_parts();
-                    let bytes = read_body(state, body).await?;
-                    ok(users::update(&memory.store, &tenant, user, id, &bytes)?)
-                }
-                Method::DELETE => ok(users::delete(&memory.store, &tenant, user, id)?),
-                _ => Err(wrong_method("GET, PATCH, DELETE")),
-            }
+            user_memory(call, user_of(tenant, user)?, id).await
         }
-        ["conversations", tenant, agent, id] => {
-            let key = key_of(tenant, agent, id)?;
-            match method {
-                Method::GET => ok(ops::show(&memory.store, &key)?),
-                Method::DELETE => {
-                    let deleted = memory
-                        .delete_conversation(&key)?
-                        .ok_or_else(|| missing(&key))?;
-                    state.metrics.admin_deleted(1);
-                    tracing::info!(agent = %key.agent, "conversation deleted by an operator");
-                    ok(format::deleted(&key, &deleted))
-                }
-                _ => Err(wrong_method("GET, DELETE")),
-            }
-        }
+        ["conversations", tenant, agent, id] => conversation(call, &key_of(tenant, agent, id)?),
         ["conversations", tenant, agent, id, action] => {
-            let key = key_of(tenant, agent, id)?;
-            match (*action, &method) {
-                ("stats", &Method::GET) => ok(ops::stats(
-                    &memory.store,
-                    &key,
-                    state.config.profile(&key.agent),
-                )?),
-                ("export", &Method::GET) => {
-                    let _reservation = admit(state, None)?;
-                    let export = ops::export(&memory.store, &key)?;
-                    let text = serde_json::to_string(&export)
-                        .map_err(|err| AdminError::Internal(err.to_string()))?;
-                    Ok(json_response(StatusCode::OK, text))
-                }
-                ("import", &Method::POST) => {
-                    let force_tenant = query_flag(&query, "force_tenant");
-                    let _reservation = admit(state, request.body().size_hint().exact())?;
-                    let (_, body) = request.into_parts();
-                    let bytes = read_body(state, body).await?;
-                    let imported = ops::import(&memory.store, &key, &bytes, force_tenant)?;
-                    memory.recall.forget(&key);
-                    ok(imported)
-                }
-                ("preview", &Method::POST) => {
-                    let _reservation = admit(state, request.body().size_hint().exact())?;
-                    let (parts, body) = request.into_parts();
-                    let bytes = read_body(state, body).await?;
-                    ok(preview(state, memory, &key, &parts.headers, &bytes)?)
-                }
-                ("stats" | "export", _) => Err(wrong_method("GET")),
-                ("import" | "preview", _) => Err(wrong_method("POST")),
-                _ => Err(not_found()),
-            }
+            conversation_action(call, &key_of(tenant, agent, id)?, action).await
         }
-        _ => Err(not_found()),
+        _ => Err(no_route(&method, &path)),
+    }
+}
+
+/// One admin request on its way to its operation: the request (its body not read yet), its
+/// method and query, and the server state and memory core it acts on.
+struct AdminCall<'a> {
+    state: &'a AppState,
+    memory: &'a Memory,
+    method: Method,
+    query: &'a str,
+    request: Request<Incoming>,
+}
+
+impl AdminCall<'_> {
+    /// Refuses any method but `allowed` (405).
+    fn allow(&self, allowed: Method) -> Result<(), AdminError> {
+        if self.method == allowed {
+            Ok(())
+        } else {
+            Err(wrong_method(allowed.as_str()))
+        }
+    }
+
+    /// Admits the operation under the memory budget with the body length the request
+    /// announces (503 when refused).
+    fn admit_body(&self) -> Result<Reservation, AdminError> {
+        admit(self.state, self.request.body().size_hint().exact())
+    }
+
+    /// The request's head and its body, read within `body_limit` and `body_read_timeout`.
+    async fn read(self) -> Result<(http::request::Parts, Bytes), AdminError> {
+        let (parts, body) = self.request.into_parts();
+        Ok((parts, read_body(self.state, body).await?))
+    }
+}
+
+/// No admin route for `method` and `path` (404).
+fn no_route(method: &Method, path: &str) -> AdminError {
+    AdminError::NotFound(format!("no admin route for {method} {path}"))
+}
+
+/// A method the route does not take (405), with those it takes.
+fn wrong_method(allowed: &str) -> AdminError {
+    AdminError::MethodNotAllowed(allowed.to_string())
+}
+
+/// `DELETE /tenants/{tenant}`: every conversation of the tenant, and what is cached of them.
+fn delete_tenant(
+    state: &AppState,
+    memory: &Memory,
+    tenant: &TenantId,
+) -> Result<Response<ProxyBody>, AdminError> {
+    let deleted = ops::delete_tenant_in(&memory.store, tenant, |key| memory.forget_deleted(key))?;
+    memory.forget_deleted_tenant(tenant);
+    state.metrics.admin_deleted(deleted);
+    ok(json!({"tenant": tenant.as_str(), "deleted_conversations": deleted}))
+}
+
+/// `/users/{tenant}/{user}/memories`: list a user's memories, or add one.
+async fn user_memories(
+    call: AdminCall<'_>,
+    (tenant, user): (TenantId, &str),
+) -> Result<Response<ProxyBody>, AdminError> {
+    let store = &call.memory.store;
+    match call.method {
+        Method::GET => {
+            let now = call.memory.clock.now_ms();
+            ok(users::list(store, now, &tenant, user, call.query)?)
+        }
+        Method::POST => {
+            let (_, bytes) = call.read().await?;
+            ok(users::create(store, &tenant, user, &bytes)?)
+        }
+        _ => Err(wrong_method("GET, POST")),
+    }
+}
+
+/// `POST /users/{tenant}/{user}/import`: a user's export stored again; the user's cached
+/// memories are dropped.
+async fn import_user(
+    call: AdminCall<'_>,
+    (tenant, user): (TenantId, &str),
+) -> Result<Response<ProxyBody>, AdminError> {
+    call.allow(Method::POST)?;
+    let memory = call.memory;
+    let force = query_flag(call.query, "force_tenant");
+    let _reservation = call.admit_body()?;
+    let (_, bytes) = call.read().await?;
+    let imported = users::import_user(&memory.store, &tenant, user, &bytes, force)?;
+    memory
+        .longterm
+        .forget(&crate::store::OwnerKey::user(&tenant, user));
+    ok(imported)
+}
+
+/// `/users/{tenant}/{user}/memories/{id}`: read, change or delete one memory.
+async fn user_memory(
+    call: AdminCall<'_>,
+    (tenant, user): (TenantId, &str),
+    id: &str,
+) -> Result<Response<ProxyBody>, AdminError> {
+    let id: u64 = id
+        .parse()
+        .map_err(|_| AdminError::BadRequest("a memory id is a number".to_string()))?;
+    let store = &call.memory.store;
+    match call.method {
+        Method::GET => ok(users::get(store, &tenant, user, id)?),
+        Method::PATCH => {
+            let (_, bytes) = call.read().await?;
+            ok(users::update(store, &tenant, user, id, &bytes)?)
+        }
+        Method::DELETE => ok(users::delete(store, &tenant, user, id)?),
+        _ => Err(wrong_method("GET, PATCH, DELETE")),
+    }
+}
+
+/// `/conversations/{tenant}/{agent}/{id}`: show or delete one conversation.
+fn conversation(
+    call: AdminCall<'_>,
+    key: &ConversationKey,
+) -> Result<Response<ProxyBody>, AdminError> {
+    let memory = call.memory;
+    match call.method {
+        Method::GET => ok(ops::show(&memory.store, key)?),
+        Method::DELETE => {
+            let deleted = memory
+                .delete_conversation(key)?
+                .ok_or_else(|| missing(key))?;
+            call.state.metrics.admin_deleted(1);
+            tracing::info!(agent = %key.agent, "conversation deleted by an operator");
+            ok(format::deleted(key, &deleted))
+        }
+        _ => Err(wrong_method("GET, DELETE")),
+    }
+}
+
+/// `/conversations/{tenant}/{agent}/{id}/{action}`: a conversation's stats, export, import or
+/// preview.
+async fn conversation_action(
+    call: AdminCall<'_>,
+    key: &ConversationKey,
+    action: &str,
+) -> Result<Response<ProxyBody>, AdminError> {
+    let (state, memory) = (call.state, call.memory);
+    match (action, &call.method) {
+        ("stats", &Method::GET) => ok(ops::stats(
+            &memory.store,
+            key,
+            state.config.profile(&key.agent),
+        )?),
+        ("export", &Method::GET) => {
+            let _reservation = admit(state, None)?;
+            let export = ops::export(&memory.store, key)?;
+            let text = serde_json::to_string(&export)
+                .map_err(|err| AdminError::Internal(err.to_string()))?;
+            Ok(json_response(StatusCode::OK, text))
+        }
+        ("import", &Method::POST) => {
+            let force_tenant = query_flag(call.query, "force_tenant");
+            let _reservation = call.admit_body()?;
+            let (_, bytes) = call.read().await?;
+            let imported = ops::import(&memory.store, key, &bytes, force_tenant)?;
+            memory.recall.forget(key);
+            ok(imported)
+        }
+        ("preview", &Method::POST) => {
+            let _reservation = call.admit_body()?;
+            let (parts, bytes) = call.read().await?;
+            ok(preview(state, memory, key, &parts.headers, &bytes)?)
+        }
+        ("stats" | "export", _) => Err(wrong_method("GET")),
+        ("import" | "preview", _) => Err(wrong_method("POST")),
+        _ => {
+            let path = call.request.uri().path();
+            Err(no_route(&call.method, path))
+        }
     }
 }
 

@@ -49,6 +49,55 @@ struct PlannedWrite {
     dropped_new: usize,
 }
 
+/// The exchange's messages as they are stored: the request's new ones and the reply, with the
+/// reply's searchable text for the recall index.
+struct ReadyToStore {
+    new: Vec<StoredMessage>,
+    reply: StoredMessage,
+    reply_search: String,
+}
+
+/// What one write of a commit did.
+enum Written {
+    /// A batch of a long trim, of this many stored messages: the exchange is still to write.
+    TrimBatch(usize),
+    /// The exchange: the commit is done.
+    Exchange,
+}
+
+/// The stored turns the exchange's write takes off the main line.
+struct Leaving {
+    /// Every one: trimmed, a replaced reply, or closed into a branch.
+    removed: Vec<u64>,
+    /// Those of a branch closed.
+    closed: Vec<u64>,
+    /// What leaves what was said (not a trim): a closed branch, a replaced reply.
+    unsaid: Vec<u64>,
+}
+
+impl Leaving {
+    fn of(entries: &[Entry], change: &Change, alignment: Alignment) -> Leaving {
+        let closed: Vec<u64> = change
+            .branch_from_turn
+            .map(|from| {
+                let first = entries.partition_point(|e| e.turn < from);
+                entries[first..].iter().map(|e| e.turn).collect()
+            })
+            .unwrap_or_default();
+        let mut removed = change.remove_turns.clone();
+        removed.extend(&closed);
+        let mut unsaid = closed.clone();
+        if matches!(alignment, Alignment::ReplaceLastReply { .. }) {
+            unsaid.extend(entries.last().map(|e| e.turn));
+        }
+        Leaving {
+            removed,
+            closed,
+            unsaid,
+        }
+    }
+}
+
 /// Everything a commit needs, prepared before the request is forwarded.
 #[derive(Debug)]
 pub struct Exchange {
@@ -113,133 +162,33 @@ impl Exchange {
     /// exchange and what is left to trim, in one atomic write.
     fn write(&self, memory: &Memory, reply: Box<RawValue>) -> Result<usize, StoreError> {
         let store = &memory.store;
-        let model = self.model.as_deref();
-        let reply = Message::parse(reply, "reply")
-            .map_err(|err| StoreError::Corrupt(format!("the reply is not a message: {err}")))?;
-        let (reply_text, reply_search) = reply.text_and_search_text();
-        let reply_tokens = tokens::count_message(model, &reply_text);
-        let reply = stored_message(&reply, Origin::Reply, reply_tokens);
-        let new: Vec<StoredMessage> = self
-            .new_turns
-            .iter()
-            .zip(&self.new_tokens)
-            .map(|(m, tokens)| stored_message(m, Origin::Client, *tokens))
-            .collect();
-
+        let ready = self.ready_to_store(reply)?;
         let mut conversation = lock(&self.handle);
         let mut attempt = 0;
         // Stored messages this commit's own trim batches removed from the front.
         let mut batched = 0;
         loop {
             attempt += 1;
-            let current = conversation.meta.as_ref().map(|m| m.next_turn);
-            let alignment = if current == self.planned_next_turn {
-                after_trim(self.alignment, batched)
+            let alignment = self.alignment_now(&conversation, batched);
+            let planned = self.change(&conversation.entries, alignment, &ready.new, &ready.reply);
+            // A long trim (a conversation far over `max_messages`) goes in batches, so no
+            // one write grows with it.
+            let written = if planned.trimmed > TRIM_BATCH {
+                self.write_trim_batch(memory, &mut conversation)
             } else {
-                let now = align(
-                    &conversation.entries,
-                    last_is_reply(&conversation.entries),
-                    &self.marks,
-                );
-                Alignment::settle(self.alignment, now)
+                self.write_exchange(memory, &mut conversation, alignment, planned, &ready)
             };
-            let planned = self.change(&conversation.entries, alignment, &new, &reply);
-            if planned.trimmed > TRIM_BATCH {
-                // A long trim (a conversation far over `max_messages`) goes in batches, so no
-                // one write grows with it.
-                let batch: Vec<u64> = conversation.entries[..TRIM_BATCH]
-                    .iter()
-                    .map(|e| e.turn)
-                    .collect();
-                let trim = Change {
-                    remove_turns: batch.clone(),
-                    ..Change::default()
-                };
-                match store.commit(&mut conversation, trim) {
-                    Ok(()) => {
-                        let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
-                        memory.recall.apply(&self.key, current, &batch, &[], after);
-                        batched += batch.len();
-                        attempt = 0;
-                        continue;
-                    }
-                    Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
-                        back_off(memory, attempt);
-                        reread(memory, &self.key, &mut conversation)?;
-                        continue;
-                    }
-                    Err(err) => return Err(err),
+            match written {
+                Ok(Written::TrimBatch(count)) => {
+                    batched += count;
+                    attempt = 0;
                 }
-            }
-            let mut removed = planned.change.remove_turns.clone();
-            let closed: Vec<u64> = planned
-                .change
-                .branch_from_turn
-                .map(|from| {
-                    let entries = &conversation.entries;
-                    let first = entries.partition_point(|e| e.turn < from);
-                    entries[first..].iter().map(|e| e.turn).collect()
-                })
-                .unwrap_or_default();
-            removed.extend(&closed);
-            // What leaves what was said (not a trim): a closed branch, a replaced reply.
-            let mut unsaid = closed.clone();
-            if matches!(alignment, Alignment::ReplaceLastReply { .. }) {
-                unsaid.extend(conversation.entries.last().map(|e| e.turn));
-            }
-            let added_count = planned.change.add.len();
-            let mut change = planned.change;
-            // What memproxy's own calls spent for the conversation since its last commit.
-            let background = memory.ledger.take_pending(&self.key);
-            change.ledger.background_tokens = background;
-            let still_new = self.still_new(alignment, &self.new_texts);
-            let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
-            added_texts.push(reply_search.clone());
-            match store.commit(&mut conversation, change) {
-                Ok(()) => {
-                    if !closed.is_empty() {
-                        memory
-                            .branches_closed
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        tracing::info!(
-                            closed = closed.len(),
-                            branch = conversation.meta.as_ref().map_or(0, |m| m.branches),
-                            "the client's history left the stored line: a branch was closed"
-                        );
-                    }
-                    let entries = &conversation.entries;
-                    let added: Vec<(u64, String)> = entries[entries.len() - added_count..]
-                        .iter()
-                        .map(|e| e.turn)
-                        .zip(added_texts)
-                        .collect();
-                    let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
-                    memory
-                        .recall
-                        .apply(&self.key, current, &removed, &added, after);
-                    if let Some(user) = &self.user {
-                        let extraction = self
-                            .extraction_rule
-                            .map(|rule| (rule, self.extraction.as_ref()));
-                        memory.longterm.after_commit(
-                            store,
-                            user,
-                            &conversation,
-                            &unsaid,
-                            extraction,
-                        );
-                    }
-                    break;
-                }
+                Ok(Written::Exchange) => break,
                 Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
-                    memory.ledger.give_back(&self.key, background);
                     back_off(memory, attempt);
                     reread(memory, &self.key, &mut conversation)?;
                 }
-                Err(err) => {
-                    memory.ledger.give_back(&self.key, background);
-                    return Err(err);
-                }
+                Err(err) => return Err(err),
             }
         }
         if !self.refresh_memories.is_empty() {
@@ -254,6 +203,121 @@ impl Exchange {
         drop(conversation);
         store.touch(&self.key, &self.handle);
         Ok(count)
+    }
+
+    /// The request's new messages and `reply` as they are stored, with the reply's
+    /// searchable text for the recall index.
+    fn ready_to_store(&self, reply: Box<RawValue>) -> Result<ReadyToStore, StoreError> {
+        let model = self.model.as_deref();
+        let reply = Message::parse(reply, "reply")
+            .map_err(|err| StoreError::Corrupt(format!("the reply is not a message: {err}")))?;
+        let (reply_text, reply_search) = reply.text_and_search_text();
+        let reply_tokens = tokens::count_message(model, &reply_text);
+        let reply = stored_message(&reply, Origin::Reply, reply_tokens);
+        let new: Vec<StoredMessage> = self
+            .new_turns
+            .iter()
+            .zip(&self.new_tokens)
+            .map(|(m, tokens)| stored_message(m, Origin::Client, *tokens))
+            .collect();
+        Ok(ReadyToStore {
+            new,
+            reply,
+            reply_search,
+        })
+    }
+
+    /// The plan's alignment while the conversation is as planned (moved by this commit's own
+    /// trim batches, `batched` messages); once another commit changed it, the request aligned
+    /// again against what is stored now.
+    fn alignment_now(&self, conversation: &Conversation, batched: usize) -> Alignment {
+        let current = conversation.meta.as_ref().map(|m| m.next_turn);
+        if current == self.planned_next_turn {
+            after_trim(self.alignment, batched)
+        } else {
+            let entries = &conversation.entries;
+            let now = align(entries, last_is_reply(entries), &self.marks);
+            Alignment::settle(self.alignment, now)
+        }
+    }
+
+    /// One batch of a long trim: the [`TRIM_BATCH`] oldest stored messages removed in a write
+    /// of their own, and from the recall index.
+    fn write_trim_batch(
+        &self,
+        memory: &Memory,
+        conversation: &mut Conversation,
+    ) -> Result<Written, StoreError> {
+        let current = conversation.meta.as_ref().map(|m| m.next_turn);
+        let batch: Vec<u64> = conversation.entries[..TRIM_BATCH]
+            .iter()
+            .map(|e| e.turn)
+            .collect();
+        let trim = Change {
+            remove_turns: batch.clone(),
+            ..Change::default()
+        };
+        memory.store.commit(conversation, trim)?;
+        let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
+        memory.recall.apply(&self.key, current, &batch, &[], after);
+        Ok(Written::TrimBatch(batch.len()))
+    }
+
+    /// The exchange's write: its messages and reply, what is left to trim and a branch to
+    /// close, with what memproxy's own calls spent for the conversation since its last commit
+    /// (given back to the ledger when the write fails). Once stored, the recall index and
+    /// the user's long-term memory follow.
+    fn write_exchange(
+        &self,
+        memory: &Memory,
+        conversation: &mut Conversation,
+        alignment: Alignment,
+        planned: PlannedWrite,
+        ready: &ReadyToStore,
+    ) -> Result<Written, StoreError> {
+        let store = &memory.store;
+        let current = conversation.meta.as_ref().map(|m| m.next_turn);
+        let leaving = Leaving::of(&conversation.entries, &planned.change, alignment);
+        let added_count = planned.change.add.len();
+        let mut change = planned.change;
+        let background = memory.ledger.take_pending(&self.key);
+        change.ledger.background_tokens = background;
+        let still_new = self.still_new(alignment, &self.new_texts);
+        let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
+        added_texts.push(ready.reply_search.clone());
+        if let Err(err) = store.commit(conversation, change) {
+            memory.ledger.give_back(&self.key, background);
+            return Err(err);
+        }
+        if !leaving.closed.is_empty() {
+            memory
+                .branches_closed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(
+                closed = leaving.closed.len(),
+                branch = conversation.meta.as_ref().map_or(0, |m| m.branches),
+                "the client's history left the stored line: a branch was closed"
+            );
+        }
+        let entries = &conversation.entries;
+        let added: Vec<(u64, String)> = entries[entries.len() - added_count..]
+            .iter()
+            .map(|e| e.turn)
+            .zip(added_texts)
+            .collect();
+        let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
+        memory
+            .recall
+            .apply(&self.key, current, &leaving.removed, &added, after);
+        if let Some(user) = &self.user {
+            let extraction = self
+                .extraction_rule
+                .map(|rule| (rule, self.extraction.as_ref()));
+            memory
+                .longterm
+                .after_commit(store, user, conversation, &leaving.unsaid, extraction);
+        }
+        Ok(Written::Exchange)
     }
 
     /// Of the planned new messages, those still new under `alignment` (a concurrent commit may

@@ -35,6 +35,9 @@ pub struct SummaryPlan {
 /// `closing_from`: the request closes a branch from this turn on. Summaries that reach it go
 /// with the branch, so the prompt carries the newest one that does not; nothing is reserved or
 /// stored while the stored line is about to change (the next request plans on the new one).
+// Allowed: five of the eight are the plan's shared context (`plan.rs`'s `Planning`: memory,
+// conversation, settings, model, writes) spread out by the one caller, `plan.rs::summarized`;
+// taking `&Planning` and the window's start instead is the fix, to be made with that file.
 #[allow(clippy::too_many_arguments)]
 pub fn plan_summary(
     memory: &Memory,

@@ -2,8 +2,6 @@
 //! `&dyn Engine`, and `contract_tests!` runs all of them against one engine. A new engine adds
 //! one line at the bottom.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
 use serde_json::value::RawValue;
 
 use super::engine::{Engine, Scope, Version, Write};

@@ -38,6 +38,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use serde_json::value::RawValue;
+
 use super::engine::{Engine, Version, Write};
 use super::keys::{self, KEY_LEN, KeyFiles};
 use super::records::{
@@ -498,124 +500,20 @@ fn salvage_one(
         Some(KeyFile::Malformed) => (None, Some("its key file is malformed")),
         None => (None, Some("its key file is missing")),
     };
-    let opening = secret.as_ref().and_then(|bytes| keys::key_of(bytes).ok());
+    let check = KeyCheck {
+        id,
+        key: secret.as_ref().and_then(|bytes| keys::key_of(bytes).ok()),
+    };
+    let messages = salvage_messages(reader, &meta, &check);
+    report.messages.found += messages.stored;
+    report.messages.kept += messages.kept.len() as u64;
+    let summaries = salvage_summaries(reader, &check, address, report);
+    let branches = salvage_branches(reader, &check, address, report);
+    let ttl = salvage_ttl(reader, &key, address, report);
 
-    // Messages: read, then proven to open; the history kept has no hole.
-    let read = reader.messages(id, meta.next_turn);
-    let mut last_bad = read.last_unreadable;
-    let mut kept = Vec::with_capacity(read.read.len());
-    let mut sealed_lost = 0;
-    for message in read.read {
-        if sealed_message(&message.message).is_some()
-            && !matches!(
-                open_message(opening.as_deref(), id, &message.message),
-                Ok(Some(_))
-            )
-        {
-            sealed_lost += 1;
-            last_bad = last_bad.max(Some(message.turn));
-            continue;
-        }
-        kept.push(message);
-    }
-    let readable = kept.len();
-    // Fewer than the record says, none of them unreadable: sled lost some silently (it can,
-    // around damage). Where is not known: the history kept starts after the last gap in the
-    // turn numbers (gaps are normal where a reply was replaced, but only looked at now).
-    let silent = meta.message_count > readable as u64 && last_bad.is_none();
-    if silent {
-        let gap = kept
-            .windows(2)
-            .rev()
-            .find(|w| w[1].turn > w[0].turn + 1)
-            .map(|w| w[1].turn - 1);
-        last_bad = last_bad.max(gap);
-    }
-    if let Some(bad) = last_bad {
-        kept.retain(|m| m.turn > bad);
-        let start = kept
-            .iter()
-            .position(|m| m.role == Role::User)
-            .unwrap_or(kept.len());
-        kept.drain(..start);
-    }
-    report.messages.found += meta.message_count.max(readable as u64);
-    report.messages.kept += kept.len() as u64;
-    let stored = meta.message_count.max(readable as u64);
+    let why = messages.why_lost(key_problem);
+    let (stored, kept) = (messages.stored, messages.kept);
     let lost = stored - kept.len() as u64;
-    let why = match (sealed_lost, key_problem) {
-        (n, Some(problem)) if n > 0 => problem,
-        (n, None) if n > 0 => "sealed values do not open with its key",
-        _ if silent => "records are missing",
-        _ => "records cannot be read",
-    };
-
-    // Summaries: each kept that opens.
-    let (summaries, unreadable) = reader.summaries(id);
-    report.summaries.found += (summaries.len() + unreadable) as u64;
-    let total = summaries.len() + unreadable;
-    let summaries: Vec<(u64, Vec<u8>)> = summaries
-        .into_iter()
-        .filter(|(_, record)| {
-            sealed_record(record).is_none()
-                || open_summary(opening.as_deref(), id, record.clone()).is_ok()
-        })
-        .collect();
-    report.summaries.kept += summaries.len() as u64;
-    if summaries.len() < total {
-        report.problem(format!(
-            "{address}: {} of {total} summaries lost",
-            total - summaries.len()
-        ));
-    }
-
-    // Closed branches: each kept whole when every sealed value in it opens.
-    let branches = match reader.branches(id) {
-        Ok(branches) => branches,
-        Err(_) => {
-            report.branches.found += 1;
-            report.problem(format!("{address}: its closed branches cannot be read"));
-            Vec::new()
-        }
-    };
-    report.branches.found += branches.len() as u64;
-    let total = branches.len();
-    let branches: Vec<StoredBranch> = branches
-        .into_iter()
-        .filter(|branch| {
-            branch.messages.iter().all(|m| {
-                sealed_message(&m.message).is_none()
-                    || matches!(
-                        open_message(opening.as_deref(), id, &m.message),
-                        Ok(Some(_))
-                    )
-            }) && branch.summaries.iter().all(|(_, record)| {
-                sealed_record(record).is_none()
-                    || open_summary(opening.as_deref(), id, record.clone()).is_ok()
-            })
-        })
-        .collect();
-    report.branches.kept += branches.len() as u64;
-    if branches.len() < total {
-        report.problem(format!(
-            "{address}: {} of {total} closed branches lost",
-            total - branches.len()
-        ));
-    }
-
-    let ttl = match reader.ttl(&key) {
-        Ok(ttl) => {
-            report.ttl_records.found += u64::from(ttl.is_some());
-            report.ttl_records.kept += u64::from(ttl.is_some());
-            ttl
-        }
-        Err(_) => {
-            report.ttl_records.found += 1;
-            report.problem(format!("{address}: its TTL record cannot be read"));
-            None
-        }
-    };
-
     if kept.is_empty() && summaries.is_empty() && stored > 0 {
         report.problem(format!(
             "{address}: none of its {stored} messages can be kept ({why}); it is lost"
@@ -646,6 +544,185 @@ fn salvage_one(
         ttl,
         secret: secret.filter(|_| needs_key),
     })
+}
+
+/// A conversation's key as its key file gave it (`None`: missing or malformed), to prove its
+/// sealed values readable.
+struct KeyCheck {
+    id: u64,
+    key: Option<keys::Key>,
+}
+
+impl KeyCheck {
+    /// True when a message body is not sealed, or opens with the key.
+    fn message_opens(&self, body: &RawValue) -> bool {
+        sealed_message(body).is_none()
+            || matches!(
+                open_message(self.key.as_deref(), self.id, body),
+                Ok(Some(_))
+            )
+    }
+
+    /// True when a summary record is not sealed, or opens with the key.
+    fn summary_opens(&self, record: &[u8]) -> bool {
+        sealed_record(record).is_none()
+            || open_summary(self.key.as_deref(), self.id, record.to_vec()).is_ok()
+    }
+}
+
+/// The messages a repair keeps of one conversation, and what was lost.
+struct KeptMessages {
+    kept: Vec<StoredMessage>,
+    /// What the conversation held: what its record counts, or what was read when more.
+    stored: u64,
+    /// How many were read but do not open with the key.
+    sealed_lost: usize,
+    /// Fewer were read than the record counts, none of them unreadable.
+    silent: bool,
+}
+
+impl KeptMessages {
+    /// Why messages were lost, for the report (`key_problem`: what is wrong with the key file).
+    fn why_lost(&self, key_problem: Option<&'static str>) -> &'static str {
+        match (self.sealed_lost, key_problem) {
+            (n, Some(problem)) if n > 0 => problem,
+            (n, None) if n > 0 => "sealed values do not open with its key",
+            _ if self.silent => "records are missing",
+            _ => "records cannot be read",
+        }
+    }
+}
+
+/// Messages: read, then proven to open; the history kept has no hole.
+fn salvage_messages(
+    reader: &SalvageReader,
+    meta: &ConversationMeta,
+    check: &KeyCheck,
+) -> KeptMessages {
+    let read = reader.messages(meta.id, meta.next_turn);
+    let mut last_bad = read.last_unreadable;
+    let mut kept = Vec::with_capacity(read.read.len());
+    let mut sealed_lost = 0;
+    for message in read.read {
+        if !check.message_opens(&message.message) {
+            sealed_lost += 1;
+            last_bad = last_bad.max(Some(message.turn));
+            continue;
+        }
+        kept.push(message);
+    }
+    let readable = kept.len();
+    // Fewer than the record says, none of them unreadable: sled lost some silently (it can,
+    // around damage). Where is not known: the history kept starts after the last gap in the
+    // turn numbers (gaps are normal where a reply was replaced, but only looked at now).
+    let silent = meta.message_count > readable as u64 && last_bad.is_none();
+    if silent {
+        let gap = kept
+            .windows(2)
+            .rev()
+            .find(|w| w[1].turn > w[0].turn + 1)
+            .map(|w| w[1].turn - 1);
+        last_bad = last_bad.max(gap);
+    }
+    if let Some(bad) = last_bad {
+        kept.retain(|m| m.turn > bad);
+        let start = kept
+            .iter()
+            .position(|m| m.role == Role::User)
+            .unwrap_or(kept.len());
+        kept.drain(..start);
+    }
+    KeptMessages {
+        kept,
+        stored: meta.message_count.max(readable as u64),
+        sealed_lost,
+        silent,
+    }
+}
+
+/// Summaries: each kept that opens.
+fn salvage_summaries(
+    reader: &SalvageReader,
+    check: &KeyCheck,
+    address: &str,
+    report: &mut Report,
+) -> Vec<(u64, Vec<u8>)> {
+    let (summaries, unreadable) = reader.summaries(check.id);
+    report.summaries.found += (summaries.len() + unreadable) as u64;
+    let total = summaries.len() + unreadable;
+    let summaries: Vec<(u64, Vec<u8>)> = summaries
+        .into_iter()
+        .filter(|(_, record)| check.summary_opens(record))
+        .collect();
+    report.summaries.kept += summaries.len() as u64;
+    if summaries.len() < total {
+        report.problem(format!(
+            "{address}: {} of {total} summaries lost",
+            total - summaries.len()
+        ));
+    }
+    summaries
+}
+
+/// Closed branches: each kept whole when every sealed value in it opens.
+fn salvage_branches(
+    reader: &SalvageReader,
+    check: &KeyCheck,
+    address: &str,
+    report: &mut Report,
+) -> Vec<StoredBranch> {
+    let branches = match reader.branches(check.id) {
+        Ok(branches) => branches,
+        Err(_) => {
+            report.branches.found += 1;
+            report.problem(format!("{address}: its closed branches cannot be read"));
+            Vec::new()
+        }
+    };
+    report.branches.found += branches.len() as u64;
+    let total = branches.len();
+    let branches: Vec<StoredBranch> = branches
+        .into_iter()
+        .filter(|branch| {
+            branch
+                .messages
+                .iter()
+                .all(|m| check.message_opens(&m.message))
+                && branch
+                    .summaries
+                    .iter()
+                    .all(|(_, record)| check.summary_opens(record))
+        })
+        .collect();
+    report.branches.kept += branches.len() as u64;
+    if branches.len() < total {
+        report.problem(format!(
+            "{address}: {} of {total} closed branches lost",
+            total - branches.len()
+        ));
+    }
+    branches
+}
+
+/// The TTL record, when it can be read.
+fn salvage_ttl(
+    reader: &SalvageReader,
+    key: &ConversationKey,
+    address: &str,
+    report: &mut Report,
+) -> Option<TtlRecord> {
+    match reader.ttl(key) {
+        Ok(ttl) => {
+            report.ttl_records.found += u64::from(ttl.is_some());
+            report.ttl_records.kept += u64::from(ttl.is_some());
+            ttl
+        }
+        Err(_) => {
+            report.ttl_records.found += 1;
+            report.problem(format!("{address}: its TTL record cannot be read"));
+            None
+        }
+    }
 }
 
 /// The fresh store a repair writes.

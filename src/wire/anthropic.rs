@@ -404,59 +404,110 @@ pub fn render<'a>(
     prompt: impl IntoIterator<Item = (Part, &'a RawValue)>,
     breakpoints: bool,
 ) -> Vec<u8> {
-    let mut system_texts: Vec<String> = Vec::new();
-    // The recalled turns' text and where they stand in the prompt.
-    let mut recalled: Option<(usize, String)> = None;
-    let mut window_end: Option<usize> = None;
-    let mut turns: Vec<Turn> = Vec::new();
-    for (source, (part, message)) in prompt.into_iter().enumerate() {
-        let Some(neutral) = Neutral::read(message) else {
-            continue;
+    let mut layout = Layout::read(prompt);
+    layout.place_recalled();
+
+    // Breakpoints: the room the request's own leave.
+    let mut room = if breakpoints {
+        MAX_BREAKPOINTS.saturating_sub(client_breakpoints(fields, &layout.turns))
+    } else {
+        0
+    };
+    if room > 0 && layout.mark_window_end() {
+        room -= 1;
+    }
+
+    let list = messages_list(layout.turns);
+    if layout.system_texts.is_empty() {
+        return write_fields(fields, None, "messages", list.as_bytes(), &[]);
+    }
+    let fields = with_system(fields, layout.system_texts, room > 0);
+    write_fields(&fields, None, "messages", list.as_bytes(), &[])
+}
+
+/// A prompt sorted out for the Messages API ([`render`]).
+struct Layout {
+    /// The texts of memproxy's `system` blocks, in the prompt's order.
+    system_texts: Vec<String>,
+    /// The recalled turns' text and where they stand in the prompt.
+    recalled: Option<(usize, String)>,
+    /// The prompt index of the recent window's last message.
+    window_end: Option<usize>,
+    /// The turns, alternating roles from a user turn.
+    turns: Vec<Turn>,
+}
+
+impl Layout {
+    /// Sorts the prompt's messages: system messages (not in place) into `system` texts, the
+    /// recalled turns aside, the rest into turns, neighbours of one role merged.
+    fn read<'a>(prompt: impl IntoIterator<Item = (Part, &'a RawValue)>) -> Layout {
+        let mut layout = Layout {
+            system_texts: Vec::new(),
+            recalled: None,
+            window_end: None,
+            turns: Vec::new(),
         };
-        if part == Part::Recalled {
-            recalled = Some((source, neutral.text()));
-            continue;
-        }
-        let in_place = neutral.wire.as_ref().is_some_and(|w| w.in_place);
-        let turn = match neutral.role.as_str() {
-            "system" | "developer" if !in_place => {
-                system_texts.push(neutral.text());
+        for (source, (part, message)) in prompt.into_iter().enumerate() {
+            let Some(neutral) = Neutral::read(message) else {
+                continue;
+            };
+            if part == Part::Recalled {
+                layout.recalled = Some((source, neutral.text()));
                 continue;
             }
-            _ => to_turn(neutral),
-        };
-        let Some(mut turn) = turn else {
-            continue;
-        };
-        // Only the request's own messages keep the client's markers: one stored from an
-        // earlier request would pile up with the client's new ones past the API's four.
-        if part != Part::Incoming {
-            for block in &mut turn.blocks {
-                if let Some(stripped) = strip_markers(&block.raw) {
-                    block.raw = stripped;
+            let in_place = neutral.wire.as_ref().is_some_and(|w| w.in_place);
+            let turn = match neutral.role.as_str() {
+                "system" | "developer" if !in_place => {
+                    layout.system_texts.push(neutral.text());
+                    continue;
+                }
+                _ => to_turn(neutral),
+            };
+            let Some(mut turn) = turn else {
+                continue;
+            };
+            // Only the request's own messages keep the client's markers: one stored from an
+            // earlier request would pile up with the client's new ones past the API's four.
+            if part != Part::Incoming {
+                for block in &mut turn.blocks {
+                    if let Some(stripped) = strip_markers(&block.raw) {
+                        block.raw = stripped;
+                    }
                 }
             }
+            if part == Part::Window {
+                layout.window_end = Some(source);
+            }
+            layout.push(turn.tagged_with(source));
         }
-        if part == Part::Window {
-            window_end = Some(source);
+        if layout.turns.first().is_some_and(|t| t.role == "assistant") {
+            let opening = Turn::text("user", OPENING_USER_TURN.to_string());
+            layout.turns.insert(0, opening);
         }
-        let turn = turn.tagged_with(source);
-        match turns.last_mut() {
+        layout
+    }
+
+    /// Adds a turn, merged into the last one when of the same role (roles alternate).
+    fn push(&mut self, turn: Turn) {
+        match self.turns.last_mut() {
             Some(last) if last.role == turn.role => {
                 let previous = std::mem::replace(last, Turn::new(turn.role, Vec::new()));
                 let mut blocks = previous.into_blocks();
                 blocks.extend(turn.into_blocks());
                 last.blocks = blocks;
             }
-            _ => turns.push(turn),
+            _ => self.turns.push(turn),
         }
     }
-    if turns.first().is_some_and(|t| t.role == "assistant") {
-        turns.insert(0, Turn::text("user", OPENING_USER_TURN.to_string()));
-    }
-    if let Some((at, text)) = recalled {
-        // The first turn after the recalled turns' place: the newest user turn, or in a tool
-        // loop the user turn that opened the round.
+
+    /// Puts the recalled turns as a text block at the start of the first turn after their
+    /// place when it is a user turn (the newest user turn, or in a tool loop the user turn
+    /// that opened the round); else as the last `system` text.
+    fn place_recalled(&mut self) {
+        let Some((at, text)) = self.recalled.take() else {
+            return;
+        };
+        let turns = &mut self.turns;
         let after = |turn: &Turn| {
             let from = |source: usize| source != usize::MAX && source > at;
             from(turn.source) || turn.blocks.iter().any(|b| from(b.source))
@@ -476,33 +527,23 @@ pub fn render<'a>(
                 blocks.extend(turn.into_blocks());
                 turns[i].blocks = blocks;
             }
-            None => system_texts.push(text),
+            None => self.system_texts.push(text),
         }
     }
-    let added_system = system_texts.len();
 
-    // Breakpoints: the room the request's own leave.
-    let client_breakpoints: usize = fields
-        .iter()
-        .filter(|(k, _)| k == "tools" || k == "system")
-        .map(|(_, v)| breakpoints_in(v.get()))
-        .sum::<usize>()
-        + turns
-            .iter()
-            .flat_map(|t| &t.blocks)
-            .map(|b| breakpoints_in(b.raw.get()))
-            .sum::<usize>();
-    let mut room = if breakpoints {
-        MAX_BREAKPOINTS.saturating_sub(client_breakpoints)
-    } else {
-        0
-    };
-    if let Some(end) = window_end
-        && room > 0
-        && let Some(turn) = turns
+    /// Marks the last block of the recent window that can take it with a `cache_control`
+    /// breakpoint (a string content becomes a text block first); true when one was set.
+    fn mark_window_end(&mut self) -> bool {
+        let Some(end) = self.window_end else {
+            return false;
+        };
+        let Some(turn) = self
+            .turns
             .iter_mut()
             .rfind(|t| t.source == end || t.blocks.iter().any(|b| b.source == end))
-    {
+        else {
+            return false;
+        };
         if turn.text.is_some() {
             let whole = std::mem::replace(turn, Turn::new(turn.role, Vec::new()));
             let role = whole.role;
@@ -517,12 +558,33 @@ pub fn render<'a>(
             .rev()
             .filter(|b| b.source == end)
             .find_map(|b| with_breakpoint(&b.raw).map(|raw| (b, raw)));
-        if let Some((block, marked)) = marked {
-            block.raw = marked;
-            room -= 1;
+        match marked {
+            Some((block, marked)) => {
+                block.raw = marked;
+                true
+            }
+            None => false,
         }
     }
+}
 
+/// The breakpoints the request already carries: in its `tools`, its `system` and its turns.
+fn client_breakpoints(fields: &[(String, Box<RawValue>)], turns: &[Turn]) -> usize {
+    fields
+        .iter()
+        .filter(|(k, _)| k == "tools" || k == "system")
+        .map(|(_, v)| breakpoints_in(v.get()))
+        .sum::<usize>()
+        + turns
+            .iter()
+            .flat_map(|t| &t.blocks)
+            .map(|b| breakpoints_in(b.raw.get()))
+            .sum::<usize>()
+}
+
+/// The `messages` list as JSON: a string content as it was sent, blocks with the tool results
+/// first in a user turn, as the API requires.
+fn messages_list(turns: Vec<Turn>) -> String {
     let mut list = String::from("[");
     for (i, turn) in turns.into_iter().enumerate() {
         if i > 0 {
@@ -533,7 +595,6 @@ pub fn render<'a>(
         match turn.text {
             Some(text) => list.push_str(&Value::String(text).to_string()),
             None => {
-                // Tool results first in a user turn, as the API requires.
                 let mut blocks = turn.blocks;
                 blocks.sort_by_key(|b| !b.tool_result);
                 list.push('[');
@@ -549,10 +610,16 @@ pub fn render<'a>(
         list.push('}');
     }
     list.push(']');
+    list
+}
 
-    if system_texts.is_empty() {
-        return write_fields(fields, None, "messages", list.as_bytes(), &[]);
-    }
+/// The request's fields with `system` made of the client's blocks (a string as one text
+/// block) and then one text block for each of `texts`, the last with a breakpoint when `mark`.
+fn with_system(
+    fields: &[(String, Box<RawValue>)],
+    texts: Vec<String>,
+    mark: bool,
+) -> Vec<(String, Box<RawValue>)> {
     let mut system: Vec<Box<RawValue>> = match fields.iter().find(|(k, _)| k == "system") {
         None => Vec::new(),
         Some((_, value)) => match serde_json::from_str::<String>(value.get()) {
@@ -561,11 +628,12 @@ pub fn render<'a>(
             Err(_) => serde_json::from_str(value.get()).unwrap_or_default(),
         },
     };
-    for text in system_texts {
+    let added = texts.len();
+    for text in texts {
         system.push(raw(&json!({"type": "text", "text": text})));
     }
-    if room > 0
-        && added_system > 0
+    if mark
+        && added > 0
         && let Some(last) = system.last_mut()
         && let Some(marked) = with_breakpoint(last)
     {
@@ -579,7 +647,7 @@ pub fn render<'a>(
         Some((_, value)) => *value = system,
         None => fields.insert(0, ("system".to_string(), system)),
     }
-    write_fields(&fields, None, "messages", list.as_bytes(), &[])
+    fields
 }
 
 /// One neutral message as an Anthropic turn (`None`: nothing of it can be sent).
