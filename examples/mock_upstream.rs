@@ -18,7 +18,6 @@
 //! left unanswered, more than 4 Anthropic cache breakpoints, a changed thinking signature …) is
 //! answered with the provider's 400 and listed by `GET /_mock/refusals`. `--lenient` (or
 //! `POST /_mock/strict` with `{"strict": false}`) answers anything.
-#![allow(clippy::print_stdout)]
 
 use std::io::Write;
 use std::net::SocketAddr;

@@ -32,6 +32,7 @@
 //! (`X-Memory-User-Id` = the sample id), and every question is asked in a fresh conversation
 //! of that user, so whatever evidence reaches the model came from the user's other
 //! conversations.
+// Allowed: an evaluation run by hand prints its results table.
 #![allow(clippy::print_stdout)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};

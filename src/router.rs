@@ -19,10 +19,10 @@ use tracing::field::Empty;
 use crate::body::{ProxyBody, full};
 use crate::config::hash_key;
 use crate::error::{ProxyError, json_response};
-use crate::identity::{Credential, split_path_form};
+use crate::identity::{ConversationKey, Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
 use crate::proxy::chat::MemoryRequest;
-use crate::proxy::identify::{PathIds, credential_of, identify};
+use crate::proxy::identify::{Identity, PathIds, credential_of, identify};
 use crate::proxy::{self, DegradedReason, MemoryStatus, set_degraded_reason, set_memory_headers};
 use crate::state::AppState;
 use crate::wire::Api;
@@ -74,6 +74,9 @@ pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Respons
     .await
 }
 
+/// Routes one request, in order: the path check, memproxy's own routes (health, metrics,
+/// admin), the `/v1` API's checks (client key, identity, a path the upstream can hold), a
+/// stored Responses id, then memory or pass-through.
 async fn route(
     state: &Arc<AppState>,
     request: Request<Incoming>,
@@ -140,20 +143,24 @@ async fn route(
         }
     }
 
-    match (identity.key, identity.conversation, api) {
+    memory_or_pass_through(state, request, identity, api, api_path).await
+}
+
+/// Where an identified `/v1` request goes: memory for a conversation of an API memory serves
+/// (without a store: pass-through marked `degraded`), pass-through marked `off` for one whose
+/// memory is off, memory for a Responses request that may name its conversation in its body;
+/// anything else passes through untouched.
+async fn memory_or_pass_through(
+    state: &Arc<AppState>,
+    request: Request<Incoming>,
+    mut identity: Identity,
+    api: Option<Api>,
+    api_path: String,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    match (identity.key.take(), identity.conversation.take(), api) {
         (Some(key), _, Some(api)) => match &state.memory {
             Ok(memory) => {
-                let (parts, body) = request.into_parts();
-                let request = MemoryRequest {
-                    parts,
-                    body,
-                    key: Some(key),
-                    agent: identity.agent,
-                    user: identity.user,
-                    settings: identity.settings,
-                    api,
-                    api_path,
-                };
+                let request = memory_request(request, Some(key), identity, api, api_path);
                 proxy::chat::chat(state, memory, request).await
             }
             // No store: the request goes through untouched, said in its headers (the cause was
@@ -175,22 +182,34 @@ async fn route(
         // name one, or its `previous_response_id` one memproxy answered.
         (None, None, Some(Api::Responses)) if identity.settings.enabled => match &state.memory {
             Ok(memory) => {
-                let (parts, body) = request.into_parts();
-                let request = MemoryRequest {
-                    parts,
-                    body,
-                    key: None,
-                    agent: identity.agent,
-                    user: identity.user,
-                    settings: identity.settings,
-                    api: Api::Responses,
-                    api_path,
-                };
+                let request = memory_request(request, None, identity, Api::Responses, api_path);
                 proxy::chat::chat(state, memory, request).await
             }
             Err(_) => proxy::passthrough(state, request, &api_path).await,
         },
         _ => proxy::passthrough(state, request, &api_path).await,
+    }
+}
+
+/// The memory pipeline's request: the request's head and body, for whom and with what
+/// settings it runs (`key`: its conversation, when the request named one).
+fn memory_request(
+    request: Request<Incoming>,
+    key: Option<ConversationKey>,
+    identity: Identity,
+    api: Api,
+    api_path: String,
+) -> MemoryRequest {
+    let (parts, body) = request.into_parts();
+    MemoryRequest {
+        parts,
+        body,
+        key,
+        agent: identity.agent,
+        user: identity.user,
+        settings: identity.settings,
+        api,
+        api_path,
     }
 }
 

@@ -323,12 +323,61 @@ pub fn apply(
     let mut applied = Applied::default();
     let mut changed: HashMap<OwnerKey, Vec<MemoryRecord>> = HashMap::new();
     for candidate in candidates {
-        let Some((kind, scope)) = checked(candidate) else {
+        let Some(reading) = Reading::of(candidate, origin) else {
             applied.rejected += 1;
             continue;
         };
-        let owner = scope.owner(&origin.user, &origin.agent);
+        let owner = reading.scope.owner(&origin.user, &origin.agent);
         let memories = existing.entry(owner.clone()).or_default();
+        let record = match Target::in_memories(memories, &reading) {
+            Some(target) => {
+                let memory = &mut memories[target.index];
+                match reading.merge_into(memory, &target, origin) {
+                    Merged::Ignored => applied.ignored += 1,
+                    Merged::Updated => applied.updated += 1,
+                    Merged::Superseded => applied.superseded += 1,
+                }
+                memory.clone()
+            }
+            None => {
+                let record = reading.new_record(new_id()?, origin);
+                memories.push(record.clone());
+                applied.added += 1;
+                record
+            }
+        };
+        upsert(changed.entry(owner).or_default(), record);
+    }
+    Ok((applied, changed))
+}
+
+/// A candidate checked and read against the turns it came from: what a memory takes from it.
+struct Reading<'a> {
+    candidate: &'a Candidate,
+    kind: MemoryType,
+    scope: MemoryScope,
+    /// The candidate's text, trimmed.
+    text: String,
+    /// Explicit when one of its source turns says at least half of it, else an inference.
+    source: MemorySource,
+    /// Its source turns' text, shortened to [`MAX_MEMORY_CHARS`].
+    excerpt: String,
+}
+
+/// What a candidate did to the stored memory it matched.
+enum Merged {
+    /// A near-duplicate: the stored one is only refreshed.
+    Ignored,
+    /// A new version of a similar memory.
+    Updated,
+    /// A new version of the memory the candidate named in `supersedes`.
+    Superseded,
+}
+
+impl<'a> Reading<'a> {
+    /// `None` when the candidate is unusable ([`checked`]).
+    fn of(candidate: &'a Candidate, origin: &CandidateSource) -> Option<Reading<'a>> {
+        let (kind, scope) = checked(candidate)?;
         let text = candidate.text.trim().to_string();
         let quoted = candidate
             .source_turns
@@ -350,90 +399,127 @@ pub fn apply(
             .chars()
             .take(MAX_MEMORY_CHARS)
             .collect();
-        // Superseded by id, else the most similar one.
-        let target = memories
-            .iter()
-            .position(|m| candidate.supersedes.contains(&m.id))
-            .map(|i| (i, 1.0, true))
-            .or_else(|| {
-                memories
-                    .iter()
-                    .enumerate()
-                    .map(|(i, m)| (i, similarity(&m.text, &text)))
-                    .filter(|(i, s)| {
-                        *s >= DUPLICATE_SIMILARITY
-                            || (*s >= UPDATE_SIMILARITY && memories[*i].kind == kind)
-                    })
-                    .max_by(|a, b| a.1.total_cmp(&b.1))
-                    .map(|(i, s)| (i, s, false))
-            });
-        match target {
-            Some((i, similar, superseding)) => {
-                let memory = &mut memories[i];
-                if !superseding && (similar >= DUPLICATE_SIMILARITY || memory.text == text) {
-                    memory.importance = memory.importance.max(candidate.importance);
-                    memory.confidence = memory.confidence.max(candidate.confidence);
-                    memory.last_accessed_ms = origin.now_ms;
-                    applied.ignored += 1;
-                } else {
-                    memory.revise(text, source, origin.now_ms);
-                    memory.kind = kind;
-                    memory.importance = candidate.importance;
-                    memory.confidence = candidate.confidence;
-                    memory.excerpt = excerpt;
-                    memory.source_turns = candidate.source_turns.clone();
-                    memory.conversation = origin.conversation.clone();
-                    for tag in &candidate.tags {
-                        if !memory.tags.contains(tag) {
-                            memory.tags.push(tag.clone());
-                        }
-                    }
-                    // Other memories it names are superseded too: related from now on.
-                    for id in &candidate.supersedes {
-                        if *id != memory.id && !memory.supersedes.contains(id) {
-                            memory.supersedes.push(*id);
-                        }
-                    }
-                    if superseding {
-                        applied.superseded += 1;
-                    } else {
-                        applied.updated += 1;
-                    }
-                }
-                let record = memory.clone();
-                upsert(changed.entry(owner).or_default(), record);
-            }
-            None => {
-                let record = MemoryRecord {
-                    id: new_id()?,
-                    tenant: origin.user.tenant.as_str().to_string(),
-                    user: origin.user.name.clone(),
-                    agent: origin.agent.clone(),
-                    kind,
-                    scope,
-                    text,
-                    excerpt,
-                    importance: candidate.importance,
-                    confidence: candidate.confidence,
-                    tags: candidate.tags.clone(),
-                    source,
-                    conversation: origin.conversation.clone(),
-                    source_turns: candidate.source_turns.clone(),
-                    version: 1,
-                    history: Vec::new(),
-                    created_ms: origin.now_ms,
-                    updated_ms: origin.now_ms,
-                    last_accessed_ms: origin.now_ms,
-                    supersedes: Vec::new(),
-                    related_to: Vec::new(),
-                };
-                memories.push(record.clone());
-                upsert(changed.entry(owner).or_default(), record);
-                applied.added += 1;
+        Some(Reading {
+            candidate,
+            kind,
+            scope,
+            text,
+            source,
+            excerpt,
+        })
+    }
+
+    /// Applies the candidate to the stored `memory` it matched: a near-duplicate (not named
+    /// in `supersedes`) raises its scores and refreshes its last access; anything else makes
+    /// a new version of it, the tags and superseded ids added to its own.
+    fn merge_into(
+        self,
+        memory: &mut MemoryRecord,
+        target: &Target,
+        origin: &CandidateSource,
+    ) -> Merged {
+        let candidate = self.candidate;
+        if !target.superseding
+            && (target.similarity >= DUPLICATE_SIMILARITY || memory.text == self.text)
+        {
+            memory.importance = memory.importance.max(candidate.importance);
+            memory.confidence = memory.confidence.max(candidate.confidence);
+            memory.last_accessed_ms = origin.now_ms;
+            return Merged::Ignored;
+        }
+        memory.revise(self.text, self.source, origin.now_ms);
+        memory.kind = self.kind;
+        memory.importance = candidate.importance;
+        memory.confidence = candidate.confidence;
+        memory.excerpt = self.excerpt;
+        memory.source_turns = candidate.source_turns.clone();
+        memory.conversation = origin.conversation.clone();
+        for tag in &candidate.tags {
+            if !memory.tags.contains(tag) {
+                memory.tags.push(tag.clone());
             }
         }
+        // Other memories it names are superseded too: related from now on.
+        for id in &candidate.supersedes {
+            if *id != memory.id && !memory.supersedes.contains(id) {
+                memory.supersedes.push(*id);
+            }
+        }
+        if target.superseding {
+            Merged::Superseded
+        } else {
+            Merged::Updated
+        }
     }
-    Ok((applied, changed))
+
+    /// The candidate as a new memory, numbered `id`.
+    fn new_record(self, id: u64, origin: &CandidateSource) -> MemoryRecord {
+        let candidate = self.candidate;
+        MemoryRecord {
+            id,
+            tenant: origin.user.tenant.as_str().to_string(),
+            user: origin.user.name.clone(),
+            agent: origin.agent.clone(),
+            kind: self.kind,
+            scope: self.scope,
+            text: self.text,
+            excerpt: self.excerpt,
+            importance: candidate.importance,
+            confidence: candidate.confidence,
+            tags: candidate.tags.clone(),
+            source: self.source,
+            conversation: origin.conversation.clone(),
+            source_turns: candidate.source_turns.clone(),
+            version: 1,
+            history: Vec::new(),
+            created_ms: origin.now_ms,
+            updated_ms: origin.now_ms,
+            last_accessed_ms: origin.now_ms,
+            supersedes: Vec::new(),
+            related_to: Vec::new(),
+        }
+    }
+}
+
+/// The stored memory a candidate matches, and how.
+struct Target {
+    /// Its index among the owner's memories.
+    index: usize,
+    /// How similar its text is (1 when named in `supersedes`).
+    similarity: f64,
+    /// The candidate names it in `supersedes`.
+    superseding: bool,
+}
+
+impl Target {
+    /// The memory the candidate names in `supersedes`, else the most similar one that is a
+    /// near-duplicate or, of the same type, similar enough to be a new version of it.
+    fn in_memories(memories: &[MemoryRecord], reading: &Reading<'_>) -> Option<Target> {
+        let superseded = memories
+            .iter()
+            .position(|m| reading.candidate.supersedes.contains(&m.id));
+        if let Some(index) = superseded {
+            return Some(Target {
+                index,
+                similarity: 1.0,
+                superseding: true,
+            });
+        }
+        memories
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (i, similarity(&m.text, &reading.text)))
+            .filter(|(i, s)| {
+                *s >= DUPLICATE_SIMILARITY
+                    || (*s >= UPDATE_SIMILARITY && memories[*i].kind == reading.kind)
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(index, similarity)| Target {
+                index,
+                similarity,
+                superseding: false,
+            })
+    }
 }
 
 fn upsert(list: &mut Vec<MemoryRecord>, record: MemoryRecord) {

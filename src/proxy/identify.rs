@@ -62,99 +62,18 @@ pub fn identify(
     path_ids: Option<PathIds<'_>>,
     is_chat: bool,
 ) -> Result<Identity, ProxyError> {
-    let mut conversation: Option<String> = None;
-    let mut agent: Option<String> = None;
-    let mut user: Option<String> = None;
-    let mut overrides: Vec<(&'static str, String, String)> = Vec::new();
-
-    for name in headers.keys() {
-        let name = name.as_str();
-        if !name.starts_with("x-memory-") {
-            continue;
-        }
-        let mut values = headers.get_all(name).iter();
-        let value = values.next().map(|v| v.to_str());
-        if values.next().is_some() {
-            return Err(bad_header(name, "is given more than once"));
-        }
-        let Some(Ok(value)) = value else {
-            return Err(bad_header(name, "must be visible ASCII"));
-        };
-        let value = value.trim().to_string();
-        match name {
-            CONVERSATION_HEADER => conversation = Some(checked_id(name, value)?),
-            AGENT_HEADER => agent = Some(checked_id(name, value)?),
-            USER_HEADER => user = Some(checked_id(name, value)?),
-            _ => match settings::setting_for_header(name) {
-                Some(setting) => overrides.push((setting, name.to_string(), value)),
-                None => {
-                    return Err(ProxyError::invalid(
-                        name,
-                        "unknown_header",
-                        format!(
-                            "unknown header `{name}`: memproxy accepts {}, {}, {} and {}",
-                            CONVERSATION_HEADER,
-                            AGENT_HEADER,
-                            USER_HEADER,
-                            settings::SETTINGS
-                                .iter()
-                                .map(|(s, _)| settings::header_name(s))
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    ));
-                }
-            },
-        }
-    }
-
+    let mut named = MemoryHeaders::read(headers)?;
     if let Some(ids) = path_ids {
-        for (header, from_path, from_header) in [
-            (
-                CONVERSATION_HEADER,
-                ids.conversation,
-                conversation.as_deref(),
-            ),
-            (AGENT_HEADER, ids.agent, agent.as_deref()),
-        ] {
-            if !is_valid_id(from_path) {
-                return Err(ProxyError::invalid(
-                    "path",
-                    "invalid_path",
-                    "agent and conversation ids in the path are 1-128 characters from A-Za-z0-9._:@-",
-                ));
-            }
-            if from_header.is_some_and(|h| h != from_path) {
-                return Err(bad_header(
-                    header,
-                    "disagrees with the id in the request path",
-                ));
-            }
-        }
-        conversation = Some(ids.conversation.to_string());
-        agent = Some(ids.agent.to_string());
+        named.take_path_ids(ids)?;
     }
-
+    let MemoryHeaders {
+        conversation,
+        agent,
+        user,
+        overrides,
+    } = named;
     let agent = agent.unwrap_or_else(|| DEFAULT_AGENT.to_string());
-    let mut settings = config.profile(&agent).clone();
-    if !overrides.is_empty() && !config.allow_header_overrides {
-        let (_, header, _) = &overrides[0];
-        return Err(ProxyError::invalid(
-            header.clone(),
-            "header_overrides_disabled",
-            format!(
-                "`{header}` is not allowed: this memproxy does not accept settings from headers (memory.allow_header_overrides = false)"
-            ),
-        ));
-    }
-    for (setting, header, value) in overrides {
-        settings.apply(setting, &value).map_err(|err| match err {
-            SettingError::BadValue { expected, .. } => {
-                bad_header(&header, &format!("must be {expected}"))
-            }
-            SettingError::Unknown(_) => bad_header(&header, "is not a setting"),
-        })?;
-    }
+    let settings = profile_with_overrides(config, &agent, overrides)?;
 
     // The tenant (a hash of the credential) is only needed when memory runs: pass-through
     // requests, and chat with memory off, skip the hashing and need no credential.
@@ -179,6 +98,130 @@ pub fn identify(
         user,
         settings,
     })
+}
+
+/// What a request's `X-Memory-*` headers (and its path form's ids) name, each checked.
+struct MemoryHeaders {
+    conversation: Option<String>,
+    agent: Option<String>,
+    user: Option<String>,
+    /// The settings the headers override: `(setting, header, value)`, in the headers' order.
+    overrides: Vec<(&'static str, String, String)>,
+}
+
+impl MemoryHeaders {
+    /// Reads every `X-Memory-*` header: each given once, in visible ASCII, ids valid, and
+    /// every other one a setting's.
+    fn read(headers: &HeaderMap) -> Result<MemoryHeaders, ProxyError> {
+        let mut named = MemoryHeaders {
+            conversation: None,
+            agent: None,
+            user: None,
+            overrides: Vec::new(),
+        };
+        for name in headers.keys() {
+            let name = name.as_str();
+            if !name.starts_with("x-memory-") {
+                continue;
+            }
+            let mut values = headers.get_all(name).iter();
+            let value = values.next().map(|v| v.to_str());
+            if values.next().is_some() {
+                return Err(bad_header(name, "is given more than once"));
+            }
+            let Some(Ok(value)) = value else {
+                return Err(bad_header(name, "must be visible ASCII"));
+            };
+            let value = value.trim().to_string();
+            match name {
+                CONVERSATION_HEADER => named.conversation = Some(checked_id(name, value)?),
+                AGENT_HEADER => named.agent = Some(checked_id(name, value)?),
+                USER_HEADER => named.user = Some(checked_id(name, value)?),
+                _ => match settings::setting_for_header(name) {
+                    Some(setting) => named.overrides.push((setting, name.to_string(), value)),
+                    None => return Err(unknown_header(name)),
+                },
+            }
+        }
+        Ok(named)
+    }
+
+    /// Takes the path form's ids, which must be valid and agree with the headers' ids.
+    fn take_path_ids(&mut self, ids: PathIds<'_>) -> Result<(), ProxyError> {
+        for (header, from_path, from_header) in [
+            (
+                CONVERSATION_HEADER,
+                ids.conversation,
+                self.conversation.as_deref(),
+            ),
+            (AGENT_HEADER, ids.agent, self.agent.as_deref()),
+        ] {
+            if !is_valid_id(from_path) {
+                return Err(ProxyError::invalid(
+                    "path",
+                    "invalid_path",
+                    "agent and conversation ids in the path are 1-128 characters from A-Za-z0-9._:@-",
+                ));
+            }
+            if from_header.is_some_and(|h| h != from_path) {
+                return Err(bad_header(
+                    header,
+                    "disagrees with the id in the request path",
+                ));
+            }
+        }
+        self.conversation = Some(ids.conversation.to_string());
+        self.agent = Some(ids.agent.to_string());
+        Ok(())
+    }
+}
+
+/// An `X-Memory-*` header memproxy does not know: the error names every one it does.
+fn unknown_header(name: &str) -> ProxyError {
+    ProxyError::invalid(
+        name,
+        "unknown_header",
+        format!(
+            "unknown header `{name}`: memproxy accepts {}, {}, {} and {}",
+            CONVERSATION_HEADER,
+            AGENT_HEADER,
+            USER_HEADER,
+            settings::SETTINGS
+                .iter()
+                .map(|(s, _)| settings::header_name(s))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    )
+}
+
+/// The agent's profile from the config, with the headers' overrides applied (refused, the
+/// first named, when the config does not allow them).
+fn profile_with_overrides(
+    config: &Config,
+    agent: &str,
+    overrides: Vec<(&'static str, String, String)>,
+) -> Result<MemorySettings, ProxyError> {
+    let mut settings = config.profile(agent).clone();
+    if !overrides.is_empty() && !config.allow_header_overrides {
+        let (_, header, _) = &overrides[0];
+        return Err(ProxyError::invalid(
+            header.clone(),
+            "header_overrides_disabled",
+            format!(
+                "`{header}` is not allowed: this memproxy does not accept settings from headers (memory.allow_header_overrides = false)"
+            ),
+        ));
+    }
+    for (setting, header, value) in overrides {
+        settings.apply(setting, &value).map_err(|err| match err {
+            SettingError::BadValue { expected, .. } => {
+                bad_header(&header, &format!("must be {expected}"))
+            }
+            SettingError::Unknown(_) => bad_header(&header, "is not a setting"),
+        })?;
+    }
+    Ok(settings)
 }
 
 /// The one credential a request presents in its [`CREDENTIAL_HEADERS`] (each may be given more

@@ -504,23 +504,43 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
             },
         )
         .unwrap();
+    the_first_branch_left_the_main_line(engine, &k, id, &closed);
+    a_stale_write_closes_nothing(engine, &k, id, &v2);
+    a_second_branch_follows_the_first(engine, &k, id, &v3);
+    // Another conversation has none.
+    let (other, _) = create(engine, &key("t", "a", "d"), 2);
+    assert!(
+        engine
+            .branches(&key("t", "a", "d"), other)
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// After `a_branch_closes_with_its_write` closed turns 4-6 of `k` as `closed`.
+fn the_first_branch_left_the_main_line(
+    engine: &dyn Engine,
+    k: &ConversationKey,
+    id: u64,
+    closed: &StoredBranch,
+) {
     // The main line reads as if the branch were never there.
-    let loaded = engine.load(&k).unwrap();
+    let loaded = engine.load(k).unwrap();
     assert_eq!(
         loaded.entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
         [1, 2, 3, 7]
     );
     assert_eq!(
-        texts(&engine.range(&k, id, 0, u64::MAX).unwrap()),
+        texts(&engine.range(k, id, 0, u64::MAX).unwrap()),
         ["m1", "m2", "m3", "m7"]
     );
     assert!(matches!(
-        engine.messages(&k, id, &[5]),
+        engine.messages(k, id, &[5]),
         Err(StoreError::Corrupt(_))
     ));
     assert_eq!(
         engine
-            .summaries(&k, id)
+            .summaries(k, id)
             .unwrap()
             .iter()
             .map(|(n, _)| *n)
@@ -528,11 +548,11 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
         [1]
     );
     assert_eq!(
-        engine.latest_summary(&k, id).unwrap().unwrap(),
+        engine.latest_summary(k, id).unwrap().unwrap(),
         br#"{"to_turn":2}"#.to_vec()
     );
     // The branch holds them, as they were stored.
-    let branches = engine.branches(&k, id).unwrap();
+    let branches = engine.branches(k, id).unwrap();
     assert_eq!(branches.len(), 1);
     assert_eq!(branches[0].record, closed.record);
     assert_eq!(texts(&branches[0].messages), ["m4", "m5", "m6"]);
@@ -545,11 +565,13 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
         [(4, 28), (5, 35), (6, 42)]
     );
     assert_eq!(branches[0].summaries, closed.summaries);
+}
 
-    // A stale write closes nothing.
+/// A write against `v2`, a version the first branch's write moved past.
+fn a_stale_write_closes_nothing(engine: &dyn Engine, k: &ConversationKey, id: u64, v2: &Version) {
     let stale = engine.write(
-        &k,
-        &v2,
+        k,
+        v2,
         Write {
             meta: &meta(id, 9, 2),
             remove_turns: &[2, 3],
@@ -561,18 +583,25 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
         },
     );
     assert!(matches!(stale, Err(StoreError::Stale)));
-    assert_eq!(engine.branches(&k, id).unwrap().len(), 1);
-    assert_eq!(engine.summaries(&k, id).unwrap().len(), 1);
+    assert_eq!(engine.branches(k, id).unwrap().len(), 1);
+    assert_eq!(engine.summaries(k, id).unwrap().len(), 1);
     assert!(!engine.any_trace_of(b"lost").unwrap());
+}
 
-    // A second branch, numbered after the first; branches come oldest first, each with only
-    // its own messages.
+/// A second branch, numbered after the first; branches come oldest first, each with only its
+/// own messages.
+fn a_second_branch_follows_the_first(
+    engine: &dyn Engine,
+    k: &ConversationKey,
+    id: u64,
+    v3: &Version,
+) {
     let mut second = branch(2, 3, &[], "");
-    second.messages = engine.messages(&k, id, &[7]).unwrap();
+    second.messages = engine.messages(k, id, &[7]).unwrap();
     engine
         .write(
-            &k,
-            &v3,
+            k,
+            v3,
             Write {
                 meta: &meta(id, 9, 4),
                 remove_turns: &[7],
@@ -584,7 +613,7 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
             },
         )
         .unwrap();
-    let branches = engine.branches(&k, id).unwrap();
+    let branches = engine.branches(k, id).unwrap();
     assert_eq!(
         branches.iter().map(|b| b.record.number).collect::<Vec<_>>(),
         [1, 2]
@@ -592,14 +621,6 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
     assert_eq!(texts(&branches[0].messages), ["m4", "m5", "m6"]);
     assert_eq!(texts(&branches[1].messages), ["m7"]);
     assert!(branches[1].summaries.is_empty());
-    // Another conversation has none.
-    let (other, _) = create(engine, &key("t", "a", "d"), 2);
-    assert!(
-        engine
-            .branches(&key("t", "a", "d"), other)
-            .unwrap()
-            .is_empty()
-    );
 }
 
 pub fn a_delete_leaves_no_branch(engine: &dyn Engine) {

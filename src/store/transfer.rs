@@ -134,6 +134,7 @@ impl Store {
         Err(StoreError::Stale)
     }
 
+    /// One import against the conversation as read (`Stale`: a commit changed it since).
     fn import_once(
         &self,
         conversation: &Conversation,
@@ -142,17 +143,50 @@ impl Store {
         branches: &[StoredBranch],
         hint: ImportMeta,
     ) -> Result<Imported, StoreError> {
-        let now = now_ms();
         let stored: Vec<u64> = conversation.entries.iter().map(|e| e.fingerprint).collect();
         let incoming: Vec<u64> = messages.iter().map(|m| m.fingerprint).collect();
         let from = already_stored(&stored, &incoming);
         let new = &messages[from..];
-        let mut imported = Imported {
+        let empty = conversation.meta.is_none();
+        let (mut meta, added) = self.imported_meta(conversation, messages, new, hint)?;
+        let wanted = self.wanted_summaries(conversation, &meta, summaries)?;
+        // Closed branches go into an empty conversation only, like summaries: their turns
+        // name the exported main line.
+        let branch_rows: &[StoredBranch] = if empty { branches } else { &[] };
+        for branch in branch_rows {
+            meta.branches = meta.branches.max(branch.record.number);
+            // Turn numbers only grow, branches' included.
+            if let Some(last) = branch.messages.last() {
+                meta.next_turn = meta.next_turn.max(last.turn + 1);
+            }
+        }
+        let imported = Imported {
             added: new.len(),
             already_stored: from,
-            ..Imported::default()
+            summaries_added: wanted.len(),
+            summaries_skipped: summaries.len() - wanted.len(),
+            branches_added: branch_rows.len(),
+            branches_skipped: branches.len() - branch_rows.len(),
         };
+        if added.is_empty() && wanted.is_empty() && branch_rows.is_empty() {
+            return Ok(imported);
+        }
+        self.seal_and_write(conversation, &meta, added, wanted, branch_rows)?;
+        Ok(imported)
+    }
 
+    /// The conversation's record once the `new` messages of `messages` are imported, and those
+    /// messages with their turn numbers: into an empty conversation (a new record, its times
+    /// and ledger from `hint`) the exported turn numbers are kept when they increase; else
+    /// they follow the stored ones.
+    fn imported_meta(
+        &self,
+        conversation: &Conversation,
+        messages: &[StoredMessage],
+        new: &[StoredMessage],
+        hint: ImportMeta,
+    ) -> Result<(ConversationMeta, Vec<StoredMessage>), StoreError> {
+        let now = now_ms();
         let empty = conversation.meta.is_none();
         let mut meta = match &conversation.meta {
             Some(meta) => meta.clone(),
@@ -165,7 +199,6 @@ impl Store {
                 meta
             }
         };
-        // Into an empty conversation the exported turn numbers are kept when they increase.
         let keep_turns = empty
             && new.windows(2).all(|w| w[0].turn < w[1].turn)
             && new.first().is_none_or(|m| m.turn >= 1);
@@ -192,7 +225,18 @@ impl Store {
         } else {
             meta.last_activity_ms.max(newest.unwrap_or(i64::MIN))
         };
+        Ok((meta, added))
+    }
 
+    /// The summaries an import stores: into an empty conversation, those of `summaries` it
+    /// does not hold yet; into one with history, none (their turn ranges would not match).
+    fn wanted_summaries<'a>(
+        &self,
+        conversation: &Conversation,
+        meta: &ConversationMeta,
+        summaries: &'a [(u64, Box<RawValue>)],
+    ) -> Result<Vec<(u64, &'a [u8])>, StoreError> {
+        let empty = conversation.meta.is_none();
         let existing: Vec<u64> = if empty {
             Vec::new()
         } else {
@@ -202,32 +246,28 @@ impl Store {
                 .map(|(number, _)| number)
                 .collect()
         };
-        let wanted: Vec<(u64, &[u8])> = summaries
+        Ok(summaries
             .iter()
             .filter(|(number, _)| empty && !existing.contains(number))
             .map(|(number, record)| (*number, record.get().as_bytes()))
-            .collect();
-        imported.summaries_skipped = summaries.len() - wanted.len();
-        imported.summaries_added = wanted.len();
-        // Closed branches go into an empty conversation only, like summaries: their turns
-        // name the exported main line.
-        let branch_rows: &[StoredBranch] = if empty { branches } else { &[] };
-        imported.branches_added = branch_rows.len();
-        imported.branches_skipped = branches.len() - branch_rows.len();
-        for branch in branch_rows {
-            meta.branches = meta.branches.max(branch.record.number);
-            // Turn numbers only grow, branches' included.
-            if let Some(last) = branch.messages.last() {
-                meta.next_turn = meta.next_turn.max(last.turn + 1);
-            }
-        }
-        if added.is_empty() && wanted.is_empty() && branch_rows.is_empty() {
-            return Ok(imported);
-        }
+            .collect())
+    }
+
+    /// Seals the import's messages, summaries and closed branches with the conversation's key
+    /// (made now for a new conversation) and writes them with `meta` in one step.
+    fn seal_and_write(
+        &self,
+        conversation: &Conversation,
+        meta: &ConversationMeta,
+        mut added: Vec<StoredMessage>,
+        summaries: Vec<(u64, &[u8])>,
+        branches: &[StoredBranch],
+    ) -> Result<(), StoreError> {
+        let empty = conversation.meta.is_none();
         let (secret, created_key) = self.sealing_key(&conversation.key, meta.id)?;
         let response_ids = super::response_ids_of(&added);
         seal_messages(&secret, &mut added)?;
-        let sealed_summaries = wanted
+        let sealed_summaries = summaries
             .into_iter()
             .map(|(number, record)| Ok((number, seal_summary(&secret, record)?)))
             .collect::<Result<Vec<_>, StoreError>>()?;
@@ -236,7 +276,7 @@ impl Store {
             .map(|(number, record)| (*number, record.as_slice()))
             .collect();
         // Closed branches are sealed like the main line.
-        let mut sealed_branches: Vec<StoredBranch> = branch_rows.to_vec();
+        let mut sealed_branches: Vec<StoredBranch> = branches.to_vec();
         for branch in &mut sealed_branches {
             seal_messages(&secret, &mut branch.messages)?;
             for (_, record) in &mut branch.summaries {
@@ -247,7 +287,7 @@ impl Store {
             &conversation.key,
             &conversation.version,
             Write {
-                meta: &meta,
+                meta,
                 remove_turns: &[],
                 add: &added,
                 summaries: &summary_rows,
@@ -257,7 +297,7 @@ impl Store {
             },
             (created_key && empty).then_some(meta.id),
         )?;
-        Ok(imported)
+        Ok(())
     }
 }
 
