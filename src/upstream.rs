@@ -103,6 +103,9 @@ pub enum UpstreamSetupError {
     Tls(#[from] rustls::Error),
     #[error("the upstream key is not a valid header value")]
     BadKey,
+    /// (The URL is not quoted: it may hold a password.)
+    #[error("the upstream base URL is not a valid URI")]
+    BadBaseUrl,
 }
 
 #[derive(Clone)]
@@ -172,15 +175,14 @@ impl Upstream {
             }
         };
         let base = &config.base_url;
-        let origin = format!(
-            "{}://{}",
-            base.scheme_str().unwrap_or("https"),
-            base.authority().map_or("", |a| a.as_str())
-        );
+        let origin = format!("{}://{}", base.scheme(), base.authority());
+        if Uri::try_from(format!("{origin}{}/", base.path())).is_err() {
+            return Err(UpstreamSetupError::BadBaseUrl);
+        }
         Ok(Upstream {
             client,
             origin,
-            base_path: base.path().trim_end_matches('/').to_string(),
+            base_path: base.path().to_string(),
             key,
             timeout: config.timeout,
             read_timeout: config.read_timeout,
@@ -426,7 +428,7 @@ mod tests {
 
     fn upstream(base: &str, key: Option<&str>) -> Upstream {
         Upstream::new(&UpstreamConfig {
-            base_url: base.parse().unwrap(),
+            base_url: crate::config::BaseUrl::parse(base).unwrap(),
             api_key: key.map(|k| Secret(k.to_string())),
             connect_timeout: Duration::from_secs(1),
             timeout: Duration::from_secs(1),

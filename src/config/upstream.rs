@@ -1,6 +1,7 @@
 //! `[upstream]`: where requests go, with which key, and how long memproxy waits; and
 //! `[upstream.anthropic]`: where the Anthropic Messages API goes (same time limits).
 
+use std::fmt;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -24,7 +25,7 @@ pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
     /// The base URL including its version path, like an SDK's `base_url`.
-    pub base_url: http::Uri,
+    pub base_url: BaseUrl,
     /// The key memproxy sends instead of the client's `Authorization`, when configured.
     pub api_key: Option<Secret>,
     pub connect_timeout: Duration,
@@ -55,7 +56,7 @@ pub enum KeyHeader {
 pub struct AnthropicUpstream {
     /// The base URL as an Anthropic SDK takes it (no `/v1`), with `/v1` added: `/v1/messages`
     /// maps onto it like every path onto `[upstream] base_url`.
-    pub base_url: http::Uri,
+    pub base_url: BaseUrl,
     /// The key memproxy sends as `x-api-key` instead of the client's, when configured.
     pub api_key: Option<Secret>,
     /// `anthropic-version` of memproxy's own calls (summaries).
@@ -109,9 +110,9 @@ pub(super) fn check_upstream(
     let base_text = base_url
         .or(raw.base_url)
         .unwrap_or_else(|| DEFAULT_UPSTREAM.to_string());
-    let base_url = parse_base_url(&base_text).unwrap_or_else(|why| {
+    let base_url = BaseUrl::parse(&base_text).unwrap_or_else(|why| {
         problems.push(format!("upstream.base_url: `{base_text}` {why}"));
-        http::Uri::from_static(DEFAULT_UPSTREAM)
+        BaseUrl::default_openai()
     });
     let api_key = raw
         .api_key_env
@@ -160,9 +161,9 @@ fn check_anthropic(
         .base_url
         .unwrap_or_else(|| DEFAULT_ANTHROPIC_UPSTREAM.to_string());
     let with_version = format!("{}/v1", text.trim_end_matches('/'));
-    let base_url = parse_base_url(&with_version).unwrap_or_else(|why| {
+    let base_url = BaseUrl::parse(&with_version).unwrap_or_else(|why| {
         problems.push(format!("upstream.anthropic.base_url: `{text}` {why}"));
-        http::Uri::from_static("https://api.anthropic.com/v1")
+        BaseUrl::default_anthropic()
     });
     let api_key = raw
         .api_key_env
@@ -184,22 +185,121 @@ fn check_anthropic(
     }
 }
 
-/// Checks an upstream base URL: `http` or `https`, a host, and a path (the version path) with
-/// no query.
-fn parse_base_url(text: &str) -> Result<http::Uri, &'static str> {
-    let uri: http::Uri = text
-        .trim_end_matches('/')
-        .parse()
-        .map_err(|_| "is not a URL")?;
-    match uri.scheme_str() {
-        Some("http" | "https") => {}
-        _ => return Err("must start with http:// or https://"),
+/// An upstream's base URL, checked when the config is read: `http` or `https`, a host, and a
+/// path (the version path) with no query, kept without its trailing `/`. The edge turns it into
+/// the URIs it sends to (`upstream.rs`); the config itself has no HTTP types.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseUrl {
+    scheme: String,
+    authority: String,
+    path: String,
+}
+
+impl BaseUrl {
+    /// Checks `text` as an upstream base URL; the reason it is not one, else the URL.
+    pub fn parse(text: &str) -> Result<BaseUrl, &'static str> {
+        let text = text.trim_end_matches('/');
+        if text.is_empty() || !text.bytes().all(|b| b.is_ascii_graphic()) || text.contains('#') {
+            return Err("is not a URL");
+        }
+        let Some((scheme, rest)) = text.split_once("://") else {
+            return Err("must start with http:// or https://");
+        };
+        let scheme = scheme.to_ascii_lowercase();
+        if scheme != "http" && scheme != "https" {
+            return Err("must start with http:// or https://");
+        }
+        let (authority, path) = rest.find('/').map_or((rest, ""), |at| rest.split_at(at));
+        if authority.contains('?') || path.contains('?') {
+            return Err("must not have a query");
+        }
+        let host_and_port = authority
+            .rsplit_once('@')
+            .map_or(authority, |(_, after)| after);
+        let host = match host_and_port.strip_prefix('[') {
+            Some(bracketed) => bracketed.split_once(']').map(|(ip6, _)| ip6),
+            None => host_and_port.split(':').next(),
+        };
+        if host.is_none_or(str::is_empty) {
+            return Err("has no host");
+        }
+        Ok(BaseUrl {
+            scheme,
+            authority: authority.to_string(),
+            path: path.to_string(),
+        })
     }
-    if uri.host().is_none_or(str::is_empty) {
-        return Err("has no host");
+
+    /// `http` or `https`.
+    pub fn scheme(&self) -> &str {
+        &self.scheme
     }
-    if uri.query().is_some() {
-        return Err("must not have a query");
+
+    /// `host[:port]` (with `user@` if the URL gave one).
+    pub fn authority(&self) -> &str {
+        &self.authority
     }
-    Ok(uri)
+
+    /// The version path without its trailing `/` (`/v1`), or empty.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn default_openai() -> BaseUrl {
+        BaseUrl {
+            scheme: "https".into(),
+            authority: "api.openai.com".into(),
+            path: "/v1".into(),
+        }
+    }
+
+    fn default_anthropic() -> BaseUrl {
+        BaseUrl {
+            scheme: "https".into(),
+            authority: "api.anthropic.com".into(),
+            path: "/v1".into(),
+        }
+    }
+}
+
+/// `scheme://authority/path`, with `/` for an empty path.
+impl fmt::Display for BaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let path = if self.path.is_empty() {
+            "/"
+        } else {
+            &self.path
+        };
+        write!(f, "{}://{}{}", self.scheme, self.authority, path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_urls_are_checked_and_kept_without_their_trailing_slash() {
+        let url = BaseUrl::parse("HTTPS://user@api.example.com:8443/v1/").unwrap();
+        assert_eq!(url.scheme(), "https");
+        assert_eq!(url.authority(), "user@api.example.com:8443");
+        assert_eq!(url.path(), "/v1");
+        assert_eq!(url.to_string(), "https://user@api.example.com:8443/v1");
+        assert_eq!(
+            BaseUrl::parse("http://[::1]:9").unwrap().to_string(),
+            "http://[::1]:9/"
+        );
+        assert_eq!(BaseUrl::default_openai().to_string(), DEFAULT_UPSTREAM);
+        for (text, why) in [
+            ("ftp://x/v1", "must start with http:// or https://"),
+            ("api.openai.com/v1", "must start with http:// or https://"),
+            ("http:///v1", "has no host"),
+            ("http://:80/v1", "has no host"),
+            ("http://x/v1?key=1", "must not have a query"),
+            ("http://x y/v1", "is not a URL"),
+            ("", "is not a URL"),
+        ] {
+            assert_eq!(BaseUrl::parse(text), Err(why), "{text}");
+        }
+    }
 }
