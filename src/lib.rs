@@ -33,31 +33,23 @@
 pub mod admin;
 pub mod body;
 pub mod cli;
-pub mod config;
 pub mod error;
-pub mod heap;
-pub mod identity;
-pub mod ledger;
-pub mod longterm;
-pub mod memory;
 pub mod memory_guard;
-pub mod message;
 pub mod metrics;
-pub mod model;
 pub mod models;
-pub mod pipeline;
 pub mod proxy;
-pub mod recall;
 pub mod receipts;
 pub mod reply;
 pub mod router;
 pub mod server;
-pub mod settings;
 pub mod sse;
 pub mod state;
-pub mod store;
-pub mod summary;
-pub mod tokens;
-pub mod ttl;
 pub mod upstream;
-pub mod wire;
+
+// The layers below, each a crate of its own (`crates/`), named here as modules so that the edge,
+// the tests and the tools read `memproxy::store::…`, `memproxy::pipeline::…` as before.
+pub use memproxy_base::{heap, identity, message, model, tokens, wire};
+pub use memproxy_core::{
+    config, ledger, longterm, memory, pipeline, recall, settings, summary, ttl,
+};
+pub use memproxy_store as store;

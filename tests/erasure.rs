@@ -1,5 +1,5 @@
 //! Erasure at the byte level, through the real proxy: message bodies and summary records are
-//! sealed with a key per conversation (`src/store/seal.rs`, `src/store/keys.rs`), so no file
+//! sealed with a key per conversation (`crates/store/src/seal.rs`, `crates/store/src/keys.rs`), so no file
 //! of the data directory holds them in plaintext; a delete (of a conversation, or of a whole
 //! tenant) removes the key, so that after it, and after a restart on the same directory, no
 //! byte of any file under the data directory reads as the deleted text: not as it was sent,
@@ -26,7 +26,7 @@ const OTHER: &str = "sk-test-other";
 /// Sync summaries after a few exchanges (as in `tests/compression.rs`).
 const SETTINGS: &str = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\ncompression_async = false\n";
 
-/// The text a sealed value starts with (`src/store/seal.rs`).
+/// The text a sealed value starts with (`crates/store/src/seal.rs`).
 const SEALED: &[u8] = b"sealed:v1:";
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {

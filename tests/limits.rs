@@ -12,8 +12,8 @@ use memproxy::message::Role;
 use memproxy::pipeline::commit::TRIM_BATCH;
 use memproxy::state::AppState;
 use memproxy::store::{
-    ConversationMeta, Deleted, Engine, ImportMeta, Loaded, Origin, OwnerKey, OwnerMeta,
-    OwnerRecord, Page, Scope, SledEngine, Store, StoreError, StoredBranch, StoredMessage,
+    Backing, ConversationMeta, Deleted, Engine, ImportMeta, Loaded, Origin, OwnerKey, OwnerMeta,
+    OwnerRecord, Owners, Page, Scope, SledEngine, Store, StoreError, StoredBranch, StoredMessage,
     TtlRecord, Version, Write, now_ms,
 };
 use memproxy::upstream::Upstream;
@@ -316,12 +316,17 @@ impl Engine for Counting {
     fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
         self.inner.any_trace_of(needle)
     }
+}
+
+impl Owners for Counting {
     fn owner(&self, owner: &OwnerKey) -> Result<Option<OwnerMeta>, StoreError> {
         self.inner.owner(owner)
     }
+
     fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError> {
         self.inner.create_owner(owner, meta)
     }
+
     fn write_owner(
         &self,
         owner: &OwnerKey,
@@ -331,6 +336,7 @@ impl Engine for Counting {
     ) -> Result<bool, StoreError> {
         self.inner.write_owner(owner, id, put, remove)
     }
+
     fn owner_record(
         &self,
         owner: &OwnerKey,
@@ -339,6 +345,7 @@ impl Engine for Counting {
     ) -> Result<Option<Vec<u8>>, StoreError> {
         self.inner.owner_record(owner, space, id)
     }
+
     fn owner_records(
         &self,
         owner: &OwnerKey,
@@ -348,9 +355,11 @@ impl Engine for Counting {
     ) -> Result<Page<OwnerRecord>, StoreError> {
         self.inner.owner_records(owner, space, after, limit)
     }
+
     fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
         self.inner.delete_owner(owner)
     }
+
     fn owners(
         &self,
         after: Option<&[u8]>,
@@ -370,7 +379,7 @@ async fn a_long_trim_is_written_in_batches_none_larger_than_the_batch() {
         writes: Mutex::new(Vec::new()),
     });
     let store = Store::with_engine(
-        Arc::clone(&engine) as Arc<dyn Engine>,
+        Backing::Own(Arc::clone(&engine) as Arc<dyn Engine>),
         dir.path(),
         memory::store_options(&config),
     )

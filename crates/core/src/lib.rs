@@ -1,0 +1,24 @@
+//! memproxy's memory without HTTP: what the edge calls around the forward and nothing of hyper,
+//! http or bodies (statuses are chosen at the edge). From the top:
+//!
+//! - [`memory`] is the memory core's one value (store, recall, summaries, long-term memory,
+//!   the clock); [`ttl`] its sweeper;
+//! - [`pipeline`] plans a prompt and commits an exchange, one stage per file;
+//! - [`summary`] makes summaries in the background; [`longterm`] is what a user said in any
+//!   of their conversations (the archive and index per user, extracted memories); [`ledger`]
+//!   counts and caps the tokens of memproxy's own calls;
+//! - [`config`] the configuration file and [`settings`] the memory settings in effect;
+//! - [`recall`] keeps BM25 indexes.
+//!
+//! Below it: `memproxy_store` (the storage engines) and `memproxy_base` (messages, identities,
+//! the wire formats, tokens, the model-call trait).
+
+pub mod config;
+pub mod ledger;
+pub mod longterm;
+pub mod memory;
+pub mod pipeline;
+pub mod recall;
+pub mod settings;
+pub mod summary;
+pub mod ttl;

@@ -1,0 +1,414 @@
+//! Long-term memory: what a user said in any of their conversations, recalled in the next one.
+//! Runs only for requests that name a user (`X-Memory-User-Id`) with `long_term_enabled`.
+//!
+//! - **Layer 1** (`archive.rs`, `user_index.rs`): every stored message of the user's
+//!   conversations is copied, once committed, into the user's archive (an owner's records in
+//!   the store, sealed with the user's key) and indexed per user (BM25, incrementally, rebuilt
+//!   from the archive on a cache miss). A request searches the user's *other* conversations
+//!   too; what it finds competes with the conversation's own older turns for the same
+//!   `relevance_top_k` slots and token budget. The archive outlives the conversations: a
+//!   conversation deleted by its TTL is still searchable, and a new request on its id is
+//!   rebuilt from it, until the user is deleted.
+//!
+//! Records are kept per [`OwnerKey`] (a user; an agent or the whole tenant for shared
+//! memories), always inside one tenant: the tenant is part of every owner key, so no id a
+//! client sends can reach another tenant's records.
+//!
+//! Nothing here fails a chat request: the pipeline logs and counts a failure and goes on
+//! without long-term memory.
+
+pub mod archive;
+pub mod extract;
+pub mod memories;
+mod user_index;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::ledger::Ledger;
+use crate::recall::tokenize::TextLanguage;
+use crate::summary::OnStored;
+use memproxy_base::identity::{ConversationKey, TenantId};
+use memproxy_base::model::ModelCall;
+use memproxy_store::{Conversation, OwnerKey, Store, StoreError, StoredMessage};
+
+pub use archive::{ArchivedTurn, ExtractionRule, SPACE_ARCHIVE, SPACE_CONVERSATIONS};
+pub use extract::{ExtractionCall, Extractor};
+use user_index::UserIndex;
+
+/// What long-term memory did, for metrics.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Messages copied into users' archives.
+    pub archived: AtomicU64,
+    /// Archive writes that failed (logged; the chat went on).
+    pub archive_failures: AtomicU64,
+    /// Searches of a user's other conversations, and the turns they brought back.
+    pub searches: AtomicU64,
+    pub recalled: AtomicU64,
+    /// Conversations rebuilt from a user's archive after they were deleted.
+    pub rebuilt: AtomicU64,
+}
+
+/// A user's cached state: the index of their archive, when built.
+#[derive(Debug, Default)]
+struct UserState {
+    index: Option<UserIndex>,
+}
+
+/// A turn of one of the user's other conversations, found relevant.
+#[derive(Debug, Clone)]
+pub struct ElsewhereTurn {
+    pub score: f32,
+    pub agent: String,
+    pub conversation: String,
+    pub message: StoredMessage,
+}
+
+/// Long-term memory's part of the memory core: the users' indexes and the counters.
+pub struct LongTerm {
+    users: moka::sync::Cache<OwnerKey, Arc<Mutex<UserState>>>,
+    pub counters: Counters,
+    /// The background worker that extracts memories (layer 2).
+    pub extractor: Arc<Extractor>,
+}
+
+impl std::fmt::Debug for LongTerm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LongTerm")
+            .field("cached_users", &self.users.entry_count())
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock(state: &Mutex<UserState>) -> MutexGuard<'_, UserState> {
+    state
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl LongTerm {
+    /// Long-term memory whose user indexes take at most `capacity_bytes`, its memories
+    /// extracted by `model`. Must be called inside a tokio runtime: the extraction worker
+    /// starts here.
+    pub fn new(
+        capacity_bytes: u64,
+        store: Arc<Store>,
+        model: Arc<dyn ModelCall>,
+        ledger: Arc<Ledger>,
+    ) -> LongTerm {
+        let users = moka::sync::Cache::builder()
+            .max_capacity(capacity_bytes.max(1))
+            .weigher(|_key: &OwnerKey, state: &Arc<Mutex<UserState>>| {
+                let bytes = state.try_lock().map_or(4096, |s| {
+                    s.index.as_ref().map_or(256, UserIndex::heap_bytes)
+                });
+                u32::try_from(bytes).unwrap_or(u32::MAX)
+            })
+            .build();
+        LongTerm {
+            users,
+            counters: Counters::default(),
+            extractor: Extractor::start(store, model, ledger),
+        }
+    }
+
+    fn state(&self, user: &OwnerKey) -> Arc<Mutex<UserState>> {
+        self.users
+            .get_with(user.clone(), || Arc::new(Mutex::new(UserState::default())))
+    }
+
+    /// After a commit of `conversation` for `user` (under the conversation's lock): copies
+    /// the messages not yet in the user's archive into it, and removes `dropped` turns (a
+    /// replaced reply, a closed branch: no longer what was said). The user's index follows.
+    pub fn after_commit(
+        &self,
+        store: &Store,
+        user: &OwnerKey,
+        conversation: &Conversation,
+        dropped: &[u64],
+        extraction: Option<(ExtractionRule, Option<&ExtractionCall>)>,
+    ) {
+        let state = self.state(user);
+        let mut state = lock(&state);
+        let rule = extraction.map(|(rule, call)| ExtractionRule {
+            may_queue: rule.may_queue && call.is_some(),
+            ..rule
+        });
+        match archive::catch_up(store, user, conversation, dropped, rule) {
+            Ok((added, due)) => {
+                self.counters
+                    .archived
+                    .fetch_add(added.len() as u64, Ordering::Relaxed);
+                if let Some(index) = &mut state.index {
+                    if dropped.is_empty() {
+                        for turn in &added {
+                            index.push(turn);
+                        }
+                    } else {
+                        state.index = None;
+                    }
+                }
+                if let (Some(due), Some((_, Some(call)))) = (due, extraction) {
+                    self.extractor.enqueue(extract::ExtractionJob {
+                        user: user.clone(),
+                        agent: conversation.key.agent.clone(),
+                        conversation: conversation.key.conversation.clone(),
+                        conversation_id: due.conversation_id,
+                        from_turn: due.from_turn,
+                        to_turn: due.to_turn,
+                        call: call.clone(),
+                        summary: None,
+                    });
+                }
+            }
+            Err(err) => {
+                self.counters
+                    .archive_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                // The next commit of the conversation catches up from where the archive is.
+                tracing::warn!(error = %err, "copying turns into the user's archive failed");
+            }
+        }
+        drop(state);
+        // Re-inserted so the cache weighs the grown index.
+        if let Some(state) = self.users.get(user) {
+            self.users.insert(user.clone(), state);
+        }
+    }
+
+    /// What a summary job of conversation `key` (life `conversation_id`) of `user` does once
+    /// its model summary is stored: queues one extraction from the summary's text (with the
+    /// job's credentials), its source turns the range the summary covers.
+    pub fn extraction_from_summary(
+        &self,
+        user: &OwnerKey,
+        key: &ConversationKey,
+        conversation_id: u64,
+        model: String,
+    ) -> OnStored {
+        let extractor = Arc::clone(&self.extractor);
+        let (user, agent, conversation) =
+            (user.clone(), key.agent.clone(), key.conversation.clone());
+        OnStored::new(move |record, credentials| {
+            extractor.enqueue(extract::ExtractionJob {
+                user,
+                agent,
+                conversation,
+                conversation_id,
+                from_turn: record.from_turn,
+                to_turn: record.to_turn,
+                // Made once the summary is stored: after its request's answer.
+                call: ExtractionCall {
+                    model,
+                    credentials: credentials.clone(),
+                    handed_over: None,
+                },
+                summary: Some(record.text.clone()),
+            });
+        })
+    }
+
+    /// True when a request adding `new_user_messages` user messages to the conversation
+    /// brings it to an extraction (`every` user messages since the last one).
+    pub fn extraction_due(
+        &self,
+        store: &Store,
+        user: &OwnerKey,
+        key: &ConversationKey,
+        new_user_messages: u64,
+        every: u64,
+    ) -> Result<bool, StoreError> {
+        if new_user_messages == 0 {
+            return Ok(false);
+        }
+        let pending = archive::pending_user_messages(store, user, key)?;
+        Ok(pending + new_user_messages >= every)
+    }
+
+    /// The memories for a request's prompt: the user's own, the agent's and the tenant's,
+    /// chosen as [`memories::select`] says.
+    pub fn memories_for(
+        &self,
+        store: &Store,
+        user: &OwnerKey,
+        agent: &str,
+        query: &str,
+        settings: &crate::settings::MemorySettings,
+        now_ms: i64,
+    ) -> Result<Vec<memories::Chosen>, StoreError> {
+        if settings.long_term_top_k == 0 || settings.long_term_max_tokens == 0 {
+            return Ok(Vec::new());
+        }
+        let mut candidates = Vec::new();
+        for owner in extract::owners(user, agent) {
+            if let Some(handle) = store.owner(&owner, false)? {
+                for memory in memories::all(store, &handle)? {
+                    candidates.push((owner.clone(), memory));
+                }
+            }
+        }
+        Ok(memories::select(
+            candidates,
+            query,
+            now_ms,
+            decay_of(settings),
+            settings.long_term_top_k,
+            settings.long_term_max_tokens,
+        ))
+    }
+
+    /// Marks `used` memories as accessed at `now_ms` (recalled into a prompt that was
+    /// answered and stored): their decay starts again. A failure is logged, never returned.
+    pub fn refresh(&self, store: &Store, used: &[(OwnerKey, memories::MemoryRecord)], now_ms: i64) {
+        let mut by_owner: std::collections::HashMap<&OwnerKey, Vec<memories::MemoryRecord>> =
+            std::collections::HashMap::new();
+        for (owner, record) in used {
+            let mut record = record.clone();
+            record.last_accessed_ms = now_ms;
+            by_owner.entry(owner).or_default().push(record);
+        }
+        for (owner, records) in by_owner {
+            // Only owners that still exist: a refresh never recreates a deleted user.
+            let written = match store.owner(owner, false) {
+                Ok(Some(_)) => memories::write(store, owner, &records, &[]).map(|_| ()),
+                Ok(None) => Ok(()),
+                Err(err) => Err(err),
+            };
+            if let Err(err) = written {
+                tracing::warn!(error = %err, "refreshing the memories' last access failed");
+            }
+        }
+    }
+
+    /// Stops the extraction worker (waiting up to `grace` for the job in flight).
+    pub async fn shutdown(&self, grace: std::time::Duration) {
+        self.extractor.shutdown(grace).await;
+    }
+
+    /// The `k` turns of `user`'s conversations other than `current` most relevant to
+    /// `query`, best first.
+    pub fn search(
+        &self,
+        store: &Store,
+        user: &OwnerKey,
+        current: &ConversationKey,
+        language: TextLanguage,
+        query: &str,
+        k: usize,
+    ) -> Result<Vec<ElsewhereTurn>, StoreError> {
+        if k == 0 || query.trim().is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(handle) = store.owner(user, false)? else {
+            return Ok(Vec::new());
+        };
+        self.counters.searches.fetch_add(1, Ordering::Relaxed);
+        let state = self.state(user);
+        let hits = {
+            let mut state = lock(&state);
+            let fresh = match state.index.take() {
+                Some(index) if index.setting() == language => index,
+                _ => UserIndex::build(store, &handle, language)?,
+            };
+            let index = state.index.insert(fresh);
+            index.search(query, (&current.agent, &current.conversation), k)
+        };
+        self.users.insert(user.clone(), state);
+        let mut found = Vec::with_capacity(hits.len());
+        for (score, id) in hits {
+            if let Some(turn) = archive::read(store, &handle, &id)? {
+                found.push(ElsewhereTurn {
+                    score,
+                    agent: turn.agent,
+                    conversation: turn.conversation,
+                    message: turn.message,
+                });
+            }
+        }
+        self.counters
+            .recalled
+            .fetch_add(found.len() as u64, Ordering::Relaxed);
+        Ok(found)
+    }
+
+    /// When the conversation at `key` is not stored but `user`'s archive holds its turns (it
+    /// was deleted by its TTL), stores them again as the conversation, so a new request on
+    /// it goes on where it left off. True when it was rebuilt.
+    pub fn rebuild(
+        &self,
+        store: &Store,
+        user: &OwnerKey,
+        key: &ConversationKey,
+    ) -> Result<bool, StoreError> {
+        let rebuilt = archive::rebuild(store, user, key)?;
+        if rebuilt {
+            self.counters.rebuilt.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(rebuilt)
+    }
+
+    /// Drops a user's cached index (after a delete).
+    pub fn forget(&self, user: &OwnerKey) {
+        self.users.invalidate(user);
+    }
+
+    /// Drops every cached index of a tenant's users.
+    pub fn forget_tenant(&self, tenant: &TenantId) {
+        let keys: Vec<OwnerKey> = self
+            .users
+            .iter()
+            .filter(|(key, _)| key.tenant == *tenant)
+            .map(|(key, _)| (*key).clone())
+            .collect();
+        for key in keys {
+            self.users.invalidate(&key);
+        }
+    }
+
+    /// Drops every cached index (the store was reopened).
+    pub fn forget_all(&self) {
+        self.users.invalidate_all();
+    }
+
+    /// Heap bytes of the cached user indexes (approximate).
+    pub fn weighted_size(&self) -> u64 {
+        self.users.run_pending_tasks();
+        self.users.weighted_size()
+    }
+}
+
+/// The decay settings of `settings`.
+pub fn decay_of(settings: &crate::settings::MemorySettings) -> memories::Decay {
+    memories::Decay {
+        half_life_ms: settings.memory_half_life.as_secs_f64() * 1000.0,
+        min: settings.memory_min_decay(),
+    }
+}
+
+/// Deletes the memories whose decay score fell under `decay.min`, looking at up to `limit`
+/// owners after the cursor `after`; returns how many were deleted and where to go on from.
+pub fn sweep_decayed(
+    store: &Store,
+    after: Option<&[u8]>,
+    limit: usize,
+    decay: memories::Decay,
+    now_ms: i64,
+) -> Result<(usize, Option<Vec<u8>>), StoreError> {
+    let (page, next) = store.owners(after, limit.max(1))?;
+    let mut deleted = 0;
+    for (owner, _) in page {
+        let Some(handle) = store.owner(&owner, false)? else {
+            continue;
+        };
+        let gone: Vec<(u8, Vec<u8>)> = memories::all(store, &handle)?
+            .iter()
+            .filter(|m| m.decay(now_ms, decay) < decay.min)
+            .map(|m| (memories::SPACE_MEMORIES, memories::record_id(m.id)))
+            .collect();
+        if !gone.is_empty() && store.write_owner(&handle, Vec::new(), &gone)? {
+            deleted += gone.len();
+        }
+    }
+    Ok((deleted, next))
+}

@@ -1,0 +1,251 @@
+//! Relevance recall: a BM25 index per conversation over its stored messages, held in a
+//! memory-weighted cache, updated at each commit and rebuilt from the store on a miss.
+//!
+//! The index covers every stored message; a search only considers those before the recent
+//! window (the older pool). This module searches and keeps indexes; choosing the window and
+//! rendering the recalled turns is the pipeline's job.
+
+pub mod excerpt;
+pub mod index;
+pub mod tokenize;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use self::index::{Hit, Index};
+use self::tokenize::{Lang, TextLanguage, detect, terms};
+use memproxy_base::heap;
+use memproxy_base::identity::ConversationKey;
+use memproxy_base::message::search_text;
+use memproxy_store::{Conversation, Store, StoreError};
+
+/// How much text `auto` language detection reads from the start of a conversation.
+const DETECTION_SAMPLE_CHARS: usize = 2000;
+
+/// One conversation's index and what it was built with.
+#[derive(Debug)]
+pub struct ConversationIndex {
+    /// The setting it was built for.
+    setting: TextLanguage,
+    /// The stemming language of Latin text (`None`: no stemming).
+    latin: Option<Lang>,
+    /// The conversation's `next_turn` the index reflects.
+    synced_next_turn: u64,
+    /// The conversation's id (a conversation deleted and started again can reach the same
+    /// `next_turn`).
+    conversation_id: Option<u64>,
+    index: Index,
+}
+
+impl ConversationIndex {
+    fn terms(&self, text: &str) -> Vec<String> {
+        terms(text, self.latin)
+    }
+}
+
+/// The indexes of recently used conversations.
+pub struct Recall {
+    cache: moka::sync::Cache<ConversationKey, Arc<Mutex<ConversationIndex>>>,
+    lookups: AtomicU64,
+    misses: AtomicU64,
+}
+
+impl std::fmt::Debug for Recall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recall")
+            .field("cached", &self.cache.entry_count())
+            .finish()
+    }
+}
+
+fn lock(index: &Mutex<ConversationIndex>) -> MutexGuard<'_, ConversationIndex> {
+    index
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Recall {
+    pub fn new(capacity_bytes: u64) -> Recall {
+        let cache = moka::sync::Cache::builder()
+            .max_capacity(capacity_bytes)
+            .weigher(
+                |key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
+                    // `try_lock`: a search may hold it; a guess until the next re-insert.
+                    let index = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
+                    let bytes = heap::CACHE_ENTRY
+                        + key.heap_bytes()
+                        + heap::arc::<Mutex<ConversationIndex>>()
+                        + index;
+                    u32::try_from(bytes).unwrap_or(u32::MAX)
+                },
+            )
+            .build();
+        Recall {
+            cache,
+            lookups: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    /// The `k` stored messages most relevant to `query` among those with a turn below
+    /// `before_turn`, best first. Called with the conversation locked; builds the index from the
+    /// store when it is missing, stale or built for another language.
+    pub fn search(
+        &self,
+        store: &Store,
+        conversation: &Conversation,
+        language: TextLanguage,
+        query: &str,
+        before_turn: u64,
+        k: usize,
+    ) -> Result<Vec<Hit>, StoreError> {
+        let Some(meta) = &conversation.meta else {
+            return Ok(Vec::new());
+        };
+        self.lookups.fetch_add(1, Ordering::Relaxed);
+        let handle = match self.cache.get(&conversation.key) {
+            Some(handle)
+                if {
+                    let index = lock(&handle);
+                    index.synced_next_turn == meta.next_turn
+                        && index.conversation_id == Some(meta.id)
+                        && index.setting == language
+                } =>
+            {
+                handle
+            }
+            _ => {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                let built = Arc::new(Mutex::new(build(store, conversation, language)?));
+                self.cache
+                    .insert(conversation.key.clone(), Arc::clone(&built));
+                built
+            }
+        };
+        let mut index = lock(&handle);
+        let query_terms = index.terms(query);
+        Ok(index.index.search(&query_terms, before_turn, k))
+    }
+
+    /// Brings a cached index up to date with a commit, under the conversation's lock:
+    /// `removed` turns were deleted, `added` (turn, text) appended, and the conversation's
+    /// `next_turn` went from `before` to `after`. An index that was not in step is dropped and
+    /// rebuilt on its next search.
+    pub fn apply(
+        &self,
+        key: &ConversationKey,
+        before: Option<u64>,
+        removed: &[u64],
+        added: &[(u64, String)],
+        after: u64,
+    ) {
+        let Some(handle) = self.cache.get(key) else {
+            return;
+        };
+        {
+            let mut index = lock(&handle);
+            if Some(index.synced_next_turn) != before {
+                drop(index);
+                self.cache.invalidate(key);
+                return;
+            }
+            // Commits remove the newest messages (a replaced reply, a closed branch) and the
+            // oldest (trimmed rounds); anything else is not a shape commits make, so rebuild
+            // to be safe.
+            let mut sorted = removed.to_vec();
+            sorted.sort_unstable();
+            let is_removed = |turn: u64| sorted.binary_search(&turn).is_ok();
+            let mut unaccounted = sorted.len();
+            while index.index.last_turn().is_some_and(is_removed) {
+                index.index.pop();
+                unaccounted -= 1;
+            }
+            while index.index.first_turn().is_some_and(is_removed) {
+                index.index.drop_front(1);
+                unaccounted -= 1;
+            }
+            if unaccounted > 0 {
+                drop(index);
+                self.cache.invalidate(key);
+                return;
+            }
+            for (turn, text) in added {
+                let terms = index.terms(text);
+                index.index.push(*turn, terms);
+            }
+            index.synced_next_turn = after;
+        }
+        // Re-insert so the cache weighs the grown index.
+        self.cache.insert(key.clone(), handle);
+    }
+
+    /// Searches and the ones that had to build an index: (lookups, misses).
+    pub fn cache_counts(&self) -> (u64, u64) {
+        (
+            self.lookups.load(Ordering::Relaxed),
+            self.misses.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Drops a conversation's index.
+    pub fn forget(&self, key: &ConversationKey) {
+        self.cache.invalidate(key);
+    }
+
+    /// Drops every cached index (the store was reopened: they may cover lost writes).
+    pub fn forget_all(&self) {
+        self.cache.invalidate_all();
+    }
+
+    /// Heap bytes of all cached indexes (approximate).
+    pub fn weighted_size(&self) -> u64 {
+        self.cache.run_pending_tasks();
+        self.cache.weighted_size()
+    }
+}
+
+/// The stemming language of Latin text for `setting`: `auto` detects it from the start of
+/// `texts` (at most [`DETECTION_SAMPLE_CHARS`] of it).
+pub fn stemming<'a>(setting: TextLanguage, texts: impl Iterator<Item = &'a str>) -> Option<Lang> {
+    match setting {
+        TextLanguage::Plain => None,
+        TextLanguage::Fixed(lang) => Some(lang),
+        TextLanguage::Auto => {
+            let mut sample = String::new();
+            for text in texts {
+                if sample.len() >= DETECTION_SAMPLE_CHARS {
+                    break;
+                }
+                sample.push_str(text);
+                sample.push('\n');
+            }
+            Some(detect(&sample))
+        }
+    }
+}
+
+/// Builds a conversation's index from the store.
+fn build(
+    store: &Store,
+    conversation: &Conversation,
+    setting: TextLanguage,
+) -> Result<ConversationIndex, StoreError> {
+    let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
+    let messages = store.messages(conversation, turns)?;
+    let texts: Vec<(u64, String)> = messages
+        .iter()
+        .map(|m| (m.turn, search_text(&m.message)))
+        .collect();
+    let latin = stemming(setting, texts.iter().map(|(_, text)| text.as_str()));
+    let mut index = Index::new();
+    for (turn, text) in texts {
+        index.push(turn, terms(&text, latin));
+    }
+    Ok(ConversationIndex {
+        setting,
+        latin,
+        synced_next_turn: conversation.meta.as_ref().map_or(1, |m| m.next_turn),
+        conversation_id: conversation.meta.as_ref().map(|m| m.id),
+        index,
+    })
+}

@@ -1,0 +1,898 @@
+//! The conversation store: a storage [`Engine`] (sled by default) behind the memory core's
+//! view of it: a cache of each conversation's in-memory index, locked per conversation,
+//! optimistic commits against the version the request planned on, and group flushes.
+//!
+//! - `engine.rs` — the storage contract every engine keeps (read it first);
+//! - `sled_engine.rs` — the embedded engine; `redis_engine.rs`, `redis_owners.rs` — the
+//!   engine shared by replicas (conversations, and owners' records) in a Redis server;
+//! - `records.rs` — what is stored (records, messages, summaries, TTL);
+//! - this file — the request path: handles, load, read, commit, durability;
+//! - `summaries.rs`, `branches.rs`, `ttl.rs`, `listing.rs`, `transfer.rs` — summary records
+//!   (and their Markdown copies), closed branches, TTL records, listing and paging,
+//!   export/import/delete;
+//! - `flush.rs` — the group flusher; `contract.rs` — the contract tests, run per engine;
+//! - `seal.rs`, `keys.rs` — message bodies and summary records encrypted with a key per
+//!   conversation, kept in its own file, so that a delete leaves nothing readable on disk;
+//! - `owners.rs` — owners' records (long-term memory per user, agent or tenant), sealed with
+//!   a key per owner like conversations;
+//! - `health.rs` — the check at open, failures to write and their retry (readiness);
+//! - `salvage.rs`, `sled_salvage.rs` — reading a damaged data directory and writing what can
+//!   be read into a fresh one (`memproxy store check|repair`).
+//!
+//! Files: each conversation may have a workspace folder, [`workspace_dir`], for copies meant
+//! for people (summaries as Markdown). Its path is derived so no id can escape the data
+//! directory.
+//!
+//! This module stores and loads; deciding what to store is the pipeline's job.
+
+mod branches;
+mod engine;
+mod flush;
+mod health;
+mod keys;
+mod listing;
+mod owners;
+mod records;
+mod redis_engine;
+pub mod salvage;
+mod seal;
+mod sled_engine;
+mod sled_salvage;
+mod summaries;
+mod transfer;
+mod ttl;
+
+#[cfg(test)]
+mod contract;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+pub use branches::closed_by_branch;
+pub use engine::{Engine, Loaded, Owners, Page, Refresh, Scope, SharedEngine, Version, Write};
+pub use flush::FlushError;
+pub use health::RETRY_AFTER;
+pub use owners::OwnerHandle;
+pub use records::{
+    BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
+    LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord,
+    StoredBranch, StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between, transcript_line,
+};
+pub use redis_engine::{RedisEngine, RedisOptions, is_redis_url};
+pub use sled_engine::SledEngine;
+pub use transfer::already_stored;
+
+use flush::GroupFlusher;
+use keys::{EngineKeys, KeyFiles, Keys};
+use memproxy_base::heap;
+use memproxy_base::identity::ConversationKey;
+
+/// When a commit reaches the disk (`storage.durability`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Each commit is flushed before the client sees the end of the response; concurrent
+    /// commits share one flush (group commit).
+    Commit,
+    /// The store is flushed on this interval in the background; a crash can lose the commits
+    /// of the last one.
+    Interval(Duration),
+}
+
+/// How the store is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    pub durability: Durability,
+    /// The engine's page cache (sled).
+    pub page_cache_bytes: u64,
+    /// The cache of conversations' in-memory indexes.
+    pub state_cache_bytes: u64,
+}
+
+/// A conversation's in-memory index: its record and version as last read or written, and one
+/// [`Entry`] per stored message in turn order. Held behind a mutex that is never held across
+/// an `.await`.
+#[derive(Debug)]
+pub struct Conversation {
+    pub key: ConversationKey,
+    pub meta: Option<ConversationMeta>,
+    /// The version a commit checks against.
+    version: Version,
+    pub entries: Vec<Entry>,
+}
+
+impl Conversation {
+    fn from_loaded(key: ConversationKey, loaded: Loaded) -> Conversation {
+        Conversation {
+            key,
+            meta: loaded.meta,
+            version: loaded.version,
+            entries: loaded.entries,
+        }
+    }
+
+    /// The heap it holds beyond its own struct: its key's strings, its version, its entries.
+    fn heap_bytes(&self) -> usize {
+        self.key.heap_bytes()
+            + self.version.heap_bytes()
+            + heap::vec::<Entry>(self.entries.capacity())
+    }
+
+    /// Empties an in-memory conversation.
+    fn reset(&mut self) {
+        self.meta = None;
+        self.version = Version::absent();
+        self.entries.clear();
+    }
+}
+
+/// What [`Store::refresh`] did to a cached conversation.
+#[derive(Debug)]
+pub enum Refreshed {
+    /// It was the stored version.
+    Unchanged,
+    /// Messages another replica stored were appended (bodies opened); `before` was its
+    /// `next_turn` until then.
+    Appended {
+        before: Option<u64>,
+        added: Vec<StoredMessage>,
+    },
+    /// It was read again whole.
+    Reloaded,
+}
+
+/// A change to one conversation, applied atomically by [`Store::commit`].
+#[derive(Debug, Default)]
+pub struct Change {
+    /// Turns to delete (a replaced reply, trimmed rounds).
+    pub remove_turns: Vec<u64>,
+    /// Messages to add, in order; their `turn` is assigned by the commit.
+    pub add: Vec<StoredMessage>,
+    /// Tokens of the prompt forwarded for this exchange, added to the conversation's total.
+    pub tokens_forwarded: u64,
+    /// The exchange's part of the conversation's token ledger, added to its totals.
+    pub ledger: LedgerTotals,
+    /// Closes a branch: the stored messages from this turn on leave the main line, and are
+    /// kept as a closed branch with the summaries that reach them, in the same write.
+    pub branch_from_turn: Option<u64>,
+}
+
+/// The Responses API ids of the replies among `messages` (before they are sealed).
+pub(crate) fn response_ids_of(messages: &[StoredMessage]) -> Vec<String> {
+    messages
+        .iter()
+        .filter(|m| m.role == memproxy_base::message::Role::Assistant)
+        .filter_map(|m| memproxy_base::wire::response_id_of(&m.message))
+        .collect()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("storage engine: {0}")]
+    Engine(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("a stored record could not be decoded: {0}")]
+    Corrupt(String),
+    #[error("the conversation changed since it was read")]
+    Stale,
+    #[error(transparent)]
+    Flush(#[from] FlushError),
+    #[error("writing a workspace file failed: {0}")]
+    File(#[from] std::io::Error),
+    #[error("a conversation key file could not be read or written: {0}")]
+    KeyFile(#[source] std::io::Error),
+    #[error("the key of conversation {0} is missing: its sealed messages cannot be read")]
+    KeyMissing(u64),
+    #[error("encryption failed: {0}")]
+    Crypto(&'static str),
+    /// The engine could not read or write its files (the disk is full, an I/O error).
+    #[error("the store's files could not be written or read: {0}")]
+    Disk(#[source] std::io::Error),
+    /// The engine found its files damaged.
+    #[error("the store's files are damaged: {0}")]
+    Damaged(String),
+    /// A shared engine (Redis) cannot be reached: refused, timed out, the connection lost.
+    #[error("the store cannot be reached: {0}")]
+    Unreachable(String),
+    /// The engine is closed: reopening it after a failure did not succeed (yet).
+    #[error("the store is closed after a failure to write")]
+    Closed,
+    /// Writes failed earlier and the store has not recovered yet (see [`Store::writable`]).
+    #[error("the store cannot write ({0}); memory is off until it can")]
+    Unwritable(String),
+}
+
+impl StoreError {
+    /// True when the error is a failure to write to disk (full, or an I/O error): the store
+    /// stops taking writes until [`Store::writable`] finds it can again.
+    pub fn is_write_failure(&self) -> bool {
+        let disk_full = |err: &std::io::Error| {
+            matches!(
+                err.kind(),
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+            )
+        };
+        match self {
+            StoreError::Disk(_)
+            | StoreError::Closed
+            | StoreError::Unwritable(_)
+            | StoreError::Unreachable(_) => true,
+            StoreError::Flush(err) => err.disk,
+            StoreError::KeyFile(err) | StoreError::File(err) => disk_full(err),
+            _ => false,
+        }
+    }
+}
+
+/// Cached conversation handles.
+pub type Handle = Arc<Mutex<Conversation>>;
+
+/// The engine a store runs on: one this process has alone (sled), or one other replicas write
+/// to as well (Redis), which has what sharing needs ([`SharedEngine`]).
+pub enum Backing {
+    Own(Arc<dyn Engine>),
+    Shared(Arc<dyn SharedEngine>),
+}
+
+pub struct Store {
+    engine: Arc<dyn Engine>,
+    /// The same engine when other replicas share it.
+    shared: Option<Arc<dyn SharedEngine>>,
+    data_dir: PathBuf,
+    /// The conversations' keys (`{data_dir}/keys/`, or in a shared engine).
+    keys: Keys,
+    cache: moka::sync::Cache<ConversationKey, Handle>,
+    flusher: Option<Arc<GroupFlusher>>,
+    background: Mutex<Vec<JoinHandle<()>>>,
+    /// Failures to write, and conversations found unreadable (`health.rs`).
+    health: health::Health,
+    /// Lookups in `cache`, and those that missed (for metrics).
+    cache_lookups: AtomicU64,
+    cache_misses: AtomicU64,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("engine", &self.engine.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Locks a conversation; a poisoned lock (a panic while held) still yields the data, which is
+/// only ever changed after its commit succeeded.
+pub fn lock(handle: &Handle) -> MutexGuard<'_, Conversation> {
+    handle
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Store {
+    /// Opens (or creates) the embedded store under `dir` (`dir/store`). Must be called inside
+    /// a tokio runtime: the group flusher runs as a task.
+    pub fn open(dir: &Path, options: StoreOptions) -> Result<Store, StoreError> {
+        let flush_every = match options.durability {
+            Durability::Commit => None,
+            Durability::Interval(every) => Some(every),
+        };
+        let engine = SledEngine::open(&dir.join("store"), options.page_cache_bytes, flush_every)?;
+        Store::with_engine(Backing::Own(Arc::new(engine)), dir, options)
+    }
+
+    /// The store over a Redis server shared with other replicas (`redis_engine.rs`). Opens
+    /// even when Redis is down: memory is then off until it answers (`health.rs`). Must be
+    /// called inside a tokio runtime.
+    pub fn open_redis(
+        redis: &RedisOptions,
+        data_dir: &Path,
+        options: StoreOptions,
+    ) -> Result<Store, StoreError> {
+        let engine = RedisEngine::open(redis)?;
+        Store::with_engine(Backing::Shared(Arc::new(engine)), data_dir, options)
+    }
+
+    /// A store over `engine`, with workspace folders and conversation keys under `data_dir`.
+    /// Every conversation record is read here once, before any write (`health.rs`): a record
+    /// that cannot be read fails the open; keys of conversations the engine no longer holds
+    /// are removed. Must be called inside a tokio runtime.
+    pub fn with_engine(
+        backing: Backing,
+        data_dir: &Path,
+        options: StoreOptions,
+    ) -> Result<Store, StoreError> {
+        let (engine, shared): (Arc<dyn Engine>, _) = match backing {
+            Backing::Own(engine) => (engine, None),
+            Backing::Shared(shared) => (shared.clone(), Some(shared)),
+        };
+        let keys = match &shared {
+            Some(shared) => Keys::Engine(EngineKeys::new(Arc::clone(shared))),
+            None => Keys::Files(KeyFiles::open(data_dir.join("keys"))?),
+        };
+        let mut background = Vec::new();
+        let flusher = match options.durability {
+            // A shared engine's writes are durable when acknowledged: nothing to group.
+            Durability::Commit if shared.is_none() => {
+                let (flusher, task) = GroupFlusher::start(Arc::clone(&engine));
+                background.push(task);
+                Some(flusher)
+            }
+            Durability::Commit | Durability::Interval(_) => None,
+        };
+        let cache = moka::sync::Cache::builder()
+            .max_capacity(options.state_cache_bytes)
+            .weigher(|key: &ConversationKey, handle: &Handle| {
+                // `try_lock`: the weigher may run while the caller holds the lock (the weight
+                // is refreshed by `touch` after each commit).
+                let state = handle.try_lock().map_or(0, |c| c.heap_bytes());
+                let bytes = heap::CACHE_ENTRY
+                    + key.heap_bytes()
+                    + heap::arc::<Mutex<Conversation>>()
+                    + state;
+                u32::try_from(bytes).unwrap_or(u32::MAX)
+            })
+            .build();
+        let store = Store {
+            engine,
+            shared,
+            data_dir: data_dir.to_path_buf(),
+            keys,
+            cache,
+            flusher,
+            background: Mutex::new(background),
+            health: health::Health::default(),
+            cache_lookups: AtomicU64::new(0),
+            cache_misses: AtomicU64::new(0),
+        };
+        store.check_on_open()?;
+        Ok(store)
+    }
+
+    /// The conversation's handle, loading its index from the engine on a cache miss.
+    pub fn conversation(&self, key: &ConversationKey) -> Result<Handle, StoreError> {
+        self.cache_lookups.fetch_add(1, Ordering::Relaxed);
+        if let Some(handle) = self.cache.get(key) {
+            return Ok(handle);
+        }
+        self.cache_misses.fetch_add(1, Ordering::Relaxed);
+        let conversation = self.load(key)?;
+        let handle = Arc::new(Mutex::new(conversation));
+        // Two loaders racing keep one handle: the first inserted wins.
+        Ok(self
+            .cache
+            .entry(key.clone())
+            .or_insert_with(|| handle)
+            .into_value())
+    }
+
+    fn load(&self, key: &ConversationKey) -> Result<Conversation, StoreError> {
+        let loaded = self.unreachable_is_down(self.engine.load(key))?;
+        Ok(Conversation::from_loaded(key.clone(), loaded))
+    }
+
+    /// Passes `result` on; a shared engine that cannot be reached turns memory off (and is
+    /// retried) like a failed write, so later requests do not each wait for it to time out.
+    /// The conversation `tenant` was answered the Responses API id `response_id` in.
+    pub fn response_conversation(
+        &self,
+        tenant: &memproxy_base::identity::TenantId,
+        response_id: &str,
+    ) -> Result<Option<ConversationKey>, StoreError> {
+        self.unreachable_is_down(self.engine.response_conversation(tenant, response_id))
+    }
+
+    /// Forgets `tenant`'s Responses API id `response_id`; true when it was known.
+    pub fn forget_response(
+        &self,
+        tenant: &memproxy_base::identity::TenantId,
+        response_id: &str,
+    ) -> Result<bool, StoreError> {
+        self.unreachable_is_down(self.engine.forget_response(tenant, response_id))
+    }
+
+    fn unreachable_is_down<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        match result {
+            Err(err @ StoreError::Unreachable(_)) => self.watch(Err(err)),
+            other => other,
+        }
+    }
+
+    /// Brings a cached conversation (locked by the caller) up to the stored version: with a
+    /// shared engine another replica may have written since. One round trip when nothing
+    /// changed; messages only added are read alone and appended; anything else reloads it
+    /// whole. With an engine no other process writes to, nothing to do.
+    pub fn refresh(&self, conversation: &mut Conversation) -> Result<Refreshed, StoreError> {
+        let Some(shared) = &self.shared else {
+            return Ok(Refreshed::Unchanged);
+        };
+        let found = self.unreachable_is_down(shared.refresh(
+            &conversation.key,
+            &conversation.version,
+            conversation.meta.as_ref(),
+            conversation.entries.len(),
+        ))?;
+        match found {
+            Refresh::Unchanged => Ok(Refreshed::Unchanged),
+            Refresh::Changed => {
+                self.reload(conversation)?;
+                Ok(Refreshed::Reloaded)
+            }
+            Refresh::Appended {
+                meta,
+                version,
+                mut added,
+            } => {
+                let before = conversation.meta.as_ref().map(|m| m.next_turn);
+                for message in &added {
+                    let cum = conversation.entries.last().map_or(0, |e| e.cum_tokens);
+                    conversation.entries.push(Entry::new(message, cum));
+                }
+                let id = meta.id;
+                conversation.meta = Some(meta);
+                conversation.version = version;
+                self.open_messages(&conversation.key, id, &mut added)?;
+                Ok(Refreshed::Appended { before, added })
+            }
+        }
+    }
+
+    /// Re-reads a conversation whose commit found it stale.
+    pub fn reload(&self, conversation: &mut Conversation) -> Result<(), StoreError> {
+        *conversation = self.load(&conversation.key)?;
+        Ok(())
+    }
+
+    /// Reads stored messages by turn, in the order asked, their bodies opened. A turn that is
+    /// missing is an error: the index said it was there.
+    pub fn messages(
+        &self,
+        conversation: &Conversation,
+        turns: impl IntoIterator<Item = u64>,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        let Some(meta) = &conversation.meta else {
+            return Ok(Vec::new());
+        };
+        let turns: Vec<u64> = turns.into_iter().collect();
+        let mut messages = self.engine.messages(&conversation.key, meta.id, &turns)?;
+        self.open_messages(&conversation.key, meta.id, &mut messages)?;
+        Ok(messages)
+    }
+
+    /// Applies `change` to `conversation` atomically, assigning turn numbers to the added
+    /// messages, sealing their bodies with the conversation's key (created first for a new
+    /// conversation) and closing the branch it names (its messages and the summaries that reach
+    /// them move off the main line in the same write). Fails with [`StoreError::Stale`] when
+    /// the stored conversation is not the one `conversation` holds; the caller then reloads and
+    /// plans again. On success the in-memory index is updated to match; on any failure it is
+    /// left as it was.
+    pub fn commit(
+        &self,
+        conversation: &mut Conversation,
+        change: Change,
+    ) -> Result<(), StoreError> {
+        let committed = self.commit_change(conversation, change);
+        self.watch(committed)
+    }
+
+    fn commit_change(
+        &self,
+        conversation: &mut Conversation,
+        mut change: Change,
+    ) -> Result<(), StoreError> {
+        let now = now_ms();
+        let mut meta = match &conversation.meta {
+            Some(meta) => meta.clone(),
+            None => ConversationMeta::new(self.engine.new_id()?, now),
+        };
+        for message in &mut change.add {
+            message.turn = meta.next_turn;
+            meta.next_turn += 1;
+        }
+        let closing = match change.branch_from_turn {
+            Some(from_turn) => Some(self.closing(conversation, &meta, from_turn, now)?),
+            None => None,
+        }
+        .filter(|closing| !closing.turns.is_empty());
+        let mut remove_turns = change.remove_turns;
+        let mut remove_summaries: Vec<u64> = Vec::new();
+        let mut branches: Vec<StoredBranch> = Vec::new();
+        if let Some(closing) = closing {
+            remove_turns.extend(&closing.turns);
+            remove_turns.sort_unstable();
+            remove_turns.dedup();
+            remove_summaries = closing.summaries;
+            meta.branches = closing.branch.record.number;
+            branches.push(closing.branch);
+        }
+        // Entries are in turn order: each removed turn is found by binary search.
+        let mut removed: Vec<usize> = remove_turns
+            .iter()
+            .filter_map(|turn| {
+                conversation
+                    .entries
+                    .binary_search_by_key(turn, |e| e.turn)
+                    .ok()
+            })
+            .collect();
+        let removed_tokens: u64 = removed
+            .iter()
+            .map(|&i| u64::from(conversation.entries[i].tokens))
+            .sum();
+        let added_tokens: u64 = change.add.iter().map(|m| u64::from(m.tokens)).sum();
+        meta.message_count = (conversation.entries.len() - removed.len() + change.add.len()) as u64;
+        meta.total_tokens = meta.total_tokens - removed_tokens + added_tokens;
+        meta.last_activity_ms = now;
+        meta.tokens_forwarded += change.tokens_forwarded;
+        meta.ledger.add(&change.ledger);
+
+        let response_ids = response_ids_of(&change.add);
+        let mut created_key = false;
+        if !change.add.is_empty() {
+            let (key, created) = self.sealing_key(&conversation.key, meta.id)?;
+            created_key = created;
+            seal::seal_messages(&key, &mut change.add)?;
+        }
+        let version = self.write_sealed(
+            &conversation.key,
+            &conversation.version,
+            Write {
+                meta: &meta,
+                remove_turns: &remove_turns,
+                add: &change.add,
+                summaries: &[],
+                remove_summaries: &remove_summaries,
+                branches: &branches,
+                response_ids: &response_ids,
+            },
+            (created_key && conversation.meta.is_none()).then_some(meta.id),
+        )?;
+
+        removed.sort_unstable();
+        for i in removed.into_iter().rev() {
+            conversation.entries.remove(i);
+        }
+        for message in &change.add {
+            let before = conversation.entries.last().map_or(0, |e| e.cum_tokens);
+            conversation.entries.push(Entry::new(message, before));
+        }
+        conversation.meta = Some(meta);
+        conversation.version = version;
+        Ok(())
+    }
+
+    /// After a commit through `handle`: refreshes the cache's weight of the conversation when
+    /// the cache still holds that handle. After a delete or an eviction the cache may hold a
+    /// newer handle, loaded before this commit and so missing it: that one is dropped, and the
+    /// next request reads the conversation again (an old handle never replaces a newer one).
+    pub fn touch(&self, key: &ConversationKey, handle: &Handle) {
+        match self.cache.get(key) {
+            Some(current) if Arc::ptr_eq(&current, handle) => {
+                self.cache.insert(key.clone(), Arc::clone(handle));
+            }
+            Some(_) => self.cache.invalidate(key),
+            None => {}
+        }
+    }
+
+    /// Waits until earlier commits are durable (group commit). With interval durability this
+    /// returns at once: the background flush covers it.
+    pub async fn sync(&self) -> Result<(), StoreError> {
+        match &self.flusher {
+            Some(flusher) => {
+                let synced = flusher.sync().await.map_err(StoreError::from);
+                self.watch(synced)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// True when other replicas share this store (Redis).
+    pub fn shared(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// Takes the summary lease of conversation `id` for `holder` (always granted when the
+    /// store is this process's alone); see [`SharedEngine::take_lease`].
+    pub fn take_summary_lease(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        match &self.shared {
+            Some(shared) => self.unreachable_is_down(shared.take_lease(key, id, holder, ttl)),
+            None => Ok(true),
+        }
+    }
+
+    /// Gives a summary lease back.
+    pub fn release_summary_lease(
+        &self,
+        key: &ConversationKey,
+        holder: &str,
+    ) -> Result<(), StoreError> {
+        match &self.shared {
+            Some(shared) => shared.release_lease(key, holder),
+            None => Ok(()),
+        }
+    }
+
+    /// True when the store answers a read.
+    pub fn is_ready(&self) -> bool {
+        self.engine.is_ready()
+    }
+
+    /// The engine's name (`sled`).
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
+    }
+
+    /// Flushes everything and stops the background flushing: the last step of shutdown. The
+    /// background tasks are awaited, so once this returns they hold no handle on the engine.
+    pub async fn close(&self) -> Result<(), StoreError> {
+        let tasks = std::mem::take(
+            &mut *self
+                .background
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for task in tasks {
+            task.abort();
+            let _ = task.await;
+        }
+        self.cache.invalidate_all();
+        self.engine.flush()
+    }
+
+    /// The data directory the store's files live in.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// Bytes the store takes on disk.
+    pub fn size_on_disk(&self) -> u64 {
+        self.engine.size_bytes()
+    }
+}
+
+/// The folder for a conversation's files: `{data_dir}/workspaces/{tenant}/{agent}/{conversation}`,
+/// each name reduced to `[A-Za-z0-9_-]` (at most 40 characters) and followed by 128 bits of a
+/// SHA-256 of the full id, so the path stays inside the data directory whatever the id (`..`,
+/// `/etc`, a very long id) and two ids never share a folder.
+pub fn workspace_dir(data_dir: &Path, key: &ConversationKey) -> PathBuf {
+    workspace_path(data_dir, key, 40, 16)
+}
+
+/// The folder earlier versions used (64 characters and a 32-bit hash, which two ids could
+/// share): only removed, never written.
+pub fn legacy_workspace_dir(data_dir: &Path, key: &ConversationKey) -> PathBuf {
+    workspace_path(data_dir, key, 64, 4)
+}
+
+fn workspace_path(data_dir: &Path, key: &ConversationKey, chars: usize, hash: usize) -> PathBuf {
+    data_dir
+        .join("workspaces")
+        .join(safe_name(key.tenant.as_str(), chars, hash))
+        .join(safe_name(&key.agent, chars, hash))
+        .join(safe_name(&key.conversation, chars, hash))
+}
+
+fn safe_name(id: &str, chars: usize, hash_bytes: usize) -> String {
+    use sha2::{Digest, Sha256};
+    let mut name: String = id
+        .chars()
+        .take(chars)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let digest = Sha256::digest(id.as_bytes());
+    name.push('-');
+    for b in &digest[..hash_bytes] {
+        name.push_str(&format!("{b:02x}"));
+    }
+    name
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use memproxy_base::identity::TenantId;
+    use memproxy_base::message::Role;
+    use serde_json::value::RawValue;
+
+    /// The module documentation names every file of the store (a file added without its line
+    /// there fails here, so the list cannot go stale).
+    #[test]
+    fn the_module_documentation_names_every_file() {
+        let doc: String = include_str!("lib.rs")
+            .lines()
+            .take_while(|l| l.starts_with("//!"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        for file in std::fs::read_dir(dir).unwrap() {
+            let name = file.unwrap().file_name().to_string_lossy().into_owned();
+            if name.ends_with(".rs") && name != "lib.rs" {
+                assert!(
+                    doc.contains(&format!("`{name}`")),
+                    "the store crate's lib.rs does not name {name}"
+                );
+            }
+        }
+    }
+
+    /// A conversation of tenant `t`, agent `default` (also for the other store tests).
+    pub(crate) fn key(conversation: &str) -> ConversationKey {
+        ConversationKey {
+            tenant: TenantId::from_token(Some("t")),
+            agent: "default".into(),
+            conversation: conversation.into(),
+        }
+    }
+
+    pub(crate) fn message(role: Role, text: &str) -> StoredMessage {
+        StoredMessage {
+            turn: 0,
+            role,
+            origin: Origin::Client,
+            at_ms: now_ms(),
+            tokens: 3,
+            fingerprint: text.len() as u64,
+            message: RawValue::from_string(
+                serde_json::json!({"role": role.as_str(), "content": text}).to_string(),
+            )
+            .unwrap(),
+        }
+    }
+
+    pub(crate) fn options() -> StoreOptions {
+        StoreOptions {
+            durability: Durability::Commit,
+            page_cache_bytes: 1 << 20,
+            state_cache_bytes: 1 << 20,
+        }
+    }
+
+    fn open(dir: &Path) -> Store {
+        Store::open(dir, options()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn commits_survive_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(dir.path());
+            {
+                let handle = store.conversation(&key("c")).unwrap();
+                let mut conv = lock(&handle);
+                let change = Change {
+                    tokens_forwarded: 0,
+                    ledger: LedgerTotals::default(),
+                    branch_from_turn: None,
+                    remove_turns: vec![],
+                    add: vec![message(Role::User, "a"), message(Role::Assistant, "bb")],
+                };
+                store.commit(&mut conv, change).unwrap();
+                assert_eq!(conv.entries.len(), 2);
+            }
+            store.sync().await.unwrap();
+            store.close().await.unwrap();
+        }
+        let store = open(dir.path());
+        let handle = store.conversation(&key("c")).unwrap();
+        let conv = lock(&handle);
+        assert_eq!(
+            conv.entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
+            [1, 2]
+        );
+        assert_eq!(conv.meta.as_ref().unwrap().total_tokens, 6);
+        let loaded = store.messages(&conv, [2]).unwrap();
+        assert!(loaded[0].message.get().contains("bb"));
+        assert!(
+            lock(&store.conversation(&key("other")).unwrap())
+                .entries
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn workspace_paths_stay_inside_the_data_directory() {
+        let data = Path::new("/data");
+        for hostile in [
+            "..",
+            "../../etc",
+            "/etc/passwd",
+            "a/b",
+            "C:\\x",
+            "",
+            &"x".repeat(5000),
+            "ok-id",
+        ] {
+            let key = ConversationKey {
+                tenant: TenantId::from_token(Some("t")),
+                agent: "..".into(),
+                conversation: hostile.to_string(),
+            };
+            let dir = workspace_dir(data, &key);
+            assert!(dir.starts_with("/data/workspaces"), "{dir:?}");
+            for part in dir.strip_prefix(data).unwrap().components() {
+                let part = part.as_os_str().to_str().unwrap();
+                assert!(
+                    part != ".." && part != "." && !part.contains('/') && part.len() <= 73,
+                    "{part}"
+                );
+            }
+        }
+        let a = workspace_dir(data, &key("a:b"));
+        let b = workspace_dir(data, &key("a@b"));
+        assert_ne!(
+            a, b,
+            "ids that reduce to the same name still get their own folder"
+        );
+        // The hash that tells them apart is 128 bits, not the 32 of earlier versions.
+        let name = a.file_name().unwrap().to_str().unwrap();
+        assert_eq!(name.len(), "a_b-".len() + 32, "{name}");
+        assert_ne!(a, legacy_workspace_dir(data, &key("a:b")));
+    }
+
+    #[tokio::test]
+    async fn a_stale_commit_is_refused_and_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let mut first = store.load(&key("c")).unwrap();
+        let mut second = store.load(&key("c")).unwrap();
+        store
+            .commit(
+                &mut first,
+                Change {
+                    remove_turns: vec![],
+                    add: vec![message(Role::User, "a")],
+                    tokens_forwarded: 0,
+                    ledger: LedgerTotals::default(),
+                    branch_from_turn: None,
+                },
+            )
+            .unwrap();
+        let err = store
+            .commit(
+                &mut second,
+                Change {
+                    remove_turns: vec![],
+                    add: vec![message(Role::User, "b")],
+                    tokens_forwarded: 0,
+                    ledger: LedgerTotals::default(),
+                    branch_from_turn: None,
+                },
+            )
+            .unwrap_err();
+        assert!(matches!(err, StoreError::Stale));
+        assert!(second.entries.is_empty());
+        store.reload(&mut second).unwrap();
+        assert_eq!(second.entries.len(), 1);
+        store
+            .commit(
+                &mut second,
+                Change {
+                    remove_turns: vec![1],
+                    add: vec![message(Role::User, "b")],
+                    tokens_forwarded: 0,
+                    ledger: LedgerTotals::default(),
+                    branch_from_turn: None,
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            second.entries.iter().map(|e| e.turn).collect::<Vec<_>>(),
+            [2]
+        );
+        let meta = second.meta.clone().unwrap();
+        assert_eq!(store.all_messages(&second.key, &meta).unwrap().len(), 1);
+    }
+}

@@ -1,0 +1,481 @@
+//! What the store keeps: a conversation's record, its messages, summaries and TTL, and the
+//! small in-memory view of each message the request path works from. Plain data, the same for
+//! every engine; each engine chooses its own encoding and keys.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use memproxy_base::identity::ConversationKey;
+use memproxy_base::message::{HasRole, Role, text_of};
+
+/// UTC milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Where a stored message came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    /// Sent by the client in a request.
+    Client,
+    /// The upstream's reply, read from its response.
+    Reply,
+}
+
+/// A conversation's record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConversationMeta {
+    /// The number that identifies this life of the conversation: a conversation deleted and
+    /// started afresh under the same key gets a new one, and ids are never reused.
+    pub id: u64,
+    /// The turn number the next stored message gets; turn numbers only grow.
+    pub next_turn: u64,
+    pub message_count: u64,
+    pub total_tokens: u64,
+    pub created_ms: i64,
+    pub last_activity_ms: i64,
+    /// Tokens of the prompts forwarded for this conversation's stored exchanges.
+    #[serde(default)]
+    pub tokens_forwarded: u64,
+    /// Closed branches so far: the next one closed is numbered one more.
+    #[serde(default)]
+    pub branches: u64,
+    /// The token ledger of the stored exchanges (beside `tokens_forwarded`).
+    #[serde(default)]
+    pub ledger: LedgerTotals,
+}
+
+/// What a conversation's stored exchanges cost and saved, in tokens: kept in its record, so
+/// it is written with each exchange, survives a restart, is shared by replicas and goes with
+/// a delete.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerTotals {
+    /// Exchanges stored.
+    #[serde(default)]
+    pub exchanges: u64,
+    /// Tokens the requests would have sent without memproxy (the whole history each time).
+    #[serde(default)]
+    pub history_tokens: u64,
+    /// Of the prompts forwarded, the tokens the upstream reported read from its cache.
+    #[serde(default)]
+    pub cached_tokens: u64,
+    /// Tokens memproxy's own model calls (summaries, memory extraction) spent for the
+    /// conversation.
+    #[serde(default)]
+    pub background_tokens: u64,
+}
+
+impl LedgerTotals {
+    /// Adds `other` in.
+    pub fn add(&mut self, other: &LedgerTotals) {
+        self.exchanges += other.exchanges;
+        self.history_tokens += other.history_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.background_tokens += other.background_tokens;
+    }
+}
+
+impl ConversationMeta {
+    /// The record of a conversation about to be stored for the first time.
+    pub fn new(id: u64, now: i64) -> ConversationMeta {
+        ConversationMeta {
+            id,
+            next_turn: 1,
+            message_count: 0,
+            total_tokens: 0,
+            created_ms: now,
+            last_activity_ms: now,
+            tokens_forwarded: 0,
+            branches: 0,
+            ledger: LedgerTotals::default(),
+        }
+    }
+}
+
+/// One stored message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StoredMessage {
+    pub turn: u64,
+    pub role: Role,
+    pub origin: Origin,
+    /// UTC milliseconds since the epoch when it was stored.
+    pub at_ms: i64,
+    /// Tokens counted once, when stored.
+    pub tokens: u32,
+    pub fingerprint: u64,
+    /// The message object as sent (or, for a reply, as rebuilt from the response).
+    pub message: Box<RawValue>,
+}
+
+/// A closed branch's record: where it left the main line, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BranchRecord {
+    /// 1, 2, 3… per conversation.
+    pub number: u64,
+    /// The last main-line turn the branch shared (0: it shared no stored message).
+    pub forked_after_turn: u64,
+    /// When it was closed (UTC ms).
+    pub closed_ms: i64,
+}
+
+/// A closed branch with what it holds: stored messages that left the conversation's main line
+/// when a client's history diverged from it, and the summary records that covered them. Kept
+/// for people (the admin API, exports); never read into a prompt, the recall index or a
+/// summary.
+#[derive(Debug, Clone)]
+pub struct StoredBranch {
+    pub record: BranchRecord,
+    /// Its messages in turn order, as they were stored on the main line.
+    pub messages: Vec<StoredMessage>,
+    /// Its summary records (opaque), by number.
+    pub summaries: Vec<(u64, Vec<u8>)>,
+}
+
+/// A stored message as one line of a transcript (recalled turns, summary input):
+/// `[earlier turn #N at 2026-11-22T10:15:00Z] role: text`; tool calls and results as text.
+pub fn transcript_line(message: &StoredMessage) -> String {
+    let at = OffsetDateTime::from_unix_timestamp(message.at_ms.div_euclid(1000))
+        .ok()
+        .and_then(|t| t.format(&Rfc3339).ok())
+        .unwrap_or_else(|| "unknown time".to_string());
+    let object: Map<String, Value> =
+        serde_json::from_str(message.message.get()).unwrap_or_default();
+    let mut text = match object.get("content") {
+        Some(Value::Array(parts)) => {
+            let mut text = text_of(&object);
+            let images = parts
+                .iter()
+                .filter(|p| p.get("type").and_then(Value::as_str) != Some("text"))
+                .count();
+            if images > 0 {
+                text.push_str(&format!(" [{images} non-text part(s)]"));
+            }
+            text
+        }
+        _ => match object.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            _ => String::new(),
+        },
+    };
+    if let Some(Value::Array(calls)) = object.get("tool_calls") {
+        for call in calls {
+            let name = call
+                .pointer("/function/name")
+                .and_then(Value::as_str)
+                .unwrap_or("tool");
+            let args = call
+                .pointer("/function/arguments")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            if !text.is_empty() {
+                text.push(' ');
+            }
+            text.push_str(&format!("[called {name}({args})]"));
+        }
+    }
+    let who = match message.role {
+        Role::Tool => {
+            let id = object
+                .get("tool_call_id")
+                .and_then(Value::as_str)
+                .unwrap_or("?");
+            format!("tool result for {id}")
+        }
+        role => match object.get("name").and_then(Value::as_str) {
+            Some(name) => format!("{} ({name})", role.as_str()),
+            None => role.as_str().to_string(),
+        },
+    };
+    format!("[earlier turn #{} at {at}] {who}: {text}", message.turn)
+}
+
+/// What the request path needs of one stored message, kept in memory per conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub turn: u64,
+    pub role: Role,
+    pub origin: Origin,
+    pub tokens: u32,
+    pub fingerprint: u64,
+    pub at_ms: i64,
+    /// Tokens of this message and every one before it still stored: the tokens of any run of
+    /// messages is a difference of two of these, with no scan.
+    pub cum_tokens: u64,
+}
+
+impl HasRole for Entry {
+    fn role(&self) -> Role {
+        self.role
+    }
+}
+
+impl Entry {
+    /// The entry of `m`, stored after a message whose `cum_tokens` was `before`.
+    pub fn new(m: &StoredMessage, before: u64) -> Entry {
+        Entry {
+            turn: m.turn,
+            role: m.role,
+            origin: m.origin,
+            tokens: m.tokens,
+            fingerprint: m.fingerprint,
+            at_ms: m.at_ms,
+            cum_tokens: before + u64::from(m.tokens),
+        }
+    }
+
+    /// The entries of `messages` (in turn order), with their running token totals.
+    pub fn all(messages: &[StoredMessage]) -> Vec<Entry> {
+        let mut entries: Vec<Entry> = Vec::with_capacity(messages.len());
+        for message in messages {
+            let before = entries.last().map_or(0, |e| e.cum_tokens);
+            entries.push(Entry::new(message, before));
+        }
+        entries
+    }
+}
+
+/// Tokens of `entries[from..to]`, from their running totals.
+pub fn tokens_between(entries: &[Entry], from: usize, to: usize) -> u64 {
+    if from >= to {
+        return 0;
+    }
+    let before = if from == 0 {
+        entries[0].cum_tokens - u64::from(entries[0].tokens)
+    } else {
+        entries[from - 1].cum_tokens
+    };
+    entries[to - 1].cum_tokens - before
+}
+
+/// The TTL a conversation's requests asked for, as last seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TtlRecord {
+    /// Milliseconds of idleness after which the conversation is deleted; `None`: keep forever.
+    pub ttl_ms: Option<u64>,
+    /// When the record was written (UTC ms): lets the sweeper drop records whose conversation
+    /// was never stored.
+    pub set_ms: i64,
+}
+
+impl TtlRecord {
+    pub fn ttl(&self) -> Option<Duration> {
+        self.ttl_ms.map(Duration::from_millis)
+    }
+}
+
+/// One conversation in a listing.
+#[derive(Debug, Clone)]
+pub struct ConversationSummary {
+    pub key: ConversationKey,
+    pub meta: ConversationMeta,
+    pub summary_count: usize,
+    pub ttl: Option<TtlRecord>,
+}
+
+/// What a delete removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Deleted {
+    pub messages: usize,
+    pub summaries: usize,
+    /// Closed branches (their messages and summaries not counted above).
+    pub branches: usize,
+}
+
+/// Who long-term records (`crate::longterm`) belong to, within a tenant: one user, every user
+/// of one agent, or the whole tenant. Never more than one tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OwnerKey {
+    pub tenant: memproxy_base::identity::TenantId,
+    pub kind: OwnerKind,
+    /// The user id, the agent name, or empty for the tenant.
+    pub name: String,
+}
+
+/// The kinds of [`OwnerKey`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OwnerKind {
+    User,
+    Agent,
+    Tenant,
+}
+
+impl OwnerKind {
+    fn tag(self) -> u8 {
+        match self {
+            OwnerKind::User => b'u',
+            OwnerKind::Agent => b'a',
+            OwnerKind::Tenant => b't',
+        }
+    }
+}
+
+impl OwnerKey {
+    pub fn user(tenant: &memproxy_base::identity::TenantId, user: &str) -> OwnerKey {
+        OwnerKey {
+            tenant: tenant.clone(),
+            kind: OwnerKind::User,
+            name: user.to_string(),
+        }
+    }
+
+    pub fn agent(tenant: &memproxy_base::identity::TenantId, agent: &str) -> OwnerKey {
+        OwnerKey {
+            tenant: tenant.clone(),
+            kind: OwnerKind::Agent,
+            name: agent.to_string(),
+        }
+    }
+
+    pub fn tenant(tenant: &memproxy_base::identity::TenantId) -> OwnerKey {
+        OwnerKey {
+            tenant: tenant.clone(),
+            kind: OwnerKind::Tenant,
+            name: String::new(),
+        }
+    }
+
+    /// `tenant \0 kind \0 name`: no part holds a NUL, so the bytes of one owner are never a
+    /// prefix of another's followed by NUL.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let tenant = self.tenant.as_str().as_bytes();
+        let mut out = Vec::with_capacity(tenant.len() + self.name.len() + 3);
+        out.extend_from_slice(tenant);
+        out.push(0);
+        out.push(self.kind.tag());
+        out.push(0);
+        out.extend_from_slice(self.name.as_bytes());
+        out
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Option<OwnerKey> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut parts = text.split('\0');
+        let tenant = memproxy_base::identity::TenantId::from_stored(parts.next()?)?;
+        let kind = match parts.next()? {
+            "u" => OwnerKind::User,
+            "a" => OwnerKind::Agent,
+            "t" => OwnerKind::Tenant,
+            _ => return None,
+        };
+        let name = parts.next()?.to_string();
+        let valid = match kind {
+            OwnerKind::Tenant => name.is_empty(),
+            _ => memproxy_base::identity::is_valid_id(&name),
+        };
+        (parts.next().is_none() && valid).then_some(OwnerKey { tenant, kind, name })
+    }
+}
+
+/// An owner's record: the id its records are sealed under (from the same sequence as
+/// conversation ids, so never reused), and when it was created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnerMeta {
+    pub id: u64,
+    pub created_ms: i64,
+}
+
+/// One record of an owner: its space (what kind of record it is), its id within the space,
+/// and its value (opaque to engines).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnerRecord {
+    pub space: u8,
+    pub id: Vec<u8>,
+    pub value: Vec<u8>,
+}
+
+/// What an import did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Imported {
+    /// Messages appended.
+    pub added: usize,
+    /// Messages already stored, not stored again.
+    pub already_stored: usize,
+    pub summaries_added: usize,
+    /// Summaries not imported: already there, or the conversation was not empty (their turn
+    /// ranges would not match the renumbered messages).
+    pub summaries_skipped: usize,
+    pub branches_added: usize,
+    /// Closed branches not imported: the conversation was not empty (as for summaries).
+    pub branches_skipped: usize,
+}
+
+/// What an import keeps of the exported conversation's record, for an empty target.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ImportMeta {
+    pub created_ms: Option<i64>,
+    pub last_activity_ms: Option<i64>,
+    pub next_turn: Option<u64>,
+    /// The exported token ledger: taken by an import that creates the conversation.
+    pub tokens_forwarded: Option<u64>,
+    pub ledger: Option<LedgerTotals>,
+}
+
+/// A stored summary of a conversation's older turns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SummaryRecord {
+    /// 1, 2, 3… per conversation.
+    pub number: u64,
+    pub text: String,
+    /// The turns it covers: `from_turn..=to_turn`.
+    pub from_turn: u64,
+    pub to_turn: u64,
+    /// Tokens of `text`.
+    pub tokens: u32,
+    /// Tokens of what it was made from (previous summary + new messages).
+    pub original_tokens: u64,
+    /// `tokens / original_tokens`.
+    pub ratio: f64,
+    /// Time of the first and last covered message (UTC ms).
+    pub from_ms: i64,
+    pub to_ms: i64,
+    /// The model that wrote it (`heuristic` for the stand-in).
+    pub model: String,
+    pub created_ms: i64,
+    /// A stand-in made without an LLM.
+    pub heuristic: bool,
+    /// Upstream token usage of the call.
+    #[serde(default)]
+    pub usage_prompt_tokens: u64,
+    #[serde(default)]
+    pub usage_completion_tokens: u64,
+    /// 0, or how many summaries in a row (this one included) read `max_input_tokens` and
+    /// stopped before the last turn that was due. While it is between 1 and
+    /// [`MAX_CATCH_UP_CALLS`], the next summary continues through the backlog without waiting
+    /// for `compression_interval`.
+    #[serde(default)]
+    pub partial_run: u32,
+}
+
+/// Summaries in a row that may skip `compression_interval` to work through a backlog larger
+/// than one call's input (64 calls of the default 16,384 tokens: about a million tokens).
+pub const MAX_CATCH_UP_CALLS: u32 = 64;
+
+impl SummaryRecord {
+    /// The call stopped before the last turn that was due.
+    pub fn partial(&self) -> bool {
+        self.partial_run > 0
+    }
+
+    /// The next summary may skip `compression_interval`: a backlog is being worked through.
+    pub fn catching_up(&self) -> bool {
+        (1..=MAX_CATCH_UP_CALLS).contains(&self.partial_run)
+    }
+
+    /// `1-120`, or `1-120 heuristic`: for `X-Memory-Summary`.
+    pub fn label(&self) -> String {
+        let range = format!("{}-{}", self.from_turn, self.to_turn);
+        if self.heuristic {
+            format!("{range} heuristic")
+        } else {
+            range
+        }
+    }
+}

@@ -1,0 +1,1089 @@
+//! The embedded engine: sled, in the data directory's `store/` folder. The default.
+//!
+//! Trees:
+//! - `conversations`: `tenant \0 agent \0 conversation` → [`ConversationMeta`] (JSON); the
+//!   record's bytes are the conversation's [`Version`];
+//! - `messages`: `conversation id (u64 BE) ++ turn (u64 BE)` → [`StoredMessage`] (JSON);
+//! - `summaries`: `conversation id (u64 BE) ++ summary number (u64 BE)` → record (JSON);
+//! - `branches`: `conversation id (u64 BE) ++ branch number (u64 BE) ++ part` → a closed
+//!   branch, where `part` is `0 ++ 0 (u64)` for its [`BranchRecord`] (JSON), `1 ++ turn (u64
+//!   BE)` for each of its messages and `2 ++ summary number (u64 BE)` for each of its summary
+//!   records (both as they were stored on the main line);
+//! - `ttl`: `tenant \0 agent \0 conversation` → [`TtlRecord`] (JSON);
+//! - `responses`: `tenant \0 response id` → conversation id (u64 BE) ++ the conversation's key
+//!   bytes: the Responses API ids a write named (`Write::response_ids`);
+//! - `conversation_responses`: `conversation id (u64 BE) ++ response id` → nothing: the same
+//!   ids by conversation, so a delete finds them;
+//! - `owners`: owner key bytes ([`OwnerKey::to_bytes`]) → [`OwnerMeta`] (JSON);
+//! - `owner_records`: owner key bytes `\0 space id` → the record's value.
+//!
+//! Every conditional write is one sled transaction over the trees it touches that first checks
+//! the conversation's record.
+//!
+//! # Failures
+//!
+//! - **A failed write poisons the database.** When sled cannot write its log (the disk is
+//!   full, an I/O error), it keeps the error and fails every later write and flush with it, even
+//!   once space is free again; writes it had acknowledged in memory but not flushed are lost.
+//!   Only a new open clears it: [`Engine::reopen`] closes the database and opens it again from
+//!   what is on disk. sled does not panic on a full disk.
+//! - **Damaged files.** At open, sled replays the part of its log written since its last
+//!   snapshot. A record there that fails its checksum is taken for the torn end of the log:
+//!   sled overwrites the rest of that segment and zeroes the segments after it, and then, when
+//!   its snapshot says the log went further, refuses to open ("corrupted data"). A damaged
+//!   record in an older part of the log shows up later, as a read of the pages kept there
+//!   failing (a scan stops at the first one and repeats the error). On some damage sled panics
+//!   instead; [`SledEngine::open`] turns that into an error.
+//! - **A half-written snapshot.** sled writes a snapshot to `snap.N.generating` and renames it
+//!   once complete; on a full disk the rename never comes, and sled reads such a file at its next
+//!   open as a damaged snapshot and refuses to open. Such files never hold the only copy of
+//!   anything (the log does), so [`SledEngine::open`] removes them first.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use serde::{Deserialize, Serialize};
+use sled::Transactional;
+use sled::transaction::{ConflictableTransactionError, TransactionError};
+
+use super::StoreError;
+use super::engine::{Engine, Loaded, Owners, Page, Scope, Version, Write};
+use super::records::{
+    BranchRecord, ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
+    StoredMessage, TtlRecord,
+};
+use memproxy_base::identity::{ConversationKey, TenantId};
+
+/// How often a delete retries when a commit changed the conversation under it.
+const MAX_ATTEMPTS: usize = 8;
+
+/// How long [`open_locked`] waits for a previous holder of the database's file lock.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The sled engine.
+pub struct SledEngine {
+    /// How it was opened, to open it again.
+    dir: PathBuf,
+    config: sled::Config,
+    /// The open database; `None` once a reopen failed (every call then fails until the next
+    /// reopen succeeds).
+    open: RwLock<Option<Arc<Trees>>>,
+}
+
+/// An open database and its trees.
+pub(super) struct Trees {
+    pub(super) db: sled::Db,
+    pub(super) conversations: sled::Tree,
+    pub(super) messages: sled::Tree,
+    pub(super) summaries: sled::Tree,
+    pub(super) branches: sled::Tree,
+    pub(super) ttl: sled::Tree,
+    pub(super) responses: sled::Tree,
+    pub(super) conversation_responses: sled::Tree,
+    pub(super) owners: sled::Tree,
+    pub(super) owner_records: sled::Tree,
+}
+
+impl Trees {
+    pub(super) fn of(db: sled::Db) -> Result<Trees, StoreError> {
+        Ok(Trees {
+            conversations: db.open_tree("conversations")?,
+            messages: db.open_tree("messages")?,
+            summaries: db.open_tree("summaries")?,
+            branches: db.open_tree("branches")?,
+            ttl: db.open_tree("ttl")?,
+            responses: db.open_tree("responses")?,
+            conversation_responses: db.open_tree("conversation_responses")?,
+            owners: db.open_tree("owners")?,
+            owner_records: db.open_tree("owner_records")?,
+            db,
+        })
+    }
+}
+
+impl std::fmt::Debug for SledEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SledEngine").finish_non_exhaustive()
+    }
+}
+
+impl From<sled::Error> for StoreError {
+    fn from(err: sled::Error) -> StoreError {
+        match err {
+            sled::Error::Io(err) => StoreError::Disk(err),
+            sled::Error::Corruption { .. } => {
+                StoreError::Damaged("sled found corrupted data in its files".to_string())
+            }
+            other => StoreError::Engine(Box::new(other)),
+        }
+    }
+}
+
+/// The `responses` tree's key of `tenant`'s `response_id`.
+fn response_key(tenant: &TenantId, response_id: &str) -> Vec<u8> {
+    [tenant.as_str().as_bytes(), b"\0", response_id.as_bytes()].concat()
+}
+
+/// The `conversation_responses` tree's key of conversation `id`'s `response_id`.
+fn conversation_response_key(id: u64, response_id: &str) -> Vec<u8> {
+    [&id.to_be_bytes()[..], response_id.as_bytes()].concat()
+}
+
+pub(super) fn message_key(id: u64, turn: u64) -> [u8; 16] {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&id.to_be_bytes());
+    key[8..].copy_from_slice(&turn.to_be_bytes());
+    key
+}
+
+/// The parts of a closed branch, in key order.
+const BRANCH_RECORD: u8 = 0;
+const BRANCH_MESSAGE: u8 = 1;
+const BRANCH_SUMMARY: u8 = 2;
+
+fn branch_key(id: u64, number: u64, part: u8, n: u64) -> [u8; 25] {
+    let mut key = [0u8; 25];
+    key[..8].copy_from_slice(&id.to_be_bytes());
+    key[8..16].copy_from_slice(&number.to_be_bytes());
+    key[16] = part;
+    key[17..].copy_from_slice(&n.to_be_bytes());
+    key
+}
+
+/// The (branch number, part, n) of a `branches` key.
+fn branch_key_parts(key: &[u8]) -> Option<(u64, u8, u64)> {
+    let number = u64::from_be_bytes(key.get(8..16)?.try_into().ok()?);
+    let n = u64::from_be_bytes(key.get(17..25)?.try_into().ok()?);
+    Some((number, *key.get(16)?, n))
+}
+
+/// A `branches` key and its encoded value.
+type BranchRow = ([u8; 25], Vec<u8>);
+
+/// The rows of `branches` (encoded) for the `branches` tree of conversation `id`.
+pub(super) fn branch_rows(
+    id: u64,
+    branches: &[StoredBranch],
+) -> Result<Vec<BranchRow>, StoreError> {
+    let mut rows = Vec::new();
+    for branch in branches {
+        let number = branch.record.number;
+        rows.push((
+            branch_key(id, number, BRANCH_RECORD, 0),
+            encode(&branch.record)?,
+        ));
+        for message in &branch.messages {
+            rows.push((
+                branch_key(id, number, BRANCH_MESSAGE, message.turn),
+                encode(message)?,
+            ));
+        }
+        for (n, record) in &branch.summaries {
+            rows.push((branch_key(id, number, BRANCH_SUMMARY, *n), record.clone()));
+        }
+    }
+    Ok(rows)
+}
+
+pub(super) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(value).map_err(|err| StoreError::Corrupt(err.to_string()))
+}
+
+pub(super) fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|err| StoreError::Corrupt(err.to_string()))
+}
+
+/// The result of a transaction that answers `false` rather than aborting.
+fn done_or_false(result: Result<bool, TransactionError<()>>) -> Result<bool, StoreError> {
+    match result {
+        Ok(done) => Ok(done),
+        Err(TransactionError::Abort(())) => Ok(false),
+        Err(TransactionError::Storage(err)) => Err(err.into()),
+    }
+}
+
+/// The entries of `tree` whose keys come after `after` (all of them without one).
+fn keys_after(tree: &sled::Tree, after: Option<&[u8]>) -> sled::Iter {
+    match after {
+        Some(after) => {
+            let mut start = after.to_vec();
+            start.push(0);
+            tree.range(start..)
+        }
+        None => tree.iter(),
+    }
+}
+
+/// The prefix of every record of `owner` in `owner_records`; with `space`, of that space.
+fn owner_prefix(owner: &OwnerKey, space: Option<u8>) -> Vec<u8> {
+    let mut prefix = owner.to_bytes();
+    prefix.push(0);
+    prefix.extend(space);
+    prefix
+}
+
+fn owner_record_key(owner: &OwnerKey, space: u8, id: &[u8]) -> Vec<u8> {
+    let mut key = owner_prefix(owner, Some(space));
+    key.extend_from_slice(id);
+    key
+}
+
+impl SledEngine {
+    /// Opens (or creates) the database in `dir`. `cache_bytes` is sled's page cache;
+    /// `flush_every` its own background flush (`None`: only explicit flushes).
+    pub fn open(
+        dir: &Path,
+        cache_bytes: u64,
+        flush_every: Option<std::time::Duration>,
+    ) -> Result<SledEngine, StoreError> {
+        let config = sled::Config::new()
+            .path(dir)
+            .cache_capacity(cache_bytes)
+            .flush_every_ms(flush_every.map(|d| d.as_millis().max(1) as u64));
+        let trees = open_trees(dir, &config)?;
+        Ok(SledEngine {
+            dir: dir.to_path_buf(),
+            config,
+            open: RwLock::new(Some(Arc::new(trees))),
+        })
+    }
+
+    /// The open database, or why there is none.
+    fn trees(&self) -> Result<Arc<Trees>, StoreError> {
+        self.open
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .ok_or(StoreError::Closed)
+    }
+
+    fn remove_prefix(tree: &sled::Tree, prefix: &[u8]) -> Result<usize, StoreError> {
+        let mut batch = sled::Batch::default();
+        let mut count = 0;
+        for key in tree.scan_prefix(prefix).keys() {
+            batch.remove(key?);
+            count += 1;
+        }
+        if count > 0 {
+            tree.apply_batch(batch)?;
+        }
+        Ok(count)
+    }
+}
+
+impl Engine for SledEngine {
+    fn name(&self) -> &'static str {
+        "sled"
+    }
+
+    fn load(&self, key: &ConversationKey) -> Result<Loaded, StoreError> {
+        let t = self.trees()?;
+        let Some(stored) = t.conversations.get(key.to_bytes())? else {
+            return Ok(Loaded::default());
+        };
+        let meta: ConversationMeta = decode(&stored)?;
+        let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
+        for item in t.messages.scan_prefix(meta.id.to_be_bytes()) {
+            let (_, value) = item?;
+            let message: StoredMessage = decode(&value)?;
+            let before = entries.last().map_or(0, |e| e.cum_tokens);
+            entries.push(Entry::new(&message, before));
+        }
+        Ok(Loaded {
+            meta: Some(meta),
+            version: Version::of(stored.to_vec()),
+            entries,
+        })
+    }
+
+    fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError> {
+        let t = self.trees()?;
+        t.conversations
+            .get(key.to_bytes())?
+            .map(|bytes| decode(&bytes))
+            .transpose()
+    }
+
+    fn messages(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+        turns: &[u64],
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        let t = self.trees()?;
+        turns
+            .iter()
+            .map(|&turn| {
+                let bytes = t
+                    .messages
+                    .get(message_key(id, turn))?
+                    .ok_or_else(|| StoreError::Corrupt(format!("turn {turn} is missing")))?;
+                decode(&bytes)
+            })
+            .collect()
+    }
+
+    fn range(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        let t = self.trees()?;
+        if from > to {
+            return Ok(Vec::new());
+        }
+        t.messages
+            .range(message_key(id, from)..=message_key(id, to))
+            .map(|item| decode(&item?.1))
+            .collect()
+    }
+
+    fn new_id(&self) -> Result<u64, StoreError> {
+        let t = self.trees()?;
+        Ok(t.db.generate_id()?)
+    }
+
+    fn write(
+        &self,
+        key: &ConversationKey,
+        expected: &Version,
+        write: Write<'_>,
+    ) -> Result<Version, StoreError> {
+        let t = self.trees()?;
+        let key_of = key;
+        let key = key.to_bytes();
+        let id = write.meta.id;
+        let meta_bytes = encode(write.meta)?;
+        let added = write
+            .add
+            .iter()
+            .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let branch_rows = branch_rows(id, write.branches)?;
+        let responses: Vec<(Vec<u8>, Vec<u8>)> = write
+            .response_ids
+            .iter()
+            .map(|r| {
+                (
+                    response_key(&key_of.tenant, r),
+                    conversation_response_key(id, r),
+                )
+            })
+            .collect();
+        let response_value = [&id.to_be_bytes()[..], &key].concat();
+        let expected = expected.token();
+        let result = (
+            &t.conversations,
+            &t.messages,
+            &t.summaries,
+            &t.branches,
+            &t.responses,
+            &t.conversation_responses,
+        )
+            .transaction(|(convs, msgs, sums, branches, by_id, by_conversation)| {
+                if convs.get(&key)?.as_deref() != expected {
+                    return Err(ConflictableTransactionError::Abort(()));
+                }
+                for turn in write.remove_turns {
+                    msgs.remove(&message_key(id, *turn)[..])?;
+                }
+                for (k, v) in &added {
+                    msgs.insert(&k[..], v.as_slice())?;
+                }
+                for number in write.remove_summaries {
+                    sums.remove(&message_key(id, *number)[..])?;
+                }
+                for (number, record) in write.summaries {
+                    sums.insert(&message_key(id, *number)[..], *record)?;
+                }
+                for (k, v) in &branch_rows {
+                    branches.insert(&k[..], v.as_slice())?;
+                }
+                for (by_id_key, by_conversation_key) in &responses {
+                    by_id.insert(by_id_key.as_slice(), response_value.as_slice())?;
+                    by_conversation.insert(by_conversation_key.as_slice(), &[][..])?;
+                }
+                convs.insert(key.as_slice(), meta_bytes.as_slice())?;
+                Ok(())
+            });
+        match result {
+            Ok(()) => Ok(Version::of(meta_bytes)),
+            Err(TransactionError::Abort(())) => Err(StoreError::Stale),
+            Err(TransactionError::Storage(err)) => Err(err.into()),
+        }
+    }
+
+    fn delete(
+        &self,
+        key: &ConversationKey,
+        idle_before_ms: Option<i64>,
+    ) -> Result<Option<Deleted>, StoreError> {
+        let t = self.trees()?;
+        let key_bytes = key.to_bytes();
+        for _ in 0..MAX_ATTEMPTS {
+            let Some(stored_meta) = t.conversations.get(&key_bytes)? else {
+                t.ttl.remove(&key_bytes)?;
+                return Ok(None);
+            };
+            let meta: ConversationMeta = decode(&stored_meta)?;
+            if idle_before_ms.is_some_and(|cutoff| meta.last_activity_ms >= cutoff) {
+                return Ok(None);
+            }
+            let prefix = meta.id.to_be_bytes();
+            let message_keys = t
+                .messages
+                .scan_prefix(prefix)
+                .keys()
+                .collect::<Result<Vec<_>, _>>()?;
+            let summary_keys = t
+                .summaries
+                .scan_prefix(prefix)
+                .keys()
+                .collect::<Result<Vec<_>, _>>()?;
+            let branch_keys = t
+                .branches
+                .scan_prefix(prefix)
+                .keys()
+                .collect::<Result<Vec<_>, _>>()?;
+            let response_keys = t
+                .conversation_responses
+                .scan_prefix(prefix)
+                .keys()
+                .map(|k| {
+                    let k = k?;
+                    let response_id = String::from_utf8_lossy(&k[8..]).into_owned();
+                    Ok((k, response_key(&key.tenant, &response_id)))
+                })
+                .collect::<Result<Vec<_>, sled::Error>>()?;
+            let result = (
+                &t.conversations,
+                &t.messages,
+                &t.summaries,
+                &t.branches,
+                &t.ttl,
+                &t.responses,
+                &t.conversation_responses,
+            )
+                .transaction(
+                    |(convs, msgs, sums, branches, ttl, by_id, by_conversation)| {
+                        if convs.get(&key_bytes)?.as_ref() != Some(&stored_meta) {
+                            return Err(ConflictableTransactionError::Abort(()));
+                        }
+                        for k in &message_keys {
+                            msgs.remove(k)?;
+                        }
+                        for k in &summary_keys {
+                            sums.remove(k)?;
+                        }
+                        for k in &branch_keys {
+                            branches.remove(k)?;
+                        }
+                        for (by_conversation_key, by_id_key) in &response_keys {
+                            by_conversation.remove(by_conversation_key)?;
+                            by_id.remove(by_id_key.as_slice())?;
+                        }
+                        convs.remove(key_bytes.as_slice())?;
+                        ttl.remove(key_bytes.as_slice())?;
+                        Ok(())
+                    },
+                );
+            match result {
+                Ok(()) => {
+                    // A writer that does not check the record (a summary written in the
+                    // background) may have added one since the scan: ids are never reused,
+                    // so anything left under this id is removed too.
+                    let late = Self::remove_prefix(&t.messages, &prefix)?
+                        + Self::remove_prefix(&t.summaries, &prefix)?
+                        + Self::remove_prefix(&t.branches, &prefix)?;
+                    if late > 0 {
+                        tracing::debug!(late, "removed records written during a delete");
+                    }
+                    return Ok(Some(Deleted {
+                        messages: message_keys.len(),
+                        summaries: summary_keys.len(),
+                        branches: branch_keys
+                            .iter()
+                            .filter(|k| {
+                                branch_key_parts(k)
+                                    .is_some_and(|(_, part, _)| part == BRANCH_RECORD)
+                            })
+                            .count(),
+                    }));
+                }
+                Err(TransactionError::Abort(())) => continue,
+                Err(TransactionError::Storage(err)) => return Err(err.into()),
+            }
+        }
+        Err(StoreError::Stale)
+    }
+
+    fn branches(&self, _key: &ConversationKey, id: u64) -> Result<Vec<StoredBranch>, StoreError> {
+        read_branches(&self.trees()?.branches, id)
+    }
+
+    fn summaries(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+    ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        let t = self.trees()?;
+        let mut out = Vec::new();
+        for item in t.summaries.scan_prefix(id.to_be_bytes()) {
+            let (key, value) = item?;
+            let number = key
+                .get(8..16)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_be_bytes);
+            out.push((number, value.to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn latest_summary(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let t = self.trees()?;
+        match t.summaries.scan_prefix(id.to_be_bytes()).next_back() {
+            None => Ok(None),
+            Some(item) => Ok(Some(item?.1.to_vec())),
+        }
+    }
+
+    fn put_summary(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        number: u64,
+        record: &[u8],
+    ) -> Result<bool, StoreError> {
+        let t = self.trees()?;
+        let key_bytes = key.to_bytes();
+        let result = (&t.conversations, &t.summaries).transaction(|(convs, sums)| {
+            let current = match convs.get(&key_bytes)? {
+                None => None,
+                Some(bytes) => serde_json::from_slice::<ConversationMeta>(&bytes)
+                    .ok()
+                    .map(|m| m.id),
+            };
+            if current != Some(id) {
+                return Ok(false);
+            }
+            sums.insert(&message_key(id, number)[..], record)?;
+            Ok(true)
+        });
+        done_or_false(result)
+    }
+
+    fn ttl(&self, key: &ConversationKey) -> Result<Option<TtlRecord>, StoreError> {
+        let t = self.trees()?;
+        t.ttl
+            .get(key.to_bytes())?
+            .map(|bytes| decode(&bytes))
+            .transpose()
+    }
+
+    fn put_ttl(&self, key: &ConversationKey, record: &TtlRecord) -> Result<(), StoreError> {
+        let t = self.trees()?;
+        t.ttl.insert(key.to_bytes(), encode(record)?)?;
+        Ok(())
+    }
+
+    fn ttl_page(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
+        let t = self.trees()?;
+        let mut out = Vec::new();
+        let mut last: Option<Vec<u8>> = None;
+        for item in keys_after(&t.ttl, after) {
+            if out.len() == limit {
+                return Ok((out, last));
+            }
+            let (key, value) = item?;
+            last = Some(key.to_vec());
+            if let Some(key) = ConversationKey::from_bytes(&key) {
+                out.push((key, decode(&value)?));
+            }
+        }
+        Ok((out, None))
+    }
+
+    fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError> {
+        let t = self.trees()?;
+        let key_bytes = key.to_bytes();
+        let result = (&t.conversations, &t.ttl).transaction(|(convs, ttl)| {
+            if convs.get(&key_bytes)?.is_some() {
+                return Ok(false);
+            }
+            Ok(ttl.remove(key_bytes.as_slice())?.is_some())
+        });
+        done_or_false(result)
+    }
+
+    fn list(
+        &self,
+        scope: Scope<'_>,
+        after: Option<&[u8]>,
+        limit: usize,
+        max_scan: usize,
+    ) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError> {
+        let t = self.trees()?;
+        // A tenant (and agent) is a key prefix: the walk starts there and ends past it.
+        let mut prefix = Vec::new();
+        if let Some(tenant) = scope.tenant {
+            prefix.extend_from_slice(tenant.as_str().as_bytes());
+            prefix.push(0);
+            if let Some(agent) = scope.agent {
+                prefix.extend_from_slice(agent.as_bytes());
+                prefix.push(0);
+            }
+        }
+        let start: Vec<u8> = match after {
+            Some(after) if after >= prefix.as_slice() => {
+                let mut start = after.to_vec();
+                start.push(0);
+                start
+            }
+            _ => prefix.clone(),
+        };
+        let mut out = Vec::new();
+        let mut last: Option<Vec<u8>> = None;
+        for (scanned, item) in t.conversations.range(start..).enumerate() {
+            let (key_bytes, value) = item?;
+            if !key_bytes.starts_with(&prefix) {
+                break;
+            }
+            // A filter that matches little must not walk the whole store in one call: the
+            // page ends early, with a cursor to go on from.
+            if scanned == max_scan {
+                return Ok((out, last));
+            }
+            let Some(key) = ConversationKey::from_bytes(&key_bytes) else {
+                last = Some(key_bytes.to_vec());
+                continue;
+            };
+            if !scope.covers(&key) {
+                last = Some(key_bytes.to_vec());
+                continue;
+            }
+            if out.len() == limit {
+                let cursor = out.last().map(|(k, _): &(ConversationKey, _)| k.to_bytes());
+                return Ok((out, cursor));
+            }
+            last = Some(key_bytes.to_vec());
+            out.push((key, decode(&value)?));
+        }
+        Ok((out, None))
+    }
+
+    fn flush(&self) -> Result<(), StoreError> {
+        let t = self.trees()?;
+        t.db.flush()?;
+        Ok(())
+    }
+
+    fn is_ready(&self) -> bool {
+        self.trees()
+            .is_ok_and(|t| t.conversations.get(b"\xff-readiness-probe").is_ok())
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.trees()
+            .ok()
+            .and_then(|t| t.db.size_on_disk().ok())
+            .unwrap_or(0)
+    }
+
+    fn reopen(&self) -> Result<(), StoreError> {
+        let mut open = self
+            .open
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The old database is dropped first: it holds the file lock. A call still using it
+        // holds it a moment longer, which `open_locked` waits out.
+        *open = None;
+        *open = Some(Arc::new(open_trees(&self.dir, &self.config)?));
+        Ok(())
+    }
+
+    fn response_conversation(
+        &self,
+        tenant: &TenantId,
+        response_id: &str,
+    ) -> Result<Option<ConversationKey>, StoreError> {
+        let t = self.trees()?;
+        let Some(value) = t.responses.get(response_key(tenant, response_id))? else {
+            return Ok(None);
+        };
+        let Some((id, key_bytes)) = value.split_first_chunk::<8>() else {
+            return Err(StoreError::Corrupt(
+                "a response id record is too short".into(),
+            ));
+        };
+        let Some(key) = ConversationKey::from_bytes(key_bytes) else {
+            return Err(StoreError::Corrupt(
+                "a response id record names no conversation".into(),
+            ));
+        };
+        // The conversation must still live with the id the record was written for.
+        let Some(meta) = t.conversations.get(key_bytes)? else {
+            return Ok(None);
+        };
+        let meta: ConversationMeta = decode(&meta)?;
+        Ok((meta.id == u64::from_be_bytes(*id) && key.tenant == *tenant).then_some(key))
+    }
+
+    fn forget_response(&self, tenant: &TenantId, response_id: &str) -> Result<bool, StoreError> {
+        let t = self.trees()?;
+        let Some(value) = t.responses.remove(response_key(tenant, response_id))? else {
+            return Ok(false);
+        };
+        if let Some((id, _)) = value.split_first_chunk::<8>() {
+            t.conversation_responses.remove(conversation_response_key(
+                u64::from_be_bytes(*id),
+                response_id,
+            ))?;
+        }
+        Ok(true)
+    }
+
+    fn any_trace_of(&self, needle: &[u8]) -> Result<bool, StoreError> {
+        let t = self.trees()?;
+        if needle.is_empty() {
+            return Ok(true);
+        }
+        let found = |bytes: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
+        for name in t.db.tree_names() {
+            let tree = t.db.open_tree(&name)?;
+            for item in tree.iter() {
+                let (key, value) = item?;
+                if found(&key) || found(&value) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+}
+
+impl Owners for SledEngine {
+    fn owner(&self, owner: &OwnerKey) -> Result<Option<OwnerMeta>, StoreError> {
+        let t = self.trees()?;
+        t.owners
+            .get(owner.to_bytes())?
+            .map(|bytes| decode(&bytes))
+            .transpose()
+    }
+
+    fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError> {
+        let t = self.trees()?;
+        let encoded = encode(&meta)?;
+        match t
+            .owners
+            .compare_and_swap(owner.to_bytes(), None as Option<&[u8]>, Some(encoded))?
+        {
+            Ok(()) => Ok(meta),
+            Err(current) => decode(&current.current.unwrap_or_default()),
+        }
+    }
+
+    fn write_owner(
+        &self,
+        owner: &OwnerKey,
+        id: u64,
+        put: &[OwnerRecord],
+        remove: &[(u8, Vec<u8>)],
+    ) -> Result<bool, StoreError> {
+        let t = self.trees()?;
+        let owner_bytes = owner.to_bytes();
+        let result = (&t.owners, &t.owner_records).transaction(|(owners, records)| {
+            let current = owners
+                .get(&owner_bytes)?
+                .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok());
+            if current.map(|m| m.id) != Some(id) {
+                return Ok(false);
+            }
+            for (space, record_id) in remove {
+                records.remove(owner_record_key(owner, *space, record_id))?;
+            }
+            for record in put {
+                records.insert(
+                    owner_record_key(owner, record.space, &record.id),
+                    record.value.as_slice(),
+                )?;
+            }
+            Ok(true)
+        });
+        done_or_false(result)
+    }
+
+    fn owner_record(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        id: &[u8],
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let t = self.trees()?;
+        Ok(t.owner_records
+            .get(owner_record_key(owner, space, id))?
+            .map(|v| v.to_vec()))
+    }
+
+    fn owner_records(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<OwnerRecord>, StoreError> {
+        let t = self.trees()?;
+        let prefix = owner_prefix(owner, Some(space));
+        let start = match after {
+            Some(after) => {
+                let mut start = prefix.clone();
+                start.extend_from_slice(after);
+                start.push(0);
+                start
+            }
+            None => prefix.clone(),
+        };
+        let mut out = Vec::new();
+        for item in t.owner_records.range(start..) {
+            let (key, value) = item?;
+            let Some(id) = key.strip_prefix(prefix.as_slice()) else {
+                return Ok((out, None));
+            };
+            if out.len() == limit {
+                let cursor = out.last().map(|r: &OwnerRecord| r.id.clone());
+                return Ok((out, cursor));
+            }
+            out.push(OwnerRecord {
+                space,
+                id: id.to_vec(),
+                value: value.to_vec(),
+            });
+        }
+        Ok((out, None))
+    }
+
+    fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
+        let t = self.trees()?;
+        let owner_bytes = owner.to_bytes();
+        let prefix = owner_prefix(owner, None);
+        // The record goes first, in one transaction with the records seen so far; writers
+        // check it in theirs, so none can add a record once it is gone, and what one added
+        // meanwhile is removed by the sweep after.
+        let keys: Vec<sled::IVec> = t
+            .owner_records
+            .scan_prefix(&prefix)
+            .keys()
+            .collect::<Result<_, _>>()?;
+        let result = (&t.owners, &t.owner_records).transaction(|(owners, records)| {
+            let removed = owners.remove(owner_bytes.as_slice())?;
+            for key in &keys {
+                records.remove(key)?;
+            }
+            Ok(removed.and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok()))
+        });
+        let removed = match result {
+            Ok(removed) => removed,
+            Err(TransactionError::Abort(())) => None,
+            Err(TransactionError::Storage(err)) => return Err(err.into()),
+        };
+        Self::remove_prefix(&t.owner_records, &prefix)?;
+        Ok(removed.map(|m| m.id))
+    }
+
+    fn owners(
+        &self,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
+        let t = self.trees()?;
+        let mut out = Vec::new();
+        let mut last: Option<Vec<u8>> = None;
+        for item in keys_after(&t.owners, after) {
+            if out.len() == limit {
+                return Ok((out, last));
+            }
+            let (key, value) = item?;
+            last = Some(key.to_vec());
+            let owner = OwnerKey::from_bytes(&key)
+                .ok_or_else(|| StoreError::Corrupt("an owner key is malformed".into()))?;
+            out.push((owner, decode(&value)?));
+        }
+        Ok((out, None))
+    }
+}
+
+/// The closed branches of conversation `id` in the `branches` tree (also read by salvage).
+pub(super) fn read_branches(tree: &sled::Tree, id: u64) -> Result<Vec<StoredBranch>, StoreError> {
+    assemble_branches(
+        tree.scan_prefix(id.to_be_bytes())
+            .map(|item| item.map_err(StoreError::from)),
+    )
+}
+
+/// The closed branches in `rows` (`branches` keys and values, in key order).
+pub(super) fn assemble_branches<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    rows: impl Iterator<Item = Result<(K, V), StoreError>>,
+) -> Result<Vec<StoredBranch>, StoreError> {
+    let mut out: Vec<StoredBranch> = Vec::new();
+    for item in rows {
+        let (key, value) = item?;
+        let (key, value) = (key.as_ref(), value.as_ref());
+        let (number, part, n) = branch_key_parts(key)
+            .ok_or_else(|| StoreError::Corrupt("a branch key is too short".into()))?;
+        if part == BRANCH_RECORD {
+            out.push(StoredBranch {
+                record: decode::<BranchRecord>(value)?,
+                messages: Vec::new(),
+                summaries: Vec::new(),
+            });
+            continue;
+        }
+        // A branch's record sorts before its parts.
+        let branch = out
+            .last_mut()
+            .filter(|b| b.record.number == number)
+            .ok_or_else(|| {
+                StoreError::Corrupt(format!("branch {number} has parts but no record"))
+            })?;
+        match part {
+            BRANCH_MESSAGE => branch.messages.push(decode(value)?),
+            BRANCH_SUMMARY => branch.summaries.push((n, value.to_vec())),
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "branch {number} has an unknown part {other}"
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Opens the database in `dir` and its trees: partial snapshots removed first (see the module
+/// documentation), and a panic of sled's on damaged files turned into an error.
+pub(super) fn open_trees(dir: &Path, config: &sled::Config) -> Result<Trees, StoreError> {
+    remove_partial_snapshots(dir)?;
+    let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Trees::of(open_locked(config)?)
+    }));
+    opened.unwrap_or_else(|_| {
+        Err(StoreError::Damaged(
+            "sled failed reading its files (it panicked)".to_string(),
+        ))
+    })
+}
+
+/// Removes the snapshots sled began writing and never finished (`snap.*.generating`).
+fn remove_partial_snapshots(dir: &Path) -> Result<(), StoreError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(StoreError::Disk(err)),
+    };
+    for entry in entries {
+        let path = entry.map_err(StoreError::Disk)?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("snap.") && name.ends_with(".generating") {
+            tracing::warn!(
+                file = name,
+                "removing a snapshot sled never finished writing"
+            );
+            std::fs::remove_file(&path).map_err(StoreError::Disk)?;
+        }
+    }
+    Ok(())
+}
+
+/// Opens the database. A store closed a moment ago in this process (a restart) can hold the
+/// file lock until sled's I/O threads let go of it, so a lock conflict is retried for a short
+/// while; a second process on the same data directory still gets the error.
+fn open_locked(config: &sled::Config) -> Result<sled::Db, sled::Error> {
+    let started = std::time::Instant::now();
+    loop {
+        match config.open() {
+            Err(sled::Error::Io(err))
+                if err.to_string().contains("could not acquire lock")
+                    && started.elapsed() < LOCK_WAIT =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            result => return result,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshots(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("snap."))
+            .collect()
+    }
+
+    #[test]
+    fn a_snapshot_sled_never_finished_is_removed_before_it_stops_the_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = crate::tests::key("c");
+        let ttl = TtlRecord {
+            ttl_ms: Some(1),
+            set_ms: 2,
+        };
+        for _ in 0..2 {
+            // The second open writes a snapshot of what the first wrote.
+            let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+            engine.put_ttl(&k, &ttl).unwrap();
+            engine.flush().unwrap();
+        }
+        let finished = snapshots(dir.path());
+        assert_eq!(finished.len(), 1, "{finished:?}");
+        // What a full disk leaves: the next snapshot, half written, never renamed.
+        let partial = dir.path().join(format!("{}.generating", finished[0]));
+        std::fs::write(&partial, b"half a snapshot").unwrap();
+        // sled alone takes it for a damaged snapshot and refuses to open.
+        let refused = sled::Config::new().path(dir.path()).open();
+        assert!(
+            matches!(refused, Err(sled::Error::Corruption { .. })),
+            "{refused:?}"
+        );
+        let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+        assert_eq!(engine.ttl(&k).unwrap().unwrap().ttl_ms, Some(1));
+        assert!(!partial.exists());
+    }
+
+    #[test]
+    fn damage_sled_finds_at_open_is_an_error_named_as_such() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = crate::tests::key("c");
+        for round in 0..2 {
+            let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+            for i in 0..50 {
+                let record = TtlRecord {
+                    ttl_ms: Some(round * 100 + i),
+                    set_ms: 2,
+                };
+                engine.put_ttl(&k, &record).unwrap();
+            }
+            engine.flush().unwrap();
+        }
+        let db = dir.path().join("db");
+        let mut bytes = std::fs::read(&db).unwrap();
+        bytes[64..96].fill(0xab);
+        std::fs::write(&db, bytes).unwrap();
+        let err = SledEngine::open(dir.path(), 1 << 20, None).unwrap_err();
+        assert!(matches!(err, StoreError::Damaged(_)), "{err:?}");
+        assert!(err.to_string().contains("damaged"), "{err}");
+        assert!(!err.is_write_failure());
+    }
+}
