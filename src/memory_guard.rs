@@ -180,7 +180,7 @@ impl MemoryGuard {
     }
 
     /// Replaces the readings of the RSS with `bytes` (`None`: read `/proc` again). For tests,
-    /// as [`crate::memory::Clock::advance`] moves the clock.
+    /// as [`crate::store::Clock::advance`] moves the clock.
     pub fn pretend_resident(&self, bytes: Option<u64>) {
         self.resident
             .pretended

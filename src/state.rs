@@ -11,7 +11,7 @@ use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
 use crate::models::Models;
 use crate::receipts::Receipts;
-use crate::store::Store;
+use crate::store::{Clock, Store};
 use crate::ttl::Sweeper;
 use crate::upstream::{Upstream, UpstreamSetupError};
 use crate::wire::Api;
@@ -50,6 +50,8 @@ pub struct AppState {
     pub memory_guard: MemoryGuard,
     /// The receipts of recent memory-on exchanges (`[receipts]`).
     pub receipts: Receipts,
+    /// The one clock: the store's when there is one (`Memory::clock`), else one of its own.
+    pub clock: Arc<Clock>,
     next_request: AtomicU64,
     /// Distinguishes request ids across restarts.
     boot: u64,
@@ -78,7 +80,10 @@ impl AppState {
         upstream: Upstream,
         anthropic: Upstream,
     ) -> AppState {
-        let boot = crate::store::now_ms() as u64 & 0xff_ffff;
+        let clock = store
+            .as_ref()
+            .map_or_else(|_| Arc::default(), |store| Arc::clone(store.clock()));
+        let boot = clock.now_ms() as u64 & 0xff_ffff;
         let memory = store.map(|store| {
             Arc::new(Memory::new(
                 store,
@@ -105,6 +110,7 @@ impl AppState {
         AppState {
             memory_guard: MemoryGuard::new(config.memory_budget),
             receipts,
+            clock,
             config,
             memory,
             upstream,

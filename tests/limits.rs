@@ -12,9 +12,9 @@ use memproxy::message::Role;
 use memproxy::pipeline::commit::TRIM_BATCH;
 use memproxy::state::AppState;
 use memproxy::store::{
-    Backing, ConversationMeta, Deleted, Engine, ImportMeta, Loaded, Origin, OwnerKey, OwnerMeta,
-    OwnerRecord, Owners, Page, Scope, SledEngine, Store, StoreError, StoredBranch, StoredMessage,
-    TtlRecord, Version, Write, now_ms,
+    Backing, Clock, ConversationMeta, Deleted, Engine, ImportMeta, Loaded, Origin, OwnerKey,
+    OwnerMeta, OwnerRecord, Owners, Page, Scope, SledEngine, Store, StoreError, StoredBranch,
+    StoredMessage, TtlRecord, Version, Write,
 };
 use memproxy::upstream::Upstream;
 use serde_json::Value;
@@ -48,7 +48,7 @@ fn stored_history(n: usize) -> Vec<StoredMessage> {
                 Role::Assistant
             },
             origin: Origin::Client,
-            at_ms: now_ms(),
+            at_ms: Clock::default().now_ms(),
             tokens: 3,
             fingerprint: i as u64 + 1,
             message: RawValue::from_string(m.to_string()).unwrap(),

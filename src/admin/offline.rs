@@ -16,7 +16,7 @@ use super::ops::{self, AdminError, ListQuery, parse_address};
 use super::tenant_of;
 use super::users;
 use crate::config::Config;
-use crate::store::{Durability, Store, StoreError, StoreOptions, now_ms};
+use crate::store::{Durability, Store, StoreError, StoreOptions};
 
 /// `memproxy conversations ...`.
 #[derive(Debug, Subcommand)]
@@ -308,7 +308,13 @@ fn execute_users(store: &Store, command: UsersCommand) -> Result<(), OfflineErro
         UsersCommand::Memories { address, query } => {
             let (tenant, user) = user_address(&address)?;
             let query = query.map_or_else(String::new, |q| format!("q={}", q.replace(' ', "+")));
-            print(&users::list(store, now_ms(), &tenant, &user, &query)?)
+            print(&users::list(
+                store,
+                store.clock().now_ms(),
+                &tenant,
+                &user,
+                &query,
+            )?)
         }
         UsersCommand::Get { address, id } => {
             let (tenant, user) = user_address(&address)?;

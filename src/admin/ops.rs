@@ -12,7 +12,7 @@ use crate::error::ApiError;
 use crate::identity::hex;
 use crate::identity::{ConversationKey, TenantId, is_valid_id};
 use crate::settings::MemorySettings;
-use crate::store::{Scope, Store, StoreError, now_ms};
+use crate::store::{Scope, Store, StoreError};
 
 /// An admin error: a JSON body `{"error":{"message","type","param","code"}}` and a status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -389,7 +389,7 @@ pub fn import(
                 .to_string(),
         ));
     }
-    let now = now_ms();
+    let now = store.clock().now_ms();
     let messages = all_stored(&export.messages, |i, m| m.to_stored(i, now))?;
     let branches = all_stored(&export.branches, |i, b| b.to_stored(i, now))?;
     let summaries = export

@@ -26,7 +26,7 @@ use crate::identity::TenantId;
 use crate::longterm::archive::{self, ArchivedTurn};
 use crate::longterm::memories::{self, MemoryRecord, MemoryScope, MemorySource, MemoryType};
 use crate::memory::Memory;
-use crate::store::{OwnerHandle, OwnerKey, Store, now_ms};
+use crate::store::{OwnerHandle, OwnerKey, Store};
 
 fn owner_handle(
     store: &Store,
@@ -149,7 +149,7 @@ pub fn create(
     let importance = checked_unit("importance", edit.importance)?.unwrap_or(0.7);
     let confidence = checked_unit("confidence", edit.confidence)?.unwrap_or(1.0);
     let owner = OwnerKey::user(tenant, user);
-    let now = now_ms();
+    let now = store.clock().now_ms();
     let record = MemoryRecord {
         id: store.new_id()?,
         tenant: tenant.as_str().to_string(),
@@ -191,7 +191,7 @@ pub fn update(
         .into_iter()
         .find(|m| m.id == id)
         .ok_or_else(|| AdminError::NotFound(format!("no memory {id} of user {user}")))?;
-    let now = now_ms();
+    let now = store.clock().now_ms();
     let text = match edit.text.as_deref() {
         Some(text) => checked_text(text)?,
         None => record.text.clone(),

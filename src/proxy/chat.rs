@@ -511,6 +511,7 @@ fn receipt_of(
         body: body.clone(),
         planned,
         settings: to.settings,
+        created_ms: state.clock.now_ms(),
     })?);
     state.receipts.insert(Arc::clone(&receipt));
     Some(receipt)

@@ -370,6 +370,8 @@ pub struct Made<'a> {
     pub body: Bytes,
     pub planned: Planned,
     pub settings: &'a MemorySettings,
+    /// When it was made (`AppState::clock`).
+    pub created_ms: i64,
 }
 
 impl Receipt {
@@ -403,7 +405,7 @@ impl Receipt {
             api_path: made.api_path.to_string(),
             query: made.query.map(str::to_string),
             model: made.model,
-            created_ms: crate::store::now_ms(),
+            created_ms: made.created_ms,
             headers,
             body: made.body,
             planned: made.planned,
@@ -528,6 +530,7 @@ mod tests {
                 body: Bytes::from_static(b"{}"),
                 planned: Planned::unplanned(Vec::new(), None),
                 settings: &MemorySettings::default(),
+                created_ms: 0,
             })
             .unwrap(),
         )

@@ -2,7 +2,7 @@
 //! Core functions (the pipeline, the TTL sweeper, the admin operations) take a `&Memory`;
 //! nothing here knows HTTP. The HTTP edge holds it in `AppState`.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -14,27 +14,8 @@ use crate::summary::Summarizer;
 use memproxy_base::identity::{ConversationKey, TenantId};
 use memproxy_base::model::ModelCall;
 use memproxy_store::{
-    Deleted, OwnerKey, RedisOptions, Scope, Store, StoreError, StoreOptions, now_ms,
+    Clock, Deleted, OwnerKey, RedisOptions, Scope, Store, StoreError, StoreOptions,
 };
-
-/// Wall-clock time as the TTL sweeper sees it: the real clock plus an offset tests can move.
-#[derive(Debug, Default)]
-pub struct Clock {
-    offset_ms: AtomicI64,
-}
-
-impl Clock {
-    /// UTC milliseconds since the epoch, plus the offset.
-    pub fn now_ms(&self) -> i64 {
-        now_ms().saturating_add(self.offset_ms.load(Ordering::Relaxed))
-    }
-
-    /// Moves this clock forward (tests).
-    pub fn advance(&self, by: Duration) {
-        let ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
-        self.offset_ms.fetch_add(ms, Ordering::Relaxed);
-    }
-}
 
 /// Counters of the TTL sweeper's passes (mirrored into the metrics at each scrape).
 #[derive(Debug, Default)]
@@ -102,7 +83,8 @@ pub struct Memory {
     pub summarizer: Arc<Summarizer>,
     /// Background tokens per agent and conversation, and the daily budget (`ledger.rs`).
     pub ledger: Arc<Ledger>,
-    pub clock: Clock,
+    /// The one clock, the store's (`memproxy_store::Clock`).
+    pub clock: Arc<Clock>,
     pub sweeps: SweepCounters,
     /// Branches closed by commits (a client's history left the stored line).
     pub branches_closed: AtomicU64,
@@ -143,6 +125,7 @@ impl Memory {
         recall_cache_bytes: u64,
         ledger: Arc<Ledger>,
     ) -> Memory {
+        let clock = Arc::clone(store.clock());
         Memory {
             // The recall share of the memory budget is split: three quarters for the
             // conversations' indexes, one for the users' (long-term memory), so the caches
@@ -162,7 +145,7 @@ impl Memory {
             ),
             ledger,
             store,
-            clock: Clock::default(),
+            clock,
             sweeps: SweepCounters::default(),
             branches_closed: AtomicU64::new(0),
             on_delete: OnDelete::default(),

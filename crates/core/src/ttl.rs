@@ -6,7 +6,7 @@
 //! configured `ttl`; none means it is kept forever. The sweeper walks the conversations in key
 //! order, a bounded slice per pass (`sweeper.max_scanned` looked at, `sweeper.max_deleted`
 //! deleted), resuming where the last pass stopped, and deletes through the same path as the
-//! admin API's `DELETE`. It only reads time through [`crate::memory::Clock`], so tests move
+//! admin API's `DELETE`. It only reads time through [`memproxy_store::Clock`] (`Memory::clock`), so tests move
 //! time forward instead of sleeping.
 
 use std::sync::Arc;

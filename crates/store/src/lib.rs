@@ -2,7 +2,8 @@
 //! view of it: a cache of each conversation's in-memory index, locked per conversation,
 //! optimistic commits against the version the request planned on, and group flushes.
 //!
-//! - `engine.rs` — the storage contract every engine keeps (read it first);
+//! - `engine.rs` — the storage contract every engine keeps (read it first), one trait per
+//!   capability ([`Engine`], [`Owners`], [`SharedEngine`]);
 //! - `sled_engine.rs` — the embedded engine; `redis_engine.rs`, `redis_owners.rs` — the
 //!   engine shared by replicas (conversations, and owners' records) in a Redis server;
 //! - `records.rs` — what is stored (records, messages, summaries, TTL);
@@ -15,6 +16,7 @@
 //!   conversation, kept in its own file, so that a delete leaves nothing readable on disk;
 //! - `owners.rs` — owners' records (long-term memory per user, agent or tenant), sealed with
 //!   a key per owner like conversations;
+//! - `clock.rs` — the one clock every timestamp is read from ([`Clock`]; tests move it);
 //! - `health.rs` — the check at open, failures to write and their retry (readiness);
 //! - `salvage.rs`, `sled_salvage.rs` — reading a damaged data directory and writing what can
 //!   be read into a fresh one (`memproxy store check|repair`).
@@ -23,9 +25,10 @@
 //! for people (summaries as Markdown). Its path is derived so no id can escape the data
 //! directory.
 //!
-//! This module stores and loads; deciding what to store is the pipeline's job.
+//! This crate stores and loads; deciding what to store is the pipeline's job.
 
 mod branches;
+mod clock;
 mod engine;
 mod flush;
 mod health;
@@ -53,6 +56,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 pub use branches::closed_by_branch;
+pub use clock::Clock;
 pub use engine::{Engine, Loaded, Owners, Page, Refresh, Scope, SharedEngine, Version, Write};
 pub use flush::FlushError;
 pub use health::RETRY_AFTER;
@@ -60,7 +64,7 @@ pub use owners::OwnerHandle;
 pub use records::{
     BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
     LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord,
-    StoredBranch, StoredMessage, SummaryRecord, TtlRecord, now_ms, tokens_between, transcript_line,
+    StoredBranch, StoredMessage, SummaryRecord, TtlRecord, tokens_between, transcript_line,
 };
 pub use redis_engine::{RedisEngine, RedisOptions, is_redis_url};
 pub use sled_engine::SledEngine;
@@ -238,6 +242,8 @@ pub enum Backing {
 
 pub struct Store {
     engine: Arc<dyn Engine>,
+    /// The one clock (`clock.rs`), shared with the memory core.
+    clock: Arc<Clock>,
     /// The same engine when other replicas share it.
     shared: Option<Arc<dyn SharedEngine>>,
     data_dir: PathBuf,
@@ -335,6 +341,7 @@ impl Store {
             .build();
         let store = Store {
             engine,
+            clock: Arc::default(),
             shared,
             data_dir: data_dir.to_path_buf(),
             keys,
@@ -480,7 +487,7 @@ impl Store {
         conversation: &mut Conversation,
         mut change: Change,
     ) -> Result<(), StoreError> {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut meta = match &conversation.meta {
             Some(meta) => meta.clone(),
             None => ConversationMeta::new(self.engine.new_id()?, now),
@@ -585,6 +592,11 @@ impl Store {
             }
             None => Ok(()),
         }
+    }
+
+    /// The one clock: what every timestamp the store writes reads, and the memory core with it.
+    pub fn clock(&self) -> &Arc<Clock> {
+        &self.clock
     }
 
     /// True when other replicas share this store (Redis).
@@ -742,7 +754,7 @@ pub(crate) mod tests {
             turn: 0,
             role,
             origin: Origin::Client,
-            at_ms: now_ms(),
+            at_ms: Clock::default().now_ms(),
             tokens: 3,
             fingerprint: text.len() as u64,
             message: RawValue::from_string(

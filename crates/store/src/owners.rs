@@ -8,7 +8,7 @@
 //! conversation keys); values never are.
 
 use super::keys::Key;
-use super::records::{OwnerKey, OwnerMeta, OwnerRecord, now_ms};
+use super::records::{OwnerKey, OwnerMeta, OwnerRecord};
 use super::seal::{self, Kind, SEALED_PREFIX};
 use super::{Page, Store, StoreError};
 
@@ -48,7 +48,7 @@ impl Store {
                     owner,
                     OwnerMeta {
                         id,
-                        created_ms: now_ms(),
+                        created_ms: self.clock.now_ms(),
                     },
                 ))?;
                 if stored.id != id {

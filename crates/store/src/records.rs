@@ -2,7 +2,7 @@
 //! small in-memory view of each message the request path works from. Plain data, the same for
 //! every engine; each engine chooses its own encoding and keys.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -12,13 +12,6 @@ use time::format_description::well_known::Rfc3339;
 
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::{HasRole, Role, text_of};
-
-/// UTC milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
 
 /// Where a stored message came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 
 use super::engine::Write;
 use super::records::{
-    ConversationMeta, Deleted, ImportMeta, Imported, StoredBranch, StoredMessage, now_ms,
+    ConversationMeta, Deleted, ImportMeta, Imported, StoredBranch, StoredMessage,
 };
 use super::seal::{seal_messages, seal_summary};
 use super::{Conversation, Handle, Store, StoreError, legacy_workspace_dir, lock, workspace_dir};
@@ -186,7 +186,7 @@ impl Store {
         new: &[StoredMessage],
         hint: ImportMeta,
     ) -> Result<(ConversationMeta, Vec<StoredMessage>), StoreError> {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let empty = conversation.meta.is_none();
         let mut meta = match &conversation.meta {
             Some(meta) => meta.clone(),

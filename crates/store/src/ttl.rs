@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::engine::Page;
-use super::records::{TtlRecord, now_ms};
+use super::records::TtlRecord;
 use super::{Store, StoreError};
 use memproxy_base::identity::ConversationKey;
 
@@ -30,7 +30,7 @@ impl Store {
         }
         let record = TtlRecord {
             ttl_ms,
-            set_ms: now_ms(),
+            set_ms: self.clock.now_ms(),
         };
         self.watch(self.engine.put_ttl(key, &record))
     }

@@ -28,7 +28,7 @@ use super::memories::{self, Candidate, CandidateSource, MemoryRecord, SPACE_MEMO
 use crate::ledger::{Ledger, Task};
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::model::{Credentials, ModelCall, ModelMessage, ModelRequest};
-use memproxy_store::{OwnerKey, Store, StoreError, now_ms};
+use memproxy_store::{OwnerKey, Store, StoreError};
 
 /// The `x-memproxy-task` of an extraction call.
 pub const TASK: &str = "extraction";
@@ -260,7 +260,10 @@ impl Extractor {
             agent: job.agent.clone(),
             conversation: job.conversation.clone(),
         };
-        if !self.ledger.allow(&job.agent, Task::Extraction, now_ms()) {
+        if !self
+            .ledger
+            .allow(&job.agent, Task::Extraction, self.store.clock().now_ms())
+        {
             tracing::debug!("the agent's background budget for today is spent; no extraction");
             return Ok(memories::Applied::default());
         }
@@ -272,7 +275,8 @@ impl Extractor {
             .map_err(|_| ExtractError::Model("timed out".into()))?
             .map_err(|err| ExtractError::Model(err.to_string()))?;
         let spent = reply.spent_tokens(None, || sent.counted_tokens());
-        self.ledger.spent(&key, Task::Extraction, spent, now_ms());
+        let now = self.store.clock().now_ms();
+        self.ledger.spent(&key, Task::Extraction, spent, now);
         let candidates = parse(&reply.text)?;
         let store = Arc::clone(&self.store);
         let job = job.clone();
@@ -508,7 +512,7 @@ fn apply(
             .filter(|t| t.role == "user")
             .map(|t| (t.turn, t.text.clone()))
             .collect(),
-        now_ms: now_ms(),
+        now_ms: store.clock().now_ms(),
     };
     let (applied, changed) = memories::apply(&mut known, candidates, &origin, || store.new_id())?;
     for (owner, records) in changed {

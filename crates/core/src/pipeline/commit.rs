@@ -29,7 +29,6 @@ use memproxy_base::message::{HasRole, Message, Role};
 use memproxy_base::tokens;
 use memproxy_store::{
     Change, Conversation, Entry, LedgerTotals, Origin, OwnerKey, StoreError, StoredMessage, lock,
-    now_ms,
 };
 
 /// How often a commit re-plans against a conversation that keeps changing under it. In one
@@ -162,7 +161,7 @@ impl Exchange {
     /// exchange and what is left to trim, in one atomic write.
     fn write(&self, memory: &Memory, reply: Box<RawValue>) -> Result<usize, StoreError> {
         let store = &memory.store;
-        let ready = self.ready_to_store(reply)?;
+        let ready = self.ready_to_store(reply, memory.clock.now_ms())?;
         let mut conversation = lock(&self.handle);
         let mut attempt = 0;
         // Stored messages this commit's own trim batches removed from the front.
@@ -207,18 +206,18 @@ impl Exchange {
 
     /// The request's new messages and `reply` as they are stored, with the reply's
     /// searchable text for the recall index.
-    fn ready_to_store(&self, reply: Box<RawValue>) -> Result<ReadyToStore, StoreError> {
+    fn ready_to_store(&self, reply: Box<RawValue>, at_ms: i64) -> Result<ReadyToStore, StoreError> {
         let model = self.model.as_deref();
         let reply = Message::parse(reply, "reply")
             .map_err(|err| StoreError::Corrupt(format!("the reply is not a message: {err}")))?;
         let (reply_text, reply_search) = reply.text_and_search_text();
         let reply_tokens = tokens::count_message(model, &reply_text);
-        let reply = stored_message(&reply, Origin::Reply, reply_tokens);
+        let reply = stored_message(&reply, Origin::Reply, reply_tokens, at_ms);
         let new: Vec<StoredMessage> = self
             .new_turns
             .iter()
             .zip(&self.new_tokens)
-            .map(|(m, tokens)| stored_message(m, Origin::Client, *tokens))
+            .map(|(m, tokens)| stored_message(m, Origin::Client, *tokens, at_ms))
             .collect();
         Ok(ReadyToStore {
             new,
@@ -419,12 +418,12 @@ pub fn last_is_reply(entries: &[Entry]) -> bool {
 }
 
 /// A message ready to store, with its token count.
-fn stored_message(message: &Message, origin: Origin, tokens: u32) -> StoredMessage {
+fn stored_message(message: &Message, origin: Origin, tokens: u32, at_ms: i64) -> StoredMessage {
     StoredMessage {
         turn: 0,
         role: message.role,
         origin,
-        at_ms: now_ms(),
+        at_ms,
         tokens,
         fingerprint: message.fingerprint,
         message: message.raw.clone(),
@@ -439,9 +438,8 @@ fn back_off(memory: &Memory, attempt: usize) {
     if !memory.store.shared() {
         return;
     }
-    let jitter = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::from(d.subsec_nanos()) % 1000);
+    // A hasher's random keys: a different amount each time, with no clock and no system call.
+    let jitter = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), attempt) % 1000;
     let micros = (attempt as u64) * (1000 + jitter);
     std::thread::sleep(Duration::from_micros(micros));
 }

@@ -11,7 +11,7 @@ use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
 use super::recall::{RecalledTurn, elsewhere_turns, fit_recalled, recalled_turns, render};
 use super::reconcile::{Alignment, Mark, align, rebase};
-use super::summary::{adopt_at_jumps, plan_summary};
+use super::summary::{SummaryInput, adopt_at_jumps, plan_summary};
 use super::window::{auto_step, summary_adoption_cutoff, window_start};
 use crate::longterm::ExtractionRule;
 use crate::longterm::memories::{self, Chosen};
@@ -510,16 +510,16 @@ fn summarized(
         return Ok(super::summary::SummaryPlan::default());
     }
     let settings = on.settings;
-    let mut summary = plan_summary(
-        on.memory,
-        on.conversation,
+    let mut summary = plan_summary(SummaryInput {
+        memory: on.memory,
+        conversation: on.conversation,
         settings,
         latest,
-        window.start,
-        request.closing_from,
-        on.model,
-        on.limits.writes,
-    )?;
+        pool_end: window.start,
+        closing_from: request.closing_from,
+        request_model: on.model,
+        writes: on.limits.writes,
+    })?;
     if settings.compression_async {
         let made_by = summary_adoption_cutoff(request.history(on), settings.recent_n, window.step);
         adopt_at_jumps(on.memory, on.conversation, &mut summary, made_by)?;

@@ -13,7 +13,7 @@ use crate::memory::Memory;
 use crate::settings::MemorySettings;
 use crate::summary::{Job, SummaryRecord, heuristic};
 use memproxy_base::model::Credentials;
-use memproxy_store::{Conversation, StoreError, closed_by_branch, now_ms, tokens_between};
+use memproxy_store::{Conversation, StoreError, closed_by_branch, tokens_between};
 
 /// What the summary stage decided.
 #[derive(Debug, Default)]
@@ -26,29 +26,40 @@ pub struct SummaryPlan {
     pub uncovered_tokens: u64,
 }
 
+/// What the summary stage reads: the plan's context and where the window starts.
+pub struct SummaryInput<'a> {
+    pub memory: &'a Memory,
+    pub conversation: &'a Conversation,
+    pub settings: &'a MemorySettings,
+    /// The conversation's newest summary record, read by the caller (which sizes the window
+    /// with it).
+    pub latest: Option<SummaryRecord>,
+    /// Where the window starts (an index into the conversation's entries): what is before it
+    /// may be summarized.
+    pub pool_end: usize,
+    /// The request closes a branch from this turn on. Summaries that reach it go with the
+    /// branch, so the prompt carries the newest one that does not; nothing is reserved or
+    /// stored while the stored line is about to change (the next request plans on the new one).
+    pub closing_from: Option<u64>,
+    /// The request's model (a summary without `compression.model` is made with it).
+    pub request_model: Option<&'a str>,
+    /// False for a preview: nothing is reserved or stored.
+    pub writes: bool,
+}
+
 /// Decides the summary stage for a conversation whose recent window starts at `pool_end`
 /// (an index into its entries). Without `writes` (a preview) nothing is reserved or stored.
-///
-/// `latest`: the conversation's newest summary record, read by the caller (which sizes the
-/// window with it).
-///
-/// `closing_from`: the request closes a branch from this turn on. Summaries that reach it go
-/// with the branch, so the prompt carries the newest one that does not; nothing is reserved or
-/// stored while the stored line is about to change (the next request plans on the new one).
-// Allowed: five of the eight are the plan's shared context (`plan.rs`'s `Planning`: memory,
-// conversation, settings, model, writes) spread out by the one caller, `plan.rs::summarized`;
-// taking `&Planning` and the window's start instead is the fix, to be made with that file.
-#[allow(clippy::too_many_arguments)]
-pub fn plan_summary(
-    memory: &Memory,
-    conversation: &Conversation,
-    settings: &MemorySettings,
-    latest: Option<SummaryRecord>,
-    pool_end: usize,
-    closing_from: Option<u64>,
-    request_model: Option<&str>,
-    writes: bool,
-) -> Result<SummaryPlan, StoreError> {
+pub fn plan_summary(input: SummaryInput<'_>) -> Result<SummaryPlan, StoreError> {
+    let SummaryInput {
+        memory,
+        conversation,
+        settings,
+        latest,
+        pool_end,
+        closing_from,
+        request_model,
+        writes,
+    } = input;
     let (Some(meta), true) = (&conversation.meta, settings.compression_enabled) else {
         return Ok(SummaryPlan::default());
     };
@@ -85,7 +96,7 @@ pub fn plan_summary(
     // is worked through.
     let throttled = model_summary.is_some_and(|r| {
         let interval = settings.compression_interval.as_millis() as i64;
-        !r.catching_up() && now_ms() - r.created_ms < interval
+        !r.catching_up() && memory.clock.now_ms() - r.created_ms < interval
     });
     let model = settings.compression_model.as_deref().or(request_model);
     // The reservation is taken here, under the conversation's lock, so two requests planned
@@ -98,7 +109,7 @@ pub fn plan_summary(
         // once spent, no job; the stand-in below is used.
         && memory
             .ledger
-            .allow(&conversation.key.agent, Task::Summary, now_ms())
+            .allow(&conversation.key.agent, Task::Summary, memory.clock.now_ms())
         && let Some(reservation) = summarizer.reserve(&conversation.key)
     {
         plan.due = Some(Job {

@@ -7,7 +7,7 @@ use serde_json::{Map, Value};
 
 use memproxy_base::message::{Role, text_of};
 use memproxy_base::tokens;
-use memproxy_store::{Conversation, Store, StoreError, StoredMessage, SummaryRecord, now_ms};
+use memproxy_store::{Conversation, Store, StoreError, StoredMessage, SummaryRecord};
 
 /// The longest excerpt of one message.
 const EXCERPT_CHARS: usize = 200;
@@ -57,7 +57,7 @@ pub fn store_stand_in(
         .take_while(|e| e.turn <= upto_turn)
         .map(|e| e.turn);
     let messages = store.messages(conversation, turns)?;
-    let Some(record) = summarize(&messages, 1) else {
+    let Some(record) = summarize(&messages, 1, store.clock().now_ms()) else {
         return Ok(None);
     };
     Ok(store
@@ -65,8 +65,12 @@ pub fn store_stand_in(
         .then_some(record))
 }
 
-/// A heuristic summary of `messages` (oldest first), numbered `number`.
-pub fn summarize(messages: &[StoredMessage], number: u64) -> Option<SummaryRecord> {
+/// A heuristic summary of `messages` (oldest first), numbered `number`, made at `created_ms`.
+pub fn summarize(
+    messages: &[StoredMessage],
+    number: u64,
+    created_ms: i64,
+) -> Option<SummaryRecord> {
     let (first, last) = (messages.first()?, messages.last()?);
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     let mut tools: BTreeMap<String, usize> = BTreeMap::new();
@@ -139,7 +143,7 @@ pub fn summarize(messages: &[StoredMessage], number: u64) -> Option<SummaryRecor
         from_ms: first.at_ms,
         to_ms: last.at_ms,
         model: "heuristic".to_string(),
-        created_ms: now_ms(),
+        created_ms,
         heuristic: true,
         usage_prompt_tokens: 0,
         usage_completion_tokens: 0,
@@ -191,7 +195,7 @@ mod tests {
                 json!({"role": "user", "content": "Try tomorrow then"}),
             ),
         ];
-        let record = summarize(&messages, 1).unwrap();
+        let record = summarize(&messages, 1, 0).unwrap();
         assert!(record.heuristic);
         assert_eq!((record.from_turn, record.to_turn), (1, 4));
         assert!(record.text.contains("4 messages"), "{}", record.text);
@@ -207,6 +211,6 @@ mod tests {
                 .text
                 .contains("error seen at turn 3: Error: restaurant full")
         );
-        assert!(summarize(&[], 1).is_none());
+        assert!(summarize(&[], 1, 0).is_none());
     }
 }

@@ -19,7 +19,7 @@ use crate::ledger::{Ledger, Task};
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::model::{ModelCall, ModelRequest};
 use memproxy_base::tokens;
-use memproxy_store::{Store, StoredMessage, SummaryRecord, lock, now_ms};
+use memproxy_store::{Store, StoredMessage, SummaryRecord, lock};
 
 /// How long conversations that failed stay in the back-off map after their wait is over.
 const BACKOFF_KEEP: Duration = Duration::from_secs(3600);
@@ -316,7 +316,11 @@ impl Summarizer {
             &messages,
             self.config.max_summary_tokens,
         );
-        if !self.ledger.allow(&job.key.agent, Task::Summary, now_ms()) {
+        let clock = self.store.clock();
+        if !self
+            .ledger
+            .allow(&job.key.agent, Task::Summary, clock.now_ms())
+        {
             return Err(SummaryError::BudgetSpent);
         }
         let request = ModelRequest::prompt(&job.model, TASK, prompt, job.credentials.clone());
@@ -334,7 +338,7 @@ impl Summarizer {
             &job.key,
             Task::Summary,
             reply.prompt_tokens + reply.completion_tokens,
-            now_ms(),
+            clock.now_ms(),
         );
 
         let model = Some(job.model.as_str());
@@ -353,7 +357,7 @@ impl Summarizer {
             from_ms: previous_llm.as_ref().map_or(first.at_ms, |r| r.from_ms),
             to_ms: last.at_ms,
             model: job.model.clone(),
-            created_ms: now_ms(),
+            created_ms: clock.now_ms(),
             heuristic: false,
             usage_prompt_tokens: reply.prompt_tokens,
             usage_completion_tokens: reply.completion_tokens,
