@@ -1,8 +1,11 @@
 //! Shared helpers for the integration tests: a real memproxy started in-process on
 //! `127.0.0.1:0` against the in-process mock upstream ([`mock_upstream`]), and one HTTP client
-//! helper.
+//! helper; [`admin`] starts one with an admin token and calls the admin API, [`cli`] runs the
+//! built binary.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod admin;
+pub mod cli;
 pub mod mock_upstream;
 pub mod redis_server;
 

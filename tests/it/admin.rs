@@ -1,16 +1,12 @@
 //! The admin API through the real proxy: access, listing, show, stats, preview, export and
 //! import, deletes (complete, and only of what was named), and cross-tenant attempts.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use memproxy::store::workspace_dir;
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 const OTHER: &str = "sk-test-other";
 
@@ -943,7 +939,7 @@ async fn preview_and_stats_show_the_summary() {
 /// until then a summary finishing after the delete is written under the deleted id.
 #[tokio::test]
 async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
-    use support::mock_upstream::Reply;
+    use crate::support::mock_upstream::Reply;
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = start_admin(&mock, dir.path(), "").await;

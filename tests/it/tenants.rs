@@ -2,14 +2,11 @@
 //! presents (`Authorization` in any scheme, `api-key`, `x-api-key`), two different credentials
 //! are refused, none is refused unless `auth.allow_anonymous`, and the allow-list and summary
 //! calls see every credential header.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
-use support::mock_upstream::MockUpstream;
-use support::*;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 /// Posts a chat completion for `conversation` with exactly `credentials` as its credential
 /// headers.

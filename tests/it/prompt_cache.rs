@@ -4,16 +4,14 @@
 //! passes `recent_n + window_step`; `prompt_cache_key` is set when the client set none and left
 //! alone when it did; the Anthropic writer keeps recalled turns out of the cached prefix and
 //! marks it with breakpoints; the new settings are checked like the others.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use memproxy::message::RECALL_MARKER;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 /// The byte offset in `body` where each of its `messages` starts.
 fn message_offsets(body: &str) -> Vec<usize> {

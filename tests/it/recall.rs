@@ -1,14 +1,12 @@
 //! Relevance recall through the real proxy: older turns come back, tagged and in order, in any
 //! language, within the token budget, after a restart, and never stored back.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use memproxy::message::check_tool_sequence;
 use memproxy::pipeline::budget::TRUNCATION_NOTICE;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 const FILLER: [&str; 8] = [
     "Let's plan the garden: tomatoes along the fence",

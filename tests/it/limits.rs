@@ -1,8 +1,5 @@
 //! What one request may add to memory: the per-request limits (413, nothing stored), a commit
 //! that never leaves more than `max_messages`, and long trims done in bounded batches.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::sync::{Arc, Mutex};
 
@@ -19,8 +16,9 @@ use memproxy::store::{
 use memproxy::upstream::Upstream;
 use serde_json::Value;
 use serde_json::value::RawValue;
-use support::mock_upstream::MockUpstream;
-use support::*;
+
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 /// `n` alternating user/assistant messages, numbered.
 fn history(n: usize) -> Vec<Value> {

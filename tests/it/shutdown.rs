@@ -1,8 +1,5 @@
 //! Shutdown that loses nothing: streams in flight at SIGTERM finish and are stored before the
 //! store closes; a stream still open when the grace period ends is cut and stores nothing.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
@@ -11,15 +8,19 @@ use http_body_util::{BodyExt, Full};
 use memproxy::config;
 use memproxy::store::{Durability, Store, StoreOptions};
 use serde_json::json;
-use support::mock_upstream::{MockOptions, MockUpstream};
-use support::*;
 
-/// A proxy in front of `mock` with its data under `dir` and the given grace period.
+use crate::support::mock_upstream::{MockOptions, MockUpstream};
+use crate::support::*;
+
+/// A proxy in front of `mock` with its data under `dir` and the given grace period, and the
+/// tests' memory budget ([`test_budget`]): under the default one, the RSS of the one test
+/// process `cargo test` runs every suite in can pass the high-water mark and turn memory off.
 async fn start(mock: &MockUpstream, dir: &std::path::Path, grace: &str) -> Proxy {
     let text = format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"{grace}\"\n",
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"{grace}\"\n{}",
         mock.base_url(),
-        dir.display()
+        dir.display(),
+        test_budget("")
     );
     Proxy::start_config(config::from_toml(&text, &|_| None).unwrap()).await
 }

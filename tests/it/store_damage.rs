@@ -5,22 +5,16 @@
 //! the damage (exit 1) without changing a byte of the data directory, and `memproxy store
 //! repair --into NEW_DIR` writes what can be read into a store a fresh proxy serves: for a
 //! whole store, everything.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
-#[path = "support/cli.rs"]
-mod support_cli;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
-use support_cli::{memproxy, stdout};
+
+use crate::support::admin::*;
+use crate::support::cli::{memproxy, stdout};
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 /// Every file under `dir` and its bytes: to show a command changed nothing.
 fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {

@@ -1,18 +1,14 @@
 //! Conversation TTL through the real proxy: the `ttl` setting and `X-Memory-Ttl`, the sweeper
 //! with a clock moved forward instead of sleeping, bounded passes, and the background task.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::Duration;
 
 use memproxy::config;
 use memproxy::ttl::{Cursor, sweep_pass};
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 fn no_env(_: &str) -> Option<String> {
     None
@@ -378,7 +374,7 @@ fn ttl_record(proxy: &Proxy, id: &str) -> Option<memproxy::store::TtlRecord> {
 
 #[tokio::test]
 async fn a_refused_or_failed_request_writes_no_ttl() {
-    use support::mock_upstream::Reply;
+    use crate::support::mock_upstream::Reply;
 
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();

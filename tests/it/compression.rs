@@ -1,17 +1,15 @@
 //! Compression through the real proxy: progressive summaries made when the unsummarized older
 //! pool passes the threshold, in sync and async mode, throttled, with a heuristic stand-in when
 //! the summarizer fails, and never stored as turns.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
 use memproxy::store::workspace_dir;
 use memproxy::summary;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 /// A small threshold so a few exchanges cross it.
 const SETTINGS: &str =

@@ -1,13 +1,11 @@
 //! Conversation memory through the real proxy: client habits, retries, the window, tool-call
 //! groups, tenants, settings and restarts.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use memproxy::message::check_tool_sequence;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 #[tokio::test]
 async fn both_client_habits_store_the_same_60_messages() {

@@ -4,16 +4,12 @@
 //! once the RSS is under the mark again, memory is back. The RSS is pretended through the
 //! memory guard's seam (`MemoryGuard::pretend_resident`), so no test depends on how much
 //! memory the test process really holds.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 const MIB: u64 = 1024 * 1024;
 

@@ -4,18 +4,14 @@
 //! Prometheus counters per agent label (closed set), in the admin stats of a conversation and
 //! of a tenant (kept in the store: they survive a restart, with sled and with Redis, and go
 //! with an export); and the daily background budget per agent.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use prometheus_parse::{Scrape, Value as Sample};
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
-use support::redis_server::RedisServer;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::redis_server::RedisServer;
+use crate::support::*;
 
 async fn start_with(
     mock: &MockUpstream,

@@ -1,21 +1,15 @@
 //! The offline CLI, run as the real binary on a data directory a stopped memproxy left:
 //! list, show, export, delete, import, and a clear error while a server holds the store;
 //! `check-config` prints the effective settings.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
-#[path = "support/cli.rs"]
-mod support_cli;
 
 use std::process::Output;
 
 use serde_json::Value;
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
-use support_cli::memproxy;
+
+use crate::support::admin::*;
+use crate::support::cli::memproxy;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 fn stdout_json(output: &Output) -> Value {
     assert!(

@@ -3,18 +3,15 @@
 //! Conversations written by one are served by the other, concurrent commits across replicas
 //! store each exchange once and in order, a due summary is made once, a Redis that goes away
 //! makes requests `degraded` (never failed) until it is back, and deletes leave no key.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::redis_server::RedisServer;
-use support::*;
+
+use crate::support;
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::redis_server::RedisServer;
+use crate::support::*;
 
 /// Two replicas on `redis`, each with its own data directory.
 async fn replicas(
@@ -308,7 +305,7 @@ async fn conversation_and_tenant_deletes_leave_no_key_in_redis() {
     let mock = MockUpstream::start().await.unwrap();
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let text = support_admin::config_text(&mock, dir.path(), "").replace(
+    let text = support::admin::config_text(&mock, dir.path(), "").replace(
         "[server]",
         &format!(
             "backend = \"redis\"\nredis_url = \"{}\"\nredis_key_prefix = \"mp:\"\n[server]",
@@ -316,7 +313,7 @@ async fn conversation_and_tenant_deletes_leave_no_key_in_redis() {
         ),
     );
     let config = memproxy::config::from_toml(&text, &|name| match name {
-        "MEMPROXY_ADMIN_TOKEN" => Some(support_admin::ADMIN_TOKEN.to_string()),
+        "MEMPROXY_ADMIN_TOKEN" => Some(support::admin::ADMIN_TOKEN.to_string()),
         _ => None,
     })
     .unwrap();
@@ -341,11 +338,11 @@ async fn conversation_and_tenant_deletes_leave_no_key_in_redis() {
     assert!(before.contains("mp:idx:conv"), "{before}");
     assert!(before.contains("mp:idx:ttl"), "{before}");
 
-    let path = support_admin::conversation_path(TOKEN, "default", "one");
-    let deleted = support_admin::admin(&proxy, "DELETE", &path, "").await;
+    let path = support::admin::conversation_path(TOKEN, "default", "one");
+    let deleted = support::admin::admin(&proxy, "DELETE", &path, "").await;
     assert_eq!(deleted.status, 200, "{:?}", deleted.body);
-    let tenant = format!("/admin/v1/tenants/{}", support_admin::tenant(TOKEN));
-    let deleted = support_admin::admin(&proxy, "DELETE", &tenant, "").await;
+    let tenant = format!("/admin/v1/tenants/{}", support::admin::tenant(TOKEN));
+    let deleted = support::admin::admin(&proxy, "DELETE", &tenant, "").await;
     assert_eq!(deleted.status, 200, "{:?}", deleted.body);
 
     // Only the id counter is left: no conversation key, no index entry, no key.

@@ -1,17 +1,13 @@
 //! `GET /metrics` through the real proxy: the text parses with a Prometheus parser, every
 //! required family is there, counters move as requests flow, and no label carries a
 //! conversation id, a tenant, a token or message text.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use prometheus_parse::{Scrape, Value};
 use serde_json::json;
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 async fn scrape(proxy: &Proxy) -> (Scrape, String) {
     let answer = send("GET", &proxy.url("/metrics"), &[], "").await;
@@ -316,7 +312,7 @@ async fn scraped(proxy: &Proxy, metric: &str, labels: &[(&str, &str)], expected:
 
 #[tokio::test]
 async fn extractions_are_counted_with_what_they_did_to_the_memories() {
-    use support::mock_upstream::Reply;
+    use crate::support::mock_upstream::Reply;
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = start_admin(&mock, dir.path(), "").await;

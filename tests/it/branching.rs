@@ -4,19 +4,15 @@
 //! (shown by the admin API, exported, deleted with the conversation), the request is forwarded
 //! as the client's branch, and every message is stored once. The other habits (sliding window,
 //! newest only, retries, a regenerated last answer) never branch.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::Duration;
 
 use memproxy::message::check_tool_sequence;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 /// A mock upstream and a memproxy with the admin API in front of it, its data in the folder.
 async fn started() -> (MockUpstream, tempfile::TempDir, Proxy) {

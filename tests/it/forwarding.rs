@@ -1,14 +1,12 @@
 //! Forwarding through the real proxy: pass-through routes, headers, auth, upstream errors and
 //! bad input.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::Duration;
 
 use serde_json::json;
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 #[tokio::test]
 async fn other_routes_pass_through_untouched() {

@@ -4,17 +4,14 @@
 //! SHA-256, the prompt's parts, the usage; receipts are tenant-checked, expire, stay within
 //! their bytes, and can be turned off; a replay returns the upstream's answer and stores
 //! nothing.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use support::mock_upstream::{MockUpstream, Recorded};
-use support::*;
-use support_admin::*;
+
+use crate::support;
+use crate::support::admin::*;
+use crate::support::mock_upstream::{MockUpstream, Recorded};
+use crate::support::*;
 
 /// The Anthropic API served by the same mock.
 fn anthropic(mock: &MockUpstream) -> String {

@@ -10,13 +10,11 @@
 //! - side calls stay out of memory;
 //! - a tool loop ends with its tool result, and its recall stays the same at every step;
 //! - bodies the provider takes are never refused by memproxy.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 const ANTHROPIC_KEY: &str = "sk-ant-agents";
 const OPENAI_KEY: &str = "sk-agents";

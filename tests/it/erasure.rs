@@ -5,11 +5,6 @@
 //! byte of any file under the data directory reads as the deleted text: not as it was sent,
 //! not in base64, and not once every sealed value left in the files is opened with every key
 //! left on disk.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::path::{Path, PathBuf};
 
@@ -17,9 +12,10 @@ use base64::Engine as _;
 use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD};
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use serde_json::Value;
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 const OTHER: &str = "sk-test-other";
 

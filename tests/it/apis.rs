@@ -1,12 +1,10 @@
 //! Memory for the Responses API and the Anthropic Messages API: the same memory contract as
 //! chat completions, over the real server and the mock upstream's own wire formats.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 const AUTH: &str = "Bearer sk-test-one";
 

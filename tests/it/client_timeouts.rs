@@ -4,21 +4,18 @@
 //! connections than `server.max_connections`. Each limit is set short (1 s) and each answer or
 //! close is awaited within a generous bound, so nothing here measures speed: it proves that
 //! nothing hangs.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use serde_json::Value;
-use support::mock_upstream::MockUpstream;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+use crate::support;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 /// How long any answer or close may take before the test calls it a hang.
 const BOUND: Duration = Duration::from_secs(10);
@@ -304,11 +301,11 @@ async fn a_chat_body_stalled_midway_gets_408_and_nothing_is_forwarded() {
 async fn an_admin_body_stalled_midway_gets_408() {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let proxy = support_admin::start_admin(&mock, dir.path(), SHORT_BODY).await;
+    let proxy = support::admin::start_admin(&mock, dir.path(), SHORT_BODY).await;
 
     let head = format!(
         "POST /admin/v1/conversations/anonymous/default/c/import HTTP/1.1\r\nhost: memproxy\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n",
-        support_admin::ADMIN_TOKEN
+        support::admin::ADMIN_TOKEN
     );
     stall_body_and_expect_408(&proxy, &head, b"{\"messages").await;
 }

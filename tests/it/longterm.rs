@@ -3,17 +3,14 @@
 //! user of the tenant, nor for the same user id under another credential; a conversation
 //! deleted by its TTL stays searchable and is rebuilt when asked for again; a request without
 //! a user id behaves as before.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::Duration;
 
 use memproxy::ttl::{Cursor, sweep_pass};
-use support::mock_upstream::MockUpstream;
-use support::*;
+
+use crate::support;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 const FACT: &str = "My favourite city is Lisbon and I am allergic to peanuts";
 const QUESTION: &str = "Which city is my favourite, and what am I allergic to?";
@@ -21,7 +18,7 @@ const QUESTION: &str = "Which city is my favourite, and what am I allergic to?";
 /// memproxy on the mock, its memory in sled, or with `MEMPROXY_TEST_BACKEND=redis` (as
 /// `scripts/test.sh` runs this file a second time) in a redis-server of its own.
 async fn start(mock: &MockUpstream, dir: &std::path::Path) -> Proxy {
-    support_admin::start_admin(mock, dir, "").await
+    support::admin::start_admin(mock, dir, "").await
 }
 
 /// The recalled-turns system message of the last forwarded prompt, if any.
@@ -454,7 +451,7 @@ async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
 
 #[tokio::test]
 async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
-    use support_admin::{admin, start_admin_backend, tenant};
+    use crate::support::admin::{admin, start_admin_backend, tenant};
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (proxy, redis) = start_admin_backend(&mock, dir.path(), "").await;
@@ -774,7 +771,7 @@ async fn a_claude_extraction_model_answers_the_contract_through_a_forced_tool_ca
 
 #[tokio::test]
 async fn a_user_exported_and_imported_comes_back_with_memories_and_archive() {
-    use support_admin::{admin, tenant};
+    use crate::support::admin::{admin, tenant};
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = start(&mock, dir.path()).await;
@@ -851,7 +848,7 @@ async fn a_user_exported_and_imported_comes_back_with_memories_and_archive() {
 
 #[tokio::test]
 async fn the_preview_of_a_request_with_a_user_shows_her_memories_and_other_conversations() {
-    use support_admin::{ADMIN_TOKEN, admin, conversation_path, tenant};
+    use crate::support::admin::{ADMIN_TOKEN, admin, conversation_path, tenant};
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy = start(&mock, dir.path()).await;

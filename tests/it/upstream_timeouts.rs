@@ -2,17 +2,16 @@
 //! and stores nothing; an SSE stream or a pass-through body is cut (the client's body ends with
 //! an error, no `[DONE]`) and stores nothing. Limits are set short and each outcome is awaited
 //! within a generous bound: nothing here measures speed, it proves nothing hangs.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support;
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 /// How long any answer may take before the test calls it a hang.
 const BOUND: Duration = Duration::from_secs(10);

@@ -1,16 +1,14 @@
 //! Streaming through the real proxy: SSE is teed chunk by chunk, byte-identical, and stored
 //! only when it completes.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
-use support::mock_upstream::{MockOptions, MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockOptions, MockUpstream, Reply};
+use crate::support::*;
 
 fn stream_body(text: &str) -> Value {
     json!({"model": "gpt-4o-mini", "stream": true, "stream_options": {"include_usage": true}, "messages": [user(text)]})
