@@ -19,7 +19,7 @@ use crate::support::*;
 
 const OTHER: &str = "sk-test-other";
 
-/// Sync summaries after a few exchanges (as in `tests/compression.rs`).
+/// Sync summaries after a few exchanges (as in `tests/it/compression.rs`).
 const SETTINGS: &str = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\ncompression_async = false\n";
 
 /// The text a sealed value starts with (`crates/store/src/seal.rs`).

@@ -17,7 +17,7 @@
 //! memory guard).
 //!
 //! `tests/support/` stays outside this folder because the examples, the benchmarks and the
-//! storage contract tests in `src/store/contract.rs` include its files by `#[path]` too.
+//! storage contract tests in `crates/store/src/contract.rs` include its files by `#[path]` too.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "../support/mod.rs"]

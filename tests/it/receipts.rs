@@ -583,7 +583,7 @@ async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
             "messages": [{"role": "user", "content": text}]})
     };
     // One stored exchange in each API's conversation, then their keys lost: reading them
-    // fails (`store-error`), as in `tests/store_damage.rs`.
+    // fails (`store-error`), as in `tests/it/store_damage.rs`.
     let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
     let stored = chat(&proxy, "degraded-chat", &body(&[user("first")]), &[]).await;
     assert_eq!(stored.header("x-memory-status"), "stored");

@@ -248,7 +248,7 @@ async fn a_lost_or_garbled_key_turns_memory_off_for_its_conversation_only() {
     proxy.stop().await;
 }
 
-/// A summary small enough to be made after a few exchanges (as `tests/compression.rs`).
+/// A summary small enough to be made after a few exchanges (as `tests/it/compression.rs`).
 const SUMMARIES: &str = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\ncompression_async = false\nrelevance_enabled = false\n";
 
 #[tokio::test]
