@@ -84,9 +84,7 @@ async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
 
 #[tokio::test]
 async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c1", "alpha", 2).await;
     converse(&proxy, TOKEN, "default", "c2", "beta", 1).await;
     converse(&proxy, TOKEN, "support", "c3", "gamma", 1).await;
@@ -222,9 +220,7 @@ async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
 
 #[tokio::test]
 async fn preview_shows_exactly_what_would_be_forwarded_without_sending_or_storing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c", "topic", 14).await;
     let path = format!("{}/preview", conversation_path(TOKEN, "default", "c"));
     let request = body(&[
@@ -292,9 +288,7 @@ async fn preview_shows_exactly_what_would_be_forwarded_without_sending_or_storin
 
 #[tokio::test]
 async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c", "round", 3).await;
     put_summary(&proxy, TOKEN, "default", "c", 1, 2);
     let path = conversation_path(TOKEN, "default", "c");
@@ -385,9 +379,7 @@ async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation
 
 #[tokio::test]
 async fn delete_removes_every_trace_and_nothing_else() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "gone", "zebra-secret", 12).await;
     converse(&proxy, TOKEN, "default", "kept", "kept-text", 2).await;
     converse(&proxy, OTHER, "default", "gone", "other-tenant-text", 2).await;
@@ -555,9 +547,7 @@ async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
 
 #[tokio::test]
 async fn cross_tenant_attempts_fail() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "mine", "private-of-one", 2).await;
     converse(&proxy, OTHER, "default", "theirs", "private-of-other", 1).await;
     let mine = conversation_path(TOKEN, "default", "mine");
@@ -700,9 +690,7 @@ async fn the_openapi_document_matches_the_server() {
     served.sort();
     assert_eq!(in_doc, served, "the document and the router disagree");
 
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c", "openapi", 1).await;
     converse(&proxy, TOKEN, "default", "del", "to delete", 1).await;
     converse(&proxy, OTHER, "default", "theirs", "other", 1).await;
@@ -881,9 +869,7 @@ async fn the_openapi_document_matches_the_server() {
 
 #[tokio::test]
 async fn preview_and_stats_show_the_summary() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let headers = [
         ("x-memory-recent-n", "2"),
         ("x-memory-compression-threshold-tokens", "20"),
@@ -940,9 +926,7 @@ async fn preview_and_stats_show_the_summary() {
 #[tokio::test]
 async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
     use crate::support::mock_upstream::Reply;
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     mock.push_summary(Reply::Delay(
         std::time::Duration::from_millis(500),
         Box::new(Reply::Text("late-summary-text".into())),
@@ -970,9 +954,7 @@ async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
 
 #[tokio::test]
 async fn preview_writes_no_summary_not_even_the_heuristic_stand_in() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c", "topic", 14).await;
     let path = format!("{}/preview", conversation_path(TOKEN, "default", "c"));
     // No model to summarize with and a pool far over the threshold: a chat request would
@@ -1044,9 +1026,7 @@ fn assert_documented(doc: &Value, schema: &Value, value: &Value, at: &str) {
 #[tokio::test]
 async fn the_openapi_document_names_every_field_the_server_sends() {
     let doc = openapi_document();
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let mut history = Vec::new();
     for i in 1..=3 {
         history.push(user(&format!("question {i}")));

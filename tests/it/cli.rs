@@ -8,7 +8,6 @@ use serde_json::Value;
 
 use crate::support::admin::*;
 use crate::support::cli::memproxy;
-use crate::support::mock_upstream::MockUpstream;
 use crate::support::*;
 
 fn stdout_json(output: &Output) -> Value {
@@ -23,9 +22,9 @@ fn stdout_json(output: &Output) -> Value {
 
 #[tokio::test]
 async fn conversations_commands_work_on_a_stopped_servers_data() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().start().await;
     for (id, text) in [
         ("one", "first conversation"),
         ("two", "second conversation"),
@@ -155,9 +154,7 @@ fn check_config_prints_the_effective_settings_per_agent() {
 
 #[tokio::test]
 async fn users_commands_correct_export_import_and_delete_a_users_memory() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { dir, proxy, .. } = Harness::new().start().await;
     let said = chat(
         &proxy,
         "trip",

@@ -178,9 +178,7 @@ async fn stall_body_and_expect_408(proxy: &Proxy, head: &str, start: &[u8]) {
 
 #[tokio::test]
 async fn a_half_sent_head_is_closed_after_the_head_timeout() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_HEAD).await;
+    let Started { mock, proxy, .. } = Harness::new().config(SHORT_HEAD).start().await;
 
     let closed = send_then_wait_for_close(
         &proxy,
@@ -193,9 +191,7 @@ async fn a_half_sent_head_is_closed_after_the_head_timeout() {
 
 #[tokio::test]
 async fn a_silent_connection_is_closed_after_the_head_timeout() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_HEAD).await;
+    let Started { proxy, .. } = Harness::new().config(SHORT_HEAD).start().await;
 
     // Not a byte: hyper's protocol detection would wait for one forever.
     let mut stream = connect(&proxy).await;
@@ -205,10 +201,8 @@ async fn a_silent_connection_is_closed_after_the_head_timeout() {
 
 #[tokio::test]
 async fn a_kept_alive_connection_is_closed_once_idle_and_a_late_head_is_timed_out_too() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let idle = "header_read_timeout = \"PT30S\"\nidle_timeout = \"PT1S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), idle).await;
+    let Started { mock, proxy, .. } = Harness::new().config(idle).start().await;
 
     let mut stream = connect(&proxy).await;
     ask_health(&mut stream).await;
@@ -249,10 +243,8 @@ async fn a_request_in_flight_outlives_the_idle_timeout() {
 
 #[tokio::test]
 async fn an_idle_h2c_connection_is_closed_after_the_idle_timeout() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let idle = "header_read_timeout = \"PT30S\"\nidle_timeout = \"PT1S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), idle).await;
+    let Started { proxy, .. } = Harness::new().config(idle).start().await;
 
     let stream = connect(&proxy).await;
     let (mut sender, connection) = hyper::client::conn::http2::handshake(
@@ -282,9 +274,7 @@ async fn an_idle_h2c_connection_is_closed_after_the_idle_timeout() {
 
 #[tokio::test]
 async fn a_chat_body_stalled_midway_gets_408_and_nothing_is_forwarded() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_BODY).await;
+    let Started { mock, proxy, .. } = Harness::new().config(SHORT_BODY).start().await;
 
     stall_body_and_expect_408(&proxy, &chat_head(100), b"{\"model\":").await;
     assert!(mock.recorded().is_empty());
@@ -312,18 +302,14 @@ async fn an_admin_body_stalled_midway_gets_408() {
 
 #[tokio::test]
 async fn a_passthrough_body_stalled_midway_cuts_the_upstream_request_and_gets_408() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_BODY).await;
+    let Started { proxy, .. } = Harness::new().config(SHORT_BODY).start().await;
 
     stall_body_and_expect_408(&proxy, &passthrough_head(100), b"0123456789").await;
 }
 
 #[tokio::test]
 async fn a_huge_content_length_with_no_body_is_answered() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_BODY).await;
+    let Started { mock, proxy, .. } = Harness::new().config(SHORT_BODY).start().await;
 
     // Chat with memory: past `body_limit_bytes`, so 413 before any byte of the body is awaited.
     let closed = send_then_wait_for_close(&proxy, chat_head(1_000_000_000_000).as_bytes()).await;
@@ -339,10 +325,8 @@ async fn a_huge_content_length_with_no_body_is_answered() {
 
 #[tokio::test]
 async fn past_max_connections_a_new_connection_gets_503_and_the_others_still_work() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let capped = "max_connections = 2\nheader_read_timeout = \"PT30S\"\nidle_timeout = \"PT30S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), capped).await;
+    let Started { proxy, .. } = Harness::new().config(capped).start().await;
 
     // Two connections held open, neither sending anything yet: accepted in order, first.
     let mut first = connect(&proxy).await;

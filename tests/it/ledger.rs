@@ -53,9 +53,11 @@ fn number(answer: &Answer, header: &str) -> u64 {
 
 #[tokio::test]
 async fn the_ledger_is_counted_per_agent_label_with_cached_tokens() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[agents.support]\nrecent_n = 4\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[agents.support]\nrecent_n = 4\n")
+        .start()
+        .await;
 
     let (mut history, mut forwarded, mut cached) = (0u64, 0u64, 0u64);
     let mut messages = Vec::new();
@@ -247,16 +249,9 @@ fn line(i: usize) -> String {
 
 #[tokio::test]
 async fn background_spend_is_counted_and_a_spent_daily_budget_stops_summaries() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(
-        &mock,
-        dir.path(),
-        &format!(
+    let Started { mock, proxy, .. } = Harness::new().admin().config(&format!(
             "{SUMMARIES}[agents.rich]\ncompression_max_tokens_per_day = 100000000\n[compression]\nmax_tokens_per_day = 1\n"
-        ),
-    )
-    .await;
+        )).start().await;
 
     // The default agent (label `other`): its first summary spends past the budget of 1 token;
     // no summary call follows that day.
@@ -365,9 +360,7 @@ async fn a_budget_of_zero_or_a_bad_value_is_refused() {
 
 #[tokio::test]
 async fn memory_extraction_spends_on_behalf_of_its_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "2"),

@@ -6,7 +6,6 @@ use prometheus_parse::{Scrape, Value};
 use serde_json::json;
 
 use crate::support::admin::*;
-use crate::support::mock_upstream::MockUpstream;
 use crate::support::*;
 
 async fn scrape(proxy: &Proxy) -> (Scrape, String) {
@@ -51,9 +50,7 @@ fn has_histogram(scrape: &Scrape, metric: &str) -> bool {
 
 #[tokio::test]
 async fn metrics_parse_and_move_as_requests_flow() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
 
     let (before, _) = scrape(&proxy).await;
     for family in [
@@ -234,9 +231,11 @@ async fn metrics_parse_and_move_as_requests_flow() {
 
 #[tokio::test]
 async fn metrics_can_require_the_admin_token() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[admin]\nprotect_metrics = true\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[admin]\nprotect_metrics = true\n")
+        .start()
+        .await;
     let open = send("GET", &proxy.url("/metrics"), &[], "").await;
     assert_eq!(open.status, 401);
     let wrong = send(
@@ -262,9 +261,7 @@ async fn metrics_can_require_the_admin_token() {
 
 #[tokio::test]
 async fn summaries_made_are_counted_with_their_tokens() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().start().await;
     let headers = [
         ("x-memory-recent-n", "2"),
         ("x-memory-compression-threshold-tokens", "20"),
@@ -313,9 +310,7 @@ async fn scraped(proxy: &Proxy, metric: &str, labels: &[(&str, &str)], expected:
 #[tokio::test]
 async fn extractions_are_counted_with_what_they_did_to_the_memories() {
     use crate::support::mock_upstream::Reply;
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let (before, _) = scrape(&proxy).await;
     for result in ["done", "failed", "dropped"] {
         assert!(

@@ -47,9 +47,7 @@ async fn fill(proxy: &Proxy, conversation: &str, first: &str, exchanges: usize) 
 
 #[tokio::test]
 async fn the_turn_3_fact_comes_back_at_turn_30() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     chat(&proxy, "fact", &body(&[user("Hello there")]), &[]).await;
     chat(
@@ -138,9 +136,7 @@ async fn the_turn_3_fact_comes_back_at_turn_30() {
 
 #[tokio::test]
 async fn tool_turns_come_back_as_text() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let mut history = vec![user("Look up the order status for order 88123")];
     mock.push(Reply::ToolCalls(vec![(
@@ -187,9 +183,7 @@ async fn tool_turns_come_back_as_text() {
 
 #[tokio::test]
 async fn chinese_and_russian_conversations_find_their_turns() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let chinese = [
         "我的猫叫小白，它喜欢吃鱼",
@@ -258,9 +252,7 @@ async fn chinese_and_russian_conversations_find_their_turns() {
 
 #[tokio::test]
 async fn the_budget_drops_recalled_then_rounds_then_truncates() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     fill(&proxy, "b", "My locker code is 5521", 12).await;
     let question = body(&[user("What is my locker code?")]);
 
@@ -382,9 +374,7 @@ async fn a_restart_rebuilds_the_index() {
 
 #[tokio::test]
 async fn an_echoed_injected_message_is_not_stored_or_repeated() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     fill(&proxy, "echo", "The gate code is 2468", 10).await;
     chat(&proxy, "echo", &body(&[user("gate code?")]), &[]).await;
     let forwarded = mock.last_messages();

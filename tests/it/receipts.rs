@@ -64,9 +64,7 @@ async fn replay_as(proxy: &Proxy, id: &str, client: &str) -> Answer {
 
 #[tokio::test]
 async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().anthropic_to_the_mock().start().await;
     let cached = [("x-mock-cached-tokens", "7")];
 
     // Chat completions, JSON: a system prompt, three turns so the window is stored messages.
@@ -216,14 +214,7 @@ async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
 
 #[tokio::test]
 async fn a_receipt_names_the_recalled_turns_the_summary_and_what_the_budget_dropped() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(
-        &mock,
-        dir.path(),
-        "[memory]\nrecent_n = 2\ncompression_threshold_tokens = 60\ncompression_async = false\ncompression_interval = \"PT0S\"\n",
-    )
-    .await;
+    let Started { proxy, .. } = Harness::new().admin().config("[memory]\nrecent_n = 2\ncompression_threshold_tokens = 60\ncompression_async = false\ncompression_interval = \"PT0S\"\n").start().await;
     let topics = [
         "the lighthouse keeper named Orsolya paints seagulls",
         "my favourite pasta shape is orecchiette with broccoli",
@@ -277,9 +268,7 @@ async fn a_receipt_names_the_recalled_turns_the_summary_and_what_the_budget_drop
 
 #[tokio::test]
 async fn receipts_are_tenant_checked() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let answer = chat_as(
         &proxy,
         "sk-tenant-a",
@@ -320,9 +309,7 @@ async fn receipts_are_tenant_checked() {
 
 #[tokio::test]
 async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let first = chat(&proxy, "replayed", &body(&[user("first question")]), &[]).await;
     let id = first.header("x-memory-receipt").to_string();
     let original = mock.chat_requests().last().unwrap().clone();
@@ -411,9 +398,11 @@ async fn with_its_own_upstream_key_memproxy_replays_without_the_clients() {
 
 #[tokio::test]
 async fn receipts_expire_after_their_retention() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[receipts]\nretention = \"PT1S\"\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[receipts]\nretention = \"PT1S\"\n")
+        .start()
+        .await;
     let answer = chat(&proxy, "short-lived", &body(&[user("hello")]), &[]).await;
     let id = answer.header("x-memory-receipt").to_string();
     let path = format!("/admin/v1/receipts/{id}");
@@ -424,9 +413,11 @@ async fn receipts_expire_after_their_retention() {
 
 #[tokio::test]
 async fn receipts_stay_within_their_bytes_the_newest_kept() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[receipts]\nmax_bytes = \"256KiB\"\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[receipts]\nmax_bytes = \"256KiB\"\n")
+        .start()
+        .await;
     let mut ids = Vec::new();
     for i in 0..12 {
         let text = format!("{i} {}", "filler words for a large body ".repeat(1000));
@@ -474,9 +465,7 @@ async fn receipts_can_be_turned_off() {
 
 #[tokio::test]
 async fn a_request_without_memory_has_no_receipt() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let answer = send(
         "POST",
         &proxy.url("/v1/chat/completions"),
@@ -493,9 +482,7 @@ async fn a_request_without_memory_has_no_receipt() {
 
 #[tokio::test]
 async fn deleting_a_conversation_drops_its_receipts() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let gone = chat(&proxy, "to-delete", &body(&[user("delete me")]), &[]).await;
     let kept = chat(&proxy, "to-keep", &body(&[user("keep me")]), &[]).await;
     let path =
@@ -561,8 +548,6 @@ fn assert_degraded_receipt(receipt: &Value, recorded: &Recorded, new_messages: u
 
 #[tokio::test]
 async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let chat_headers = |conversation: &'static str| {
         [
             ("authorization", "Bearer sk-test-one"),
@@ -584,7 +569,9 @@ async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
     };
     // One stored exchange in each API's conversation, then their keys lost: reading them
     // fails (`store-error`), as in `tests/it/store_damage.rs`.
-    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().admin().anthropic_to_the_mock().start().await;
     let stored = chat(&proxy, "degraded-chat", &body(&[user("first")]), &[]).await;
     assert_eq!(stored.header("x-memory-status"), "stored");
     let request = json!({"model": "gpt-4o-mini", "input": "first"});
@@ -721,9 +708,7 @@ async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
 
 #[tokio::test]
 async fn a_stream_the_client_drops_ends_its_receipt_client_gone_with_the_usage_seen() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().anthropic_to_the_mock().start().await;
     let open = |path: &str, headers: &[(&str, &str)], body: &Value| {
         let mut request = http::Request::post(proxy.url(path));
         for (name, value) in headers {
@@ -804,9 +789,7 @@ async fn a_stream_the_client_drops_ends_its_receipt_client_gone_with_the_usage_s
 
 #[tokio::test]
 async fn a_user_delete_and_the_ttl_sweeper_drop_the_receipts_of_what_they_delete() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let path =
         |answer: &Answer| format!("/admin/v1/receipts/{}", answer.header("x-memory-receipt"));
     let status = |path: String| {
@@ -864,14 +847,7 @@ async fn a_user_delete_and_the_ttl_sweeper_drop_the_receipts_of_what_they_delete
 
 #[tokio::test]
 async fn a_receipt_names_the_excerpted_turns_and_the_window_step_in_effect() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(
-        &mock,
-        dir.path(),
-        "[memory]\nrecent_n = 2\nwindow_step = \"auto\"\ncompression_enabled = false\nrelevance_top_k = 2\nrelevance_max_tokens = 120\n",
-    )
-    .await;
+    let Started { mock, proxy, .. } = Harness::new().admin().config("[memory]\nrecent_n = 2\nwindow_step = \"auto\"\ncompression_enabled = false\nrelevance_top_k = 2\nrelevance_max_tokens = 120\n").start().await;
     let filler = "we spoke about the weather and the trains again. ".repeat(40);
     mock.push(support::mock_upstream::Reply::Text(format!(
         "{filler}The boathouse key is under the third step. {filler}"

@@ -166,9 +166,9 @@ async fn a_store_sled_cannot_open_leaves_the_proxy_serving_without_memory() {
 
 #[tokio::test]
 async fn a_lost_or_garbled_key_turns_memory_off_for_its_conversation_only() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().start().await;
     let histories = converse(&proxy, &["missing", "garbled", "kept"]).await;
     let store = proxy.store();
     let key_file = |name: &str| {
@@ -253,9 +253,9 @@ const SUMMARIES: &str = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 
 
 #[tokio::test]
 async fn a_repair_of_a_whole_store_keeps_everything() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SUMMARIES).await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().config(SUMMARIES).start().await;
     let mut history = Vec::new();
     for i in 0..8 {
         history.push(user(&format!(

@@ -30,9 +30,7 @@ async fn open_stream(
 
 #[tokio::test]
 async fn a_stream_reaches_the_client_byte_identical_and_is_stored() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let response = open_stream(&proxy, "s", &stream_body("tell me")).await;
     assert_eq!(response.status(), 200);
@@ -100,9 +98,7 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
 
 #[tokio::test]
 async fn streamed_tool_calls_are_merged_and_stored() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     mock.push(Reply::ToolCalls(vec![
         (
             "call_1".into(),
@@ -208,10 +204,8 @@ async fn a_client_that_disconnects_mid_stream_stores_nothing() {
 
 #[tokio::test]
 async fn persist_false_streams_without_storing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // It sends no credential: memory for such requests must be allowed.
-    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
+    let Started { proxy, .. } = Harness::new().config(ANONYMOUS_MEMORY).start().await;
     let request = http::Request::post(proxy.url("/v1/chat/completions"))
         .header("x-memory-conversation-id", "p")
         .header("x-memory-persist", "false")

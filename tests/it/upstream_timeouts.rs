@@ -65,9 +65,9 @@ async fn send_and_read(
 
 #[tokio::test]
 async fn a_json_answer_that_stalls_after_its_head_is_a_504_and_stores_nothing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_READ, "").await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().upstream(SHORT_READ).start().await;
 
     chat(&proxy, "j", &body(&[user("first")]), &[]).await;
     mock.push(Reply::Stall { chunks: 1 });
@@ -97,9 +97,7 @@ async fn a_json_answer_that_stalls_after_its_head_is_a_504_and_stores_nothing() 
 
 #[tokio::test]
 async fn a_stream_that_stalls_is_cut_without_done_and_stores_nothing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_IDLE, "").await;
+    let Started { mock, proxy, .. } = Harness::new().upstream(SHORT_IDLE).start().await;
 
     mock.push(Reply::Stall { chunks: 2 });
     let (status, bytes, failed) = send_and_read(
@@ -126,9 +124,7 @@ async fn a_stream_that_stalls_is_cut_without_done_and_stores_nothing() {
 
 #[tokio::test]
 async fn a_passthrough_answer_that_stalls_is_cut() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_IDLE, "").await;
+    let Started { mock, proxy, .. } = Harness::new().upstream(SHORT_IDLE).start().await;
 
     // No conversation id: forwarded untouched, the body streamed through.
     mock.push(Reply::Stall { chunks: 1 });
@@ -172,12 +168,14 @@ async fn a_slow_but_steady_stream_is_not_cut() {
 
 #[tokio::test]
 async fn a_summary_call_that_stalls_fails_at_the_read_timeout_and_chat_goes_on() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // Summaries made on the request's path (sync), due after a few exchanges; the summary
     // call's own timeout (`compression.timeout`, 2 minutes) is far longer than the bound.
     let memory = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\ncompression_async = false\ncompression_interval = \"PT0S\"\n";
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_READ, memory).await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .upstream(SHORT_READ)
+        .config(memory)
+        .start()
+        .await;
 
     mock.push_summary(Reply::Stall { chunks: 1 });
     let mut stand_in_seen = false;

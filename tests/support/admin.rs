@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::support::mock_upstream::MockUpstream;
 use crate::support::redis_server::RedisServer;
-use crate::support::{Answer, Proxy, send, test_budget};
+use crate::support::{Answer, Proxy, send};
 use memproxy::config;
 use memproxy::identity::TenantId;
 
@@ -25,12 +25,7 @@ pub fn config_with_storage(
     storage_toml: &str,
     extra_toml: &str,
 ) -> String {
-    format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
-        mock.base_url(),
-        data_dir.display(),
-        test_budget(extra_toml)
-    )
+    crate::support::config_toml(mock, data_dir, "", storage_toml, extra_toml)
 }
 
 /// Starts memproxy with the admin token set (as `MEMPROXY_ADMIN_TOKEN`, through the config's

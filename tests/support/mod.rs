@@ -6,8 +6,11 @@
 
 pub mod admin;
 pub mod cli;
+pub mod harness;
 pub mod mock_upstream;
 pub mod redis_server;
+
+pub use self::harness::{Harness, Started};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -67,17 +70,36 @@ pub fn test_config_with_storage(
     storage_toml: &str,
     extra_toml: &str,
 ) -> Config {
-    let text = format!(
+    let text = config_toml(mock, data_dir, upstream_toml, storage_toml, extra_toml);
+    config::from_toml(&text, &test_env).unwrap()
+}
+
+/// The tests' config as text: `mock` as the upstream (with `upstream_toml` added to
+/// `[upstream]`), data under `data_dir` (with `storage_toml` added to `[storage]`), then
+/// `extra_toml`. The template ends inside `[server]`, so bare keys at the start of `extra_toml`
+/// are server settings.
+pub fn config_toml(
+    mock: &MockUpstream,
+    data_dir: &Path,
+    upstream_toml: &str,
+    storage_toml: &str,
+    extra_toml: &str,
+) -> String {
+    format!(
         "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
         mock.base_url(),
         data_dir.display(),
         test_budget(extra_toml)
-    );
-    config::from_toml(&text, &|name| match name {
+    )
+}
+
+/// The environment the tests' configs see: only `TEST_UPSTREAM_KEY` (`sk-proxy-held`), never
+/// the real environment.
+pub fn test_env(name: &str) -> Option<String> {
+    match name {
         "TEST_UPSTREAM_KEY" => Some("sk-proxy-held".to_string()),
         _ => None,
-    })
-    .unwrap()
+    }
 }
 
 /// A running memproxy.
@@ -86,8 +108,9 @@ pub struct Proxy {
     pub state: Arc<AppState>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
-    /// What must live as long as the proxy (a redis-server it uses).
-    guard: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// What must live as long as the proxy (its mock upstream, its data directory, a
+    /// redis-server it uses), dropped after it in this order.
+    guards: Vec<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Proxy {
@@ -147,13 +170,13 @@ impl Proxy {
             state,
             stop: Some(stop),
             task: Some(task),
-            guard: None,
+            guards: Vec::new(),
         }
     }
 
     /// Keeps `guard` alive as long as the proxy.
     pub fn keeping(mut self, guard: impl std::any::Any + Send + Sync) -> Proxy {
-        self.guard = Some(Box::new(guard));
+        self.guards.push(Box::new(guard));
         self
     }
 
