@@ -8,9 +8,10 @@
 //!
 //! The proxy keeps the mock and the directory alive (it holds a share of each), so a test binds
 //! only what it uses: `..` drops neither. A test that restarts the proxy on the same data binds
-//! `dir` and starts the next one itself (`Proxy::start(&mock, dir.path(), …)`).
+//! `mock` and `dir` and starts the next one with [`Harness::proxy_on`].
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::path::Path;
 use std::sync::Arc;
 
 use memproxy::config;
@@ -118,8 +119,34 @@ impl Harness {
     }
 
     pub async fn start(self) -> Started {
-        let mock = Arc::new(MockUpstream::start_with(self.mock, None).await.unwrap());
+        let mock = Arc::new(
+            MockUpstream::start_with(self.mock.clone(), None)
+                .await
+                .unwrap(),
+        );
         let dir = Arc::new(tempfile::tempdir().unwrap());
+        let (proxy, redis) = self.proxy_and_redis(&mock, dir.path()).await;
+        Started {
+            proxy: proxy.keeping(Arc::clone(&dir)).keeping(Arc::clone(&mock)),
+            dir,
+            mock,
+            redis,
+        }
+    }
+
+    /// A proxy with this config on `mock` and the data in `dir`: the next process after a
+    /// restart (the mock and the directory are the caller's to keep). With
+    /// `MEMPROXY_TEST_BACKEND=redis`, an [`admin`](Harness::admin) proxy's memory is in a new
+    /// redis-server, as it was for the first.
+    pub async fn proxy_on(self, mock: &MockUpstream, dir: &Path) -> Proxy {
+        self.proxy_and_redis(mock, dir).await.0
+    }
+
+    async fn proxy_and_redis(
+        self,
+        mock: &MockUpstream,
+        dir: &Path,
+    ) -> (Proxy, Option<Arc<RedisServer>>) {
         let redis = (self.admin
             && self.storage.is_none()
             && std::env::var("MEMPROXY_TEST_BACKEND").as_deref() == Ok("redis"))
@@ -143,7 +170,7 @@ impl Harness {
             ),
             None => self.upstream.clone(),
         };
-        let text = super::config_toml(&mock, dir.path(), &upstream, &storage, &self.config);
+        let text = super::config_toml(mock, dir, &upstream, &storage, &self.config);
         let env = self.env;
         let config = config::from_toml(&text, &|name| {
             env.iter()
@@ -152,18 +179,10 @@ impl Harness {
                 .or_else(|| super::test_env(name))
         })
         .unwrap();
-        let mut proxy = Proxy::start_config(config)
-            .await
-            .keeping(Arc::clone(&dir))
-            .keeping(Arc::clone(&mock));
-        if let Some(redis) = &redis {
-            proxy = proxy.keeping(Arc::clone(redis));
-        }
-        Started {
-            proxy,
-            dir,
-            mock,
-            redis,
+        let proxy = Proxy::start_config(config).await;
+        match redis {
+            Some(redis) => (proxy.keeping(Arc::clone(&redis)), Some(redis)),
+            None => (proxy, None),
         }
     }
 }
