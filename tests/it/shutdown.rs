@@ -5,25 +5,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use memproxy::config;
 use memproxy::store::{Durability, Store, StoreOptions};
 use serde_json::json;
 
-use crate::support::mock_upstream::{MockOptions, MockUpstream};
+use crate::support::mock_upstream::MockOptions;
 use crate::support::*;
-
-/// A proxy in front of `mock` with its data under `dir` and the given grace period, and the
-/// tests' memory budget ([`test_budget`]): under the default one, the RSS of the one test
-/// process `cargo test` runs every suite in can pass the high-water mark and turn memory off.
-async fn start(mock: &MockUpstream, dir: &std::path::Path, grace: &str) -> Proxy {
-    let text = format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"{grace}\"\n{}",
-        mock.base_url(),
-        dir.display(),
-        test_budget("")
-    );
-    Proxy::start_config(config::from_toml(&text, &|_| None).unwrap()).await
-}
 
 async fn open_stream(proxy: &Proxy, conversation: &str) -> hyper::body::Incoming {
     let body = json!({"model": "gpt-4o-mini", "stream": true,
@@ -57,9 +43,11 @@ async fn twenty_streams_in_flight_at_sigterm_all_complete_and_are_stored() {
         record: false,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path(), "PT20S").await;
+    let Started { dir, proxy, .. } = Harness::new()
+        .mock(options)
+        .config("shutdown_grace = \"PT20S\"\n")
+        .start()
+        .await;
 
     let mut bodies = Vec::new();
     for i in 0..20 {
@@ -106,9 +94,11 @@ async fn a_stream_open_past_the_grace_period_is_cut_and_stores_nothing() {
         record: false,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path(), "PT1S").await;
+    let Started { dir, proxy, .. } = Harness::new()
+        .mock(options)
+        .config("shutdown_grace = \"PT1S\"\n")
+        .start()
+        .await;
 
     let mut body = open_stream(&proxy, "slow").await;
     assert!(body.frame().await.unwrap().unwrap().data_ref().is_some());

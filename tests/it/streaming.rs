@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
 
-use crate::support::mock_upstream::{MockOptions, MockUpstream, Reply};
+use crate::support::mock_upstream::{MockOptions, Reply};
 use crate::support::*;
 
 fn stream_body(text: &str) -> Value {
@@ -70,9 +70,7 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().mock(options).start().await;
 
     let started = Instant::now();
     let mut body = open_stream(&proxy, "slow", &stream_body("one two three four five six"))
@@ -138,9 +136,7 @@ async fn a_stream_cut_midway_or_unfinished_stores_nothing() {
         chunk_delay: Duration::from_millis(50),
         ..MockOptions::default()
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().mock(options).start().await;
 
     mock.push(Reply::CutStream { chunks: 2 });
     let mut body = open_stream(&proxy, "cut", &stream_body("hi"))
@@ -187,9 +183,7 @@ async fn a_client_that_disconnects_mid_stream_stores_nothing() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().mock(options).start().await;
 
     let mut body = open_stream(&proxy, "gone", &stream_body("a long answer please"))
         .await
@@ -225,9 +219,7 @@ async fn shutdown_lets_a_stream_in_flight_finish_and_stores_it() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().mock(options).start().await;
     let state = std::sync::Arc::clone(&proxy.state);
     let addr = proxy.addr;
 

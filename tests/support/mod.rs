@@ -50,6 +50,15 @@ pub fn test_budget(extra_toml: &str) -> &'static str {
     }
 }
 
+/// The shutdown grace period of the tests' proxies unless `extra_toml` sets one.
+pub fn test_grace(extra_toml: &str) -> &'static str {
+    if extra_toml.contains("shutdown_grace") {
+        ""
+    } else {
+        "shutdown_grace = \"PT5S\"\n"
+    }
+}
+
 /// The tests' config: `mock` as the upstream (with `upstream_toml` added to `[upstream]`), data
 /// under `data_dir`, then `extra_toml`. The template ends inside `[server]`, so bare keys at the
 /// start of `extra_toml` are server settings.
@@ -86,9 +95,10 @@ pub fn config_toml(
     extra_toml: &str,
 ) -> String {
     format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\n{}{}{extra_toml}",
         mock.base_url(),
         data_dir.display(),
+        test_grace(extra_toml),
         test_budget(extra_toml)
     )
 }
