@@ -98,6 +98,12 @@ impl Harness {
         self
     }
 
+    /// Memory in `redis` ([`redis_storage`](super::redis_storage)): one replica of several
+    /// sharing it.
+    pub fn redis(self, redis: &RedisServer) -> Harness {
+        self.storage(&super::redis_storage(&redis.url()))
+    }
+
     /// The admin API on, with [`ADMIN_TOKEN`] (given as `MEMPROXY_ADMIN_TOKEN` through the
     /// config's environment function, never the real environment). Unless [`Harness::storage`]
     /// says where memory is, `MEMPROXY_TEST_BACKEND=redis` in the test run's environment puts

@@ -103,6 +103,14 @@ pub fn config_toml(
     )
 }
 
+/// `[storage]` for memory in the Redis server at `redis_url` (key prefix `mp:`, short
+/// timeouts): one replica of several sharing it.
+pub fn redis_storage(redis_url: &str) -> String {
+    format!(
+        "backend = \"redis\"\nredis_url = \"{redis_url}\"\nredis_key_prefix = \"mp:\"\nredis_connect_timeout = \"PT0.5S\"\nredis_command_timeout = \"PT2S\"\n"
+    )
+}
+
 /// The environment the tests' configs see: only `TEST_UPSTREAM_KEY` (`sk-proxy-held`), never
 /// the real environment.
 pub fn test_env(name: &str) -> Option<String> {
@@ -139,9 +147,7 @@ impl Proxy {
         redis_url: &str,
         extra_toml: &str,
     ) -> Proxy {
-        let storage = format!(
-            "backend = \"redis\"\nredis_url = \"{redis_url}\"\nredis_key_prefix = \"mp:\"\nredis_connect_timeout = \"PT0.5S\"\nredis_command_timeout = \"PT2S\"\n"
-        );
+        let storage = redis_storage(redis_url);
         Proxy::start_config(test_config_with_storage(
             mock, data_dir, "", &storage, extra_toml,
         ))
