@@ -5,7 +5,6 @@ use memproxy::store::workspace_dir;
 use serde_json::{Value, json};
 
 use crate::support::admin::*;
-use crate::support::mock_upstream::MockUpstream;
 use crate::support::*;
 
 const OTHER: &str = "sk-test-other";
@@ -48,9 +47,12 @@ fn put_summary(proxy: &Proxy, token: &str, agent: &str, id: &str, number: u64, t
 
 #[tokio::test]
 async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let off = Proxy::start(&mock, dir.path(), "").await;
+    let Started {
+        mock,
+        dir,
+        proxy: off,
+        ..
+    } = Harness::new().start().await;
     for path in [
         "/admin/v1/conversations",
         "/admin/v1/tenants/anonymous",
@@ -61,7 +63,7 @@ async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
     }
     off.stop().await;
 
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let proxy = Harness::new().admin().proxy_on(&mock, dir.path()).await;
     for token in [
         None,
         Some("wrong"),
@@ -302,7 +304,7 @@ async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation
     proxy.stop().await;
 
     let empty = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, empty.path(), "").await;
+    let proxy = Harness::new().admin().proxy_on(&mock, empty.path()).await;
     let text = String::from_utf8(export.body.to_vec()).unwrap();
     let imported = admin(&proxy, "POST", &format!("{path}/import"), &text).await;
     assert_eq!(imported.status, 200, "{:?}", imported.body);
@@ -505,9 +507,8 @@ async fn delete_removes_every_trace_and_nothing_else() {
 
 #[tokio::test]
 async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = std::sync::Arc::new(start_admin(&mock, dir.path(), "").await);
+    let Started { proxy, .. } = Harness::new().admin().start().await;
+    let proxy = std::sync::Arc::new(proxy);
     converse(&proxy, TOKEN, "default", "busy", "busy", 3).await;
     let mut tasks = Vec::new();
     for i in 0..12 {

@@ -14,7 +14,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::support;
-use crate::support::mock_upstream::MockUpstream;
 use crate::support::*;
 
 /// How long any answer or close may take before the test calls it a hang.
@@ -228,10 +227,8 @@ async fn a_request_in_flight_outlives_the_idle_timeout() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let short = "header_read_timeout = \"PT1S\"\nidle_timeout = \"PT1S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), short).await;
+    let Started { proxy, .. } = Harness::new().mock(options).config(short).start().await;
 
     // A stream of about 3 s through a proxy that closes idle connections after 1 s.
     let body = serde_json::json!({"model": "m", "stream": true, "messages": [user("long one")]});
@@ -289,9 +286,7 @@ async fn a_chat_body_stalled_midway_gets_408_and_nothing_is_forwarded() {
 
 #[tokio::test]
 async fn an_admin_body_stalled_midway_gets_408() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = support::admin::start_admin(&mock, dir.path(), SHORT_BODY).await;
+    let Started { proxy, .. } = Harness::new().admin().config(SHORT_BODY).start().await;
 
     let head = format!(
         "POST /admin/v1/conversations/anonymous/default/c/import HTTP/1.1\r\nhost: memproxy\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n",

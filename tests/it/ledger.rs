@@ -9,24 +9,8 @@ use prometheus_parse::{Scrape, Value as Sample};
 use serde_json::{Value, json};
 
 use crate::support::admin::*;
-use crate::support::mock_upstream::MockUpstream;
 use crate::support::redis_server::RedisServer;
 use crate::support::*;
-
-async fn start_with(
-    mock: &MockUpstream,
-    dir: &std::path::Path,
-    storage: &str,
-    extra: &str,
-) -> Proxy {
-    let text = config_with_storage(mock, dir, storage, extra);
-    let config = memproxy::config::from_toml(&text, &|name| match name {
-        "MEMPROXY_ADMIN_TOKEN" => Some(ADMIN_TOKEN.to_string()),
-        _ => None,
-    })
-    .unwrap();
-    Proxy::start_config(config).await
-}
 
 async fn scrape(proxy: &Proxy) -> Scrape {
     let answer = send("GET", &proxy.url("/metrics"), &[], "").await;
@@ -155,9 +139,11 @@ async fn the_ledger_is_counted_per_agent_label_with_cached_tokens() {
 
 /// The ledger of a conversation and of a tenant, and after a restart the same.
 async fn stats_survive_a_restart(storage: &str) {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_with(&mock, dir.path(), storage, "").await;
+    // The admin API on, memory where `storage` says.
+    let ledger = || Harness::new().admin().storage(storage);
+    let Started {
+        mock, dir, proxy, ..
+    } = ledger().start().await;
     let (mut history, mut forwarded) = (0u64, 0u64);
     for (conversation, n) in [("ledger-a", 3), ("ledger-b", 2)] {
         for i in 0..n {
@@ -201,7 +187,7 @@ async fn stats_survive_a_restart(storage: &str) {
     check(stats, tenant_stats.json());
     proxy.stop().await;
 
-    let proxy = start_with(&mock, dir.path(), storage, "").await;
+    let proxy = ledger().proxy_on(&mock, dir.path()).await;
     let stats = admin(&proxy, "GET", &format!("{path}/stats"), "")
         .await
         .json();

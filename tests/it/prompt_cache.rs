@@ -317,15 +317,13 @@ fn unmarked(value: &Value) -> Value {
 
 #[tokio::test]
 async fn anthropic_prompts_keep_recalled_turns_out_of_the_cached_prefix() {
-    let openai = MockUpstream::start().await.unwrap();
     let claude = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let upstream = format!(
-        "[upstream.anthropic]\nbase_url = \"{}\"\n",
-        claude.anthropic_base_url()
-    );
     let settings = "[memory]\nrecent_n = 2\nwindow_step = 4\ncompression_enabled = false\nrelevance_top_k = 2\n";
-    let proxy = Proxy::start_with_upstream(&openai, dir.path(), &upstream, settings).await;
+    let Started { proxy, .. } = Harness::new()
+        .anthropic_to(&claude)
+        .config(settings)
+        .start()
+        .await;
     let turns = 9;
     for n in 1..=turns {
         let request = json!({

@@ -354,13 +354,11 @@ async fn the_budget_drops_recalled_then_rounds_then_truncates() {
 
 #[tokio::test]
 async fn a_restart_rebuilds_the_index() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let proxy = Proxy::start(&mock, dir.path(), "").await;
-        fill(&proxy, "r", "The wifi password is purple-otter-17", 12).await;
-        proxy.stop().await;
-    }
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().start().await;
+    fill(&proxy, "r", "The wifi password is purple-otter-17", 12).await;
+    proxy.stop().await;
     let proxy = Proxy::start(&mock, dir.path(), "").await;
     chat(
         &proxy,

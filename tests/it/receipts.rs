@@ -10,16 +10,8 @@ use sha2::{Digest, Sha256};
 
 use crate::support;
 use crate::support::admin::*;
-use crate::support::mock_upstream::{MockUpstream, Recorded};
+use crate::support::mock_upstream::Recorded;
 use crate::support::*;
-
-/// The Anthropic API served by the same mock.
-fn anthropic(mock: &MockUpstream) -> String {
-    format!(
-        "[upstream.anthropic]\nbase_url = \"{}\"\n",
-        mock.anthropic_base_url()
-    )
-}
 
 fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
@@ -365,21 +357,12 @@ async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
 
 #[tokio::test]
 async fn with_its_own_upstream_key_memproxy_replays_without_the_clients() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let text = config_text(&mock, dir.path(), "");
-    let text = text.replacen(
-        "[upstream]\n",
-        "[upstream]\napi_key_env = \"UPSTREAM_KEY\"\n",
-        1,
-    );
-    let config = memproxy::config::from_toml(&text, &|name| match name {
-        "MEMPROXY_ADMIN_TOKEN" => Some(ADMIN_TOKEN.to_string()),
-        "UPSTREAM_KEY" => Some("sk-proxy-own".to_string()),
-        _ => None,
-    })
-    .unwrap();
-    let proxy = Proxy::start_config(config).await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .admin()
+        .upstream("api_key_env = \"UPSTREAM_KEY\"\n")
+        .env("UPSTREAM_KEY", "sk-proxy-own")
+        .start()
+        .await;
     let answer = chat(&proxy, "keyed", &body(&[user("hello")]), &[]).await;
     let id = answer.header("x-memory-receipt").to_string();
     let replay = admin(
@@ -451,9 +434,7 @@ async fn receipts_can_be_turned_off() {
         "[receipts]\nretention = \"PT0S\"\n",
         "[receipts]\nenabled = false\n",
     ] {
-        let mock = MockUpstream::start().await.unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let proxy = start_admin(&mock, dir.path(), off).await;
+        let Started { proxy, .. } = Harness::new().admin().config(off).start().await;
         let answer = chat(&proxy, "off", &body(&[user("hello")]), &[]).await;
         assert_eq!(answer.status, 200);
         assert!(answer.headers.get("x-memory-receipt").is_none(), "{off}");
@@ -595,7 +576,11 @@ async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
     for file in std::fs::read_dir(dir.path().join("keys")).unwrap() {
         std::fs::remove_file(file.unwrap().path()).unwrap();
     }
-    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let proxy = Harness::new()
+        .admin()
+        .anthropic_to_the_mock()
+        .proxy_on(&mock, dir.path())
+        .await;
     let degraded = |answer: &Answer| {
         assert_eq!(answer.status, 200);
         assert_eq!(answer.header("x-memory-status"), "degraded");

@@ -102,7 +102,7 @@ async fn a_store_sled_cannot_open_leaves_the_proxy_serving_without_memory() {
     // Two lives: the second open writes sled's snapshot of the first's writes, so damage
     // among them is found when the store opens (see `store/sled_engine.rs`).
     for life in ["one", "two"] {
-        let proxy = start_admin(&mock, dir.path(), "").await;
+        let proxy = Harness::new().admin().proxy_on(&mock, dir.path()).await;
         converse(&proxy, &[&format!("{life}-a"), &format!("{life}-b")]).await;
         proxy.stop().await;
     }
@@ -111,7 +111,7 @@ async fn a_store_sled_cannot_open_leaves_the_proxy_serving_without_memory() {
     bytes[64..96].fill(0xab);
     std::fs::write(&db, bytes).unwrap();
 
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let proxy = Harness::new().admin().proxy_on(&mock, dir.path()).await;
     assert!(proxy.state.memory().is_none(), "started without memory");
     let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
     assert_eq!(ready.status, 503);

@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
 
 use crate::support;
-use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::mock_upstream::Reply;
 use crate::support::*;
 
 /// How long any answer may take before the test calls it a hang.
@@ -148,10 +148,12 @@ async fn a_slow_but_steady_stream_is_not_cut() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let two_seconds = "read_timeout = \"PT30S\"\nidle_timeout = \"PT2S\"\n";
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), two_seconds, "").await;
+    let Started { proxy, .. } = Harness::new()
+        .mock(options)
+        .upstream(two_seconds)
+        .start()
+        .await;
 
     // About 4 s in all, longer than the 2 s idle timeout, but 500 ms between two chunks.
     let (status, bytes, failed) = send_and_read(
