@@ -1,6 +1,8 @@
 //! The integration tests, one binary: each module is one suite (`admin` the admin API, `ttl`
-//! expiry, `architecture` the layer check, …), all sharing one harness, [`support`]: a real
-//! memproxy started in-process on `127.0.0.1:0` against the in-process mock upstream.
+//! expiry, `architecture` the layer check, …), all sharing one harness, [`support`]: a test
+//! starts from `Harness::new()`, says what it adds to the config, and `start()` gives it a real
+//! memproxy started in-process on `127.0.0.1:0`, its temporary data directory and the strict
+//! in-process mock upstream it forwards to.
 //!
 //! One binary rather than a file per suite because Cargo builds and links every `tests/*.rs`
 //! on its own, the mock upstream and the helpers compiled again for each; here they are

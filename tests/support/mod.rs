@@ -1,7 +1,8 @@
-//! Shared helpers for the integration tests: a real memproxy started in-process on
-//! `127.0.0.1:0` against the in-process mock upstream ([`mock_upstream`]), and one HTTP client
-//! helper; [`admin`] starts one with an admin token and calls the admin API, [`cli`] runs the
-//! built binary.
+//! Shared helpers for the integration tests: [`Harness`] starts a test's mock upstream
+//! ([`mock_upstream`], in-process), its temporary data directory and a real memproxy in-process on
+//! `127.0.0.1:0` against the mock, with the tests' config ([`config_toml`]); [`Proxy`] is that
+//! running memproxy, and the HTTP helpers below talk to it. [`admin`] calls the admin API,
+//! [`cli`] runs the built binary.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod admin;
