@@ -218,7 +218,10 @@ async fn history_survives_a_restart() {
 
 #[tokio::test]
 async fn settings_from_config_and_headers_take_effect() {
-    let Started { mock, proxy, .. } = Harness::new().config("[agents.short]\nrecent_n = 2\nwindow_step = 0\nmax_messages = 6\n[agents.off]\nenabled = false\n").start().await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[agents.short]\nrecent_n = 2\nwindow_step = 0\nmax_messages = 6\n[agents.off]\nenabled = false\n")
+        .start()
+        .await;
 
     for i in 0..5 {
         chat(

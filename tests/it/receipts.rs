@@ -206,7 +206,11 @@ async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
 
 #[tokio::test]
 async fn a_receipt_names_the_recalled_turns_the_summary_and_what_the_budget_dropped() {
-    let Started { proxy, .. } = Harness::new().admin().config("[memory]\nrecent_n = 2\ncompression_threshold_tokens = 60\ncompression_async = false\ncompression_interval = \"PT0S\"\n").start().await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[memory]\nrecent_n = 2\ncompression_threshold_tokens = 60\ncompression_async = false\ncompression_interval = \"PT0S\"\n")
+        .start()
+        .await;
     let topics = [
         "the lighthouse keeper named Orsolya paints seagulls",
         "my favourite pasta shape is orecchiette with broccoli",
@@ -832,7 +836,11 @@ async fn a_user_delete_and_the_ttl_sweeper_drop_the_receipts_of_what_they_delete
 
 #[tokio::test]
 async fn a_receipt_names_the_excerpted_turns_and_the_window_step_in_effect() {
-    let Started { mock, proxy, .. } = Harness::new().admin().config("[memory]\nrecent_n = 2\nwindow_step = \"auto\"\ncompression_enabled = false\nrelevance_top_k = 2\nrelevance_max_tokens = 120\n").start().await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .admin()
+        .config("[memory]\nrecent_n = 2\nwindow_step = \"auto\"\ncompression_enabled = false\nrelevance_top_k = 2\nrelevance_max_tokens = 120\n")
+        .start()
+        .await;
     let filler = "we spoke about the weather and the trains again. ".repeat(40);
     mock.push(support::mock_upstream::Reply::Text(format!(
         "{filler}The boathouse key is under the third step. {filler}"

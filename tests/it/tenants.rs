@@ -239,7 +239,10 @@ async fn client_keys_are_accepted_from_every_credential_header() {
 
 #[tokio::test]
 async fn summary_calls_carry_the_api_key_headers() {
-    let Started { mock, proxy, .. } = Harness::new().config("[memory]\nrecent_n = 2\ncompression_threshold_tokens = 100\nrelevance_enabled = false\ncompression_async = false\n").start().await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[memory]\nrecent_n = 2\ncompression_threshold_tokens = 100\nrelevance_enabled = false\ncompression_async = false\n")
+        .start()
+        .await;
     let started = Instant::now();
     for i in 0.. {
         if !mock.summary_requests().is_empty() {

@@ -3,7 +3,10 @@
 //! ([`config_toml`](super::config_toml)) and whatever a test adds to it.
 //!
 //! ```ignore
-//! let Started { mock, proxy, .. } = Harness::new().config("[memory]\nrecent_n = 2\n").start().await;
+//! let Started { mock, proxy, .. } = Harness::new()
+//!     .config("[memory]\nrecent_n = 2\n")
+//!     .start()
+//!     .await;
 //! ```
 //!
 //! The proxy keeps the mock and the directory alive (it holds a share of each), so a test binds
