@@ -63,8 +63,9 @@ cargo clippy --all-targets -- -D warnings
 step "cargo build --bins --examples"
 cargo build --bins --examples
 
-# Unit and integration tests (lib, bins, tests/). Benchmarks and examples are compiled by the
-# clippy step above and run on their own (README: Performance, Recall evaluation).
+# Unit and integration tests (lib, bins, and the one integration test binary, tests/it/).
+# Benchmarks and examples are compiled by the clippy step above and run on their own (README:
+# Performance, Recall evaluation).
 if cargo nextest --version >/dev/null 2>&1; then
     step "cargo nextest run"
     cargo nextest run
@@ -73,13 +74,16 @@ else
     cargo test
 fi
 
-# The admin API, TTL, metrics and long-term memory suites once more with memory in Redis (each test starts its own
-# redis-server; `tests/support/admin.rs`).
+# The admin API, TTL, metrics and long-term memory suites once more with memory in Redis (each
+# test's proxy started with `Harness::admin`, `tests/support/harness.rs`, starts its own
+# redis-server): the modules `admin`, `ttl`, `metrics` and `longterm` of the integration test
+# binary `it` (`tests/it/`), named by a regular expression on the test's path for nextest and by
+# the modules' prefixes, which libtest matches as substrings, for `cargo test`.
 step "the admin API, TTL, metrics and long-term memory suites with memory in Redis"
 if cargo nextest --version >/dev/null 2>&1; then
-    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test admin --test ttl --test metrics --test longterm
+    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test it -E 'test(/^(admin|ttl|metrics|longterm)::/)'
 else
-    MEMPROXY_TEST_BACKEND=redis cargo test --test admin --test ttl --test metrics --test longterm
+    MEMPROXY_TEST_BACKEND=redis cargo test --test it -- admin:: ttl:: metrics:: longterm::
 fi
 
 # Bounded fuzzing: the property tests of the three parsers a client's bytes reach (SSE, the

@@ -1,10 +1,17 @@
-//! Shared helpers for the integration tests: a real memproxy started in-process on
-//! `127.0.0.1:0` against the in-process mock upstream ([`mock_upstream`]), and one HTTP client
-//! helper.
+//! Shared helpers for the integration tests: [`Harness`] starts a test's mock upstream
+//! ([`mock_upstream`], in-process), its temporary data directory and a real memproxy in-process on
+//! `127.0.0.1:0` against the mock, with the tests' config ([`config_toml`]); [`Proxy`] is that
+//! running memproxy, and the HTTP helpers below talk to it. [`admin`] calls the admin API,
+//! [`cli`] runs the built binary.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod admin;
+pub mod cli;
+pub mod harness;
 pub mod mock_upstream;
 pub mod redis_server;
+
+pub use self::harness::{Harness, Started};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -44,6 +51,15 @@ pub fn test_budget(extra_toml: &str) -> &'static str {
     }
 }
 
+/// The shutdown grace period of the tests' proxies unless `extra_toml` sets one.
+pub fn test_grace(extra_toml: &str) -> &'static str {
+    if extra_toml.contains("shutdown_grace") {
+        ""
+    } else {
+        "shutdown_grace = \"PT5S\"\n"
+    }
+}
+
 /// The tests' config: `mock` as the upstream (with `upstream_toml` added to `[upstream]`), data
 /// under `data_dir`, then `extra_toml`. The template ends inside `[server]`, so bare keys at the
 /// start of `extra_toml` are server settings.
@@ -64,17 +80,45 @@ pub fn test_config_with_storage(
     storage_toml: &str,
     extra_toml: &str,
 ) -> Config {
-    let text = format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\nshutdown_grace = \"PT5S\"\n{}{extra_toml}",
+    let text = config_toml(mock, data_dir, upstream_toml, storage_toml, extra_toml);
+    config::from_toml(&text, &test_env).unwrap()
+}
+
+/// The tests' config as text: `mock` as the upstream (with `upstream_toml` added to
+/// `[upstream]`), data under `data_dir` (with `storage_toml` added to `[storage]`), then
+/// `extra_toml`. The template ends inside `[server]`, so bare keys at the start of `extra_toml`
+/// are server settings.
+pub fn config_toml(
+    mock: &MockUpstream,
+    data_dir: &Path,
+    upstream_toml: &str,
+    storage_toml: &str,
+    extra_toml: &str,
+) -> String {
+    format!(
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\n{}{}{extra_toml}",
         mock.base_url(),
         data_dir.display(),
+        test_grace(extra_toml),
         test_budget(extra_toml)
-    );
-    config::from_toml(&text, &|name| match name {
+    )
+}
+
+/// `[storage]` for memory in the Redis server at `redis_url` (key prefix `mp:`, short
+/// timeouts): one replica of several sharing it.
+pub fn redis_storage(redis_url: &str) -> String {
+    format!(
+        "backend = \"redis\"\nredis_url = \"{redis_url}\"\nredis_key_prefix = \"mp:\"\nredis_connect_timeout = \"PT0.5S\"\nredis_command_timeout = \"PT2S\"\n"
+    )
+}
+
+/// The environment the tests' configs see: only `TEST_UPSTREAM_KEY` (`sk-proxy-held`), never
+/// the real environment.
+pub fn test_env(name: &str) -> Option<String> {
+    match name {
         "TEST_UPSTREAM_KEY" => Some("sk-proxy-held".to_string()),
         _ => None,
-    })
-    .unwrap()
+    }
 }
 
 /// A running memproxy.
@@ -83,8 +127,9 @@ pub struct Proxy {
     pub state: Arc<AppState>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
-    /// What must live as long as the proxy (a redis-server it uses).
-    guard: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// What must live as long as the proxy (its mock upstream, its data directory, a
+    /// redis-server it uses), dropped after it in this order.
+    guards: Vec<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Proxy {
@@ -103,9 +148,7 @@ impl Proxy {
         redis_url: &str,
         extra_toml: &str,
     ) -> Proxy {
-        let storage = format!(
-            "backend = \"redis\"\nredis_url = \"{redis_url}\"\nredis_key_prefix = \"mp:\"\nredis_connect_timeout = \"PT0.5S\"\nredis_command_timeout = \"PT2S\"\n"
-        );
+        let storage = redis_storage(redis_url);
         Proxy::start_config(test_config_with_storage(
             mock, data_dir, "", &storage, extra_toml,
         ))
@@ -144,13 +187,13 @@ impl Proxy {
             state,
             stop: Some(stop),
             task: Some(task),
-            guard: None,
+            guards: Vec::new(),
         }
     }
 
     /// Keeps `guard` alive as long as the proxy.
     pub fn keeping(mut self, guard: impl std::any::Any + Send + Sync) -> Proxy {
-        self.guard = Some(Box::new(guard));
+        self.guards.push(Box::new(guard));
         self
     }
 

@@ -1,21 +1,26 @@
 //! Compression through the real proxy: progressive summaries made when the unsummarized older
 //! pool passes the threshold, in sync and async mode, throttled, with a heuristic stand-in when
 //! the summarizer fails, and never stored as turns.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
 use memproxy::store::workspace_dir;
 use memproxy::summary;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::Reply;
+use crate::support::*;
 
 /// A small threshold so a few exchanges cross it.
 const SETTINGS: &str =
     "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\n";
+
+/// [`SETTINGS`] with compression in sync mode: the summary is made before the answer.
+fn sync_mode() -> Harness {
+    Harness::new()
+        .config(SETTINGS)
+        .config("compression_async = false\n")
+}
 
 fn line(i: usize) -> String {
     format!("Fact number {i}: the blue lantern stands on shelf {i} in the north storeroom")
@@ -57,14 +62,9 @@ async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 
 #[tokio::test]
 async fn sync_mode_summarizes_on_the_turn_that_crosses_the_threshold() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        &format!("{SETTINGS}compression_async = false\n"),
-    )
-    .await;
+    let Started {
+        mock, dir, proxy, ..
+    } = sync_mode().start().await;
 
     let mut crossed_at = None;
     for i in 0..12 {
@@ -123,9 +123,7 @@ async fn sync_mode_summarizes_on_the_turn_that_crosses_the_threshold() {
 
 #[tokio::test]
 async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SETTINGS).await;
+    let Started { mock, proxy, .. } = Harness::new().config(SETTINGS).start().await;
     // The summarizer is slow: the triggering turn must not wait for it.
     mock.push_summary(Reply::Delay(
         Duration::from_secs(3),
@@ -194,15 +192,8 @@ async fn async_mode_summarizes_off_the_hot_path_and_uses_it_next_turn() {
 
 #[tokio::test]
 async fn summaries_are_throttled_and_progressive() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // Throttled: one summary per hour.
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        &format!("{SETTINGS}compression_async = false\n"),
-    )
-    .await;
+    let Started { mock, proxy, .. } = sync_mode().start().await;
     for i in 0..30 {
         chat(&proxy, "slow", &body(&[user(&line(i))]), &[]).await;
     }
@@ -214,14 +205,10 @@ async fn summaries_are_throttled_and_progressive() {
 
     // No throttle: each time the uncovered pool passes the threshold, a new summary follows
     // from the previous one and only the messages that aged out since.
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        &format!("{SETTINGS}compression_async = false\ncompression_interval = \"PT0S\"\n"),
-    )
-    .await;
+    let Started { mock, proxy, .. } = sync_mode()
+        .config("compression_interval = \"PT0S\"\n")
+        .start()
+        .await;
     for i in 0..30 {
         chat(&proxy, "fast", &body(&[user(&line(i))]), &[]).await;
     }
@@ -270,14 +257,10 @@ async fn summaries_are_throttled_and_progressive() {
 
 #[tokio::test]
 async fn a_failing_summarizer_leaves_chat_working_with_a_heuristic_stand_in() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        &format!("{SETTINGS}compression_async = false\ncompression_interval = \"PT0S\"\n[compression]\nretry_backoff = \"PT0.2S\"\n"),
-    )
-    .await;
+    let Started { mock, proxy, .. } = sync_mode()
+        .config("compression_interval = \"PT0S\"\n[compression]\nretry_backoff = \"PT0.2S\"\n")
+        .start()
+        .await;
     mock.push_summary(Reply::Status(500, r#"{"error":{"message":"boom"}}"#.into()));
     let mut heuristic_seen = false;
     for i in 0..12 {
@@ -316,9 +299,9 @@ async fn a_failing_summarizer_leaves_chat_working_with_a_heuristic_stand_in() {
 
 #[tokio::test]
 async fn shutdown_waits_for_a_summary_in_flight() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SETTINGS).await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().config(SETTINGS).start().await;
     mock.push_summary(Reply::Delay(
         Duration::from_millis(500),
         Box::new(Reply::Text("Kept through shutdown.".into())),
@@ -368,14 +351,9 @@ async fn shutdown_waits_for_a_summary_in_flight() {
 
 #[tokio::test]
 async fn workspace_files_stay_inside_the_data_directory() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        &format!("{SETTINGS}compression_async = false\n"),
-    )
-    .await;
+    let Started {
+        mock, dir, proxy, ..
+    } = sync_mode().start().await;
     // ".." is a valid conversation id by the header rules; the file layer must still be safe.
     for i in 0..12 {
         chat(&proxy, "..", &body(&[user(&line(i))]), &[]).await;
@@ -402,14 +380,11 @@ async fn workspace_files_stay_inside_the_data_directory() {
 
 #[tokio::test]
 async fn backlogs_are_summarized_in_bounded_calls_and_summaries_are_capped() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        &format!("{SETTINGS}compression_async = false\ncompression_interval = \"PT0S\"\n[compression]\nmax_input_tokens = 100\nmax_summary_tokens = 40\n"),
-    )
-    .await;
+    let Started { mock, proxy, .. } = sync_mode()
+        .config("compression_interval = \"PT0S\"\n")
+        .config("[compression]\nmax_input_tokens = 100\nmax_summary_tokens = 40\n")
+        .start()
+        .await;
     // A whole backlog arrives at once (a client that re-sends a long history on its first call).
     send_backlog(&proxy, "backlog", 30).await;
     // The next request finds the pool over the threshold: the first call reads at most ~100
@@ -452,15 +427,11 @@ async fn backlogs_are_summarized_in_bounded_calls_and_summaries_are_capped() {
 
 #[tokio::test]
 async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // The default interval (one summary an hour) applies, but each call reads ~100 tokens.
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        &format!("{SETTINGS}compression_async = false\n[compression]\nmax_input_tokens = 100\n"),
-    )
-    .await;
+    let Started { proxy, .. } = sync_mode()
+        .config("[compression]\nmax_input_tokens = 100\n")
+        .start()
+        .await;
     send_backlog(&proxy, "catch-up", 30).await;
 
     let store = proxy.store();
@@ -510,9 +481,7 @@ async fn a_backlog_larger_than_one_call_is_worked_through_despite_the_interval()
 
 #[tokio::test]
 async fn a_summary_due_on_a_failed_request_is_still_made() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SETTINGS).await;
+    let Started { mock, proxy, .. } = Harness::new().config(SETTINGS).start().await;
     send_backlog(&proxy, "failed", 12).await;
     mock.clear();
     // The next request finds a summary due, and the upstream fails it.

@@ -1,20 +1,16 @@
 //! Forwarding through the real proxy: pass-through routes, headers, auth, upstream errors and
 //! bad input.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::Duration;
 
 use serde_json::json;
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 #[tokio::test]
 async fn other_routes_pass_through_untouched() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let models = send(
         "GET",
@@ -74,10 +70,8 @@ async fn other_routes_pass_through_untouched() {
 
 #[tokio::test]
 async fn unknown_request_fields_reach_the_upstream_unchanged() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // It sends no credential: memory for such requests must be allowed.
-    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
+    let Started { mock, proxy, .. } = Harness::new().config(ANONYMOUS_MEMORY).start().await;
     let raw = r#"{"model":"gpt-4o","temperature":0.70,"seed":1e3,"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"z":1,"a":2}}}],"x_vendor":{"keep":[1.50,true,null]},"stream_options":null}"#;
     let answer = send(
         "POST",
@@ -124,10 +118,8 @@ async fn unknown_request_fields_reach_the_upstream_unchanged() {
 
 #[tokio::test]
 async fn bad_headers_and_bodies_get_400_naming_the_cause() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // It sends no credential: memory for such requests must be allowed.
-    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
+    let Started { mock, proxy, .. } = Harness::new().config(ANONYMOUS_MEMORY).start().await;
     let ok_body = body(&[user("hi")]);
 
     type Case<'a> = (Vec<(&'a str, &'a str)>, String, &'a str);
@@ -217,9 +209,7 @@ async fn bad_headers_and_bodies_get_400_naming_the_cause() {
 
 #[tokio::test]
 async fn upstream_errors_pass_through_and_store_nothing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     for status in [429u16, 500] {
         let body_text = format!(
@@ -288,14 +278,10 @@ async fn an_unreachable_upstream_is_502_and_a_slow_one_504() {
 
 #[tokio::test]
 async fn keys_client_keys_and_the_path_form() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[auth]\nclient_keys = [\"sk-test-one\"]\n",
-    )
-    .await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[auth]\nclient_keys = [\"sk-test-one\"]\n")
+        .start()
+        .await;
 
     let refused = chat_as(&proxy, "sk-wrong", "k", &body(&[user("hi")]), &[]).await;
     assert_eq!(refused.status, 401);
@@ -367,9 +353,10 @@ async fn a_configured_upstream_key_replaces_the_clients() {
 
 #[tokio::test]
 async fn the_body_limit_gives_413() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "body_limit_bytes = 1000\n").await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("body_limit_bytes = 1000\n")
+        .start()
+        .await;
     let big = body(&[user(&"x".repeat(2000))]);
     let answer = chat(&proxy, "big", &big, &[]).await;
     assert_eq!(answer.status, 413);
@@ -379,10 +366,8 @@ async fn the_body_limit_gives_413() {
 
 #[tokio::test]
 async fn h2c_clients_are_served() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // It sends no credential: memory for such requests must be allowed.
-    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
+    let Started { proxy, .. } = Harness::new().config(ANONYMOUS_MEMORY).start().await;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .http2_only(true)
         .build_http::<http_body_util::Full<bytes::Bytes>>();
@@ -400,9 +385,7 @@ async fn h2c_clients_are_served() {
 
 #[tokio::test]
 async fn readyz_waits_for_the_tokenizer_which_loads_at_start() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().start().await;
     // No request has counted a token: the server loads the tokenizer by itself.
     let mut ready = send("GET", &proxy.url("/readyz"), &[], "").await;
     for _ in 0..600 {
@@ -445,9 +428,7 @@ async fn raw_request(proxy: &Proxy, method: &str, path: &str, body: &str) -> (u1
 
 #[tokio::test]
 async fn dot_segments_and_encoded_slashes_never_reach_the_upstream() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     let chat_body = body(&[user("hi")]).to_string();
 
     for (method, path) in [

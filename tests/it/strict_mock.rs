@@ -1,16 +1,15 @@
 //! The strict mock upstream (`tests/support/strict.rs`): each provider rule refuses a body that
 //! breaks it and accepts the same body made valid, and the mock answers a refused request with
 //! the provider's status and error shape, lists it, and can be told to answer anything.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use serde_json::{Value, json};
-use support::mock_upstream::strict::{
+
+use crate::support;
+use crate::support::mock_upstream::strict::{
     self, Api, Issued, check_anthropic_value, check_chat_value, check_responses_value,
 };
-use support::mock_upstream::{MockOptions, MockUpstream, Reply, THINKING_TEXT};
-use support::send;
+use crate::support::mock_upstream::{MockOptions, MockUpstream, Reply, THINKING_TEXT};
+use crate::support::send;
 
 /// Asserts that `result` is a refusal whose message contains `needle`.
 #[track_caller]

@@ -5,11 +5,6 @@
 //! byte of any file under the data directory reads as the deleted text: not as it was sent,
 //! not in base64, and not once every sealed value left in the files is opened with every key
 //! left on disk.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::path::{Path, PathBuf};
 
@@ -17,14 +12,20 @@ use base64::Engine as _;
 use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD};
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use serde_json::Value;
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 const OTHER: &str = "sk-test-other";
 
-/// Sync summaries after a few exchanges (as in `tests/compression.rs`).
+/// Sync summaries after a few exchanges (as in `tests/it/compression.rs`).
 const SETTINGS: &str = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\ncompression_async = false\n";
+
+/// Memproxy with the admin API on and summaries made in sync, over a mock and a data directory.
+fn harness() -> Harness {
+    Harness::new().admin().config(SETTINGS)
+}
 
 /// The text a sealed value starts with (`crates/store/src/seal.rs`).
 const SEALED: &[u8] = b"sealed:v1:";
@@ -182,14 +183,6 @@ async fn export(proxy: &Proxy, token: &str, id: &str) -> String {
     String::from_utf8(answer.body.to_vec()).unwrap()
 }
 
-/// A mock upstream, a data directory and memproxy (admin API on, sync summaries) over them.
-async fn start() -> (MockUpstream, tempfile::TempDir, Proxy) {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), SETTINGS).await;
-    (mock, dir, proxy)
-}
-
 /// Asserts that no file under `dir` holds any of `texts` in any form.
 fn assert_in_no_file(dir: &Path, texts: &[&str]) {
     for text in texts {
@@ -211,14 +204,16 @@ async fn delete_and_restart(
     assert_eq!(deleted.status, 200, "{:?}", deleted.body);
     assert_unreadable(dir, gone, "after the delete");
     proxy.stop().await;
-    let proxy = start_admin(mock, dir, SETTINGS).await;
+    let proxy = harness().proxy_on(mock, dir).await;
     assert_unreadable(dir, gone, "after a restart");
     (proxy, deleted.json())
 }
 
 #[tokio::test]
 async fn stored_text_is_sealed_and_a_deleted_conversation_is_unreadable_in_every_file() {
-    let (mock, dir, proxy) = start().await;
+    let Started {
+        mock, dir, proxy, ..
+    } = harness().start().await;
     let data = dir.path();
     converse_with_summary(&proxy, &mock, TOKEN, "gone", "wombat4d1e").await;
     converse(&proxy, &mock, TOKEN, "kept", "quokka8b2f", 2).await;
@@ -263,7 +258,9 @@ async fn stored_text_is_sealed_and_a_deleted_conversation_is_unreadable_in_every
 
 #[tokio::test]
 async fn a_deleted_tenant_is_unreadable_in_every_file() {
-    let (mock, dir, proxy) = start().await;
+    let Started {
+        mock, dir, proxy, ..
+    } = harness().start().await;
     let data = dir.path();
     converse_with_summary(&proxy, &mock, TOKEN, "first", "numbat5c3a").await;
     converse(&proxy, &mock, TOKEN, "second", "numbat5c3a-second", 3).await;
@@ -289,7 +286,9 @@ async fn a_deleted_tenant_is_unreadable_in_every_file() {
 
 #[tokio::test]
 async fn an_export_is_plaintext_and_its_import_is_sealed() {
-    let (mock, dir, proxy) = start().await;
+    let Started {
+        mock, dir, proxy, ..
+    } = harness().start().await;
     let data = dir.path();
     converse_with_summary(&proxy, &mock, TOKEN, "source", "bilby2a6d").await;
     let exported = export(&proxy, TOKEN, "source").await;

@@ -4,27 +4,15 @@
 //! (shown by the admin API, exported, deleted with the conversation), the request is forwarded
 //! as the client's branch, and every message is stored once. The other habits (sliding window,
 //! newest only, retries, a regenerated last answer) never branch.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::Duration;
 
 use memproxy::message::check_tool_sequence;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
-use support_admin::*;
 
-/// A mock upstream and a memproxy with the admin API in front of it, its data in the folder.
-async fn started() -> (MockUpstream, tempfile::TempDir, Proxy) {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
-    (mock, dir, proxy)
-}
+use crate::support::admin::*;
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 /// What each of the five stored exchanges is about.
 const TOPICS: [&str; 5] = ["apples", "bananas", "cherries", "dates", "elderberries"];
@@ -106,7 +94,7 @@ fn shown_contents(messages: &Value) -> Vec<String> {
 
 #[tokio::test]
 async fn regenerating_an_earlier_reply_branches_and_stores_each_message_once() {
-    let (mock, _dir, proxy) = started().await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let history = five_exchanges(&proxy, "regen", &[]).await;
     let old_line = contents(&history);
 
@@ -168,7 +156,9 @@ async fn regenerating_an_earlier_reply_branches_and_stores_each_message_once() {
 
 #[tokio::test]
 async fn editing_an_earlier_message_branches_and_survives_a_restart() {
-    let (mock, dir, proxy) = started().await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().admin().start().await;
     let history = five_exchanges(&proxy, "edit", &[]).await;
     let old_line = contents(&history);
 
@@ -200,7 +190,7 @@ async fn editing_an_earlier_message_branches_and_survives_a_restart() {
 
     // After a restart the main line and the branch read back the same.
     proxy.stop().await;
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let proxy = Harness::new().admin().proxy_on(&mock, dir.path()).await;
     assert_eq!(summarize(&proxy.stored(Some(TOKEN), "edit")), line);
     let shown = shown(&proxy, "edit").await;
     let branches = shown["branches"].as_array().unwrap();
@@ -216,7 +206,7 @@ async fn editing_an_earlier_message_branches_and_survives_a_restart() {
 
 #[tokio::test]
 async fn a_closed_branch_is_never_recalled_and_goes_with_export_import_and_delete() {
-    let (mock, _dir, proxy) = started().await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     // A small window, so recall searches the older pool.
     let small = [("x-memory-recent-n", "2")];
     let history = five_exchanges(&proxy, "recall", &small).await;
@@ -278,7 +268,7 @@ async fn a_closed_branch_is_never_recalled_and_goes_with_export_import_and_delet
 
 #[tokio::test]
 async fn summaries_of_abandoned_turns_are_not_used_for_the_branch() {
-    let (mock, _dir, proxy) = started().await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     for i in 1..=30 {
         mock.push_summary(Reply::Text(format!("SUMMARY-{i:02}")));
     }
@@ -367,7 +357,7 @@ async fn summaries_of_abandoned_turns_are_not_used_for_the_branch() {
 
 #[tokio::test]
 async fn a_sliding_window_client_never_branches() {
-    let (_mock, _dir, proxy) = started().await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     for window in [2, 3, 4] {
         let id = format!("window-{window}");
         let mut history: Vec<Value> = Vec::new();
@@ -389,7 +379,7 @@ async fn a_sliding_window_client_never_branches() {
 
 #[tokio::test]
 async fn retries_and_a_regenerated_last_answer_never_branch() {
-    let (mock, _dir, proxy) = started().await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let mut history = five_exchanges(&proxy, "retry", &[]).await;
 
     // The identical last request twice (an SDK retry): the reply is replaced, no branch.
@@ -421,7 +411,7 @@ async fn retries_and_a_regenerated_last_answer_never_branch() {
 
 #[tokio::test]
 async fn a_newest_only_client_repeating_an_earlier_message_never_branches() {
-    let (mock, _dir, proxy) = started().await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let mut expected = Vec::new();
     let repeats = [1, 3, 1];
     for i in (1..=5).chain(repeats) {
@@ -445,7 +435,7 @@ async fn a_newest_only_client_repeating_an_earlier_message_never_branches() {
 
 #[tokio::test]
 async fn a_streamed_branch_reports_the_messages_it_stores() {
-    let (_mock, _dir, proxy) = started().await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let history = five_exchanges(&proxy, "stream", &[]).await;
     let mut request = body(&history[..3]);
     request["stream"] = json!(true);
@@ -467,7 +457,7 @@ async fn a_streamed_branch_reports_the_messages_it_stores() {
 /// branch (a branch is closed only when the plan found one).
 #[tokio::test]
 async fn concurrent_continuations_never_close_each_other() {
-    let (mock, _dir, proxy) = started().await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let proxy = std::sync::Arc::new(proxy);
     let history = five_exchanges(&proxy, "race", &[]).await;
     mock.push(Reply::Delay(
@@ -497,7 +487,7 @@ async fn concurrent_continuations_never_close_each_other() {
 /// exchange's own write, and the branch still closes exactly the abandoned messages.
 #[tokio::test]
 async fn a_branch_far_over_max_messages_trims_in_batches_and_still_closes() {
-    let (mock, _dir, proxy) = started().await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let history: Vec<Value> = (1..=600)
         .flat_map(|i| {
             [

@@ -1,19 +1,15 @@
 //! Conversation memory through the real proxy: client habits, retries, the window, tool-call
 //! groups, tenants, settings and restarts.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use memproxy::message::check_tool_sequence;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::Reply;
+use crate::support::*;
 
 #[tokio::test]
 async fn both_client_habits_store_the_same_60_messages() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     // SDK habit: the whole history every time.
     let mut history = vec![json!({"role": "system", "content": "be brief"})];
@@ -63,9 +59,7 @@ async fn both_client_habits_store_the_same_60_messages() {
 
 #[tokio::test]
 async fn retries_store_nothing_twice() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let first = body(&[user("hello")]);
     chat(&proxy, "r", &first, &[]).await;
@@ -95,9 +89,7 @@ async fn retries_store_nothing_twice() {
 
 #[tokio::test]
 async fn the_window_follows_recent_n_and_never_splits_tool_groups() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     // An agent loop: each round has a tool call, its results, then a final answer.
     let mut history: Vec<Value> = Vec::new();
@@ -171,9 +163,7 @@ async fn the_window_follows_recent_n_and_never_splits_tool_groups() {
 
 #[tokio::test]
 async fn two_tokens_with_one_conversation_id_see_separate_histories() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     chat_as(
         &proxy,
@@ -201,15 +191,13 @@ async fn two_tokens_with_one_conversation_id_see_separate_histories() {
 
 #[tokio::test]
 async fn history_survives_a_restart() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let proxy = Proxy::start(&mock, dir.path(), "").await;
-        for i in 0..3 {
-            chat(&proxy, "keep", &body(&[user(&format!("fact {i}"))]), &[]).await;
-        }
-        proxy.stop().await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().start().await;
+    for i in 0..3 {
+        chat(&proxy, "keep", &body(&[user(&format!("fact {i}"))]), &[]).await;
     }
+    proxy.stop().await;
     let proxy = Proxy::start(&mock, dir.path(), "").await;
     let answer = chat(&proxy, "keep", &body(&[user("what did I say?")]), &[]).await;
     assert_eq!(answer.header("x-memory-turns"), "8");
@@ -230,14 +218,10 @@ async fn history_survives_a_restart() {
 
 #[tokio::test]
 async fn settings_from_config_and_headers_take_effect() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[agents.short]\nrecent_n = 2\nwindow_step = 0\nmax_messages = 6\n[agents.off]\nenabled = false\n",
-    )
-    .await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[agents.short]\nrecent_n = 2\nwindow_step = 0\nmax_messages = 6\n[agents.off]\nenabled = false\n")
+        .start()
+        .await;
 
     for i in 0..5 {
         chat(
@@ -294,9 +278,7 @@ async fn settings_from_config_and_headers_take_effect() {
 
 #[tokio::test]
 async fn system_messages_go_first_and_are_not_stored() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     chat(
         &proxy,
         "sys",
@@ -328,9 +310,7 @@ async fn system_messages_go_first_and_are_not_stored() {
 
 #[tokio::test]
 async fn concurrent_requests_on_one_conversation_store_each_message_once() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().start().await;
     let proxy = std::sync::Arc::new(proxy);
     let mut joins = Vec::new();
     for i in 0..8 {

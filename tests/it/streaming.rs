@@ -1,16 +1,14 @@
 //! Streaming through the real proxy: SSE is teed chunk by chunk, byte-identical, and stored
 //! only when it completes.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
-use support::mock_upstream::{MockOptions, MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockOptions, Reply};
+use crate::support::*;
 
 fn stream_body(text: &str) -> Value {
     json!({"model": "gpt-4o-mini", "stream": true, "stream_options": {"include_usage": true}, "messages": [user(text)]})
@@ -32,9 +30,7 @@ async fn open_stream(
 
 #[tokio::test]
 async fn a_stream_reaches_the_client_byte_identical_and_is_stored() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let response = open_stream(&proxy, "s", &stream_body("tell me")).await;
     assert_eq!(response.status(), 200);
@@ -74,9 +70,7 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().mock(options).start().await;
 
     let started = Instant::now();
     let mut body = open_stream(&proxy, "slow", &stream_body("one two three four five six"))
@@ -102,9 +96,7 @@ async fn chunks_arrive_as_the_upstream_sends_them() {
 
 #[tokio::test]
 async fn streamed_tool_calls_are_merged_and_stored() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     mock.push(Reply::ToolCalls(vec![
         (
             "call_1".into(),
@@ -144,9 +136,7 @@ async fn a_stream_cut_midway_or_unfinished_stores_nothing() {
         chunk_delay: Duration::from_millis(50),
         ..MockOptions::default()
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().mock(options).start().await;
 
     mock.push(Reply::CutStream { chunks: 2 });
     let mut body = open_stream(&proxy, "cut", &stream_body("hi"))
@@ -193,9 +183,7 @@ async fn a_client_that_disconnects_mid_stream_stores_nothing() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().mock(options).start().await;
 
     let mut body = open_stream(&proxy, "gone", &stream_body("a long answer please"))
         .await
@@ -210,10 +198,8 @@ async fn a_client_that_disconnects_mid_stream_stores_nothing() {
 
 #[tokio::test]
 async fn persist_false_streams_without_storing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // It sends no credential: memory for such requests must be allowed.
-    let proxy = Proxy::start(&mock, dir.path(), ANONYMOUS_MEMORY).await;
+    let Started { proxy, .. } = Harness::new().config(ANONYMOUS_MEMORY).start().await;
     let request = http::Request::post(proxy.url("/v1/chat/completions"))
         .header("x-memory-conversation-id", "p")
         .header("x-memory-persist", "false")
@@ -233,9 +219,7 @@ async fn shutdown_lets_a_stream_in_flight_finish_and_stores_it() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().mock(options).start().await;
     let state = std::sync::Arc::clone(&proxy.state);
     let addr = proxy.addr;
 

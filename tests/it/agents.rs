@@ -10,27 +10,16 @@
 //! - side calls stay out of memory;
 //! - a tool loop ends with its tool result, and its recall stays the same at every step;
 //! - bodies the provider takes are never refused by memproxy.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 const ANTHROPIC_KEY: &str = "sk-ant-agents";
 const OPENAI_KEY: &str = "sk-agents";
 /// The betas Claude Code names when it sends `system`-role messages.
 const CLAUDE_CODE_BETAS: &str = "claude-code-20250219,mid-conversation-system-2026-04-07";
-
-/// A proxy whose OpenAI and Anthropic upstreams are both `mock`.
-async fn start(mock: &MockUpstream, dir: &std::path::Path, extra: &str) -> Proxy {
-    let upstream = format!(
-        "[upstream.anthropic]\nbase_url = \"{}\"\n",
-        mock.anthropic_base_url()
-    );
-    Proxy::start_with_upstream(mock, dir, &upstream, extra).await
-}
 
 async fn messages(
     proxy: &Proxy,
@@ -121,9 +110,11 @@ fn answer_content(answer: &Answer) -> Value {
 
 #[tokio::test]
 async fn system_messages_stay_in_place_and_cache_markers_are_never_replayed() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path(), "[memory]\nrecent_n = 40\n").await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .anthropic_to_the_mock()
+        .config("[memory]\nrecent_n = 40\n")
+        .start()
+        .await;
 
     // Claude Code: its system prompt marked, a system reminder after the first user message,
     // and its breakpoint moved to the newest user message on every request.
@@ -185,10 +176,12 @@ async fn system_messages_stay_in_place_and_cache_markers_are_never_replayed() {
 
 #[tokio::test]
 async fn a_clients_own_compaction_is_forwarded_as_sent_and_what_it_dropped_is_recalled() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let settings = "[memory]\nrecent_n = 4\nrelevance_enabled = true\nrelevance_top_k = 3\n";
-    let proxy = start(&mock, dir.path(), settings).await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .anthropic_to_the_mock()
+        .config(settings)
+        .start()
+        .await;
 
     let mut history: Vec<Value> = Vec::new();
     for text in [
@@ -279,11 +272,13 @@ async fn a_clients_own_compaction_is_forwarded_as_sent_and_what_it_dropped_is_re
 
 #[tokio::test]
 async fn a_providers_compaction_starts_the_window_and_what_came_before_is_recalled() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // A window wide enough to hold the whole conversation: only the compaction moves it.
     let settings = "[memory]\nrecent_n = 40\nrelevance_enabled = true\nrelevance_top_k = 3\n";
-    let proxy = start(&mock, dir.path(), settings).await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .anthropic_to_the_mock()
+        .config(settings)
+        .start()
+        .await;
     let compaction = "Summary: the user works on a Rust parser.";
 
     // Anthropic server-side compaction: the third answer opens with a compaction block.
@@ -362,9 +357,7 @@ async fn a_providers_compaction_starts_the_window_and_what_came_before_is_recall
 
 #[tokio::test]
 async fn side_calls_stay_out_of_memory_unless_the_agent_keeps_them() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to_the_mock().start().await;
 
     ok(&messages(
         &proxy,
@@ -424,11 +417,13 @@ async fn side_calls_stay_out_of_memory_unless_the_agent_keeps_them() {
 
 #[tokio::test]
 async fn a_tool_loop_ends_with_its_result_and_its_recall_stays_the_same() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let settings =
         "[memory]\nrecent_n = 2\nwindow_step = 0\nrelevance_enabled = true\nrelevance_top_k = 2\n";
-    let proxy = start(&mock, dir.path(), settings).await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .anthropic_to_the_mock()
+        .config(settings)
+        .start()
+        .await;
     let tools = json!([{"name": "Read", "input_schema": {"type": "object"}}]);
 
     let mut history: Vec<Value> = Vec::new();
@@ -494,14 +489,11 @@ async fn a_tool_loop_ends_with_its_result_and_its_recall_stays_the_same() {
 
 #[tokio::test]
 async fn the_ledger_counts_the_clients_instructions_on_both_sides() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(
-        &mock,
-        dir.path(),
-        "[memory]\nrecent_n = 2\nwindow_step = 0\n",
-    )
-    .await;
+    let Started { proxy, .. } = Harness::new()
+        .anthropic_to_the_mock()
+        .config("[memory]\nrecent_n = 2\nwindow_step = 0\n")
+        .start()
+        .await;
     // Codex: long developer instructions in the input, the whole history re-sent.
     let instructions = "You are Codex, a coding agent. ".repeat(200);
     let mut input: Vec<Value> = vec![json!({"role": "developer", "content": instructions})];
@@ -525,9 +517,7 @@ async fn the_ledger_counts_the_clients_instructions_on_both_sides() {
 
 #[tokio::test]
 async fn bodies_the_provider_takes_are_never_refused() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to_the_mock().start().await;
 
     // Anthropic: block types memproxy does not read, beta fields, a system message with empty
     // content, context editing.

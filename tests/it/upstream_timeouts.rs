@@ -2,17 +2,16 @@
 //! and stores nothing; an SSE stream or a pass-through body is cut (the client's body ends with
 //! an error, no `[DONE]`) and stores nothing. Limits are set short and each outcome is awaited
 //! within a generous bound: nothing here measures speed, it proves nothing hangs.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support;
+use crate::support::mock_upstream::Reply;
+use crate::support::*;
 
 /// How long any answer may take before the test calls it a hang.
 const BOUND: Duration = Duration::from_secs(10);
@@ -66,9 +65,9 @@ async fn send_and_read(
 
 #[tokio::test]
 async fn a_json_answer_that_stalls_after_its_head_is_a_504_and_stores_nothing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_READ, "").await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().upstream(SHORT_READ).start().await;
 
     chat(&proxy, "j", &body(&[user("first")]), &[]).await;
     mock.push(Reply::Stall { chunks: 1 });
@@ -98,9 +97,7 @@ async fn a_json_answer_that_stalls_after_its_head_is_a_504_and_stores_nothing() 
 
 #[tokio::test]
 async fn a_stream_that_stalls_is_cut_without_done_and_stores_nothing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_IDLE, "").await;
+    let Started { mock, proxy, .. } = Harness::new().upstream(SHORT_IDLE).start().await;
 
     mock.push(Reply::Stall { chunks: 2 });
     let (status, bytes, failed) = send_and_read(
@@ -127,9 +124,7 @@ async fn a_stream_that_stalls_is_cut_without_done_and_stores_nothing() {
 
 #[tokio::test]
 async fn a_passthrough_answer_that_stalls_is_cut() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_IDLE, "").await;
+    let Started { mock, proxy, .. } = Harness::new().upstream(SHORT_IDLE).start().await;
 
     // No conversation id: forwarded untouched, the body streamed through.
     mock.push(Reply::Stall { chunks: 1 });
@@ -153,10 +148,12 @@ async fn a_slow_but_steady_stream_is_not_cut() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let two_seconds = "read_timeout = \"PT30S\"\nidle_timeout = \"PT2S\"\n";
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), two_seconds, "").await;
+    let Started { proxy, .. } = Harness::new()
+        .mock(options)
+        .upstream(two_seconds)
+        .start()
+        .await;
 
     // About 4 s in all, longer than the 2 s idle timeout, but 500 ms between two chunks.
     let (status, bytes, failed) = send_and_read(
@@ -173,12 +170,14 @@ async fn a_slow_but_steady_stream_is_not_cut() {
 
 #[tokio::test]
 async fn a_summary_call_that_stalls_fails_at_the_read_timeout_and_chat_goes_on() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     // Summaries made on the request's path (sync), due after a few exchanges; the summary
     // call's own timeout (`compression.timeout`, 2 minutes) is far longer than the bound.
     let memory = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\ncompression_async = false\ncompression_interval = \"PT0S\"\n";
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), SHORT_READ, memory).await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .upstream(SHORT_READ)
+        .config(memory)
+        .start()
+        .await;
 
     mock.push_summary(Reply::Stall { chunks: 1 });
     let mut stand_in_seen = false;

@@ -1,21 +1,14 @@
 //! The offline CLI, run as the real binary on a data directory a stopped memproxy left:
 //! list, show, export, delete, import, and a clear error while a server holds the store;
 //! `check-config` prints the effective settings.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
-#[path = "support/cli.rs"]
-mod support_cli;
 
 use std::process::Output;
 
 use serde_json::Value;
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
-use support_cli::memproxy;
+
+use crate::support::admin::*;
+use crate::support::cli::memproxy;
+use crate::support::*;
 
 fn stdout_json(output: &Output) -> Value {
     assert!(
@@ -29,9 +22,9 @@ fn stdout_json(output: &Output) -> Value {
 
 #[tokio::test]
 async fn conversations_commands_work_on_a_stopped_servers_data() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().start().await;
     for (id, text) in [
         ("one", "first conversation"),
         ("two", "second conversation"),
@@ -161,9 +154,7 @@ fn check_config_prints_the_effective_settings_per_agent() {
 
 #[tokio::test]
 async fn users_commands_correct_export_import_and_delete_a_users_memory() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { dir, proxy, .. } = Harness::new().start().await;
     let said = chat(
         &proxy,
         "trip",

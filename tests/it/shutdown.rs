@@ -1,28 +1,15 @@
 //! Shutdown that loses nothing: streams in flight at SIGTERM finish and are stored before the
 //! store closes; a stream still open when the grace period ends is cut and stores nothing.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use memproxy::config;
 use memproxy::store::{Durability, Store, StoreOptions};
 use serde_json::json;
-use support::mock_upstream::{MockOptions, MockUpstream};
-use support::*;
 
-/// A proxy in front of `mock` with its data under `dir` and the given grace period.
-async fn start(mock: &MockUpstream, dir: &std::path::Path, grace: &str) -> Proxy {
-    let text = format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\n[storage]\ndata_dir = \"{}\"\n[server]\nshutdown_grace = \"{grace}\"\n",
-        mock.base_url(),
-        dir.display()
-    );
-    Proxy::start_config(config::from_toml(&text, &|_| None).unwrap()).await
-}
+use crate::support::mock_upstream::MockOptions;
+use crate::support::*;
 
 async fn open_stream(proxy: &Proxy, conversation: &str) -> hyper::body::Incoming {
     let body = json!({"model": "gpt-4o-mini", "stream": true,
@@ -56,9 +43,11 @@ async fn twenty_streams_in_flight_at_sigterm_all_complete_and_are_stored() {
         record: false,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path(), "PT20S").await;
+    let Started { dir, proxy, .. } = Harness::new()
+        .mock(options)
+        .config("shutdown_grace = \"PT20S\"\n")
+        .start()
+        .await;
 
     let mut bodies = Vec::new();
     for i in 0..20 {
@@ -105,9 +94,11 @@ async fn a_stream_open_past_the_grace_period_is_cut_and_stores_nothing() {
         record: false,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path(), "PT1S").await;
+    let Started { dir, proxy, .. } = Harness::new()
+        .mock(options)
+        .config("shutdown_grace = \"PT1S\"\n")
+        .start()
+        .await;
 
     let mut body = open_stream(&proxy, "slow").await;
     assert!(body.frame().await.unwrap().unwrap().data_ref().is_some());

@@ -1,14 +1,12 @@
 //! Relevance recall through the real proxy: older turns come back, tagged and in order, in any
 //! language, within the token budget, after a restart, and never stored back.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use memproxy::message::check_tool_sequence;
 use memproxy::pipeline::budget::TRUNCATION_NOTICE;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 const FILLER: [&str; 8] = [
     "Let's plan the garden: tomatoes along the fence",
@@ -49,9 +47,7 @@ async fn fill(proxy: &Proxy, conversation: &str, first: &str, exchanges: usize) 
 
 #[tokio::test]
 async fn the_turn_3_fact_comes_back_at_turn_30() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     chat(&proxy, "fact", &body(&[user("Hello there")]), &[]).await;
     chat(
@@ -140,9 +136,7 @@ async fn the_turn_3_fact_comes_back_at_turn_30() {
 
 #[tokio::test]
 async fn tool_turns_come_back_as_text() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let mut history = vec![user("Look up the order status for order 88123")];
     mock.push(Reply::ToolCalls(vec![(
@@ -189,9 +183,7 @@ async fn tool_turns_come_back_as_text() {
 
 #[tokio::test]
 async fn chinese_and_russian_conversations_find_their_turns() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let chinese = [
         "我的猫叫小白，它喜欢吃鱼",
@@ -260,9 +252,7 @@ async fn chinese_and_russian_conversations_find_their_turns() {
 
 #[tokio::test]
 async fn the_budget_drops_recalled_then_rounds_then_truncates() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     fill(&proxy, "b", "My locker code is 5521", 12).await;
     let question = body(&[user("What is my locker code?")]);
 
@@ -364,13 +354,11 @@ async fn the_budget_drops_recalled_then_rounds_then_truncates() {
 
 #[tokio::test]
 async fn a_restart_rebuilds_the_index() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    {
-        let proxy = Proxy::start(&mock, dir.path(), "").await;
-        fill(&proxy, "r", "The wifi password is purple-otter-17", 12).await;
-        proxy.stop().await;
-    }
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().start().await;
+    fill(&proxy, "r", "The wifi password is purple-otter-17", 12).await;
+    proxy.stop().await;
     let proxy = Proxy::start(&mock, dir.path(), "").await;
     chat(
         &proxy,
@@ -384,9 +372,7 @@ async fn a_restart_rebuilds_the_index() {
 
 #[tokio::test]
 async fn an_echoed_injected_message_is_not_stored_or_repeated() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     fill(&proxy, "echo", "The gate code is 2468", 10).await;
     chat(&proxy, "echo", &body(&[user("gate code?")]), &[]).await;
     let forwarded = mock.last_messages();

@@ -4,16 +4,11 @@
 //! once the RSS is under the mark again, memory is back. The RSS is pretended through the
 //! memory guard's seam (`MemoryGuard::pretend_resident`), so no test depends on how much
 //! memory the test process really holds.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::*;
 
 const MIB: u64 = 1024 * 1024;
 
@@ -44,9 +39,7 @@ fn contents(messages: &[Value]) -> Vec<String> {
 
 #[tokio::test]
 async fn past_the_high_water_mark_chat_goes_on_with_memory_off_and_comes_back_under_it() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), BUDGET).await;
+    let Started { mock, proxy, .. } = Harness::new().config(BUDGET).start().await;
     let guard = &proxy.state.memory_guard;
     assert_eq!(guard.budget().high_water, HIGH_WATER);
 
@@ -130,9 +123,7 @@ async fn past_the_high_water_mark_chat_goes_on_with_memory_off_and_comes_back_un
 
 #[tokio::test]
 async fn past_the_high_water_mark_admin_bodies_get_503_and_the_rest_is_served() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), BUDGET).await;
+    let Started { proxy, .. } = Harness::new().admin().config(BUDGET).start().await;
     let guard = &proxy.state.memory_guard;
     guard.pretend_resident(Some(64 * MIB));
     assert_eq!(

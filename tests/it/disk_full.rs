@@ -5,9 +5,6 @@
 //! The test makes its own filesystem: an 8 MiB tmpfs mounted on a temporary directory, and
 //! unmounted by a drop guard whatever happens. Mounting needs root (CAP_SYS_ADMIN): where it
 //! is not permitted, the test prints that it is skipped and passes.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -16,8 +13,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::mock_upstream::MockUpstream;
-use support::*;
+
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 /// A tmpfs of a fixed size, unmounted (and its mount point removed) when dropped.
 struct SmallFilesystem {

@@ -1,29 +1,12 @@
 //! Memory for the Responses API and the Anthropic Messages API: the same memory contract as
 //! chat completions, over the real server and the mock upstream's own wire formats.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 const AUTH: &str = "Bearer sk-test-one";
-
-/// A proxy whose Anthropic upstream is `anthropic` (a second mock, so a test can tell which
-/// upstream a request reached).
-async fn start(
-    mock: &MockUpstream,
-    anthropic: &MockUpstream,
-    dir: &std::path::Path,
-    extra: &str,
-) -> Proxy {
-    let upstream = format!(
-        "[upstream.anthropic]\nbase_url = \"{}\"\n",
-        anthropic.anthropic_base_url()
-    );
-    Proxy::start_with_upstream(mock, dir, &upstream, extra).await
-}
 
 async fn responses(proxy: &Proxy, conversation: Option<&str>, body: &Value) -> Answer {
     let mut headers = vec![
@@ -97,12 +80,8 @@ fn texts(items: &[Value]) -> String {
 
 #[tokio::test]
 async fn responses_keep_memory_across_turns_and_instructions_are_not_turns() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
 
     for (i, text) in [
         "my cat is called Miso",
@@ -142,12 +121,8 @@ async fn responses_keep_memory_across_turns_and_instructions_are_not_turns() {
 
 #[tokio::test]
 async fn previous_response_id_finds_the_conversation_and_an_unknown_one_turns_memory_off() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
 
     let first = responses(
         &proxy,
@@ -207,12 +182,10 @@ async fn previous_response_id_finds_the_conversation_and_an_unknown_one_turns_me
 
 #[tokio::test]
 async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().anthropic_to(&claude).start().await;
     let first = responses(
         &proxy,
         Some("kept"),
@@ -223,7 +196,10 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
     proxy.stop().await;
 
     // A new process on the same data directory knows the id.
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let proxy = Harness::new()
+        .anthropic_to(&claude)
+        .proxy_on(&mock, dir.path())
+        .await;
     let chained = responses(
         &proxy,
         None,
@@ -301,12 +277,8 @@ async fn response_ids_survive_a_restart_and_go_with_their_conversation() {
 
 #[tokio::test]
 async fn the_conversation_field_names_the_conversation_and_is_not_forwarded() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
     let first = responses(
         &proxy,
         None,
@@ -370,12 +342,12 @@ async fn the_conversation_field_names_the_conversation_and_is_not_forwarded() {
 
 #[tokio::test]
 async fn a_function_call_round_and_reasoning_items_are_forwarded_whole() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "[memory]\nrecent_n = 2\n").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new()
+        .anthropic_to(&claude)
+        .config("[memory]\nrecent_n = 2\n")
+        .start()
+        .await;
 
     let secret = "gAAAAB+enc/rypted==";
     mock.push(Reply::Reasoning(
@@ -464,12 +436,8 @@ async fn a_function_call_round_and_reasoning_items_are_forwarded_whole() {
 
 #[tokio::test]
 async fn responses_streams_are_teed_and_stored_from_response_completed() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
 
     let answer = responses(
         &proxy,
@@ -513,12 +481,8 @@ async fn responses_streams_are_teed_and_stored_from_response_completed() {
 
 #[tokio::test]
 async fn get_and_delete_answer_for_ids_memproxy_answered() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
     let first = responses(
         &proxy,
         Some("g"),
@@ -546,12 +510,8 @@ async fn get_and_delete_answer_for_ids_memproxy_answered() {
 
 #[tokio::test]
 async fn anthropic_messages_keep_memory_and_go_to_the_anthropic_upstream() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
 
     for text in ["my dog is Rex", "I like tea", "what is my dog called?"] {
         let request = json!({"model": "claude-sonnet-4", "max_tokens": 100, "system": "Be brief.", "messages": [{"role": "user", "content": text}]});
@@ -625,13 +585,13 @@ async fn anthropic_messages_keep_memory_and_go_to_the_anthropic_upstream() {
 
 #[tokio::test]
 async fn anthropic_tool_rounds_thinking_and_memory_in_system_keep_the_list_valid() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
+    let claude = MockUpstream::start().await.unwrap();
     let settings = "[memory]\nrecent_n = 2\nrelevance_enabled = true\nrelevance_top_k = 2\n";
-    let proxy = start(&mock, &claude, dir.path(), settings).await;
+    let Started { proxy, .. } = Harness::new()
+        .anthropic_to(&claude)
+        .config(settings)
+        .start()
+        .await;
 
     let signature = "EqQBCgIYAhIM1gbcDa9GJwZA2b3hGgxBdjrk+/==";
     claude.push(Reply::Reasoning(
@@ -697,12 +657,8 @@ async fn anthropic_tool_rounds_thinking_and_memory_in_system_keep_the_list_valid
 
 #[tokio::test]
 async fn anthropic_streams_are_teed_and_a_cut_stream_stores_nothing() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
     let request = json!({"model": "claude", "max_tokens": 50, "stream": true, "messages": [{"role": "user", "content": "stream it"}]});
     let answer = messages(&proxy, "st", &request).await;
     assert_eq!(answer.header("x-memory-status"), "stored");
@@ -724,12 +680,8 @@ async fn anthropic_streams_are_teed_and_a_cut_stream_stores_nothing() {
 
 #[tokio::test]
 async fn bad_bodies_name_their_field() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
     let answer = responses(
         &proxy,
         Some("b"),
@@ -751,13 +703,13 @@ async fn bad_bodies_name_their_field() {
 
 #[tokio::test]
 async fn summaries_of_a_claude_model_call_the_anthropic_upstream() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
+    let claude = MockUpstream::start().await.unwrap();
     let settings = "[memory]\nrecent_n = 2\ncompression_threshold_tokens = 60\ncompression_async = false\ncompression_model = \"claude-haiku\"\nrelevance_enabled = false\n";
-    let proxy = start(&mock, &claude, dir.path(), settings).await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .anthropic_to(&claude)
+        .config(settings)
+        .start()
+        .await;
     let mut summarized = false;
     for i in 0..10 {
         let text =
@@ -786,12 +738,8 @@ async fn summaries_of_a_claude_model_call_the_anthropic_upstream() {
 
 #[tokio::test]
 async fn a_stateless_client_resending_its_whole_input_is_stored_once() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
     // Codex-style: `store: false`, the whole history as items every turn, reasoning included.
     mock.push(Reply::Reasoning("enc-1".into(), Box::new(Reply::Auto)));
     let user_item = |text: &str| json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]});
@@ -821,12 +769,8 @@ async fn a_stateless_client_resending_its_whole_input_is_stored_once() {
 
 #[tokio::test]
 async fn persist_and_enabled_work_for_responses_as_for_chat() {
-    let (mock, claude) = (
-        MockUpstream::start().await.unwrap(),
-        MockUpstream::start().await.unwrap(),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, &claude, dir.path(), "").await;
+    let claude = MockUpstream::start().await.unwrap();
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
     let post = |extra: &'static [(&'static str, &'static str)], body: Value| {
         let url = proxy.url("/v1/responses");
         async move {

@@ -2,14 +2,11 @@
 //! presents (`Authorization` in any scheme, `api-key`, `x-api-key`), two different credentials
 //! are refused, none is refused unless `auth.allow_anonymous`, and the allow-list and summary
 //! calls see every credential header.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::time::{Duration, Instant};
 
-use support::mock_upstream::MockUpstream;
-use support::*;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 /// Posts a chat completion for `conversation` with exactly `credentials` as its credential
 /// headers.
@@ -40,9 +37,7 @@ fn last_forwarded(mock: &MockUpstream) -> String {
 
 #[tokio::test]
 async fn two_credentials_of_any_kind_never_share_a_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     let kinds: [(&str, [&str; 2]); 4] = [
         ("api-key", ["azure-key-a", "azure-key-b"]),
@@ -79,9 +74,7 @@ async fn two_credentials_of_any_kind_never_share_a_conversation() {
 
 #[tokio::test]
 async fn one_key_is_one_tenant_whichever_header_carries_it() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     chat_with(
         &proxy,
@@ -118,9 +111,7 @@ async fn one_key_is_one_tenant_whichever_header_carries_it() {
 
 #[tokio::test]
 async fn two_different_credentials_are_refused_and_nothing_is_forwarded() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     for (credentials, named) in [
         (
@@ -153,9 +144,7 @@ async fn two_different_credentials_are_refused_and_nothing_is_forwarded() {
 
 #[tokio::test]
 async fn no_credential_gets_memory_only_when_anonymous_memory_is_allowed() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
 
     for credentials in [&[][..], &[("authorization", "Bearer")], &[("api-key", "")]] {
         let answer = chat_with(&proxy, credentials, "anon", "hi").await;
@@ -206,14 +195,10 @@ async fn no_credential_gets_memory_only_when_anonymous_memory_is_allowed() {
 
 #[tokio::test]
 async fn client_keys_are_accepted_from_every_credential_header() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[auth]\nclient_keys = [\"sk-allowed\"]\n",
-    )
-    .await;
+    let Started { proxy, .. } = Harness::new()
+        .config("[auth]\nclient_keys = [\"sk-allowed\"]\n")
+        .start()
+        .await;
 
     for (i, credentials) in [
         &[("authorization", "Bearer sk-allowed")][..],
@@ -254,14 +239,10 @@ async fn client_keys_are_accepted_from_every_credential_header() {
 
 #[tokio::test]
 async fn summary_calls_carry_the_api_key_headers() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[memory]\nrecent_n = 2\ncompression_threshold_tokens = 100\nrelevance_enabled = false\ncompression_async = false\n",
-    )
-    .await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[memory]\nrecent_n = 2\ncompression_threshold_tokens = 100\nrelevance_enabled = false\ncompression_async = false\n")
+        .start()
+        .await;
     let started = Instant::now();
     for i in 0.. {
         if !mock.summary_requests().is_empty() {

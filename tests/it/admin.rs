@@ -1,16 +1,11 @@
 //! The admin API through the real proxy: access, listing, show, stats, preview, export and
 //! import, deletes (complete, and only of what was named), and cross-tenant attempts.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use memproxy::store::workspace_dir;
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::*;
 
 const OTHER: &str = "sk-test-other";
 
@@ -52,9 +47,12 @@ fn put_summary(proxy: &Proxy, token: &str, agent: &str, id: &str, number: u64, t
 
 #[tokio::test]
 async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let off = Proxy::start(&mock, dir.path(), "").await;
+    let Started {
+        mock,
+        dir,
+        proxy: off,
+        ..
+    } = Harness::new().start().await;
     for path in [
         "/admin/v1/conversations",
         "/admin/v1/tenants/anonymous",
@@ -65,7 +63,7 @@ async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
     }
     off.stop().await;
 
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let proxy = Harness::new().admin().proxy_on(&mock, dir.path()).await;
     for token in [
         None,
         Some("wrong"),
@@ -88,9 +86,7 @@ async fn the_admin_api_is_off_without_a_token_and_refuses_wrong_tokens() {
 
 #[tokio::test]
 async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c1", "alpha", 2).await;
     converse(&proxy, TOKEN, "default", "c2", "beta", 1).await;
     converse(&proxy, TOKEN, "support", "c3", "gamma", 1).await;
@@ -226,9 +222,7 @@ async fn list_filters_and_pages_show_and_stats_describe_a_conversation() {
 
 #[tokio::test]
 async fn preview_shows_exactly_what_would_be_forwarded_without_sending_or_storing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c", "topic", 14).await;
     let path = format!("{}/preview", conversation_path(TOKEN, "default", "c"));
     let request = body(&[
@@ -296,9 +290,7 @@ async fn preview_shows_exactly_what_would_be_forwarded_without_sending_or_storin
 
 #[tokio::test]
 async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c", "round", 3).await;
     put_summary(&proxy, TOKEN, "default", "c", 1, 2);
     let path = conversation_path(TOKEN, "default", "c");
@@ -312,7 +304,7 @@ async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation
     proxy.stop().await;
 
     let empty = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, empty.path(), "").await;
+    let proxy = Harness::new().admin().proxy_on(&mock, empty.path()).await;
     let text = String::from_utf8(export.body.to_vec()).unwrap();
     let imported = admin(&proxy, "POST", &format!("{path}/import"), &text).await;
     assert_eq!(imported.status, 200, "{:?}", imported.body);
@@ -389,9 +381,7 @@ async fn export_then_import_into_an_empty_store_gives_back_the_same_conversation
 
 #[tokio::test]
 async fn delete_removes_every_trace_and_nothing_else() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "gone", "zebra-secret", 12).await;
     converse(&proxy, TOKEN, "default", "kept", "kept-text", 2).await;
     converse(&proxy, OTHER, "default", "gone", "other-tenant-text", 2).await;
@@ -517,9 +507,8 @@ async fn delete_removes_every_trace_and_nothing_else() {
 
 #[tokio::test]
 async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = std::sync::Arc::new(start_admin(&mock, dir.path(), "").await);
+    let Started { proxy, .. } = Harness::new().admin().start().await;
+    let proxy = std::sync::Arc::new(proxy);
     converse(&proxy, TOKEN, "default", "busy", "busy", 3).await;
     let mut tasks = Vec::new();
     for i in 0..12 {
@@ -559,9 +548,7 @@ async fn deletes_racing_with_requests_leave_a_consistent_conversation() {
 
 #[tokio::test]
 async fn cross_tenant_attempts_fail() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "mine", "private-of-one", 2).await;
     converse(&proxy, OTHER, "default", "theirs", "private-of-other", 1).await;
     let mine = conversation_path(TOKEN, "default", "mine");
@@ -704,9 +691,7 @@ async fn the_openapi_document_matches_the_server() {
     served.sort();
     assert_eq!(in_doc, served, "the document and the router disagree");
 
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c", "openapi", 1).await;
     converse(&proxy, TOKEN, "default", "del", "to delete", 1).await;
     converse(&proxy, OTHER, "default", "theirs", "other", 1).await;
@@ -885,9 +870,7 @@ async fn the_openapi_document_matches_the_server() {
 
 #[tokio::test]
 async fn preview_and_stats_show_the_summary() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let headers = [
         ("x-memory-recent-n", "2"),
         ("x-memory-compression-threshold-tokens", "20"),
@@ -943,10 +926,8 @@ async fn preview_and_stats_show_the_summary() {
 /// until then a summary finishing after the delete is written under the deleted id.
 #[tokio::test]
 async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
-    use support::mock_upstream::Reply;
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    use crate::support::mock_upstream::Reply;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     mock.push_summary(Reply::Delay(
         std::time::Duration::from_millis(500),
         Box::new(Reply::Text("late-summary-text".into())),
@@ -974,9 +955,7 @@ async fn a_summary_in_flight_during_a_delete_leaves_no_trace() {
 
 #[tokio::test]
 async fn preview_writes_no_summary_not_even_the_heuristic_stand_in() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     converse(&proxy, TOKEN, "default", "c", "topic", 14).await;
     let path = format!("{}/preview", conversation_path(TOKEN, "default", "c"));
     // No model to summarize with and a pool far over the threshold: a chat request would
@@ -1048,9 +1027,7 @@ fn assert_documented(doc: &Value, schema: &Value, value: &Value, at: &str) {
 #[tokio::test]
 async fn the_openapi_document_names_every_field_the_server_sends() {
     let doc = openapi_document();
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let mut history = Vec::new();
     for i in 1..=3 {
         history.push(user(&format!("question {i}")));

@@ -4,21 +4,17 @@
 //! connections than `server.max_connections`. Each limit is set short (1 s) and each answer or
 //! close is awaited within a generous bound, so nothing here measures speed: it proves that
 //! nothing hangs.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use serde_json::Value;
-use support::mock_upstream::MockUpstream;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+use crate::support;
+use crate::support::*;
 
 /// How long any answer or close may take before the test calls it a hang.
 const BOUND: Duration = Duration::from_secs(10);
@@ -181,9 +177,7 @@ async fn stall_body_and_expect_408(proxy: &Proxy, head: &str, start: &[u8]) {
 
 #[tokio::test]
 async fn a_half_sent_head_is_closed_after_the_head_timeout() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_HEAD).await;
+    let Started { mock, proxy, .. } = Harness::new().config(SHORT_HEAD).start().await;
 
     let closed = send_then_wait_for_close(
         &proxy,
@@ -196,9 +190,7 @@ async fn a_half_sent_head_is_closed_after_the_head_timeout() {
 
 #[tokio::test]
 async fn a_silent_connection_is_closed_after_the_head_timeout() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_HEAD).await;
+    let Started { proxy, .. } = Harness::new().config(SHORT_HEAD).start().await;
 
     // Not a byte: hyper's protocol detection would wait for one forever.
     let mut stream = connect(&proxy).await;
@@ -208,10 +200,8 @@ async fn a_silent_connection_is_closed_after_the_head_timeout() {
 
 #[tokio::test]
 async fn a_kept_alive_connection_is_closed_once_idle_and_a_late_head_is_timed_out_too() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let idle = "header_read_timeout = \"PT30S\"\nidle_timeout = \"PT1S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), idle).await;
+    let Started { mock, proxy, .. } = Harness::new().config(idle).start().await;
 
     let mut stream = connect(&proxy).await;
     ask_health(&mut stream).await;
@@ -237,10 +227,8 @@ async fn a_request_in_flight_outlives_the_idle_timeout() {
         record: true,
         strict: true,
     };
-    let mock = MockUpstream::start_with(options, None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let short = "header_read_timeout = \"PT1S\"\nidle_timeout = \"PT1S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), short).await;
+    let Started { proxy, .. } = Harness::new().mock(options).config(short).start().await;
 
     // A stream of about 3 s through a proxy that closes idle connections after 1 s.
     let body = serde_json::json!({"model": "m", "stream": true, "messages": [user("long one")]});
@@ -252,10 +240,8 @@ async fn a_request_in_flight_outlives_the_idle_timeout() {
 
 #[tokio::test]
 async fn an_idle_h2c_connection_is_closed_after_the_idle_timeout() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let idle = "header_read_timeout = \"PT30S\"\nidle_timeout = \"PT1S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), idle).await;
+    let Started { proxy, .. } = Harness::new().config(idle).start().await;
 
     let stream = connect(&proxy).await;
     let (mut sender, connection) = hyper::client::conn::http2::handshake(
@@ -285,9 +271,7 @@ async fn an_idle_h2c_connection_is_closed_after_the_idle_timeout() {
 
 #[tokio::test]
 async fn a_chat_body_stalled_midway_gets_408_and_nothing_is_forwarded() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_BODY).await;
+    let Started { mock, proxy, .. } = Harness::new().config(SHORT_BODY).start().await;
 
     stall_body_and_expect_408(&proxy, &chat_head(100), b"{\"model\":").await;
     assert!(mock.recorded().is_empty());
@@ -302,31 +286,25 @@ async fn a_chat_body_stalled_midway_gets_408_and_nothing_is_forwarded() {
 
 #[tokio::test]
 async fn an_admin_body_stalled_midway_gets_408() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = support_admin::start_admin(&mock, dir.path(), SHORT_BODY).await;
+    let Started { proxy, .. } = Harness::new().admin().config(SHORT_BODY).start().await;
 
     let head = format!(
         "POST /admin/v1/conversations/anonymous/default/c/import HTTP/1.1\r\nhost: memproxy\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n",
-        support_admin::ADMIN_TOKEN
+        support::admin::ADMIN_TOKEN
     );
     stall_body_and_expect_408(&proxy, &head, b"{\"messages").await;
 }
 
 #[tokio::test]
 async fn a_passthrough_body_stalled_midway_cuts_the_upstream_request_and_gets_408() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_BODY).await;
+    let Started { proxy, .. } = Harness::new().config(SHORT_BODY).start().await;
 
     stall_body_and_expect_408(&proxy, &passthrough_head(100), b"0123456789").await;
 }
 
 #[tokio::test]
 async fn a_huge_content_length_with_no_body_is_answered() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SHORT_BODY).await;
+    let Started { mock, proxy, .. } = Harness::new().config(SHORT_BODY).start().await;
 
     // Chat with memory: past `body_limit_bytes`, so 413 before any byte of the body is awaited.
     let closed = send_then_wait_for_close(&proxy, chat_head(1_000_000_000_000).as_bytes()).await;
@@ -342,10 +320,8 @@ async fn a_huge_content_length_with_no_body_is_answered() {
 
 #[tokio::test]
 async fn past_max_connections_a_new_connection_gets_503_and_the_others_still_work() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let capped = "max_connections = 2\nheader_read_timeout = \"PT30S\"\nidle_timeout = \"PT30S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), capped).await;
+    let Started { proxy, .. } = Harness::new().config(capped).start().await;
 
     // Two connections held open, neither sending anything yet: accepted in order, first.
     let mut first = connect(&proxy).await;

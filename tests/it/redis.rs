@@ -3,29 +3,25 @@
 //! Conversations written by one are served by the other, concurrent commits across replicas
 //! store each exchange once and in order, a due summary is made once, a Redis that goes away
 //! makes requests `degraded` (never failed) until it is back, and deletes leave no key.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
-
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::redis_server::RedisServer;
-use support::*;
 
-/// Two replicas on `redis`, each with its own data directory.
-async fn replicas(
-    mock: &MockUpstream,
-    redis: &RedisServer,
-    extra_toml: &str,
-) -> (Proxy, Proxy, tempfile::TempDir, tempfile::TempDir) {
-    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let a = Proxy::start_redis(mock, dir_a.path(), &redis.url(), extra_toml).await;
-    let b = Proxy::start_redis(mock, dir_b.path(), &redis.url(), extra_toml).await;
-    (a, b, dir_a, dir_b)
+use crate::support;
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::redis_server::RedisServer;
+use crate::support::*;
+
+/// Two replicas on `redis` in front of one mock, each with its own data directory (which it
+/// keeps).
+async fn replicas(redis: &RedisServer, extra_toml: &str) -> (Arc<MockUpstream>, Proxy, Proxy) {
+    let replica = || Harness::new().redis(redis).config(extra_toml);
+    let Started { mock, proxy: a, .. } = replica().start().await;
+    let dir_b = tempfile::tempdir().unwrap();
+    let b = replica().proxy_on(&mock, dir_b.path()).await.keeping(dir_b);
+    (mock, a, b)
 }
 
 fn stored(proxy: &Proxy, conversation: &str) -> Vec<String> {
@@ -53,9 +49,8 @@ async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
 
 #[tokio::test]
 async fn a_replica_serves_what_the_other_committed_after_caching_the_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
     let redis = RedisServer::start();
-    let (a, b, _da, _db) = replicas(&mock, &redis, "").await;
+    let (mock, a, b) = replicas(&redis, "").await;
 
     // A caches the conversation (its state and, through a search, its recall index).
     let first = chat(&a, "c", &body(&[user("hello from a")]), &[]).await;
@@ -90,9 +85,8 @@ async fn a_replica_serves_what_the_other_committed_after_caching_the_conversatio
 
 #[tokio::test]
 async fn two_replicas_alternating_30_turns_store_60_messages_once_and_recall_turn_3() {
-    let mock = MockUpstream::start().await.unwrap();
     let redis = RedisServer::start();
-    let (a, b, _da, _db) = replicas(&mock, &redis, "").await;
+    let (mock, a, b) = replicas(&redis, "").await;
 
     // The SDK habit (the whole history every time), each turn on the other replica.
     let mut history = vec![json!({"role": "system", "content": "be brief"})];
@@ -124,9 +118,8 @@ async fn two_replicas_alternating_30_turns_store_60_messages_once_and_recall_tur
 
 #[tokio::test]
 async fn concurrent_requests_across_replicas_store_each_exchange_once_in_order() {
-    let mock = MockUpstream::start().await.unwrap();
     let redis = RedisServer::start();
-    let (a, b, _da, _db) = replicas(&mock, &redis, "").await;
+    let (_mock, a, b) = replicas(&redis, "").await;
     let (a, b) = (std::sync::Arc::new(a), std::sync::Arc::new(b));
 
     let mut tasks = tokio::task::JoinSet::new();
@@ -156,11 +149,10 @@ async fn concurrent_requests_across_replicas_store_each_exchange_once_in_order()
 
 #[tokio::test]
 async fn a_summary_due_with_both_replicas_serving_is_made_once() {
-    let mock = MockUpstream::start().await.unwrap();
     let redis = RedisServer::start();
     let settings =
         "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\nrelevance_enabled = false\n";
-    let (a, b, _da, _db) = replicas(&mock, &redis, settings).await;
+    let (mock, a, b) = replicas(&redis, settings).await;
     // The summary call takes a while: both replicas want it while it runs.
     for _ in 0..4 {
         mock.push_summary(Reply::Delay(
@@ -207,10 +199,8 @@ async fn a_summary_due_with_both_replicas_serving_is_made_once() {
 
 #[tokio::test]
 async fn redis_going_away_makes_requests_degraded_and_memory_comes_back_with_nothing_lost() {
-    let mock = MockUpstream::start().await.unwrap();
     let mut redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_redis(&mock, dir.path(), &redis.url(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().redis(&redis).start().await;
     for i in 0..5 {
         let answer = chat(&proxy, "d", &body(&[user(&format!("before {i}"))]), &[]).await;
         assert_eq!(answer.header("x-memory-status"), "stored");
@@ -275,11 +265,9 @@ async fn redis_going_away_makes_requests_degraded_and_memory_comes_back_with_not
 
 #[tokio::test]
 async fn a_replica_started_while_redis_is_down_gets_memory_once_it_is_up() {
-    let mock = MockUpstream::start().await.unwrap();
     let mut redis = RedisServer::start();
     redis.kill();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start_redis(&mock, dir.path(), &redis.url(), "").await;
+    let Started { proxy, .. } = Harness::new().redis(&redis).start().await;
     let answer = chat(&proxy, "late", &body(&[user("anyone there?")]), &[]).await;
     assert_eq!(answer.status, 200);
     assert_eq!(answer.header("x-memory-status"), "degraded");
@@ -305,22 +293,15 @@ fn all_keys(redis: &RedisServer) -> String {
 
 #[tokio::test]
 async fn conversation_and_tenant_deletes_leave_no_key_in_redis() {
-    let mock = MockUpstream::start().await.unwrap();
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().unwrap();
-    let text = support_admin::config_text(&mock, dir.path(), "").replace(
-        "[server]",
-        &format!(
-            "backend = \"redis\"\nredis_url = \"{}\"\nredis_key_prefix = \"mp:\"\n[server]",
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .storage(&format!(
+            "backend = \"redis\"\nredis_url = \"{}\"\nredis_key_prefix = \"mp:\"\n",
             redis.url()
-        ),
-    );
-    let config = memproxy::config::from_toml(&text, &|name| match name {
-        "MEMPROXY_ADMIN_TOKEN" => Some(support_admin::ADMIN_TOKEN.to_string()),
-        _ => None,
-    })
-    .unwrap();
-    let proxy = Proxy::start_config(config).await;
+        ))
+        .start()
+        .await;
     let ttl = [("x-memory-ttl", "P1D")];
     for conversation in ["one", "two"] {
         for i in 0..3 {
@@ -341,11 +322,11 @@ async fn conversation_and_tenant_deletes_leave_no_key_in_redis() {
     assert!(before.contains("mp:idx:conv"), "{before}");
     assert!(before.contains("mp:idx:ttl"), "{before}");
 
-    let path = support_admin::conversation_path(TOKEN, "default", "one");
-    let deleted = support_admin::admin(&proxy, "DELETE", &path, "").await;
+    let path = support::admin::conversation_path(TOKEN, "default", "one");
+    let deleted = support::admin::admin(&proxy, "DELETE", &path, "").await;
     assert_eq!(deleted.status, 200, "{:?}", deleted.body);
-    let tenant = format!("/admin/v1/tenants/{}", support_admin::tenant(TOKEN));
-    let deleted = support_admin::admin(&proxy, "DELETE", &tenant, "").await;
+    let tenant = format!("/admin/v1/tenants/{}", support::admin::tenant(TOKEN));
+    let deleted = support::admin::admin(&proxy, "DELETE", &tenant, "").await;
     assert_eq!(deleted.status, 200, "{:?}", deleted.body);
 
     // Only the id counter is left: no conversation key, no index entry, no key.
@@ -532,9 +513,8 @@ async fn try_send(
 
 #[tokio::test]
 async fn a_response_id_answered_by_one_replica_chains_on_the_other() {
-    let mock = MockUpstream::start().await.unwrap();
     let redis = RedisServer::start();
-    let (a, b, _da, _db) = replicas(&mock, &redis, "").await;
+    let (mock, a, b) = replicas(&redis, "").await;
     let post = |proxy: &Proxy, conversation: Option<&str>, body: Value| {
         let url = proxy.url("/v1/responses");
         let conversation = conversation.map(str::to_string);

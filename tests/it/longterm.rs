@@ -3,26 +3,17 @@
 //! user of the tenant, nor for the same user id under another credential; a conversation
 //! deleted by its TTL stays searchable and is rebuilt when asked for again; a request without
 //! a user id behaves as before.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::Duration;
 
 use memproxy::ttl::{Cursor, sweep_pass};
-use support::mock_upstream::MockUpstream;
-use support::*;
+
+use crate::support;
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 const FACT: &str = "My favourite city is Lisbon and I am allergic to peanuts";
 const QUESTION: &str = "Which city is my favourite, and what am I allergic to?";
-
-/// memproxy on the mock, its memory in sled, or with `MEMPROXY_TEST_BACKEND=redis` (as
-/// `scripts/test.sh` runs this file a second time) in a redis-server of its own.
-async fn start(mock: &MockUpstream, dir: &std::path::Path) -> Proxy {
-    support_admin::start_admin(mock, dir, "").await
-}
 
 /// The recalled-turns system message of the last forwarded prompt, if any.
 fn recalled(mock: &MockUpstream) -> String {
@@ -57,9 +48,9 @@ async fn say(
 
 #[tokio::test]
 async fn a_fact_from_one_conversation_is_recalled_in_the_users_next_one() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().admin().start().await;
 
     say(&proxy, TOKEN, Some("ana"), "trip-planning", FACT).await;
     say(
@@ -130,9 +121,7 @@ async fn a_fact_from_one_conversation_is_recalled_in_the_users_next_one() {
 
 #[tokio::test]
 async fn the_conversations_own_turns_and_other_conversations_share_the_slots() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     say(
         &proxy,
         TOKEN,
@@ -186,9 +175,7 @@ async fn the_conversations_own_turns_and_other_conversations_share_the_slots() {
 
 #[tokio::test]
 async fn a_conversation_deleted_by_its_ttl_stays_searchable_and_is_rebuilt() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let extra = [("x-memory-user-id", "ana"), ("x-memory-ttl", "PT1H")];
     for text in [FACT, "Book me a table for Friday"] {
         let answer = chat(&proxy, "short-lived", &body(&[support::user(text)]), &extra).await;
@@ -234,9 +221,7 @@ async fn a_conversation_deleted_by_its_ttl_stays_searchable_and_is_rebuilt() {
 
 #[tokio::test]
 async fn a_bad_user_id_is_a_400_naming_the_header() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     for (header, value) in [
         ("x-memory-user-id", "../etc/passwd"),
         ("x-memory-long-term-top-k", "many"),
@@ -293,9 +278,7 @@ fn extraction_answer(memories: serde_json::Value) -> support::mock_upstream::Rep
 
 #[tokio::test]
 async fn extracted_memories_reach_the_next_conversation_and_a_move_supersedes_the_old_city() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "2"),
@@ -410,9 +393,7 @@ async fn extracted_memories_reach_the_next_conversation_and_a_move_supersedes_th
 
 #[tokio::test]
 async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "1"),
@@ -454,10 +435,13 @@ async fn a_bad_or_failed_extraction_changes_nothing_and_chat_goes_on() {
 
 #[tokio::test]
 async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
-    use support_admin::{admin, start_admin_backend, tenant};
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let (proxy, redis) = start_admin_backend(&mock, dir.path(), "").await;
+    use crate::support::admin::{admin, tenant};
+    let Started {
+        mock,
+        dir,
+        proxy,
+        redis,
+    } = Harness::new().admin().start().await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "1"),
@@ -560,34 +544,26 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
 
 /// A proxy where user `ana` has the memories an extraction of `said` gave (`memories`, the
 /// answer's list).
-async fn with_memories(
-    mock: &MockUpstream,
-    dir: &std::path::Path,
-    said: &str,
-    memories: serde_json::Value,
-) -> Proxy {
-    let proxy = start(mock, dir).await;
+async fn with_memories(said: &str, memories: serde_json::Value) -> Started {
+    let started = Harness::new().admin().start().await;
+    let (mock, proxy) = (&started.mock, &started.proxy);
     let count = memories.as_array().unwrap().len();
     mock.push_extraction(extraction_answer(memories));
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "1"),
     ];
-    chat(&proxy, "a", &body(&[support::user(said)]), &extra).await;
+    chat(proxy, "a", &body(&[support::user(said)]), &extra).await;
     eventually("the extraction", || {
-        memories_of(&proxy, "ana").len() == count
+        memories_of(proxy, "ana").len() == count
     })
     .await;
-    proxy
+    started
 }
 
 #[tokio::test]
 async fn the_sweeper_deletes_memories_that_decayed_under_the_floor() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = with_memories(
-        &mock,
-        dir.path(),
+    let Started { proxy, .. } = with_memories(
         "I live in Lisbon and work as a nurse",
         serde_json::json!([
             {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
@@ -612,11 +588,7 @@ async fn the_sweeper_deletes_memories_that_decayed_under_the_floor() {
 
 #[tokio::test]
 async fn a_memory_used_in_a_prompt_is_refreshed_and_escapes_the_sweep() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = with_memories(
-        &mock,
-        dir.path(),
+    let Started { proxy, .. } = with_memories(
         "I live in Lisbon",
         serde_json::json!([
             {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
@@ -646,9 +618,7 @@ async fn a_memory_used_in_a_prompt_is_refreshed_and_escapes_the_sweep() {
 
 #[tokio::test]
 async fn a_stored_summary_is_extracted_from_too() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     mock.push_summary(support::mock_upstream::Reply::Text(
         "The user keeps bees on a rooftop in Porto and sells the honey.".into(),
     ));
@@ -723,13 +693,7 @@ async fn a_stored_summary_is_extracted_from_too() {
 
 #[tokio::test]
 async fn a_claude_extraction_model_answers_the_contract_through_a_forced_tool_call() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let upstream = format!(
-        "[upstream.anthropic]\nbase_url = \"{}\"\n",
-        mock.anthropic_base_url()
-    );
-    let proxy = Proxy::start_with_upstream(&mock, dir.path(), &upstream, "").await;
+    let Started { mock, proxy, .. } = Harness::new().anthropic_to_the_mock().start().await;
     mock.push_extraction(extraction_answer(serde_json::json!([
         {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
          "importance": 0.9, "confidence": 0.95, "tags": [], "source_turns": [1], "supersedes": []}
@@ -774,10 +738,8 @@ async fn a_claude_extraction_model_answers_the_contract_through_a_forced_tool_ca
 
 #[tokio::test]
 async fn a_user_exported_and_imported_comes_back_with_memories_and_archive() {
-    use support_admin::{admin, tenant};
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    use crate::support::admin::{admin, tenant};
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     say(&proxy, TOKEN, Some("ana"), "trip-planning", FACT).await;
     let base = format!("/admin/v1/users/{}/ana", tenant(TOKEN));
     let created = admin(
@@ -851,10 +813,8 @@ async fn a_user_exported_and_imported_comes_back_with_memories_and_archive() {
 
 #[tokio::test]
 async fn the_preview_of_a_request_with_a_user_shows_her_memories_and_other_conversations() {
-    use support_admin::{ADMIN_TOKEN, admin, conversation_path, tenant};
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start(&mock, dir.path()).await;
+    use crate::support::admin::{ADMIN_TOKEN, admin, conversation_path, tenant};
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     // Ana said a fact in conversation `a`, has a memory, and talks in `b`.
     say(&proxy, TOKEN, Some("ana"), "a", FACT).await;
     let base = format!("/admin/v1/users/{}/ana", tenant(TOKEN));

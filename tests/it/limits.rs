@@ -1,8 +1,5 @@
 //! What one request may add to memory: the per-request limits (413, nothing stored), a commit
 //! that never leaves more than `max_messages`, and long trims done in bounded batches.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::sync::{Arc, Mutex};
 
@@ -19,8 +16,9 @@ use memproxy::store::{
 use memproxy::upstream::Upstream;
 use serde_json::Value;
 use serde_json::value::RawValue;
-use support::mock_upstream::MockUpstream;
-use support::*;
+
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 /// `n` alternating user/assistant messages, numbered.
 fn history(n: usize) -> Vec<Value> {
@@ -58,14 +56,10 @@ fn stored_history(n: usize) -> Vec<StoredMessage> {
 
 #[tokio::test]
 async fn a_request_over_the_new_message_limit_is_413_and_stores_nothing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[limits]\nmax_new_messages = 50\nmax_new_tokens = 100000\n",
-    )
-    .await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[limits]\nmax_new_messages = 50\nmax_new_tokens = 100000\n")
+        .start()
+        .await;
     // Within the limit: stored.
     let mut messages = history(40);
     messages.push(user("the new one"));
@@ -100,9 +94,10 @@ async fn a_request_over_the_new_message_limit_is_413_and_stores_nothing() {
 
 #[tokio::test]
 async fn a_request_over_the_new_token_limit_is_413() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "[limits]\nmax_new_tokens = 200\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .config("[limits]\nmax_new_tokens = 200\n")
+        .start()
+        .await;
     let long = "word ".repeat(300);
     let answer = chat(&proxy, "c", &body(&[user(&long)]), &[]).await;
     assert_eq!(answer.status, 413);
@@ -120,9 +115,7 @@ async fn a_request_over_the_new_token_limit_is_413() {
 
 #[tokio::test]
 async fn a_commit_never_leaves_more_than_max_messages() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().start().await;
     // 30 new messages into a conversation allowed 10: the exchange's own oldest rounds go.
     let mut messages = history(29);
     messages.push(user("last question"));
@@ -147,9 +140,7 @@ async fn a_commit_never_leaves_more_than_max_messages() {
 
 #[tokio::test]
 async fn a_conversation_far_over_max_messages_is_trimmed_to_it_and_goes_on() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().start().await;
     // A conversation far over the limit it will be used with (stored before the limit
     // was lowered): 1,500 messages.
     let key = key(Some(TOKEN), "long");

@@ -4,25 +4,14 @@
 //! SHA-256, the prompt's parts, the usage; receipts are tenant-checked, expire, stay within
 //! their bytes, and can be turned off; a replay returns the upstream's answer and stores
 //! nothing.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use support::mock_upstream::{MockUpstream, Recorded};
-use support::*;
-use support_admin::*;
 
-/// The Anthropic API served by the same mock.
-fn anthropic(mock: &MockUpstream) -> String {
-    format!(
-        "[upstream.anthropic]\nbase_url = \"{}\"\n",
-        mock.anthropic_base_url()
-    )
-}
+use crate::support;
+use crate::support::admin::*;
+use crate::support::mock_upstream::Recorded;
+use crate::support::*;
 
 fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
@@ -67,9 +56,7 @@ async fn replay_as(proxy: &Proxy, id: &str, client: &str) -> Answer {
 
 #[tokio::test]
 async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().anthropic_to_the_mock().start().await;
     let cached = [("x-mock-cached-tokens", "7")];
 
     // Chat completions, JSON: a system prompt, three turns so the window is stored messages.
@@ -219,14 +206,11 @@ async fn a_receipt_holds_the_bytes_the_upstream_received_in_every_api() {
 
 #[tokio::test]
 async fn a_receipt_names_the_recalled_turns_the_summary_and_what_the_budget_dropped() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(
-        &mock,
-        dir.path(),
-        "[memory]\nrecent_n = 2\ncompression_threshold_tokens = 60\ncompression_async = false\ncompression_interval = \"PT0S\"\n",
-    )
-    .await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[memory]\nrecent_n = 2\ncompression_threshold_tokens = 60\ncompression_async = false\ncompression_interval = \"PT0S\"\n")
+        .start()
+        .await;
     let topics = [
         "the lighthouse keeper named Orsolya paints seagulls",
         "my favourite pasta shape is orecchiette with broccoli",
@@ -280,9 +264,7 @@ async fn a_receipt_names_the_recalled_turns_the_summary_and_what_the_budget_drop
 
 #[tokio::test]
 async fn receipts_are_tenant_checked() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let answer = chat_as(
         &proxy,
         "sk-tenant-a",
@@ -323,9 +305,7 @@ async fn receipts_are_tenant_checked() {
 
 #[tokio::test]
 async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let first = chat(&proxy, "replayed", &body(&[user("first question")]), &[]).await;
     let id = first.header("x-memory-receipt").to_string();
     let original = mock.chat_requests().last().unwrap().clone();
@@ -381,21 +361,12 @@ async fn a_replay_returns_the_upstream_answer_and_stores_nothing() {
 
 #[tokio::test]
 async fn with_its_own_upstream_key_memproxy_replays_without_the_clients() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let text = config_text(&mock, dir.path(), "");
-    let text = text.replacen(
-        "[upstream]\n",
-        "[upstream]\napi_key_env = \"UPSTREAM_KEY\"\n",
-        1,
-    );
-    let config = memproxy::config::from_toml(&text, &|name| match name {
-        "MEMPROXY_ADMIN_TOKEN" => Some(ADMIN_TOKEN.to_string()),
-        "UPSTREAM_KEY" => Some("sk-proxy-own".to_string()),
-        _ => None,
-    })
-    .unwrap();
-    let proxy = Proxy::start_config(config).await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .admin()
+        .upstream("api_key_env = \"UPSTREAM_KEY\"\n")
+        .env("UPSTREAM_KEY", "sk-proxy-own")
+        .start()
+        .await;
     let answer = chat(&proxy, "keyed", &body(&[user("hello")]), &[]).await;
     let id = answer.header("x-memory-receipt").to_string();
     let replay = admin(
@@ -414,9 +385,11 @@ async fn with_its_own_upstream_key_memproxy_replays_without_the_clients() {
 
 #[tokio::test]
 async fn receipts_expire_after_their_retention() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[receipts]\nretention = \"PT1S\"\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[receipts]\nretention = \"PT1S\"\n")
+        .start()
+        .await;
     let answer = chat(&proxy, "short-lived", &body(&[user("hello")]), &[]).await;
     let id = answer.header("x-memory-receipt").to_string();
     let path = format!("/admin/v1/receipts/{id}");
@@ -427,9 +400,11 @@ async fn receipts_expire_after_their_retention() {
 
 #[tokio::test]
 async fn receipts_stay_within_their_bytes_the_newest_kept() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[receipts]\nmax_bytes = \"256KiB\"\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[receipts]\nmax_bytes = \"256KiB\"\n")
+        .start()
+        .await;
     let mut ids = Vec::new();
     for i in 0..12 {
         let text = format!("{i} {}", "filler words for a large body ".repeat(1000));
@@ -463,9 +438,7 @@ async fn receipts_can_be_turned_off() {
         "[receipts]\nretention = \"PT0S\"\n",
         "[receipts]\nenabled = false\n",
     ] {
-        let mock = MockUpstream::start().await.unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let proxy = start_admin(&mock, dir.path(), off).await;
+        let Started { proxy, .. } = Harness::new().admin().config(off).start().await;
         let answer = chat(&proxy, "off", &body(&[user("hello")]), &[]).await;
         assert_eq!(answer.status, 200);
         assert!(answer.headers.get("x-memory-receipt").is_none(), "{off}");
@@ -477,9 +450,7 @@ async fn receipts_can_be_turned_off() {
 
 #[tokio::test]
 async fn a_request_without_memory_has_no_receipt() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let answer = send(
         "POST",
         &proxy.url("/v1/chat/completions"),
@@ -496,9 +467,7 @@ async fn a_request_without_memory_has_no_receipt() {
 
 #[tokio::test]
 async fn deleting_a_conversation_drops_its_receipts() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let gone = chat(&proxy, "to-delete", &body(&[user("delete me")]), &[]).await;
     let kept = chat(&proxy, "to-keep", &body(&[user("keep me")]), &[]).await;
     let path =
@@ -564,8 +533,6 @@ fn assert_degraded_receipt(receipt: &Value, recorded: &Recorded, new_messages: u
 
 #[tokio::test]
 async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let chat_headers = |conversation: &'static str| {
         [
             ("authorization", "Bearer sk-test-one"),
@@ -586,8 +553,10 @@ async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
             "messages": [{"role": "user", "content": text}]})
     };
     // One stored exchange in each API's conversation, then their keys lost: reading them
-    // fails (`store-error`), as in `tests/store_damage.rs`.
-    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    // fails (`store-error`), as in `tests/it/store_damage.rs`.
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().admin().anthropic_to_the_mock().start().await;
     let stored = chat(&proxy, "degraded-chat", &body(&[user("first")]), &[]).await;
     assert_eq!(stored.header("x-memory-status"), "stored");
     let request = json!({"model": "gpt-4o-mini", "input": "first"});
@@ -611,7 +580,11 @@ async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
     for file in std::fs::read_dir(dir.path().join("keys")).unwrap() {
         std::fs::remove_file(file.unwrap().path()).unwrap();
     }
-    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let proxy = Harness::new()
+        .admin()
+        .anthropic_to_the_mock()
+        .proxy_on(&mock, dir.path())
+        .await;
     let degraded = |answer: &Answer| {
         assert_eq!(answer.status, 200);
         assert_eq!(answer.header("x-memory-status"), "degraded");
@@ -724,9 +697,7 @@ async fn a_degraded_request_has_a_receipt_in_every_api_and_replays() {
 
 #[tokio::test]
 async fn a_stream_the_client_drops_ends_its_receipt_client_gone_with_the_usage_seen() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), &anthropic(&mock)).await;
+    let Started { mock, proxy, .. } = Harness::new().admin().anthropic_to_the_mock().start().await;
     let open = |path: &str, headers: &[(&str, &str)], body: &Value| {
         let mut request = http::Request::post(proxy.url(path));
         for (name, value) in headers {
@@ -807,9 +778,7 @@ async fn a_stream_the_client_drops_ends_its_receipt_client_gone_with_the_usage_s
 
 #[tokio::test]
 async fn a_user_delete_and_the_ttl_sweeper_drop_the_receipts_of_what_they_delete() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
     let path =
         |answer: &Answer| format!("/admin/v1/receipts/{}", answer.header("x-memory-receipt"));
     let status = |path: String| {
@@ -867,14 +836,11 @@ async fn a_user_delete_and_the_ttl_sweeper_drop_the_receipts_of_what_they_delete
 
 #[tokio::test]
 async fn a_receipt_names_the_excerpted_turns_and_the_window_step_in_effect() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(
-        &mock,
-        dir.path(),
-        "[memory]\nrecent_n = 2\nwindow_step = \"auto\"\ncompression_enabled = false\nrelevance_top_k = 2\nrelevance_max_tokens = 120\n",
-    )
-    .await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .admin()
+        .config("[memory]\nrecent_n = 2\nwindow_step = \"auto\"\ncompression_enabled = false\nrelevance_top_k = 2\nrelevance_max_tokens = 120\n")
+        .start()
+        .await;
     let filler = "we spoke about the weather and the trains again. ".repeat(40);
     mock.push(support::mock_upstream::Reply::Text(format!(
         "{filler}The boathouse key is under the third step. {filler}"

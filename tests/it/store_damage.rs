@@ -5,22 +5,16 @@
 //! the damage (exit 1) without changing a byte of the data directory, and `memproxy store
 //! repair --into NEW_DIR` writes what can be read into a store a fresh proxy serves: for a
 //! whole store, everything.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
-#[path = "support/cli.rs"]
-mod support_cli;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
-use support_cli::{memproxy, stdout};
+
+use crate::support::admin::*;
+use crate::support::cli::{memproxy, stdout};
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
 
 /// Every file under `dir` and its bytes: to show a command changed nothing.
 fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
@@ -108,7 +102,7 @@ async fn a_store_sled_cannot_open_leaves_the_proxy_serving_without_memory() {
     // Two lives: the second open writes sled's snapshot of the first's writes, so damage
     // among them is found when the store opens (see `store/sled_engine.rs`).
     for life in ["one", "two"] {
-        let proxy = start_admin(&mock, dir.path(), "").await;
+        let proxy = Harness::new().admin().proxy_on(&mock, dir.path()).await;
         converse(&proxy, &[&format!("{life}-a"), &format!("{life}-b")]).await;
         proxy.stop().await;
     }
@@ -117,7 +111,7 @@ async fn a_store_sled_cannot_open_leaves_the_proxy_serving_without_memory() {
     bytes[64..96].fill(0xab);
     std::fs::write(&db, bytes).unwrap();
 
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let proxy = Harness::new().admin().proxy_on(&mock, dir.path()).await;
     assert!(proxy.state.memory().is_none(), "started without memory");
     let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
     assert_eq!(ready.status, 503);
@@ -172,9 +166,9 @@ async fn a_store_sled_cannot_open_leaves_the_proxy_serving_without_memory() {
 
 #[tokio::test]
 async fn a_lost_or_garbled_key_turns_memory_off_for_its_conversation_only() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().start().await;
     let histories = converse(&proxy, &["missing", "garbled", "kept"]).await;
     let store = proxy.store();
     let key_file = |name: &str| {
@@ -254,14 +248,14 @@ async fn a_lost_or_garbled_key_turns_memory_off_for_its_conversation_only() {
     proxy.stop().await;
 }
 
-/// A summary small enough to be made after a few exchanges (as `tests/compression.rs`).
+/// A summary small enough to be made after a few exchanges (as `tests/it/compression.rs`).
 const SUMMARIES: &str = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 150\ncompression_async = false\nrelevance_enabled = false\n";
 
 #[tokio::test]
 async fn a_repair_of_a_whole_store_keeps_everything() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), SUMMARIES).await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new().config(SUMMARIES).start().await;
     let mut history = Vec::new();
     for i in 0..8 {
         history.push(user(&format!(

@@ -1,18 +1,13 @@
 //! Conversation TTL through the real proxy: the `ttl` setting and `X-Memory-Ttl`, the sweeper
 //! with a clock moved forward instead of sleeping, bounded passes, and the background task.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use std::time::Duration;
 
 use memproxy::config;
 use memproxy::ttl::{Cursor, sweep_pass};
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::*;
 
 fn no_env(_: &str) -> Option<String> {
     None
@@ -82,9 +77,7 @@ fn ttl_is_a_setting_and_the_sweeper_is_configured() {
 
 #[tokio::test]
 async fn a_bad_ttl_header_is_a_400_naming_it() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     for bad in ["forever", "PT0S", "P1M", "-PT1H"] {
         let answer = chat(&proxy, "c", &body(&[user("hi")]), &[("x-memory-ttl", bad)]).await;
         assert_eq!(answer.status, 400, "{bad}");
@@ -95,9 +88,11 @@ async fn a_bad_ttl_header_is_a_400_naming_it() {
 
 #[tokio::test]
 async fn idle_conversations_are_deleted_once_past_their_ttl() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[agents.short]\nttl = \"PT1H\"\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[agents.short]\nttl = \"PT1H\"\n")
+        .start()
+        .await;
     let state = &proxy.state;
     store_one(
         &proxy,
@@ -195,9 +190,10 @@ async fn idle_conversations_are_deleted_once_past_their_ttl() {
 
 #[tokio::test]
 async fn a_conversation_used_again_is_not_swept() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "[memory]\nttl = \"PT1H\"\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .config("[memory]\nttl = \"PT1H\"\n")
+        .start()
+        .await;
     store_one(&proxy, "c", "first", &[]).await;
     let key = key_for(Some(TOKEN), "default", "c");
     let before = proxy.store().meta(&key).unwrap().unwrap().last_activity_ms;
@@ -222,14 +218,10 @@ async fn a_conversation_used_again_is_not_swept() {
 
 #[tokio::test]
 async fn each_pass_is_bounded_and_the_walk_resumes() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[memory]\nttl = \"PT1M\"\n[sweeper]\nmax_scanned = 3\nmax_deleted = 2\n",
-    )
-    .await;
+    let Started { proxy, .. } = Harness::new()
+        .config("[memory]\nttl = \"PT1M\"\n[sweeper]\nmax_scanned = 3\nmax_deleted = 2\n")
+        .start()
+        .await;
     for i in 0..7 {
         store_one(&proxy, &format!("c{i}"), &format!("message {i}"), &[]).await;
     }
@@ -260,14 +252,12 @@ async fn each_pass_is_bounded_and_the_walk_resumes() {
 
 #[tokio::test]
 async fn the_background_sweeper_runs_on_its_interval_and_stops_with_the_server() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[memory]\nttl = \"PT1H\"\n[sweeper]\ninterval = \"PT0.05S\"\n",
-    )
-    .await;
+    let Started {
+        mock, dir, proxy, ..
+    } = Harness::new()
+        .config("[memory]\nttl = \"PT1H\"\n[sweeper]\ninterval = \"PT0.05S\"\n")
+        .start()
+        .await;
     store_one(&proxy, "c", "background", &[]).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(exists(&proxy, "default", "c"), "not idle long enough yet");
@@ -378,11 +368,9 @@ fn ttl_record(proxy: &Proxy, id: &str) -> Option<memproxy::store::TtlRecord> {
 
 #[tokio::test]
 async fn a_refused_or_failed_request_writes_no_ttl() {
-    use support::mock_upstream::Reply;
+    use crate::support::mock_upstream::Reply;
 
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     let ttl = [("x-memory-ttl", "P36500D")];
 
     // Bodies memproxy refuses: nothing is planned, forwarded or written.

@@ -4,33 +4,13 @@
 //! Prometheus counters per agent label (closed set), in the admin stats of a conversation and
 //! of a tenant (kept in the store: they survive a restart, with sled and with Redis, and go
 //! with an export); and the daily background budget per agent.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use prometheus_parse::{Scrape, Value as Sample};
 use serde_json::{Value, json};
-use support::mock_upstream::MockUpstream;
-use support::redis_server::RedisServer;
-use support::*;
-use support_admin::*;
 
-async fn start_with(
-    mock: &MockUpstream,
-    dir: &std::path::Path,
-    storage: &str,
-    extra: &str,
-) -> Proxy {
-    let text = config_with_storage(mock, dir, storage, extra);
-    let config = memproxy::config::from_toml(&text, &|name| match name {
-        "MEMPROXY_ADMIN_TOKEN" => Some(ADMIN_TOKEN.to_string()),
-        _ => None,
-    })
-    .unwrap();
-    Proxy::start_config(config).await
-}
+use crate::support::admin::*;
+use crate::support::redis_server::RedisServer;
+use crate::support::*;
 
 async fn scrape(proxy: &Proxy) -> Scrape {
     let answer = send("GET", &proxy.url("/metrics"), &[], "").await;
@@ -57,9 +37,11 @@ fn number(answer: &Answer, header: &str) -> u64 {
 
 #[tokio::test]
 async fn the_ledger_is_counted_per_agent_label_with_cached_tokens() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[agents.support]\nrecent_n = 4\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[agents.support]\nrecent_n = 4\n")
+        .start()
+        .await;
 
     let (mut history, mut forwarded, mut cached) = (0u64, 0u64, 0u64);
     let mut messages = Vec::new();
@@ -157,9 +139,11 @@ async fn the_ledger_is_counted_per_agent_label_with_cached_tokens() {
 
 /// The ledger of a conversation and of a tenant, and after a restart the same.
 async fn stats_survive_a_restart(storage: &str) {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_with(&mock, dir.path(), storage, "").await;
+    // The admin API on, memory where `storage` says.
+    let ledger = || Harness::new().admin().storage(storage);
+    let Started {
+        mock, dir, proxy, ..
+    } = ledger().start().await;
     let (mut history, mut forwarded) = (0u64, 0u64);
     for (conversation, n) in [("ledger-a", 3), ("ledger-b", 2)] {
         for i in 0..n {
@@ -203,7 +187,7 @@ async fn stats_survive_a_restart(storage: &str) {
     check(stats, tenant_stats.json());
     proxy.stop().await;
 
-    let proxy = start_with(&mock, dir.path(), storage, "").await;
+    let proxy = ledger().proxy_on(&mock, dir.path()).await;
     let stats = admin(&proxy, "GET", &format!("{path}/stats"), "")
         .await
         .json();
@@ -251,16 +235,9 @@ fn line(i: usize) -> String {
 
 #[tokio::test]
 async fn background_spend_is_counted_and_a_spent_daily_budget_stops_summaries() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(
-        &mock,
-        dir.path(),
-        &format!(
+    let Started { mock, proxy, .. } = Harness::new().admin().config(&format!(
             "{SUMMARIES}[agents.rich]\ncompression_max_tokens_per_day = 100000000\n[compression]\nmax_tokens_per_day = 1\n"
-        ),
-    )
-    .await;
+        )).start().await;
 
     // The default agent (label `other`): its first summary spends past the budget of 1 token;
     // no summary call follows that day.
@@ -369,9 +346,7 @@ async fn a_budget_of_zero_or_a_bad_value_is_refused() {
 
 #[tokio::test]
 async fn memory_extraction_spends_on_behalf_of_its_conversation() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let extra = [
         ("x-memory-user-id", "ana"),
         ("x-memory-extraction-every", "2"),

@@ -4,16 +4,14 @@
 //! passes `recent_n + window_step`; `prompt_cache_key` is set when the client set none and left
 //! alone when it did; the Anthropic writer keeps recalled turns out of the cached prefix and
 //! marks it with breakpoints; the new settings are checked like the others.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use memproxy::message::RECALL_MARKER;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
-use support::mock_upstream::{MockUpstream, Reply};
-use support::*;
+
+use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::*;
 
 /// The byte offset in `body` where each of its `messages` starts.
 fn message_offsets(body: &str) -> Vec<usize> {
@@ -58,10 +56,8 @@ fn chat_bodies(mock: &MockUpstream) -> Vec<String> {
 
 #[tokio::test]
 async fn prompts_extend_each_other_until_the_anchor_jumps() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let settings = "[memory]\nrecent_n = 4\nwindow_step = 6\ncompression_enabled = false\nrelevance_top_k = 2\n";
-    let proxy = Proxy::start(&mock, dir.path(), settings).await;
+    let Started { mock, proxy, .. } = Harness::new().config(settings).start().await;
     let turns = 16;
     for n in 1..=turns {
         let answer = chat(&proxy, "cached", &body(&[user(&question(n))]), &[]).await;
@@ -134,9 +130,10 @@ async fn prompts_extend_each_other_until_the_anchor_jumps() {
 
 #[tokio::test]
 async fn a_window_step_of_zero_slides_as_before() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "[memory]\nrecent_n = 4\n").await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[memory]\nrecent_n = 4\n")
+        .start()
+        .await;
     let slide = [("x-memory-window-step", "0")];
     for n in 1..=6 {
         chat(&proxy, "slides", &body(&[user(&question(n))]), &slide).await;
@@ -161,14 +158,10 @@ async fn a_window_step_of_zero_slides_as_before() {
 
 #[tokio::test]
 async fn the_prompt_cache_key_is_set_when_absent_and_left_alone_otherwise() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[agents.quiet]\nprompt_cache_key = false\n",
-    )
-    .await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[agents.quiet]\nprompt_cache_key = false\n")
+        .start()
+        .await;
     let expected = key(Some(TOKEN), "keyed").prompt_cache_key();
     assert!(!expected.contains("keyed") && !expected.contains(TOKEN));
 
@@ -233,9 +226,7 @@ async fn the_prompt_cache_key_is_set_when_absent_and_left_alone_otherwise() {
 
 #[tokio::test]
 async fn bad_values_are_400s_naming_the_header() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { mock, proxy, .. } = Harness::new().start().await;
     for (header, value) in [
         ("x-memory-window-step", "-1"),
         ("x-memory-window-step", "10001"),
@@ -326,15 +317,13 @@ fn unmarked(value: &Value) -> Value {
 
 #[tokio::test]
 async fn anthropic_prompts_keep_recalled_turns_out_of_the_cached_prefix() {
-    let openai = MockUpstream::start().await.unwrap();
     let claude = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let upstream = format!(
-        "[upstream.anthropic]\nbase_url = \"{}\"\n",
-        claude.anthropic_base_url()
-    );
     let settings = "[memory]\nrecent_n = 2\nwindow_step = 4\ncompression_enabled = false\nrelevance_top_k = 2\n";
-    let proxy = Proxy::start_with_upstream(&openai, dir.path(), &upstream, settings).await;
+    let Started { proxy, .. } = Harness::new()
+        .anthropic_to(&claude)
+        .config(settings)
+        .start()
+        .await;
     let turns = 9;
     for n in 1..=turns {
         let request = json!({
@@ -465,11 +454,9 @@ fn filler_words(seed: usize, words: usize) -> String {
 
 #[tokio::test]
 async fn a_new_model_summary_waits_for_the_anchor_jump() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let settings = "[memory]\nrecent_n = 4\nwindow_step = 6\nrelevance_enabled = false\n\
                     compression_threshold_tokens = 120\ncompression_interval = \"PT0S\"\n";
-    let proxy = Proxy::start(&mock, dir.path(), settings).await;
+    let Started { mock, proxy, .. } = Harness::new().config(settings).start().await;
     let conversation = key(Some(TOKEN), "waits");
     let summarizer = &proxy.state.memory().unwrap().summarizer;
     let mut windows = Vec::new();
@@ -519,14 +506,10 @@ async fn a_new_model_summary_waits_for_the_anchor_jump() {
 
 #[tokio::test]
 async fn auto_slides_short_exchanges_and_anchors_long_ones() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(
-        &mock,
-        dir.path(),
-        "[memory]\ncompression_enabled = false\nrelevance_enabled = false\n",
-    )
-    .await;
+    let Started { mock, proxy, .. } = Harness::new()
+        .config("[memory]\ncompression_enabled = false\nrelevance_enabled = false\n")
+        .start()
+        .await;
     // One-line exchanges: the prompt never reaches the provider's 1,024-token cache minimum,
     // so the window slides, `recent_n` messages long.
     for n in 1..=20 {
@@ -578,10 +561,8 @@ async fn auto_slides_short_exchanges_and_anchors_long_ones() {
 
 #[tokio::test]
 async fn long_recalled_turns_are_cut_to_their_relevant_passage_within_the_budget() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let settings = "[memory]\nrecent_n = 2\nwindow_step = 0\ncompression_enabled = false\nrelevance_top_k = 3\nrelevance_max_tokens = 150\n";
-    let proxy = Proxy::start(&mock, dir.path(), settings).await;
+    let Started { mock, proxy, .. } = Harness::new().config(settings).start().await;
     let fact = "The spare key for the boathouse is taped under the third step.";
     mock.push(Reply::Text(format!(
         "{}. {fact} {}.",

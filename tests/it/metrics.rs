@@ -1,17 +1,12 @@
 //! `GET /metrics` through the real proxy: the text parses with a Prometheus parser, every
 //! required family is there, counters move as requests flow, and no label carries a
 //! conversation id, a tenant, a token or message text.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
-#[path = "support/admin.rs"]
-mod support_admin;
 
 use prometheus_parse::{Scrape, Value};
 use serde_json::json;
-use support::mock_upstream::MockUpstream;
-use support::*;
-use support_admin::*;
+
+use crate::support::admin::*;
+use crate::support::*;
 
 async fn scrape(proxy: &Proxy) -> (Scrape, String) {
     let answer = send("GET", &proxy.url("/metrics"), &[], "").await;
@@ -55,9 +50,7 @@ fn has_histogram(scrape: &Scrape, metric: &str) -> bool {
 
 #[tokio::test]
 async fn metrics_parse_and_move_as_requests_flow() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().admin().start().await;
 
     let (before, _) = scrape(&proxy).await;
     for family in [
@@ -238,9 +231,11 @@ async fn metrics_parse_and_move_as_requests_flow() {
 
 #[tokio::test]
 async fn metrics_can_require_the_admin_token() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "[admin]\nprotect_metrics = true\n").await;
+    let Started { proxy, .. } = Harness::new()
+        .admin()
+        .config("[admin]\nprotect_metrics = true\n")
+        .start()
+        .await;
     let open = send("GET", &proxy.url("/metrics"), &[], "").await;
     assert_eq!(open.status, 401);
     let wrong = send(
@@ -266,9 +261,7 @@ async fn metrics_can_require_the_admin_token() {
 
 #[tokio::test]
 async fn summaries_made_are_counted_with_their_tokens() {
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = Proxy::start(&mock, dir.path(), "").await;
+    let Started { proxy, .. } = Harness::new().start().await;
     let headers = [
         ("x-memory-recent-n", "2"),
         ("x-memory-compression-threshold-tokens", "20"),
@@ -316,10 +309,8 @@ async fn scraped(proxy: &Proxy, metric: &str, labels: &[(&str, &str)], expected:
 
 #[tokio::test]
 async fn extractions_are_counted_with_what_they_did_to_the_memories() {
-    use support::mock_upstream::Reply;
-    let mock = MockUpstream::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = start_admin(&mock, dir.path(), "").await;
+    use crate::support::mock_upstream::Reply;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let (before, _) = scrape(&proxy).await;
     for result in ["done", "failed", "dropped"] {
         assert!(
