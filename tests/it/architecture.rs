@@ -1135,3 +1135,100 @@ mod checker {
         assert!(parse_layers(&no_reason).is_err());
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Module documentation that names files
+// ---------------------------------------------------------------------------------------------
+
+/// The `x.rs` names backticked in a file's `//!` documentation.
+fn files_named_in_module_doc(text: &str) -> Vec<String> {
+    let doc: String = text
+        .lines()
+        .take_while(|line| line.starts_with("//!") || line.trim().is_empty())
+        .filter(|line| line.starts_with("//!"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    backticked(&doc)
+        .into_iter()
+        .filter(|name| {
+            name.ends_with(".rs") && !name.contains(char::is_whitespace) && !name.contains("::")
+        })
+        .collect()
+}
+
+/// Module documentation goes stale when it names files: every file a module's documentation
+/// in `src/` or `crates/` names exists (in the workspace), and a folder's `mod.rs` or `lib.rs`
+/// that lists two or more files of its own folder lists them all.
+#[test]
+fn module_docs_name_files_that_exist_and_folder_lists_are_whole() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut everywhere = BTreeSet::new();
+    let mut folders: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut docs = Vec::new();
+    for dir in [
+        "src",
+        "crates",
+        "tests/support",
+        "tests/it",
+        "examples",
+        "benches",
+    ] {
+        if !root.join(dir).is_dir() {
+            continue;
+        }
+        for (relative, text) in read_tree(&root.join(dir)).unwrap() {
+            let path = format!("{dir}/{relative}");
+            let (folder, name) = path.rsplit_once('/').unwrap();
+            everywhere.insert(name.to_string());
+            everywhere.insert(path.clone());
+            folders
+                .entry(folder.to_string())
+                .or_default()
+                .insert(name.to_string());
+            if dir == "src" || dir == "crates" {
+                docs.push((path, text));
+            }
+        }
+    }
+    // The integration tests themselves (their folder also holds the e2e clients' packages).
+    for entry in std::fs::read_dir(root.join("tests")).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if name.ends_with(".rs") {
+            everywhere.insert(name.clone());
+            everywhere.insert(format!("tests/{name}"));
+        }
+    }
+    let mut problems = Vec::new();
+    for (path, text) in &docs {
+        let named = files_named_in_module_doc(text);
+        for name in &named {
+            let last = name.rsplit('/').next().unwrap_or(name);
+            if !everywhere.contains(name.as_str()) && !everywhere.contains(last) {
+                problems.push(format!("{path} names `{name}`, which does not exist"));
+            }
+        }
+        let (folder, file) = path.rsplit_once('/').unwrap();
+        if file != "mod.rs" && file != "lib.rs" {
+            continue;
+        }
+        let siblings = &folders[folder];
+        let listed = named
+            .iter()
+            .filter(|n| siblings.contains(n.as_str()))
+            .count();
+        if listed >= 2 {
+            for sibling in siblings {
+                if sibling != file && sibling != "main.rs" && !named.contains(sibling) {
+                    problems.push(format!(
+                        "{path} lists its folder's files but not `{sibling}`"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "stale module documentation:\n  - {}",
+        problems.join("\n  - ")
+    );
+}

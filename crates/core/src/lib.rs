@@ -8,7 +8,8 @@
 //!   of their conversations (the archive and index per user, extracted memories); [`ledger`]
 //!   counts and caps the tokens of memproxy's own calls;
 //! - [`config`] the configuration file and [`settings`] the memory settings in effect;
-//! - [`recall`] keeps BM25 indexes.
+//! - [`recall`] keeps BM25 indexes;
+//! - [`worker`] the one background worker (summaries, extraction) and the one back-off.
 //!
 //! Below it: `memproxy_store` (the storage engines) and `memproxy_base` (messages, identities,
 //! the wire formats, tokens, the model-call trait).
@@ -22,3 +23,4 @@ pub mod recall;
 pub mod settings;
 pub mod summary;
 pub mod ttl;
+pub mod worker;

@@ -12,7 +12,8 @@
 //!
 //! Files: `document.rs` reads the TOML; `server.rs` (`[server]`, `[log]`), `upstream.rs`,
 //! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `compression.rs` (with the
-//! built-in summary prompt) and `agents.rs` (`[memory]`, `[agents.NAME]`) each hold a section's
+//! built-in summary prompt), `receipts.rs` (`[receipts]`) and `agents.rs` (`[memory]`,
+//! `[agents.NAME]`) each hold a section's
 //! raw struct and its check; `budget.rs` splits `server.memory_budget` into the cache sizes;
 //! `values.rs` holds the checks they share (durations, counts, sizes, secrets). This
 //! module imports only the leaves `settings` and `identity`: configuration is read by every

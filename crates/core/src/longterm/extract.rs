@@ -1,7 +1,7 @@
 //! Extraction (layer 2): one model call turns a run of a conversation's turns into memories,
 //! off the request's path. Planned when a request brings the conversation's user messages
 //! since the last extraction to `extraction_every`; queued by the commit (so only what was
-//! stored is read); run by one background worker, which reads the turns from the user's
+//! stored is read); run by the background [`Worker`] one job at a time, which reads the turns from the user's
 //! archive, asks the model, checks the answer and applies it ([`super::memories::apply`]).
 //! Also queued whenever a model summary of a user's conversation is stored: then the model
 //! reads the summary's text instead of the turns (the source turns being the range the
@@ -14,18 +14,17 @@
 //! that, changes nothing: it is counted, logged without text, and retried with back-off.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::sync::{Notify, mpsc};
-use tokio::task::JoinHandle;
 
 use super::archive;
 use super::memories::{self, Candidate, CandidateSource, MemoryRecord, SPACE_MEMORIES};
 use crate::ledger::{Ledger, Task};
+use crate::worker::{Backoff, Worker};
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::model::{Credentials, ModelCall, ModelMessage, ModelRequest};
 use memproxy_store::{OwnerKey, Store, StoreError};
@@ -131,9 +130,7 @@ pub struct Extractor {
     model: Arc<dyn ModelCall>,
     /// Where the calls' tokens are counted, and the daily budget that stops them.
     ledger: Arc<Ledger>,
-    queue: Mutex<Option<mpsc::Sender<ExtractionJob>>>,
-    stop: Notify,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    jobs: Worker<ExtractionJob>,
     pub counters: ExtractionCounters,
 }
 
@@ -141,10 +138,6 @@ impl std::fmt::Debug for Extractor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Extractor").finish_non_exhaustive()
     }
-}
-
-fn guard<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Why one extraction attempt failed (never holds message text).
@@ -167,44 +160,28 @@ impl Extractor {
         model: Arc<dyn ModelCall>,
         ledger: Arc<Ledger>,
     ) -> Arc<Extractor> {
-        let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
         let extractor = Arc::new(Extractor {
             store,
             model,
             ledger,
-            queue: Mutex::new(Some(tx)),
-            stop: Notify::new(),
-            worker: Mutex::new(None),
+            jobs: Worker::new(QUEUE_CAPACITY),
             counters: ExtractionCounters::default(),
         });
-        let worker = tokio::spawn(Arc::clone(&extractor).work(rx));
-        *guard(&extractor.worker) = Some(worker);
+        let me = Arc::clone(&extractor);
+        extractor.jobs.start(1, move |job| {
+            let me = Arc::clone(&me);
+            async move { me.run(job).await }
+        });
         extractor
     }
 
     /// Queues a job; false (counted) when the queue is full or closed.
     pub fn enqueue(&self, job: ExtractionJob) -> bool {
-        let sent = match &*guard(&self.queue) {
-            Some(tx) => tx.try_send(job).is_ok(),
-            None => false,
-        };
+        let sent = self.jobs.enqueue(job);
         if !sent {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
         }
         sent
-    }
-
-    async fn work(self: Arc<Self>, mut rx: mpsc::Receiver<ExtractionJob>) {
-        loop {
-            tokio::select! {
-                job = rx.recv() => {
-                    let Some(job) = job else { break };
-                    self.run(job).await;
-                }
-                () = self.stop.notified() => break,
-            }
-        }
-        rx.close();
     }
 
     /// Runs a job with retries; a failure leaves the memories as they were.
@@ -213,7 +190,6 @@ impl Extractor {
             handed_over.wait().await;
         }
         self.counters.runs.fetch_add(1, Ordering::Relaxed);
-        let mut wait = FIRST_BACKOFF;
         for attempt in 1..=ATTEMPTS {
             match self.attempt(&job).await {
                 Ok(applied) => {
@@ -237,8 +213,7 @@ impl Extractor {
                     tracing::warn!(error = %err, attempt, "memory extraction failed");
                     if attempt < ATTEMPTS {
                         self.counters.retries.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(wait).await;
-                        wait *= 2;
+                        tokio::time::sleep(Backoff::doubling(FIRST_BACKOFF).after(attempt)).await;
                     }
                 }
             }
@@ -288,15 +263,7 @@ impl Extractor {
 
     /// Stops taking jobs and waits up to `grace` for the running one; then cancels it.
     pub async fn shutdown(&self, grace: Duration) {
-        guard(&self.queue).take();
-        self.stop.notify_one();
-        let worker = guard(&self.worker).take();
-        if let Some(mut worker) = worker
-            && tokio::time::timeout(grace, &mut worker).await.is_err()
-        {
-            worker.abort();
-            let _ = worker.await;
-        }
+        self.jobs.shutdown(grace).await;
     }
 }
 

@@ -9,6 +9,10 @@
 //!   `relevance_top_k` slots and token budget. The archive outlives the conversations: a
 //!   conversation deleted by its TTL is still searchable, and a new request on its id is
 //!   rebuilt from it, until the user is deleted.
+//! - **Layer 2** (`memories.rs`, `extract.rs`): memories extracted from what the user said by a
+//!   background model call (`extract.rs`, queued by the commit, never on a request's path),
+//!   deduplicated, superseded and decaying (`memories.rs`), chosen for the prompt by relevance
+//!   and importance (`docs/memories.md`).
 //!
 //! Records are kept per [`OwnerKey`] (a user; an agent or the whole tenant for shared
 //! memories), always inside one tenant: the tenant is part of every owner key, so no id a

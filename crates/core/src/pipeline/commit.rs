@@ -24,6 +24,7 @@ use super::window::trim_start;
 use crate::longterm::memories::MemoryRecord;
 use crate::longterm::{ExtractionCall, ExtractionRule};
 use crate::memory::Memory;
+use crate::worker::Backoff;
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::{HasRole, Message, Role};
 use memproxy_base::tokens;
@@ -36,6 +37,12 @@ use memproxy_store::{
 /// every commit of a busy conversation, so a commit backs off a little more each time
 /// ([`back_off`]) and tries up to this many times before the exchange is given up (degraded).
 const MAX_ATTEMPTS: usize = 16;
+
+/// The wait between two attempts after another replica's commit won.
+const COMMIT_BACKOFF: Backoff = Backoff {
+    first: Duration::from_millis(1),
+    cap: Duration::from_millis(8),
+};
 
 /// The most stored messages one write trims; a longer trim goes in batches of this size.
 pub const TRIM_BATCH: usize = 512;
@@ -431,15 +438,13 @@ fn stored_message(message: &Message, origin: Origin, tokens: u32, at_ms: i64) ->
 }
 
 /// After a conflict with another replica's commit (a shared store): waits a little, more at
-/// each attempt and by a varying amount, so two replicas committing to one conversation stop
-/// colliding instead of retrying in step (at most about 2 ms × attempt). In one process a
-/// conflict has no one to wait for.
+/// each attempt (1, 2, 4, then 8 ms) and by a varying amount (up to as much again), so two
+/// replicas committing to one conversation stop colliding instead of retrying in step. In one
+/// process a conflict has no one to wait for.
 fn back_off(memory: &Memory, attempt: usize) {
     if !memory.store.shared() {
         return;
     }
-    // A hasher's random keys: a different amount each time, with no clock and no system call.
-    let jitter = std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), attempt) % 1000;
-    let micros = (attempt as u64) * (1000 + jitter);
-    std::thread::sleep(Duration::from_micros(micros));
+    let attempt = u32::try_from(attempt).unwrap_or(u32::MAX);
+    std::thread::sleep(COMMIT_BACKOFF.jittered(attempt));
 }

@@ -1,6 +1,6 @@
-//! The summarizer: a bounded queue, one job per conversation at a time, a concurrency limit, a
-//! back-off per conversation after a failure, and every job tracked so shutdown waits for it
-//! (within the grace period) or cancels it. Making one summary is [`Summarizer::make`]: read
+//! The summarizer: one job per conversation at a time, run by the background [`Worker`] (a
+//! bounded queue, a concurrency limit, shutdown within the grace period), and a [`Backoff`]
+//! per conversation after a failure. Making one summary is [`Summarizer::make`]: read
 //! the backlog, call the model through [`ModelCall`], store the record.
 
 use std::collections::{HashMap, HashSet};
@@ -8,14 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Notify, Semaphore, mpsc};
-use tokio::task::{JoinHandle, JoinSet};
-
 use super::job::{InFlight, Job};
 use super::prompt::{cap_tokens, fill, ratio};
 use super::{SummaryError, TASK, guard, heuristic};
 use crate::config::CompressionConfig;
 use crate::ledger::{Ledger, Task};
+use crate::worker::{Backoff, Worker};
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::model::{ModelCall, ModelRequest};
 use memproxy_base::tokens;
@@ -43,12 +41,10 @@ pub struct Summarizer {
     config: Arc<CompressionConfig>,
     /// Where the calls' tokens are counted, and the daily budget that stops them.
     ledger: Arc<Ledger>,
-    queue: Mutex<Option<mpsc::Sender<Job>>>,
+    jobs: Worker<Job>,
     in_flight: Arc<Mutex<HashSet<ConversationKey>>>,
     /// Failures in a row and when the conversation may be tried again.
     backoff: Mutex<HashMap<ConversationKey, (u32, Instant)>>,
-    stop: Notify,
-    worker: Mutex<Option<JoinHandle<()>>>,
     pub counters: SummaryCounters,
 }
 
@@ -87,47 +83,26 @@ impl Summarizer {
         config: CompressionConfig,
         ledger: Arc<Ledger>,
     ) -> Arc<Summarizer> {
-        let (tx, rx) = mpsc::channel(config.queue_capacity);
+        let queue_capacity = config.queue_capacity;
         let summarizer = Arc::new(Summarizer {
             holder: lease_holder(),
             store,
             model,
             config: Arc::new(config),
             ledger,
-            queue: Mutex::new(Some(tx)),
+            jobs: Worker::new(queue_capacity),
             in_flight: Arc::new(Mutex::new(HashSet::new())),
             backoff: Mutex::new(HashMap::new()),
-            stop: Notify::new(),
-            worker: Mutex::new(None),
             counters: SummaryCounters::default(),
         });
-        let worker = tokio::spawn(Arc::clone(&summarizer).work(rx));
-        *guard(&summarizer.worker) = Some(worker);
+        let me = Arc::clone(&summarizer);
         summarizer
-    }
-
-    async fn work(self: Arc<Self>, mut rx: mpsc::Receiver<Job>) {
-        let permits = Arc::new(Semaphore::new(self.config.concurrency));
-        let mut jobs = JoinSet::new();
-        loop {
-            tokio::select! {
-                job = rx.recv() => {
-                    let Some(job) = job else { break };
-                    let Ok(permit) = Arc::clone(&permits).acquire_owned().await else { break };
-                    let me = Arc::clone(&self);
-                    jobs.spawn(async move {
-                        let _permit = permit;
-                        me.run(job).await;
-                    });
-                }
-                Some(_) = jobs.join_next(), if !jobs.is_empty() => {}
-                () = self.stop.notified() => break,
-            }
-        }
-        // Jobs still queued are not started; the ones running finish (or are aborted when the
-        // grace period ends and this task is dropped).
-        rx.close();
-        while jobs.join_next().await.is_some() {}
+            .jobs
+            .start(summarizer.config.concurrency, move |job| {
+                let me = Arc::clone(&me);
+                async move { me.run(job).await }
+            });
+        summarizer
     }
 
     /// True when a job for `key` is planned, queued or running.
@@ -155,10 +130,7 @@ impl Summarizer {
     /// Queues a job; returns false when the queue is full or closed (the job is dropped and
     /// its reservation released).
     pub fn enqueue(&self, job: Job) -> bool {
-        let sent = match &*guard(&self.queue) {
-            Some(tx) => tx.try_send(job).is_ok(),
-            None => false,
-        };
+        let sent = self.jobs.enqueue(job);
         if !sent {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
         }
@@ -234,7 +206,7 @@ impl Summarizer {
                 let now = Instant::now();
                 backoff.retain(|_, (_, until)| *until + BACKOFF_KEEP > now);
                 let failures = backoff.get(key).map_or(0, |(n, _)| *n) + 1;
-                let wait = self.config.retry_backoff * 2u32.pow(failures.min(16) - 1);
+                let wait = Backoff::doubling(self.config.retry_backoff).after(failures);
                 backoff.insert(key.clone(), (failures, now + wait));
                 tracing::warn!(error = %err, failures, retry_in_s = wait.as_secs(), "summary failed; the previous summary stays");
             }
@@ -389,15 +361,8 @@ impl Summarizer {
 
     /// Stops taking jobs and waits up to `grace` for running ones; then cancels them.
     pub async fn shutdown(&self, grace: Duration) {
-        guard(&self.queue).take();
-        self.stop.notify_one();
-        let worker = guard(&self.worker).take();
-        if let Some(mut worker) = worker
-            && tokio::time::timeout(grace, &mut worker).await.is_err()
-        {
+        if self.jobs.shutdown(grace).await {
             tracing::warn!("summary jobs still running at the end of the grace period; cancelled");
-            worker.abort();
-            let _ = worker.await;
         }
     }
 }

@@ -1,0 +1,195 @@
+//! The one background worker and the one back-off. Summaries and memory extraction each run a
+//! [`Worker`]: a bounded queue, at most so many jobs at once, every job tracked so shutdown
+//! waits for it (within a grace period) or cancels it. Every retry (a summary that failed, an
+//! extraction call, a commit that met another replica's) waits a [`Backoff`].
+
+use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::task::{JoinHandle, JoinSet};
+
+/// Runs jobs of type `J` in the background, off every request's path.
+pub struct Worker<J> {
+    queue: Mutex<Option<mpsc::Sender<J>>>,
+    /// The queue's other end, until [`Worker::start`] takes it.
+    waiting: Mutex<Option<mpsc::Receiver<J>>>,
+    stop: Arc<Notify>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl<J> std::fmt::Debug for Worker<J> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl<J: Send + 'static> Worker<J> {
+    /// A worker whose queue holds at most `capacity` jobs; none runs before [`Worker::start`].
+    pub fn new(capacity: usize) -> Worker<J> {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        Worker {
+            queue: Mutex::new(Some(tx)),
+            waiting: Mutex::new(Some(rx)),
+            stop: Arc::new(Notify::new()),
+            task: Mutex::new(None),
+        }
+    }
+
+    /// Runs the queued jobs with `run`, at most `concurrency` at once, until
+    /// [`Worker::shutdown`]. Must be called inside a tokio runtime; a second call does nothing.
+    pub fn start<F, Fut>(&self, concurrency: usize, run: F)
+    where
+        F: Fn(J) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let Some(mut rx) = lock(&self.waiting).take() else {
+            return;
+        };
+        let stop = Arc::clone(&self.stop);
+        let task = tokio::spawn(async move {
+            let permits = Arc::new(Semaphore::new(concurrency.max(1)));
+            let mut jobs = JoinSet::new();
+            loop {
+                tokio::select! {
+                    job = rx.recv() => {
+                        let Some(job) = job else { break };
+                        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else { break };
+                        let running = run(job);
+                        jobs.spawn(async move {
+                            let _permit = permit;
+                            running.await;
+                        });
+                    }
+                    Some(_) = jobs.join_next(), if !jobs.is_empty() => {}
+                    () = stop.notified() => break,
+                }
+            }
+            // Jobs still queued are not started; the ones running finish (or are aborted when
+            // the grace period ends and this task is dropped).
+            rx.close();
+            while jobs.join_next().await.is_some() {}
+        });
+        *lock(&self.task) = Some(task);
+    }
+
+    /// Queues a job; false when the queue is full or closed (the job is dropped).
+    pub fn enqueue(&self, job: J) -> bool {
+        match &*lock(&self.queue) {
+            Some(tx) => tx.try_send(job).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Stops taking jobs and waits up to `grace` for the running ones; then cancels them.
+    /// True when some had to be cancelled.
+    pub async fn shutdown(&self, grace: Duration) -> bool {
+        lock(&self.queue).take();
+        lock(&self.waiting).take();
+        self.stop.notify_one();
+        let task = lock(&self.task).take();
+        if let Some(mut task) = task
+            && tokio::time::timeout(grace, &mut task).await.is_err()
+        {
+            task.abort();
+            let _ = task.await;
+            return true;
+        }
+        false
+    }
+}
+
+/// Waits that double after each failure in a row, from `first` up to `cap`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    pub first: Duration,
+    pub cap: Duration,
+}
+
+impl Backoff {
+    /// Doubling from `first` for at most 15 doublings.
+    pub fn doubling(first: Duration) -> Backoff {
+        Backoff {
+            first,
+            cap: first.saturating_mul(1 << 15),
+        }
+    }
+
+    /// The wait after the `failures`-th failure in a row (1: the first).
+    pub fn after(&self, failures: u32) -> Duration {
+        let doublings = failures.clamp(1, 16) - 1;
+        self.first.saturating_mul(1 << doublings).min(self.cap)
+    }
+
+    /// [`Backoff::after`] plus up to as much again, chosen at random: writers that collided
+    /// stop retrying in step.
+    pub fn jittered(&self, failures: u32) -> Duration {
+        let wait = self.after(failures);
+        // A hasher's random keys: a different amount each time, with no system call.
+        let fraction = RandomState::new().hash_one(failures) % 1024;
+        wait + wait.mul_f64(fraction as f64 / 1024.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn waits_double_up_to_the_cap_and_jitter_adds_at_most_as_much_again() {
+        let backoff = Backoff::doubling(Duration::from_secs(60));
+        assert_eq!(backoff.after(0), Duration::from_secs(60));
+        assert_eq!(backoff.after(1), Duration::from_secs(60));
+        assert_eq!(backoff.after(3), Duration::from_secs(240));
+        assert_eq!(backoff.after(16), Duration::from_secs(60 << 15));
+        assert_eq!(backoff.after(40), Duration::from_secs(60 << 15));
+        let capped = Backoff {
+            first: Duration::from_millis(1),
+            cap: Duration::from_millis(8),
+        };
+        assert_eq!(capped.after(10), Duration::from_millis(8));
+        for failures in 1..20 {
+            let wait = capped.jittered(failures);
+            assert!(wait >= capped.after(failures) && wait < 2 * capped.after(failures));
+        }
+    }
+
+    #[tokio::test]
+    async fn jobs_run_at_most_so_many_at_once_and_a_shutdown_stops_the_queue() {
+        let worker = Worker::new(16);
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let done = Arc::new(AtomicUsize::new(0));
+        let (r, m, d) = (Arc::clone(&running), Arc::clone(&most), Arc::clone(&done));
+        worker.start(2, move |ms: u64| {
+            let (r, m, d) = (Arc::clone(&r), Arc::clone(&m), Arc::clone(&d));
+            async move {
+                let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+                m.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                r.fetch_sub(1, Ordering::SeqCst);
+                d.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        for _ in 0..6 {
+            assert!(worker.enqueue(20));
+        }
+        while done.load(Ordering::SeqCst) < 6 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(most.load(Ordering::SeqCst), 2);
+        assert!(worker.enqueue(60_000));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            worker.shutdown(Duration::from_millis(50)).await,
+            "the long job is cancelled"
+        );
+        assert!(!worker.enqueue(1), "a worker shut down takes no job");
+    }
+}
