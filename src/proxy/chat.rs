@@ -25,9 +25,9 @@ use hyper::body::Incoming;
 use super::exit::{AnswerGuard, Answered, Ending, Exit, report_headers};
 use super::identify::{CONVERSATION_HEADER, CREDENTIAL_HEADERS};
 use super::ledger::ExchangeLedger;
-use super::responses::{Chain, Unchained};
-use super::tee::{Pending, TeeBody};
-use super::{DegradedReason, MemoryStatus, commit, forward_held, passthrough};
+use super::responses::{Chain, ResponsesRequest, Unchained};
+use super::tee::{Pending, TeeBody, TeeLimits};
+use super::{DegradedReason, MemoryStatus, Outbound, commit, forward_held, passthrough};
 use crate::body::{CollectError, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
@@ -180,6 +180,7 @@ impl Course {
 /// A request memory planned: its conversation, settings and plan, and the plan's report as
 /// headers.
 struct Prepared {
+    api: Api,
     key: ConversationKey,
     settings: MemorySettings,
     plan: Plan,
@@ -208,9 +209,14 @@ async fn before(
     let body = collect_body(state, body).await?;
     let chain = match (api, key) {
         (Api::Responses, key) => {
-            let headers = &parts.headers;
-            super::responses::resolve(state, memory, headers, &body, key, Some(&agent), settings)
-                .await?
+            let asked = ResponsesRequest {
+                headers: &parts.headers,
+                body: &body,
+                key,
+                agent: &agent,
+                settings,
+            };
+            super::responses::resolve(state, memory, asked).await?
         }
         (_, Some(key)) => Chain::Memory(key, Box::new(settings)),
         (_, None) => Chain::Forward(None),
@@ -316,6 +322,7 @@ async fn plan_memory(
     };
     let ToPlan {
         parts,
+        api: to_api,
         key,
         settings,
         ..
@@ -360,6 +367,7 @@ async fn plan_memory(
     record_plan(state, &key.agent, &plan);
     let body = Bytes::from(request.render_parts(plan.prompt.parts(), &plan.prompt.cache));
     let prepared = Prepared {
+        api: to_api,
         key,
         settings,
         report: report_headers(&plan.report),
@@ -463,10 +471,15 @@ async fn forward(state: &Arc<AppState>, before: &mut Before) -> Forwarded {
         body,
         course,
     } = before;
-    let (api, body) = (*api, body.clone());
+    let out = Outbound {
+        parts,
+        api: *api,
+        api_path,
+    };
+    let body = body.clone();
     let (ledger, to, read) = match course {
         Course::AsSent(_) => {
-            let answer = forward_held(state, parts, body, api, api_path, false).await;
+            let answer = forward_held(state, out, body, false).await;
             let ledger = ExchangeLedger::unmetered(state, None);
             let answer = answer.map(Answer::of);
             return Forwarded { ledger, answer };
@@ -478,7 +491,7 @@ async fn forward(state: &Arc<AppState>, before: &mut Before) -> Forwarded {
                 plan,
                 ..
             } = &mut **prepared;
-            let to = Destination::new(parts, key, settings, api, api_path);
+            let to = Destination { out, key, settings };
             let receipt = state.receipts.enabled().then(|| {
                 let model = plan.exchange.model.clone();
                 receipt_of(state, &to, &body, model, Planned::take(plan))
@@ -490,7 +503,7 @@ async fn forward(state: &Arc<AppState>, before: &mut Before) -> Forwarded {
             )
         }
         Course::Degraded { key, settings, .. } => {
-            let to = Destination::new(parts, key, settings, api, api_path);
+            let to = Destination { out, key, settings };
             let receipt = unplanned_receipt(state, &to, &body).await;
             // A degraded exchange's answer is read only for its receipt.
             let read = receipt.is_some();
@@ -529,7 +542,7 @@ async fn after(
             )
         }
         Course::Memory(prepared) => match answer {
-            Ok(answer) => after_memory(state, api, *prepared, answer, ledger, &mut guard).await,
+            Ok(answer) => after_memory(state, *prepared, answer, ledger, &mut guard).await,
             Err(err) => (Exit::Silent, Err(err)),
         },
     };
@@ -575,15 +588,11 @@ fn tee(
     pending: Option<Pending>,
     summary: Option<DeferredSummary>,
 ) -> TeeBody<UpstreamBody> {
-    let config = &state.config;
-    TeeBody::new(
-        body,
-        api,
-        pending,
-        summary,
-        config.limits.max_sse_event_bytes,
-        config.response_limit_bytes,
-    )
+    let limits = TeeLimits {
+        max_event_bytes: state.config.limits.max_sse_event_bytes,
+        max_reply_bytes: state.config.response_limit_bytes,
+    };
+    TeeBody::new(body, api, pending, summary, limits)
 }
 
 /// The `after` step of an exchange memory planned: an error status stores nothing; a stream
@@ -591,13 +600,13 @@ fn tee(
 /// whole and committed, then answered.
 async fn after_memory(
     state: &Arc<AppState>,
-    api: Api,
     prepared: Prepared,
     answer: Answer,
     ledger: ExchangeLedger,
     guard: &mut AnswerGuard,
 ) -> (Exit, Result<Response<ProxyBody>, ProxyError>) {
     let Prepared {
+        api,
         key,
         settings,
         plan,
@@ -722,29 +731,9 @@ async fn read_and_commit(
 
 /// Where an exchange goes, and for whom.
 struct Destination<'a> {
-    parts: &'a Parts,
+    out: Outbound<'a>,
     key: &'a ConversationKey,
     settings: &'a MemorySettings,
-    api: Api,
-    api_path: &'a str,
-}
-
-impl<'a> Destination<'a> {
-    fn new(
-        parts: &'a Parts,
-        key: &'a ConversationKey,
-        settings: &'a MemorySettings,
-        api: Api,
-        api_path: &'a str,
-    ) -> Destination<'a> {
-        Destination {
-            parts,
-            key,
-            settings,
-            api,
-            api_path,
-        }
-    }
 }
 
 /// The receipt of a request forwarded as the client sent it (receipts on): its messages parsed
@@ -757,7 +746,7 @@ async fn unplanned_receipt(
     if !state.receipts.enabled() {
         return None;
     }
-    let (bytes, api) = (body.clone(), to.api);
+    let (bytes, api) = (body.clone(), to.out.api);
     let parsed = tokio::task::spawn_blocking(move || {
         let request = ApiRequest::parse(api, &bytes).ok()?;
         let model = request.model;
@@ -784,7 +773,7 @@ async fn forward_told(
     ledger: &ExchangeLedger,
     read: bool,
 ) -> Result<Answer, ProxyError> {
-    let forwarded = forward_held(state, to.parts, body, to.api, to.api_path, read).await;
+    let forwarded = forward_held(state, to.out, body, read).await;
     let answer = match forwarded {
         Ok(forwarded) => Answer::of(forwarded),
         Err(err) => {
@@ -835,11 +824,11 @@ fn receipt_of(
 ) -> Option<Arc<Receipt>> {
     let receipt = Arc::new(Receipt::new(Made {
         key: to.key,
-        api: to.api,
-        api_path: to.api_path,
-        query: to.parts.uri.query(),
+        api: to.out.api,
+        api_path: to.out.api_path,
+        query: to.out.parts.uri.query(),
         model,
-        headers: &to.parts.headers,
+        headers: &to.out.parts.headers,
         body: body.clone(),
         planned,
         settings: to.settings,

@@ -141,15 +141,26 @@ pub async fn passthrough(
     Ok(Response::from_parts(head, boxed(body)))
 }
 
+/// A request's head and where it goes: its API's upstream, at `api_path`.
+#[derive(Clone, Copy)]
+pub struct Outbound<'a> {
+    pub parts: &'a Parts,
+    pub api: Api,
+    pub api_path: &'a str,
+}
+
 /// Forwards a body memproxy holds, as it is (`read_reply`: memproxy will read the answer).
 pub async fn forward_held(
     state: &AppState,
-    parts: &Parts,
+    to: Outbound<'_>,
     body: Bytes,
-    api: Api,
-    api_path: &str,
     read_reply: bool,
 ) -> Result<Response<UpstreamBody>, ProxyError> {
+    let Outbound {
+        parts,
+        api,
+        api_path,
+    } = to;
     let forwarded = state
         .upstream_for(api)
         .forward(Forward {

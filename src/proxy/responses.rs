@@ -55,6 +55,17 @@ pub enum Unchained {
     Store(DegradedReason),
 }
 
+/// A Responses request whose conversation is to be found.
+pub struct ResponsesRequest<'a> {
+    pub headers: &'a HeaderMap,
+    pub body: &'a [u8],
+    /// The conversation its header or path form named.
+    pub key: Option<ConversationKey>,
+    /// The agent a conversation named by its `conversation` field belongs to.
+    pub agent: &'a str,
+    pub settings: MemorySettings,
+}
+
 /// Resolves a Responses request's conversation: the conversation id it names (header, path
 /// form, or its `conversation` field under `agent`), else the one its `previous_response_id`
 /// was answered in. An unknown
@@ -62,12 +73,15 @@ pub enum Unchained {
 pub async fn resolve(
     state: &AppState,
     memory: &Arc<Memory>,
-    headers: &HeaderMap,
-    body: &[u8],
-    key: Option<ConversationKey>,
-    agent: Option<&str>,
-    settings: MemorySettings,
+    request: ResponsesRequest<'_>,
 ) -> Result<Chain, ProxyError> {
+    let ResponsesRequest {
+        headers,
+        body,
+        key,
+        agent,
+        settings,
+    } = request;
     // A body that does not parse is refused by the planner with the field at fault.
     let fields = parse_object(body).unwrap_or_default();
     let previous = previous_id_field(&fields).ok().flatten();
@@ -82,15 +96,15 @@ pub async fn resolve(
     };
     // The `conversation` field names the conversation when no header does (and must agree
     // with one that does).
-    let key = match (key, named, agent, &tenant) {
-        (Some(key), Some(named), _, _) if named != key.conversation => {
+    let key = match (key, named, &tenant) {
+        (Some(key), Some(named), _) if named != key.conversation => {
             return Err(ProxyError::invalid(
                 "conversation",
                 "conversation_mismatch",
                 "`conversation` disagrees with the X-Memory-Conversation-Id header",
             ));
         }
-        (None, Some(conversation), Some(agent), Some(tenant)) => Some(ConversationKey {
+        (None, Some(conversation), Some(tenant)) => Some(ConversationKey {
             tenant: tenant.clone(),
             agent: agent.to_string(),
             conversation,
