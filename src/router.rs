@@ -266,7 +266,11 @@ async fn memory_or_pass_through(
                 let request = memory_request(request, None, identity, Api::Responses, api_path);
                 proxy::chat::chat(state, memory, request).await
             }
-            Err(_) => proxy::passthrough(state, request, &api_path).await,
+            // No store: nothing to find its conversation in; forwarded untouched, nothing said.
+            Err(_) => {
+                let answer = proxy::passthrough(state, request, &api_path).await;
+                Ending::new(Exit::Silent, answer).finish(state)
+            }
         },
         _ => proxy::passthrough(state, request, &api_path).await,
     }

@@ -7,7 +7,7 @@
 //!   `X-Memory-Status: degraded`: memory is off for it, the chat goes on. An admitted request
 //!   holds its reservation until its response body is done with.
 //! - `before`: the body read, its conversation found (a Responses request's chain), parsed and
-//!   planned, a due summary started: a [`Course`] (memory, memory failed, or forwarded as sent).
+//!   planned, a due summary started: a `Course` (memory, memory failed, or forwarded as sent).
 //! - `forward`: the receipt made, the body sent upstream, the answer's head read.
 //! - `after`: a stream teed (committed at its end), or a JSON answer read whole and committed.
 //!
@@ -167,6 +167,7 @@ enum Course {
 }
 
 impl Course {
+    /// Memory failed for `reason`: the client's own body goes upstream.
     fn degraded(key: ConversationKey, settings: MemorySettings, reason: DegradedReason) -> Course {
         let settings = Box::new(settings);
         Course::Degraded {
@@ -666,6 +667,7 @@ struct Stored {
 }
 
 impl Stored {
+    /// Stored: `turns` messages now.
     fn all(turns: usize) -> Stored {
         Stored {
             status: MemoryStatus::Stored,
@@ -674,6 +676,7 @@ impl Stored {
         }
     }
 
+    /// Nothing stored: the `turns` stored before.
     fn not(turns: usize) -> Stored {
         Stored {
             status: MemoryStatus::NotStored,
