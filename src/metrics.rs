@@ -67,31 +67,6 @@ impl Route {
             Route::Other => "other",
         }
     }
-
-    /// The route of a request, from its method and path alone.
-    pub fn of(method: &http::Method, path: &str) -> Route {
-        match path {
-            "/healthz" | "/readyz" => return Route::Health,
-            "/metrics" => return Route::Metrics,
-            _ => {}
-        }
-        if path == "/admin" || path.starts_with("/admin/") {
-            return Route::Admin;
-        }
-        let api_path = match crate::identity::split_path_form(path) {
-            Some((_, _, rest)) => rest,
-            None => path,
-        };
-        if api_path != "/v1" && !api_path.starts_with("/v1/") {
-            return Route::Other;
-        }
-        match (method == http::Method::POST, api_path) {
-            (true, "/v1/chat/completions") => Route::Chat,
-            (true, "/v1/responses") => Route::Responses,
-            (true, "/v1/messages") => Route::Messages,
-            _ => Route::Passthrough,
-        }
-    }
 }
 
 /// A stage of the memory pipeline: the `stage` label of `memproxy_stage_duration_seconds`.
@@ -954,41 +929,5 @@ fn catch_up(counter: &Counter, value: u64) {
     let current = counter.get();
     if value > current {
         counter.inc_by(value - current);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn routes_are_named_from_the_path_alone() {
-        use http::Method;
-        let cases = [
-            (Method::POST, "/v1/chat/completions", Route::Chat),
-            (
-                Method::POST,
-                "/agents/a/conversations/c/v1/chat/completions",
-                Route::Chat,
-            ),
-            (Method::POST, "/v1/responses", Route::Responses),
-            (Method::POST, "/v1/messages", Route::Messages),
-            (
-                Method::POST,
-                "/v1/messages/count_tokens",
-                Route::Passthrough,
-            ),
-            (Method::GET, "/v1/responses/resp_1", Route::Passthrough),
-            (Method::GET, "/v1/models", Route::Passthrough),
-            (Method::GET, "/v1/chat/completions", Route::Passthrough),
-            (Method::GET, "/healthz", Route::Health),
-            (Method::GET, "/readyz", Route::Health),
-            (Method::GET, "/metrics", Route::Metrics),
-            (Method::GET, "/admin/v1/conversations", Route::Admin),
-            (Method::GET, "/nope", Route::Other),
-        ];
-        for (method, path, route) in cases {
-            assert_eq!(Route::of(&method, path), route, "{path}");
-        }
     }
 }

@@ -22,8 +22,9 @@ use crate::error::{ProxyError, json_response};
 use crate::identity::{ConversationKey, Credential, split_path_form};
 use crate::metrics::{Route, UpstreamTime};
 use crate::proxy::chat::MemoryRequest;
+use crate::proxy::exit::{Ending, Exit};
 use crate::proxy::identify::{Identity, PathIds, credential_of, identify};
-use crate::proxy::{self, DegradedReason, MemoryStatus, set_degraded_reason, set_memory_headers};
+use crate::proxy::{self, DegradedReason};
 use crate::state::AppState;
 use crate::wire::Api;
 
@@ -44,10 +45,10 @@ pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Respons
         upstream_ms = Empty,
         elapsed_ms = Empty,
     );
-    let metrics_route = Route::of(request.method(), request.uri().path());
     async move {
         let started = Instant::now();
-        let mut response = match route(&state, request).await {
+        let (metrics_route, routed) = route(&state, request).await;
+        let mut response = match routed {
             Ok(response) => response,
             Err(err) => {
                 if err.status().is_server_error() {
@@ -74,51 +75,123 @@ pub async fn handle(state: Arc<AppState>, request: Request<Incoming>) -> Respons
     .await
 }
 
-/// Routes one request, in order: the path check, memproxy's own routes (health, metrics,
-/// admin), the `/v1` API's checks (client key, identity, a path the upstream can hold), a
-/// stored Responses id, then memory or pass-through.
+/// Where a request goes, decided once from its method and path: the router dispatches on it
+/// and its metrics' `route` label is read from it ([`Target::route`]).
+enum Target<'a> {
+    /// `/healthz`, `/readyz` (answered to `GET`).
+    Health,
+    /// `/metrics` (answered to `GET`).
+    Metrics,
+    /// `/admin/...`.
+    Admin,
+    /// The `/v1` API, in the header or the path form (`/agents/A/conversations/C/v1/...`).
+    Api {
+        path_ids: Option<PathIds<'a>>,
+        /// The upstream path.
+        api_path: &'a str,
+        /// An API memory serves: a `POST` to chat completions, the Responses API or the
+        /// Anthropic Messages API.
+        api: Option<Api>,
+    },
+    /// Anything else (404).
+    Other,
+}
+
+impl<'a> Target<'a> {
+    fn of(method: &Method, path: &'a str) -> Target<'a> {
+        match path {
+            "/healthz" | "/readyz" => return Target::Health,
+            "/metrics" => return Target::Metrics,
+            _ => {}
+        }
+        if path == "/admin" || path.starts_with("/admin/") {
+            return Target::Admin;
+        }
+        let (path_ids, api_path) = match split_path_form(path) {
+            Some((agent, conversation, rest)) => (
+                Some(PathIds {
+                    agent,
+                    conversation,
+                }),
+                rest,
+            ),
+            None => (None, path),
+        };
+        if api_path != "/v1" && !api_path.starts_with("/v1/") {
+            return Target::Other;
+        }
+        let api = (method == Method::POST)
+            .then(|| Api::of_post(api_path))
+            .flatten();
+        Target::Api {
+            path_ids,
+            api_path,
+            api,
+        }
+    }
+
+    /// The `route` label of the request's metrics.
+    fn route(&self) -> Route {
+        match self {
+            Target::Health => Route::Health,
+            Target::Metrics => Route::Metrics,
+            Target::Admin => Route::Admin,
+            Target::Other => Route::Other,
+            Target::Api { api, .. } => match api {
+                Some(Api::Chat) => Route::Chat,
+                Some(Api::Responses) => Route::Responses,
+                Some(Api::Anthropic) => Route::Messages,
+                None => Route::Passthrough,
+            },
+        }
+    }
+}
+
+/// Routes one request: its [`Target`] decided, then dispatched. Returns the target's metrics
+/// route with the answer.
 async fn route(
     state: &Arc<AppState>,
     request: Request<Incoming>,
+) -> (Route, Result<Response<ProxyBody>, ProxyError>) {
+    let uri = request.uri().clone();
+    let target = Target::of(request.method(), uri.path());
+    (target.route(), dispatch(state, request, target).await)
+}
+
+/// Dispatches one request, in order: the path check, memproxy's own routes (health, metrics,
+/// admin), the `/v1` API's checks (client key, identity, a path the upstream can hold), a
+/// stored Responses id, then memory or pass-through.
+async fn dispatch(
+    state: &Arc<AppState>,
+    request: Request<Incoming>,
+    target: Target<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let path = request.uri().path();
     check_path(path)?;
-    match (request.method(), path) {
-        (&Method::GET, "/healthz") => {
+    let (path_ids, api_path, api) = match (request.method(), path, target) {
+        (&Method::GET, "/healthz", Target::Health) => {
             return Ok(json_response(StatusCode::OK, r#"{"status":"ok"}"#));
         }
-        (&Method::GET, "/readyz") => return Ok(readiness(state).await),
-        (&Method::GET, "/metrics") => return Ok(metrics(state, request.headers())),
-        _ => {}
-    }
-    if path == "/admin" || path.starts_with("/admin/") {
-        return Ok(crate::admin::handle(state, request).await);
-    }
-
-    let (path_ids, api_path) = match split_path_form(path) {
-        Some((agent, conversation, rest)) => (
-            Some(PathIds {
-                agent,
-                conversation,
-            }),
-            rest,
-        ),
-        None => (None, path),
+        (&Method::GET, "/readyz", Target::Health) => return Ok(readiness(state).await),
+        (&Method::GET, _, Target::Metrics) => return Ok(metrics(state, request.headers())),
+        (_, _, Target::Admin) => return Ok(crate::admin::handle(state, request).await),
+        (
+            _,
+            _,
+            Target::Api {
+                path_ids,
+                api_path,
+                api,
+            },
+        ) => (path_ids, api_path, api),
+        _ => {
+            return Err(ProxyError::NotFound {
+                method: request.method().to_string(),
+                path: path.to_string(),
+            });
+        }
     };
-    if api_path != "/v1" && !api_path.starts_with("/v1/") {
-        return Err(ProxyError::NotFound {
-            method: request.method().to_string(),
-            path: path.to_string(),
-        });
-    }
     check_client_key(state, request.headers())?;
-
-    // The APIs memory serves: chat completions, the Responses API, the Anthropic Messages API.
-    let api = if request.method() == Method::POST {
-        Api::of_post(api_path)
-    } else {
-        None
-    };
     let identity = identify(&state.config, request.headers(), path_ids, api.is_some())?;
     let span = tracing::Span::current();
     span.record("agent", identity.agent.as_str());
@@ -166,17 +239,25 @@ async fn memory_or_pass_through(
             // No store: the request goes through untouched, said in its headers (the cause was
             // logged once at start and is in `/readyz`).
             Err(_) => {
-                let mut response = proxy::passthrough(state, request, &api_path).await?;
-                let status = MemoryStatus::Degraded;
-                set_memory_headers(&mut response, status, &key.conversation, None);
-                set_degraded_reason(&mut response, DegradedReason::StoreUnavailable);
-                Ok(response)
+                let answer = proxy::passthrough(state, request, &api_path).await;
+                let exit = Exit::Degraded {
+                    conversation: key.conversation,
+                    reason: DegradedReason::StoreUnavailable,
+                };
+                Ending::new(exit, answer).finish(state)
             }
         },
         (None, Some(conversation), Some(_)) => {
-            let mut response = proxy::passthrough(state, request, &api_path).await?;
-            set_memory_headers(&mut response, MemoryStatus::Off, &conversation, None);
-            Ok(response)
+            let answer = proxy::passthrough(state, request, &api_path).await;
+            let side_call = None;
+            Ending::new(
+                Exit::Off {
+                    conversation,
+                    side_call,
+                },
+                answer,
+            )
+            .finish(state)
         }
         // A Responses request without a conversation id header: its `conversation` field may
         // name one, or its `previous_response_id` one memproxy answered.
@@ -185,7 +266,11 @@ async fn memory_or_pass_through(
                 let request = memory_request(request, None, identity, Api::Responses, api_path);
                 proxy::chat::chat(state, memory, request).await
             }
-            Err(_) => proxy::passthrough(state, request, &api_path).await,
+            // No store: nothing to find its conversation in; forwarded untouched, nothing said.
+            Err(_) => {
+                let answer = proxy::passthrough(state, request, &api_path).await;
+                Ending::new(Exit::Silent, answer).finish(state)
+            }
         },
         _ => proxy::passthrough(state, request, &api_path).await,
     }
@@ -362,6 +447,36 @@ mod tests {
                 }
                 other => panic!("{bad}: {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn routes_are_named_from_the_target() {
+        let cases = [
+            (Method::POST, "/v1/chat/completions", Route::Chat),
+            (
+                Method::POST,
+                "/agents/a/conversations/c/v1/chat/completions",
+                Route::Chat,
+            ),
+            (Method::POST, "/v1/responses", Route::Responses),
+            (Method::POST, "/v1/messages", Route::Messages),
+            (
+                Method::POST,
+                "/v1/messages/count_tokens",
+                Route::Passthrough,
+            ),
+            (Method::GET, "/v1/responses/resp_1", Route::Passthrough),
+            (Method::GET, "/v1/models", Route::Passthrough),
+            (Method::GET, "/v1/chat/completions", Route::Passthrough),
+            (Method::GET, "/healthz", Route::Health),
+            (Method::GET, "/readyz", Route::Health),
+            (Method::GET, "/metrics", Route::Metrics),
+            (Method::GET, "/admin/v1/conversations", Route::Admin),
+            (Method::GET, "/nope", Route::Other),
+        ];
+        for (method, path, route) in cases {
+            assert_eq!(Target::of(&method, path).route(), route, "{path}");
         }
     }
 

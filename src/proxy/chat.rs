@@ -1,67 +1,53 @@
 //! A request with memory on, in any of the three APIs (chat completions, Responses, Anthropic
-//! Messages; `wire/` reads and writes each): admission against the memory budget, then a
-//! `before` step (collect the body, parse it, plan the prompt, start a due summary) and an
-//! `after` step (tee a stream, or read a JSON reply whole, then commit) around the one forward
-//! path.
+//! Messages; `wire/` reads and writes each), as four steps over its [`MemoryRequest`]:
 //!
-//! Admission first: a request the memory guard does not admit (the process is at its
-//! high-water mark, or would be with this request) is forwarded untouched, its body streamed
-//! and never read whole, with `X-Memory-Status: degraded`: memory is off for it, the chat goes
-//! on. An admitted request holds its reservation until its response body is done with.
+//! - `admit`: the memory guard admits the request under the memory budget. One it does not
+//!   admit (the process is at its high-water mark, or would be with this request) is
+//!   forwarded untouched, its body streamed and never read whole, with
+//!   `X-Memory-Status: degraded`: memory is off for it, the chat goes on. An admitted request
+//!   holds its reservation until its response body is done with.
+//! - `before`: the body read, its conversation found (a Responses request's chain), parsed and
+//!   planned, a due summary started: a `Course` (memory, memory failed, or forwarded as sent).
+//! - `forward`: the receipt made, the body sent upstream, the answer's head read.
+//! - `after`: a stream teed (committed at its end), or a JSON answer read whole and committed.
+//!
+//! Every way out is an [`Ending`] (`exit.rs`): one function writes what it says (headers,
+//! metrics, ledger) and hangs the [`AnswerGuard`] on the answer's body.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderMap};
 use http::{Request, Response, request::Parts};
 use http_body::Body as _;
 use hyper::body::Incoming;
 
-use super::identify::CREDENTIAL_HEADERS;
+use super::exit::{AnswerGuard, Answered, Ending, Exit, report_headers};
+use super::identify::{CONVERSATION_HEADER, CREDENTIAL_HEADERS};
 use super::ledger::ExchangeLedger;
-use super::responses::Chain;
-use super::tee::{Pending, TeeBody};
-use super::{
-    DegradedReason, MemoryStatus, commit, forward_bytes, forward_held, headers_of, passthrough,
-    set_degraded_reason, set_memory_headers,
-};
-use crate::body::{CollectError, OnDrop, ProxyBody, boxed, collect_limited, full};
+use super::responses::{Chain, ResponsesRequest, Unchained};
+use super::tee::{Pending, TeeBody, TeeLimits};
+use super::{DegradedReason, MemoryStatus, Outbound, commit, forward_held, passthrough};
+use crate::body::{CollectError, ProxyBody, boxed, collect_limited, full};
 use crate::error::ProxyError;
 use crate::identity::ConversationKey;
 use crate::longterm::ExtractionCall;
 use crate::longterm::extract::HandOver;
 use crate::memory::Memory;
-use crate::memory_guard::{self, Pressure};
-use crate::metrics::{Refusal, ReplyKind, Stage, UpstreamTime};
+use crate::memory_guard::{self, Pressure, Reservation};
+use crate::metrics::{ReplyKind, Stage, UpstreamTime};
 use crate::model::Credentials;
+use crate::pipeline::commit::Exchange;
 use crate::pipeline::plan::start_due;
 use crate::pipeline::plan::{self, Plan, PlanError, RequestLimits, Timings};
-use crate::receipts::{Made, Planned, RECEIPT_HEADER, Receipt};
+use crate::receipts::{Made, Planned, Receipt};
 use crate::reply::reply_of;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::summary::DeferredSummary;
 use crate::upstream::UpstreamBody;
 use crate::wire::usage::Usage;
-use crate::wire::{Api, ApiRequest};
-
-/// What the `before` step made: the body to forward, and the plan (or why memory failed: the
-/// client's own body goes upstream).
-struct Before {
-    body: Bytes,
-    plan: Result<Plan, Skipped>,
-    headers: HeaderMap,
-    deferred: Option<DeferredSummary>,
-    /// A due extraction starts once this is dropped with the answer.
-    hand_over: Option<HandOver>,
-}
-
-/// Why the `before` step made no plan: memory failed (`degraded`), or the request is not one
-/// for memory (`off`: a side call, forwarded as sent).
-enum Skipped {
-    Degraded(DegradedReason),
-    Off(&'static str),
-}
+use crate::wire::{Api, ApiRequest, SideCall};
 
 /// A request for memory, as the router identified it.
 pub struct MemoryRequest {
@@ -80,13 +66,137 @@ pub struct MemoryRequest {
     pub api_path: String,
 }
 
-/// Runs a request of an API memory serves with memory on; with memory off if the memory
-/// guard does not admit it.
+/// Runs a request of an API memory serves: admit → before → forward → after. Every way out
+/// is an [`Ending`], finished here: its headers, metrics and ledger entry written, its guard
+/// hung on the answer's body.
 pub async fn chat(
     state: &Arc<AppState>,
     memory: &Arc<Memory>,
     request: MemoryRequest,
 ) -> Result<Response<ProxyBody>, ProxyError> {
+    let ending = match admit(state, &request.body) {
+        Ok(reservation) => {
+            let guard = AnswerGuard::holding(reservation);
+            admitted(state, memory, request, guard).await
+        }
+        Err(Unadmitted::TooLarge(err)) => Ending::refused(err, AnswerGuard::default()),
+        Err(Unadmitted::Pressure(pressure)) => not_admitted(state, request, pressure).await,
+    };
+    ending.finish(state)
+}
+
+/// An admitted request: before, forward, after.
+async fn admitted(
+    state: &Arc<AppState>,
+    memory: &Arc<Memory>,
+    request: MemoryRequest,
+    mut guard: AnswerGuard,
+) -> Ending {
+    let mut before = match before(state, memory, request, &mut guard).await {
+        Ok(before) => before,
+        Err(err) => return Ending::refused(err, guard),
+    };
+    let forwarded = forward(state, &mut before).await;
+    after(state, before, forwarded, guard).await
+}
+
+/// Why a request was not admitted.
+enum Unadmitted {
+    /// Its body is announced past the size limit (413), before anything is read.
+    TooLarge(ProxyError),
+    /// The memory guard refused it: it goes with memory off.
+    Pressure(Pressure),
+}
+
+/// The `admit` step: the memory guard reserves what the request may take.
+fn admit(state: &AppState, body: &Incoming) -> Result<Reservation, Unadmitted> {
+    let announced = body.size_hint().exact();
+    let limit = state.config.body_limit_bytes;
+    if announced.is_some_and(|len| len > limit as u64) {
+        return Err(Unadmitted::TooLarge(ProxyError::PayloadTooLarge { limit }));
+    }
+    state
+        .memory_guard
+        .admit(memory_guard::estimate(announced))
+        .map_err(Unadmitted::Pressure)
+}
+
+/// A request the memory guard did not admit: forwarded untouched, as pass-through is.
+async fn not_admitted(state: &AppState, request: MemoryRequest, pressure: Pressure) -> Ending {
+    let MemoryRequest {
+        parts,
+        body,
+        key,
+        api_path,
+        ..
+    } = request;
+    let answer = passthrough(state, Request::from_parts(parts, body), &api_path).await;
+    let conversation = key.map(|key| key.conversation);
+    Ending::new(
+        Exit::NotAdmitted {
+            conversation,
+            pressure,
+        },
+        answer,
+    )
+}
+
+/// What the `before` step made of a request: where it goes, and the body it forwards.
+struct Before {
+    parts: Parts,
+    api: Api,
+    api_path: String,
+    /// The planned prompt, or the client's own body.
+    body: Bytes,
+    course: Course,
+}
+
+/// The course a request takes once `before` is done.
+enum Course {
+    /// Memory planned the prompt.
+    Memory(Box<Prepared>),
+    /// Memory failed (the store could not be read): the client's own body goes upstream,
+    /// `degraded`, with a receipt when receipts are on.
+    Degraded {
+        key: ConversationKey,
+        settings: Box<MemorySettings>,
+        reason: DegradedReason,
+    },
+    /// Forwarded as the client sent it, nothing stored: the exit says why.
+    AsSent(Exit),
+}
+
+impl Course {
+    /// Memory failed for `reason`: the client's own body goes upstream.
+    fn degraded(key: ConversationKey, settings: MemorySettings, reason: DegradedReason) -> Course {
+        let settings = Box::new(settings);
+        Course::Degraded {
+            key,
+            settings,
+            reason,
+        }
+    }
+}
+
+/// A request memory planned: its conversation, settings and plan, and the plan's report as
+/// headers.
+struct Prepared {
+    api: Api,
+    key: ConversationKey,
+    settings: MemorySettings,
+    plan: Plan,
+    report: HeaderMap,
+}
+
+/// The `before` step: the client's body read (within `body_limit` and `body_read_timeout`),
+/// its conversation found (a Responses request's may be named in its body or chain), then
+/// parsed and planned. A memory failure is not an error: the client's own body is forwarded.
+async fn before(
+    state: &AppState,
+    memory: &Arc<Memory>,
+    request: MemoryRequest,
+    guard: &mut AnswerGuard,
+) -> Result<Before, ProxyError> {
     let MemoryRequest {
         parts,
         body,
@@ -97,61 +207,66 @@ pub async fn chat(
         api,
         api_path,
     } = request;
-    let api_path = api_path.as_str();
-    // A body announced past the size limit is refused (413) before anything is read.
-    let announced = body.size_hint().exact();
-    if announced.is_some_and(|len| len > state.config.body_limit_bytes as u64) {
-        return Err(ProxyError::PayloadTooLarge {
-            limit: state.config.body_limit_bytes,
-        });
-    }
-    let reservation = match state.memory_guard.admit(memory_guard::estimate(announced)) {
-        Ok(reservation) => reservation,
-        Err(pressure) => {
-            return degraded(state, parts, body, key.as_ref(), api_path, pressure).await;
-        }
-    };
-    let bytes = collect_body(state, body).await?;
-    let (key, settings) = match (api, key) {
+    let body = collect_body(state, body).await?;
+    let chain = match (api, key) {
         (Api::Responses, key) => {
-            let chain = super::responses::resolve(
-                state,
-                memory,
-                &parts.headers,
-                &bytes,
+            let asked = ResponsesRequest {
+                headers: &parts.headers,
+                body: &body,
                 key,
-                Some(&agent),
+                agent: &agent,
                 settings,
-            )
-            .await?;
-            match chain {
-                Chain::Memory(key, settings) => (key, *settings),
-                Chain::Degraded(key, settings, reason) => {
-                    let to = Destination::new(&parts, &key, &settings, api, api_path);
-                    let response = without_memory(state, to, bytes, reason).await?;
-                    return Ok(
-                        response.map(|body| boxed(OnDrop::new(body, move || drop(reservation))))
-                    );
-                }
-                Chain::Forward(reason) => {
-                    let response =
-                        super::responses::forward_as_sent(state, &parts, bytes, api_path, reason)
-                            .await?;
-                    return Ok(
-                        response.map(|body| boxed(OnDrop::new(body, move || drop(reservation))))
-                    );
-                }
-            }
+            };
+            super::responses::resolve(state, memory, asked).await?
         }
-        (_, Some(key)) => (key, settings),
-        (_, None) => {
-            let forwarded = forward_bytes(state, &parts, bytes, api, api_path, false).await?;
-            return Ok(forwarded);
+        (_, Some(key)) => Chain::Memory(key, Box::new(settings)),
+        (_, None) => Chain::Forward(None),
+    };
+    let (body, course) = match chain {
+        Chain::Memory(key, settings) => {
+            let to = ToPlan {
+                parts: &parts,
+                api,
+                key,
+                settings: *settings,
+                user,
+            };
+            plan_memory(state, memory, to, body, guard).await?
+        }
+        Chain::Degraded(key, settings, reason) => (
+            body,
+            Course::Degraded {
+                key,
+                settings,
+                reason,
+            },
+        ),
+        Chain::Forward(why) => {
+            let exit = unchained(&parts.headers, why);
+            (body, Course::AsSent(exit))
         }
     };
-    let to = Destination::new(&parts, &key, &settings, api, api_path);
-    let response = with_memory(state, memory, to, user, bytes).await?;
-    Ok(response.map(|body| boxed(OnDrop::new(body, move || drop(reservation)))))
+    Ok(Before {
+        parts,
+        api,
+        api_path,
+        body,
+        course,
+    })
+}
+
+/// The exit of a Responses request forwarded as the client sent it (`why`: why memory did
+/// not run, when there is something to say): the conversation is the one its header names.
+fn unchained(headers: &HeaderMap, why: Option<Unchained>) -> Exit {
+    let Some(why) = why else {
+        return Exit::Silent;
+    };
+    let conversation = headers
+        .get(CONVERSATION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty())
+        .map(str::to_string);
+    Exit::Unchained { conversation, why }
 }
 
 /// Reads the client's body within `body_limit` and `body_read_timeout`.
@@ -170,236 +285,458 @@ async fn collect_body(state: &AppState, body: Incoming) -> Result<Bytes, ProxyEr
         })
 }
 
-/// A request the memory guard did not admit: forwarded untouched, as pass-through is,
-/// with `X-Memory-Status: degraded`, and counted.
-async fn degraded(
-    state: &AppState,
-    parts: Parts,
-    body: Incoming,
-    key: Option<&ConversationKey>,
-    api_path: &str,
-    pressure: Pressure,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    state.metrics.admission_refused(Refusal::Degraded, pressure);
-    tracing::debug!(
-        reason = pressure.as_str(),
-        "memory budget: forwarding with memory off"
-    );
-    let mut response = passthrough(state, Request::from_parts(parts, body), api_path).await?;
-    if let Some(key) = key {
-        set_memory_headers(
-            &mut response,
-            MemoryStatus::Degraded,
-            &key.conversation,
-            None,
-        );
-        set_degraded_reason(&mut response, DegradedReason::MemoryBudget);
-    }
-    Ok(response)
+/// A request of a conversation memory serves, about to be planned.
+struct ToPlan<'a> {
+    parts: &'a Parts,
+    api: Api,
+    key: ConversationKey,
+    settings: MemorySettings,
+    user: Option<String>,
 }
 
-/// The request with memory: before, forward, after.
-async fn with_memory(
-    state: &Arc<AppState>,
+/// What parsing and planning on the blocking pool gave.
+enum Parsed {
+    Planned(ApiRequest, Box<Result<Plan, PlanError>>),
+    /// A side call (`wire::SideCall`), not planned.
+    SideCall(SideCall),
+}
+
+/// Parses and plans the request (the body it goes with: the prompt rendered from the plan, or
+/// the client's own), and starts a due summary and a due extraction's hand-over (onto
+/// `guard`). A side call is forwarded as sent with memory off, unless `store_side_calls`.
+async fn plan_memory(
+    state: &AppState,
     memory: &Arc<Memory>,
-    to: Destination<'_>,
-    user: Option<String>,
-    body: Bytes,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    let (key, settings, api) = (to.key, to.settings, to.api);
-    let before = before(state, memory, &to, user, body).await?;
-    let mut plan = match before.plan {
-        Ok(plan) => plan,
-        Err(Skipped::Degraded(reason)) => {
-            return without_memory(state, to, before.body, reason).await;
+    to: ToPlan<'_>,
+    bytes: Bytes,
+    guard: &mut AnswerGuard,
+) -> Result<(Bytes, Course), ProxyError> {
+    let parsed = match parse_and_plan(state, memory, &to, &bytes).await {
+        Ok(parsed) => parsed?,
+        // A panic while planning (the storage engine can panic on damaged files) is a memory
+        // failure like any other: the client's own body goes upstream.
+        Err(err) => {
+            tracing::error!(error = %err, "planning failed; forwarding the client's own messages");
+            let course = Course::degraded(to.key, to.settings, DegradedReason::StoreFailed);
+            return Ok((bytes, course));
         }
-        Err(Skipped::Off(reason)) => return memory_off(state, to, before.body, reason).await,
     };
-    let receipt = state.receipts.enabled().then(|| {
-        let model = plan.exchange.model.clone();
-        receipt_of(state, &to, &before.body, model, Planned::take(&mut plan))
-    });
-    let ledger = ExchangeLedger::new(state, &key.agent, receipt.flatten());
-    let (head, upstream_body, is_stream) =
-        forward_told(state, &to, before.body, &ledger, before.headers, true).await?;
-    let conversation_id = key.conversation.as_str();
-
-    if !head.status.is_success() {
-        let mut response = Response::from_parts(head, boxed(upstream_body));
-        set_memory_headers(
-            &mut response,
-            MemoryStatus::NotStored,
-            conversation_id,
-            Some(plan.report.stored_count),
-        );
-        ledger.status(MemoryStatus::NotStored);
-        return Ok(response);
-    }
-
-    if is_stream {
-        let (status, turns, pending) = if settings.persist {
-            let pending = Pending {
-                state: Arc::clone(state),
-                exchange: plan.exchange,
+    let ToPlan {
+        parts,
+        api: to_api,
+        key,
+        settings,
+        ..
+    } = to;
+    let (request, planned) = match parsed {
+        Parsed::Planned(request, planned) => (request, *planned),
+        Parsed::SideCall(side) => {
+            let exit = Exit::Off {
+                conversation: key.conversation,
+                side_call: Some(side.as_str()),
             };
-            (
-                MemoryStatus::Stored,
-                plan.report.planned_count,
-                Some(pending),
-            )
-        } else {
-            (MemoryStatus::NotStored, plan.report.stored_count, None)
-        };
-        ledger.status(status);
-        // The deferred summary rides with the stream: queued once it is committed or dropped.
-        let tee = TeeBody::new(
-            upstream_body,
-            api,
-            pending,
-            before.deferred,
-            state.config.limits.max_sse_event_bytes,
-            state.config.response_limit_bytes,
-        )
-        .with_ledger(ledger);
-        let body = match before.hand_over {
-            None => boxed(tee),
-            Some(hand_over) => boxed(OnDrop::new(boxed(tee), move || drop(hand_over))),
-        };
-        let mut response = Response::from_parts(head, body);
-        set_memory_headers(&mut response, status, conversation_id, Some(turns));
-        return Ok(response);
-    }
-
-    // A JSON reply is complete only at its end: read it, store it, then answer.
-    // Within `upstream.read_timeout`: a stalled answer is a 504 and stores nothing.
-    let (body, usage) = read_told(state, api, upstream_body, &ledger).await?;
-    plan.exchange.cached_tokens = usage.map_or(0, |u| u.cached_tokens);
-    let mut degraded = DegradedReason::CommitFailed;
-    let (status, turns) = if !settings.persist {
-        (MemoryStatus::NotStored, plan.report.stored_count)
-    } else {
-        match reply_of(api, &body) {
-            None => {
-                tracing::warn!(
-                    api = api.as_str(),
-                    "upstream answer has no reply to read; nothing stored"
-                );
-                (MemoryStatus::NotStored, plan.report.stored_count)
-            }
-            Some(reply) => match commit(state, plan.exchange, reply, ReplyKind::Json).await {
-                Ok(count) => (MemoryStatus::Stored, count),
-                Err(reason) => {
-                    degraded = reason;
-                    (MemoryStatus::Degraded, plan.report.stored_count)
-                }
-            },
+            return Ok((bytes, Course::AsSent(exit)));
         }
     };
-    // A due summary starts once the answer has been handed over, so its work never competes
-    // with the request that triggered it.
-    let body = match (before.deferred, before.hand_over) {
-        (None, None) => full(body),
-        (summary, hand_over) => boxed(OnDrop::new(full(body), move || drop((summary, hand_over)))),
-    };
-    let mut response = Response::from_parts(head, body);
-    set_memory_headers(&mut response, status, conversation_id, Some(turns));
-    if status == MemoryStatus::Degraded {
-        set_degraded_reason(&mut response, degraded);
-        ledger.degraded(degraded);
-    } else {
-        ledger.status(status);
+    if let Some(model) = &request.model {
+        tracing::Span::current().record("model", model.as_str());
     }
-    Ok(response)
+    let mut plan = match planned {
+        Ok(plan) => plan,
+        Err(PlanError::Store(err)) => {
+            let reason = DegradedReason::of(&err);
+            if reason == DegradedReason::StoreUnwritable {
+                // Said once at warn level when the writes began to fail (`store/health.rs`).
+                tracing::debug!(error = %err, "the store cannot write; forwarding the client's own messages");
+            } else {
+                tracing::error!(error = %err, "memory unavailable; forwarding the client's own messages");
+            }
+            return Ok((bytes, Course::degraded(key, settings, reason)));
+        }
+        Err(limit @ (PlanError::TooManyMessages { .. } | PlanError::TooManyTokens { .. })) => {
+            return Err(ProxyError::LimitExceeded {
+                message: limit.to_string(),
+                code: match limit {
+                    PlanError::TooManyMessages { .. } => "too_many_new_messages",
+                    _ => "too_many_new_tokens",
+                },
+            });
+        }
+    };
+    guard.summary = start_due(memory, &settings, &mut plan, || credentials(&parts.headers)).await;
+    guard.hand_over = hand_over_extraction(&mut plan, &parts.headers);
+    record_plan(state, &key.agent, &plan);
+    let body = Bytes::from(request.render_parts(plan.prompt.parts(), &plan.prompt.cache));
+    let prepared = Prepared {
+        api: to_api,
+        key,
+        settings,
+        report: report_headers(&plan.report),
+        plan,
+    };
+    Ok((body, Course::Memory(Box::new(prepared))))
+}
+
+/// Parses the request and plans it, both on the blocking pool (CPU and store work, and
+/// planning waits for the conversation's lock: never on a thread that serves other requests).
+/// `Err`: the planning panicked.
+async fn parse_and_plan(
+    state: &AppState,
+    memory: &Arc<Memory>,
+    to: &ToPlan<'_>,
+    bytes: &Bytes,
+) -> Result<Result<Parsed, ProxyError>, tokio::task::JoinError> {
+    let limits = limits(state);
+    let (memory, key, settings) = (Arc::clone(memory), to.key.clone(), to.settings.clone());
+    let (user, api, bytes) = (to.user.clone(), to.api, bytes.clone());
+    tokio::task::spawn_blocking(move || {
+        let mut request = ApiRequest::parse(api, &bytes)?;
+        if !settings.store_side_calls
+            && let Some(side) = request.side_call()
+        {
+            return Ok(Parsed::SideCall(side));
+        }
+        let messages = std::mem::take(&mut request.messages);
+        let model = request.model.clone();
+        let planned = plan::plan(
+            &memory,
+            &key,
+            user.as_deref(),
+            &settings,
+            limits,
+            model,
+            messages,
+        );
+        Ok(Parsed::Planned(request, Box::new(planned)))
+    })
+    .await
+}
+
+/// Long-term memory: a due extraction gets the request's credentials, copied only then; it is
+/// queued by the commit, off the request's path, and starts once the hand-over returned here
+/// is dropped with the answer.
+fn hand_over_extraction(plan: &mut Plan, headers: &HeaderMap) -> Option<HandOver> {
+    let model = plan.extraction_due.take()?;
+    let (held, handed_over) = crate::longterm::extract::hand_over();
+    plan.exchange.extraction = Some(ExtractionCall {
+        model,
+        credentials: credentials(headers),
+        handed_over: Some(handed_over),
+    });
+    Some(held)
+}
+
+/// What the `forward` step brought back: the exchange's ledger (with its receipt, when memory
+/// planned or failed and receipts are on) and the upstream's answer.
+struct Forwarded {
+    ledger: ExchangeLedger,
+    answer: Result<Answer, ProxyError>,
+}
+
+/// The upstream's answer: its head, its body, whether it is a stream.
+struct Answer {
+    head: http::response::Parts,
+    body: UpstreamBody,
+    is_stream: bool,
+}
+
+impl Answer {
+    fn of(response: Response<UpstreamBody>) -> Answer {
+        let (head, body) = response.into_parts();
+        let is_stream = head
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+        Answer {
+            head,
+            body,
+            is_stream,
+        }
+    }
+
+    /// The answer as the upstream sent it.
+    fn untouched(self) -> Response<ProxyBody> {
+        Response::from_parts(self.head, boxed(self.body))
+    }
+}
+
+/// The `forward` step: the exchange's receipt made (receipts on: a planned exchange's with the
+/// plan's parts, a degraded one's with the client's messages), the body sent upstream, the
+/// receipt told the upstream's status and time, or that it failed.
+async fn forward(state: &Arc<AppState>, before: &mut Before) -> Forwarded {
+    let Before {
+        parts,
+        api,
+        api_path,
+        body,
+        course,
+    } = before;
+    let out = Outbound {
+        parts,
+        api: *api,
+        api_path,
+    };
+    let body = body.clone();
+    let (ledger, to, read) = match course {
+        Course::AsSent(_) => {
+            let answer = forward_held(state, out, body, false).await;
+            let ledger = ExchangeLedger::unmetered(state, None);
+            let answer = answer.map(Answer::of);
+            return Forwarded { ledger, answer };
+        }
+        Course::Memory(prepared) => {
+            let Prepared {
+                key,
+                settings,
+                plan,
+                ..
+            } = &mut **prepared;
+            let to = Destination { out, key, settings };
+            let receipt = state.receipts.enabled().then(|| {
+                let model = plan.exchange.model.clone();
+                receipt_of(state, &to, &body, model, Planned::take(plan))
+            });
+            (
+                ExchangeLedger::new(state, &key.agent, receipt.flatten()),
+                to,
+                true,
+            )
+        }
+        Course::Degraded { key, settings, .. } => {
+            let to = Destination { out, key, settings };
+            let receipt = unplanned_receipt(state, &to, &body).await;
+            // A degraded exchange's answer is read only for its receipt.
+            let read = receipt.is_some();
+            (ExchangeLedger::unmetered(state, receipt), to, read)
+        }
+    };
+    let answer = forward_told(state, &to, body, &ledger, read).await;
+    Forwarded { ledger, answer }
+}
+
+/// The `after` step: the answer read as its course wants it (a planned exchange's committed),
+/// and the request's [`Ending`].
+async fn after(
+    state: &Arc<AppState>,
+    before: Before,
+    forwarded: Forwarded,
+    mut guard: AnswerGuard,
+) -> Ending {
+    let Forwarded { ledger, answer } = forwarded;
+    let receipt = ledger.receipt().cloned();
+    let api = before.api;
+    let (exit, answer) = match before.course {
+        Course::AsSent(exit) => (exit, answer.map(Answer::untouched)),
+        Course::Degraded { key, reason, .. } => {
+            let answer = match answer {
+                Ok(answer) => degraded_answer(state, api, answer, ledger).await,
+                Err(err) => Err(err),
+            };
+            let conversation = key.conversation;
+            (
+                Exit::Degraded {
+                    conversation,
+                    reason,
+                },
+                answer,
+            )
+        }
+        Course::Memory(prepared) => match answer {
+            Ok(answer) => after_memory(state, *prepared, answer, ledger, &mut guard).await,
+            Err(err) => (Exit::Silent, Err(err)),
+        },
+    };
+    Ending {
+        exit,
+        answer,
+        receipt,
+        guard,
+    }
+}
+
+/// The answer of a request whose memory failed, as the upstream sent it; with a receipt it is
+/// read as a memory-on answer is, for the receipt's usage: a stream teed, a JSON answer read
+/// whole (within `upstream.read_timeout`). Its tokens are not counted in the token ledger,
+/// whose exchanges are those memory planned.
+async fn degraded_answer(
+    state: &AppState,
+    api: Api,
+    answer: Answer,
+    ledger: ExchangeLedger,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let read = ledger.receipt().is_some();
+    let Answer {
+        head,
+        body,
+        is_stream,
+    } = answer;
+    let body = match (read, head.status.is_success(), is_stream) {
+        // Nothing to read: as the upstream sent it.
+        (false, ..) | (_, false, _) => boxed(body),
+        (true, true, true) => boxed(tee(state, api, body, None, None).with_ledger(ledger)),
+        (true, true, false) => full(read_told(state, api, body, &ledger).await?.0),
+    };
+    Ok(Response::from_parts(head, body))
+}
+
+/// An SSE answer teed with the limits from the config (`pending`: what to commit at its end,
+/// `summary`: a due summary, queued once it is committed or the body dropped).
+fn tee(
+    state: &AppState,
+    api: Api,
+    body: UpstreamBody,
+    pending: Option<Pending>,
+    summary: Option<DeferredSummary>,
+) -> TeeBody<UpstreamBody> {
+    let limits = TeeLimits {
+        max_event_bytes: state.config.limits.max_sse_event_bytes,
+        max_reply_bytes: state.config.response_limit_bytes,
+    };
+    TeeBody::new(body, api, pending, summary, limits)
+}
+
+/// The `after` step of an exchange memory planned: an error status stores nothing; a stream
+/// is teed and committed at its end (its head says `stored` already); a JSON answer is read
+/// whole and committed, then answered.
+async fn after_memory(
+    state: &Arc<AppState>,
+    prepared: Prepared,
+    answer: Answer,
+    ledger: ExchangeLedger,
+    guard: &mut AnswerGuard,
+) -> (Exit, Result<Response<ProxyBody>, ProxyError>) {
+    let Prepared {
+        api,
+        key,
+        settings,
+        plan,
+        report: described,
+    } = prepared;
+    let Plan {
+        exchange, report, ..
+    } = plan;
+    let Answer {
+        head,
+        body,
+        is_stream,
+    } = answer;
+    let stored_count = report.stored_count;
+    let (stored, body) = if !head.status.is_success() {
+        let stored = Stored::not(stored_count);
+        (stored, boxed(body))
+    } else if is_stream {
+        let pending = settings.persist.then(|| Pending {
+            state: Arc::clone(state),
+            exchange,
+        });
+        let stored = match &pending {
+            Some(_) => Stored::all(report.planned_count),
+            None => Stored::not(stored_count),
+        };
+        // The deferred summary rides with the stream: queued once it is committed or dropped.
+        let tee = tee(state, api, body, pending, guard.summary.take()).with_ledger(ledger);
+        (stored, boxed(tee))
+    } else {
+        let read = ReadWhole {
+            api,
+            persist: settings.persist,
+            exchange,
+            stored_count,
+        };
+        match read_and_commit(state, read, body, &ledger).await {
+            Ok((stored, body)) => (stored, full(body)),
+            Err(err) => return (Exit::Silent, Err(err)),
+        }
+    };
+    let exit = Exit::Answered(Answered {
+        conversation: key.conversation,
+        status: stored.status,
+        reason: stored.reason,
+        turns: stored.turns,
+        report: described,
+    });
+    (exit, Ok(Response::from_parts(head, body)))
+}
+
+/// What an answered exchange did to memory.
+struct Stored {
+    status: MemoryStatus,
+    reason: Option<DegradedReason>,
+    turns: usize,
+}
+
+impl Stored {
+    /// Stored: `turns` messages now.
+    fn all(turns: usize) -> Stored {
+        Stored {
+            status: MemoryStatus::Stored,
+            reason: None,
+            turns,
+        }
+    }
+
+    /// Nothing stored: the `turns` stored before.
+    fn not(turns: usize) -> Stored {
+        Stored {
+            status: MemoryStatus::NotStored,
+            reason: None,
+            turns,
+        }
+    }
+}
+
+/// A JSON answer to read whole and commit.
+struct ReadWhole {
+    api: Api,
+    persist: bool,
+    exchange: Exchange,
+    /// Messages stored before this exchange.
+    stored_count: usize,
+}
+
+/// A JSON reply is complete only at its end: read it (within `upstream.read_timeout`: a
+/// stalled answer is a 504 and stores nothing), store it, then answer.
+async fn read_and_commit(
+    state: &AppState,
+    read: ReadWhole,
+    body: UpstreamBody,
+    ledger: &ExchangeLedger,
+) -> Result<(Stored, Bytes), ProxyError> {
+    let ReadWhole {
+        api,
+        persist,
+        mut exchange,
+        stored_count,
+    } = read;
+    let (body, usage) = read_told(state, api, body, ledger).await?;
+    exchange.cached_tokens = usage.map_or(0, |u| u.cached_tokens);
+    if !persist {
+        return Ok((Stored::not(stored_count), body));
+    }
+    let Some(reply) = reply_of(api, &body) else {
+        tracing::warn!(
+            api = api.as_str(),
+            "upstream answer has no reply to read; nothing stored"
+        );
+        return Ok((Stored::not(stored_count), body));
+    };
+    let stored = match commit(state, exchange, reply, ReplyKind::Json).await {
+        Ok(count) => Stored::all(count),
+        Err(reason) => Stored {
+            status: MemoryStatus::Degraded,
+            reason: Some(reason),
+            turns: stored_count,
+        },
+    };
+    Ok((stored, body))
 }
 
 /// Where an exchange goes, and for whom.
 struct Destination<'a> {
-    parts: &'a Parts,
+    out: Outbound<'a>,
     key: &'a ConversationKey,
     settings: &'a MemorySettings,
-    api: Api,
-    api_path: &'a str,
-}
-
-impl<'a> Destination<'a> {
-    fn new(
-        parts: &'a Parts,
-        key: &'a ConversationKey,
-        settings: &'a MemorySettings,
-        api: Api,
-        api_path: &'a str,
-    ) -> Destination<'a> {
-        Destination {
-            parts,
-            key,
-            settings,
-            api,
-            api_path,
-        }
-    }
-}
-
-/// A request that is not one for memory (a side call, `wire::SideCall`): forwarded as the
-/// client sent it, nothing stored, with `X-Memory-Status: off` and `X-Memory-Reason`.
-async fn memory_off(
-    state: &Arc<AppState>,
-    to: Destination<'_>,
-    body: Bytes,
-    reason: &'static str,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    state.metrics.memory_off(reason);
-    tracing::debug!(reason, "forwarding a side call with memory off");
-    let mut response = forward_bytes(state, to.parts, body, to.api, to.api_path, false).await?;
-    set_memory_headers(&mut response, MemoryStatus::Off, &to.key.conversation, None);
-    if let Ok(value) = HeaderValue::from_str(reason) {
-        response.headers_mut().insert(super::REASON_HEADER, value);
-    }
-    Ok(response)
-}
-
-/// A memory-on request whose memory failed (the store could not be read): the client's own
-/// `body` goes upstream, answered with `X-Memory-Status: degraded` and `reason`, nothing
-/// stored. With receipts on it gets one (the client's messages as its only parts); its answer
-/// is then read as a memory-on answer is, for the receipt's usage: a stream teed, a JSON
-/// answer read whole (within `upstream.read_timeout`). Its tokens are not counted in the
-/// token ledger, whose exchanges are those memory planned.
-async fn without_memory(
-    state: &Arc<AppState>,
-    to: Destination<'_>,
-    body: Bytes,
-    reason: DegradedReason,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    let receipt = unplanned_receipt(state, &to, &body).await;
-    let ledger = ExchangeLedger::unmetered(state, receipt);
-    ledger.degraded(reason);
-    let read = ledger.receipt().is_some();
-    let (head, upstream_body, is_stream) =
-        forward_told(state, &to, body, &ledger, HeaderMap::new(), read).await?;
-    let body = match (read, head.status.is_success(), is_stream) {
-        // Nothing to read: as the upstream sent it.
-        (false, ..) | (_, false, _) => boxed(upstream_body),
-        (true, true, true) => boxed(
-            TeeBody::new(
-                upstream_body,
-                to.api,
-                None,
-                None,
-                state.config.limits.max_sse_event_bytes,
-                state.config.response_limit_bytes,
-            )
-            .with_ledger(ledger),
-        ),
-        (true, true, false) => full(read_told(state, to.api, upstream_body, &ledger).await?.0),
-    };
-    let mut response = Response::from_parts(head, body);
-    set_memory_headers(
-        &mut response,
-        MemoryStatus::Degraded,
-        &to.key.conversation,
-        None,
-    );
-    set_degraded_reason(&mut response, reason);
-    Ok(response)
 }
 
 /// The receipt of a request forwarded as the client sent it (receipts on): its messages parsed
@@ -412,7 +749,7 @@ async fn unplanned_receipt(
     if !state.receipts.enabled() {
         return None;
     }
-    let (bytes, api) = (body.clone(), to.api);
+    let (bytes, api) = (body.clone(), to.out.api);
     let parsed = tokio::task::spawn_blocking(move || {
         let request = ApiRequest::parse(api, &bytes).ok()?;
         let model = request.model;
@@ -430,41 +767,28 @@ async fn unplanned_receipt(
     receipt_of(state, to, body, model, planned)
 }
 
-/// Forwards `body` (with the receipt's id among `headers`, which go to the client; `read`:
-/// memproxy reads the answer); the receipt is told the upstream's status and time, or that it
-/// failed. Returns the answer's head, its body, and whether it is a stream.
+/// Forwards `body` (`read`: memproxy reads the answer); the receipt is told the upstream's
+/// status and time, or that it failed.
 async fn forward_told(
     state: &AppState,
     to: &Destination<'_>,
     body: Bytes,
     ledger: &ExchangeLedger,
-    mut headers: HeaderMap,
     read: bool,
-) -> Result<(http::response::Parts, UpstreamBody, bool), ProxyError> {
-    if let Some(receipt) = ledger.receipt()
-        && let Ok(value) = HeaderValue::from_str(&receipt.id)
-    {
-        headers.insert(RECEIPT_HEADER, value);
-    }
-    let forwarded = forward_held(state, to.parts, body, to.api, to.api_path, read).await;
-    let (mut head, upstream_body) = match forwarded {
-        Ok(forwarded) => forwarded.into_parts(),
+) -> Result<Answer, ProxyError> {
+    let forwarded = forward_held(state, to.out, body, read).await;
+    let answer = match forwarded {
+        Ok(forwarded) => Answer::of(forwarded),
         Err(err) => {
             ledger.failed();
             return Err(err);
         }
     };
-    head.headers.extend(headers);
-    let is_stream = head
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     if let Some(receipt) = ledger.receipt() {
-        let latency = head.extensions.get::<UpstreamTime>().map(|t| t.0);
-        receipt.answered(head.status.as_u16(), latency, is_stream);
+        let latency = answer.head.extensions.get::<UpstreamTime>().map(|t| t.0);
+        receipt.answered(answer.head.status.as_u16(), latency, answer.is_stream);
     }
-    Ok((head, upstream_body, is_stream))
+    Ok(answer)
 }
 
 /// Reads a JSON answer whole (within `upstream.read_timeout`; a stalled answer is a 504) and
@@ -503,11 +827,11 @@ fn receipt_of(
 ) -> Option<Arc<Receipt>> {
     let receipt = Arc::new(Receipt::new(Made {
         key: to.key,
-        api: to.api,
-        api_path: to.api_path,
-        query: to.parts.uri.query(),
+        api: to.out.api,
+        api_path: to.out.api_path,
+        query: to.out.parts.uri.query(),
         model,
-        headers: &to.parts.headers,
+        headers: &to.out.parts.headers,
         body: body.clone(),
         planned,
         settings: to.settings,
@@ -515,124 +839,6 @@ fn receipt_of(
     })?);
     state.receipts.insert(Arc::clone(&receipt));
     Some(receipt)
-}
-
-/// The `before` step: the client's body read (within the size limit and the body read timeout)
-/// and parsed, the prompt planned from memory, a due summary started. A memory failure is not
-/// an error: the client's own body is forwarded.
-async fn before(
-    state: &AppState,
-    memory: &Arc<Memory>,
-    to: &Destination<'_>,
-    user: Option<String>,
-    bytes: Bytes,
-) -> Result<Before, ProxyError> {
-    let (parts, key, settings, api) = (to.parts, to.key, to.settings, to.api);
-    // Parsing and planning are CPU and store work, and planning waits for the conversation's
-    // lock: both run on the blocking pool, never on a thread that serves other requests.
-    let limits = limits(state);
-    let (job_memory, job_key, job_settings) = (Arc::clone(memory), key.clone(), settings.clone());
-    let client_body = bytes.clone();
-    let store_side_calls = settings.store_side_calls;
-    let planning = tokio::task::spawn_blocking(move || {
-        let mut request = ApiRequest::parse(api, &bytes)?;
-        if !store_side_calls && let Some(side) = request.side_call() {
-            return Ok((request, Err(side), bytes));
-        }
-        let messages = std::mem::take(&mut request.messages);
-        let model = request.model.clone();
-        let planned = plan::plan(
-            &job_memory,
-            &job_key,
-            user.as_deref(),
-            &job_settings,
-            limits,
-            model,
-            messages,
-        );
-        Ok::<_, ProxyError>((request, Ok(planned), bytes))
-    })
-    .await;
-    let (request, planned, bytes) = match planning {
-        Ok(Ok((request, Ok(planned), bytes))) => (request, planned, bytes),
-        Ok(Ok((_, Err(side), bytes))) => {
-            return Ok(Before {
-                body: bytes,
-                plan: Err(Skipped::Off(side.as_str())),
-                headers: HeaderMap::new(),
-                deferred: None,
-                hand_over: None,
-            });
-        }
-        Ok(Err(err)) => return Err(err),
-        // A panic while planning (the storage engine can panic on damaged files) is a memory
-        // failure like any other: the client's own body goes upstream.
-        Err(err) => {
-            tracing::error!(error = %err, "planning failed; forwarding the client's own messages");
-            return Ok(Before {
-                body: client_body,
-                plan: Err(Skipped::Degraded(DegradedReason::StoreFailed)),
-                headers: HeaderMap::new(),
-                deferred: None,
-                hand_over: None,
-            });
-        }
-    };
-    if let Some(model) = &request.model {
-        tracing::Span::current().record("model", model.as_str());
-    }
-
-    match planned {
-        Ok(mut plan) => {
-            let deferred =
-                start_due(memory, settings, &mut plan, || credentials(&parts.headers)).await;
-            // Long-term memory: a due extraction gets the request's credentials, copied only
-            // then; it is queued by the commit, off the request's path.
-            let mut hand_over = None;
-            if let Some(model) = plan.extraction_due.take() {
-                let (held, handed_over) = crate::longterm::extract::hand_over();
-                hand_over = Some(held);
-                plan.exchange.extraction = Some(ExtractionCall {
-                    model,
-                    credentials: credentials(&parts.headers),
-                    handed_over: Some(handed_over),
-                });
-            }
-            record_plan(state, &key.agent, &plan);
-            Ok(Before {
-                body: Bytes::from(request.render_parts(plan.prompt.parts(), &plan.prompt.cache)),
-                headers: headers_of(&plan),
-                plan: Ok(plan),
-                deferred,
-                hand_over,
-            })
-        }
-        Err(PlanError::Store(err)) => {
-            let degraded = DegradedReason::of(&err);
-            if degraded == DegradedReason::StoreUnwritable {
-                // Said once at warn level when the writes began to fail (`store/health.rs`).
-                tracing::debug!(error = %err, "the store cannot write; forwarding the client's own messages");
-            } else {
-                tracing::error!(error = %err, "memory unavailable; forwarding the client's own messages");
-            }
-            Ok(Before {
-                body: bytes,
-                plan: Err(Skipped::Degraded(degraded)),
-                headers: HeaderMap::new(),
-                deferred: None,
-                hand_over: None,
-            })
-        }
-        Err(limit @ (PlanError::TooManyMessages { .. } | PlanError::TooManyTokens { .. })) => {
-            Err(ProxyError::LimitExceeded {
-                message: limit.to_string(),
-                code: match limit {
-                    PlanError::TooManyMessages { .. } => "too_many_new_messages",
-                    _ => "too_many_new_tokens",
-                },
-            })
-        }
-    }
 }
 
 /// The per-request limits from the config.

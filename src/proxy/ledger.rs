@@ -56,14 +56,8 @@ impl ExchangeLedger {
         self.receipt.as_ref()
     }
 
-    /// What memory did with the exchange (`X-Memory-Status`).
-    pub fn status(&self, status: MemoryStatus) {
-        if let Some(receipt) = &self.receipt {
-            receipt.memory_status(status.as_str(), None);
-        }
-    }
-
-    /// Memory failed for the exchange (`X-Memory-Status: degraded`, `X-Memory-Reason`).
+    /// Memory failed for the exchange after its head was sent (a stream whose commit failed):
+    /// said in the receipt only.
     pub fn degraded(&self, reason: DegradedReason) {
         if let Some(receipt) = &self.receipt {
             receipt.memory_status(MemoryStatus::Degraded.as_str(), Some(reason.as_str()));

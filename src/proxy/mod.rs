@@ -3,27 +3,29 @@
 //!
 //! - [`identify`] — `X-Memory-*` headers and the path form → conversation key and settings;
 //! - [`chat`] — memory around the one forward path, for chat completions, the Responses API and
-//!   the Anthropic Messages API alike: a `before` step (collect the body, parse, plan, start a
-//!   due summary) and an `after` step (tee or collect the reply, commit);
+//!   the Anthropic Messages API alike: admit, `before` (collect the body, parse, plan, start a
+//!   due summary), forward, `after` (tee or collect the reply, commit);
+//! - [`exit`] — every way out of a memory request as one [`exit::Exit`], and the one place
+//!   that writes what it says (`X-Memory-*` headers, metrics, the ledger entry) and hangs what
+//!   must outlive the answer on its body ([`exit::AnswerGuard`]);
 //! - [`responses`] — the Responses API's chaining (`previous_response_id` → conversation) and
 //!   `GET`/`DELETE /v1/responses/{id}`;
 //! - [`tee`] — an SSE body passed through frame by frame while the reply is read from it;
 //! - [`passthrough`] — everything else, forwarded untouched.
 
 pub mod chat;
+pub mod exit;
 pub mod identify;
 pub mod ledger;
 pub mod responses;
 pub mod tee;
 
-use http::header::HeaderValue;
-use http::{HeaderMap, Request, Response};
+use http::{Request, Response};
 use hyper::body::Incoming;
 
 use crate::body::{IdleTimeout, ProxyBody, boxed, full};
 use crate::error::ProxyError;
 use crate::metrics::{ReplyKind, Stage};
-use crate::pipeline::plan::Plan;
 use crate::state::AppState;
 use crate::store::StoreError;
 use crate::upstream::{Forward, UpstreamBody};
@@ -108,13 +110,6 @@ impl DegradedReason {
     }
 }
 
-/// Sets `X-Memory-Reason`.
-pub fn set_degraded_reason(response: &mut Response<ProxyBody>, reason: DegradedReason) {
-    response
-        .headers_mut()
-        .insert(REASON_HEADER, HeaderValue::from_static(reason.as_str()));
-}
-
 /// Forwards a request untouched: method, path, query, headers (less hop-by-hop and
 /// `x-memory-*`), body streamed both ways, status unchanged. A request body that pauses longer
 /// than `server.body_read_timeout` cuts the upstream request (408); the answer's body is
@@ -146,28 +141,26 @@ pub async fn passthrough(
     Ok(Response::from_parts(head, boxed(body)))
 }
 
-/// Forwards a body memproxy holds, as it is (`read_reply`: memproxy will read the answer).
-pub async fn forward_bytes(
-    state: &AppState,
-    parts: &Parts,
-    body: Bytes,
-    api: Api,
-    api_path: &str,
-    read_reply: bool,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    let response = forward_held(state, parts, body, api, api_path, read_reply).await?;
-    Ok(response.map(boxed))
+/// A request's head and where it goes: its API's upstream, at `api_path`.
+#[derive(Clone, Copy)]
+pub struct Outbound<'a> {
+    pub parts: &'a Parts,
+    pub api: Api,
+    pub api_path: &'a str,
 }
 
-/// [`forward_bytes`], the answer's body left as the upstream's.
+/// Forwards a body memproxy holds, as it is (`read_reply`: memproxy will read the answer).
 pub async fn forward_held(
     state: &AppState,
-    parts: &Parts,
+    to: Outbound<'_>,
     body: Bytes,
-    api: Api,
-    api_path: &str,
     read_reply: bool,
 ) -> Result<Response<UpstreamBody>, ProxyError> {
+    let Outbound {
+        parts,
+        api,
+        api_path,
+    } = to;
     let forwarded = state
         .upstream_for(api)
         .forward(Forward {
@@ -215,73 +208,5 @@ pub async fn commit(
                 _ => DegradedReason::CommitFailed,
             })
         }
-    }
-}
-
-/// The headers that describe a plan: what was recalled, the prompt's size, the budget, the
-/// summary.
-pub fn headers_of(plan: &Plan) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    let label = plan
-        .report
-        .summary
-        .as_ref()
-        .map_or_else(|| "none".to_string(), |r| r.label());
-    if let Ok(value) = HeaderValue::from_str(&label) {
-        headers.insert(SUMMARY_HEADER, value);
-    }
-    headers.insert(
-        RETRIEVED_HEADER,
-        HeaderValue::from(plan.report.recalled_turns.len()),
-    );
-    let turns: Vec<String> = plan
-        .report
-        .recalled_turns
-        .iter()
-        .map(u64::to_string)
-        .collect();
-    if let Ok(value) = HeaderValue::from_str(&turns.join(",")) {
-        headers.insert(RETRIEVED_TURNS_HEADER, value);
-    }
-    if !plan.report.recalled_elsewhere.is_empty() {
-        headers.insert(
-            RETRIEVED_ELSEWHERE_HEADER,
-            HeaderValue::from(plan.report.recalled_elsewhere.len()),
-        );
-    }
-    if !plan.report.memories.is_empty() {
-        headers.insert(
-            MEMORIES_HEADER,
-            HeaderValue::from(plan.report.memories.len()),
-        );
-    }
-    headers.insert(
-        PROMPT_TOKENS_HEADER,
-        HeaderValue::from(plan.report.prompt_tokens),
-    );
-    headers.insert(
-        HISTORY_TOKENS_HEADER,
-        HeaderValue::from(plan.report.history_tokens),
-    );
-    if let Some(verdict) = plan.report.fitted.map(|f| f.verdict()) {
-        headers.insert(BUDGET_HEADER, HeaderValue::from_static(verdict));
-    }
-    headers
-}
-
-/// Sets `X-Memory-Status`, `X-Memory-Conversation-Id` and `X-Memory-Turns`.
-pub fn set_memory_headers(
-    response: &mut Response<ProxyBody>,
-    status: MemoryStatus,
-    conversation: &str,
-    turns: Option<usize>,
-) {
-    let headers = response.headers_mut();
-    headers.insert(STATUS_HEADER, HeaderValue::from_static(status.as_str()));
-    if let Ok(value) = HeaderValue::from_str(conversation) {
-        headers.insert(CONVERSATION_ID_HEADER, value);
-    }
-    if let Some(turns) = turns {
-        headers.insert(TURNS_HEADER, HeaderValue::from(turns));
     }
 }

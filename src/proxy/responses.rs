@@ -16,13 +16,10 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http::header::HeaderValue;
-use http::request::Parts;
 use http::{HeaderMap, Method, Response, StatusCode};
 
+use super::DegradedReason;
 use super::identify::credential_of;
-use super::{DegradedReason, MemoryStatus, REASON_HEADER, set_memory_headers};
 use crate::body::ProxyBody;
 use crate::error::{ProxyError, json_response};
 use crate::identity::{ConversationKey, TenantId};
@@ -31,8 +28,8 @@ use crate::message::parse_object;
 use crate::settings::MemorySettings;
 use crate::state::AppState;
 use crate::store::{StoreError, lock};
+use crate::wire::response_id_of;
 use crate::wire::responses::{conversation_field, previous_id_field, response_object};
-use crate::wire::{Api, response_id_of};
 
 /// The reason sent with a chained request memproxy cannot serve with memory.
 pub const UNKNOWN_PREVIOUS: &str = "unknown-previous-response";
@@ -58,6 +55,17 @@ pub enum Unchained {
     Store(DegradedReason),
 }
 
+/// A Responses request whose conversation is to be found.
+pub struct ResponsesRequest<'a> {
+    pub headers: &'a HeaderMap,
+    pub body: &'a [u8],
+    /// The conversation its header or path form named.
+    pub key: Option<ConversationKey>,
+    /// The agent a conversation named by its `conversation` field belongs to.
+    pub agent: &'a str,
+    pub settings: MemorySettings,
+}
+
 /// Resolves a Responses request's conversation: the conversation id it names (header, path
 /// form, or its `conversation` field under `agent`), else the one its `previous_response_id`
 /// was answered in. An unknown
@@ -65,12 +73,15 @@ pub enum Unchained {
 pub async fn resolve(
     state: &AppState,
     memory: &Arc<Memory>,
-    headers: &HeaderMap,
-    body: &[u8],
-    key: Option<ConversationKey>,
-    agent: Option<&str>,
-    settings: MemorySettings,
+    request: ResponsesRequest<'_>,
 ) -> Result<Chain, ProxyError> {
+    let ResponsesRequest {
+        headers,
+        body,
+        key,
+        agent,
+        settings,
+    } = request;
     // A body that does not parse is refused by the planner with the field at fault.
     let fields = parse_object(body).unwrap_or_default();
     let previous = previous_id_field(&fields).ok().flatten();
@@ -85,15 +96,15 @@ pub async fn resolve(
     };
     // The `conversation` field names the conversation when no header does (and must agree
     // with one that does).
-    let key = match (key, named, agent, &tenant) {
-        (Some(key), Some(named), _, _) if named != key.conversation => {
+    let key = match (key, named, &tenant) {
+        (Some(key), Some(named), _) if named != key.conversation => {
             return Err(ProxyError::invalid(
                 "conversation",
                 "conversation_mismatch",
                 "`conversation` disagrees with the X-Memory-Conversation-Id header",
             ));
         }
-        (None, Some(conversation), Some(agent), Some(tenant)) => Some(ConversationKey {
+        (None, Some(conversation), Some(tenant)) => Some(ConversationKey {
             tenant: tenant.clone(),
             agent: agent.to_string(),
             conversation,
@@ -143,39 +154,6 @@ async fn answered_in(
     tokio::task::spawn_blocking(move || memory.store.response_conversation(&tenant, &id))
         .await
         .map_err(|err| StoreError::Engine(Box::new(err)))?
-}
-
-/// Forwards a Responses request as the client sent it, saying why memory did not run.
-pub async fn forward_as_sent(
-    state: &AppState,
-    parts: &Parts,
-    body: Bytes,
-    api_path: &str,
-    why: Option<Unchained>,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    let mut response =
-        super::forward_bytes(state, parts, body, Api::Responses, api_path, false).await?;
-    let Some(why) = why else {
-        return Ok(response);
-    };
-    let conversation = parts
-        .headers
-        .get(super::identify::CONVERSATION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
-    let (status, reason) = match why {
-        Unchained::Unknown => (MemoryStatus::Off, UNKNOWN_PREVIOUS),
-        Unchained::Store(reason) => (MemoryStatus::Degraded, reason.as_str()),
-    };
-    set_memory_headers(&mut response, status, &conversation, None);
-    if conversation.is_empty() {
-        response.headers_mut().remove(super::CONVERSATION_ID_HEADER);
-    }
-    response
-        .headers_mut()
-        .insert(REASON_HEADER, HeaderValue::from_static(reason));
-    Ok(response)
 }
 
 /// The id of `GET`/`DELETE /v1/responses/{id}` (nothing after it).

@@ -57,22 +57,28 @@ pin_project! {
     }
 }
 
+/// What a tee reads at most: an SSE line or event of `max_event_bytes`, an assembled reply of
+/// `max_reply_bytes`. Past either the stream still reaches the client whole, and nothing is
+/// stored.
+#[derive(Debug, Clone, Copy)]
+pub struct TeeLimits {
+    pub max_event_bytes: usize,
+    pub max_reply_bytes: usize,
+}
+
 impl<B> TeeBody<B> {
-    /// Tees `inner`, reading the reply with an SSE line/event limit of `max_event_bytes` and
-    /// an assembled reply of at most `max_reply_bytes`: past either the stream still reaches
-    /// the client whole, and nothing is stored.
+    /// Tees `inner`, reading the reply within `limits`.
     pub fn new(
         inner: B,
         api: Api,
         pending: Option<Pending>,
         deferred: Option<DeferredSummary>,
-        max_event_bytes: usize,
-        max_reply_bytes: usize,
+        limits: TeeLimits,
     ) -> TeeBody<B> {
         TeeBody {
             inner,
-            parser: SseParser::with_limit(max_event_bytes),
-            reply: ReplyReader::new(api, max_reply_bytes),
+            parser: SseParser::with_limit(limits.max_event_bytes),
+            reply: ReplyReader::new(api, limits.max_reply_bytes),
             pending,
             deferred,
             metering: Metering {
