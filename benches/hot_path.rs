@@ -20,7 +20,7 @@ use memproxy::config;
 use memproxy::identity::{ConversationKey, TenantId};
 use memproxy::message::{Message, Role};
 use memproxy::pipeline::plan::plan;
-use memproxy::pipeline::recall::{RecalledTurn, fit_recalled};
+use memproxy::pipeline::recalled::{RecalledTurn, fit_recalled};
 use memproxy::pipeline::reconcile::{Mark, align};
 use memproxy::proxy::chat::limits;
 use memproxy::recall::index::Index;

@@ -9,7 +9,7 @@
 //!   fixed part for the plan, the reply and buffers) until its response is done with. A burst
 //!   admitted between two readings is counted before the RSS shows it.
 //! - **Decided** ([`decide`]): admitted while the RSS, the reservations and this request's
-//!   estimate stay under the budget's high-water mark (`config/budget.rs`); else refused, with
+//!   estimate stay under the budget's high-water mark (`config/memory_budget.rs`); else refused, with
 //!   the [`Pressure`] that says why.
 //!
 //! What a refusal means is the caller's choice (README, "Sizing the sidecar"): a chat request

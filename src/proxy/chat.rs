@@ -24,7 +24,7 @@ use hyper::body::Incoming;
 
 use super::exit::{AnswerGuard, Answered, Ending, Exit, report_headers};
 use super::identify::{CONVERSATION_HEADER, CREDENTIAL_HEADERS};
-use super::ledger::ExchangeLedger;
+use super::exchange_ledger::ExchangeLedger;
 use super::responses::{Chain, ResponsesRequest, Unchained};
 use super::tee::{Pending, TeeBody, TeeLimits};
 use super::{DegradedReason, MemoryStatus, Outbound, commit, forward_held, passthrough};

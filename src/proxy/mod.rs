@@ -16,7 +16,7 @@
 pub mod chat;
 pub mod exit;
 pub mod identify;
-pub mod ledger;
+pub mod exchange_ledger;
 pub mod responses;
 pub mod tee;
 

@@ -27,7 +27,7 @@ use crate::state::AppState;
 use crate::summary::DeferredSummary;
 use crate::wire::usage::UsageReader;
 
-use super::ledger::ExchangeLedger;
+use super::exchange_ledger::ExchangeLedger;
 use crate::wire::Api;
 
 type CommitFuture = Pin<Box<dyn Future<Output = ()> + Send>>;

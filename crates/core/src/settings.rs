@@ -52,7 +52,7 @@ pub struct MemorySettings {
     pub relevance_enabled: bool,
     pub relevance_top_k: usize,
     /// Tokens the recalled turns may take in the prompt: past it, the longest are cut to the
-    /// passage that best matches the new message (`pipeline/recall.rs`). `None`: `auto`
+    /// passage that best matches the new message (`pipeline/recalled.rs`). `None`: `auto`
     /// ([`AUTO_RELEVANCE_TOKENS_PER_TURN`] per turn of `relevance_top_k`); `Some(0)`: no limit.
     pub relevance_max_tokens: Option<u64>,
     pub compression_enabled: bool,

@@ -14,7 +14,7 @@
 //! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `compression.rs` (with the
 //! built-in summary prompt), `receipts.rs` (`[receipts]`) and `agents.rs` (`[memory]`,
 //! `[agents.NAME]`) each hold a section's
-//! raw struct and its check; `budget.rs` splits `server.memory_budget` into the cache sizes;
+//! raw struct and its check; `memory_budget.rs` splits `server.memory_budget` into the cache sizes;
 //! `values.rs` holds the checks they share (durations, counts, sizes, secrets). This
 //! module imports only the leaves `settings` and `identity`: configuration is read by every
 //! layer and depends on none of them.
@@ -22,7 +22,7 @@
 mod admin;
 mod agents;
 mod auth;
-mod budget;
+mod memory_budget;
 mod compression;
 mod document;
 mod limits;
@@ -43,7 +43,7 @@ use crate::settings::MemorySettings;
 pub use admin::DEFAULT_ADMIN_TOKEN_ENV;
 pub use agents::{AGENT_BUDGET_KEY, BackgroundBudget};
 pub use auth::hash_key;
-pub use budget::{MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, split as split_memory_budget};
+pub use memory_budget::{MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, split as split_memory_budget};
 pub use compression::{
     CompressionConfig, DEFAULT_MAX_SUMMARY_TOKENS, DEFAULT_PROMPT, DEFAULT_SUMMARY_BACKOFF,
     DEFAULT_SUMMARY_CONCURRENCY, DEFAULT_SUMMARY_MAX_INPUT_TOKENS, DEFAULT_SUMMARY_QUEUE,

@@ -18,7 +18,7 @@ pub struct ReceiptsConfig {
     pub enabled: bool,
     pub retention: Duration,
     /// The memory the receipts may take together (`max_bytes`, or its share of
-    /// `server.memory_budget`: `config/budget.rs`). Set by the budget check.
+    /// `server.memory_budget`: `config/memory_budget.rs`). Set by the budget check.
     pub max_bytes: u64,
 }
 

@@ -24,7 +24,7 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Connections served at once; past it a new connection is answered 503 and closed.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// What the whole process may take in memory (RSS): the caches take their shares of it and
-/// admission control keeps requests in flight under it (`config/budget.rs`).
+/// admission control keeps requests in flight under it (`config/memory_budget.rs`).
 pub const DEFAULT_MEMORY_BUDGET: u64 = 192 * 1024 * 1024;
 /// The largest `max_connections` accepted: far past what one sidecar's file descriptors allow.
 const MAX_MAX_CONNECTIONS: usize = 1_000_000;
@@ -67,7 +67,7 @@ pub(super) struct Server {
     pub body_read_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_connections: usize,
-    /// `memory_budget` in bytes, checked against the caches in `budget.rs`.
+    /// `memory_budget` in bytes, checked against the caches in `memory_budget.rs`.
     pub memory_budget: u64,
 }
 

@@ -1,13 +1,13 @@
 //! `[storage]`: which engine holds memory (sled in the data directory, or a Redis server shared
 //! by replicas), where the store lives, when commits reach the disk, and the cache sizes set
-//! explicitly (unset, each takes its share of `server.memory_budget`: `budget.rs`).
+//! explicitly (unset, each takes its share of `server.memory_budget`: `memory_budget.rs`).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::budget::ExplicitCaches;
+use super::memory_budget::ExplicitCaches;
 use super::values::{RawSize, Secret, at_least_one, nonzero_duration, secret_from_env, size};
 
 pub const DEFAULT_DATA_DIR: &str = "./data";

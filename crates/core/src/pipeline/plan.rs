@@ -9,9 +9,9 @@ use super::assemble::{CacheHints, Prompt, Split, is_injected_echo, split_request
 use super::budget::{self, Dropped, Fitted};
 use super::catch_up::catch_up;
 use super::commit::{Exchange, last_is_reply};
-use super::recall::{RecalledTurn, elsewhere_turns, fit_recalled, recalled_turns, render};
+use super::recalled::{RecalledTurn, elsewhere_turns, fit_recalled, recalled_turns, render};
 use super::reconcile::{Alignment, Mark, align, rebase};
-use super::summary::{SummaryInput, adopt_at_jumps, plan_summary};
+use super::summarized::{SummaryInput, adopt_at_jumps, plan_summary};
 use super::window::{auto_step, summary_adoption_cutoff, window_start};
 use crate::longterm::ExtractionRule;
 use crate::longterm::memories::{self, Chosen};
@@ -505,9 +505,9 @@ fn summarized(
     request: &Reconciled,
     window: &Windowed,
     latest: Option<SummaryRecord>,
-) -> Result<super::summary::SummaryPlan, PlanError> {
+) -> Result<super::summarized::SummaryPlan, PlanError> {
     if request.rebase {
-        return Ok(super::summary::SummaryPlan::default());
+        return Ok(super::summarized::SummaryPlan::default());
     }
     let settings = on.settings;
     let mut summary = plan_summary(SummaryInput {
@@ -644,7 +644,7 @@ fn long_term(
     request: &Reconciled,
     window: &Windowed,
     query: Option<&str>,
-    summary: &mut super::summary::SummaryPlan,
+    summary: &mut super::summarized::SummaryPlan,
 ) -> LongTerm {
     let Some(user) = on.user else {
         return LongTerm::default();
@@ -772,7 +772,7 @@ struct Budgeted {
 fn budgeted(
     on: &Planning<'_>,
     request: &Reconciled,
-    summary: &super::summary::SummaryPlan,
+    summary: &super::summarized::SummaryPlan,
     long_term: &LongTerm,
     recalled: &mut Vec<RecalledTurn>,
     window: &mut Vec<StoredMessage>,
@@ -824,7 +824,7 @@ fn budgeted(
 struct Staged {
     request: Reconciled,
     window: Windowed,
-    summary: super::summary::SummaryPlan,
+    summary: super::summarized::SummaryPlan,
     recall: Recalled,
     long_term: LongTerm,
     budget: Budgeted,
@@ -933,7 +933,7 @@ fn assembled(on: &Planning<'_>, handle: &memproxy_store::Handle, staged: Staged)
     Plan {
         prompt: Prompt {
             instructions: split.instructions,
-            summary: summary.current.as_ref().and_then(super::summary::render),
+            summary: summary.current.as_ref().and_then(super::summarized::render),
             memories: memories::render(&chosen),
             window: window.messages.into_iter().map(|m| m.message).collect(),
             recalled: render(&recalled),
@@ -989,7 +989,7 @@ pub async fn start_due(
     plan.timings.summary = Some(started.elapsed());
     match result {
         Ok(record) => {
-            plan.prompt.summary = super::summary::render(&record);
+            plan.prompt.summary = super::summarized::render(&record);
             plan.report.summary = Some(record);
         }
         Err(err) => {
