@@ -22,9 +22,9 @@ use http::{Request, Response, request::Parts};
 use http_body::Body as _;
 use hyper::body::Incoming;
 
+use super::exchange_ledger::ExchangeLedger;
 use super::exit::{AnswerGuard, Answered, Ending, Exit, report_headers};
 use super::identify::{CONVERSATION_HEADER, CREDENTIAL_HEADERS};
-use super::exchange_ledger::ExchangeLedger;
 use super::responses::{Chain, ResponsesRequest, Unchained};
 use super::tee::{Pending, TeeBody, TeeLimits};
 use super::{DegradedReason, MemoryStatus, Outbound, commit, forward_held, passthrough};

@@ -14,9 +14,9 @@
 //! - [`passthrough`] — everything else, forwarded untouched.
 
 pub mod chat;
+pub mod exchange_ledger;
 pub mod exit;
 pub mod identify;
-pub mod exchange_ledger;
 pub mod responses;
 pub mod tee;
 

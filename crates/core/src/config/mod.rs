@@ -22,10 +22,10 @@
 mod admin;
 mod agents;
 mod auth;
-mod memory_budget;
 mod compression;
 mod document;
 mod limits;
+mod memory_budget;
 mod receipts;
 mod server;
 mod storage;
@@ -43,13 +43,15 @@ use crate::settings::MemorySettings;
 pub use admin::DEFAULT_ADMIN_TOKEN_ENV;
 pub use agents::{AGENT_BUDGET_KEY, BackgroundBudget};
 pub use auth::hash_key;
-pub use memory_budget::{MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, split as split_memory_budget};
 pub use compression::{
     CompressionConfig, DEFAULT_MAX_SUMMARY_TOKENS, DEFAULT_PROMPT, DEFAULT_SUMMARY_BACKOFF,
     DEFAULT_SUMMARY_CONCURRENCY, DEFAULT_SUMMARY_MAX_INPUT_TOKENS, DEFAULT_SUMMARY_QUEUE,
     DEFAULT_SUMMARY_TIMEOUT,
 };
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
+pub use memory_budget::{
+    MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, split as split_memory_budget,
+};
 pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{
     DEFAULT_BODY_LIMIT_BYTES, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
@@ -215,13 +217,13 @@ fn check(
         &mut problems,
     );
     let engine = match storage.backend {
-        storage::Backend::Sled => budget::StoreResidence::Embedded,
-        storage::Backend::Redis(_) => budget::StoreResidence::Remote,
+        storage::Backend::Sled => memory_budget::StoreResidence::Embedded,
+        storage::Backend::Redis(_) => memory_budget::StoreResidence::Remote,
     };
     let mut memory_budget =
-        budget::check_budget(server.memory_budget, engine, storage.caches, &mut problems);
+        memory_budget::check_budget(server.memory_budget, engine, storage.caches, &mut problems);
     let (mut receipts, receipts_bytes) = receipts::check_receipts(raw.receipts, &mut problems);
-    budget::apply_receipts(
+    memory_budget::apply_receipts(
         &mut memory_budget,
         &mut receipts,
         receipts_bytes,

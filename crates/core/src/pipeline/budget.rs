@@ -16,7 +16,7 @@
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use super::recall::RecalledTurn;
+use super::recalled::RecalledTurn;
 use memproxy_base::message::Role;
 use memproxy_base::tokens::{self, MESSAGE_OVERHEAD_TOKENS};
 use memproxy_store::StoredMessage;
