@@ -5,7 +5,8 @@
 //! many small allocations (a posting list per term, three strings per key) that is half as much
 //! again. Measured with the soak (`loadbench --soak`, 10,000 conversations): the state and
 //! recall caches, weighed by requested bytes, took 1.5 times their configured size in RSS.
-//! These functions count what glibc's allocator hands out instead.
+//! These functions count what the allocator hands out instead: glibc's by default, jemalloc's
+//! size classes when memproxy is built with it (the `jemalloc` feature, `src/allocator.rs`).
 
 use std::mem::size_of;
 
@@ -14,14 +15,39 @@ use std::mem::size_of;
 /// bytes), rounded up.
 pub const CACHE_ENTRY: usize = 256;
 
-/// The bytes an allocation of `n` bytes takes from the heap: glibc's malloc adds an 8-byte
-/// header, rounds to 16 and never hands out less than 32 (0 for no allocation).
+/// The bytes an allocation of `n` bytes takes from the heap (0 for no allocation).
 pub const fn chunk(n: usize) -> usize {
+    if cfg!(feature = "jemalloc") {
+        jemalloc_class(n)
+    } else {
+        glibc_chunk(n)
+    }
+}
+
+/// glibc's malloc adds an 8-byte header, rounds to 16 and never hands out less than 32.
+pub const fn glibc_chunk(n: usize) -> usize {
     if n == 0 {
         return 0;
     }
     let rounded = (n + 8).next_multiple_of(16);
     if rounded < 32 { 32 } else { rounded }
+}
+
+/// jemalloc has no header; it rounds up to its size class: 8, then multiples of 16 up to 128,
+/// then four classes to each doubling (160, 192, 224, 256, 320, …).
+pub const fn jemalloc_class(n: usize) -> usize {
+    if n == 0 {
+        return 0;
+    }
+    if n <= 8 {
+        return 8;
+    }
+    if n <= 128 {
+        return n.next_multiple_of(16);
+    }
+    // 2^lg < n <= 2^(lg + 1); classes in this doubling are 2^(lg - 2) apart.
+    let lg = usize::BITS - 1 - (n - 1).leading_zeros();
+    n.next_multiple_of(1 << (lg - 2))
 }
 
 /// The heap a `Vec<T>` of `capacity` holds (its buffer; the three words of the `Vec` itself
@@ -57,12 +83,29 @@ mod tests {
 
     #[test]
     fn allocations_are_counted_as_the_allocator_hands_them_out() {
-        assert_eq!(chunk(0), 0);
-        assert_eq!(chunk(1), 32);
-        assert_eq!(chunk(24), 32);
-        assert_eq!(chunk(25), 48);
-        assert_eq!(chunk(1000), 1008);
-        assert_eq!(vec::<u64>(3), 32);
+        assert_eq!(glibc_chunk(0), 0);
+        assert_eq!(glibc_chunk(1), 32);
+        assert_eq!(glibc_chunk(24), 32);
+        assert_eq!(glibc_chunk(25), 48);
+        assert_eq!(glibc_chunk(1000), 1008);
+        let classes = [
+            (0, 0),
+            (1, 8),
+            (8, 8),
+            (9, 16),
+            (24, 32),
+            (128, 128),
+            (129, 160),
+            (256, 256),
+            (257, 320),
+            (1000, 1024),
+            (1025, 1280),
+            (4097, 5120),
+        ];
+        for (n, class) in classes {
+            assert_eq!(jemalloc_class(n), class, "{n}");
+        }
+        assert_eq!(vec::<u64>(3), chunk(24));
         assert_eq!(vec::<u64>(0), 0);
         assert_eq!(string(0), 0);
         assert_eq!(hash_table(0, 24), 0);
