@@ -7,7 +7,18 @@
 //! (README, "Sizing the sidecar").
 //!
 //! ```sh
-//! cargo run --release --example store_growth -- --messages 1000000
+//! cargo run --example store_growth -- --messages 1000000
+//! ```
+//!
+//! (a debug build measures the same memory, only slower: 32 minutes for a million messages on
+//! the shared development machine). One run, at commit 8521b53:
+//!
+//! ```text
+//! | messages | RSS MiB | over opened MiB | bytes per message | on disk MiB | s |
+//! | 100000 | 61.9 | 31.8 | 334 | 73.5 | 230 |
+//! | 400000 | 75.8 | 45.7 | 120 | 260.5 | 466 |
+//! | 600000 | 86.2 | 56.2 | 98 | 387.0 | 788 |
+//! | 1000000 | 107.3 | 77.2 | 81 | 586.5 | 1910 |
 //! ```
 
 // A command-line report: its output is the point.
