@@ -35,6 +35,11 @@ fn main() -> ExitCode {
                 memproxy::admin::offline::run_users(&config, command).await
             }
             Some(Command::Store(command)) => memproxy::admin::store_cli::run(&config, command),
+            Some(Command::Mcp(args)) => {
+                // Standard output carries the protocol: logs go to standard error.
+                init_tracing(config.log_format);
+                memproxy::mcp::stdio::run(config, args).await
+            }
             Some(Command::Serve) | None => serve(config).await,
         }
     })

@@ -22,6 +22,7 @@
 //! without long-term memory.
 
 pub mod archive;
+pub mod edits;
 pub mod extract;
 pub mod memories;
 mod user_index;
@@ -290,13 +291,13 @@ impl LongTerm {
         self.extractor.shutdown(grace).await;
     }
 
-    /// The `k` turns of `user`'s conversations other than `current` most relevant to
-    /// `query`, best first.
+    /// The `k` turns of `user`'s conversations other than `current` (all of them: `None`)
+    /// most relevant to `query`, best first.
     pub fn search(
         &self,
         store: &Store,
         user: &OwnerKey,
-        current: &ConversationKey,
+        current: Option<&ConversationKey>,
         language: TextLanguage,
         query: &str,
         k: usize,
@@ -316,7 +317,7 @@ impl LongTerm {
                 _ => UserIndex::build(store, &handle, language)?,
             };
             let index = state.index.insert(fresh);
-            index.search(query, (&current.agent, &current.conversation), k)
+            index.search(query, current.map(|c| (c.agent.as_str(), c.conversation.as_str())), k)
         };
         self.users.insert(user.clone(), state);
         let mut found = Vec::with_capacity(hits.len());
