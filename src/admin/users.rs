@@ -119,7 +119,9 @@ fn parse_edit(body: &[u8]) -> Result<Fields, AdminError> {
 fn edit_error(err: EditError, user: &str) -> AdminError {
     match err {
         EditError::Invalid { message, .. } => AdminError::BadRequest(message),
-        EditError::NotFound { id } => AdminError::NotFound(format!("no memory {id} of user {user}")),
+        EditError::NotFound { id } => {
+            AdminError::NotFound(format!("no memory {id} of user {user}"))
+        }
         EditError::Shared { .. } => AdminError::BadRequest(err.to_string()),
         EditError::Store(err) => err.into(),
     }

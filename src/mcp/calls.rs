@@ -16,8 +16,8 @@ use serde_json::{Value, json};
 
 use super::Caller;
 use super::catalog::{
-    CONVERSATION_RECALL, DEFAULT_LIMIT, MAX_LIMIT, MEMORY_CORRECT, MEMORY_FORGET,
-    MEMORY_REMEMBER, MEMORY_SEARCH,
+    CONVERSATION_RECALL, DEFAULT_LIMIT, MAX_LIMIT, MEMORY_CORRECT, MEMORY_FORGET, MEMORY_REMEMBER,
+    MEMORY_SEARCH,
 };
 use crate::identity::{ConversationKey, is_valid_id};
 use crate::longterm::edits::{self, EditError, Fields, Statement};
@@ -95,7 +95,10 @@ impl Arguments {
         match self.take(name) {
             None => Ok(None),
             Some(Value::String(s)) if !s.trim().is_empty() => Ok(Some(s)),
-            Some(_) => Err(argument(name, format!("`{name}` must be a non-empty string"))),
+            Some(_) => Err(argument(
+                name,
+                format!("`{name}` must be a non-empty string"),
+            )),
         }
     }
 
@@ -116,7 +119,10 @@ impl Arguments {
         match self.take(name) {
             None => Ok(None),
             Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64()),
-            Some(_) => Err(argument(name, format!("`{name}` must be a whole number ≥ 0"))),
+            Some(_) => Err(argument(
+                name,
+                format!("`{name}` must be a whole number ≥ 0"),
+            )),
         }
     }
 
@@ -129,7 +135,10 @@ impl Arguments {
         match self.id("limit")? {
             None => Ok(DEFAULT_LIMIT as usize),
             Some(n) if (1..=MAX_LIMIT).contains(&n) => Ok(n as usize),
-            Some(_) => Err(argument("limit", format!("`limit` must be 1 to {MAX_LIMIT}"))),
+            Some(_) => Err(argument(
+                "limit",
+                format!("`limit` must be 1 to {MAX_LIMIT}"),
+            )),
         }
     }
 
@@ -216,10 +225,9 @@ pub(super) async fn call(
             ));
         }
     };
-    let answer =
-        tokio::task::spawn_blocking(move || run(&memory, &caller, Arguments(arguments)))
-            .await
-            .map_err(|_| ErrorData::internal_error("the tool call failed", None))??;
+    let answer = tokio::task::spawn_blocking(move || run(&memory, &caller, Arguments(arguments)))
+        .await
+        .map_err(|_| ErrorData::internal_error("the tool call failed", None))??;
     let mut result = CallToolResult::success(vec![ContentBlock::text(answer.to_string())]);
     result.structured_content = Some(answer);
     Ok(result)
@@ -344,5 +352,7 @@ fn recall(memory: &Memory, caller: &Caller, mut arguments: Arguments) -> Result<
             ),
         )
     })?;
-    Ok(json!({"conversation": key.conversation, "agent": key.agent, "query": query, "turns": turns}))
+    Ok(
+        json!({"conversation": key.conversation, "agent": key.agent, "query": query, "turns": turns}),
+    )
 }

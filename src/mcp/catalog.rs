@@ -174,7 +174,10 @@ mod tests {
             assert_eq!(tool.input_schema["additionalProperties"], false);
             for required in tool.input_schema["required"].as_array().unwrap() {
                 let name = required.as_str().unwrap();
-                assert!(tool.input_schema["properties"].get(name).is_some(), "{name}");
+                assert!(
+                    tool.input_schema["properties"].get(name).is_some(),
+                    "{name}"
+                );
             }
             let hints = tool.annotations.as_ref().unwrap();
             assert!(hints.read_only_hint.is_some() && hints.destructive_hint.is_some());

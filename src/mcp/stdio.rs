@@ -68,7 +68,10 @@ pub fn caller_of(
         }
         (None, None) => return Err(StdioError::NoTenant),
     };
-    let agent = args.agent.clone().unwrap_or_else(|| DEFAULT_AGENT.to_string());
+    let agent = args
+        .agent
+        .clone()
+        .unwrap_or_else(|| DEFAULT_AGENT.to_string());
     if !is_valid_id(&agent) {
         return Err(StdioError::BadId("agent"));
     }
@@ -112,7 +115,11 @@ pub async fn run(config: Config, args: McpArgs) -> ExitCode {
     };
     let tools = MemoryTools::new(Arc::clone(&state), Some(caller));
     let served = match tools.serve(rmcp::transport::stdio()).await {
-        Ok(running) => running.waiting().await.map(|_| ()).map_err(|e| e.to_string()),
+        Ok(running) => running
+            .waiting()
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
         Err(err) => Err(err.to_string()),
     };
     if let Err(err) = &served {

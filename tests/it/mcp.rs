@@ -13,7 +13,13 @@ use crate::support::*;
 const ANA: &str = "ana";
 
 /// Posts one JSON-RPC request to `/mcp` with `token` and, if any, the user header.
-async fn rpc(proxy: &Proxy, token: &str, user: Option<&str>, method: &str, params: Value) -> Answer {
+async fn rpc(
+    proxy: &Proxy,
+    token: &str,
+    user: Option<&str>,
+    method: &str,
+    params: Value,
+) -> Answer {
     let auth = format!("Bearer {token}");
     let mut headers = vec![
         ("authorization", auth.as_str()),
@@ -97,8 +103,13 @@ async fn initialize_then_the_five_tools_are_listed_with_titles_schemas_and_hints
     .await;
     let init = init.json();
     assert_eq!(init["result"]["serverInfo"]["name"], "memproxy", "{init}");
-    assert!(init["result"]["capabilities"]["tools"].is_object(), "{init}");
-    let listed = rpc(&proxy, TOKEN, None, "tools/list", json!({})).await.json();
+    assert!(
+        init["result"]["capabilities"]["tools"].is_object(),
+        "{init}"
+    );
+    let listed = rpc(&proxy, TOKEN, None, "tools/list", json!({}))
+        .await
+        .json();
     let tools = listed["result"]["tools"].as_array().unwrap();
     let names: Vec<&str> = tools.iter().map(|t| t["name"].as_str().unwrap()).collect();
     assert_eq!(names, memproxy::mcp::TOOL_NAMES);
@@ -106,7 +117,10 @@ async fn initialize_then_the_five_tools_are_listed_with_titles_schemas_and_hints
         assert!(tool["title"].is_string(), "{tool}");
         assert_eq!(tool["inputSchema"]["type"], "object", "{tool}");
         assert!(tool["annotations"]["readOnlyHint"].is_boolean(), "{tool}");
-        assert!(tool["annotations"]["destructiveHint"].is_boolean(), "{tool}");
+        assert!(
+            tool["annotations"]["destructiveHint"].is_boolean(),
+            "{tool}"
+        );
     }
     proxy.stop().await;
 }
@@ -162,7 +176,10 @@ async fn a_memory_remembered_over_mcp_is_in_the_next_prompt_corrected_then_forgo
     );
     say(&proxy, ANA, "flight", "And a hotel near the station").await;
     let prompt = memories_in_prompt(&mock);
-    assert!(prompt.contains("aisle seats") && !prompt.contains("window"), "{prompt}");
+    assert!(
+        prompt.contains("aisle seats") && !prompt.contains("window"),
+        "{prompt}"
+    );
 
     let forgotten = call(&proxy, TOKEN, Some(ANA), "memory_forget", json!({"id": id})).await;
     assert_eq!(result(&forgotten)["forgotten"], id);
@@ -185,7 +202,10 @@ async fn what_the_chat_path_learned_is_found_by_memory_search_and_conversation_r
         {"text": "The user lives in Lisbon", "type": "profile", "scope": "private",
          "importance": 0.9, "confidence": 0.95, "tags": ["home"], "source_turns": [1], "supersedes": []}
     ])));
-    let extra = [("x-memory-user-id", ANA), ("x-memory-extraction-every", "2")];
+    let extra = [
+        ("x-memory-user-id", ANA),
+        ("x-memory-extraction-every", "2"),
+    ];
     for text in ["I live in Lisbon, near the river", "Please answer briefly"] {
         let answer = chat(&proxy, "home", &body(&[support::user(text)]), &extra).await;
         assert_eq!(answer.status, 200);
@@ -231,7 +251,12 @@ async fn what_the_chat_path_learned_is_found_by_memory_search_and_conversation_r
         .await,
     );
     assert_eq!(recalled["turns"][0]["turn"], 1, "{recalled}");
-    assert!(recalled["turns"][0]["text"].as_str().unwrap().contains("river"));
+    assert!(
+        recalled["turns"][0]["text"]
+            .as_str()
+            .unwrap()
+            .contains("river")
+    );
     proxy.stop().await;
 }
 
@@ -257,22 +282,46 @@ async fn calls_across_tenants_and_users_are_refused() {
     for (tool, arguments, named) in [
         ("memory_forget", json!({"id": id}), "id"),
         ("memory_correct", json!({"id": id, "text": "Nothing"}), "id"),
-        ("conversation_recall", json!({"conversation": "diet", "query": "peanuts"}), "conversation"),
+        (
+            "conversation_recall",
+            json!({"conversation": "diet", "query": "peanuts"}),
+            "conversation",
+        ),
         // The header names the user: an argument naming another is refused.
-        ("memory_search", json!({"query": "peanuts", "user": ANA}), "user"),
+        (
+            "memory_search",
+            json!({"query": "peanuts", "user": ANA}),
+            "user",
+        ),
     ] {
         let (code, message, argument) =
             error(&call(&proxy, TOKEN, Some("bob"), tool, arguments).await);
-        assert_eq!((code, argument.as_str()), (-32602, named), "{tool}: {message}");
+        assert_eq!(
+            (code, argument.as_str()),
+            (-32602, named),
+            "{tool}: {message}"
+        );
     }
 
     // The same user id under another credential: another tenant, nothing of hers.
-    let other = result(&call(&proxy, "sk-other", Some(ANA), "memory_search", search.clone()).await);
+    let other = result(
+        &call(
+            &proxy,
+            "sk-other",
+            Some(ANA),
+            "memory_search",
+            search.clone(),
+        )
+        .await,
+    );
     assert_eq!(other["memories"], json!([]), "{other}");
     assert_eq!(other["turns"], json!([]), "{other}");
     for (tool, arguments) in [
         ("memory_forget", json!({"id": id})),
-        ("conversation_recall", json!({"conversation": "diet", "query": "peanuts"})),
+        (
+            "conversation_recall",
+            json!({"conversation": "diet", "query": "peanuts"}),
+        ),
     ] {
         let (code, _, _) = error(&call(&proxy, "sk-other", Some(ANA), tool, arguments).await);
         assert_eq!(code, -32602, "{tool}");
@@ -292,17 +341,45 @@ async fn bad_arguments_are_mcp_errors_naming_the_argument() {
         ("memory_search", json!({}), "query"),
         ("memory_search", json!({"query": 3}), "query"),
         ("memory_search", json!({"query": "x", "limit": 0}), "limit"),
-        ("memory_search", json!({"query": "x", "colour": "red"}), "arguments"),
-        ("memory_remember", json!({"text": "x", "type": "feeling"}), "type"),
-        ("memory_remember", json!({"text": "x", "type": "profile", "importance": 2}), "importance"),
-        ("memory_remember", json!({"text": "x".repeat(1001), "type": "profile"}), "text"),
-        ("memory_remember", json!({"text": "x", "type": "profile", "scope": "world"}), "scope"),
-        ("memory_remember", json!({"text": "x", "type": "profile", "tags": [1]}), "tags"),
+        (
+            "memory_search",
+            json!({"query": "x", "colour": "red"}),
+            "arguments",
+        ),
+        (
+            "memory_remember",
+            json!({"text": "x", "type": "feeling"}),
+            "type",
+        ),
+        (
+            "memory_remember",
+            json!({"text": "x", "type": "profile", "importance": 2}),
+            "importance",
+        ),
+        (
+            "memory_remember",
+            json!({"text": "x".repeat(1001), "type": "profile"}),
+            "text",
+        ),
+        (
+            "memory_remember",
+            json!({"text": "x", "type": "profile", "scope": "world"}),
+            "scope",
+        ),
+        (
+            "memory_remember",
+            json!({"text": "x", "type": "profile", "tags": [1]}),
+            "tags",
+        ),
         ("memory_correct", json!({"id": "seven", "text": "x"}), "id"),
         ("memory_correct", json!({"id": 7}), "text"),
         ("memory_forget", json!({}), "id"),
         ("conversation_recall", json!({"query": "x"}), "conversation"),
-        ("conversation_recall", json!({"conversation": "a/b", "query": "x"}), "conversation"),
+        (
+            "conversation_recall",
+            json!({"conversation": "a/b", "query": "x"}),
+            "conversation",
+        ),
         ("no_such_tool", json!({}), "name"),
     ] {
         let answer = call(&proxy, TOKEN, Some(ANA), tool, arguments.clone()).await;
@@ -336,7 +413,14 @@ async fn mcp_needs_a_client_key_honours_the_body_limit_and_can_be_turned_off() {
         .start()
         .await;
     let search = json!({"query": "x"});
-    let refused = call(&proxy, "sk-not-allowed", Some(ANA), "memory_search", search.clone()).await;
+    let refused = call(
+        &proxy,
+        "sk-not-allowed",
+        Some(ANA),
+        "memory_search",
+        search.clone(),
+    )
+    .await;
     assert_eq!(refused.status, 401);
     let unsigned = send(
         "POST",
@@ -355,7 +439,10 @@ async fn mcp_needs_a_client_key_honours_the_body_limit_and_can_be_turned_off() {
     let bad = send(
         "POST",
         &proxy.url("/mcp"),
-        &[("authorization", "Bearer sk-allowed"), ("x-memory-user-id", "a b")],
+        &[
+            ("authorization", "Bearer sk-allowed"),
+            ("x-memory-user-id", "a b"),
+        ],
         "{}",
     )
     .await;
@@ -363,8 +450,18 @@ async fn mcp_needs_a_client_key_honours_the_body_limit_and_can_be_turned_off() {
     assert_eq!(bad.error_param(), "x-memory-user-id");
     proxy.stop().await;
 
-    let Started { proxy, .. } = Harness::new().config("[mcp]\nenabled = false\n").start().await;
-    let off = call(&proxy, TOKEN, Some(ANA), "memory_search", json!({"query": "x"})).await;
+    let Started { proxy, .. } = Harness::new()
+        .config("[mcp]\nenabled = false\n")
+        .start()
+        .await;
+    let off = call(
+        &proxy,
+        TOKEN,
+        Some(ANA),
+        "memory_search",
+        json!({"query": "x"}),
+    )
+    .await;
     assert_eq!(off.status, 404);
     proxy.stop().await;
 }

@@ -163,28 +163,14 @@ pub fn search(
         .into_iter()
         .flat_map(|(owner, list)| list.into_iter().map(move |m| (owner.clone(), m)))
         .collect();
-    let memories = memories::select(
-        candidates,
-        query,
-        now,
-        decay_of(settings),
-        limit,
-        u64::MAX,
-    )
-    .into_iter()
-    .filter(|c| c.score > 0.0)
-    .map(|c| FoundMemory::of(&c.owner, c.memory, c.score, c.decay))
-    .collect();
+    let memories = memories::select(candidates, query, now, decay_of(settings), limit, u64::MAX)
+        .into_iter()
+        .filter(|c| c.score > 0.0)
+        .map(|c| FoundMemory::of(&c.owner, c.memory, c.score, c.decay))
+        .collect();
     let hits = memory
         .longterm
-        .search(
-            store,
-            user,
-            None,
-            settings.relevance_language,
-            query,
-            limit,
-        )?
+        .search(store, user, None, settings.relevance_language, query, limit)?
         .into_iter()
         .map(|t| (t.score, t.agent, t.conversation, t.message))
         .collect();

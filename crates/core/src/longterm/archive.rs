@@ -192,7 +192,11 @@ pub fn follows(store: &Store, user: &OwnerKey, key: &ConversationKey) -> Result<
         return Ok(false);
     };
     Ok(store
-        .owner_record(&handle, SPACE_CONVERSATIONS, &conversation_id(&key.agent, &key.conversation))?
+        .owner_record(
+            &handle,
+            SPACE_CONVERSATIONS,
+            &conversation_id(&key.agent, &key.conversation),
+        )?
         .is_some())
 }
 

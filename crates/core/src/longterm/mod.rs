@@ -317,7 +317,11 @@ impl LongTerm {
                 _ => UserIndex::build(store, &handle, language)?,
             };
             let index = state.index.insert(fresh);
-            index.search(query, current.map(|c| (c.agent.as_str(), c.conversation.as_str())), k)
+            index.search(
+                query,
+                current.map(|c| (c.agent.as_str(), c.conversation.as_str())),
+                k,
+            )
         };
         self.users.insert(user.clone(), state);
         let mut found = Vec::with_capacity(hits.len());
