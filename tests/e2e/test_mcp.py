@@ -44,17 +44,15 @@ TOOLS = ["memory_search", "memory_remember", "memory_correct", "memory_forget", 
 
 @dataclass
 class Stack:
-    mock_url: str  # http://127.0.0.1:P/v1
-    proxy_port: int
-    workdir: Path
+    """The mock (`mock_root`: http://127.0.0.1:P, its API under /v1) and memproxy in front of
+    it (`proxy_root`)."""
 
-    @property
-    def mock_root(self) -> str:
-        return self.mock_url.removesuffix("/v1")
+    mock_root: str
+    proxy_root: str
 
     @property
     def mcp_url(self) -> str:
-        return f"http://127.0.0.1:{self.proxy_port}/mcp"
+        return self.proxy_root + "/mcp"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +65,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     proxy = None
     try:
         proxy, port = _start_memproxy(workdir, mock_url)
-        yield Stack(mock_url=mock_url, proxy_port=port, workdir=workdir)
+        yield Stack(mock_root=mock_url.removesuffix("/v1"), proxy_root=f"http://127.0.0.1:{port}")
         status, refusals = _http(mock_url.removesuffix("/v1") + "/_mock/refusals")
         assert status == 200 and refusals == [], refusals
     finally:
@@ -127,7 +125,7 @@ async def _refused(session: ClientSession, tool: str, arguments: dict[str, Any])
 def _chat(stack: Stack, user: str, conversation: str, text: str) -> None:
     body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": text}]}
     request = urllib.request.Request(
-        f"http://127.0.0.1:{stack.proxy_port}/v1/chat/completions",
+        stack.proxy_root + "/v1/chat/completions",
         data=json.dumps(body).encode(),
         headers={
             "Authorization": f"Bearer {API_KEY}",

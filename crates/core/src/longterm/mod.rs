@@ -12,7 +12,9 @@
 //! - **Layer 2** (`memories.rs`, `extract.rs`): memories extracted from what the user said by a
 //!   background model call (`extract.rs`, queued by the commit, never on a request's path),
 //!   deduplicated, superseded and decaying (`memories.rs`), chosen for the prompt by relevance
-//!   and importance (`docs/memories.md`).
+//!   and importance (`docs/memories.md`); `edits.rs` the memories changed at someone's word
+//!   (an operator's hand edits, a user's agent through the memory tools), through the same
+//!   records, history and dedup.
 //!
 //! Records are kept per [`OwnerKey`] (a user; an agent or the whole tenant for shared
 //! memories), always inside one tenant: the tenant is part of every owner key, so no id a
