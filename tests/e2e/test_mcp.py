@@ -354,7 +354,6 @@ def test_claude_code_calls_memory_search_on_memproxy_in_a_tool_round(stack: Stac
             "ENABLE_TOOL_SEARCH": "false",
             "ANTHROPIC_BASE_URL": stack.mock_root,
             "ANTHROPIC_API_KEY": API_KEY,
-            "ANTHROPIC_CUSTOM_HEADERS": f"X-Memory-Conversation-Id: claude-mcp-{tag}",
         }
     )
     added = subprocess.run(
