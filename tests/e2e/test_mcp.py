@@ -34,7 +34,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
-from test_agents import AGENT_TIMEOUT, MODULES, _claude_binary, _http
+from test_agents import AGENT_TIMEOUT, MODULES, _claude_binary, _http, agent_env
 from test_openai_sdk import MEMPROXY_BIN, MOCK_BIN, _start_memproxy, _start_mock, _stop
 
 API_KEY = "sk-mcp-e2e"
@@ -338,23 +338,15 @@ def test_claude_code_calls_memory_search_on_memproxy_in_a_tool_round(stack: Stac
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
-    keep = ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR")
-    env = {k: os.environ[k] for k in keep if k in os.environ}
-    env.update(
+    env = agent_env(
+        home,
         {
-            "HOME": str(home),
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
-            "DISABLE_TELEMETRY": "1",
-            "DISABLE_AUTOUPDATER": "1",
-            "DISABLE_ERROR_REPORTING": "1",
-            "CLAUDE_CODE_MAX_RETRIES": "0",
             # MCP tools listed with the others (not deferred behind Claude Code's tool search),
             # so the test sees memproxy's tool offered to the model with its schema.
             "ENABLE_TOOL_SEARCH": "false",
             "ANTHROPIC_BASE_URL": stack.mock_root,
             "ANTHROPIC_API_KEY": API_KEY,
-        }
+        },
     )
     added = subprocess.run(
         [*_claude_binary(), "mcp", "add", "--scope", "user", "--transport", "http", "memproxy", stack.mcp_url,
