@@ -33,6 +33,7 @@
 //!   request formats memory serves, read into and written from the one message model).
 
 pub mod admin;
+pub mod allocator;
 pub mod body;
 pub mod cli;
 pub mod error;
@@ -51,7 +52,7 @@ pub mod upstream;
 
 // The layers below, each a crate of its own (`crates/`), named here as modules so that the edge,
 // the tests and the tools read `memproxy::store::…`, `memproxy::pipeline::…` as before.
-pub use memproxy_base::{heap, identity, message, model, tokens, wire};
+pub use memproxy_base::{cache, heap, identity, message, model, tokens, wire};
 pub use memproxy_core::{
     config, ledger, longterm, memory, pipeline, recall, settings, summary, tools, ttl,
 };

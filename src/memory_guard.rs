@@ -12,6 +12,14 @@
 //!   estimate stay under the budget's high-water mark (`config/memory_budget.rs`); else refused, with
 //!   the [`Pressure`] that says why.
 //!
+//! - **Relieved** ([`Relief`]): before it comes to refusing, a thread every [`RELIEF_EVERY`]
+//!   holds the caches (conversation state, recall indexes, users' indexes, receipts; each a
+//!   [`Shrink`]) under lower limits, least recently used first, down to their floors, and asks
+//!   the allocator to give the freed pages back (`allocator.rs`), once the RSS passes
+//!   [`Marks::shrink_above`]; it lifts the limits again once the RSS is under
+//!   [`Marks::grow_below`] ([`new_limits`]). Refusal is left for what shrinking cannot cover,
+//!   and ends as soon as the RSS is back under the mark.
+//!
 //! What a refusal means is the caller's choice (README, "Sizing the sidecar"): a chat request
 //! is served with memory off (forwarded untouched, `X-Memory-Status: degraded`, its body
 //! streamed, never read whole), so the agent goes on; an admin request that reads or builds a
@@ -20,11 +28,15 @@
 //! Where `/proc` cannot be read (not Linux), only the cache sizes follow the budget: admission
 //! admits everything. Tests pretend a reading with [`MemoryGuard::pretend_resident`].
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use crate::cache::Shrink;
 use crate::config::MemoryBudget;
+
+/// How often the relief thread reads the RSS and shrinks or lifts the caches' limits.
+pub const RELIEF_EVERY: Duration = Duration::from_millis(250);
 
 /// How old a reading of the RSS may be before the next request reads it again.
 pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
@@ -94,8 +106,9 @@ pub fn decide(
 #[derive(Debug)]
 pub struct MemoryGuard {
     budget: MemoryBudget,
-    resident: Resident,
+    resident: Arc<Resident>,
     reserved: Arc<AtomicU64>,
+    relief: Arc<Relief>,
     /// Requests are being refused: logged when it starts and when it ends, not once per
     /// request, and at most once per [`LOG_EVERY`] each (near the mark admission flips often).
     refusing: AtomicBool,
@@ -108,9 +121,17 @@ const LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl MemoryGuard {
     pub fn new(budget: MemoryBudget) -> MemoryGuard {
+        let resident = Arc::new(Resident::new());
         MemoryGuard {
             budget,
-            resident: Resident::new(),
+            relief: Arc::new(Relief {
+                marks: Marks::of(&budget),
+                resident: Arc::clone(&resident),
+                caches: Mutex::default(),
+                shrinks: AtomicU64::new(0),
+                state: AtomicU64::new(PressureState::Calm as u64),
+            }),
+            resident,
             reserved: Arc::new(AtomicU64::new(0)),
             refusing: AtomicBool::new(false),
             logged_at_ms: AtomicU64::new(NEVER_READ),
@@ -120,6 +141,55 @@ impl MemoryGuard {
     /// The budget this guard keeps to.
     pub fn budget(&self) -> &MemoryBudget {
         &self.budget
+    }
+
+    /// The caches shrunk under pressure, and what was done to them.
+    pub fn relief(&self) -> &Arc<Relief> {
+        &self.relief
+    }
+
+    /// Starts holding `caches` to the budget: a thread that runs [`Relief::relieve`] every
+    /// [`RELIEF_EVERY`] until this guard is dropped. Where the RSS cannot be read, the caches
+    /// keep their sizes and no thread starts.
+    pub fn watch(&self, caches: Vec<Arc<dyn Shrink>>) {
+        *lock(&self.relief.caches) = caches;
+        if read_resident().is_none() {
+            return;
+        }
+        let relief: Weak<Relief> = Arc::downgrade(&self.relief);
+        let started = std::thread::Builder::new()
+            .name("memproxy-relief".to_string())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(RELIEF_EVERY);
+                    let Some(relief) = relief.upgrade() else {
+                        return;
+                    };
+                    relief.relieve();
+                }
+            });
+        if let Err(err) = started {
+            tracing::warn!(error = %err, "the memory relief thread could not start: caches keep their sizes");
+        }
+    }
+
+    /// Why memory is off for new requests right now, or `None` when it is on: for `/readyz`.
+    pub fn memory_off_reason(&self) -> Option<String> {
+        let resident = self.resident.bytes()?;
+        let high_water = self.budget.high_water;
+        (resident >= high_water).then(|| {
+            let floors = if self.relief.at_floors() {
+                "; the caches are at their floors"
+            } else {
+                "; the caches are being shrunk"
+            };
+            format!(
+                "resident memory {} MiB has reached the high-water mark {} MiB of server.memory_budget {} MiB{floors}",
+                resident >> 20,
+                high_water >> 20,
+                self.budget.total >> 20
+            )
+        })
     }
 
     /// Admits a request estimated at `estimate` bytes ([`estimate`]), reserving them until
@@ -205,6 +275,189 @@ impl Drop for Reservation {
 const NOT_PRETENDING: u64 = u64::MAX;
 const NEVER_READ: u64 = u64::MAX;
 
+/// The RSS marks the relief works between (all under the high-water mark, so the caches give
+/// memory back before any request is refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Marks {
+    /// Above this the caches are shrunk: half a gap below the high-water mark, where the gap
+    /// is what lies between the mark and the budget.
+    pub shrink_above: u64,
+    /// What a shrink aims the RSS at: a gap below the high-water mark.
+    pub aim: u64,
+    /// Under this the limits are lifted again, an eighth of each cache's size per tick: two
+    /// gaps below the high-water mark.
+    pub grow_below: u64,
+}
+
+impl Marks {
+    pub fn of(budget: &MemoryBudget) -> Marks {
+        let gap = budget.total.saturating_sub(budget.high_water);
+        Marks {
+            shrink_above: budget.high_water.saturating_sub(gap / 2),
+            aim: budget.high_water.saturating_sub(gap),
+            grow_below: budget.high_water.saturating_sub(2 * gap),
+        }
+    }
+}
+
+/// One cache's figures, as [`new_limits`] reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheFigures {
+    pub bytes: u64,
+    pub limit: u64,
+    pub floor: u64,
+    pub capacity: u64,
+}
+
+/// The limits the caches are held to next, for an RSS of `resident`: above
+/// [`Marks::shrink_above`], what the RSS is over [`Marks::aim`] is taken from the caches, each
+/// in proportion to what it holds over its floor; under [`Marks::grow_below`], each limit is
+/// lifted by an eighth of its capacity; in between, the limits stay.
+pub fn new_limits(resident: u64, marks: &Marks, caches: &[CacheFigures]) -> Vec<u64> {
+    if resident > marks.shrink_above {
+        let need = resident - marks.aim;
+        let room: Vec<u64> = caches
+            .iter()
+            .map(|c| c.bytes.min(c.limit).saturating_sub(c.floor))
+            .collect();
+        let total: u64 = room.iter().sum();
+        return caches
+            .iter()
+            .zip(&room)
+            .map(|(c, &room)| {
+                let take = if total == 0 {
+                    0
+                } else {
+                    let share = u128::from(need) * u128::from(room) / u128::from(total);
+                    u64::try_from(share).unwrap_or(u64::MAX).min(room)
+                };
+                (c.bytes.min(c.limit) - take).max(c.floor)
+            })
+            .collect();
+    }
+    caches
+        .iter()
+        .map(|c| {
+            if resident < marks.grow_below {
+                c.limit.saturating_add(c.capacity / 8).min(c.capacity)
+            } else {
+                c.limit
+            }
+        })
+        .collect()
+}
+
+/// Where the relief stands: the `memproxy_memory_pressure` gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub enum PressureState {
+    /// The RSS is under [`Marks::shrink_above`], or no reading.
+    Calm = 0,
+    /// The caches are being shrunk.
+    Shrinking = 1,
+    /// The caches are at their floors and the RSS is still above [`Marks::shrink_above`]:
+    /// what is left is refused.
+    AtFloors = 2,
+}
+
+/// The caches the guard shrinks under pressure, and what it did.
+pub struct Relief {
+    marks: Marks,
+    resident: Arc<Resident>,
+    caches: Mutex<Vec<Arc<dyn Shrink>>>,
+    /// Ticks that shrank a cache.
+    shrinks: AtomicU64,
+    state: AtomicU64,
+}
+
+impl std::fmt::Debug for Relief {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relief")
+            .field("marks", &self.marks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Relief {
+    /// The caches watched.
+    pub fn caches(&self) -> Vec<Arc<dyn Shrink>> {
+        lock(&self.caches).clone()
+    }
+
+    pub fn marks(&self) -> Marks {
+        self.marks
+    }
+
+    /// Ticks that shrank a cache, since the start.
+    pub fn shrinks(&self) -> u64 {
+        self.shrinks.load(Ordering::Relaxed)
+    }
+
+    pub fn state(&self) -> PressureState {
+        match self.state.load(Ordering::Relaxed) {
+            1 => PressureState::Shrinking,
+            2 => PressureState::AtFloors,
+            _ => PressureState::Calm,
+        }
+    }
+
+    fn at_floors(&self) -> bool {
+        self.state() == PressureState::AtFloors
+    }
+
+    /// One tick: reads the RSS afresh, sets each cache's limit ([`new_limits`]) and, when
+    /// anything was evicted, gives the freed pages back to the system.
+    pub fn relieve(&self) {
+        let Some(resident) = self.resident.read_now() else {
+            return;
+        };
+        let caches = self.caches();
+        let figures: Vec<CacheFigures> = caches
+            .iter()
+            .map(|c| CacheFigures {
+                bytes: c.weighted_bytes(),
+                limit: c.limit(),
+                floor: c.capacity() / crate::cache::FLOOR_DIVISOR,
+                capacity: c.capacity(),
+            })
+            .collect();
+        let limits = new_limits(resident, &self.marks, &figures);
+        let mut freed = 0;
+        for (cache, limit) in caches.iter().zip(limits) {
+            freed += cache.limit_to(limit);
+        }
+        let state = if resident <= self.marks.shrink_above {
+            PressureState::Calm
+        } else if figures.iter().all(|c| c.bytes.min(c.limit) <= c.floor) {
+            PressureState::AtFloors
+        } else {
+            PressureState::Shrinking
+        };
+        let before = self.state.swap(state as u64, Ordering::Relaxed);
+        if before != state as u64 {
+            tracing::info!(
+                resident_mib = resident >> 20,
+                shrink_above_mib = self.marks.shrink_above >> 20,
+                state = ?state,
+                "memory pressure changed"
+            );
+        }
+        if freed > 0 {
+            self.shrinks.fetch_add(1, Ordering::Relaxed);
+            crate::allocator::release();
+            // The next admission reads the RSS the release left.
+            self.resident.expire();
+        }
+    }
+}
+
+/// Locks the list of caches; a panic while it was held left it whole (it is only replaced).
+fn lock(caches: &Mutex<Vec<Arc<dyn Shrink>>>) -> std::sync::MutexGuard<'_, Vec<Arc<dyn Shrink>>> {
+    caches
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The sampled RSS: the last reading and when it was made.
 #[derive(Debug)]
 struct Resident {
@@ -230,6 +483,23 @@ impl Resident {
     /// Milliseconds since this was made.
     fn now_ms(&self) -> u64 {
         u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+    }
+
+    /// A reading made now (or the pretended one).
+    fn read_now(&self) -> Option<u64> {
+        let pretended = self.pretended.load(Ordering::Acquire);
+        if pretended != NOT_PRETENDING {
+            return Some(pretended);
+        }
+        let bytes = read_resident()?;
+        self.last.store(bytes, Ordering::Release);
+        self.read_at_ms.store(self.now_ms(), Ordering::Release);
+        Some(bytes)
+    }
+
+    /// Makes the next [`Resident::bytes`] read the RSS again.
+    fn expire(&self) {
+        self.read_at_ms.store(NEVER_READ, Ordering::Release);
     }
 
     fn bytes(&self) -> Option<u64> {
@@ -334,6 +604,61 @@ mod tests {
         assert_eq!(guard.reserved_bytes(), 0);
         guard.pretend_resident(Some(120 * MIB));
         assert!(guard.admit(MIB).is_ok());
+    }
+
+    #[test]
+    fn the_marks_lie_below_the_high_water_mark() {
+        let marks = Marks::of(&crate::config::split_memory_budget(192 * MIB));
+        // High-water 176 MiB, a gap of 16.
+        assert_eq!(marks.shrink_above, 168 * MIB);
+        assert_eq!(marks.aim, 160 * MIB);
+        assert_eq!(marks.grow_below, 144 * MIB);
+    }
+
+    #[test]
+    fn caches_give_what_the_rss_is_over_in_proportion_to_what_they_hold_over_their_floors() {
+        let marks = Marks {
+            shrink_above: 168 * MIB,
+            aim: 160 * MIB,
+            grow_below: 144 * MIB,
+        };
+        let full = |capacity: u64, bytes: u64| CacheFigures {
+            bytes,
+            limit: capacity,
+            floor: capacity / 8,
+            capacity,
+        };
+        let caches = [
+            full(16 * MIB, 16 * MIB),
+            full(32 * MIB, 8 * MIB),
+            full(8 * MIB, 0),
+        ];
+        // 170 MiB: 10 over the aim; room 14 and 4 (the empty cache has none).
+        let limits = new_limits(170 * MIB, &marks, &caches);
+        let taken: Vec<u64> = caches
+            .iter()
+            .zip(&limits)
+            .map(|(c, l)| c.bytes.saturating_sub(*l))
+            .collect();
+        assert_eq!(taken.iter().sum::<u64>(), 10 * MIB - 1);
+        assert!(taken[0] > 3 * taken[1], "{taken:?}");
+        assert_eq!(limits[2], MIB, "never under the floor");
+        // More over than all the room: every cache at its floor.
+        let limits = new_limits(300 * MIB, &marks, &caches);
+        assert_eq!(limits, vec![2 * MIB, 4 * MIB, MIB]);
+        // Between the marks: the limits stay.
+        let held = [CacheFigures {
+            limit: 5 * MIB,
+            ..full(16 * MIB, 5 * MIB)
+        }];
+        assert_eq!(new_limits(150 * MIB, &marks, &held), vec![5 * MIB]);
+        // Under the lower mark: lifted by an eighth of the capacity a tick, up to it.
+        assert_eq!(new_limits(100 * MIB, &marks, &held), vec![7 * MIB]);
+        let nearly = [CacheFigures {
+            limit: 15 * MIB,
+            ..full(16 * MIB, 5 * MIB)
+        }];
+        assert_eq!(new_limits(100 * MIB, &marks, &nearly), vec![16 * MIB]);
     }
 
     #[test]

@@ -593,6 +593,11 @@ struct AdmissionMetrics {
     budget: Gauge,
     high_water: Gauge,
     in_flight: Gauge,
+    pressure: Gauge,
+    shrinks: Counter,
+    cache_bytes: Family<CacheLabels, Gauge>,
+    cache_limit: Family<CacheLabels, Gauge>,
+    cache_shrunk: Family<CacheLabels, Counter>,
 }
 
 impl AdmissionMetrics {
@@ -604,7 +609,40 @@ impl AdmissionMetrics {
             budget: Gauge::default(),
             high_water: Gauge::default(),
             in_flight: Gauge::default(),
+            pressure: Gauge::default(),
+            shrinks: Counter::default(),
+            cache_bytes: Family::default(),
+            cache_limit: Family::default(),
+            cache_shrunk: Family::default(),
         };
+        registry.register(
+            "memory_pressure",
+            "Where the memory guard's relief stands: 0 calm (RSS under the mark where caches shrink), 1 shrinking the caches, 2 the caches at their floors (what is left is refused)",
+            metrics.pressure.clone(),
+        );
+        registry.register(
+            "memory_shrinks",
+            "Ticks of the memory guard that shrank a cache and gave the freed pages back to the system",
+            metrics.shrinks.clone(),
+        );
+        registry.register_with_unit(
+            "cache",
+            "Bytes a cache holds (its weighed entries), by cache: state, recall, users, receipts",
+            Unit::Bytes,
+            metrics.cache_bytes.clone(),
+        );
+        registry.register_with_unit(
+            "cache_limit",
+            "The size a cache is held to now: its configured size, or less while memory is short",
+            Unit::Bytes,
+            metrics.cache_limit.clone(),
+        );
+        registry.register_with_unit(
+            "cache_shrunk",
+            "Bytes evicted from a cache by the memory guard to give memory back",
+            Unit::Bytes,
+            metrics.cache_shrunk.clone(),
+        );
         registry.register(
             "admission_refused",
             "Requests refused memory by the memory guard (server.memory_budget), by what they got (degraded: served with memory off; unavailable: 503) and why (resident: the RSS reached the high-water mark; in_flight: with the requests in flight it would have)",
@@ -814,6 +852,26 @@ impl Metrics {
             .high_water
             .set(gauge(guard.budget().high_water));
         self.admission.in_flight.set(gauge(guard.reserved_bytes()));
+        let relief = guard.relief();
+        self.admission.pressure.set(relief.state() as i64);
+        catch_up(&self.admission.shrinks, relief.shrinks());
+        for cache in relief.caches() {
+            let labels = CacheLabels {
+                cache: cache.name(),
+            };
+            self.admission
+                .cache_bytes
+                .get_or_create(&labels)
+                .set(gauge(cache.weighted_bytes()));
+            self.admission
+                .cache_limit
+                .get_or_create(&labels)
+                .set(gauge(cache.limit()));
+            catch_up(
+                &self.admission.cache_shrunk.get_or_create(&labels),
+                cache.shrunk_bytes(),
+            );
+        }
         match memory {
             Some(memory) => self.mirror(memory),
             None => {

@@ -415,6 +415,14 @@ async fn readiness(state: &AppState) -> Response<ProxyBody> {
     if let Some(reason) = reason {
         body["reason"] = serde_json::Value::String(reason);
     }
+    // Memory refused for want of room is no reason to take the pod out of service (requests
+    // still go through, with memory off), but it is said here, with why.
+    if let Some(reason) = state.memory_guard.memory_off_reason() {
+        body["memory"] = serde_json::Value::String("off".to_string());
+        body["memory_reason"] = serde_json::Value::String(reason);
+    } else if store {
+        body["memory"] = serde_json::Value::String("on".to_string());
+    }
     let status = if ready {
         StatusCode::OK
     } else {

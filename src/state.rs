@@ -107,8 +107,12 @@ impl AppState {
                 Erased::Tenant(tenant) => told.forget_tenant(tenant),
             });
         }
+        let memory_guard = MemoryGuard::new(config.memory_budget);
+        let mut caches = memory.as_ref().map(|m| m.caches()).unwrap_or_default();
+        caches.push(Arc::new(receipts.clone()));
+        memory_guard.watch(caches);
         AppState {
-            memory_guard: MemoryGuard::new(config.memory_budget),
+            memory_guard,
             receipts,
             clock,
             config,

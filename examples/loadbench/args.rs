@@ -55,6 +55,18 @@ pub struct Args {
     /// binary of the same build profile).
     #[arg(long)]
     pub memproxy: Option<PathBuf>,
+    /// Soak: seconds of oversized requests in the middle of the traffic (0: none), each
+    /// one's own estimate passing the high-water mark: they must be refused memory while
+    /// they last, and memory must be back for ordinary requests within 5 s after.
+    #[arg(long, default_value_t = 10.0)]
+    pub burst: f64,
+    /// Soak: seconds of quiet after the traffic before 20 new requests, which must all get
+    /// memory.
+    #[arg(long, default_value_t = 10.0)]
+    pub rest: f64,
+    /// Soak: memory in a redis-server the soak starts (on a free 127.0.0.1 port).
+    #[arg(long)]
+    pub redis: bool,
     /// Soak: `server.memory_budget` in MiB (default: not set, so memproxy's default); the soak
     /// fails if RSS ever exceeds it plus 64 MiB.
     #[arg(long)]

@@ -15,6 +15,16 @@
 //!   along (the mock answers the summary calls);
 //! - 16 tenants (`Authorization: Bearer sk-soak-N`).
 //!
+//! In the middle, for `--burst` seconds, four more clients send requests whose own size passes
+//! the high-water mark: they must be refused memory (`degraded`) while they last, and the
+//! ordinary requests must get memory again within 5 s after. After the traffic and `--rest`
+//! seconds of quiet, 20 new requests must all get memory. With `--redis`, memory is in a
+//! redis-server the soak starts.
+//!
+//! It fails when, besides the RSS and memproxy's life, fewer than 99% of the ordinary requests
+//! after the first minute got memory (stored), when a burst request got memory, when memory
+//! was not back within 5 s of the burst, or when a request after the rest did not get it.
+//!
 //! A conversation's text follows from its number and turn, so a full-history client can send
 //! its history again without keeping it: the client keeps one turn counter per conversation.
 
@@ -37,6 +47,7 @@ use crate::args::Args;
 use crate::children::ChildProc;
 use crate::client::{HttpClient, REQUEST_TIMEOUT, send};
 use crate::machine::{load_average, machine_line, source_state, status_kb};
+use crate::redis_server::RedisServer;
 use crate::report::{mib, report_log};
 use crate::rng::Rng;
 use crate::text::sentence;
@@ -103,9 +114,64 @@ struct Traffic {
     url: Uri,
     conversations: usize,
     clients: usize,
+    started: Instant,
     deadline: Instant,
     sent: AtomicU64,
+    /// The ordinary requests' answers, second by second.
+    timeline: Arc<Timeline>,
 }
+
+/// Answers per second of the traffic: how many got memory, and how many in all.
+struct Timeline {
+    seconds: Vec<(AtomicU64, AtomicU64)>,
+}
+
+impl Timeline {
+    fn new(seconds: usize) -> Timeline {
+        Timeline {
+            seconds: (0..seconds)
+                .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
+                .collect(),
+        }
+    }
+
+    fn record(&self, second: u64, with_memory: bool) {
+        let last = self.seconds.len().saturating_sub(1);
+        let (on, all) = &self.seconds[usize::try_from(second).unwrap_or(last).min(last)];
+        if with_memory {
+            on.fetch_add(1, Ordering::Relaxed);
+        }
+        all.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (with memory, in all) of the answers in seconds `from..to`.
+    fn count(&self, from: u64, to: u64) -> (u64, u64) {
+        let to = usize::try_from(to)
+            .unwrap_or(usize::MAX)
+            .min(self.seconds.len());
+        let from = usize::try_from(from).unwrap_or(usize::MAX).min(to);
+        self.seconds[from..to]
+            .iter()
+            .fold((0, 0), |(on, all), (o, a)| {
+                (
+                    on + o.load(Ordering::Relaxed),
+                    all + a.load(Ordering::Relaxed),
+                )
+            })
+    }
+}
+
+/// An answer that says memory served the request.
+fn with_memory(status: u16, memory: &str) -> bool {
+    status == 200 && memory == "stored"
+}
+
+/// What the ordinary requests must reach after the first minute, in percent.
+const MEMORY_ON_PERCENT: f64 = 99.0;
+/// Seconds after a burst within which memory must be back.
+const RECOVERY_S: u64 = 5;
+/// Requests sent after the rest.
+const PROBES: usize = 20;
 
 /// Runs the soak; `Ok(false)` when memproxy went over its limit or died.
 pub async fn soak(args: &Args) -> Result<bool, String> {
@@ -131,7 +197,8 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
 
     let dir = tempfile::tempdir().map_err(|e| format!("tempdir: {e}"))?;
     let mut mock = ChildProc::mock(dir.path())?;
-    let config_text = config(args)?;
+    let redis = args.redis.then(RedisServer::start);
+    let config_text = config(args, redis.as_ref().map(RedisServer::url).as_deref())?;
     let config_path = dir.path().join("memproxy.toml");
     std::fs::write(&config_path, &config_text).map_err(|e| format!("writing the config: {e}"))?;
     let port = free_port()?;
@@ -180,6 +247,16 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
         args.duration, args.conversations, args.concurrency
     );
 
+    if let Some(redis) = &redis {
+        println!("memory in redis-server at {}", redis.url());
+    }
+    let high_water = high_water_bytes(&client, port).await;
+    // A body whose estimate alone (4 copies of it) passes the mark over the idle RSS.
+    let burst_body =
+        usize::try_from(high_water.saturating_sub(idle_kb.unwrap_or(0) * 1024) / 4 + (1 << 20))
+            .unwrap_or(usize::MAX)
+            .min(memproxy::config::DEFAULT_BODY_LIMIT_BYTES - (1 << 20));
+
     let started = Instant::now();
     let traffic = Arc::new(Traffic {
         client: client.clone(),
@@ -188,8 +265,36 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
             .map_err(|e| format!("proxy url: {e}"))?,
         conversations: args.conversations,
         clients: args.concurrency,
+        started,
         deadline: started + duration,
         sent: AtomicU64::new(0),
+        timeline: Arc::new(Timeline::new(duration.as_secs() as usize + 2)),
+    });
+    let burst_from = duration.as_secs_f64() / 2.0;
+    let burst_to = burst_from + args.burst.max(0.0);
+    let burst = (args.burst > 0.0).then(|| {
+        println!(
+            "burst: {BURST_CLIENTS} clients, {burst_from:.0}–{burst_to:.0} s, bodies of {} MiB (high-water mark {} MiB)",
+            burst_body >> 20,
+            high_water >> 20
+        );
+        let traffic = Arc::clone(&traffic);
+        tokio::spawn(async move {
+            let bursts = (0..BURST_CLIENTS).map(|n| {
+                run_burst(
+                    Arc::clone(&traffic),
+                    n,
+                    burst_body,
+                    Duration::from_secs_f64(burst_from),
+                    Duration::from_secs_f64(burst_to),
+                )
+            });
+            let mut counts = Counts::default();
+            for c in futures_join(bursts).await {
+                counts.merge(c);
+            }
+            counts
+        })
     });
     let done = Arc::new(AtomicBool::new(false));
     let sampler = tokio::spawn(sample(
@@ -209,8 +314,13 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
         }
     }
     let traffic_s = started.elapsed().as_secs_f64();
-    // Let what the last requests started (summaries) finish, then read the resting RSS.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let burst_counts = match burst {
+        Some(task) => Some(task.await.map_err(|e| format!("the burst failed: {e}"))?),
+        None => None,
+    };
+    // Let what the last requests started (summaries) finish, rest, then ask again.
+    tokio::time::sleep(Duration::from_secs_f64(args.rest.max(3.0))).await;
+    let probes = probe(&traffic).await;
     done.store(true, Ordering::Relaxed);
     let samples = sampler
         .await
@@ -219,6 +329,7 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
     let final_kb = status_kb(proxy.pid, "VmRSS");
     let hwm_kb = status_kb(proxy.pid, "VmHWM");
     let metrics = scrape(&client, port).await;
+    let timeline = Arc::clone(&traffic.timeline);
     drop(traffic);
     drop(client);
     let proxy_exit = proxy.terminate(Duration::from_secs(20));
@@ -274,7 +385,71 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
     );
     println!("load average at the end: {}", load_average());
 
+    let last = duration.as_secs();
+    let (on, all) = timeline.count(60.min(last / 2), last + 1);
+    let on_percent = percent(on, all);
+    println!(
+        "ordinary requests after the first minute: {on} of {all} got memory ({on_percent:.2}%)"
+    );
+    let recovery = burst_counts.as_ref().map(|counts| {
+        let refused = counts
+            .answers
+            .iter()
+            .filter(|((_, memory), _)| memory == "degraded")
+            .map(|(_, n)| n)
+            .sum::<u64>();
+        let given = counts
+            .answers
+            .iter()
+            .filter(|((status, memory), _)| with_memory(*status, memory))
+            .map(|(_, n)| n)
+            .sum::<u64>();
+        println!(
+            "burst: {} requests, {refused} refused memory (degraded), {given} given memory, {} failed",
+            counts.total(),
+            counts.failed
+        );
+        let end = burst_to.ceil() as u64;
+        let during = timeline.count(burst_from as u64, end);
+        let after = timeline.count(end + RECOVERY_S, end + RECOVERY_S + 30);
+        println!(
+            "ordinary requests during the burst: {:.2}% got memory; from {RECOVERY_S} s after it for 30 s: {:.2}% ({} of {})",
+            percent(during.0, during.1),
+            percent(after.0, after.1),
+            after.0,
+            after.1
+        );
+        (given, after)
+    });
+    println!(
+        "after {:.0} s of rest: {} of {PROBES} new requests got memory",
+        args.rest.max(3.0),
+        probes
+    );
+
     let mut passed = true;
+    if on_percent < MEMORY_ON_PERCENT {
+        println!(
+            "FAIL: {on_percent:.2}% of the ordinary requests after the first minute got memory, under {MEMORY_ON_PERCENT}%"
+        );
+        passed = false;
+    }
+    if let Some((given, (after_on, after_all))) = recovery {
+        if given > 0 {
+            println!("FAIL: {given} burst requests were given memory");
+            passed = false;
+        }
+        if percent(after_on, after_all) < MEMORY_ON_PERCENT {
+            println!(
+                "FAIL: memory was not back for ordinary requests {RECOVERY_S} s after the burst"
+            );
+            passed = false;
+        }
+    }
+    if probes < PROBES {
+        println!("FAIL: only {probes} of {PROBES} requests after the rest got memory");
+        passed = false;
+    }
     if let Err(err) = alive {
         println!("FAIL: {err}");
         passed = false;
@@ -299,7 +474,9 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
         passed = false;
     }
     if passed {
-        println!("PASS: RSS stayed under budget + {ALLOWANCE_MIB} MiB");
+        println!(
+            "PASS: RSS stayed under budget + {ALLOWANCE_MIB} MiB, memory on for {on_percent:.2}% after the first minute"
+        );
     }
     Ok(passed)
 }
@@ -325,7 +502,7 @@ fn memproxy_binary(args: &Args) -> Result<PathBuf, String> {
 }
 
 /// The config: the budget when one is asked for, and summaries made all along.
-fn config(args: &Args) -> Result<String, String> {
+fn config(args: &Args, redis_url: Option<&str>) -> Result<String, String> {
     let mut text = String::from("[server]\nshutdown_grace = \"PT10S\"\n");
     if let Some(budget) = args.budget_mib {
         text.push_str(&format!("memory_budget = \"{budget}MiB\"\n"));
@@ -333,6 +510,11 @@ fn config(args: &Args) -> Result<String, String> {
     text.push_str(
         "\n[memory]\nrecent_n = 6\nrelevance_enabled = true\ncompression_enabled = true\ncompression_threshold_tokens = 200\ncompression_interval = \"PT0S\"\n",
     );
+    if let Some(url) = redis_url {
+        text.push_str(&format!(
+            "\n[storage]\nbackend = \"redis\"\nredis_url = \"{url}\"\nredis_pool_size = 64\n"
+        ));
+    }
     if let Some(path) = &args.proxy_config {
         let extra = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
@@ -453,6 +635,10 @@ async fn run_client(traffic: Arc<Traffic>, n: usize) -> Counts {
         match tokio::time::timeout(REQUEST_TIMEOUT, send(&traffic.client, request)).await {
             Ok(Ok(answer)) => {
                 let memory = answer.memory.clone().unwrap_or_else(|| "-".to_string());
+                traffic.timeline.record(
+                    traffic.started.elapsed().as_secs(),
+                    with_memory(answer.status, &memory),
+                );
                 *counts.answers.entry((answer.status, memory)).or_insert(0) += 1;
                 if answer.status == 200 && answer.body_ok(crate::client::Api::Chat, stream) {
                     turns[slot] += 1;
@@ -474,6 +660,96 @@ async fn run_client(traffic: Arc<Traffic>, n: usize) -> Counts {
         }
     }
     counts
+}
+
+/// Clients sending oversized requests during the burst.
+const BURST_CLIENTS: usize = 4;
+
+/// One burst client: from `from` to `to` after the start, requests of `body_bytes` to
+/// conversations of its own, one after the other.
+async fn run_burst(
+    traffic: Arc<Traffic>,
+    n: usize,
+    body_bytes: usize,
+    from: Duration,
+    to: Duration,
+) -> Counts {
+    let mut counts = Counts::default();
+    tokio::time::sleep_until((traffic.started + from).into()).await;
+    let text = "x ".repeat(body_bytes / 2);
+    let mut sent = 0u64;
+    while traffic.started.elapsed() < to {
+        sent += 1;
+        let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": text}]});
+        let request = Request::post(traffic.url.clone())
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer sk-soak-burst")
+            .header("x-memory-conversation-id", format!("burst-{n}-{sent}"))
+            .body(Full::new(Bytes::from(body.to_string())));
+        let Ok(request) = request else {
+            counts.failed += 1;
+            continue;
+        };
+        match tokio::time::timeout(REQUEST_TIMEOUT, send(&traffic.client, request)).await {
+            Ok(Ok(answer)) => {
+                let memory = answer.memory.clone().unwrap_or_else(|| "-".to_string());
+                *counts.answers.entry((answer.status, memory)).or_insert(0) += 1;
+            }
+            _ => counts.failed += 1,
+        }
+    }
+    counts
+}
+
+/// Waits for every future in `futures`, in order.
+async fn futures_join<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let handles: Vec<_> = futures.map(Box::pin).collect();
+    let mut out = Vec::new();
+    for handle in handles {
+        out.push(handle.await);
+    }
+    out
+}
+
+/// After the rest: [`PROBES`] requests to new conversations; how many got memory.
+async fn probe(traffic: &Traffic) -> usize {
+    let mut given = 0;
+    for n in 0..PROBES {
+        let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": format!("after the rest, {n}")}]});
+        let Ok(request) = Request::post(traffic.url.clone())
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer sk-soak-0")
+            .header("x-memory-conversation-id", format!("probe-{n}"))
+            .body(Full::new(Bytes::from(body.to_string())))
+        else {
+            continue;
+        };
+        if let Ok(Ok(answer)) =
+            tokio::time::timeout(REQUEST_TIMEOUT, send(&traffic.client, request)).await
+            && with_memory(answer.status, answer.memory.as_deref().unwrap_or("-"))
+        {
+            given += 1;
+        }
+    }
+    given
+}
+
+fn percent(part: u64, all: u64) -> f64 {
+    if all == 0 {
+        0.0
+    } else {
+        100.0 * part as f64 / all as f64
+    }
+}
+
+/// memproxy's high-water mark, from its metrics (0 if they do not say).
+async fn high_water_bytes(client: &HttpClient, port: u16) -> u64 {
+    scrape(client, port)
+        .await
+        .lines()
+        .find_map(|l| l.strip_prefix("memproxy_memory_high_water_bytes "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
 }
 
 /// The text of a conversation's `turn`-th user message.

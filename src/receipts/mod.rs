@@ -34,6 +34,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use sha2::{Digest, Sha256};
 
+use crate::cache::{Limit, Shrink};
 use crate::config::ReceiptsConfig;
 use crate::heap;
 use crate::identity::hex;
@@ -80,6 +81,9 @@ pub struct Receipts {
     /// dropped). Never locked while the cache is called, as the listener locks it.
     index: Index,
     retention: Duration,
+    /// `receipts.max_bytes`, and the limit the memory guard holds the receipts to now
+    /// ([`Shrink`]).
+    limits: Arc<Limit>,
 }
 
 impl std::fmt::Debug for Receipts {
@@ -110,10 +114,12 @@ impl Receipts {
                 })
                 .build()
         });
+        let capacity = if config.enabled { config.max_bytes } else { 0 };
         Receipts {
             cache,
             index,
             retention: config.retention,
+            limits: Arc::new(Limit::new(capacity)),
         }
     }
 
@@ -332,6 +338,44 @@ pub struct Outcome {
     pub memory_status: Option<&'static str>,
     /// `X-Memory-Reason` of a `degraded` exchange.
     pub memory_reason: Option<&'static str>,
+}
+
+/// The receipts give memory back as the caches do (`cache.rs`): the oldest go first.
+impl Shrink for Receipts {
+    fn name(&self) -> &'static str {
+        "receipts"
+    }
+
+    fn weighted_bytes(&self) -> u64 {
+        self.weighted_size()
+    }
+
+    fn limits(&self) -> &Limit {
+        &self.limits
+    }
+
+    fn evict_to(&self, target: u64) -> u64 {
+        let Some(cache) = &self.cache else {
+            return 0;
+        };
+        let size = self.weighted_size();
+        if size <= target {
+            return 0;
+        }
+        let mut kept: Vec<Arc<Receipt>> = cache.iter().map(|(_, receipt)| receipt).collect();
+        kept.sort_unstable_by_key(|receipt| receipt.created_ms);
+        let mut freed = 0u64;
+        for receipt in kept {
+            if size.saturating_sub(freed) <= target {
+                break;
+            }
+            if cache.remove(&receipt.id).is_some() {
+                freed += receipt.weight as u64;
+            }
+        }
+        cache.run_pending_tasks();
+        freed
+    }
 }
 
 /// One exchange's receipt.

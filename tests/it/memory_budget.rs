@@ -178,3 +178,96 @@ async fn past_the_high_water_mark_admin_bodies_get_503_and_the_rest_is_served() 
     assert_eq!(refused(&proxy, "unavailable", "resident").await, 3.0);
     proxy.stop().await;
 }
+
+/// Polls the scrape until `line_start`'s sample satisfies `ok` (the relief thread ticks every
+/// 250 ms), for at most 5 s; returns the last value.
+async fn metric_until(proxy: &Proxy, line_start: &str, ok: impl Fn(f64) -> bool) -> f64 {
+    let mut value = metric(proxy, line_start).await;
+    for _ in 0..50 {
+        if ok(value) {
+            return value;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        value = metric(proxy, line_start).await;
+    }
+    panic!("`{line_start}` never got there: {value}")
+}
+
+#[tokio::test]
+async fn nearing_the_mark_the_caches_give_memory_back_least_recently_used_first_and_grow_again() {
+    // A state cache of 64 KiB (floor 8 KiB), so a few conversations fill it.
+    let Started { proxy, .. } = Harness::new()
+        .config(BUDGET)
+        .storage("state_cache_bytes = \"64KiB\"\n")
+        .start()
+        .await;
+    let guard = &proxy.state.memory_guard;
+    let memory = proxy.state.memory.as_ref().unwrap();
+    let marks = guard.relief().marks();
+    assert!(marks.aim < marks.shrink_above && marks.shrink_above < HIGH_WATER);
+    guard.pretend_resident(Some(64 * MIB));
+
+    // 40 conversations: more than the state cache's floor.
+    for i in 0..40 {
+        let answer = chat(&proxy, &format!("c{i}"), &body(&[user("hello")]), &[]).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+    let state = "{cache=\"state\"}";
+    let capacity = metric(&proxy, &format!("memproxy_cache_limit_bytes{state}")).await;
+    assert_eq!(capacity, memory.store.state_cache().capacity() as f64);
+    let full = metric(&proxy, &format!("memproxy_cache_bytes{state}")).await;
+    assert!(full > capacity / 8.0 * 1.5, "{full} of {capacity}");
+    assert_eq!(metric(&proxy, "memproxy_memory_pressure").await, 0.0);
+
+    // Past the mark where the caches shrink, still under the high-water mark: the caches go
+    // down to their floors (the pretended RSS never falls), and memory stays on.
+    guard.pretend_resident(Some(marks.shrink_above + MIB));
+    metric_until(&proxy, "memproxy_memory_pressure", |v| v == 2.0).await;
+    let limit = metric(&proxy, &format!("memproxy_cache_limit_bytes{state}")).await;
+    assert_eq!(limit, capacity / 8.0);
+    let held = metric(&proxy, &format!("memproxy_cache_bytes{state}")).await;
+    assert!(held <= limit, "{held} over {limit}");
+    assert!(metric(&proxy, &format!("memproxy_cache_shrunk_bytes_total{state}")).await > 0.0);
+    assert!(metric(&proxy, "memproxy_memory_shrinks_total").await >= 1.0);
+    let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    assert_eq!(ready.json()["memory"], "on");
+    // The least recently used went first: the newest conversation is still cached, the
+    // oldest is read from the store again.
+    let (_, misses) = memory.store.cache_counts();
+    let newest = chat(&proxy, "c39", &body(&[user("still here?")]), &[]).await;
+    assert_eq!(newest.header("x-memory-status"), "stored");
+    assert_eq!(memory.store.cache_counts().1, misses, "c39 was cached");
+    let oldest = chat(&proxy, "c0", &body(&[user("and you?")]), &[]).await;
+    assert_eq!(oldest.header("x-memory-status"), "stored");
+    assert_eq!(memory.store.cache_counts().1, misses + 1, "c0 was evicted");
+    assert_eq!(proxy.stored(Some(TOKEN), "c0").len(), 4, "nothing lost");
+
+    // At the high-water mark with nothing left to give: refused, and /readyz says why.
+    guard.pretend_resident(Some(HIGH_WATER + MIB));
+    let refused_now = chat(&proxy, "c1", &body(&[user("now?")]), &[]).await;
+    assert_eq!(refused_now.header("x-memory-status"), "degraded");
+    let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    assert_eq!(
+        ready.status, 200,
+        "memory off is no reason to take the pod out"
+    );
+    assert_eq!(ready.json()["memory"], "off");
+    let reason = ready.json()["memory_reason"].as_str().unwrap().to_string();
+    assert!(reason.contains("high-water mark 120 MiB"), "{reason}");
+    assert!(reason.contains("floors"), "{reason}");
+
+    // Room again: memory on at once, and the limits grow back to the caches' sizes.
+    guard.pretend_resident(Some(64 * MIB));
+    let back = chat(&proxy, "c1", &body(&[user("back")]), &[]).await;
+    assert_eq!(back.header("x-memory-status"), "stored");
+    metric_until(&proxy, &format!("memproxy_cache_limit_bytes{state}"), |v| {
+        v == capacity
+    })
+    .await;
+    assert_eq!(metric(&proxy, "memproxy_memory_pressure").await, 0.0);
+    assert_eq!(
+        send("GET", &proxy.url("/readyz"), &[], "").await.json()["memory"],
+        "on"
+    );
+    proxy.stop().await;
+}

@@ -16,12 +16,12 @@ pub const CACHE_ENTRY: usize = 256;
 
 /// The bytes an allocation of `n` bytes takes from the heap: glibc's malloc adds an 8-byte
 /// header, rounds to 16 and never hands out less than 32 (0 for no allocation).
-pub fn chunk(n: usize) -> usize {
+pub const fn chunk(n: usize) -> usize {
     if n == 0 {
-        0
-    } else {
-        (n + 8).next_multiple_of(16).max(32)
+        return 0;
     }
+    let rounded = (n + 8).next_multiple_of(16);
+    if rounded < 32 { 32 } else { rounded }
 }
 
 /// The heap a `Vec<T>` of `capacity` holds (its buffer; the three words of the `Vec` itself
@@ -31,7 +31,7 @@ pub fn vec<T>(capacity: usize) -> usize {
 }
 
 /// The heap an `Arc<T>` holds: `T` and the two counts.
-pub fn arc<T>() -> usize {
+pub const fn arc<T>() -> usize {
     chunk(2 * size_of::<usize>() + size_of::<T>())
 }
 

@@ -1,9 +1,11 @@
 //! memproxy's vocabulary, the leaves every other layer reads: the one message model
 //! ([`message`]), who a request belongs to ([`identity`]), the three request formats memory
 //! serves read into and written from it ([`wire`]), token counts ([`tokens`]), the model-call
-//! trait ([`model`]) and what cached values really take ([`heap`]). Nothing here knows of
+//! trait ([`model`]), what cached values really take ([`heap`]) and the caches that give memory
+//! back under pressure ([`cache`]). Nothing here knows of
 //! storage, memory or HTTP.
 
+pub mod cache;
 pub mod heap;
 pub mod identity;
 pub mod message;

@@ -116,6 +116,16 @@ pub fn store_options(config: &Config) -> StoreOptions {
 }
 
 impl Memory {
+    /// The caches that give memory back under pressure (`memory_guard.rs` in the edge
+    /// shrinks them): conversation state, recall indexes, users' indexes.
+    pub fn caches(&self) -> Vec<Arc<dyn memproxy_base::cache::Shrink>> {
+        vec![
+            self.store.state_cache(),
+            self.recall.cache(),
+            self.longterm.cache(),
+        ]
+    }
+
     /// Memory over `store`, its summaries made by `model`. Must be called inside a tokio
     /// runtime: the summary worker starts here.
     pub fn new(

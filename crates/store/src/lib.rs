@@ -72,6 +72,7 @@ pub use transfer::already_stored;
 
 use flush::GroupFlusher;
 use keys::{EngineKeys, KeyFiles, Keys};
+use memproxy_base::cache::{Cache, Policy};
 use memproxy_base::heap;
 use memproxy_base::identity::ConversationKey;
 
@@ -249,7 +250,7 @@ pub struct Store {
     data_dir: PathBuf,
     /// The conversations' keys (`{data_dir}/keys/`, or in a shared engine).
     keys: Keys,
-    cache: moka::sync::Cache<ConversationKey, Handle>,
+    cache: Arc<Cache<ConversationKey, Handle>>,
     flusher: Option<Arc<GroupFlusher>>,
     background: Mutex<Vec<JoinHandle<()>>>,
     /// Failures to write, and conversations found unreadable (`health.rs`).
@@ -326,9 +327,11 @@ impl Store {
             }
             Durability::Commit | Durability::Interval(_) => None,
         };
-        let cache = moka::sync::Cache::builder()
-            .max_capacity(options.state_cache_bytes)
-            .weigher(|key: &ConversationKey, handle: &Handle| {
+        let cache = Arc::new(Cache::new(
+            "state",
+            options.state_cache_bytes,
+            Policy::TinyLfu,
+            |key: &ConversationKey, handle: &Handle| {
                 // `try_lock`: the weigher may run while the caller holds the lock (the weight
                 // is refreshed by `touch` after each commit).
                 let state = handle.try_lock().map_or(0, |c| c.heap_bytes());
@@ -337,8 +340,8 @@ impl Store {
                     + heap::arc::<Mutex<Conversation>>()
                     + state;
                 u32::try_from(bytes).unwrap_or(u32::MAX)
-            })
-            .build();
+            },
+        ));
         let store = Store {
             engine,
             clock: Arc::default(),
@@ -366,11 +369,7 @@ impl Store {
         let conversation = self.load(key)?;
         let handle = Arc::new(Mutex::new(conversation));
         // Two loaders racing keep one handle: the first inserted wins.
-        Ok(self
-            .cache
-            .entry(key.clone())
-            .or_insert_with(|| handle)
-            .into_value())
+        Ok(self.cache.get_or_insert_with(key.clone(), || handle))
     }
 
     fn load(&self, key: &ConversationKey) -> Result<Conversation, StoreError> {

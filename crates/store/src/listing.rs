@@ -2,12 +2,14 @@
 //! listing and paging by tenant and agent, the sweeper's walk, cache figures, and the full scan
 //! that proves a deletion left no trace.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::engine::{Page, Scope};
 use super::records::{ConversationMeta, ConversationSummary, StoredMessage};
 use super::seal::{open_message, open_summary};
 use super::{Store, StoreError};
+use memproxy_base::cache::Shrink;
 use memproxy_base::identity::ConversationKey;
 
 /// The most keys one listing call looks at.
@@ -86,8 +88,12 @@ impl Store {
 
     /// Conversations whose state is cached in memory.
     pub fn cached_conversations(&self) -> u64 {
-        self.cache.run_pending_tasks();
         self.cache.entry_count()
+    }
+
+    /// The conversation state cache, as the memory guard shrinks it under pressure.
+    pub fn state_cache(&self) -> Arc<dyn Shrink> {
+        Arc::clone(&self.cache) as Arc<dyn Shrink>
     }
 
     /// Lookups in the conversation cache so far, and how many missed.

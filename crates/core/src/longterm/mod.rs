@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::ledger::Ledger;
 use crate::recall::tokenize::TextLanguage;
 use crate::summary::OnStored;
+use memproxy_base::cache::{Cache, Policy, Shrink};
 use memproxy_base::identity::{ConversationKey, TenantId};
 use memproxy_base::model::ModelCall;
 use memproxy_store::{Conversation, OwnerKey, Store, StoreError, StoredMessage};
@@ -74,7 +75,7 @@ pub struct ElsewhereTurn {
 
 /// Long-term memory's part of the memory core: the users' indexes and the counters.
 pub struct LongTerm {
-    users: moka::sync::Cache<OwnerKey, Arc<Mutex<UserState>>>,
+    users: Arc<Cache<OwnerKey, Arc<Mutex<UserState>>>>,
     pub counters: Counters,
     /// The background worker that extracts memories (layer 2).
     pub extractor: Arc<Extractor>,
@@ -104,15 +105,17 @@ impl LongTerm {
         model: Arc<dyn ModelCall>,
         ledger: Arc<Ledger>,
     ) -> LongTerm {
-        let users = moka::sync::Cache::builder()
-            .max_capacity(capacity_bytes.max(1))
-            .weigher(|_key: &OwnerKey, state: &Arc<Mutex<UserState>>| {
+        let users = Arc::new(Cache::new(
+            "users",
+            capacity_bytes.max(1),
+            Policy::TinyLfu,
+            |_key: &OwnerKey, state: &Arc<Mutex<UserState>>| {
                 let bytes = state.try_lock().map_or(4096, |s| {
                     s.index.as_ref().map_or(256, UserIndex::heap_bytes)
                 });
                 u32::try_from(bytes).unwrap_or(u32::MAX)
-            })
-            .build();
+            },
+        ));
         LongTerm {
             users,
             counters: Counters::default(),
@@ -122,7 +125,7 @@ impl LongTerm {
 
     fn state(&self, user: &OwnerKey) -> Arc<Mutex<UserState>> {
         self.users
-            .get_with(user.clone(), || Arc::new(Mutex::new(UserState::default())))
+            .get_or_insert_with(user.clone(), || Arc::new(Mutex::new(UserState::default())))
     }
 
     /// After a commit of `conversation` for `user` (under the conversation's lock): copies
@@ -384,8 +387,12 @@ impl LongTerm {
 
     /// Heap bytes of the cached user indexes (approximate).
     pub fn weighted_size(&self) -> u64 {
-        self.users.run_pending_tasks();
         self.users.weighted_size()
+    }
+
+    /// The users' index cache, as the memory guard shrinks it under pressure.
+    pub fn cache(&self) -> Arc<dyn Shrink> {
+        Arc::clone(&self.users) as Arc<dyn Shrink>
     }
 }
 

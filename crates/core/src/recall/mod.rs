@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use self::index::{Hit, Index};
 use self::tokenize::{Lang, TextLanguage, detect, terms};
+use memproxy_base::cache::{Cache, Policy, Shrink};
 use memproxy_base::heap;
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::search_text;
@@ -45,7 +46,7 @@ impl ConversationIndex {
 
 /// The indexes of recently used conversations.
 pub struct Recall {
-    cache: moka::sync::Cache<ConversationKey, Arc<Mutex<ConversationIndex>>>,
+    cache: Arc<Cache<ConversationKey, Arc<Mutex<ConversationIndex>>>>,
     lookups: AtomicU64,
     misses: AtomicU64,
 }
@@ -66,20 +67,20 @@ fn lock(index: &Mutex<ConversationIndex>) -> MutexGuard<'_, ConversationIndex> {
 
 impl Recall {
     pub fn new(capacity_bytes: u64) -> Recall {
-        let cache = moka::sync::Cache::builder()
-            .max_capacity(capacity_bytes)
-            .weigher(
-                |key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
-                    // `try_lock`: a search may hold it; a guess until the next re-insert.
-                    let index = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
-                    let bytes = heap::CACHE_ENTRY
-                        + key.heap_bytes()
-                        + heap::arc::<Mutex<ConversationIndex>>()
-                        + index;
-                    u32::try_from(bytes).unwrap_or(u32::MAX)
-                },
-            )
-            .build();
+        let cache = Arc::new(Cache::new(
+            "recall",
+            capacity_bytes,
+            Policy::TinyLfu,
+            |key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
+                // `try_lock`: a search may hold it; a guess until the next re-insert.
+                let index = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
+                let bytes = heap::CACHE_ENTRY
+                    + key.heap_bytes()
+                    + heap::arc::<Mutex<ConversationIndex>>()
+                    + index;
+                u32::try_from(bytes).unwrap_or(u32::MAX)
+            },
+        ));
         Recall {
             cache,
             lookups: AtomicU64::new(0),
@@ -199,8 +200,12 @@ impl Recall {
 
     /// Heap bytes of all cached indexes (approximate).
     pub fn weighted_size(&self) -> u64 {
-        self.cache.run_pending_tasks();
         self.cache.weighted_size()
+    }
+
+    /// The index cache, as the memory guard shrinks it under pressure.
+    pub fn cache(&self) -> Arc<dyn Shrink> {
+        Arc::clone(&self.cache) as Arc<dyn Shrink>
     }
 }
 

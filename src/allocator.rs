@@ -1,0 +1,97 @@
+//! The global allocator, and giving what it freed back to the system.
+//!
+//! A long-running sidecar frees as much as it allocates, but its RSS only falls if the
+//! allocator returns the freed pages: the memory guard (`memory_guard.rs`) shrinks the caches
+//! under pressure and then calls [`release`]. Chosen at build time by a Cargo feature:
+//!
+//! - `jemalloc`: jemalloc (`tikv-jemallocator`) with background threads that purge freed
+//!   pages after `dirty_decay_ms` (set in `.cargo/config.toml`); [`release`] purges at once.
+//! - `mimalloc`: mimalloc, which returns freed pages on its own after a short delay.
+//! - `glibc-trim`: glibc's malloc, with `malloc_trim(0)` as [`release`].
+//! - none: glibc's malloc, and [`release`] does nothing.
+
+#[cfg(all(feature = "jemalloc", target_os = "linux"))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+#[cfg(all(feature = "mimalloc", not(feature = "jemalloc"), target_os = "linux"))]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The allocator in use: the `allocator` label of `memproxy_build_info`.
+pub fn name() -> &'static str {
+    if cfg!(all(feature = "jemalloc", target_os = "linux")) {
+        "jemalloc"
+    } else if cfg!(all(feature = "mimalloc", target_os = "linux")) {
+        "mimalloc"
+    } else if cfg!(all(feature = "glibc-trim", target_os = "linux")) {
+        "glibc+trim"
+    } else {
+        "system"
+    }
+}
+
+/// Gives the pages the allocator holds free back to the system, as far as it can.
+pub fn release() {
+    #[cfg(all(feature = "jemalloc", target_os = "linux"))]
+    jemalloc::purge();
+    #[cfg(all(
+        feature = "glibc-trim",
+        not(feature = "jemalloc"),
+        not(feature = "mimalloc"),
+        target_os = "linux"
+    ))]
+    glibc::trim();
+}
+
+/// Bytes the program holds allocated, as the allocator counts them (`None` where it does not
+/// say: every allocator but jemalloc).
+pub fn allocated() -> Option<u64> {
+    #[cfg(all(feature = "jemalloc", target_os = "linux"))]
+    return jemalloc::allocated();
+    #[cfg(not(all(feature = "jemalloc", target_os = "linux")))]
+    None
+}
+
+#[cfg(all(feature = "jemalloc", target_os = "linux"))]
+mod jemalloc {
+    use tikv_jemalloc_ctl::{epoch, stats};
+
+    /// `arena.<MALLCTL_ARENAS_ALL>.purge`: every arena's unused dirty pages back to the system.
+    const PURGE_ALL: &[u8] = b"arena.4096.purge\0";
+
+    // Writing a control is `unsafe` in tikv-jemalloc-ctl because the value's type must be
+    // the control's; this one takes none (`()`), as jemalloc documents. With `malloc_trim`
+    // below, the crate's only `unsafe`.
+    #[allow(unsafe_code)]
+    pub fn purge() {
+        // SAFETY: `arena.<i>.purge` is a void control: it reads and writes no value.
+        if let Err(err) = unsafe { tikv_jemalloc_ctl::raw::write(PURGE_ALL, ()) } {
+            tracing::debug!(error = %err, "jemalloc purge failed");
+        }
+    }
+
+    pub fn allocated() -> Option<u64> {
+        epoch::advance().ok()?;
+        stats::allocated::read().ok().map(|b| b as u64)
+    }
+}
+
+#[cfg(all(
+    feature = "glibc-trim",
+    not(feature = "jemalloc"),
+    not(feature = "mimalloc"),
+    target_os = "linux"
+))]
+mod glibc {
+    // `malloc_trim` is a C function: calling it is `unsafe` in Rust, though it has no
+    // precondition (any thread, any time).
+    #[allow(unsafe_code)]
+    pub fn trim() {
+        // SAFETY: `malloc_trim` takes a pad size and walks glibc's own arenas under their
+        // locks; it touches no memory of ours.
+        unsafe {
+            libc::malloc_trim(0);
+        }
+    }
+}
