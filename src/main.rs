@@ -94,6 +94,59 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// What sled needs of the budget: for the store already in the data directory (told from its
+/// size on disk, without opening it: a running memproxy holds its lock), and for a few sizes.
+// Allowed: part of `check-config`'s report, below.
+#[allow(clippy::print_stdout)]
+fn print_store_needs(config: &Config) {
+    use memproxy::config::{budget_for_messages, engine_need, messages_on_disk};
+    let mib = |bytes: u64| bytes.div_ceil(1 << 20);
+    let budget = &config.memory_budget;
+    let on_disk = dir_bytes(&config.data_dir.join("store"));
+    if on_disk > 0 {
+        let messages = messages_on_disk(on_disk);
+        let overdraft = budget.store_overdraft(messages);
+        println!(
+            "store on disk = {} MiB, about {messages} messages: sled needs about {} MiB past its page cache, the budget reserves {} MiB{}",
+            mib(on_disk),
+            mib(engine_need(messages)),
+            mib(budget.engine_reserve),
+            if overdraft > 0 {
+                format!(
+                    "; the caches give up {} MiB: a budget of {} MiB would leave them whole",
+                    mib(overdraft),
+                    mib(budget_for_messages(messages))
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
+    let sizes: Vec<String> = [100_000u64, 1_000_000, 10_000_000]
+        .iter()
+        .map(|&n| format!("{n} messages {} MiB", mib(budget_for_messages(n))))
+        .collect();
+    println!(
+        "budget a sled store needs so the caches keep their shares: {}",
+        sizes.join(", ")
+    );
+}
+
+/// The bytes of the files under `dir` (0 if it cannot be read).
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|entry| match entry.file_type() {
+            Ok(kind) if kind.is_dir() => dir_bytes(&entry.path()),
+            Ok(_) => entry.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
 // Allowed: `memproxy check-config` prints its report on stdout, as a command's answer (tracing,
 // which logs to stderr, is not even started for it).
 #[allow(clippy::print_stdout)]
@@ -142,6 +195,7 @@ fn check_config(config: &Config) -> ExitCode {
     match &config.backend {
         memproxy::config::Backend::Sled => {
             println!("storage = sled in {}", config.data_dir.display());
+            print_store_needs(config);
         }
         memproxy::config::Backend::Redis(redis) => {
             // The URL may hold a password: only where it points is printed.

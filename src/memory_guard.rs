@@ -125,7 +125,11 @@ impl MemoryGuard {
         MemoryGuard {
             budget,
             relief: Arc::new(Relief {
+                budget,
                 marks: Marks::of(&budget),
+                stored_messages: Mutex::default(),
+                pretended_messages: AtomicU64::new(NOT_PRETENDING),
+                overdraft: AtomicU64::new(0),
                 resident: Arc::clone(&resident),
                 caches: Mutex::default(),
                 shrinks: AtomicU64::new(0),
@@ -151,8 +155,17 @@ impl MemoryGuard {
     /// Starts holding `caches` to the budget: a thread that runs [`Relief::relieve`] every
     /// [`RELIEF_EVERY`] until this guard is dropped. Where the RSS cannot be read, the caches
     /// keep their sizes and no thread starts.
-    pub fn watch(&self, caches: Vec<Arc<dyn Shrink>>) {
+    ///
+    /// `stored_messages` (sled only) tells about how many messages the store holds: sled's
+    /// memory grows with them past the budget's reserve, and what it needs beyond is taken
+    /// from the caches' sizes ([`MemoryBudget::store_overdraft`]).
+    pub fn watch(&self, caches: Vec<Arc<dyn Shrink>>, stored_messages: Option<StoredMessages>) {
         *lock(&self.relief.caches) = caches;
+        *self
+            .relief
+            .stored_messages
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = stored_messages;
         if read_resident().is_none() {
             return;
         }
@@ -247,6 +260,14 @@ impl MemoryGuard {
     /// Bytes reserved by the requests admitted and not yet done with.
     pub fn reserved_bytes(&self) -> u64 {
         self.reserved.load(Ordering::Acquire)
+    }
+
+    /// Replaces what the store says it holds with `messages` (`None`: ask the store again).
+    /// For tests, as [`MemoryGuard::pretend_resident`] does for the RSS.
+    pub fn pretend_stored_messages(&self, messages: Option<u64>) {
+        self.relief
+            .pretended_messages
+            .store(messages.unwrap_or(NOT_PRETENDING), Ordering::Release);
     }
 
     /// Replaces the readings of the RSS with `bytes` (`None`: read `/proc` again). For tests,
@@ -360,9 +381,18 @@ pub enum PressureState {
     AtFloors = 2,
 }
 
+/// Tells about how many messages the store holds (from its size on disk).
+pub type StoredMessages = Box<dyn Fn() -> u64 + Send + Sync>;
+
 /// The caches the guard shrinks under pressure, and what it did.
 pub struct Relief {
+    budget: MemoryBudget,
     marks: Marks,
+    stored_messages: Mutex<Option<StoredMessages>>,
+    /// A count tests set instead ([`NOT_PRETENDING`]: none).
+    pretended_messages: AtomicU64,
+    /// What the store needs beyond its reserve, taken from the caches' sizes (last tick).
+    overdraft: AtomicU64,
     resident: Arc<Resident>,
     caches: Mutex<Vec<Arc<dyn Shrink>>>,
     /// Ticks that shrank a cache.
@@ -386,6 +416,64 @@ impl Relief {
 
     pub fn marks(&self) -> Marks {
         self.marks
+    }
+
+    /// What the store's memory needs beyond the budget's reserve for it, as of the last tick:
+    /// the caches are held that much under their sizes.
+    pub fn store_overdraft(&self) -> u64 {
+        self.overdraft.load(Ordering::Relaxed)
+    }
+
+    /// The store's share of the budget as of the last tick: its reserve, grown with what is
+    /// stored (0 with Redis).
+    pub fn store_share(&self) -> u64 {
+        if self.budget.engine_reserve == 0 {
+            0
+        } else {
+            self.budget.engine_reserve + self.store_overdraft()
+        }
+    }
+
+    /// Each cache's size less its part of the store's overdraft (in proportion to its size),
+    /// never under its floor.
+    fn ceilings(&self, caches: &[Arc<dyn Shrink>]) -> Vec<u64> {
+        let pretended = self.pretended_messages.load(Ordering::Acquire);
+        let messages = if pretended == NOT_PRETENDING {
+            self.stored_messages
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .as_ref()
+                .map_or(0, |count| count())
+        } else {
+            pretended
+        };
+        let overdraft = self.budget.store_overdraft(messages);
+        let before = self.overdraft.swap(overdraft, Ordering::Relaxed);
+        if overdraft > 0 && before == 0 {
+            tracing::warn!(
+                stored_messages = messages,
+                store_needs_mib = crate::config::engine_need(messages) >> 20,
+                reserve_mib = self.budget.engine_reserve >> 20,
+                budget_mib = self.budget.total >> 20,
+                budget_needed_mib = crate::config::budget_for_messages(messages) >> 20,
+                "the store has outgrown the memory budget's reserve for it: the caches give up the difference; raise server.memory_budget"
+            );
+        }
+        let total: u64 = caches.iter().map(|c| c.capacity()).sum();
+        caches
+            .iter()
+            .map(|c| {
+                let share = if total == 0 {
+                    0
+                } else {
+                    let part = u128::from(overdraft) * u128::from(c.capacity()) / u128::from(total);
+                    u64::try_from(part).unwrap_or(u64::MAX)
+                };
+                c.capacity()
+                    .saturating_sub(share)
+                    .max(c.capacity() / crate::cache::FLOOR_DIVISOR)
+            })
+            .collect()
     }
 
     /// Ticks that shrank a cache, since the start.
@@ -412,13 +500,15 @@ impl Relief {
             return;
         };
         let caches = self.caches();
+        let ceilings = self.ceilings(&caches);
         let figures: Vec<CacheFigures> = caches
             .iter()
-            .map(|c| CacheFigures {
+            .zip(&ceilings)
+            .map(|(c, &ceiling)| CacheFigures {
                 bytes: c.weighted_bytes(),
-                limit: c.limit(),
+                limit: c.limit().min(ceiling),
                 floor: c.capacity() / crate::cache::FLOOR_DIVISOR,
-                capacity: c.capacity(),
+                capacity: ceiling,
             })
             .collect();
         let limits = new_limits(resident, &self.marks, &figures);

@@ -595,6 +595,7 @@ struct AdmissionMetrics {
     in_flight: Gauge,
     pressure: Gauge,
     shrinks: Counter,
+    store_share: Gauge,
     cache_bytes: Family<CacheLabels, Gauge>,
     cache_limit: Family<CacheLabels, Gauge>,
     cache_shrunk: Family<CacheLabels, Counter>,
@@ -611,6 +612,7 @@ impl AdmissionMetrics {
             in_flight: Gauge::default(),
             pressure: Gauge::default(),
             shrinks: Counter::default(),
+            store_share: Gauge::default(),
             cache_bytes: Family::default(),
             cache_limit: Family::default(),
             cache_shrunk: Family::default(),
@@ -619,6 +621,12 @@ impl AdmissionMetrics {
             "memory_pressure",
             "Where the memory guard's relief stands: 0 calm (RSS under the mark where caches shrink), 1 shrinking the caches, 2 the caches at their floors (what is left is refused)",
             metrics.pressure.clone(),
+        );
+        registry.register_with_unit(
+            "store_memory_share",
+            "The storage engine's share of the memory budget: its reserve, grown with what it stores (sled's memory past its page cache grows about 64 bytes per stored message); what it needs past the reserve the caches give up (0 with Redis)",
+            Unit::Bytes,
+            metrics.store_share.clone(),
         );
         registry.register(
             "memory_shrinks",
@@ -854,6 +862,7 @@ impl Metrics {
         self.admission.in_flight.set(gauge(guard.reserved_bytes()));
         let relief = guard.relief();
         self.admission.pressure.set(relief.state() as i64);
+        self.admission.store_share.set(gauge(relief.store_share()));
         catch_up(&self.admission.shrinks, relief.shrinks());
         for cache in relief.caches() {
             let labels = CacheLabels {

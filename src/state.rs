@@ -110,7 +110,13 @@ impl AppState {
         let memory_guard = MemoryGuard::new(config.memory_budget);
         let mut caches = memory.as_ref().map(|m| m.caches()).unwrap_or_default();
         caches.push(Arc::new(receipts.clone()));
-        memory_guard.watch(caches);
+        // sled's memory grows with what it stores; Redis keeps it in another process.
+        let stored_messages = memory.as_ref().ok().filter(|m| !m.store.shared()).map(|m| {
+            let store = Arc::clone(&m.store);
+            Box::new(move || crate::config::messages_on_disk(store.size_on_disk()))
+                as crate::memory_guard::StoredMessages
+        });
+        memory_guard.watch(caches, stored_messages);
         AppState {
             memory_guard,
             receipts,

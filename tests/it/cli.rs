@@ -143,6 +143,26 @@ fn check_config_prints_the_effective_settings_per_agent() {
     );
     assert!(text.contains("JSON answer PT5M, idle PT2M"), "{text}");
 
+    // What a sled store needs of the budget, for a few sizes and for the store on disk (told
+    // from its size: 640 MB on disk, about a million messages, more than the default reserve).
+    assert!(
+        text.contains("budget a sled store needs so the caches keep their shares: 100000 messages 129 MiB, 1000000 messages 349 MiB"),
+        "{text}"
+    );
+    assert!(!text.contains("store on disk"), "{text}");
+    std::fs::create_dir_all(dir.path().join("store")).unwrap();
+    let file = std::fs::File::create(dir.path().join("store/db")).unwrap();
+    file.set_len(640_000_000).unwrap();
+    let grown = memproxy(
+        dir.path(),
+        &["--config", config.to_str().unwrap(), "check-config"],
+    );
+    let text = String::from_utf8(grown.stdout).unwrap();
+    assert!(
+        text.contains("store on disk = 611 MiB, about 1000000 messages: sled needs about 72 MiB past its page cache, the budget reserves 32 MiB; the caches give up 40 MiB: a budget of 349 MiB would leave them whole"),
+        "{text}"
+    );
+
     std::fs::write(&config, "[memory]\nttl = \"sometimes\"\n").unwrap();
     let bad = memproxy(
         dir.path(),

@@ -271,3 +271,56 @@ async fn nearing_the_mark_the_caches_give_memory_back_least_recently_used_first_
     );
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
+    let Started { proxy, .. } = Harness::new().config(BUDGET).start().await;
+    let guard = &proxy.state.memory_guard;
+    guard.pretend_resident(Some(64 * MIB));
+    let state = "{cache=\"state\"}";
+    let recall = "{cache=\"recall\"}";
+    let capacity = metric(&proxy, &format!("memproxy_cache_limit_bytes{state}")).await;
+    let reserve = guard.budget().engine_reserve as f64;
+    assert_eq!(
+        metric(&proxy, "memproxy_store_memory_share_bytes").await,
+        reserve
+    );
+
+    // 300,000 messages: sled needs 10 MiB + 64 bytes each, past the 16 MiB reserve of a
+    // 128 MiB budget by about 12 MiB, which the caches give up in proportion to their sizes.
+    guard.pretend_stored_messages(Some(300_000));
+    let need = memproxy::config::engine_need(300_000) as f64;
+    metric_until(&proxy, "memproxy_store_memory_share_bytes", |v| v == need).await;
+    let overdraft = need - reserve;
+    let limit = metric_until(&proxy, &format!("memproxy_cache_limit_bytes{state}"), |v| {
+        v < capacity
+    })
+    .await;
+    let caches = guard.relief().caches();
+    let sizes: f64 = caches.iter().map(|c| c.capacity() as f64).sum();
+    let expected = capacity - (overdraft * capacity / sizes).floor();
+    assert!(
+        (limit - expected).abs() <= 1.0,
+        "{limit} against {expected}"
+    );
+    let recall_size = caches
+        .iter()
+        .find(|c| c.name() == "recall")
+        .unwrap()
+        .capacity();
+    assert!(
+        metric(&proxy, &format!("memproxy_cache_limit_bytes{recall}")).await < recall_size as f64
+    );
+
+    // The store emptied: the caches grow back to their sizes.
+    guard.pretend_stored_messages(Some(0));
+    metric_until(&proxy, &format!("memproxy_cache_limit_bytes{state}"), |v| {
+        v == capacity
+    })
+    .await;
+    assert_eq!(
+        metric(&proxy, "memproxy_store_memory_share_bytes").await,
+        reserve
+    );
+    proxy.stop().await;
+}

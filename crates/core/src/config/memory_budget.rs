@@ -34,6 +34,55 @@
 //! at most their four eighths: more would leave requests no room, so the config is refused,
 //! with the sizes and the budget named.
 
+/// sled's own memory beyond its page cache grows with what is stored: about 50 bytes per
+/// stored message (measured with `examples/store_growth.rs`, the default 16 MiB page cache,
+/// 20,000 conversations of exchanges the soak's size: over the opened store and its full page
+/// cache, 15.8 MiB at 100,000 messages, 29.7 at 400,000), rounded up. [`engine_need`] adds
+/// [`STORE_BASE_BYTES`].
+pub const STORE_BYTES_PER_MESSAGE: u64 = 64;
+
+/// What sled takes beyond its page cache before that growth (same measurement).
+pub const STORE_BASE_BYTES: u64 = 10 * MIB;
+
+/// What a stored message takes on sled's disk, about (same measurement: 260 MiB at 400,000
+/// messages): how [`messages_on_disk`] tells a store's messages from its size.
+pub const STORE_DISK_BYTES_PER_MESSAGE: u64 = 640;
+
+/// What sled takes in memory beyond its page cache for a store of `messages` messages.
+pub fn engine_need(messages: u64) -> u64 {
+    STORE_BASE_BYTES.saturating_add(messages.saturating_mul(STORE_BYTES_PER_MESSAGE))
+}
+
+/// About how many messages a sled store of `bytes` on disk holds.
+pub fn messages_on_disk(bytes: u64) -> u64 {
+    bytes / STORE_DISK_BYTES_PER_MESSAGE
+}
+
+/// The smallest budget whose split gives sled's memory beyond its page cache room for a store
+/// of `messages` messages, rounded up to a MiB (never under [`MIN_MEMORY_BUDGET`], never under
+/// the default).
+pub fn budget_for_messages(messages: u64) -> u64 {
+    let need = engine_need(messages);
+    // The reserve is ENGINE_EIGHTHS eighths of what is past the process base.
+    let total = PROCESS_BASE.saturating_add(need.saturating_mul(8).div_ceil(ENGINE_EIGHTHS));
+    total
+        .div_ceil(MIB)
+        .saturating_mul(MIB)
+        .max(MIN_MEMORY_BUDGET)
+}
+
+impl MemoryBudget {
+    /// What the store's memory needs beyond the reserve the split gave it, for a sled store of
+    /// `messages` messages (0 with Redis, or when the reserve covers it): the caches give it
+    /// up (`memory_guard.rs` holds them that much lower).
+    pub fn store_overdraft(&self, messages: u64) -> u64 {
+        if self.engine_reserve == 0 {
+            return 0;
+        }
+        engine_need(messages).saturating_sub(self.engine_reserve)
+    }
+}
+
 /// The smallest budget accepted: the process base and 32 MiB to share.
 pub const MIN_MEMORY_BUDGET: u64 = PROCESS_BASE + 32 * MIB;
 
@@ -220,6 +269,32 @@ mod tests {
         let mut problems = Vec::new();
         let budget = check_budget(total, StoreResidence::Embedded, explicit, &mut problems);
         (budget, problems)
+    }
+
+    #[test]
+    fn the_store_reserve_follows_what_is_stored() {
+        // An empty store fits the default budget's reserve (32 MiB).
+        let budget = split(192 * MIB);
+        assert_eq!(budget.store_overdraft(0), 0);
+        assert_eq!(budget.store_overdraft(200_000), 0);
+        // A million messages need 10 + 61 MiB: 39 more than the reserve.
+        assert_eq!(engine_need(1_000_000), 10 * MIB + 64_000_000);
+        assert_eq!(
+            budget.store_overdraft(1_000_000),
+            10 * MIB + 64_000_000 - 32 * MIB
+        );
+        // With Redis there is no sled in the process.
+        assert_eq!(
+            split_for(192 * MIB, StoreResidence::Remote).store_overdraft(10_000_000),
+            0
+        );
+        // The budget whose reserve covers it.
+        let needed = budget_for_messages(1_000_000);
+        assert_eq!(split(needed).store_overdraft(1_000_000), 0);
+        assert!(split(needed - MIB).store_overdraft(1_000_000) > 0);
+        // An empty store: sled's base alone, two eighths of 40 MiB.
+        assert_eq!(budget_for_messages(0), 104 * MIB);
+        assert_eq!(messages_on_disk(640 * 1000), 1000);
     }
 
     #[test]

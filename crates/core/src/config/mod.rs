@@ -52,7 +52,8 @@ pub use compression::{
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
 pub use mcp::{DEFAULT_MCP_ALLOWED_HOSTS, McpConfig};
 pub use memory_budget::{
-    MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, split as split_memory_budget,
+    MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, budget_for_messages, engine_need,
+    messages_on_disk, split as split_memory_budget,
 };
 pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{

@@ -1,0 +1,152 @@
+//! What the embedded store costs in resident memory as it grows: sled's page table and write
+//! buffers grow with what is stored, past its page cache. This commits exchanges (a user
+//! message and a reply, the sizes of the soak's) through `Store::commit`, round-robin over
+//! `--conversations`, with sled's page cache at the default budget's share and the
+//! conversation state cache at 64 KiB (so it is not what is measured), and prints the RSS
+//! every `--every` messages. The figures set `config::memory_budget::STORE_BYTES_PER_MESSAGE`
+//! (README, "Sizing the sidecar").
+//!
+//! ```sh
+//! cargo run --release --example store_growth -- --messages 1000000
+//! ```
+
+// A command-line report: its output is the point.
+#![allow(clippy::print_stdout)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use memproxy::identity::{ConversationKey, TenantId};
+use memproxy::message::Role;
+use memproxy::store::{Change, Durability, Origin, Store, StoreOptions, StoredMessage};
+use serde_json::value::RawValue;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "store_growth",
+    about = "sled's resident memory per stored message"
+)]
+struct Args {
+    /// Messages to store in all.
+    #[arg(long, default_value_t = 1_000_000)]
+    messages: u64,
+    /// Conversations they are spread over.
+    #[arg(long, default_value_t = 20_000)]
+    conversations: u64,
+    /// Print a line every this many messages.
+    #[arg(long, default_value_t = 100_000)]
+    every: u64,
+    /// sled's page cache in MiB (default: the default budget's share).
+    #[arg(long)]
+    page_cache_mib: Option<u64>,
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn message(role: Role, text: String) -> Result<StoredMessage, String> {
+    let role_name = if role == Role::User {
+        "user"
+    } else {
+        "assistant"
+    };
+    Ok(StoredMessage {
+        turn: 0,
+        role,
+        origin: Origin::Client,
+        at_ms: 0,
+        tokens: (text.len() / 4) as u32,
+        fingerprint: text.len() as u64,
+        message: RawValue::from_string(
+            serde_json::json!({"role": role_name, "content": text}).to_string(),
+        )
+        .map_err(|e| e.to_string())?,
+    })
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), String> {
+    let args = Args::parse();
+    let split = memproxy::config::split_memory_budget(memproxy::config::DEFAULT_MEMORY_BUDGET);
+    let page_cache = args.page_cache_mib.map_or(split.store_cache, |m| m << 20);
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let idle = rss_kib();
+    let store = Arc::new(
+        Store::open(
+            dir.path(),
+            StoreOptions {
+                durability: Durability::Interval(Duration::from_secs(1)),
+                page_cache_bytes: page_cache,
+                state_cache_bytes: 64 << 10,
+            },
+        )
+        .map_err(|e| e.to_string())?,
+    );
+    let opened = rss_kib();
+    println!(
+        "store_growth: sled page cache {} MiB; {} conversations; RSS before opening {} MiB, opened {} MiB",
+        page_cache >> 20,
+        args.conversations,
+        idle / 1024,
+        opened / 1024
+    );
+    println!("| messages | RSS MiB | over opened MiB | bytes per message | on disk MiB | s |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let tenant = TenantId::from_token(Some("sk-growth"));
+    let started = Instant::now();
+    let mut stored = 0u64;
+    let mut exchange = 0u64;
+    while stored < args.messages {
+        let n = exchange % args.conversations;
+        let key = ConversationKey {
+            tenant: tenant.clone(),
+            agent: "default".into(),
+            conversation: format!("growth-{n}"),
+        };
+        let handle = store.conversation(&key).map_err(|e| e.to_string())?;
+        let mut conversation = memproxy::store::lock(&handle);
+        let turn = exchange / args.conversations;
+        let user = format!(
+            "Message {turn} of conversation {n}: tell me more about the plan for the quarter, the budget and who is on the team this time."
+        );
+        let reply = format!(
+            "Reply {turn}: here is what I know of the plan for the quarter. The budget is set, the team is the same as last time with two more people, and the first milestone is at the end of next month. {n}"
+        );
+        store
+            .commit(
+                &mut conversation,
+                Change {
+                    add: vec![message(Role::User, user)?, message(Role::Assistant, reply)?],
+                    ..Change::default()
+                },
+            )
+            .map_err(|e| e.to_string())?;
+        drop(conversation);
+        store.touch(&key, &handle);
+        stored += 2;
+        exchange += 1;
+        if stored.is_multiple_of(args.every) {
+            let rss = rss_kib();
+            let over = rss.saturating_sub(opened);
+            println!(
+                "| {stored} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |",
+                rss as f64 / 1024.0,
+                over as f64 / 1024.0,
+                over as f64 * 1024.0 / stored as f64,
+                store.size_on_disk() as f64 / (1 << 20) as f64,
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    store.close().await.map_err(|e| e.to_string())?;
+    Ok(())
+}
