@@ -465,3 +465,42 @@ async fn mcp_needs_a_client_key_honours_the_body_limit_and_can_be_turned_off() {
     assert_eq!(off.status, 404);
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_shared_memory_is_found_by_every_user_of_the_agent_and_changed_only_by_its_own() {
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
+    let remembered = call(
+        &proxy,
+        TOKEN,
+        Some(ANA),
+        "memory_remember",
+        json!({"text": "The team deploys on Tuesdays", "type": "procedural", "scope": "agent"}),
+    )
+    .await;
+    let remembered = result(&remembered);
+    assert_eq!(remembered["memory"]["scope"], "agent");
+    let id = remembered["memory"]["id"].as_u64().unwrap();
+    // Another user of the agent finds it (its owner is the agent), and gets it in the prompt.
+    let search = json!({"query": "when does the team deploy"});
+    let found = result(&call(&proxy, TOKEN, Some("bob"), "memory_search", search).await);
+    assert_eq!(found["memories"][0]["id"], id, "{found}");
+    assert_eq!(found["memories"][0]["owner"], "agent");
+    say(&proxy, "bob", "ops", "When does the team deploy?").await;
+    assert!(memories_in_prompt(&mock).contains("deploys on Tuesdays"));
+    // Only the user it was learned from (or an operator) changes it.
+    let (code, message, argument) = error(
+        &call(
+            &proxy,
+            TOKEN,
+            Some("bob"),
+            "memory_forget",
+            json!({"id": id}),
+        )
+        .await,
+    );
+    assert_eq!((code, argument.as_str()), (-32602, "id"));
+    assert!(message.contains("shared"), "{message}");
+    let forgotten = call(&proxy, TOKEN, Some(ANA), "memory_forget", json!({"id": id})).await;
+    assert_eq!(result(&forgotten)["forgotten"], id);
+    proxy.stop().await;
+}
