@@ -59,6 +59,11 @@ fn result(answer: &Answer) -> Value {
     structured
 }
 
+/// Ana remembers `arguments` (memory_remember): the structured result.
+async fn ana_remembers(proxy: &Proxy, arguments: Value) -> Value {
+    result(&call(proxy, TOKEN, Some(ANA), "memory_remember", arguments).await)
+}
+
 /// The MCP error of a refused call: (code, message, the argument it names).
 fn error(answer: &Answer) -> (i64, String, String) {
     assert_eq!(answer.status, 200, "{:?}", answer.body);
@@ -128,15 +133,11 @@ async fn initialize_then_the_five_tools_are_listed_with_titles_schemas_and_hints
 #[tokio::test]
 async fn a_memory_remembered_over_mcp_is_in_the_next_prompt_corrected_then_forgotten() {
     let Started { mock, proxy, .. } = Harness::new().admin().start().await;
-    let remembered = call(
+    let remembered = ana_remembers(
         &proxy,
-        TOKEN,
-        Some(ANA),
-        "memory_remember",
         json!({"text": "The user prefers window seats", "type": "preference", "importance": 0.9}),
     )
     .await;
-    let remembered = result(&remembered);
     assert_eq!(remembered["kept"], "added");
     assert_eq!(remembered["memory"]["source"], "explicit_user_input");
     let id = remembered["memory"]["id"].as_u64().unwrap();
@@ -263,15 +264,12 @@ async fn what_the_chat_path_learned_is_found_by_memory_search_and_conversation_r
 #[tokio::test]
 async fn calls_across_tenants_and_users_are_refused() {
     let Started { proxy, .. } = Harness::new().admin().start().await;
-    let remembered = call(
+    let remembered = ana_remembers(
         &proxy,
-        TOKEN,
-        Some(ANA),
-        "memory_remember",
         json!({"text": "The user is allergic to peanuts", "type": "profile"}),
     )
     .await;
-    let id = result(&remembered)["memory"]["id"].as_u64().unwrap();
+    let id = remembered["memory"]["id"].as_u64().unwrap();
     say(&proxy, ANA, "diet", "I am allergic to peanuts").await;
     let search = json!({"query": "peanuts allergic"});
 
@@ -469,15 +467,11 @@ async fn mcp_needs_a_client_key_honours_the_body_limit_and_can_be_turned_off() {
 #[tokio::test]
 async fn a_shared_memory_is_found_by_every_user_of_the_agent_and_changed_only_by_its_own() {
     let Started { mock, proxy, .. } = Harness::new().admin().start().await;
-    let remembered = call(
+    let remembered = ana_remembers(
         &proxy,
-        TOKEN,
-        Some(ANA),
-        "memory_remember",
         json!({"text": "The team deploys on Tuesdays", "type": "procedural", "scope": "agent"}),
     )
     .await;
-    let remembered = result(&remembered);
     assert_eq!(remembered["memory"]["scope"], "agent");
     let id = remembered["memory"]["id"].as_u64().unwrap();
     // Another user of the agent finds it (its owner is the agent), and gets it in the prompt.
