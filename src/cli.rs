@@ -57,6 +57,9 @@ pub enum Command {
     /// directory of a stopped memproxy (the admin API's user operations, offline).
     #[command(subcommand)]
     Users(crate::admin::offline::UsersCommand),
+    /// Serve the memory tools over MCP on stdio (for a client that starts memproxy itself),
+    /// on the data directory (or Redis store) of the config, with no server running on it.
+    Mcp(crate::mcp::stdio::McpArgs),
     /// Check the data directory of a stopped memproxy for damage, or salvage what can be read
     /// into a fresh one.
     #[command(subcommand)]

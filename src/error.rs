@@ -110,6 +110,10 @@ pub enum ProxyError {
     /// `server.max_connections` connections are open: answered on the connection itself.
     #[error("memproxy is serving its maximum of {max} connections; retry shortly")]
     Overloaded { max: usize },
+    /// memproxy runs without a store (it could not be opened at start): what needs memory
+    /// itself (the memory tools at `/mcp`) cannot be served.
+    #[error("memory is unavailable: the store could not be opened (see /readyz)")]
+    MemoryUnavailable,
     #[error("internal error in memproxy")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
@@ -159,7 +163,9 @@ impl ApiError for ProxyError {
             ProxyError::UpstreamTimeout { .. } | ProxyError::UpstreamReadTimeout { .. } => {
                 StatusCode::GATEWAY_TIMEOUT
             }
-            ProxyError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Overloaded { .. } | ProxyError::MemoryUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -175,7 +181,9 @@ impl ApiError for ProxyError {
             ProxyError::UpstreamUnreachable(_)
             | ProxyError::UpstreamTimeout { .. }
             | ProxyError::UpstreamReadTimeout { .. } => "upstream_error",
-            ProxyError::Overloaded { .. } | ProxyError::Internal(_) => "server_error",
+            ProxyError::Overloaded { .. }
+            | ProxyError::MemoryUnavailable
+            | ProxyError::Internal(_) => "server_error",
         }
     }
 
@@ -193,6 +201,7 @@ impl ApiError for ProxyError {
                 "upstream_timeout"
             }
             ProxyError::Overloaded { .. } => "server_overloaded",
+            ProxyError::MemoryUnavailable => "memory_unavailable",
             ProxyError::Internal(_) => "internal_error",
         }
     }

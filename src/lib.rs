@@ -10,7 +10,8 @@
 //! - [`router`] answers health checks, checks client keys, and picks memory for the three
 //!   APIs it serves (`POST /v1/chat/completions`, `/v1/responses`, `/v1/messages`) or
 //!   pass-through for everything else;
-//! - [`admin`] is the `/admin/v1/` API (and what the offline CLI shares with it);
+//! - [`admin`] is the `/admin/v1/` API (and what the offline CLI shares with it); [`mcp`] the
+//!   memory tools over the Model Context Protocol (`/mcp`, `memproxy mcp` over stdio);
 //! - [`proxy`] is the HTTP edge of memory: identify, the `before`/`after` steps around the one
 //!   forward path, the SSE tee, the `X-Memory-*` headers;
 //! - [`state`] is what the edge shares: config, memory, upstream, metrics, the memory guard;
@@ -21,7 +22,8 @@
 //!   Anthropic);
 //! - [`memory`] is the memory core's one value (store, recall, summaries, clock); [`ttl`] its
 //!   sweeper;
-//! - [`pipeline`] plans a prompt and commits an exchange, one stage per file;
+//! - [`pipeline`] plans a prompt and commits an exchange, one stage per file; [`tools`] what
+//!   the memory tools read;
 //! - [`summary`] makes summaries in the background; [`longterm`] is what a user said in any
 //!   of their conversations (the archive and index per user, extracted memories);
 //!   [`recall`] keeps BM25 indexes;
@@ -35,6 +37,7 @@ pub mod allocator;
 pub mod body;
 pub mod cli;
 pub mod error;
+pub mod mcp;
 pub mod memory_guard;
 pub mod metrics;
 pub mod models;
@@ -51,6 +54,6 @@ pub mod upstream;
 // the tests and the tools read `memproxy::store::…`, `memproxy::pipeline::…` as before.
 pub use memproxy_base::{cache, heap, identity, message, model, tokens, wire};
 pub use memproxy_core::{
-    config, ledger, longterm, memory, pipeline, recall, settings, summary, ttl,
+    config, ledger, longterm, memory, pipeline, recall, settings, summary, tools, ttl,
 };
 pub use memproxy_store as store;

@@ -35,6 +35,11 @@ fn main() -> ExitCode {
                 memproxy::admin::offline::run_users(&config, command).await
             }
             Some(Command::Store(command)) => memproxy::admin::store_cli::run(&config, command),
+            Some(Command::Mcp(args)) => {
+                // Standard output carries the protocol: logs go to standard error.
+                init_tracing(config.log_format);
+                memproxy::mcp::stdio::run(config, args).await
+            }
             Some(Command::Serve) | None => serve(config).await,
         }
     })
@@ -70,8 +75,16 @@ async fn serve(config: Config) -> ExitCode {
 }
 
 fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // The MCP SDK logs each stateless request's start and end (and the client's notifications)
+    // at info: kept to warnings unless `RUST_LOG` names `rmcp` itself.
+    let spec = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".to_string());
+    let spec = if spec.contains("rmcp") {
+        spec
+    } else {
+        format!("{spec},rmcp=warn")
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rmcp=warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -213,6 +226,14 @@ fn check_config(config: &Config) -> ExitCode {
             "on (token from environment)"
         } else {
             "off: no admin token"
+        }
+    );
+    println!(
+        "mcp = {}",
+        match (config.mcp.enabled, config.mcp.allowed_hosts.is_empty()) {
+            (false, _) => "off".to_string(),
+            (true, true) => "on at /mcp, any Host".to_string(),
+            (true, false) => format!("on at /mcp, Host {}", config.mcp.allowed_hosts.join(", ")),
         }
     );
     println!(

@@ -46,6 +46,8 @@ pub enum Route {
     Passthrough,
     /// `/admin/...`.
     Admin,
+    /// `/mcp`: the memory tools.
+    Mcp,
     /// `/healthz`, `/readyz`.
     Health,
     /// `/metrics`.
@@ -62,6 +64,7 @@ impl Route {
             Route::Messages => "messages",
             Route::Passthrough => "passthrough",
             Route::Admin => "admin",
+            Route::Mcp => "mcp",
             Route::Health => "health",
             Route::Metrics => "metrics",
             Route::Other => "other",

@@ -84,6 +84,8 @@ enum Target<'a> {
     Metrics,
     /// `/admin/...`.
     Admin,
+    /// `/mcp`: the memory tools over MCP (`[mcp] enabled`).
+    Mcp,
     /// The `/v1` API, in the header or the path form (`/agents/A/conversations/C/v1/...`).
     Api {
         path_ids: Option<PathIds<'a>>,
@@ -106,6 +108,9 @@ impl<'a> Target<'a> {
         }
         if path == "/admin" || path.starts_with("/admin/") {
             return Target::Admin;
+        }
+        if path == crate::mcp::route::MCP_PATH {
+            return Target::Mcp;
         }
         let (path_ids, api_path) = match split_path_form(path) {
             Some((agent, conversation, rest)) => (
@@ -136,6 +141,7 @@ impl<'a> Target<'a> {
             Target::Health => Route::Health,
             Target::Metrics => Route::Metrics,
             Target::Admin => Route::Admin,
+            Target::Mcp => Route::Mcp,
             Target::Other => Route::Other,
             Target::Api { api, .. } => match api {
                 Some(Api::Chat) => Route::Chat,
@@ -175,6 +181,10 @@ async fn dispatch(
         (&Method::GET, "/readyz", Target::Health) => return Ok(readiness(state).await),
         (&Method::GET, _, Target::Metrics) => return Ok(metrics(state, request.headers())),
         (_, _, Target::Admin) => return Ok(crate::admin::handle(state, request).await),
+        (_, _, Target::Mcp) if state.config.mcp.enabled => {
+            check_client_key(state, request.headers())?;
+            return crate::mcp::route::serve(state, request).await;
+        }
         (
             _,
             _,

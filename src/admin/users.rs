@@ -24,7 +24,8 @@ use serde_json::{Value, json};
 use super::ops::AdminError;
 use crate::identity::TenantId;
 use crate::longterm::archive::{self, ArchivedTurn};
-use crate::longterm::memories::{self, MemoryRecord, MemoryScope, MemorySource, MemoryType};
+use crate::longterm::edits::{self, EditError, Fields};
+use crate::longterm::memories::{self, MemoryRecord};
 use crate::memory::Memory;
 use crate::store::{OwnerHandle, OwnerKey, Store};
 
@@ -99,41 +100,31 @@ struct Edit {
     tags: Option<Vec<String>>,
 }
 
-fn parse_edit(body: &[u8]) -> Result<Edit, AdminError> {
-    serde_json::from_slice(body).map_err(|err| {
+fn parse_edit(body: &[u8]) -> Result<Fields, AdminError> {
+    let edit: Edit = serde_json::from_slice(body).map_err(|err| {
         AdminError::BadRequest(format!(
             "the body must be {{\"text\", \"type\", \"importance\", \"confidence\", \"tags\"}}: {err}"
         ))
+    })?;
+    Ok(Fields {
+        text: edit.text,
+        kind: edit.kind,
+        importance: edit.importance,
+        confidence: edit.confidence,
+        tags: edit.tags,
     })
 }
 
-fn checked_kind(kind: &str) -> Result<MemoryType, AdminError> {
-    MemoryType::parse(kind).ok_or_else(|| {
-        AdminError::BadRequest(format!(
-            "`type` must be one of {}",
-            MemoryType::ALL.join(", ")
-        ))
-    })
-}
-
-fn checked_unit(name: &str, value: Option<f64>) -> Result<Option<f64>, AdminError> {
-    match value {
-        Some(v) if !(0.0..=1.0).contains(&v) => Err(AdminError::BadRequest(format!(
-            "`{name}` must be from 0 to 1"
-        ))),
-        other => Ok(other),
+/// An edit's error as the admin API answers it.
+fn edit_error(err: EditError, user: &str) -> AdminError {
+    match err {
+        EditError::Invalid { message, .. } => AdminError::BadRequest(message),
+        EditError::NotFound { id } => {
+            AdminError::NotFound(format!("no memory {id} of user {user}"))
+        }
+        EditError::Shared { .. } => AdminError::BadRequest(err.to_string()),
+        EditError::Store(err) => err.into(),
     }
-}
-
-fn checked_text(text: &str) -> Result<String, AdminError> {
-    let text = text.trim();
-    if text.is_empty() || text.chars().count() > memories::MAX_MEMORY_CHARS {
-        return Err(AdminError::BadRequest(format!(
-            "`text` must be 1 to {} characters",
-            memories::MAX_MEMORY_CHARS
-        )));
-    }
-    Ok(text.to_string())
 }
 
 /// A memory written by hand.
@@ -143,37 +134,9 @@ pub fn create(
     user: &str,
     body: &[u8],
 ) -> Result<Value, AdminError> {
-    let edit = parse_edit(body)?;
-    let text = checked_text(edit.text.as_deref().unwrap_or(""))?;
-    let kind = checked_kind(edit.kind.as_deref().unwrap_or(""))?;
-    let importance = checked_unit("importance", edit.importance)?.unwrap_or(0.7);
-    let confidence = checked_unit("confidence", edit.confidence)?.unwrap_or(1.0);
-    let owner = OwnerKey::user(tenant, user);
-    let now = store.clock().now_ms();
-    let record = MemoryRecord {
-        id: store.new_id()?,
-        tenant: tenant.as_str().to_string(),
-        user: user.to_string(),
-        agent: String::new(),
-        kind,
-        scope: MemoryScope::Private,
-        text,
-        excerpt: String::new(),
-        importance,
-        confidence,
-        tags: edit.tags.unwrap_or_default(),
-        source: MemorySource::CorrectedMemory,
-        conversation: None,
-        source_turns: Vec::new(),
-        version: 1,
-        history: Vec::new(),
-        created_ms: now,
-        updated_ms: now,
-        last_accessed_ms: now,
-        supersedes: Vec::new(),
-        related_to: Vec::new(),
-    };
-    memories::write(store, &owner, std::slice::from_ref(&record), &[])?;
+    let fields = parse_edit(body)?;
+    let record = edits::create(store, &OwnerKey::user(tenant, user), fields)
+        .map_err(|err| edit_error(err, user))?;
     Ok(json!(record))
 }
 
@@ -185,44 +148,18 @@ pub fn update(
     id: u64,
     body: &[u8],
 ) -> Result<Value, AdminError> {
-    let edit = parse_edit(body)?;
+    let fields = parse_edit(body)?;
     let owner = OwnerKey::user(tenant, user);
-    let mut record = all(store, &owner)?
-        .into_iter()
-        .find(|m| m.id == id)
-        .ok_or_else(|| AdminError::NotFound(format!("no memory {id} of user {user}")))?;
-    let now = store.clock().now_ms();
-    let text = match edit.text.as_deref() {
-        Some(text) => checked_text(text)?,
-        None => record.text.clone(),
-    };
-    record.revise(text, MemorySource::CorrectedMemory, now);
-    if let Some(kind) = edit.kind.as_deref() {
-        record.kind = checked_kind(kind)?;
-    }
-    if let Some(v) = checked_unit("importance", edit.importance)? {
-        record.importance = v;
-    }
-    if let Some(v) = checked_unit("confidence", edit.confidence)? {
-        record.confidence = v;
-    }
-    if let Some(tags) = edit.tags {
-        record.tags = tags;
-    }
-    memories::write(store, &owner, std::slice::from_ref(&record), &[])?;
+    all(store, &owner)?;
+    let record = edits::correct(store, &owner, id, fields).map_err(|err| edit_error(err, user))?;
     Ok(json!(record))
 }
 
 /// Deletes one memory.
 pub fn delete(store: &Store, tenant: &TenantId, user: &str, id: u64) -> Result<Value, AdminError> {
     let owner = OwnerKey::user(tenant, user);
-    let exists = all(store, &owner)?.iter().any(|m| m.id == id);
-    if !exists {
-        return Err(AdminError::NotFound(format!(
-            "no memory {id} of user {user}"
-        )));
-    }
-    memories::write(store, &owner, &[], &[id])?;
+    all(store, &owner)?;
+    edits::forget(store, &owner, id).map_err(|err| edit_error(err, user))?;
     Ok(json!({"user": user, "deleted": id}))
 }
 
@@ -294,7 +231,7 @@ pub fn import_user(
         ));
     }
     for record in &export.memories {
-        checked_text(&record.text)?;
+        edits::checked_text(&record.text).map_err(|err| edit_error(err, user))?;
     }
     let owner = OwnerKey::user(tenant, user);
     let handle = owner_handle(store, &owner, true)?

@@ -78,17 +78,11 @@ pub fn identify(
     // The tenant (a hash of the credential) is only needed when memory runs: pass-through
     // requests, and chat with memory off, skip the hashing and need no credential.
     let key = match &conversation {
-        Some(conversation) if is_chat && settings.enabled => {
-            let credential = credential_of(headers)?;
-            if credential.is_none() && !config.allow_anonymous {
-                return Err(ProxyError::NoCredential);
-            }
-            Some(ConversationKey {
-                tenant: TenantId::of(credential.as_ref()),
-                agent: agent.clone(),
-                conversation: conversation.clone(),
-            })
-        }
+        Some(conversation) if is_chat && settings.enabled => Some(ConversationKey {
+            tenant: tenant_of(config, headers)?,
+            agent: agent.clone(),
+            conversation: conversation.clone(),
+        }),
         _ => None,
     };
     Ok(Identity {
@@ -98,6 +92,17 @@ pub fn identify(
         user,
         settings,
     })
+}
+
+/// The tenant of a request's credential ([`credential_of`]): none is a 401 unless
+/// `auth.allow_anonymous` gives it the shared tenant `anonymous`. Chat requests with memory and
+/// the memory tools (`/mcp`) alike.
+pub fn tenant_of(config: &Config, headers: &HeaderMap) -> Result<TenantId, ProxyError> {
+    let credential = credential_of(headers)?;
+    if credential.is_none() && !config.allow_anonymous {
+        return Err(ProxyError::NoCredential);
+    }
+    Ok(TenantId::of(credential.as_ref()))
 }
 
 /// What a request's `X-Memory-*` headers (and its path form's ids) name, each checked.

@@ -286,6 +286,26 @@ def _node() -> str:
     return node
 
 
+def agent_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """An agent's environment: its own HOME, loopback only, no telemetry, updates or retries,
+    and `extra`."""
+    keep = ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR", "SYSTEMROOT")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.update(
+        {
+            "HOME": str(home),
+            "NO_PROXY": "127.0.0.1,localhost",
+            "no_proxy": "127.0.0.1,localhost",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "CLAUDE_CODE_MAX_RETRIES": "0",
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
 @dataclass
 class Run:
     """One test's agent session: its directories, conversation, front and the mock's controls."""
@@ -338,21 +358,7 @@ class Run:
 
     # Running the agent.
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        keep = ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR", "SYSTEMROOT")
-        env = {k: os.environ[k] for k in keep if k in os.environ}
-        env.update(
-            {
-                "HOME": str(self.home),
-                "NO_PROXY": "127.0.0.1,localhost",
-                "no_proxy": "127.0.0.1,localhost",
-                "DISABLE_TELEMETRY": "1",
-                "DISABLE_AUTOUPDATER": "1",
-                "DISABLE_ERROR_REPORTING": "1",
-                "CLAUDE_CODE_MAX_RETRIES": "0",
-            }
-        )
-        env.update(extra or {})
-        return env
+        return agent_env(self.home, extra)
 
     def _anthropic_env(self, cached_tokens: int | None, extra: dict[str, str] | None) -> dict[str, str]:
         headers = f"{HEADER}: {self.cid}"

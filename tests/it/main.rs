@@ -39,6 +39,7 @@ mod forwarding;
 mod ledger;
 mod limits;
 mod longterm;
+mod mcp;
 mod memory;
 mod memory_budget;
 mod metrics;

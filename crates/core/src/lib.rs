@@ -3,7 +3,8 @@
 //!
 //! - [`memory`] is the memory core's one value (store, recall, summaries, long-term memory,
 //!   the clock); [`ttl`] its sweeper;
-//! - [`pipeline`] plans a prompt and commits an exchange, one stage per file;
+//! - [`pipeline`] plans a prompt and commits an exchange, one stage per file; [`tools`] is
+//!   what the memory tools read (a user's memories and turns, a conversation's turns);
 //! - [`summary`] makes summaries in the background; [`longterm`] is what a user said in any
 //!   of their conversations (the archive and index per user, extracted memories); [`ledger`]
 //!   counts and caps the tokens of memproxy's own calls;
@@ -22,5 +23,6 @@ pub mod pipeline;
 pub mod recall;
 pub mod settings;
 pub mod summary;
+pub mod tools;
 pub mod ttl;
 pub mod worker;

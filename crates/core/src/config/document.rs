@@ -21,6 +21,7 @@ use super::admin::RawAdmin;
 use super::auth::RawAuth;
 use super::compression::RawCompression;
 use super::limits::RawLimits;
+use super::mcp::RawMcp;
 use super::receipts::RawReceipts;
 use super::server::{RawLog, RawServer};
 use super::storage::RawStorage;
@@ -40,6 +41,7 @@ pub(super) struct RawConfig {
     pub compression: RawCompression,
     pub limits: RawLimits,
     pub receipts: RawReceipts,
+    pub mcp: RawMcp,
     /// `[memory]`: checked key by key against the settings table.
     pub memory: toml::Table,
     /// `[agents.NAME]`: checked like `[memory]`.
@@ -70,6 +72,7 @@ impl RawConfig {
             compression: document.section("compression"),
             limits: document.section("limits"),
             receipts: document.section("receipts"),
+            mcp: document.section("mcp"),
             memory: document.section("memory"),
             agents: document.section("agents"),
         };

@@ -11,7 +11,7 @@
 //! Order: built-in defaults ← config file ← overrides (`--flag` / `MEMPROXY_*`).
 //!
 //! Files: `document.rs` reads the TOML; `server.rs` (`[server]`, `[log]`), `upstream.rs`,
-//! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `compression.rs` (with the
+//! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `mcp.rs`, `compression.rs` (with the
 //! built-in summary prompt), `receipts.rs` (`[receipts]`) and `agents.rs` (`[memory]`,
 //! `[agents.NAME]`) each hold a section's
 //! raw struct and its check; `memory_budget.rs` splits `server.memory_budget` into the cache sizes;
@@ -25,6 +25,7 @@ mod auth;
 mod compression;
 mod document;
 mod limits;
+mod mcp;
 mod memory_budget;
 mod receipts;
 mod server;
@@ -49,6 +50,7 @@ pub use compression::{
     DEFAULT_SUMMARY_TIMEOUT,
 };
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
+pub use mcp::{DEFAULT_MCP_ALLOWED_HOSTS, McpConfig};
 pub use memory_budget::{
     MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, budget_for_messages, engine_need,
     messages_on_disk, split as split_memory_budget,
@@ -129,6 +131,8 @@ pub struct Config {
     pub limits: LimitsConfig,
     /// The receipts of memory-on exchanges (`[receipts]`).
     pub receipts: ReceiptsConfig,
+    /// The memory tools over MCP (`[mcp]`).
+    pub mcp: McpConfig,
     /// Tokens of background model calls (summaries, extraction) per UTC day:
     /// `compression.max_tokens_per_day` and each `[agents.NAME]`'s
     /// `compression_max_tokens_per_day` (`None`: no limit).
@@ -236,6 +240,7 @@ fn check(
     let sweeper = sweeper::check_sweeper(raw.sweeper, &mut problems);
     let compression = compression::check_compression(raw.compression, &mut problems);
     let limits = limits::check_limits(raw.limits, &mut problems);
+    let mcp = mcp::check_mcp(raw.mcp, &mut problems);
 
     let background_budget = BackgroundBudget {
         default: compression.max_tokens_per_day,
@@ -282,6 +287,7 @@ fn check(
         compression,
         limits,
         receipts,
+        mcp,
         background_budget,
     })
 }

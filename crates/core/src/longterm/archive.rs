@@ -185,6 +185,21 @@ fn synced(
         .transpose()
 }
 
+/// True when `user`'s archive follows the conversation at `key` (it was committed with the
+/// user's id, or imported into the user's archive).
+pub fn follows(store: &Store, user: &OwnerKey, key: &ConversationKey) -> Result<bool, StoreError> {
+    let Some(handle) = store.owner(user, false)? else {
+        return Ok(false);
+    };
+    Ok(store
+        .owner_record(
+            &handle,
+            SPACE_CONVERSATIONS,
+            &conversation_id(&key.agent, &key.conversation),
+        )?
+        .is_some())
+}
+
 /// User messages of the conversation archived since its last extraction.
 pub fn pending_user_messages(
     store: &Store,

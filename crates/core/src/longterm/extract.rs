@@ -22,7 +22,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::archive;
-use super::memories::{self, Candidate, CandidateSource, MemoryRecord, SPACE_MEMORIES};
+use super::memories::{self, Candidate, CandidateSource, MemoryRecord};
 use crate::ledger::{Ledger, Task};
 use crate::worker::{Backoff, Worker};
 use memproxy_base::identity::ConversationKey;
@@ -284,7 +284,8 @@ pub fn owners(user: &OwnerKey, agent: &str) -> [OwnerKey; 3] {
     ]
 }
 
-type Known = HashMap<OwnerKey, Vec<MemoryRecord>>;
+/// The memories of each owner, as read.
+pub type Known = HashMap<OwnerKey, Vec<MemoryRecord>>;
 
 /// The job's turns from the user's archive and the memories it may touch.
 fn read(store: &Store, job: &ExtractionJob) -> Result<(Vec<SourceTurn>, Known), StoreError> {
@@ -328,15 +329,20 @@ fn read(store: &Store, job: &ExtractionJob) -> Result<(Vec<SourceTurn>, Known), 
             break;
         }
     }
+    Ok((turns, known(store, &job.user, &job.agent)?))
+}
+
+/// The memories of every owner a memory of `user` with `agent` may be kept under.
+pub fn known(store: &Store, user: &OwnerKey, agent: &str) -> Result<Known, StoreError> {
     let mut known = Known::new();
-    for owner in owners(&job.user, &job.agent) {
+    for owner in owners(user, agent) {
         let list = match store.owner(&owner, false)? {
             Some(handle) => memories::all(store, &handle)?,
             None => Vec::new(),
         };
         known.insert(owner, list);
     }
-    Ok((turns, known))
+    Ok(known)
 }
 
 /// The response format of the call (the fixed wire contract).
@@ -479,38 +485,12 @@ fn apply(
             .filter(|t| t.role == "user")
             .map(|t| (t.turn, t.text.clone()))
             .collect(),
+        stated: false,
         now_ms: store.clock().now_ms(),
     };
     let (applied, changed) = memories::apply(&mut known, candidates, &origin, || store.new_id())?;
-    for (owner, records) in changed {
-        memories::write(store, &owner, &records, &[])?;
-        prune(store, &owner, known.get(&owner).map_or(0, Vec::len))?;
-    }
+    memories::store_changed(store, changed, &known)?;
     Ok(applied)
-}
-
-/// Keeps an owner within [`memories::MAX_MEMORIES_PER_OWNER`]: the least important, least
-/// recently used go first.
-fn prune(store: &Store, owner: &OwnerKey, count: usize) -> Result<(), StoreError> {
-    if count <= memories::MAX_MEMORIES_PER_OWNER {
-        return Ok(());
-    }
-    let Some(handle) = store.owner(owner, false)? else {
-        return Ok(());
-    };
-    let mut all = memories::all(store, &handle)?;
-    all.sort_by(|a, b| {
-        (a.importance, a.last_accessed_ms)
-            .partial_cmp(&(b.importance, b.last_accessed_ms))
-            .unwrap_or(std::cmp::Ordering::Equal)
-    });
-    let excess = all.len().saturating_sub(memories::MAX_MEMORIES_PER_OWNER);
-    let remove: Vec<(u8, Vec<u8>)> = all[..excess]
-        .iter()
-        .map(|m| (SPACE_MEMORIES, memories::record_id(m.id)))
-        .collect();
-    store.write_owner(&handle, Vec::new(), &remove)?;
-    Ok(())
 }
 
 #[cfg(test)]

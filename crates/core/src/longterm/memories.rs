@@ -87,6 +87,14 @@ impl MemoryScope {
         serde_json::from_value(serde_json::Value::String(text.to_ascii_lowercase())).ok()
     }
 
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryScope::Private => "private",
+            MemoryScope::Agent => "agent",
+            MemoryScope::Tenant => "tenant",
+        }
+    }
+
     /// The owner a memory of this scope is kept under.
     pub fn owner(self, user: &OwnerKey, agent: &str) -> OwnerKey {
         match self {
@@ -214,6 +222,9 @@ pub struct CandidateSource {
     pub conversation: Option<String>,
     /// The source text by turn, for excerpts and to tell explicit statements from inferences.
     pub turns: HashMap<u64, String>,
+    /// The candidates are the user's own words (a memory the user asked to keep, the
+    /// `memory_remember` tool): explicit whatever their source turns.
+    pub stated: bool,
     pub now_ms: i64,
 }
 
@@ -266,6 +277,44 @@ pub fn write(
         .map(|id| (SPACE_MEMORIES, record_id(*id)))
         .collect();
     store.write_owner(&handle, put, &remove)
+}
+
+/// Writes what [`apply`] changed, owner by owner, and keeps each within
+/// [`MAX_MEMORIES_PER_OWNER`] (`known`: the owners' memories as [`apply`] left them).
+pub fn store_changed(
+    store: &Store,
+    changed: HashMap<OwnerKey, Vec<MemoryRecord>>,
+    known: &HashMap<OwnerKey, Vec<MemoryRecord>>,
+) -> Result<(), StoreError> {
+    for (owner, records) in changed {
+        write(store, &owner, &records, &[])?;
+        prune(store, &owner, known.get(&owner).map_or(0, Vec::len))?;
+    }
+    Ok(())
+}
+
+/// Keeps an owner within [`MAX_MEMORIES_PER_OWNER`]: the least important, least recently
+/// used go first.
+fn prune(store: &Store, owner: &OwnerKey, count: usize) -> Result<(), StoreError> {
+    if count <= MAX_MEMORIES_PER_OWNER {
+        return Ok(());
+    }
+    let Some(handle) = store.owner(owner, false)? else {
+        return Ok(());
+    };
+    let mut all = all(store, &handle)?;
+    all.sort_by(|a, b| {
+        (a.importance, a.last_accessed_ms)
+            .partial_cmp(&(b.importance, b.last_accessed_ms))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let excess = all.len().saturating_sub(MAX_MEMORIES_PER_OWNER);
+    let remove: Vec<(u8, Vec<u8>)> = all[..excess]
+        .iter()
+        .map(|m| (SPACE_MEMORIES, record_id(m.id)))
+        .collect();
+    store.write_owner(&handle, Vec::new(), &remove)?;
+    Ok(())
 }
 
 fn term_set(text: &str) -> HashSet<String> {
@@ -384,7 +433,7 @@ impl<'a> Reading<'a> {
             .iter()
             .filter_map(|t| origin.turns.get(t))
             .any(|said| overlap(said, &text) >= 0.5);
-        let source = if quoted {
+        let source = if quoted || origin.stated {
             MemorySource::ExplicitUserInput
         } else {
             MemorySource::ImplicitInference
@@ -662,6 +711,7 @@ mod tests {
             agent: "default".into(),
             conversation: Some("c".into()),
             turns: HashMap::from([(1, "I live in Lisbon".to_string())]),
+            stated: false,
             now_ms: 1_000,
         }
     }

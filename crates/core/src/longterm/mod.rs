@@ -12,7 +12,9 @@
 //! - **Layer 2** (`memories.rs`, `extract.rs`): memories extracted from what the user said by a
 //!   background model call (`extract.rs`, queued by the commit, never on a request's path),
 //!   deduplicated, superseded and decaying (`memories.rs`), chosen for the prompt by relevance
-//!   and importance (`docs/memories.md`).
+//!   and importance (`docs/memories.md`); `edits.rs` the memories changed at someone's word
+//!   (an operator's hand edits, a user's agent through the memory tools), through the same
+//!   records, history and dedup.
 //!
 //! Records are kept per [`OwnerKey`] (a user; an agent or the whole tenant for shared
 //! memories), always inside one tenant: the tenant is part of every owner key, so no id a
@@ -22,6 +24,7 @@
 //! without long-term memory.
 
 pub mod archive;
+pub mod edits;
 pub mod extract;
 pub mod memories;
 mod user_index;
@@ -293,13 +296,13 @@ impl LongTerm {
         self.extractor.shutdown(grace).await;
     }
 
-    /// The `k` turns of `user`'s conversations other than `current` most relevant to
-    /// `query`, best first.
+    /// The `k` turns of `user`'s conversations other than `current` (all of them: `None`)
+    /// most relevant to `query`, best first.
     pub fn search(
         &self,
         store: &Store,
         user: &OwnerKey,
-        current: &ConversationKey,
+        current: Option<&ConversationKey>,
         language: TextLanguage,
         query: &str,
         k: usize,
@@ -319,7 +322,11 @@ impl LongTerm {
                 _ => UserIndex::build(store, &handle, language)?,
             };
             let index = state.index.insert(fresh);
-            index.search(query, (&current.agent, &current.conversation), k)
+            index.search(
+                query,
+                current.map(|c| (c.agent.as_str(), c.conversation.as_str())),
+                k,
+            )
         };
         self.users.insert(user.clone(), state);
         let mut found = Vec::with_capacity(hits.len());

@@ -85,12 +85,18 @@ impl UserIndex {
 
     /// The `k` best documents for `query` outside the conversation `skip` (agent,
     /// conversation): their scores and archive ids, best first.
-    pub fn search(&mut self, query: &str, skip: (&str, &str), k: usize) -> Vec<(f32, Vec<u8>)> {
+    pub fn search(
+        &mut self,
+        query: &str,
+        skip: Option<(&str, &str)>,
+        k: usize,
+    ) -> Vec<(f32, Vec<u8>)> {
         let query = terms(query, self.latin);
-        let skipped = self
-            .name_ids
-            .get(&(skip.0.to_string(), skip.1.to_string()))
-            .copied();
+        let skipped = skip.and_then(|(agent, conversation)| {
+            self.name_ids
+                .get(&(agent.to_string(), conversation.to_string()))
+                .copied()
+        });
         let docs = &self.docs;
         let hits = self.index.search_where(&query, u64::MAX, k, |seq| {
             docs.get(seq as usize)

@@ -598,7 +598,7 @@ fn recalled(
         match on.memory.longterm.search(
             store,
             user,
-            on.key,
+            Some(on.key),
             settings.relevance_language,
             query,
             settings.relevance_top_k,
