@@ -228,7 +228,13 @@ def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
                  "--disable-dev-shm-usage", "--window-size=1280,1000",
                  f"--user-data-dir={tmp_path / 'profile'}"):
         options.add_argument(flag)
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    options.add_experimental_option("prefs", {
+        "download.default_directory": str(downloads), "download.prompt_for_download": False})
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
+    driver.downloads = downloads
     driver.set_page_load_timeout(WAIT)
     try:
         yield driver
@@ -247,6 +253,9 @@ def _ready(driver: webdriver.Chrome, page: str):
         raise AssertionError(f"page {page} did not render: {driver.page_source[:2000]}") from None
     errors = view.find_elements(By.CSS_SELECTOR, "[data-error]")
     assert view.get_attribute("data-ready") == "true", [e.text for e in errors]
+    lines = view.text.splitlines()
+    for blank in ("null", "undefined", "NaN", "[object Object]"):
+        assert not any(blank in line.split() for line in lines), (page, blank, [l for l in lines if blank in l.split()])
     return view
 
 
@@ -490,12 +499,23 @@ def test_cost_pages_draw_the_ledger(env: Env, browser) -> None:
     _shot(browser, env, "cost-tenant")
 
 
-def test_a_delete_confirmed_in_the_page_is_gone_from_the_api(env: Env, browser) -> None:
+def test_export_delete_and_import_in_the_page(env: Env, browser) -> None:
     doomed = f"to-delete-{env.conversation}"
     path = f"/conversations/{env.tenant}/default/{doomed}"
-    assert _admin(env, "GET", path)[0] == 200
+    status, stored = _admin(env, "GET", path)
+    assert status == 200
     _log_in(browser, env)
     view = _go(browser, env, f"conversation/{env.tenant}/default/{doomed}", "conversation")
+
+    # Export: the file the browser saves is the admin API's export.
+    view.find_element(By.ID, "export").click()
+    saved = browser.downloads / f"{doomed}.memproxy.json"
+    _eventually("the export's download", lambda: saved.exists() and saved.stat().st_size > 0)
+    exported = json.loads(saved.read_text())
+    assert exported == _admin(env, "GET", path + "/export")[1]
+    assert len(exported["messages"]) == stored["message_count"]
+
+    # Delete: nothing before the id is typed, nothing when cancelled.
     view.find_element(By.ID, "delete-conversation").click()
     dialog = browser.find_element(By.ID, "confirm")
     assert dialog.is_displayed()
@@ -508,11 +528,53 @@ def test_a_delete_confirmed_in_the_page_is_gone_from_the_api(env: Env, browser) 
     browser.find_element(By.ID, "confirm-typed").send_keys(doomed)
     _shot(browser, env, "delete-confirmation")
     browser.find_element(By.ID, "confirm-ok").click()
-    _ready(browser, "conversations")
+    view = _ready(browser, "conversations")
     assert _admin(env, "GET", path)[0] == 404
     assert _admin(env, "GET", path + "/export")[0] == 404
     assert doomed not in [r.get_attribute("data-conversation") for r in browser.find_elements(
         By.CSS_SELECTOR, "#conversations tr[data-conversation]")]
+
+    # Import the saved file from the list page: the conversation is back, whole.
+    view.find_element(By.ID, "import-file").send_keys(str(saved))
+    view.find_element(By.CSS_SELECTOR, "#import-form button[type='submit']").click()
+    _eventually("the import", lambda: "Imported" in browser.find_element(By.ID, "import-status").text)
+    _ready(browser, "conversation")
+    status, back = _admin(env, "GET", path)
+    assert status == 200
+    assert [m["message"] for m in back["messages"]] == [m["message"] for m in stored["messages"]]
+
+
+@pytest.mark.parametrize("backend", ["sled", "redis"])
+def test_every_page_says_when_the_store_is_unavailable(backend: str, browser,
+                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    workdir = tmp_path_factory.mktemp(f"memproxy-console-unavailable-{backend}")
+    if backend == "redis":
+        # A loopback port nothing listens on.
+        from test_openai_sdk import _free_port
+        extra: tuple[str, ...] = ("--redis-url", f"redis://127.0.0.1:{_free_port()}")
+    else:
+        # The data directory cannot be made: a file is in its place.
+        (workdir / "data").write_text("not a directory")
+        extra = ()
+    proxy, port = _start_memproxy(workdir, "http://127.0.0.1:9/v1", extra_args=extra,
+                                  extra_env={"MEMPROXY_ADMIN_TOKEN": ADMIN_TOKEN})
+    try:
+        env = Env(backend, port, "", "0" * 32, "c", "u")
+        _type_token(browser, env, ADMIN_TOKEN)
+        for hash_, page in (("conversations", "conversations"), ("memories?tenant=" + "0" * 32 + "&user=u", "memories"),
+                            ("cost", "cost"), ("conversation/" + "0" * 32 + "/default/c", "conversation"),
+                            ("receipt/rcpt_x", "receipt")):
+            browser.get(env.url("/admin/ui/#/" + hash_))
+            WebDriverWait(browser, WAIT * 2).until(
+                lambda d: d.find_elements(By.CSS_SELECTOR, f"#view[data-page='{page}'][data-ready]"))
+            banner = browser.find_element(By.ID, "banner")
+            assert banner.is_displayed(), hash_
+            assert "store is unavailable" in banner.text, banner.text
+            badge = browser.find_element(By.ID, "store-badge").text
+            assert backend in badge and "unavailable" in badge
+        _shot(browser, env, "store-unavailable")
+    finally:
+        _stop(proxy)
 
 
 def test_console_files_carry_the_policy_and_no_cookie(env: Env) -> None:

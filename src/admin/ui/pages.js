@@ -425,8 +425,9 @@
 
   function memoryCard(base, m) {
     const card = el('div', { class: 'card', 'data-memory-id': m.id });
+    // Unlike `el`, the DOM's own replaceChildren would write a null as the text "null".
     const show = () => {
-      card.replaceChildren(
+      card.replaceChildren(...[
         el('div', { class: 'head' },
           el('span', { class: 'tag' }, m.type), el('span', { class: 'tag' }, m.scope),
           el('span', {}, 'importance ' + m.importance.toFixed(2)), el('span', {}, 'confidence ' + m.confidence.toFixed(2)),
@@ -441,7 +442,8 @@
         m.conversation ? el('p', { class: 'muted' }, 'learned from ' + m.conversation + (m.source_turns.length ? ', turns ' + m.source_turns.join(', ') : '')) : null,
         el('div', { class: 'toolbar' },
           el('button', { type: 'button', class: 'quiet edit-memory', onclick: edit }, 'Edit'),
-          el('button', { type: 'button', class: 'danger delete-memory', onclick: remove }, 'Delete…')));
+          el('button', { type: 'button', class: 'danger delete-memory', onclick: remove }, 'Delete…')),
+      ].filter(Boolean));
     };
     const edit = () => {
       card.replaceChildren(memoryForm(m, async (fields) => {
