@@ -121,8 +121,10 @@ def _admin(env: Env, method: str, path: str, body: object | None = None) -> tupl
 
 
 def _chat(port: int, conversation: str, messages: list[dict[str, object]],
-          user: str | None = None, agent: str | None = None) -> tuple[dict[str, str], dict]:
-    headers = {"authorization": f"Bearer {API_KEY}", "x-memory-conversation-id": conversation}
+          user: str | None = None, agent: str | None = None,
+          extra: dict[str, str] | None = None) -> tuple[dict[str, str], dict]:
+    headers = {"authorization": f"Bearer {API_KEY}", "x-memory-conversation-id": conversation,
+               **(extra or {})}
     if user:
         headers["x-memory-user-id"] = user
     if agent:
@@ -134,16 +136,15 @@ def _chat(port: int, conversation: str, messages: list[dict[str, object]],
 
 
 def _converse(port: int, conversation: str, texts: list[str], user: str | None = None,
-              agent: str | None = None) -> list[dict[str, str]]:
-    """Sends each text as the next user turn with the whole history (the SDK's habit)."""
+              agent: str | None = None) -> list[dict[str, object]]:
+    """Sends each text as the next user turn with the whole history (the SDK's habit);
+    returns the history."""
     history: list[dict[str, object]] = [{"role": "system", "content": "You are a travel helper."}]
-    answers = []
     for text in texts:
         history.append({"role": "user", "content": text})
-        headers, answer = _chat(port, conversation, history, user, agent)
+        _, answer = _chat(port, conversation, history, user, agent)
         history.append(answer["choices"][0]["message"])
-        answers.append(headers)
-    return answers
+    return history
 
 
 def _eventually(what: str, check, timeout: float = WAIT):
@@ -205,6 +206,20 @@ def _populate(env: Env) -> None:
     _converse(env.port, f"other-{env.conversation}", ["Hello there, how are you today?"],
               agent="support")
     _converse(env.port, f"to-delete-{env.conversation}", ["Please forget me after this."])
+    # Another user, whom the memories test deletes from the page.
+    _converse(env.port, f"bob-{env.conversation}", ["Book me a table for two tonight."], user=f"bob-{env.user}")
+    # A closed branch: the second question edited after two more turns were stored.
+    history = _converse(env.port, f"branchy-{env.conversation}", [
+        "Which tram goes up to the castle?", "Is the 28 tram crowded in the morning?",
+        "What does a day ticket cost?"])
+    _chat(env.port, f"branchy-{env.conversation}",
+          history[:3] + [{"role": "user", "content": "Is the 12 tram quieter than the 28?"}])
+    # A budget that drops turns: the last request of a longer conversation under 90 tokens.
+    history = _converse(env.port, f"budget-{env.conversation}", [
+        f"Tell me about viewpoint number {i} over the river and its opening hours" for i in range(1, 6)])
+    _chat(env.port, f"budget-{env.conversation}",
+          history + [{"role": "user", "content": "Which viewpoint is the best at sunset?"}],
+          extra={"x-memory-max-context-tokens": "90"})
     status, tenants = _admin(env, "GET", "/tenants")
     assert status == 200 and len(tenants["tenants"]) == 1, tenants
     env.tenant = tenants["tenants"][0]["tenant"]
@@ -358,6 +373,21 @@ def test_the_list_and_a_conversation_show_what_is_stored(env: Env, browser) -> N
     assert len(receipts) == 7
     _shot(browser, env, "conversation")
 
+    # A conversation with a closed branch shows it apart, with the messages that left the line.
+    branchy = f"branchy-{env.conversation}"
+    view = _go(browser, env, f"conversation/{env.tenant}/default/{branchy}", "conversation")
+    _, shown = _admin(env, "GET", f"/conversations/{env.tenant}/default/{branchy}")
+    assert len(shown["branches"]) == 1
+    branch = view.find_element(By.CSS_SELECTOR, "[data-branch]")
+    branch.find_element(By.TAG_NAME, "summary").click()
+    assert f"forked after turn {shown['branches'][0]['forked_after_turn']}" in branch.text
+    assert [int(t.get_attribute("data-turn")) for t in branch.find_elements(By.CSS_SELECTOR, "[data-turn]")] == [
+        m["turn"] for m in shown["branches"][0]["messages"]]
+    assert "Is the 28 tram crowded in the morning?" in branch.text
+    timeline_text = view.find_element(By.ID, "timeline").text
+    assert "Is the 12 tram quieter" in timeline_text and "28 tram crowded" not in timeline_text
+    _shot(browser, env, "conversation-branch")
+
 
 def test_a_receipt_shows_the_parts_of_the_body_forwarded(env: Env, browser) -> None:
     _log_in(browser, env)
@@ -409,6 +439,22 @@ def test_a_receipt_shows_the_parts_of_the_body_forwarded(env: Env, browser) -> N
         browser.save_screenshot(str(REPO_ROOT / "docs" / "console-receipt.png"))
     assert path.exists()
 
+    # What the budget dropped, turn by turn, on a request with a small max_context_tokens.
+    budgeted = f"budget-{env.conversation}"
+    _, listed = _admin(env, "GET", f"/conversations/{env.tenant}/default/{budgeted}/receipts?limit=1")
+    trimmed_id = listed["receipts"][0]["id"]
+    _, trimmed = _admin(env, "GET", f"/receipts/{trimmed_id}")
+    assert trimmed["budget"]["verdict"] == "trimmed" and trimmed["budget"]["dropped"]["window_turns"]
+    view = _go(browser, env, f"receipt/{trimmed_id}?tenant={env.tenant}", "receipt")
+    card = view.find_element(By.ID, "budget")
+    assert card.get_attribute("data-verdict") == "trimmed"
+    assert [int(t.get_attribute("data-dropped-window")) for t in card.find_elements(
+        By.CSS_SELECTOR, "[data-dropped-window]")] == trimmed["budget"]["dropped"]["window_turns"]
+    assert [int(t.get_attribute("data-dropped-recalled")) for t in card.find_elements(
+        By.CSS_SELECTOR, "[data-dropped-recalled]")] == [d["turn"] for d in trimmed["budget"]["dropped"]["recalled"]]
+    _shot(browser, env, "receipt-budget")
+    view = _go(browser, env, f"receipt/{receipt_id}?tenant={env.tenant}", "receipt")
+
     # The replay button: the same bytes go upstream again, nothing is stored.
     before = len(json.loads(_http(env.mock_url.removesuffix("/v1") + "/_mock/requests")[2]))
     # Memproxy holds no upstream key here: the replay needs the client's credential.
@@ -459,6 +505,16 @@ def test_a_memory_corrected_in_the_page_is_the_one_forwarded_next(env: Env, brow
     _, receipt = _admin(env, "GET", f"/receipts/{headers['x-memory-receipt']}")
     assert lisbon["id"] in [m["id"] for m in receipt["prompt"]["memories"]["items"]]
 
+    # The search ranks the user's memories as a prompt would, with their scores.
+    view = _go(browser, env, f"memories?tenant={env.tenant}&user={env.user}", "memories")
+    view.find_element(By.ID, "memory-q").send_keys("where does the user live, Porto?")
+    view.find_element(By.ID, "memory-show").click()
+    found = _eventually("the search's results", lambda: browser.find_elements(
+        By.CSS_SELECTOR, "#view[data-ready='true'] #memories [data-memory-id]") if "Found for" in browser.find_element(
+        By.ID, "main").text else None)
+    assert found[0].get_attribute("data-memory-id") == str(lisbon["id"])
+    assert "score" in found[0].text
+
     # A memory added in the page, then deleted in the page after its confirmation.
     view = _go(browser, env, f"memories?tenant={env.tenant}&user={env.user}", "memories")
     form = view.find_elements(By.CSS_SELECTOR, "form.memory-form")[-1]
@@ -474,6 +530,18 @@ def test_a_memory_corrected_in_the_page_is_the_one_forwarded_next(env: Env, brow
     browser.find_element(By.ID, "confirm-ok").click()
     _eventually("the memory deleted", lambda: _admin(
         env, "GET", f"/users/{env.tenant}/{env.user}/memories/{memory_id}")[0] == 404)
+
+    # The user's delete, confirmed by typing the user id: their conversations go too.
+    bob = f"bob-{env.user}"
+    assert _admin(env, "GET", f"/conversations/{env.tenant}/default/bob-{env.conversation}")[0] == 200
+    view = _go(browser, env, f"memories?tenant={env.tenant}&user={bob}", "memories")
+    view.find_element(By.ID, "delete-user").click()
+    browser.find_element(By.ID, "confirm-typed").send_keys(bob)
+    browser.find_element(By.ID, "confirm-ok").click()
+    WebDriverWait(browser, WAIT).until(lambda d: d.find_element(By.ID, "user-deleted"))
+    assert _admin(env, "GET", f"/conversations/{env.tenant}/default/bob-{env.conversation}")[0] == 404
+    assert _admin(env, "GET", f"/users/{env.tenant}/{bob}/export")[0] == 404
+    assert _admin(env, "GET", f"/users/{env.tenant}/{env.user}/memories")[0] == 200, "only that user"
 
 
 def test_cost_pages_draw_the_ledger(env: Env, browser) -> None:

@@ -119,11 +119,16 @@ impl Conversation {
         }
     }
 
-    /// The heap it holds beyond its own struct: its key's strings, its version, its entries.
+    /// The heap it holds beyond its own struct: its key's strings, its version, its entries,
+    /// its record's list of the newest exchanges' figures.
     fn heap_bytes(&self) -> usize {
         self.key.heap_bytes()
             + self.version.heap_bytes()
             + heap::vec::<Entry>(self.entries.capacity())
+            + self
+                .meta
+                .as_ref()
+                .map_or(0, |meta| heap::vec::<ExchangePoint>(meta.recent.capacity()))
     }
 
     /// Empties an in-memory conversation.

@@ -264,12 +264,7 @@
     }
     view.append(parts);
 
-    const dropped = receipt.budget.dropped;
-    view.append(el('h2', {}, 'Budget'), el('div', { class: 'card', id: 'budget' },
-      kv([['Verdict', receipt.budget.verdict || 'within max_context_tokens (or none set)'],
-        ['Newest message cut', receipt.budget.truncated ? 'yes' : 'no'],
-        ['Recalled turns dropped', dropped.recalled.length ? dropped.recalled.map((d) => 'turn ' + d.turn + (d.conversation ? ' of ' + d.conversation : '') + ' (score ' + d.score.toFixed(2) + ')').join(', ') : 'none'],
-        ['Window turns dropped', dropped.window_turns && dropped.window_turns.length ? dropped.window_turns.join(', ') : 'none']])));
+    view.append(el('h2', {}, 'Budget'), budgetCard(receipt));
 
     view.append(el('h2', {}, 'Settings in effect'),
       table(['Setting', 'Value'], Object.entries(receipt.settings).map(([k, v]) => el('tr', {}, el('td', { class: 'mono' }, k), el('td', {}, String(v)))), { id: 'settings' }));
@@ -281,6 +276,32 @@
 
     view.append(el('h2', {}, 'Replay'), replayForm(receipt));
   };
+
+  /// What `max_context_tokens` did: the verdict, and each recalled and window turn it dropped.
+  function budgetCard(receipt) {
+    const budget = receipt.budget;
+    const dropped = budget.dropped;
+    const limit = receipt.settings.max_context_tokens;
+    const verdicts = {
+      fits: 'the prompt fits', trimmed: 'trimmed to fit', exceeded: 'still over the budget after trimming',
+    };
+    const card = el('div', { class: 'card', id: 'budget', 'data-verdict': budget.verdict || 'none' },
+      kv([['max_context_tokens', limit === undefined ? '–' : String(limit)],
+        ['Verdict', budget.verdict ? verdicts[budget.verdict] || budget.verdict : 'no budget set'],
+        ['Newest message cut', budget.truncated ? 'yes: its start was cut to fit' : 'no']]));
+    if (dropped.recalled.length) {
+      card.append(el('h3', {}, 'Recalled turns dropped'), table(['Turn', 'From', 'Score'],
+        dropped.recalled.map((d) => el('tr', { 'data-dropped-recalled': d.turn },
+          el('td', {}, 'turn ' + d.turn), el('td', { class: 'mono' }, d.conversation || 'this conversation'),
+          el('td', { class: 'num' }, d.score.toFixed(3))))));
+    }
+    if (dropped.window_turns.length) {
+      card.append(el('h3', {}, 'Window turns dropped'),
+        el('p', { id: 'dropped-window' }, dropped.window_turns.map((t) => el('span', { class: 'tag', 'data-dropped-window': t }, 'turn ' + t)), ' '));
+    }
+    if (!dropped.recalled.length && !dropped.window_turns.length) card.append(el('p', { class: 'muted' }, 'Nothing was dropped.'));
+    return card;
+  }
 
   /// JSON with every object's keys sorted: two values equal as JSON give the same text.
   function canonical(value) {
