@@ -43,6 +43,7 @@ from selenium.common.exceptions import StaleElementReferenceException, TimeoutEx
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from test_openai_sdk import (
@@ -206,6 +207,10 @@ def _populate(env: Env) -> None:
     _converse(env.port, f"other-{env.conversation}", ["Hello there, how are you today?"],
               agent="support")
     _converse(env.port, f"to-delete-{env.conversation}", ["Please forget me after this."])
+    # A Responses API exchange: its receipt's body is in that API's own form.
+    status, _, raw = _http(env.url("/v1/responses"), "POST", {"model": MODEL, "input": "Hello from the Responses API"},
+                           {"authorization": f"Bearer {API_KEY}", "x-memory-conversation-id": f"responses-{env.conversation}"})
+    assert status == 200, raw
     # Another user, whom the memories test deletes from the page.
     _converse(env.port, f"bob-{env.conversation}", ["Book me a table for two tonight."], user=f"bob-{env.user}")
     # A closed branch: the second question edited after two more turns were stored.
@@ -272,6 +277,14 @@ def _ready(driver: webdriver.Chrome, page: str):
     for blank in ("null", "undefined", "NaN", "[object Object]"):
         assert not any(blank in line.split() for line in lines), (page, blank, [l for l in lines if blank in l.split()])
     return view
+
+
+def _click_to(driver: webdriver.Chrome, element, page: str):
+    """Clicks what renders another view, and waits for it (page `page`)."""
+    old = driver.find_element(By.ID, "view")
+    element.click()
+    WebDriverWait(driver, WAIT).until(expected_conditions.staleness_of(old))
+    return _ready(driver, page)
 
 
 def _go(driver: webdriver.Chrome, env: Env, hash_: str, page: str):
@@ -347,19 +360,34 @@ def test_the_list_and_a_conversation_show_what_is_stored(env: Env, browser) -> N
     assert not browser.find_element(By.ID, "banner").is_displayed()
     _shot(browser, env, "conversations")
 
+    # Paging, five at a time: every conversation once, in the API's order, and back again.
+    Select(view.find_element(By.ID, "limit")).select_by_value("5")
+    view = _click_to(browser, view.find_element(By.ID, "search"), "conversations")
+    def rows() -> list[str]:
+        return [r.get_attribute("data-conversation") for r in browser.find_elements(
+            By.CSS_SELECTOR, "#conversations tbody tr[data-conversation]")]
+
+    pages: list[list[str]] = [rows()]
+    while following := view.find_elements(By.ID, "next-page"):
+        view = _click_to(browser, following[0], "conversations")
+        pages.append(rows())
+    assert len(pages) == -(-len(listing["conversations"]) // 5) >= 2
+    assert [c for page in pages for c in page] == [c["id"] for c in listing["conversations"]]
+    view = _click_to(browser, view.find_element(By.ID, "previous-page"), "conversations")
+    assert rows() == pages[-2]
+    view = _go(browser, env, "conversations", "conversations")
+
     # The search by id.
     field = view.find_element(By.ID, "q")
     field.send_keys("other-")
-    view.find_element(By.ID, "search").click()
-    view = _ready(browser, "conversations")
+    view = _click_to(browser, view.find_element(By.ID, "search"), "conversations")
     _eventually("the search", lambda: [r.get_attribute("data-conversation") for r in browser.find_elements(
         By.CSS_SELECTOR, "#conversations tbody tr[data-conversation]")] == [f"other-{env.conversation}"])
 
     # One conversation: every stored turn, the summary with the turns it covers, the receipts.
     view = _go(browser, env, "conversations", "conversations")
     link = view.find_element(By.CSS_SELECTOR, f"tr[data-conversation='{env.conversation}'] a")
-    link.click()
-    view = _ready(browser, "conversation")
+    view = _click_to(browser, link, "conversation")
     _, shown = _admin(env, "GET", f"/conversations/{env.tenant}/default/{env.conversation}")
     turns = [int(t.get_attribute("data-turn")) for t in view.find_elements(By.CSS_SELECTOR, "#timeline [data-turn]")]
     assert turns == [m["turn"] for m in shown["messages"]]
@@ -393,8 +421,7 @@ def test_a_receipt_shows_the_parts_of_the_body_forwarded(env: Env, browser) -> N
     _log_in(browser, env)
     view = _go(browser, env, f"conversation/{env.tenant}/default/{env.conversation}", "conversation")
     # The newest receipt: the question that recalls the boat from the first turn.
-    view.find_element(By.CSS_SELECTOR, "#receipts tr[data-receipt] a.receipt-link").click()
-    view = _ready(browser, "receipt")
+    view = _click_to(browser, view.find_element(By.CSS_SELECTOR, "#receipts tr[data-receipt] a.receipt-link"), "receipt")
     receipt_id = view.find_element(By.ID, "receipt-id").text
     status, receipt = _admin(env, "GET", f"/receipts/{receipt_id}")
     assert status == 200
@@ -453,6 +480,12 @@ def test_a_receipt_shows_the_parts_of_the_body_forwarded(env: Env, browser) -> N
     assert [int(t.get_attribute("data-dropped-recalled")) for t in card.find_elements(
         By.CSS_SELECTOR, "[data-dropped-recalled]")] == [d["turn"] for d in trimmed["budget"]["dropped"]["recalled"]]
     _shot(browser, env, "receipt-budget")
+
+    # A Responses API receipt: its parts, and the body in that API's form.
+    _, listed = _admin(env, "GET", f"/conversations/{env.tenant}/default/responses-{env.conversation}/receipts")
+    view = _go(browser, env, f"receipt/{listed['receipts'][0]['id']}", "receipt")
+    assert "responses" in view.text and "in its own form" in view.text
+    assert "Hello from the Responses API" in view.find_element(By.CSS_SELECTOR, "[data-part='new']").text
     view = _go(browser, env, f"receipt/{receipt_id}?tenant={env.tenant}", "receipt")
 
     # The replay button: the same bytes go upstream again, nothing is stored.
@@ -595,8 +628,7 @@ def test_export_delete_and_import_in_the_page(env: Env, browser) -> None:
     view.find_element(By.ID, "delete-conversation").click()
     browser.find_element(By.ID, "confirm-typed").send_keys(doomed)
     _shot(browser, env, "delete-confirmation")
-    browser.find_element(By.ID, "confirm-ok").click()
-    view = _ready(browser, "conversations")
+    view = _click_to(browser, browser.find_element(By.ID, "confirm-ok"), "conversations")
     assert _admin(env, "GET", path)[0] == 404
     assert _admin(env, "GET", path + "/export")[0] == 404
     assert doomed not in [r.get_attribute("data-conversation") for r in browser.find_elements(

@@ -66,7 +66,7 @@
       labelled('Agent', select('agent', [['', 'all agents']].concat(
         [...agents].sort().map((a) => [a, a])), filter.agent)),
       labelled('Conversation id contains', el('input', { name: 'q', id: 'q', value: filter.q, placeholder: 'part of an id' })),
-      labelled('Per page', select('limit', ['10', '25', '100'].map((n) => [n, n]), filter.limit)),
+      labelled('Per page', select('limit', ['5', '25', '100', '1000'].map((n) => [n, n]), filter.limit)),
       el('button', { type: 'submit', id: 'search' }, 'Show'));
     form.addEventListener('submit', (event) => {
       event.preventDefault();
