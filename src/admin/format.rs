@@ -15,8 +15,8 @@ use crate::identity::ConversationKey;
 use crate::message::{Message, Role};
 use crate::settings::format_iso8601_duration;
 use crate::store::{
-    BranchRecord, ConversationMeta, ConversationSummary, Deleted, LedgerTotals, Origin,
-    StoredBranch, StoredMessage, TtlRecord,
+    BranchRecord, ConversationMeta, ConversationSummary, Deleted, ExchangePoint, LedgerTotals,
+    Origin, StoredBranch, StoredMessage, TtlRecord,
 };
 
 /// The `format` of an export.
@@ -365,5 +365,16 @@ pub fn ledger(exchanges: u64, forwarded: u64, totals: &LedgerTotals) -> Value {
         "saved_tokens": totals.history_tokens.saturating_sub(forwarded),
         "cached_tokens": totals.cached_tokens,
         "background_tokens": totals.background_tokens,
+    })
+}
+
+/// One exchange's figures in a conversation's stats (`exchanges`: the newest hundred).
+pub fn exchange_point(point: &ExchangePoint) -> Value {
+    json!({
+        "turn": point.turn,
+        "at_ms": point.at_ms,
+        "forwarded_tokens": point.forwarded_tokens,
+        "history_tokens": point.history_tokens,
+        "cached_tokens": point.cached_tokens,
     })
 }

@@ -1,5 +1,7 @@
 //! The admin API under `/admin/v1/`: list, show, stats, preview, export, import and delete
-//! conversations, delete a tenant, and a user's long-term memories (`users.rs`). Documented in `docs/admin-openapi.yaml`.
+//! conversations, list and delete tenants, a user's long-term memories ([`users`]), receipts
+//! ([`receipts`]) and the status the console shows ([`status`]). Documented in
+//! `docs/admin-openapi.json`. The console's files under `/admin/ui/` are served by [`ui`].
 //!
 //! Access: `Authorization: Bearer <admin token>`, the token from `MEMPROXY_ADMIN_TOKEN` or the
 //! variable `admin.token_env` names. With no token configured every `/admin` path is 404, as if
@@ -14,7 +16,9 @@ pub mod format;
 pub mod offline;
 pub mod ops;
 pub mod receipts;
+pub mod status;
 pub mod store_cli;
+pub mod ui;
 pub mod users;
 
 use std::sync::Arc;
@@ -46,6 +50,7 @@ pub const PREFIX: &str = "/admin/v1/";
 /// Every route the admin API serves, as `(method, path template)`: the OpenAPI document is
 /// checked against this list by a test.
 pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/admin/v1/status"),
     ("GET", "/admin/v1/conversations"),
     ("GET", "/admin/v1/conversations/{tenant}/{agent}/{id}"),
     ("DELETE", "/admin/v1/conversations/{tenant}/{agent}/{id}"),
@@ -62,6 +67,11 @@ pub const ROUTES: &[(&str, &str)] = &[
         "POST",
         "/admin/v1/conversations/{tenant}/{agent}/{id}/import",
     ),
+    (
+        "GET",
+        "/admin/v1/conversations/{tenant}/{agent}/{id}/receipts",
+    ),
+    ("GET", "/admin/v1/tenants"),
     ("DELETE", "/admin/v1/tenants/{tenant}"),
     ("GET", "/admin/v1/tenants/{tenant}/stats"),
     ("GET", "/admin/v1/receipts/{id}"),
@@ -103,6 +113,11 @@ pub async fn handle(state: &Arc<AppState>, request: Request<Incoming>) -> Respon
     if state.config.admin_token.is_none() {
         return AdminError::NotFound("no such path".into()).into_response();
     }
+    // The console's files carry no data: served without the token, which the page then asks
+    // for and sends with every admin request (`ui.rs`).
+    if ui::is_console(request.uri().path()) {
+        return ui::serve(request.method(), request.uri().path());
+    }
     if !authorized(state, request.headers()) {
         return AdminError::Unauthorized.into_response();
     }
@@ -130,6 +145,13 @@ async fn route(
     let rest = path
         .strip_prefix(PREFIX)
         .ok_or_else(|| no_route(&method, &path))?;
+    // The one route answered without a store: what the console shows when there is none.
+    if rest == "status" {
+        return match method {
+            Method::GET => ok(status::status(state).await),
+            _ => Err(wrong_method("GET")),
+        };
+    }
     // Every operation needs the store: without one (it could not be opened at start) the
     // admin API answers 503, as it would a store whose writes fail.
     let memory = state
@@ -149,6 +171,10 @@ async fn route(
         ["conversations"] => {
             call.allow(Method::GET)?;
             ok(ops::list(&memory.store, &query)?)
+        }
+        ["tenants"] => {
+            call.allow(Method::GET)?;
+            ok(ops::tenants(&memory.store)?)
         }
         ["tenants", tenant, "stats"] => {
             call.allow(Method::GET)?;
@@ -360,7 +386,8 @@ async fn conversation_action(
             let (parts, bytes) = call.read().await?;
             ok(preview(state, memory, key, &parts.headers, &bytes)?)
         }
-        ("stats" | "export", _) => Err(wrong_method("GET")),
+        ("receipts", &Method::GET) => ok(receipts::of_conversation(state, key, call.query)?),
+        ("stats" | "export" | "receipts", _) => Err(wrong_method("GET")),
         ("import" | "preview", _) => Err(wrong_method("POST")),
         _ => {
             let path = call.request.uri().path();

@@ -1,6 +1,8 @@
 //! The admin operations on a store, shared by the HTTP API and the offline CLI, and the
 //! deletes that also drop the recall index and count in metrics.
 
+use std::collections::BTreeMap;
+
 use http::header::HeaderName;
 use http::{HeaderValue, Response, StatusCode, header};
 use serde_json::{Value, json};
@@ -158,10 +160,12 @@ pub struct ListQuery {
     pub agent: Option<String>,
     pub cursor: Option<Vec<u8>>,
     pub limit: usize,
+    /// Only conversations whose id contains this text (ASCII case-insensitive).
+    pub q: Option<String>,
 }
 
 impl ListQuery {
-    /// Reads `tenant`, `agent`, `cursor` and `limit` from a query string.
+    /// Reads `tenant`, `agent`, `q`, `cursor` and `limit` from a query string.
     pub fn parse(query: &str) -> Result<ListQuery, AdminError> {
         let mut out = ListQuery {
             limit: DEFAULT_PAGE,
@@ -178,6 +182,15 @@ impl ListQuery {
                         ));
                     }
                     out.agent = Some(value.to_string());
+                }
+                "q" => {
+                    // Ids are 1-128 characters from A-Za-z0-9._:@- (no escapes needed).
+                    if !value.is_empty() && !is_valid_id(value) {
+                        return Err(AdminError::BadRequest(
+                            "`q` is 1-128 characters from A-Za-z0-9._:@- (part of an id)".into(),
+                        ));
+                    }
+                    out.q = (!value.is_empty()).then(|| value.to_ascii_lowercase());
                 }
                 "cursor" => {
                     out.cursor = Some(unhex(value).ok_or_else(|| {
@@ -197,7 +210,7 @@ impl ListQuery {
                 }
                 other => {
                     return Err(AdminError::BadRequest(format!(
-                        "unknown query parameter `{other}`: accepted are tenant, agent, cursor, limit"
+                        "unknown query parameter `{other}`: accepted are tenant, agent, q, cursor, limit"
                     )));
                 }
             }
@@ -216,7 +229,13 @@ pub fn list_with(store: &Store, query: &ListQuery) -> Result<Value, AdminError> 
         tenant: query.tenant.as_ref(),
         agent: query.agent.as_deref(),
     };
-    let (page, next) = store.list(scope, query.cursor.as_deref(), query.limit.max(1))?;
+    let limit = query.limit.max(1);
+    let (page, next) = match &query.q {
+        None => store.list(scope, query.cursor.as_deref(), limit)?,
+        Some(q) => store.search(scope, query.cursor.as_deref(), limit, |key| {
+            key.conversation.to_ascii_lowercase().contains(q.as_str())
+        })?,
+    };
     Ok(json!({
         "conversations": page.iter().map(format::listed).collect::<Vec<_>>(),
         "next_cursor": next.map(|c| hex(&c)),
@@ -297,6 +316,7 @@ pub fn stats(
         "used_percent": budget.map_or(Value::Null, |b| percent(active_tokens + latest_summary_tokens, b)),
     });
     value["ledger"] = format::ledger(meta.ledger.exchanges, meta.tokens_forwarded, &meta.ledger);
+    value["exchanges"] = meta.recent.iter().map(format::exchange_point).collect();
     value["next_summary"] = json!({
         "enabled": settings.compression_enabled,
         "threshold_tokens": settings.compression_threshold_tokens,
@@ -309,6 +329,43 @@ pub fn stats(
     Ok(value)
 }
 
+/// Calls `each` with every conversation in `scope`, read a page at a time.
+fn each_conversation(
+    store: &Store,
+    scope: Scope<'_>,
+    mut each: impl FnMut(&crate::store::ConversationSummary),
+) -> Result<(), AdminError> {
+    let mut cursor: Option<Vec<u8>> = None;
+    loop {
+        let (page, next) = store.list(scope, cursor.as_deref(), MAX_PAGE)?;
+        page.iter().for_each(&mut each);
+        match next {
+            Some(next) if !page.is_empty() => cursor = Some(next),
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// A ledger and the tokens forwarded, added up over conversations.
+#[derive(Default)]
+struct Tally {
+    conversations: u64,
+    forwarded: u64,
+    totals: crate::store::LedgerTotals,
+}
+
+impl Tally {
+    fn add(&mut self, conversation: &crate::store::ConversationSummary) {
+        self.conversations += 1;
+        self.forwarded += conversation.meta.tokens_forwarded;
+        self.totals.add(&conversation.meta.ledger);
+    }
+
+    fn ledger(&self) -> Value {
+        format::ledger(self.totals.exchanges, self.forwarded, &self.totals)
+    }
+}
+
 /// A tenant's token ledger: its conversations' ledgers added up (every conversation's record
 /// is read, a page at a time).
 pub fn tenant_stats(store: &Store, tenant: &TenantId) -> Result<Value, AdminError> {
@@ -316,44 +373,55 @@ pub fn tenant_stats(store: &Store, tenant: &TenantId) -> Result<Value, AdminErro
         tenant: Some(tenant),
         agent: None,
     };
-    let (mut conversations, mut forwarded) = (0u64, 0u64);
-    let mut totals = crate::store::LedgerTotals::default();
-    let mut agents: std::collections::BTreeMap<String, (u64, crate::store::LedgerTotals)> =
-        std::collections::BTreeMap::new();
-    let mut cursor: Option<Vec<u8>> = None;
-    loop {
-        let (page, next) = store.list(scope, cursor.as_deref(), MAX_PAGE)?;
-        for conversation in &page {
-            conversations += 1;
-            forwarded += conversation.meta.tokens_forwarded;
-            totals.add(&conversation.meta.ledger);
-            let agent = agents.entry(conversation.key.agent.clone()).or_default();
-            agent.0 += conversation.meta.tokens_forwarded;
-            agent.1.add(&conversation.meta.ledger);
-        }
-        match next {
-            Some(next) if !page.is_empty() => cursor = Some(next),
-            _ => break,
-        }
-    }
-    if conversations == 0 {
+    let mut all = Tally::default();
+    let mut agents: BTreeMap<String, Tally> = BTreeMap::new();
+    each_conversation(store, scope, |conversation| {
+        all.add(conversation);
+        agents
+            .entry(conversation.key.agent.clone())
+            .or_default()
+            .add(conversation);
+    })?;
+    if all.conversations == 0 {
         return Err(AdminError::NotFound(format!(
             "no conversation of tenant {tenant}"
         )));
     }
-    let mut by_agent = serde_json::Map::new();
-    for (agent, (forwarded, totals)) in &agents {
-        by_agent.insert(
-            agent.clone(),
-            format::ledger(totals.exchanges, *forwarded, totals),
-        );
-    }
+    let by_agent: serde_json::Map<String, Value> = agents
+        .iter()
+        .map(|(agent, tally)| (agent.clone(), tally.ledger()))
+        .collect();
     Ok(json!({
         "tenant": tenant.as_str(),
-        "conversations": conversations,
-        "ledger": format::ledger(totals.exchanges, forwarded, &totals),
+        "conversations": all.conversations,
+        "ledger": all.ledger(),
         "agents": by_agent,
     }))
+}
+
+/// Every tenant with conversations, its agents and how many conversations each has (every
+/// conversation's record is read, a page at a time): what the console's filters offer.
+pub fn tenants(store: &Store) -> Result<Value, AdminError> {
+    let mut tenants: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    each_conversation(store, Scope::default(), |conversation| {
+        let key = &conversation.key;
+        *tenants
+            .entry(key.tenant.as_str().to_string())
+            .or_default()
+            .entry(key.agent.clone())
+            .or_default() += 1;
+    })?;
+    let listed: Vec<Value> = tenants
+        .into_iter()
+        .map(|(tenant, agents)| {
+            json!({
+                "tenant": tenant,
+                "conversations": agents.values().sum::<u64>(),
+                "agents": agents,
+            })
+        })
+        .collect();
+    Ok(json!({"tenants": listed}))
 }
 
 /// A conversation in the export format.

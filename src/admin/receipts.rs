@@ -1,5 +1,7 @@
 //! `GET /admin/v1/receipts/{id}` and `POST /admin/v1/receipts/{id}/replay`: what memproxy
-//! forwarded for one exchange, and the same body sent upstream again.
+//! forwarded for one exchange, and the same body sent upstream again; and
+//! `GET /admin/v1/conversations/{tenant}/{agent}/{id}/receipts`: a conversation's kept
+//! receipts, newest first, each in brief.
 //!
 //! The admin token is one for the whole process, so a receipt's id (128 random bits) is what
 //! addresses it; `?tenant=T` makes the read tenant-checked as the conversation routes are by
@@ -17,12 +19,12 @@ use std::sync::Arc;
 
 use http::header::{AUTHORIZATION, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Response};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::{AdminError, query_value};
 use crate::body::{ProxyBody, boxed, full};
 use crate::error::ProxyError;
-use crate::identity::TenantId;
+use crate::identity::{ConversationKey, TenantId};
 use crate::proxy::identify::credential_of;
 use crate::receipts::{Receipt, render};
 use crate::state::AppState;
@@ -56,6 +58,33 @@ pub fn find(state: &AppState, id: &str, query: &str) -> Result<Arc<Receipt>, Adm
     }
     Ok(receipt)
 }
+
+/// The kept receipts of a conversation, newest first (`?limit=`, default 20, at most 100).
+pub fn of_conversation(
+    state: &AppState,
+    key: &ConversationKey,
+    query: &str,
+) -> Result<Value, AdminError> {
+    let limit = match query_value(query, "limit") {
+        None => DEFAULT_LISTED,
+        Some(text) => text
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_LISTED).contains(n))
+            .ok_or_else(|| {
+                AdminError::BadRequest(format!("`limit` must be an integer from 1 to {MAX_LISTED}"))
+            })?,
+    };
+    let kept = state.receipts.of_conversation(key, limit);
+    let mut value = super::format::address(key);
+    value["receipts_enabled"] = json!(state.receipts.enabled());
+    value["receipts"] = kept.iter().map(|r| render::brief(r)).collect();
+    Ok(value)
+}
+
+/// The receipts a conversation's list gives by default, and at most.
+const DEFAULT_LISTED: usize = 20;
+const MAX_LISTED: usize = 100;
 
 /// The receipt as JSON.
 pub fn show(receipt: &Receipt) -> Value {

@@ -2,7 +2,8 @@
 //! searched, shown, created, corrected and deleted by hand, and a user deleted entirely.
 //!
 //! - `GET /admin/v1/users/{tenant}/{user}/memories[?q=text]` — the user's memories (private
-//!   scope; `?q=` ranks them as a prompt would and returns the scores);
+//!   scope), each with its decay now; `?q=` (form-encoded) ranks them as a prompt would and
+//!   returns the scores;
 //! - `POST …/memories` — a memory written by hand (`{"text", "type", "importance"?, "tags"?}`,
 //!   source `corrected_memory`);
 //! - `GET | PATCH | DELETE …/memories/{id}` — one memory; `PATCH {"text"?, "type"?,
@@ -62,13 +63,23 @@ pub fn list(
         .split('&')
         .filter_map(|pair| pair.split_once('='))
         .find(|(k, _)| *k == "q")
-        .map(|(_, v)| v.replace('+', " "));
-    let Some(q) = q else {
-        return Ok(json!({"user": user, "memories": records}));
-    };
+        .map(|(_, v)| form_decoded(v))
+        .transpose()?;
     let decay = memories::Decay {
         half_life_ms: crate::settings::DEFAULT_MEMORY_HALF_LIFE.as_secs_f64() * 1000.0,
         min: 0.0,
+    };
+    let Some(q) = q else {
+        // Each with its decay now, as a prompt would weigh it.
+        let listed: Vec<Value> = records
+            .iter()
+            .map(|m| {
+                let mut value = json!(m);
+                value["decay"] = json!(m.decay(now, decay));
+                value
+            })
+            .collect();
+        return Ok(json!({"user": user, "memories": listed}));
     };
     let candidates = records.into_iter().map(|m| (owner.clone(), m)).collect();
     let chosen = memories::select(candidates, &q, now, decay, 50, u64::MAX);
@@ -77,6 +88,27 @@ pub fn list(
         .map(|c| json!({"score": c.score, "decay": c.decay, "memory": c.memory}))
         .collect();
     Ok(json!({"user": user, "query": q, "memories": found}))
+}
+
+/// A query value as a form encodes it: `+` is a space, `%XX` a byte; UTF-8.
+fn form_decoded(value: &str) -> Result<String, AdminError> {
+    let bad = || AdminError::BadRequest("`q` is not a well-encoded query value".to_string());
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = value.get(i + 1..i + 3).ok_or_else(bad)?;
+                out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
+                i += 2;
+            }
+            byte => out.push(byte),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).map_err(|_| bad())
 }
 
 /// One memory.

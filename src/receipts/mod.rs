@@ -147,6 +147,19 @@ impl Receipts {
         self.cache.as_ref()?.get(id)
     }
 
+    /// The kept receipts of the conversation `key`, newest first, at most `limit`.
+    pub fn of_conversation(&self, key: &ConversationKey, limit: usize) -> Vec<Arc<Receipt>> {
+        let Some(cache) = &self.cache else {
+            return Vec::new();
+        };
+        // Copied out first: the cache is never called with the index locked.
+        let ids = lock(&self.index).get(key).cloned().unwrap_or_default();
+        let mut kept: Vec<Arc<Receipt>> = ids.iter().rev().filter_map(|id| cache.get(id)).collect();
+        kept.sort_by_key(|receipt| std::cmp::Reverse(receipt.created_ms));
+        kept.truncate(limit);
+        kept
+    }
+
     /// Drops the receipts of the conversation `key` (deleted): from now on they are unknown.
     pub fn forget_conversation(&self, key: &ConversationKey) {
         let ids = lock(&self.index).remove(key).unwrap_or_default();

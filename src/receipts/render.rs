@@ -110,6 +110,24 @@ pub fn to_json(receipt: &Receipt) -> Value {
     })
 }
 
+/// A receipt in a conversation's list: what it is and its figures, without the body.
+pub fn brief(receipt: &Receipt) -> Value {
+    let outcome = receipt.outcome_now();
+    json!({
+        "id": receipt.id,
+        "created_ms": receipt.created_ms,
+        "api": receipt.api.as_str(),
+        "model": receipt.model,
+        "prompt_tokens": receipt.planned.prompt_tokens,
+        "history_tokens": receipt.planned.history_tokens,
+        "stored_messages": receipt.planned.stored_count,
+        "cached_tokens": outcome.usage.as_ref().map(|usage| usage.cached_tokens),
+        "status": outcome.status,
+        "ended": outcome.ended,
+        "memory_status": outcome.memory_status,
+    })
+}
+
 fn outcome(outcome: &Outcome) -> Value {
     json!({
         "status": outcome.status,

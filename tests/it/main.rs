@@ -33,6 +33,7 @@ mod branching;
 mod cli;
 mod client_timeouts;
 mod compression;
+mod console;
 mod disk_full;
 mod erasure;
 mod forwarding;

@@ -28,7 +28,8 @@
 //! `GET /_mock/requests` (every request recorded: method, path, headers, body as JSON),
 //! `GET /_mock/refusals` (every refused request: method, path, api, task, status, message),
 //! `POST /_mock/script` (queues a reply: `{"text": ".."}` or
-//! `{"tool_calls": [[id, name, arguments]]}`), `POST /_mock/strict` (`{"strict": false}` turns
+//! `{"tool_calls": [[id, name, arguments]]}`; `{"extraction": {"memories": [..]}}` queues the
+//! answer of memproxy's next memory extraction call), `POST /_mock/strict` (`{"strict": false}` turns
 //! the checks off) and `POST /_mock/clear` (requests, script and refusals).
 // Each target that includes this file uses a different part of it.
 #![allow(dead_code)]
@@ -932,6 +933,11 @@ fn control(
         }
         ("POST", "/_mock/script") => {
             let value: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            // `{"extraction": {"memories": [...]}}` answers memproxy's next extraction call.
+            if let Some(extraction) = value.get("extraction") {
+                lock(&shared.extraction_script).push_back(Reply::Text(extraction.to_string()));
+                return Some(json_response(StatusCode::OK, json!({"queued": true})));
+            }
             let reply = if let Some(text) = value.get("text").and_then(Value::as_str) {
                 Reply::Text(text.to_string())
             } else if let Some(calls) = value.get("tool_calls").and_then(Value::as_array) {

@@ -62,9 +62,10 @@ pub use flush::FlushError;
 pub use health::RETRY_AFTER;
 pub use owners::OwnerHandle;
 pub use records::{
-    BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ImportMeta, Imported,
-    LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta, OwnerRecord,
-    StoredBranch, StoredMessage, SummaryRecord, TtlRecord, tokens_between, transcript_line,
+    BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ExchangePoint, ImportMeta,
+    Imported, LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta,
+    OwnerRecord, StoredBranch, StoredMessage, SummaryRecord, TtlRecord, tokens_between,
+    transcript_line,
 };
 pub use redis_engine::{RedisEngine, RedisOptions, is_redis_url};
 pub use sled_engine::SledEngine;
@@ -119,11 +120,16 @@ impl Conversation {
         }
     }
 
-    /// The heap it holds beyond its own struct: its key's strings, its version, its entries.
+    /// The heap it holds beyond its own struct: its key's strings, its version, its entries,
+    /// its record's list of the newest exchanges' figures.
     fn heap_bytes(&self) -> usize {
         self.key.heap_bytes()
             + self.version.heap_bytes()
             + heap::vec::<Entry>(self.entries.capacity())
+            + self
+                .meta
+                .as_ref()
+                .map_or(0, |meta| heap::vec::<ExchangePoint>(meta.recent.capacity()))
     }
 
     /// Empties an in-memory conversation.
@@ -531,6 +537,17 @@ impl Store {
         meta.last_activity_ms = now;
         meta.tokens_forwarded += change.tokens_forwarded;
         meta.ledger.add(&change.ledger);
+        if change.ledger.exchanges > 0
+            && let Some(reply) = change.add.last()
+        {
+            meta.keep_exchange(ExchangePoint {
+                turn: reply.turn,
+                at_ms: now,
+                forwarded_tokens: change.tokens_forwarded,
+                history_tokens: change.ledger.history_tokens,
+                cached_tokens: change.ledger.cached_tokens,
+            });
+        }
 
         let response_ids = response_ids_of(&change.add);
         let mut created_key = false;

@@ -61,6 +61,43 @@ impl Store {
         limit: usize,
     ) -> Result<Page<ConversationSummary>, StoreError> {
         let (page, next) = self.engine.list(scope, after, limit, MAX_LIST_SCAN)?;
+        Ok((self.summarized(page)?, next))
+    }
+
+    /// [`Store::list`] of only the conversations `matches` takes: pages are read until
+    /// `limit` match, the listing ends, or [`MAX_LIST_SCAN`] conversations were looked at;
+    /// the cursor goes on after the last one looked at (or kept, when a page was cut).
+    pub fn search(
+        &self,
+        scope: Scope<'_>,
+        after: Option<&[u8]>,
+        limit: usize,
+        matches: impl Fn(&ConversationKey) -> bool,
+    ) -> Result<Page<ConversationSummary>, StoreError> {
+        let (mut found, mut cursor, mut looked) = (Vec::new(), after.map(<[u8]>::to_vec), 0);
+        let next = loop {
+            let (page, next) =
+                self.engine
+                    .list(scope, cursor.as_deref(), WALK_PAGE, MAX_LIST_SCAN)?;
+            looked += page.len();
+            found.extend(page.into_iter().filter(|(key, _)| matches(key)));
+            match next {
+                Some(next) if found.len() < limit && looked < MAX_LIST_SCAN => cursor = Some(next),
+                next if found.len() > limit => {
+                    found.truncate(limit);
+                    break found.last().map(|(key, _)| key.to_bytes()).or(next);
+                }
+                next => break next,
+            }
+        };
+        Ok((self.summarized(found)?, next))
+    }
+
+    /// Listed conversations with their summary counts and TTL records.
+    fn summarized(
+        &self,
+        page: Vec<(ConversationKey, ConversationMeta)>,
+    ) -> Result<Vec<ConversationSummary>, StoreError> {
         let mut out = Vec::with_capacity(page.len());
         for (key, meta) in page {
             out.push(ConversationSummary {
@@ -70,7 +107,7 @@ impl Store {
                 meta,
             });
         }
-        Ok((out, next))
+        Ok(out)
     }
 
     /// Up to `limit` conversations (key and record) after the cursor `after`, in key order:

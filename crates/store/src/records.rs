@@ -44,6 +44,55 @@ pub struct ConversationMeta {
     /// The token ledger of the stored exchanges (beside `tokens_forwarded`).
     #[serde(default)]
     pub ledger: LedgerTotals,
+    /// The newest stored exchanges' figures, oldest first, at most [`RECENT_EXCHANGES`]: what
+    /// the console's cost chart draws (the totals above cover every exchange).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recent: Vec<ExchangePoint>,
+}
+
+/// How many exchanges' figures a conversation's record keeps ([`ConversationMeta::recent`]):
+/// bounded, as the record is read and written with every exchange (about 3 KiB at most).
+pub const RECENT_EXCHANGES: usize = 100;
+
+/// One stored exchange's token figures, kept in its conversation's record. Serialized as a
+/// compact array `[turn, at_ms, forwarded, history, cached]`, as the record holds a hundred.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "[u64; 5]", into = "[u64; 5]")]
+pub struct ExchangePoint {
+    /// The turn of the exchange's reply.
+    pub turn: u64,
+    /// When it was stored (ms since the epoch).
+    pub at_ms: i64,
+    /// Tokens of the prompt forwarded.
+    pub forwarded_tokens: u64,
+    /// Tokens the client's history would have taken (the request without memproxy).
+    pub history_tokens: u64,
+    /// Of the prompt forwarded, the tokens the upstream reported read from its cache.
+    pub cached_tokens: u64,
+}
+
+impl From<[u64; 5]> for ExchangePoint {
+    fn from([turn, at_ms, forwarded_tokens, history_tokens, cached_tokens]: [u64; 5]) -> Self {
+        ExchangePoint {
+            turn,
+            at_ms: i64::try_from(at_ms).unwrap_or(i64::MAX),
+            forwarded_tokens,
+            history_tokens,
+            cached_tokens,
+        }
+    }
+}
+
+impl From<ExchangePoint> for [u64; 5] {
+    fn from(point: ExchangePoint) -> [u64; 5] {
+        [
+            point.turn,
+            u64::try_from(point.at_ms).unwrap_or(0),
+            point.forwarded_tokens,
+            point.history_tokens,
+            point.cached_tokens,
+        ]
+    }
 }
 
 /// What a conversation's stored exchanges cost and saved, in tokens: kept in its record, so
@@ -89,7 +138,17 @@ impl ConversationMeta {
             tokens_forwarded: 0,
             branches: 0,
             ledger: LedgerTotals::default(),
+            recent: Vec::new(),
         }
+    }
+
+    /// Keeps an exchange's figures, the oldest going past [`RECENT_EXCHANGES`].
+    pub fn keep_exchange(&mut self, point: ExchangePoint) {
+        if self.recent.len() >= RECENT_EXCHANGES {
+            let excess = self.recent.len() + 1 - RECENT_EXCHANGES;
+            self.recent.drain(..excess);
+        }
+        self.recent.push(point);
     }
 }
 
