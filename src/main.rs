@@ -10,6 +10,7 @@ use memproxy::state::AppState;
 use tokio::net::TcpListener;
 
 fn main() -> ExitCode {
+    memproxy::allocator::configure();
     let cli = Cli::parse();
     let config = match config::load(&cli.overrides(), &|name| std::env::var(name).ok()) {
         Ok(config) => config,

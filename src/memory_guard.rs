@@ -534,6 +534,11 @@ impl Relief {
         }
         if freed > 0 {
             self.shrinks.fetch_add(1, Ordering::Relaxed);
+        }
+        // Freed pages the allocator keeps count in the RSS as much as the caches do: ask for
+        // them back after an eviction, and every tick while the RSS is past the mark (what
+        // requests freed since may be held too).
+        if freed > 0 || state != PressureState::Calm {
             crate::allocator::release();
             // The next admission reads the RSS the release left.
             self.resident.expire();

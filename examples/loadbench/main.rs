@@ -96,6 +96,8 @@ fn main() -> ExitCode {
         return serve_mock();
     }
     if let Some(config) = &args.serve_proxy {
+        // The allocator set up as memproxy's own `main` does.
+        memproxy::allocator::configure();
         return serve_proxy(config);
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
