@@ -7,7 +7,7 @@
 //! - `jemalloc`: jemalloc (`tikv-jemallocator`) with background threads that purge freed
 //!   pages after `dirty_decay_ms` (set in `.cargo/config.toml`); [`release`] purges at once.
 //! - `mimalloc`: mimalloc, which returns freed pages on its own after a short delay.
-//! - `glibc-trim` (the default): glibc's malloc with at most [`GLIBC_ARENAS`] arenas
+//! - `glibc-trim` (the default): glibc's malloc with [`GLIBC_ARENAS`] arena
 //!   ([`configure`]), and `malloc_trim(0)` as [`release`].
 //! - none (`--no-default-features`): glibc's malloc as it comes, and [`release`] does nothing.
 //!
@@ -15,8 +15,10 @@
 //! 20,000 conversations, the release binary of each; README, "Sizing the sidecar"): idle RSS
 //! 59–60 MiB with glibc, 77.6 MiB with jemalloc, 100.7 MiB with mimalloc; under the load, with
 //! glibc's default arenas (up to 8 per core, each keeping what it freed) memory was on for
-//! 0.03% of the requests after the first minute and stayed off after the traffic, with two
-//! arenas and the trim for 24.7% and back on for every request after 5 s of quiet.
+//! 0.03% of the requests after the first minute and stayed off after the traffic; with the
+//! trim and two arenas for 24.7%, with one for 66.3% (85.2% from 5 s after the burst), and back
+//! on for every request after 5 s of quiet. Per-thread caches (glibc's tcache) serve most small
+//! allocations without the arena's lock.
 
 #[cfg(all(feature = "jemalloc", target_os = "linux"))]
 #[global_allocator]
@@ -39,10 +41,9 @@ pub fn name() -> &'static str {
     }
 }
 
-/// glibc's malloc arenas with `glibc-trim`: one per core of the development machine. Each
-/// thread that allocates takes an arena; what an arena freed it keeps, so fewer arenas keep
-/// less (at some cost in lock contention).
-pub const GLIBC_ARENAS: i32 = 2;
+/// glibc's malloc arenas with `glibc-trim`. Each thread that allocates takes an arena (glibc
+/// makes up to eight per core); what an arena freed it keeps, so one arena keeps least.
+pub const GLIBC_ARENAS: i32 = 1;
 
 /// Sets the allocator up; call once, first thing in `main`, before any thread starts.
 pub fn configure() {
