@@ -22,7 +22,8 @@
 # over the rounds, since a shared machine drifts.
 #
 # Usage: scripts/perf.sh [--rounds N] [--duration S] [--connections C] [--baseline BINARY]
-#                        [--binary BINARY] [--log LEVEL] [--keep] [--record DIR]
+#                        [--binary BINARY] [--log LEVEL] [--budget SIZE] [--keep] [--record DIR]
+# --budget SIZE: memproxy's server.memory_budget (default: its default, 192MiB).
 # --record DIR: each memproxy row of the first round is also sampled with `perf record -g`
 # (Debian's linux-perf) into DIR/ROW.data, for `perf report -i DIR/ROW.data`.
 # Needs: nginx, wrk, curl, python3 (apt-get install nginx wrk curl python3); a release build
@@ -40,6 +41,7 @@ baseline=""
 log_level=warn
 keep=false
 record=""
+budget=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --rounds) rounds=$2; shift 2 ;;
@@ -51,7 +53,8 @@ while [ $# -gt 0 ]; do
         --log) log_level=$2; shift 2 ;;
         --keep) keep=true; shift ;;
         --record) record=$2; shift 2 ;;
-        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        --budget) budget=$2; shift 2 ;;
+        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
         *) echo "perf.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -131,13 +134,19 @@ for name in upstream proxy; do
     "${nice_cmd[@]}" nginx -c "$dir/nginx-$name.conf" -p "$dir" -e "$dir/nginx-$name.error.log"
 done
 
-# memproxy: one process per binary, each with its own data directory.
-start_memproxy() { # name binary port
+# memproxy: one process per binary, each with its own data directory, started anew at each
+# round (so every round starts from the same caches and resident memory).
+declare -A port_of pid_of binary_of
+budget_line=""
+[ -z "$budget" ] || budget_line="memory_budget = \"$budget\""
+start_memproxy() { # name
+    local port=${port_of[$1]}
     mkdir -p "$dir/$1"
     cat >"$dir/$1/memproxy.toml" <<EOF
 [server]
-listen = "127.0.0.1:$3"
+listen = "127.0.0.1:$port"
 shutdown_grace = "PT5S"
+$budget_line
 
 [upstream]
 base_url = "http://127.0.0.1:$upstream_port/v1"
@@ -149,26 +158,29 @@ base_url = "http://127.0.0.1:$upstream_port"
 [storage]
 data_dir = "$dir/$1/data"
 EOF
-    RUST_LOG=$log_level "${nice_cmd[@]}" "$2" --config "$dir/$1/memproxy.toml" serve \
-        >"$dir/$1/log" 2>&1 &
+    RUST_LOG=$log_level "${nice_cmd[@]}" "${binary_of[$1]}" --config "$dir/$1/memproxy.toml" \
+        serve >>"$dir/$1/log" 2>&1 &
+    pid_of[$1]=$!
     pids+=($!)
     for _ in $(seq 100); do
-        curl -fs "http://127.0.0.1:$3/readyz" >/dev/null 2>&1 && return 0
+        curl -fs "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && return 0
         sleep 0.1
     done
     echo "perf.sh: memproxy $1 did not start:" >&2; cat "$dir/$1/log" >&2; exit 1
 }
+stop_memproxy() { # name
+    kill "${pid_of[$1]}" 2>/dev/null || true
+    while kill -0 "${pid_of[$1]}" 2>/dev/null; do sleep 0.1; done
+}
 binaries=(new)
-start_memproxy new "$binary" "$proxy_port"
-declare -A port_of=([new]=$proxy_port)
-declare -A pid_of=([new]=${pids[-1]})
+port_of[new]=$proxy_port
+binary_of[new]=$binary
 if [ -n "$baseline" ]; then
-    base_port=$(free_port)
-    start_memproxy base "$baseline" "$base_port"
-    port_of[base]=$base_port
-    pid_of[base]=${pids[-1]}
     binaries+=(base)
+    port_of[base]=$(free_port)
+    binary_of[base]=$baseline
 fi
+for name in "${binaries[@]}"; do start_memproxy "$name"; done
 
 # The pre-filled conversations: 199 alternating messages (the reply makes 200), words drawn
 # with a fixed seed from loadbench's word list, different in each conversation.
@@ -186,14 +198,17 @@ for c in range(count):
     with open(f"{out}/seed-{c}.json", "w") as f:
         json.dump({"model": "gpt-4o-mini", "messages": listed}, f)
 EOF
-seed() { # binary-name prefix
-    local port=${port_of[$1]}
+seed() { # binary-name prefix [expected status] [body]: one request per conversation
+    local port=${port_of[$1]} expect=${3:-stored} body=${4:-}
+    [ -n "$body" ] || body="@$dir/seed-{}.json"
+    local persist=""
+    [ "$expect" = stored ] || persist="-H 'x-memory-persist: false'"
     seq 0 $((conversations - 1)) | xargs -P 4 -I{} sh -c "
         status=\$(curl -s -o /dev/null -D - --max-time 60 -H 'content-type: application/json' \
-            -H 'authorization: Bearer sk-perf' -H 'x-memory-conversation-id: $2{}' \
-            --data-binary @$dir/seed-{}.json http://127.0.0.1:$port/v1/chat/completions \
+            -H 'authorization: Bearer sk-perf' -H 'x-memory-conversation-id: $2{}' $persist \
+            --data-binary $body http://127.0.0.1:$port/v1/chat/completions \
             | tr -d '\r' | sed -n 's/^x-memory-status: //Ip')
-        [ \"\$status\" = stored ] || { echo \"perf.sh: seeding $2{} on $1: status '\$status'\" >&2; exit 255; }"
+        [ \"\$status\" = $expect ] || echo \"perf.sh: WARNING $2{} on $1: x-memory-status '\$status'\" >&2"
 }
 for name in "${binaries[@]}"; do seed "$name" ro-; done
 
@@ -226,12 +241,15 @@ function request()
 end
 EOF
 
-measure() { # port conversations prefix persist [row to record] → req/s
-    local out
+measure() { # port conversations prefix persist [binary] [record] → req/s and CPU µs/request
+    local out pid="" cpu_before=0 cpu_after
     if [ -n "${5:-}" ]; then
-        local pid=${pid_of[${5##*-}]}
+        pid=${pid_of[$5]}
+        cpu_before=$(cpu_ticks "$pid")
+    fi
+    if [ -n "${6:-}" ]; then
         mkdir -p "$record"
-        perf record -e cpu-clock -g -p "$pid" -o "$record/$5.data" -- sleep $((duration - 1)) \
+        perf record -e cpu-clock -g -p "$pid" -o "$record/$6.data" -- sleep $((duration - 1)) \
             >/dev/null 2>&1 &
     fi
     out=$("${nice_cmd[@]}" wrk -t"$threads" -c"$connections" -d"${duration}s" --timeout 10s \
@@ -241,8 +259,16 @@ measure() { # port conversations prefix persist [row to record] → req/s
         echo "perf.sh: non-2xx answers on port $1: $(echo "$out" | grep Non-2xx)" >&2
     fi
     wait_recording
-    echo "$out" | awk '/^Requests\/sec:/ {print $2}'
+    local rps requests cpu="-"
+    rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
+    requests=$(echo "$out" | awk '/requests in/ {print $1}')
+    if [ -n "$pid" ] && [ "${requests:-0}" -gt 0 ]; then
+        cpu_after=$(cpu_ticks "$pid")
+        cpu=$(( (cpu_after - cpu_before) * 1000000 / $(getconf CLK_TCK) / requests ))
+    fi
+    printf '%s\t%s' "$rps" "$cpu"
 }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 wait_recording() { for job in $(jobs -p); do wait "$job" 2>/dev/null || true; done; }
 
 rows=(direct nginx)
@@ -250,9 +276,19 @@ for name in "${binaries[@]}"; do rows+=("pass-$name" "mem-ro-$name" "mem-store-$
 results="$dir/results.tsv"
 : >"$results"
 echo "rows: ${rows[*]}; $rounds rounds of ${duration} s each, $connections connections, wrk -t$threads"
+warm_body='{"model":"gpt-4o-mini","messages":[{"role":"user","content":"Where were we?"}]}'
 for round in $(seq "$rounds"); do
-    # A new set of stored conversations for the stored rows of this round.
-    for name in "${binaries[@]}"; do seed "$name" "st$round-"; done
+    for name in "${binaries[@]}"; do
+        if [ "$round" -gt 1 ]; then stop_memproxy "$name"; start_memproxy "$name"; fi
+        # A new set of stored conversations for the stored row of this round, and the
+        # read-only conversations read once (loaded into the caches, as in steady use).
+        seed "$name" "st$round-"
+        seed "$name" ro- not-stored "'$warm_body'"
+        if [ "$round" = 1 ]; then
+            curl -s "http://127.0.0.1:${port_of[$name]}/metrics" | awk -v who="$name" \
+                '/^memproxy_cache_bytes\{cache="recall"\}/ { printf "[%s] recall indexes of 128 conversations of 200 messages: %.1f MiB\n", who, $NF / 1048576 }'
+        fi
+    done
     order=("${rows[@]}")
     if [ $((round % 2)) = 0 ]; then
         order=(); for ((i = ${#rows[@]} - 1; i >= 0; i--)); do order+=("${rows[$i]}"); done
@@ -261,25 +297,25 @@ for round in $(seq "$rounds"); do
     for row in "${order[@]}"; do
         rec=""
         [ -n "$record" ] && [ "$round" = 1 ] && rec=$row
+        who=${row##*-}
         case "$row" in
-            direct) rps=$(measure "$upstream_port" 0 - -) ;;
-            nginx) rps=$(measure "$nginx_port" 0 - -) ;;
-            pass-*) rps=$(measure "${port_of[${row#pass-}]}" 0 - - "$rec") ;;
-            mem-ro-*) rps=$(measure "${port_of[${row#mem-ro-}]}" "$conversations" ro- false "$rec") ;;
-            mem-store-*) rps=$(measure "${port_of[${row#mem-store-}]}" "$conversations" "st$round-" true "$rec") ;;
+            direct) got=$(measure "$upstream_port" 0 - -) ;;
+            nginx) got=$(measure "$nginx_port" 0 - -) ;;
+            pass-*) got=$(measure "${port_of[$who]}" 0 - - "$who" "$rec") ;;
+            mem-ro-*) got=$(measure "${port_of[$who]}" "$conversations" ro- false "$who" "$rec") ;;
+            mem-store-*) got=$(measure "${port_of[$who]}" "$conversations" "st$round-" true "$who" "$rec") ;;
         esac
-        printf '%s\t%s\t%s\n' "$round" "$row" "$rps" >>"$results"
-        line+=" $row=$rps"
+        printf '%s\t%s\t%s\n' "$round" "$row" "$got" >>"$results"
+        line+=" $row=${got%%$'\t'*}"
     done
     echo "$line"
-done
-
-# A memory row is only a memory row if memory ran: requests the memory guard refused memory
-# (served as pass-through) or any degraded exchange would flatter it.
-for name in "${binaries[@]}"; do
-    curl -s "http://127.0.0.1:${port_of[$name]}/metrics" \
-        | awk -v who="$name" '/^memproxy_(admission_refused|memory_off|degraded)[a-z_]*\{/ && $NF > 0 {
-            print "perf.sh: WARNING [" who "] " $0 > "/dev/stderr" }'
+    # A memory row is only a memory row if memory ran: requests the memory guard served with
+    # memory off (as pass-through) would flatter it.
+    for name in "${binaries[@]}"; do
+        curl -s "http://127.0.0.1:${port_of[$name]}/metrics" \
+            | awk -v who="$name" -v round="$round" '/^memproxy_admission_refused[a-z_]*\{/ && $NF > 0 {
+                print "perf.sh: WARNING round " round " [" who "] " $0 > "/dev/stderr" }'
+    done
 done
 
 python3 - "$results" "${binaries[@]}" <<'EOF'
@@ -287,9 +323,12 @@ import statistics, sys
 from collections import defaultdict
 path, binaries = sys.argv[1], sys.argv[2:]
 by_round = defaultdict(dict)
+cpu = defaultdict(dict)
 for line in open(path):
-    r, row, rps = line.split("\t")
+    r, row, rps, us = line.rstrip("\n").split("\t")
     by_round[r][row] = float(rps)
+    if us != "-":
+        cpu[r][row] = float(us)
 def spread(values):
     return f"{statistics.median(values):.3f} ({min(values):.3f}–{max(values):.3f})"
 def ratio(a, b):
@@ -297,7 +336,9 @@ def ratio(a, b):
 print("\nreq/s, median (min–max) over the rounds:")
 for row in ["direct", "nginx"] + [r for b in binaries for r in (f"pass-{b}", f"mem-ro-{b}", f"mem-store-{b}")]:
     values = [x[row] for x in by_round.values()]
-    print(f"  {row:16} {statistics.median(values):9.0f} ({min(values):.0f}–{max(values):.0f})")
+    us = [x[row] for x in cpu.values() if row in x]
+    used = f"   memproxy CPU µs/request {statistics.median(us):6.0f} ({min(us):.0f}–{max(us):.0f})" if us else ""
+    print(f"  {row:16} {statistics.median(values):9.0f} ({min(values):.0f}–{max(values):.0f}){used}")
 print("\nratios, pair by pair within a round: median (min–max)")
 print(f"  nginx / direct               {spread(ratio('nginx', 'direct'))}")
 for b in binaries:
@@ -307,4 +348,8 @@ for b in binaries:
 if "base" in binaries:
     for row in ("pass", "mem-ro", "mem-store"):
         print(f"  new / base, {row:10}       {spread(ratio(f'{row}-new', f'{row}-base'))}")
+    print("CPU µs/request, new / base, pair by pair:")
+    for row in ("pass", "mem-ro", "mem-store"):
+        pairs = [x[f"{row}-new"] / x[f"{row}-base"] for x in cpu.values() if x.get(f"{row}-base")]
+        print(f"  {row:10} {spread(pairs)}")
 EOF
