@@ -445,6 +445,49 @@ mod tests {
         assert!(index.search(&words("nothing"), 100, 5).is_empty());
     }
 
+    #[test]
+    fn a_compacted_index_equals_a_fresh_build_of_what_it_kept() {
+        let text = |i: usize| words(&format!("w{} w{} w{} w{}", i % 7, i % 11, i % 13, i % 5));
+        let mut index = Index::new();
+        for i in 0..200 {
+            index.push(i as u64 + 1, text(i));
+        }
+        // Trimmed past the point where the dropped documents and their postings go for good.
+        index.drop_front(150);
+        assert_eq!(index.first_live, 0, "compacted");
+        index.push(201, text(200));
+        index.pop();
+        let mut fresh = Index::new();
+        for i in 150..200 {
+            fresh.push(i as u64 + 1, text(i));
+        }
+        assert_eq!(index.canonical(), fresh.canonical());
+        assert_eq!(index.total_len, fresh.total_len);
+        let live_df = |index: &Index| {
+            let mut df: Vec<(String, u32)> = index
+                .term_ids
+                .iter()
+                .map(|(t, &id)| (t.clone(), index.df[id as usize]))
+                .filter(|(_, df)| *df > 0)
+                .collect();
+            df.sort();
+            df
+        };
+        assert_eq!(live_df(&index), live_df(&fresh));
+        // Same scores (term ids, and so the order scores are summed in, depend on history).
+        let query = words("w3 w4 w12");
+        let scores = |hits: Vec<Hit>| hits.iter().map(|h| h.score).collect::<Vec<f32>>();
+        let expected = scores(fresh.search(&query, u64::MAX, 5));
+        let same = |got: Vec<f32>| {
+            got.len() == expected.len()
+                && got.iter().zip(&expected).all(|(x, y)| (x - y).abs() < 1e-4)
+        };
+        assert!(same(scores(index.search(&query, u64::MAX, 5))));
+        // Giving back unused capacity changes nothing a search sees.
+        index.shrink_to_fit();
+        assert!(same(scores(index.search(&query, u64::MAX, 5))));
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Push(Vec<u8>),
