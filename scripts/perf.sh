@@ -286,7 +286,7 @@ for round in $(seq "$rounds"); do
         seed "$name" ro- not-stored "'$warm_body'"
         if [ "$round" = 1 ]; then
             curl -s "http://127.0.0.1:${port_of[$name]}/metrics" | awk -v who="$name" \
-                '/^memproxy_cache_bytes\{cache="recall"\}/ { printf "[%s] recall indexes of 128 conversations of 200 messages: %.1f MiB\n", who, $NF / 1048576 }'
+                '/^memproxy_cache_bytes\{cache="recall"\}/ { printf "[%s] recall indexes of the 64 read-only conversations (200 messages): %.1f MiB\n", who, $NF / 1048576 }'
         fi
     done
     order=("${rows[@]}")
