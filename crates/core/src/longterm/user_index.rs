@@ -53,6 +53,7 @@ impl UserIndex {
         for (added, text) in turns.into_iter().zip(texts) {
             index.push_text(added.id, &added.turn.agent, &added.turn.conversation, &text);
         }
+        index.index.shrink_to_fit();
         Ok(index)
     }
 

@@ -33,13 +33,15 @@ struct Posting {
     weight: u32,
 }
 
+/// A document's (term, weight) pairs are held once, in the postings: a document's terms are
+/// its own and its live neighbours' (`own`), so every pair is found from those. Half the
+/// memory of also keeping them per document, which lets the recall cache hold twice the
+/// conversations before it must rebuild an index from the store.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Doc {
     turn: u64,
     /// Sum of term weights.
     len: u32,
-    /// (term, weight), sorted by term.
-    terms: Vec<(u32, u32)>,
     /// The message's own terms (with repeats), for its neighbours' documents.
     own: Vec<u32>,
 }
@@ -117,23 +119,40 @@ impl Index {
             }
             self.adjust(previous, &own, weight, true);
         }
-        let mut terms: Vec<(u32, u32)> = weights.into_iter().collect();
-        terms.sort_unstable();
-        let len = terms.iter().map(|(_, w)| w).sum();
-        for &(t, weight) in &terms {
+        let mut len = 0;
+        for (t, weight) in weights {
             self.postings[t as usize].push(Posting {
                 doc: doc_index as u32,
                 weight,
             });
             self.df[t as usize] += 1;
+            len += weight;
         }
         self.total_len += u64::from(len);
-        self.docs.push(Doc {
-            turn,
-            len,
-            terms,
-            own,
-        });
+        self.docs.push(Doc { turn, len, own });
+    }
+
+    /// The distinct terms that may hold a posting of document `doc`: its own and those of the
+    /// documents within [`NEIGHBOURS`] of it (a superset: a term is in the document only if
+    /// its postings say so).
+    fn candidate_terms(&self, doc: usize) -> Vec<u32> {
+        let reach = NEIGHBOURS.len();
+        let from = doc.saturating_sub(reach).max(self.first_live);
+        let to = (doc + reach + 1).min(self.docs.len());
+        let mut terms: Vec<u32> = self.docs[from..to]
+            .iter()
+            .flat_map(|d| d.own.iter().copied())
+            .collect();
+        terms.sort_unstable();
+        terms.dedup();
+        terms
+    }
+
+    /// Where document `doc`'s posting of term `t` is.
+    fn posting_of(&self, t: u32, doc: usize) -> Option<usize> {
+        self.postings[t as usize]
+            .binary_search_by_key(&(doc as u32), |p| p.doc)
+            .ok()
     }
 
     fn ensure_term(&mut self, term: String) -> u32 {
@@ -153,17 +172,11 @@ impl Index {
             *delta.entry(t).or_default() += weight;
         }
         for (t, w) in delta {
-            let terms = &mut self.docs[doc].terms;
-            let position = terms.binary_search_by_key(&t, |(term, _)| *term);
             let postings = &mut self.postings[t as usize];
             let at = postings.binary_search_by_key(&(doc as u32), |p| p.doc);
-            match (add, position, at) {
-                (true, Ok(i), Ok(p)) => {
-                    terms[i].1 += w;
-                    postings[p].weight += w;
-                }
-                (true, Err(i), Err(p)) => {
-                    terms.insert(i, (t, w));
+            match (add, at) {
+                (true, Ok(p)) => postings[p].weight += w,
+                (true, Err(p)) => {
                     postings.insert(
                         p,
                         Posting {
@@ -173,17 +186,15 @@ impl Index {
                     );
                     self.df[t as usize] += 1;
                 }
-                (false, Ok(i), Ok(p)) => {
-                    terms[i].1 -= w;
+                (false, Ok(p)) => {
                     postings[p].weight -= w;
-                    if terms[i].1 == 0 {
-                        terms.remove(i);
+                    if postings[p].weight == 0 {
                         postings.remove(p);
                         self.df[t as usize] -= 1;
                     }
                 }
-                // The index and its documents always agree; a mismatch means nothing to undo.
-                _ => continue,
+                // A neighbour's term always has its posting; nothing to undo without one.
+                (false, Err(_)) => continue,
             }
             if add {
                 self.docs[doc].len += w;
@@ -200,17 +211,16 @@ impl Index {
         if self.is_empty() {
             return;
         }
-        let Some(doc) = self.docs.pop() else { return };
-        let doc_index = self.docs.len() as u32;
-        for &(t, _) in &doc.terms {
+        let removed = self.docs.len() - 1;
+        for t in self.candidate_terms(removed) {
             let postings = &mut self.postings[t as usize];
-            if postings.last().is_some_and(|p| p.doc == doc_index) {
+            if postings.last().is_some_and(|p| p.doc as usize == removed) {
                 postings.pop();
+                self.df[t as usize] -= 1;
             }
-            self.df[t as usize] -= 1;
         }
+        let Some(doc) = self.docs.pop() else { return };
         self.total_len -= u64::from(doc.len);
-        let removed = self.docs.len();
         for (distance, weight) in NEIGHBOURS.into_iter().enumerate() {
             let Some(previous) = removed.checked_sub(distance + 1) else {
                 break;
@@ -226,10 +236,13 @@ impl Index {
     pub fn drop_front(&mut self, count: usize) {
         for _ in 0..count.min(self.len()) {
             let index = self.first_live;
-            let doc = std::mem::take(&mut self.docs[index]);
-            for &(t, _) in &doc.terms {
-                self.df[t as usize] -= 1;
+            // Its postings stay (a search starts past them) until the next compaction.
+            for t in self.candidate_terms(index) {
+                if self.posting_of(t, index).is_some() {
+                    self.df[t as usize] -= 1;
+                }
             }
+            let doc = std::mem::take(&mut self.docs[index]);
             self.total_len -= u64::from(doc.len);
             self.first_live += 1;
             // Keep the turn so documents stay searchable by turn.
@@ -249,21 +262,26 @@ impl Index {
 
     /// Drops trimmed documents and their postings for good.
     fn compact(&mut self) {
-        let live: Vec<Doc> = self.docs.drain(self.first_live..).collect();
-        self.docs.clear();
+        let first = self.first_live as u32;
+        self.docs.drain(..self.first_live);
         self.first_live = 0;
         for postings in &mut self.postings {
-            postings.clear();
-        }
-        for (i, doc) in live.iter().enumerate() {
-            for &(t, weight) in &doc.terms {
-                self.postings[t as usize].push(Posting {
-                    doc: i as u32,
-                    weight,
-                });
+            postings.retain(|p| p.doc >= first);
+            for p in postings.iter_mut() {
+                p.doc -= first;
             }
         }
-        self.docs = live;
+    }
+
+    /// Gives back what the vectors grew past their contents while the index was built.
+    pub fn shrink_to_fit(&mut self) {
+        for postings in &mut self.postings {
+            postings.shrink_to_fit();
+        }
+        self.postings.shrink_to_fit();
+        self.df.shrink_to_fit();
+        self.docs.shrink_to_fit();
+        self.term_ids.shrink_to_fit();
     }
 
     /// The turns of every live document, oldest first.
@@ -359,9 +377,7 @@ impl Index {
             + self
                 .docs
                 .iter()
-                .map(|d| {
-                    heap::vec::<(u32, u32)>(d.terms.capacity()) + heap::vec::<u32>(d.own.capacity())
-                })
+                .map(|d| heap::vec::<u32>(d.own.capacity()))
                 .sum::<usize>();
         let terms: usize = heap::hash_table(
             self.term_ids.capacity(),
@@ -386,14 +402,17 @@ impl Index {
             .iter()
             .map(|(k, v)| (*v, k.as_str()))
             .collect();
+        let mut terms: Vec<Vec<(String, u32)>> = vec![Vec::new(); self.docs.len()];
+        for (t, postings) in self.postings.iter().enumerate() {
+            let name = names.get(&(t as u32)).copied().unwrap_or("");
+            for p in postings {
+                terms[p.doc as usize].push((name.to_string(), p.weight));
+            }
+        }
         self.live()
             .iter()
-            .map(|d| {
-                let mut terms: Vec<(String, u32)> = d
-                    .terms
-                    .iter()
-                    .map(|(t, w)| (names.get(t).copied().unwrap_or("").to_string(), *w))
-                    .collect();
+            .zip(terms.into_iter().skip(self.first_live))
+            .map(|(d, mut terms)| {
                 terms.sort();
                 (d.turn, d.len, terms)
             })
@@ -424,6 +443,49 @@ mod tests {
         assert!(hits[0].score > hits[1].score);
         assert!(index.search(&words("account"), 1, 5).is_empty());
         assert!(index.search(&words("nothing"), 100, 5).is_empty());
+    }
+
+    #[test]
+    fn a_compacted_index_equals_a_fresh_build_of_what_it_kept() {
+        let text = |i: usize| words(&format!("w{} w{} w{} w{}", i % 7, i % 11, i % 13, i % 5));
+        let mut index = Index::new();
+        for i in 0..200 {
+            index.push(i as u64 + 1, text(i));
+        }
+        // Trimmed past the point where the dropped documents and their postings go for good.
+        index.drop_front(150);
+        assert_eq!(index.first_live, 0, "compacted");
+        index.push(201, text(200));
+        index.pop();
+        let mut fresh = Index::new();
+        for i in 150..200 {
+            fresh.push(i as u64 + 1, text(i));
+        }
+        assert_eq!(index.canonical(), fresh.canonical());
+        assert_eq!(index.total_len, fresh.total_len);
+        let live_df = |index: &Index| {
+            let mut df: Vec<(String, u32)> = index
+                .term_ids
+                .iter()
+                .map(|(t, &id)| (t.clone(), index.df[id as usize]))
+                .filter(|(_, df)| *df > 0)
+                .collect();
+            df.sort();
+            df
+        };
+        assert_eq!(live_df(&index), live_df(&fresh));
+        // Same scores (term ids, and so the order scores are summed in, depend on history).
+        let query = words("w3 w4 w12");
+        let scores = |hits: Vec<Hit>| hits.iter().map(|h| h.score).collect::<Vec<f32>>();
+        let expected = scores(fresh.search(&query, u64::MAX, 5));
+        let same = |got: Vec<f32>| {
+            got.len() == expected.len()
+                && got.iter().zip(&expected).all(|(x, y)| (x - y).abs() < 1e-4)
+        };
+        assert!(same(scores(index.search(&query, u64::MAX, 5))));
+        // Giving back unused capacity changes nothing a search sees.
+        index.shrink_to_fit();
+        assert!(same(scores(index.search(&query, u64::MAX, 5))));
     }
 
     #[derive(Debug, Clone)]

@@ -246,6 +246,9 @@ fn build(
     for (turn, text) in texts {
         index.push(turn, terms(&text, latin));
     }
+    // Weighed by its capacity: what the build's growth left unused would take room from
+    // other conversations' indexes.
+    index.shrink_to_fit();
     Ok(ConversationIndex {
         setting,
         latin,
