@@ -7,8 +7,8 @@
 //! - `jemalloc`: jemalloc (`tikv-jemallocator`) with background threads that purge freed
 //!   pages after `dirty_decay_ms` (set in `.cargo/config.toml`); [`release`] purges at once.
 //! - `mimalloc`: mimalloc, which returns freed pages on its own after a short delay.
-//! - `glibc-trim` (the default): glibc's malloc with [`GLIBC_ARENAS`] arena
-//!   ([`configure`]), and `malloc_trim(0)` as [`release`].
+//! - `glibc-trim` (the default; on Linux with glibc, elsewhere it does nothing): glibc's
+//!   malloc with [`GLIBC_ARENAS`] arena ([`configure`]), and `malloc_trim(0)` as [`release`].
 //! - none (`--no-default-features`): glibc's malloc as it comes, and [`release`] does nothing.
 //!
 //! Chosen with the soak (`loadbench --soak --budget-mib 128 --duration 90`, 16 clients over
@@ -34,7 +34,11 @@ pub fn name() -> &'static str {
         "jemalloc"
     } else if cfg!(all(feature = "mimalloc", target_os = "linux")) {
         "mimalloc"
-    } else if cfg!(all(feature = "glibc-trim", target_os = "linux")) {
+    } else if cfg!(all(
+        feature = "glibc-trim",
+        target_os = "linux",
+        target_env = "gnu"
+    )) {
         "glibc+trim"
     } else {
         "system"
@@ -51,7 +55,8 @@ pub fn configure() {
         feature = "glibc-trim",
         not(feature = "jemalloc"),
         not(feature = "mimalloc"),
-        target_os = "linux"
+        target_os = "linux",
+        target_env = "gnu"
     ))]
     glibc::limit_arenas(GLIBC_ARENAS);
 }
@@ -64,7 +69,8 @@ pub fn release() {
         feature = "glibc-trim",
         not(feature = "jemalloc"),
         not(feature = "mimalloc"),
-        target_os = "linux"
+        target_os = "linux",
+        target_env = "gnu"
     ))]
     glibc::trim();
 }
@@ -106,7 +112,8 @@ mod jemalloc {
     feature = "glibc-trim",
     not(feature = "jemalloc"),
     not(feature = "mimalloc"),
-    target_os = "linux"
+    target_os = "linux",
+    target_env = "gnu"
 ))]
 mod glibc {
     // `mallopt` is a C function: calling it is `unsafe` in Rust; glibc documents
