@@ -28,86 +28,40 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// The allocator in use: the `allocator` label of `memproxy_build_info`.
-pub fn name() -> &'static str {
-    if cfg!(all(feature = "jemalloc", target_os = "linux")) {
-        "jemalloc"
-    } else if cfg!(all(feature = "mimalloc", target_os = "linux")) {
-        "mimalloc"
-    } else if cfg!(all(
-        feature = "glibc-trim",
-        target_os = "linux",
-        target_env = "gnu"
-    )) {
-        "glibc+trim"
-    } else {
-        "system"
-    }
-}
-
 /// glibc's malloc arenas with `glibc-trim`. Each thread that allocates takes an arena (glibc
 /// makes up to eight per core); what an arena freed it keeps, so one arena keeps least.
 pub const GLIBC_ARENAS: i32 = 1;
 
 /// Sets the allocator up; call once, first thing in `main`, before any thread starts.
 pub fn configure() {
-    #[cfg(all(
-        feature = "glibc-trim",
-        not(feature = "jemalloc"),
-        not(feature = "mimalloc"),
-        target_os = "linux",
-        target_env = "gnu"
-    ))]
-    glibc::limit_arenas(GLIBC_ARENAS);
+    imp::configure();
 }
 
 /// Gives the pages the allocator holds free back to the system, as far as it can.
 pub fn release() {
-    #[cfg(all(feature = "jemalloc", target_os = "linux"))]
-    jemalloc::purge();
-    #[cfg(all(
-        feature = "glibc-trim",
-        not(feature = "jemalloc"),
-        not(feature = "mimalloc"),
-        target_os = "linux",
-        target_env = "gnu"
-    ))]
-    glibc::trim();
+    imp::release();
 }
 
-/// Bytes the program holds allocated, as the allocator counts them (`None` where it does not
-/// say: every allocator but jemalloc).
-pub fn allocated() -> Option<u64> {
-    #[cfg(all(feature = "jemalloc", target_os = "linux"))]
-    return jemalloc::allocated();
-    #[cfg(not(all(feature = "jemalloc", target_os = "linux")))]
-    None
-}
-
+/// jemalloc: nothing to set up (its options are built in); a purge of every arena.
 #[cfg(all(feature = "jemalloc", target_os = "linux"))]
-mod jemalloc {
-    use tikv_jemalloc_ctl::{epoch, stats};
-
+mod imp {
     /// `arena.<MALLCTL_ARENAS_ALL>.purge`: every arena's unused dirty pages back to the system.
     const PURGE_ALL: &[u8] = b"arena.4096.purge\0";
 
+    pub fn configure() {}
+
     // Writing a control is `unsafe` in tikv-jemalloc-ctl because the value's type must be
-    // the control's; this one takes none (`()`), as jemalloc documents. With `malloc_trim`
-    // below, the crate's only `unsafe`.
+    // the control's; this one takes none (`()`), as jemalloc documents.
     #[allow(unsafe_code)]
-    pub fn purge() {
+    pub fn release() {
         // SAFETY: `arena.<i>.purge` is a void control: it reads and writes no value.
         if let Err(err) = unsafe { tikv_jemalloc_ctl::raw::write(PURGE_ALL, ()) } {
             tracing::debug!(error = %err, "jemalloc purge failed");
         }
     }
-
-    pub fn allocated() -> Option<u64> {
-        epoch::advance().ok()?;
-        stats::allocated::read().ok().map(|b| b as u64)
-    }
 }
 
+/// glibc with `glibc-trim`: the arenas bounded, `malloc_trim` as the release.
 #[cfg(all(
     feature = "glibc-trim",
     not(feature = "jemalloc"),
@@ -115,26 +69,42 @@ mod jemalloc {
     target_os = "linux",
     target_env = "gnu"
 ))]
-mod glibc {
+mod imp {
     // `mallopt` is a C function: calling it is `unsafe` in Rust; glibc documents
     // `M_ARENA_MAX` as settable at any time (it bounds arenas created from then on).
     #[allow(unsafe_code)]
-    pub fn limit_arenas(arenas: i32) {
+    pub fn configure() {
         // SAFETY: `mallopt` takes two integers and changes glibc's own parameters under its
         // lock; it touches no memory of ours.
         unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, arenas);
+            libc::mallopt(libc::M_ARENA_MAX, super::GLIBC_ARENAS);
         }
     }
 
     // `malloc_trim` is a C function: calling it is `unsafe` in Rust, though it has no
     // precondition (any thread, any time).
     #[allow(unsafe_code)]
-    pub fn trim() {
+    pub fn release() {
         // SAFETY: `malloc_trim` takes a pad size and walks glibc's own arenas under their
         // locks; it touches no memory of ours.
         unsafe {
             libc::malloc_trim(0);
         }
     }
+}
+
+/// Any other allocator (mimalloc returns pages on its own; the system's as it comes): nothing
+/// to set up or ask.
+#[cfg(not(any(
+    all(feature = "jemalloc", target_os = "linux"),
+    all(
+        feature = "glibc-trim",
+        not(feature = "mimalloc"),
+        target_os = "linux",
+        target_env = "gnu"
+    )
+)))]
+mod imp {
+    pub fn configure() {}
+    pub fn release() {}
 }

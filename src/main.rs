@@ -103,7 +103,7 @@ fn print_store_needs(config: &Config) {
     use memproxy::config::{budget_for_messages, engine_need, messages_on_disk};
     let mib = |bytes: u64| bytes.div_ceil(1 << 20);
     let budget = &config.memory_budget;
-    let on_disk = dir_bytes(&config.data_dir.join("store"));
+    let on_disk = memproxy::store::dir_bytes(&config.data_dir.join("store"));
     if on_disk > 0 {
         let messages = messages_on_disk(on_disk);
         let overdraft = budget.store_overdraft(messages);
@@ -131,21 +131,6 @@ fn print_store_needs(config: &Config) {
         "budget a sled store needs so the caches keep their shares: {}",
         sizes.join(", ")
     );
-}
-
-/// The bytes of the files under `dir` (0 if it cannot be read).
-fn dir_bytes(dir: &std::path::Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .map(|entry| match entry.file_type() {
-            Ok(kind) if kind.is_dir() => dir_bytes(&entry.path()),
-            Ok(_) => entry.metadata().map_or(0, |m| m.len()),
-            Err(_) => 0,
-        })
-        .sum()
 }
 
 // Allowed: `memproxy check-config` prints its report on stdout, as a command's answer (tracing,

@@ -161,11 +161,7 @@ impl MemoryGuard {
     /// from the caches' sizes ([`MemoryBudget::store_overdraft`]).
     pub fn watch(&self, caches: Vec<Arc<dyn Shrink>>, stored_messages: Option<StoredMessages>) {
         *lock(&self.relief.caches) = caches;
-        *self
-            .relief
-            .stored_messages
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = stored_messages;
+        *lock(&self.relief.stored_messages) = stored_messages;
         if read_resident().is_none() {
             return;
         }
@@ -439,9 +435,7 @@ impl Relief {
     fn ceilings(&self, caches: &[Arc<dyn Shrink>]) -> Vec<u64> {
         let pretended = self.pretended_messages.load(Ordering::Acquire);
         let messages = if pretended == NOT_PRETENDING {
-            self.stored_messages
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
+            lock(&self.stored_messages)
                 .as_ref()
                 .map_or(0, |count| count())
         } else {
@@ -546,10 +540,10 @@ impl Relief {
     }
 }
 
-/// Locks the list of caches; a panic while it was held left it whole (it is only replaced).
-fn lock(caches: &Mutex<Vec<Arc<dyn Shrink>>>) -> std::sync::MutexGuard<'_, Vec<Arc<dyn Shrink>>> {
-    caches
-        .lock()
+/// Locks one of the relief's lists; a panic while it was held left it whole (it is only
+/// replaced).
+fn lock<T>(held: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    held.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 

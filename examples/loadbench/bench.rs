@@ -15,9 +15,7 @@ use crate::args::{Args, parse_modes, select_scenarios};
 use crate::children::ChildProc;
 use crate::client::{Api, Ctx, HttpClient, REQUEST_TIMEOUT, Spec, chat_request, send, small_body};
 use crate::load::{MAX_IN_FLIGHT, Mode, run_closed, run_open};
-use crate::machine::{
-    clock_ticks_per_second, dir_size, load_average, machine_line, source_state, status_kb,
-};
+use crate::machine::{clock_ticks_per_second, load_average, machine_line, source_state, status_kb};
 use crate::redis_server::RedisServer;
 use crate::report::{RunResult, fmt_us, mib, print_report, quantile, report_log, result_json};
 use crate::rng::Rng;
@@ -366,7 +364,7 @@ pub async fn bench(args: Args) -> Result<(), String> {
 
     let final_rss = status_kb(proxy.pid, "VmRSS");
     let final_hwm = status_kb(proxy.pid, "VmHWM");
-    let store_bytes = dir_size(&data_dir);
+    let store_bytes = memproxy::store::dir_bytes(&data_dir);
 
     drop(ctx);
     drop(redis_ctx);

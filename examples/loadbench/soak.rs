@@ -278,23 +278,19 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
             burst_body >> 20,
             high_water >> 20
         );
-        let traffic = Arc::clone(&traffic);
-        tokio::spawn(async move {
-            let bursts = (0..BURST_CLIENTS).map(|n| {
-                run_burst(
+        // Each client a task of its own, so the four send at once.
+        let bursts: Vec<_> = (0..BURST_CLIENTS)
+            .map(|n| {
+                tokio::spawn(run_burst(
                     Arc::clone(&traffic),
                     n,
                     burst_body,
                     Duration::from_secs_f64(burst_from),
                     Duration::from_secs_f64(burst_to),
-                )
-            });
-            let mut counts = Counts::default();
-            for c in futures_join(bursts).await {
-                counts.merge(c);
-            }
-            counts
-        })
+                ))
+            })
+            .collect();
+        bursts
     });
     let done = Arc::new(AtomicBool::new(false));
     let sampler = tokio::spawn(sample(
@@ -315,7 +311,13 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
     }
     let traffic_s = started.elapsed().as_secs_f64();
     let burst_counts = match burst {
-        Some(task) => Some(task.await.map_err(|e| format!("the burst failed: {e}"))?),
+        Some(tasks) => {
+            let mut counts = Counts::default();
+            for task in tasks {
+                counts.merge(task.await.map_err(|e| format!("the burst failed: {e}"))?);
+            }
+            Some(counts)
+        }
         None => None,
     };
     // Let what the last requests started (summaries) finish, rest, then ask again.
@@ -699,16 +701,6 @@ async fn run_burst(
         }
     }
     counts
-}
-
-/// Waits for every future in `futures`, in order.
-async fn futures_join<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
-    let handles: Vec<_> = futures.map(Box::pin).collect();
-    let mut out = Vec::new();
-    for handle in handles {
-        out.push(handle.await);
-    }
-    out
 }
 
 /// After the rest: [`PROBES`] requests to new conversations; how many got memory.

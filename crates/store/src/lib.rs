@@ -685,6 +685,22 @@ impl Store {
     }
 }
 
+/// The bytes of the files under `dir`, its sub-folders included (0 for what cannot be read):
+/// a store's size on disk without opening it (a running memproxy holds sled's lock).
+pub fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|entry| match entry.metadata() {
+            Ok(meta) if meta.is_dir() => dir_bytes(&entry.path()),
+            Ok(meta) => meta.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
 /// The folder for a conversation's files: `{data_dir}/workspaces/{tenant}/{agent}/{conversation}`,
 /// each name reduced to `[A-Za-z0-9_-]` (at most 40 characters) and followed by 128 bits of a
 /// SHA-256 of the full id, so the path stays inside the data directory whatever the id (`..`,
