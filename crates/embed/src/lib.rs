@@ -1,0 +1,31 @@
+//! Embedders: text in, unit-length vectors out, for recall by meaning.
+//!
+//! [`Embed`] is what the memory core calls. Implementations are synchronous CPU work (the core
+//! runs them off the async runtime's threads) or, for an embedder behind HTTP (the upstream's
+//! `/v1/embeddings`), implemented at the edge.
+
+/// Why texts could not be embedded. Never fails a chat request: recall falls back to lexical.
+#[derive(Debug, thiserror::Error)]
+pub enum EmbedError {
+    /// The model's files are missing or unreadable; the message says how to get them.
+    #[error("embedding model unavailable: {0}")]
+    Unavailable(String),
+    /// The model ran and failed.
+    #[error("embedding failed: {0}")]
+    Failed(String),
+}
+
+/// Turns texts into vectors of one space.
+pub trait Embed: Send + Sync + std::fmt::Debug {
+    /// Names the vector space: model, variant and dimension, e.g.
+    /// `all-MiniLM-L6-v2/static/384`. Stored with every vector, so vectors of another space
+    /// are never compared with this one's.
+    fn id(&self) -> &str;
+
+    /// The length of every vector.
+    fn dims(&self) -> usize;
+
+    /// One unit-length vector (L2 norm 1, or all zeros for a text with nothing to embed) per
+    /// text, in order.
+    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError>;
+}
