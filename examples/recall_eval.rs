@@ -64,6 +64,8 @@ type BoxResult<T> = Result<T, Box<dyn Error>>;
 const RECENT_N: usize = 10;
 /// The categories that have an answer in the conversation (5 is adversarial).
 const CATEGORIES: [u8; 4] = [1, 2, 3, 4];
+/// LoCoMo's adversarial category: questions nothing in the conversation answers.
+const UNANSWERABLE: u8 = 5;
 const TOKEN: &str = "sk-eval";
 const MODEL: &str = "gpt-4o-mini";
 
@@ -93,6 +95,18 @@ struct Args {
     /// session its own conversation of one user; questions in a fresh conversation).
     #[arg(long, default_value = "within")]
     mode: Mode,
+    /// `[embedding] embedder`: `static` (the default), `contextual`, `off` (recall by words).
+    #[arg(long, default_value = "static")]
+    embedder: String,
+    /// `X-Memory-Relevance-Semantic`: recall by meaning too (`true`) or by words alone.
+    #[arg(long)]
+    semantic: Option<bool>,
+    /// `X-Memory-Relevance-Floor`: recalled turns under this fused score are not injected.
+    #[arg(long)]
+    floor: Option<f32>,
+    /// `X-Memory-Relevance-Lexical-Weight`: the words' share of the fused score.
+    #[arg(long)]
+    lexical_weight: Option<f32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -155,6 +169,9 @@ struct Conversation {
     /// dia_id → turn text (as replayed).
     turns: HashMap<String, String>,
     questions: Vec<Question>,
+    /// Category 5 questions (adversarial: no answer in the conversation): only what recall
+    /// injects for them is measured.
+    unanswerable: Vec<String>,
     /// Characters of the whole replayed history.
     history_chars: usize,
 }
@@ -373,6 +390,7 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
     let history_chars = messages.iter().map(|m| m.text.chars().count()).sum();
 
     let mut questions = Vec::new();
+    let mut unanswerable = Vec::new();
     let qa = field(sample, "qa", &what)?
         .as_array()
         .ok_or_else(|| format!("{what}: `qa` is not a list"))?;
@@ -382,11 +400,15 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
             .ok_or_else(|| format!("{what}: a question's category is not a number"))?;
         let Some(category) = u8::try_from(category)
             .ok()
-            .filter(|c| CATEGORIES.contains(c))
+            .filter(|c| CATEGORIES.contains(c) || *c == UNANSWERABLE)
         else {
             continue;
         };
         let text = string_field(q, "question", &what)?;
+        if category == UNANSWERABLE {
+            unanswerable.push(text);
+            continue;
+        }
         let mut evidence = Vec::new();
         let mut seen = HashSet::new();
         for raw in field(q, "evidence", &what)?
@@ -416,6 +438,7 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
     }
     Ok(Conversation {
         id,
+        unanswerable,
         messages,
         sessions: by_session,
         turns,
@@ -439,6 +462,7 @@ fn content_text(message: &Value) -> String {
 
 /// A running memproxy against a mock upstream.
 struct Harness {
+    state: Arc<AppState>,
     mock: MockUpstream,
     base: String,
     client: Client<HttpConnector, Full<Bytes>>,
@@ -472,7 +496,7 @@ impl Answer {
 }
 
 impl Harness {
-    async fn start(relevance_max_tokens: &str) -> BoxResult<Harness> {
+    async fn start(relevance_max_tokens: &str, embedder: &str) -> BoxResult<Harness> {
         let mock = MockUpstream::start_with(
             MockOptions {
                 record: true,
@@ -487,14 +511,23 @@ impl Harness {
             "[upstream]\nbase_url = {}\ntimeout = \"PT60S\"\nconnect_timeout = \"PT5S\"\n\
              [storage]\ndata_dir = {}\n\
              [memory]\nrecent_n = {RECENT_N}\ncompression_enabled = false\nmax_messages = 100000\n\
-             relevance_max_tokens = {:?}\n",
+             relevance_max_tokens = {:?}\n\
+             [embedding]\nembedder = {:?}\nqueue = 1000000\n",
             serde_json::to_string(&mock.base_url())?,
             serde_json::to_string(&data_dir.path().display().to_string())?,
             relevance_max_tokens,
+            embedder,
         );
         let config = memproxy::config::from_toml(&text, &|_| None)
             .map_err(|err| format!("config: {err}"))?;
         let state = AppState::build(config).map_err(|err| format!("memproxy state: {err}"))?;
+        if let Some(memory) = state.memory() {
+            match (memory.embedding.space(), memory.embedding.unavailable()) {
+                (Some((space, dims)), _) => eprintln!("embedder: {space} ({dims} dimensions)"),
+                (None, Some(why)) => return Err(format!("embedder unavailable: {why}").into()),
+                (None, None) => eprintln!("embedder: off (recall by words alone)"),
+            }
+        }
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
@@ -507,6 +540,7 @@ impl Harness {
             .map_err(|err| err.to_string())
         });
         Ok(Harness {
+            state: Arc::clone(&state),
             mock,
             base: format!("http://{addr}"),
             client: Client::builder(TokioExecutor::new()).build_http(),
@@ -611,6 +645,21 @@ impl Harness {
             )
             .into()),
         }
+    }
+
+    /// Waits until the background embedding jobs are done (every replayed message has its
+    /// vector, as a conversation asked later would).
+    async fn embedded(&self) -> BoxResult<()> {
+        let Some(memory) = self.state.memory() else {
+            return Ok(());
+        };
+        for _ in 0..36_000 {
+            if memory.embedding.idle() {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        Err("the background embedding jobs did not finish within 6 minutes".into())
     }
 
     async fn stop(mut self) -> BoxResult<()> {
@@ -737,14 +786,21 @@ async fn check_history(harness: &Harness, conversation: &Conversation) -> BoxRes
     Ok(())
 }
 
-fn question_headers(
-    config: EvalConfig,
-    max_context_tokens: Option<u64>,
-) -> Vec<(&'static str, String)> {
+fn question_headers(config: EvalConfig, args: &Args) -> Vec<(&'static str, String)> {
+    let max_context_tokens = args.max_context_tokens;
     let mut headers = vec![
         ("x-memory-persist", "false".to_string()),
         ("x-memory-recent-n", RECENT_N.to_string()),
     ];
+    if let Some(on) = args.semantic {
+        headers.push(("x-memory-relevance-semantic", on.to_string()));
+    }
+    if let Some(floor) = args.floor {
+        headers.push(("x-memory-relevance-floor", floor.to_string()));
+    }
+    if let Some(weight) = args.lexical_weight {
+        headers.push(("x-memory-relevance-lexical-weight", weight.to_string()));
+    }
     match config.top_k {
         None => headers.push(("x-memory-relevance-enabled", "false".to_string())),
         Some(k) => {
@@ -810,7 +866,7 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
         |f| f.to_string_lossy().into_owned(),
     );
     format!(
-        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}",
+        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}  embedder={}  semantic={}  floor={}  lexical_weight={}",
         match args.mode {
             Mode::Within => "within",
             Mode::CrossSession => "cross-session",
@@ -819,7 +875,12 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
             "-".to_string()
         } else {
             ks.join(",")
-        }
+        },
+        args.embedder,
+        args.semantic.map_or("default".to_string(), |b| b.to_string()),
+        args.floor.map_or("default".to_string(), |f| f.to_string()),
+        args.lexical_weight
+            .map_or("default".to_string(), |w| w.to_string()),
     )
 }
 
@@ -894,6 +955,52 @@ fn results_json(
     })
 }
 
+/// What recall injected for the questions nothing in the conversation answers (category 5).
+#[derive(Debug, Default, Clone, Copy)]
+struct Recalled {
+    questions: usize,
+    /// Questions that got any recalled turn.
+    with_recall: usize,
+    /// Tokens of the recalled-turns messages (cl100k, as the model counts them).
+    tokens: u64,
+}
+
+impl Recalled {
+    fn add(&mut self, forwarded: &[Value]) {
+        self.questions += 1;
+        let recalled: Vec<String> = forwarded
+            .iter()
+            .map(content_text)
+            .filter(|text| text.starts_with(memproxy::message::RECALL_MARKER))
+            .collect();
+        if !recalled.is_empty() {
+            self.with_recall += 1;
+        }
+        self.tokens += recalled
+            .iter()
+            .map(|text| u64::from(memproxy::tokens::count_message(Some(MODEL), text)))
+            .sum::<u64>();
+    }
+}
+
+fn print_unanswerable(unanswered: &[(EvalConfig, Recalled)]) {
+    println!(
+        "{:<8} {:>4} {:>6} {:>14} {:>16} {:>18}",
+        "config", "cat", "n", "with_recalled", "recalled_tokens", "tokens_per_question"
+    );
+    for (config, r) in unanswered {
+        println!(
+            "{:<8} {:>4} {:>6} {:>14} {:>16} {:>18.1}",
+            config.name(),
+            UNANSWERABLE,
+            r.questions,
+            r.with_recall,
+            r.tokens,
+            r.tokens as f64 / r.questions.max(1) as f64
+        );
+    }
+}
+
 fn print_notes(notes: &DataNotes) {
     for (conversation, raw, ids) in &notes.normalised {
         eprintln!(
@@ -936,7 +1043,9 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
     let conversations = load(&args.data, args.conversations, &mut notes)?;
     print_notes(&notes);
 
-    let harness = Harness::start(&args.relevance_max_tokens).await?;
+    let harness = Harness::start(&args.relevance_max_tokens, &args.embedder).await?;
+    let mut unanswered: Vec<(EvalConfig, Recalled)> =
+        configs.iter().map(|c| (*c, Recalled::default())).collect();
     let mut results: Results = configs.iter().map(|c| (*c, BTreeMap::new())).collect();
     for conversation in &conversations {
         let replay_started = Instant::now();
@@ -951,9 +1060,10 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
                 format!("{}-questions", conversation.id)
             }
         };
+        harness.embedded().await?;
         let replayed = replay_started.elapsed();
-        for (config, tallies) in &mut results {
-            let mut headers = question_headers(*config, args.max_context_tokens);
+        for ((config, tallies), (_, recalled)) in results.iter_mut().zip(&mut unanswered) {
+            let mut headers = question_headers(*config, &args);
             if args.mode == Mode::CrossSession {
                 headers.push(user_header(conversation));
             }
@@ -964,6 +1074,10 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
                     question,
                     &forwarded,
                 ));
+            }
+            for question in &conversation.unanswerable {
+                let forwarded = harness.ask(&asked_in, question, &headers).await?;
+                recalled.add(&forwarded);
             }
         }
         eprintln!(
@@ -992,6 +1106,7 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
             .sum::<usize>()
     );
     print_table(&results);
+    print_unanswerable(&unanswered);
     println!(
         "skipped: {} question(s) with no valid evidence; evidence entries normalised: {}, dropped: {}",
         notes.skipped.len(),

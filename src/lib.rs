@@ -26,7 +26,9 @@
 //!   the memory tools read;
 //! - [`summary`] makes summaries in the background; [`longterm`] is what a user said in any
 //!   of their conversations (the archive and index per user, extracted memories);
-//!   [`recall`] keeps BM25 indexes;
+//!   [`recall`] keeps BM25 indexes and the messages' vectors (hybrid recall); [`embedding`]
+//!   makes the vectors, with the embedder [`embedder`] loads at start (in process, or the
+//!   upstream's `/v1/embeddings`);
 //! - [`store`] keeps conversations behind a storage contract (sled by default);
 //! - leaves: [`config`], [`model`] (the model-call trait), [`settings`], [`identity`],
 //!   [`message`], [`tokens`], [`heap`] (what cached values really take), [`wire`] (the three
@@ -36,6 +38,7 @@ pub mod admin;
 pub mod allocator;
 pub mod body;
 pub mod cli;
+pub mod embedder;
 pub mod error;
 pub mod mcp;
 pub mod memory_guard;
@@ -54,6 +57,6 @@ pub mod upstream;
 // the tests and the tools read `memproxy::store::…`, `memproxy::pipeline::…` as before.
 pub use memproxy_base::{cache, heap, identity, message, model, tokens, wire};
 pub use memproxy_core::{
-    config, ledger, longterm, memory, pipeline, recall, settings, summary, tools, ttl,
+    config, embedding, ledger, longterm, memory, pipeline, recall, settings, summary, tools, ttl,
 };
 pub use memproxy_store as store;

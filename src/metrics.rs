@@ -20,6 +20,9 @@ use crate::memory::Memory;
 // Long-term memory's extraction metrics.
 #[path = "metrics_longterm.rs"]
 mod longterm;
+// Recall by meaning's metrics.
+#[path = "metrics_embedding.rs"]
+mod embedding;
 use crate::memory_guard::{MemoryGuard, Pressure};
 use crate::summary::SummaryCounters;
 
@@ -238,6 +241,7 @@ pub struct Metrics {
     commits: CommitMetrics,
     admission: AdmissionMetrics,
     longterm: longterm::LongTermMetrics,
+    embedding: embedding::EmbeddingMetrics,
     /// Held while a scrape mirrors counters kept elsewhere, so two scrapes never add twice.
     scrape: Mutex<()>,
 }
@@ -709,6 +713,7 @@ impl Metrics {
         let commits = CommitMetrics::register(&mut registry);
         let admission = AdmissionMetrics::register(&mut registry);
         let longterm = longterm::LongTermMetrics::register(&mut registry);
+        let embedding = embedding::EmbeddingMetrics::register(&mut registry);
         Metrics {
             registry,
             traffic,
@@ -720,6 +725,7 @@ impl Metrics {
             commits,
             admission,
             longterm,
+            embedding,
             scrape: Mutex::new(()),
         }
     }
@@ -986,6 +992,7 @@ impl Metrics {
         }
         self.longterm
             .mirror(&memory.longterm.extractor.counters, catch_up);
+        self.embedding.mirror(&memory.embedding, catch_up);
     }
 }
 

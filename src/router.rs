@@ -411,6 +411,19 @@ async fn readiness(state: &AppState) -> Response<ProxyBody> {
     } else if store {
         body["memory"] = serde_json::Value::String("on".to_string());
     }
+    // Recall by meaning: its embedder, or why recall goes by words alone (still ready).
+    if let Some(memory) = state.memory() {
+        let embedding = &memory.embedding;
+        body["recall"] = serde_json::Value::String(
+            if embedding.space().is_some() { "hybrid" } else { "lexical" }.to_string(),
+        );
+        if let Some((space, _)) = embedding.space() {
+            body["embedder"] = serde_json::Value::String(space.to_string());
+        }
+        if let Some(why) = embedding.unavailable() {
+            body["embedder_reason"] = serde_json::Value::String(why.to_string());
+        }
+    }
     let status = if ready {
         StatusCode::OK
     } else {

@@ -95,6 +95,11 @@ impl AppState {
                 config.compression.clone(),
                 config.recall_cache_bytes,
                 Arc::new(crate::ledger::Ledger::new(config.background_budget.clone())),
+                crate::embedding::Embedding::new(
+                    crate::embedder::load(&config, &upstream),
+                    config.embedding.query_timeout,
+                    config.embedding.queue,
+                ),
             ))
         });
         let receipts = Receipts::new(&config.receipts);

@@ -13,7 +13,7 @@ use http::header::{HeaderMap, HeaderValue};
 
 use super::responses::{UNKNOWN_PREVIOUS, Unchained};
 use super::{
-    BUDGET_HEADER, CONVERSATION_ID_HEADER, DegradedReason, HISTORY_TOKENS_HEADER, MEMORIES_HEADER,
+    BUDGET_HEADER, CONVERSATION_ID_HEADER, DegradedReason, HISTORY_TOKENS_HEADER, MEMORIES_HEADER, RECALL_HEADER,
     MemoryStatus, PROMPT_TOKENS_HEADER, REASON_HEADER, RETRIEVED_ELSEWHERE_HEADER,
     RETRIEVED_HEADER, RETRIEVED_TURNS_HEADER, STATUS_HEADER, SUMMARY_HEADER, TURNS_HEADER,
 };
@@ -291,6 +291,9 @@ pub fn report_headers(report: &Report) -> HeaderMap {
     }
     if !report.memories.is_empty() {
         headers.insert(MEMORIES_HEADER, HeaderValue::from(report.memories.len()));
+    }
+    if let Some(Ok(value)) = report.recall_mode.header().map(HeaderValue::try_from) {
+        headers.insert(RECALL_HEADER, value);
     }
     headers.insert(
         PROMPT_TOKENS_HEADER,

@@ -42,6 +42,9 @@ pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
 pub const MEMORIES_HEADER: &str = "x-memory-memories";
 /// Turns recalled from the user's other conversations (long-term memory), when there are any.
 pub const RETRIEVED_ELSEWHERE_HEADER: &str = "x-memory-retrieved-elsewhere";
+/// How recall searched: `hybrid` (words and meaning) or `lexical; reason=…` (words alone:
+/// `setting`, `no-embedder`, `embedder-unavailable`, `query-embedding-failed`, `no-vectors`).
+pub const RECALL_HEADER: &str = "x-memory-recall";
 pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
 /// Tokens the request would have sent without memproxy (the token ledger).
 pub const HISTORY_TOKENS_HEADER: &str = "x-memory-history-tokens";

@@ -228,8 +228,12 @@ pub struct Planned {
     pub prompt_tokens: u64,
     pub history_tokens: u64,
     pub stored_count: usize,
-    /// (turn, BM25 score), best first.
-    pub recalled: Vec<(u64, f32)>,
+    /// The conversation's recalled turns, best first.
+    pub recalled: Vec<RecallScore>,
+    /// Turns the relevance floor kept out, best first.
+    pub under_floor: Vec<RecallScore>,
+    /// How recall searched (`X-Memory-Recall`), when it did.
+    pub recall_mode: crate::embedding::RecallMode,
     /// (conversation, turn, BM25 score): the user's other conversations.
     pub recalled_elsewhere: Vec<(String, u64, f32)>,
     /// Recalled turns cut to their most relevant passage.
@@ -243,6 +247,16 @@ pub struct Planned {
     pub dropped: crate::pipeline::budget::Dropped,
 }
 
+/// A recalled turn's scores: fused, and its parts (`recall/hybrid.rs`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RecallScore {
+    pub turn: u64,
+    pub score: f32,
+    pub lexical: f32,
+    /// `None`: no vector took part.
+    pub semantic: Option<f32>,
+}
+
 impl Planned {
     /// Takes what the receipt needs from `plan`, moved out: the body was rendered from the plan
     /// and its headers made already; what is left of it is the exchange to commit.
@@ -252,7 +266,30 @@ impl Planned {
             prompt_tokens: plan.report.prompt_tokens,
             history_tokens: plan.report.history_tokens,
             stored_count: plan.report.stored_count,
-            recalled: std::mem::take(&mut plan.report.recalled_scores),
+            recalled: plan
+                .report
+                .recalled_scores
+                .iter()
+                .zip(&plan.report.recalled_parts)
+                .map(|(&(turn, score), &(_, lexical, semantic))| RecallScore {
+                    turn,
+                    score,
+                    lexical,
+                    semantic,
+                })
+                .collect(),
+            under_floor: plan
+                .report
+                .under_floor
+                .iter()
+                .map(|s| RecallScore {
+                    turn: s.turn,
+                    score: s.score,
+                    lexical: s.lexical,
+                    semantic: s.semantic,
+                })
+                .collect(),
+            recall_mode: plan.report.recall_mode,
             recalled_elsewhere: std::mem::take(&mut plan.report.recalled_elsewhere),
             excerpted: std::mem::take(&mut plan.report.excerpted_turns),
             window_step: Some(plan.report.window_step),
@@ -290,6 +327,8 @@ impl Planned {
             history_tokens: tokens,
             stored_count: 0,
             recalled: Vec::new(),
+            under_floor: Vec::new(),
+            recall_mode: crate::embedding::RecallMode::None,
             recalled_elsewhere: Vec::new(),
             excerpted: Vec::new(),
             window_step: None,
@@ -320,7 +359,8 @@ impl Planned {
                 .iter()
                 .map(|(c, _, _)| heap::string(c.len()))
                 .sum::<usize>()
-            + heap::vec::<(u64, f32)>(self.recalled.len())
+            + heap::vec::<RecallScore>(self.recalled.len())
+            + heap::vec::<RecallScore>(self.under_floor.len())
             + heap::vec::<u64>(self.excerpted.len())
             + heap::vec::<(u64, f64, f64)>(self.memories.len())
             + self.summary.as_ref().map_or(0, |s| {

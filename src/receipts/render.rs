@@ -46,11 +46,7 @@ pub fn to_json(receipt: &Receipt) -> Value {
         part
     });
     let recalled = one(&prompt.recalled).map(|mut part| {
-        part["turns"] = planned
-            .recalled
-            .iter()
-            .map(|(turn, score)| json!({"turn": turn, "score": score}))
-            .collect();
+        part["turns"] = planned.recalled.iter().map(score_json).collect();
         part["elsewhere"] = planned
             .recalled_elsewhere
             .iter()
@@ -93,6 +89,12 @@ pub fn to_json(receipt: &Receipt) -> Value {
             "new": part(&incoming),
             "tokens": planned.prompt_tokens,
         },
+        "recall": {
+            "mode": planned.recall_mode.header(),
+            "floor": receipt.settings.fusion().floor,
+            "lexical_weight": receipt.settings.fusion().lexical_weight,
+            "under_floor": planned.under_floor.iter().map(score_json).collect::<Vec<_>>(),
+        },
         "history_tokens": planned.history_tokens,
         "stored_messages": planned.stored_count,
         "budget": {
@@ -107,6 +109,16 @@ pub fn to_json(receipt: &Receipt) -> Value {
         },
         "settings": settings,
         "upstream": outcome(&receipt.outcome_now()),
+    })
+}
+
+/// A recalled turn's scores: fused, words, meaning (`null`: no vector took part).
+fn score_json(score: &super::RecallScore) -> Value {
+    json!({
+        "turn": score.turn,
+        "score": score.score,
+        "lexical": score.lexical,
+        "semantic": score.semantic,
     })
 }
 

@@ -9,13 +9,16 @@
 //!   of their conversations (the archive and index per user, extracted memories); [`ledger`]
 //!   counts and caps the tokens of memproxy's own calls;
 //! - [`config`] the configuration file and [`settings`] the memory settings in effect;
-//! - [`recall`] keeps BM25 indexes;
+//! - [`recall`] keeps BM25 indexes (with the messages' vectors: hybrid recall); [`embedding`]
+//!   makes the vectors (the new message's on the request path, stored messages' in the
+//!   background);
 //! - [`worker`] the one background worker (summaries, extraction) and the one back-off.
 //!
 //! Below it: `memproxy_store` (the storage engines) and `memproxy_base` (messages, identities,
 //! the wire formats, tokens, the model-call trait).
 
 pub mod config;
+pub mod embedding;
 pub mod ledger;
 pub mod longterm;
 pub mod memory;

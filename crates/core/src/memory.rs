@@ -7,6 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::config::{self, CompressionConfig, Config};
+use crate::embedding::Embedding;
 use crate::ledger::Ledger;
 use crate::longterm::LongTerm;
 use crate::recall::Recall;
@@ -77,7 +78,9 @@ impl std::fmt::Debug for OnDelete {
 #[derive(Debug)]
 pub struct Memory {
     pub store: Arc<Store>,
-    pub recall: Recall,
+    pub recall: Arc<Recall>,
+    /// Recall by meaning: the embedder and the job that embeds stored messages.
+    pub embedding: Embedding,
     /// Long-term memory per user: archives, their indexes, extracted memories.
     pub longterm: LongTerm,
     pub summarizer: Arc<Summarizer>,
@@ -134,13 +137,20 @@ impl Memory {
         compression: CompressionConfig,
         recall_cache_bytes: u64,
         ledger: Arc<Ledger>,
+        embedding: Embedding,
     ) -> Memory {
         let clock = Arc::clone(store.clock());
+        // The recall share of the memory budget is split: three quarters for the
+        // conversations' indexes, one for the users' (long-term memory), so the caches
+        // together stay within `storage.recall_cache_bytes`.
+        let recall = Arc::new(Recall::new(
+            recall_cache_bytes - recall_cache_bytes / 4,
+            embedding.space().map(|(id, dims)| (id.to_string(), dims)),
+        ));
+        embedding.start(Arc::clone(&store), Arc::clone(&recall));
         Memory {
-            // The recall share of the memory budget is split: three quarters for the
-            // conversations' indexes, one for the users' (long-term memory), so the caches
-            // together stay within `storage.recall_cache_bytes`.
-            recall: Recall::new(recall_cache_bytes - recall_cache_bytes / 4),
+            recall,
+            embedding,
             longterm: LongTerm::new(
                 recall_cache_bytes / 4,
                 Arc::clone(&store),
@@ -232,6 +242,7 @@ impl Memory {
     /// closes the store: the last steps of shutdown.
     pub async fn shutdown(&self, grace: Duration) -> Result<(), StoreError> {
         self.summarizer.shutdown(grace).await;
+        self.embedding.shutdown(grace).await;
         self.longterm.shutdown(grace).await;
         self.store.close().await
     }

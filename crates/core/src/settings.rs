@@ -63,6 +63,14 @@ pub struct MemorySettings {
     pub max_context_tokens: Option<u64>,
     /// How Latin-script text is stemmed for recall: `auto` detects it per conversation.
     pub relevance_language: TextLanguage,
+    /// Recall by meaning too (hybrid: words and vectors, `recall/hybrid.rs`) when an embedder
+    /// is configured; off: by words alone.
+    pub relevance_semantic: bool,
+    /// The share of the words' score in the fused score (the rest is the meaning's), in
+    /// millionths.
+    pub relevance_lexical_weight_micros: u32,
+    /// Recalled turns whose fused score is below this are not injected, in millionths.
+    pub relevance_floor_micros: u32,
     /// A conversation idle longer than this is deleted by the TTL sweeper; `None`: kept forever.
     pub ttl: Option<Duration>,
     /// Long-term memory (recall across the user's conversations, extracted memories) for
@@ -94,6 +102,14 @@ pub struct MemorySettings {
 }
 
 impl MemorySettings {
+    /// The fusion of hybrid recall: `relevance_lexical_weight` and `relevance_floor`.
+    pub fn fusion(&self) -> crate::recall::hybrid::Fusion {
+        crate::recall::hybrid::Fusion {
+            lexical_weight: self.relevance_lexical_weight_micros as f32 / 1e6,
+            floor: self.relevance_floor_micros as f32 / 1e6,
+        }
+    }
+
     /// `memory_min_decay` as a fraction.
     pub fn memory_min_decay(&self) -> f64 {
         f64::from(self.memory_min_decay_micros) / 1e6
@@ -127,6 +143,10 @@ impl Default for MemorySettings {
             compression_async: true,
             max_context_tokens: None,
             relevance_language: TextLanguage::Auto,
+            relevance_semantic: true,
+            relevance_lexical_weight_micros: (crate::recall::hybrid::DEFAULT_LEXICAL_WEIGHT * 1e6)
+                as u32,
+            relevance_floor_micros: (crate::recall::hybrid::DEFAULT_FLOOR * 1e6) as u32,
             ttl: None,
             long_term_enabled: true,
             long_term_top_k: DEFAULT_LONG_TERM_TOP_K,
@@ -251,6 +271,9 @@ pub const SETTINGS: &[(&str, Kind)] = &[
         Kind::OptionalInteger { max: 100_000_000 },
     ),
     ("relevance_language", Kind::Language),
+    ("relevance_semantic", Kind::Bool),
+    ("relevance_lexical_weight", Kind::Fraction),
+    ("relevance_floor", Kind::Fraction),
     ("ttl", Kind::OptionalDuration),
     ("long_term_enabled", Kind::Bool),
     (
@@ -404,6 +427,11 @@ impl MemorySettings {
             ("extraction_every", Value::Integer(n)) => self.extraction_every = n,
             ("memory_half_life", Value::Duration(d)) => self.memory_half_life = d,
             ("memory_min_decay", Value::Fraction(f)) => self.memory_min_decay_micros = f,
+            ("relevance_semantic", Value::Bool(b)) => self.relevance_semantic = b,
+            ("relevance_lexical_weight", Value::Fraction(f)) => {
+                self.relevance_lexical_weight_micros = f
+            }
+            ("relevance_floor", Value::Fraction(f)) => self.relevance_floor_micros = f,
             ("prompt_cache_key", Value::Bool(b)) => self.prompt_cache_key = b,
             ("cache_breakpoints", Value::Bool(b)) => self.cache_breakpoints = b,
             ("store_side_calls", Value::Bool(b)) => self.store_side_calls = b,
@@ -453,6 +481,15 @@ impl MemorySettings {
             (
                 "relevance_language",
                 self.relevance_language.name().to_string(),
+            ),
+            ("relevance_semantic", self.relevance_semantic.to_string()),
+            (
+                "relevance_lexical_weight",
+                (f64::from(self.relevance_lexical_weight_micros) / 1e6).to_string(),
+            ),
+            (
+                "relevance_floor",
+                (f64::from(self.relevance_floor_micros) / 1e6).to_string(),
             ),
             (
                 "ttl",

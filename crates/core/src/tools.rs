@@ -197,6 +197,11 @@ pub fn recall_conversation(
     {
         return Ok(None);
     }
+    // By meaning too, as a chat request's recall; embedded before the conversation is locked.
+    let vector = settings
+        .relevance_semantic
+        .then(|| memory.embedding.query(query).ok())
+        .flatten();
     let handle = store.conversation(key)?;
     let mut conversation = lock(&handle);
     if store.shared() {
@@ -205,14 +210,21 @@ pub fn recall_conversation(
     let Some(next_turn) = conversation.meta.as_ref().map(|m| m.next_turn) else {
         return Ok(None);
     };
-    let hits = memory.recall.search(
-        store,
-        &conversation,
-        settings.relevance_language,
-        query,
-        next_turn,
-        limit,
-    )?;
+    let hits = memory
+        .recall
+        .search(
+            store,
+            &conversation,
+            settings.relevance_language,
+            crate::recall::Query {
+                text: query,
+                vector: vector.as_deref(),
+                fusion: settings.fusion(),
+            },
+            next_turn,
+            limit,
+        )?
+        .hits;
     let messages = store.messages(&conversation, hits.iter().map(|h| h.turn))?;
     drop(conversation);
     let found = hits

@@ -20,6 +20,7 @@ use super::ConfigError;
 use super::admin::RawAdmin;
 use super::auth::RawAuth;
 use super::compression::RawCompression;
+use super::embedding::RawEmbedding;
 use super::limits::RawLimits;
 use super::mcp::RawMcp;
 use super::receipts::RawReceipts;
@@ -42,6 +43,7 @@ pub(super) struct RawConfig {
     pub limits: RawLimits,
     pub receipts: RawReceipts,
     pub mcp: RawMcp,
+    pub embedding: RawEmbedding,
     /// `[memory]`: checked key by key against the settings table.
     pub memory: toml::Table,
     /// `[agents.NAME]`: checked like `[memory]`.
@@ -73,6 +75,7 @@ impl RawConfig {
             limits: document.section("limits"),
             receipts: document.section("receipts"),
             mcp: document.section("mcp"),
+            embedding: document.section("embedding"),
             memory: document.section("memory"),
             agents: document.section("agents"),
         };

@@ -11,7 +11,7 @@
 //! Order: built-in defaults ← config file ← overrides (`--flag` / `MEMPROXY_*`).
 //!
 //! Files: `document.rs` reads the TOML; `server.rs` (`[server]`, `[log]`), `upstream.rs`,
-//! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `mcp.rs`, `compression.rs` (with the
+//! `auth.rs`, `storage.rs`, `admin.rs`, `sweeper.rs`, `limits.rs`, `mcp.rs`, `embedding.rs`, `compression.rs` (with the
 //! built-in summary prompt), `receipts.rs` (`[receipts]`) and `agents.rs` (`[memory]`,
 //! `[agents.NAME]`) each hold a section's
 //! raw struct and its check; `memory_budget.rs` splits `server.memory_budget` into the cache sizes;
@@ -24,6 +24,7 @@ mod agents;
 mod auth;
 mod compression;
 mod document;
+mod embedding;
 mod limits;
 mod mcp;
 mod memory_budget;
@@ -48,6 +49,9 @@ pub use compression::{
     CompressionConfig, DEFAULT_MAX_SUMMARY_TOKENS, DEFAULT_PROMPT, DEFAULT_SUMMARY_BACKOFF,
     DEFAULT_SUMMARY_CONCURRENCY, DEFAULT_SUMMARY_MAX_INPUT_TOKENS, DEFAULT_SUMMARY_QUEUE,
     DEFAULT_SUMMARY_TIMEOUT,
+};
+pub use embedding::{
+    DEFAULT_EMBEDDING_QUEUE, DEFAULT_QUERY_TIMEOUT, EmbedderKind, EmbeddingConfig,
 };
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
 pub use mcp::{DEFAULT_MCP_ALLOWED_HOSTS, McpConfig};
@@ -133,6 +137,8 @@ pub struct Config {
     pub receipts: ReceiptsConfig,
     /// The memory tools over MCP (`[mcp]`).
     pub mcp: McpConfig,
+    /// Recall by meaning: the embedder (`[embedding]`).
+    pub embedding: EmbeddingConfig,
     /// Tokens of background model calls (summaries, extraction) per UTC day:
     /// `compression.max_tokens_per_day` and each `[agents.NAME]`'s
     /// `compression_max_tokens_per_day` (`None`: no limit).
@@ -241,6 +247,7 @@ fn check(
     let compression = compression::check_compression(raw.compression, &mut problems);
     let limits = limits::check_limits(raw.limits, &mut problems);
     let mcp = mcp::check_mcp(raw.mcp, &mut problems);
+    let embedding = embedding::check_embedding(raw.embedding, &mut problems);
 
     let background_budget = BackgroundBudget {
         default: compression.max_tokens_per_day,
@@ -288,6 +295,7 @@ fn check(
         limits,
         receipts,
         mcp,
+        embedding,
         background_budget,
     })
 }

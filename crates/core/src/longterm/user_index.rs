@@ -85,7 +85,9 @@ impl UserIndex {
     }
 
     /// The `k` best documents for `query` outside the conversation `skip` (agent,
-    /// conversation): their scores and archive ids, best first.
+    /// conversation): their scores and archive ids, best first. Scores are on hybrid recall's
+    /// lexical scale (0..1, `recall/hybrid.rs`), so these compete with the conversation's own
+    /// turns for the same slots.
     pub fn search(
         &mut self,
         query: &str,
@@ -103,10 +105,16 @@ impl UserIndex {
             docs.get(seq as usize)
                 .is_some_and(|d| Some(d.name) != skipped)
         });
+        let weight = self.index.query_weight(&query);
         hits.into_iter()
             .filter_map(|hit| {
                 let doc = self.docs.get(hit.turn as usize)?;
-                Some((hit.score, doc.id.clone()))
+                let score = if weight > 0.0 {
+                    (hit.score / weight).clamp(0.0, 1.0)
+                } else {
+                    0.0
+                };
+                Some((score, doc.id.clone()))
             })
             .collect()
     }

@@ -215,6 +215,8 @@ mod tests {
             .map(|(i, s)| RecalledTurn {
                 turn: i as u64,
                 score: *s,
+                lexical: *s,
+                semantic: None,
                 tokens: 10,
                 line: String::new(),
                 elsewhere: None,

@@ -315,6 +315,10 @@ impl Exchange {
         memory
             .recall
             .apply(&self.key, current, &leaving.removed, &added, after);
+        // Their vectors are made in the background, off this request's path.
+        if let Some(id) = conversation.meta.as_ref().map(|m| m.id) {
+            memory.embedding.after_commit(&self.key, id, &added);
+        }
         if let Some(user) = &self.user {
             let extraction = self
                 .extraction_rule

@@ -13,7 +13,10 @@ use super::recalled::{RecalledTurn, elsewhere_turns, fit_recalled, recalled_turn
 use super::reconcile::{Alignment, Mark, align, rebase};
 use super::summarized::{SummaryInput, adopt_at_jumps, plan_summary};
 use super::window::{auto_step, summary_adoption_cutoff, window_start};
+use crate::embedding::{Lexical, RecallMode};
 use crate::longterm::ExtractionRule;
+use crate::recall::Query;
+use crate::recall::hybrid::Scored;
 use crate::longterm::memories::{self, Chosen};
 use crate::memory::Memory;
 use crate::settings::MemorySettings;
@@ -63,8 +66,14 @@ pub struct Report {
     pub planned_count: usize,
     /// Turns recalled into the prompt, oldest first.
     pub recalled_turns: Vec<u64>,
-    /// The recalled turns with their BM25 scores, best first.
+    /// The recalled turns with their fused scores (0..1), best first.
     pub recalled_scores: Vec<(u64, f32)>,
+    /// The same turns' parts: (turn, lexical score, semantic score), best first.
+    pub recalled_parts: Vec<(u64, f32, Option<f32>)>,
+    /// Turns the relevance floor kept out, best first.
+    pub under_floor: Vec<Scored>,
+    /// How recall searched: words and meaning, or words alone and why.
+    pub recall_mode: RecallMode,
     /// The conversation's recalled turns cut to their most relevant passage
     /// (`relevance_max_tokens`), in turn order.
     pub excerpted_turns: Vec<u64>,
@@ -533,6 +542,9 @@ struct Recalled {
     query: Option<String>,
     /// The recalled turns, fitted to `relevance_max_tokens`.
     turns: Vec<RecalledTurn>,
+    /// Turns the relevance floor kept out, best first.
+    under_floor: Vec<Scored>,
+    mode: RecallMode,
 }
 
 /// Recall: the older pool is everything before the window; in a tool loop, everything before
@@ -547,6 +559,8 @@ fn recalled(
     let (settings, store) = (on.settings, &on.memory.store);
     let history = request.history(on);
     let mut turns: Vec<RecalledTurn> = Vec::new();
+    let mut under_floor = Vec::new();
+    let mut mode = RecallMode::None;
     let searching = settings.relevance_enabled && settings.relevance_top_k > 0;
     let pool_end = match window.opener {
         Some(_) => window.start,
@@ -569,14 +583,29 @@ fn recalled(
     {
         let before_turn =
             history[pool_end.min(history.len() - 1)].turn + u64::from(pool_end == history.len());
-        let hits = on.memory.recall.search(
+        let vector = match settings.relevance_semantic {
+            true => on.memory.embedding.query(query),
+            false => Err(Lexical::Setting),
+        };
+        let found = on.memory.recall.search(
             store,
             on.conversation,
             settings.relevance_language,
-            query,
+            Query {
+                text: query,
+                vector: vector.as_deref().ok(),
+                fusion: settings.fusion(),
+            },
             before_turn,
             settings.relevance_top_k,
         )?;
+        mode = match (vector, found.semantic) {
+            (Ok(_), true) => RecallMode::Hybrid,
+            (Ok(_), false) => RecallMode::Lexical(Lexical::NoVectors),
+            (Err(why), _) => RecallMode::Lexical(why),
+        };
+        under_floor = found.under_floor;
+        let hits = found.hits;
         let found = store.messages(on.conversation, hits.iter().map(|h| h.turn))?;
         turns = recalled_turns(&hits, found);
         // A rebase's history is the client's: what it already holds is not recalled again.
@@ -625,7 +654,12 @@ fn recalled(
             on.model,
         );
     }
-    Ok(Recalled { query, turns })
+    Ok(Recalled {
+        query,
+        turns,
+        under_floor,
+        mode,
+    })
 }
 
 /// The long-term memory stage's output.
@@ -710,6 +744,8 @@ struct RecallReport {
     turns: Vec<u64>,
     /// The same with their scores, best first.
     scores: Vec<(u64, f32)>,
+    /// The same with their parts: (turn, lexical, semantic), best first.
+    parts: Vec<(u64, f32, Option<f32>)>,
     /// Those cut to their most relevant passage, in turn order.
     excerpted: Vec<u64>,
     /// Turns of the user's other conversations: (conversation, turn, score), best first.
@@ -726,6 +762,7 @@ impl RecallReport {
         RecallReport {
             turns,
             scores: own().map(|r| (r.turn, r.score)).collect(),
+            parts: own().map(|r| (r.turn, r.lexical, r.semantic)).collect(),
             excerpted,
             elsewhere: recalled
                 .iter()
@@ -862,6 +899,7 @@ fn assembled(on: &Planning<'_>, handle: &memproxy_store::Handle, staged: Staged)
     let entries = &on.conversation.entries;
     let recalled = recall.turns;
     let report = RecallReport::of(&recalled);
+    let (under_floor, recall_mode) = (recall.under_floor, recall.mode);
     let history_len = request.kept;
     let Reconciled {
         messages,
@@ -951,6 +989,9 @@ fn assembled(on: &Planning<'_>, handle: &memproxy_store::Handle, staged: Staged)
             planned_count,
             recalled_turns: report.turns,
             recalled_scores: report.scores,
+            recalled_parts: report.parts,
+            under_floor,
+            recall_mode,
             excerpted_turns: report.excerpted,
             window_step: window.step,
             recalled_elsewhere: report.elsewhere,

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use serde_json::value::RawValue;
 
 use crate::recall::excerpt::excerpt;
-use crate::recall::index::Hit;
+use crate::recall::hybrid::Scored;
 use crate::recall::stemming;
 use crate::recall::tokenize::{TextLanguage, terms};
 use memproxy_store::StoredMessage;
@@ -26,7 +26,11 @@ pub const LINE_OVERHEAD_TOKENS: u32 = 20;
 #[derive(Debug, Clone)]
 pub struct RecalledTurn {
     pub turn: u64,
+    /// The fused score, 0..1 (`recall/hybrid.rs`).
     pub score: f32,
+    /// Its parts: the words' score and the meaning's (`None`: no vector took part).
+    pub lexical: f32,
+    pub semantic: Option<f32>,
     /// The stored token count plus the line overhead.
     pub tokens: u32,
     pub line: String,
@@ -47,12 +51,14 @@ pub struct Elsewhere {
 }
 
 /// Turns `hits` and their stored messages (same order) into recalled turns, best first.
-pub fn recalled_turns(hits: &[Hit], messages: Vec<StoredMessage>) -> Vec<RecalledTurn> {
+pub fn recalled_turns(hits: &[Scored], messages: Vec<StoredMessage>) -> Vec<RecalledTurn> {
     hits.iter()
         .zip(messages)
         .map(|(hit, message)| RecalledTurn {
             turn: hit.turn,
             score: hit.score,
+            lexical: hit.lexical,
+            semantic: hit.semantic,
             tokens: message.tokens + LINE_OVERHEAD_TOKENS,
             line: render_line(&message),
             elsewhere: None,
@@ -75,6 +81,8 @@ pub fn elsewhere_turns(found: Vec<crate::longterm::ElsewhereTurn>) -> Vec<Recall
             RecalledTurn {
                 turn: turn.message.turn,
                 score: turn.score,
+                lexical: turn.score,
+                semantic: None,
                 tokens: turn.message.tokens + LINE_OVERHEAD_TOKENS + 4,
                 line,
                 elsewhere: Some(Elsewhere {
@@ -268,6 +276,8 @@ mod tests {
         RecalledTurn {
             turn: number,
             score: 1.0,
+            lexical: 1.0,
+            semantic: None,
             tokens: memproxy_base::tokens::count_message(None, text) + LINE_OVERHEAD_TOKENS,
             line,
             elsewhere: None,
@@ -330,6 +340,8 @@ mod tests {
             RecalledTurn {
                 turn: 9,
                 score: 3.0,
+                lexical: 3.0,
+                semantic: None,
                 tokens: 1,
                 line: "nine".into(),
                 elsewhere: None,
@@ -338,6 +350,8 @@ mod tests {
             RecalledTurn {
                 turn: 2,
                 score: 1.0,
+                lexical: 1.0,
+                semantic: None,
                 tokens: 1,
                 line: "two".into(),
                 elsewhere: None,

@@ -364,6 +364,29 @@ impl Index {
         hits
     }
 
+    /// The score of a document matching every distinct term of `query` once, at average
+    /// length: the scale hybrid recall puts lexical scores on (`hybrid.rs`). A query term the
+    /// conversation never used weighs as a term of one document: it is information no turn
+    /// matches.
+    pub fn query_weight(&self, query: &[String]) -> f32 {
+        let n = self.len() as f32;
+        let mut seen: Vec<&String> = Vec::with_capacity(query.len());
+        let mut weight = 0.0;
+        for term in query {
+            if seen.contains(&term) {
+                continue;
+            }
+            seen.push(term);
+            let df = self
+                .term_ids
+                .get(term)
+                .map_or(0.0, |&t| self.df[t as usize] as f32)
+                .max(1.0);
+            weight += (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
+        }
+        weight
+    }
+
     /// Heap bytes held, as the allocator hands them out (`heap.rs`), for the cache's weigher
     /// and the memory report.
     pub fn heap_bytes(&self) -> usize {

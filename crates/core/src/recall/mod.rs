@@ -2,17 +2,23 @@
 //! memory-weighted cache, updated at each commit and rebuilt from the store on a miss.
 //!
 //! The index covers every stored message; a search only considers those before the recent
-//! window (the older pool). This module searches and keeps indexes; choosing the window and
+//! window (the older pool). With an embedder, the index also holds the messages' vectors
+//! (`vectors.rs`, loaded from the store with the index, added as background jobs make them)
+//! and a search fuses words and meaning (`hybrid.rs`). This module searches and keeps indexes; choosing the window and
 //! rendering the recalled turns is the pipeline's job.
 
 pub mod excerpt;
+pub mod hybrid;
 pub mod index;
 pub mod tokenize;
+pub mod vectors;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use self::index::{Hit, Index};
+use self::hybrid::{Fusion, Scored, fuse, smooth};
+use self::index::Index;
+use self::vectors::DocVectors;
 use self::tokenize::{Lang, TextLanguage, detect, terms};
 use memproxy_base::cache::{Cache, Policy, Shrink};
 use memproxy_base::heap;
@@ -36,6 +42,8 @@ pub struct ConversationIndex {
     /// `next_turn`).
     conversation_id: Option<u64>,
     index: Index,
+    /// The messages' vectors, of the recall's space (`None`: no embedder).
+    vectors: Option<DocVectors>,
 }
 
 impl ConversationIndex {
@@ -47,6 +55,8 @@ impl ConversationIndex {
 /// The indexes of recently used conversations.
 pub struct Recall {
     cache: Arc<Cache<ConversationKey, Arc<Mutex<ConversationIndex>>>>,
+    /// The embedder's vector space and dimension (`None`: recall by words alone).
+    space: Option<(String, usize)>,
     lookups: AtomicU64,
     misses: AtomicU64,
 }
@@ -65,15 +75,37 @@ fn lock(index: &Mutex<ConversationIndex>) -> MutexGuard<'_, ConversationIndex> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// What a search looks for: the new message's text, and its vector when it has one.
+#[derive(Debug, Clone, Copy)]
+pub struct Query<'a> {
+    pub text: &'a str,
+    pub vector: Option<&'a [f32]>,
+    pub fusion: Fusion,
+}
+
+/// What a search found: the turns to recall, best first, and those the relevance floor left
+/// out, best first.
+#[derive(Debug, Clone, Default)]
+pub struct Found {
+    pub hits: Vec<Scored>,
+    pub under_floor: Vec<Scored>,
+    /// Vectors took part (the query had one and so did some of the older turns).
+    pub semantic: bool,
+}
+
 impl Recall {
-    pub fn new(capacity_bytes: u64) -> Recall {
+    /// Indexes held within `capacity_bytes`; `space` is the embedder's (id, dimension) when
+    /// there is one: the indexes then load and hold the messages' vectors.
+    pub fn new(capacity_bytes: u64, space: Option<(String, usize)>) -> Recall {
         let cache = Arc::new(Cache::new(
             "recall",
             capacity_bytes,
             Policy::TinyLfu,
             |key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
                 // `try_lock`: a search may hold it; a guess until the next re-insert.
-                let index = index.try_lock().map_or(4096, |i| i.index.heap_bytes());
+                let index = index.try_lock().map_or(4096, |i| {
+                    i.index.heap_bytes() + i.vectors.as_ref().map_or(0, DocVectors::heap_bytes)
+                });
                 let bytes = heap::CACHE_ENTRY
                     + key.heap_bytes()
                     + heap::arc::<Mutex<ConversationIndex>>()
@@ -83,6 +115,7 @@ impl Recall {
         ));
         Recall {
             cache,
+            space,
             lookups: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         }
@@ -96,12 +129,12 @@ impl Recall {
         store: &Store,
         conversation: &Conversation,
         language: TextLanguage,
-        query: &str,
+        query: Query<'_>,
         before_turn: u64,
         k: usize,
-    ) -> Result<Vec<Hit>, StoreError> {
+    ) -> Result<Found, StoreError> {
         let Some(meta) = &conversation.meta else {
-            return Ok(Vec::new());
+            return Ok(Found::default());
         };
         self.lookups.fetch_add(1, Ordering::Relaxed);
         let handle = match self.cache.get(&conversation.key) {
@@ -117,15 +150,73 @@ impl Recall {
             }
             _ => {
                 self.misses.fetch_add(1, Ordering::Relaxed);
-                let built = Arc::new(Mutex::new(build(store, conversation, language)?));
+                let built = Arc::new(Mutex::new(build(
+                    store,
+                    conversation,
+                    language,
+                    self.space.as_ref(),
+                )?));
                 self.cache
                     .insert(conversation.key.clone(), Arc::clone(&built));
                 built
             }
         };
-        let mut index = lock(&handle);
-        let query_terms = index.terms(query);
-        Ok(index.index.search(&query_terms, before_turn, k))
+        let mut guard = lock(&handle);
+        let index = &mut *guard;
+        let query_terms = index.terms(query.text);
+        let semantic = match (query.vector, &index.vectors) {
+            (Some(vector), Some(vectors)) if !vectors.is_empty() => {
+                Some(smooth(&vectors.similarities(vector)))
+            }
+            _ => None,
+        };
+        let lexical = match semantic {
+            // Every matching turn: the fusion ranks them with the rest.
+            Some(_) => index.index.search(&query_terms, before_turn, usize::MAX),
+            None => index.index.search(&query_terms, before_turn, k),
+        };
+        let weight = index.index.query_weight(&query_terms);
+        let (mut hits, mut under_floor) = fuse(
+            &lexical,
+            weight,
+            semantic.as_deref(),
+            |turn| turn < before_turn,
+            query.fusion,
+        );
+        if hits.len() > k {
+            hits.truncate(k);
+        }
+        under_floor.truncate(k.saturating_sub(hits.len()));
+        Ok(Found {
+            hits,
+            under_floor,
+            semantic: semantic.is_some(),
+        })
+    }
+
+    /// Hands the vectors a background job stored to conversation `key`'s cached index (if it
+    /// is cached and of the same conversation id).
+    pub fn add_vectors(&self, key: &ConversationKey, conversation_id: u64, vectors: &[(u64, Vec<f32>)]) {
+        let Some(handle) = self.cache.get(key) else {
+            return;
+        };
+        {
+            let mut index = lock(&handle);
+            if index.conversation_id != Some(conversation_id) {
+                return;
+            }
+            let live: std::collections::HashSet<u64> = index.index.turns().collect();
+            let Some(held) = index.vectors.as_mut() else {
+                return;
+            };
+            for (turn, vector) in vectors {
+                if live.contains(turn) {
+                    held.insert(*turn, vector);
+                }
+            }
+        }
+        // Re-insert so the cache weighs the grown index.
+        self.cache.insert(key.clone(), handle);
     }
 
     /// Brings a cached index up to date with a commit, under the conversation's lock:
@@ -169,6 +260,9 @@ impl Recall {
                 drop(index);
                 self.cache.invalidate(key);
                 return;
+            }
+            if let Some(vectors) = index.vectors.as_mut() {
+                vectors.remove(&sorted);
             }
             for (turn, text) in added {
                 let terms = index.terms(text);
@@ -234,6 +328,7 @@ fn build(
     store: &Store,
     conversation: &Conversation,
     setting: TextLanguage,
+    space: Option<&(String, usize)>,
 ) -> Result<ConversationIndex, StoreError> {
     let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
     let messages = store.messages(conversation, turns)?;
@@ -249,11 +344,23 @@ fn build(
     // Weighed by its capacity: what the build's growth left unused would take room from
     // other conversations' indexes.
     index.shrink_to_fit();
+    let vectors = match space {
+        Some((space, dims)) => {
+            let mut vectors = DocVectors::new(*dims);
+            for (turn, vector) in store.vectors(conversation, space)? {
+                vectors.insert(turn, &vector);
+            }
+            vectors.shrink_to_fit();
+            Some(vectors)
+        }
+        None => None,
+    };
     Ok(ConversationIndex {
         setting,
         latin,
         synced_next_turn: conversation.meta.as_ref().map_or(1, |m| m.next_turn),
         conversation_id: conversation.meta.as_ref().map(|m| m.id),
         index,
+        vectors,
     })
 }

@@ -1,0 +1,309 @@
+//! Vectors for recall by meaning: the configured embedder (`memproxy-embed`, or the upstream's
+//! `/v1/embeddings` from the edge), the new message's embedding on the request path, and the
+//! background job that embeds each commit's new messages and stores their vectors.
+//!
+//! Nothing here fails a chat request: without an embedder, or when an embedding fails, recall
+//! goes on by words alone and the request's `X-Memory-Recall` says why.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::recall::Recall;
+use crate::worker::Worker;
+use memproxy_base::identity::ConversationKey;
+use memproxy_embed::Embed;
+use memproxy_store::{Store, lock};
+
+/// Texts embedded at once by a background job.
+const BATCH: usize = 32;
+
+/// Why recall went by words alone on a request: a closed set, sent as `X-Memory-Recall`'s
+/// reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lexical {
+    /// `relevance_semantic` is off.
+    Setting,
+    /// No embedder is configured (`embedding.embedder = "off"`).
+    NoEmbedder,
+    /// The configured embedder could not be loaded (its model missing or broken).
+    EmbedderUnavailable,
+    /// The new message's embedding failed or took longer than `embedding.query_timeout`.
+    QueryFailed,
+    /// None of the conversation's older messages has a vector yet (stored before the
+    /// embedder was configured: `memproxy vectors rebuild`).
+    NoVectors,
+}
+
+/// How recall searched on a request, sent as `X-Memory-Recall`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RecallMode {
+    /// No search (relevance off, nothing older than the window).
+    #[default]
+    None,
+    /// Words and meaning.
+    Hybrid,
+    /// Words alone, and why.
+    Lexical(Lexical),
+}
+
+impl RecallMode {
+    /// The header's value: `hybrid`, `lexical; reason=…`, or `None` when recall did not search.
+    pub fn header(self) -> Option<String> {
+        match self {
+            RecallMode::None => None,
+            RecallMode::Hybrid => Some("hybrid".to_string()),
+            RecallMode::Lexical(why) => Some(format!("lexical; reason={}", why.as_str())),
+        }
+    }
+}
+
+impl Lexical {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lexical::Setting => "setting",
+            Lexical::NoEmbedder => "no-embedder",
+            Lexical::EmbedderUnavailable => "embedder-unavailable",
+            Lexical::QueryFailed => "query-embedding-failed",
+            Lexical::NoVectors => "no-vectors",
+        }
+    }
+}
+
+/// What the embedder has done since start (the edge's `/metrics`).
+#[derive(Debug, Default)]
+pub struct EmbeddingCounters {
+    /// New messages embedded on the request path.
+    pub queries: AtomicU64,
+    /// Of those, failed or late (recall went by words).
+    pub query_failures: AtomicU64,
+    /// Microseconds spent embedding new messages on the request path.
+    pub query_micros: AtomicU64,
+    /// Stored messages given a vector.
+    pub vectors_stored: AtomicU64,
+    /// Background jobs dropped (queue full) or failed: their messages have no vector until
+    /// `memproxy vectors rebuild`.
+    pub jobs_dropped: AtomicU64,
+    pub jobs_failed: AtomicU64,
+    /// Background jobs queued, and finished (stored, failed or found nothing to store).
+    pub jobs_queued: AtomicU64,
+    pub jobs_finished: AtomicU64,
+}
+
+/// A commit's new messages to embed.
+#[derive(Debug)]
+struct Job {
+    key: ConversationKey,
+    conversation_id: u64,
+    texts: Vec<(u64, String)>,
+}
+
+/// The embedder and its background worker.
+pub struct Embedding {
+    embedder: Result<Arc<dyn Embed>, Lexical>,
+    /// Why the configured embedder is unavailable (for `/readyz` and the log).
+    unavailable: Option<String>,
+    query_timeout: Duration,
+    jobs: Worker<Job>,
+    pub counters: Arc<EmbeddingCounters>,
+}
+
+impl std::fmt::Debug for Embedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Embedding")
+            .field("space", &self.space())
+            .field("unavailable", &self.unavailable)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the edge found of the configured embedder.
+pub enum Embedder {
+    Ready(Arc<dyn Embed>),
+    /// None configured.
+    Off,
+    /// Configured, and could not be loaded: why.
+    Unavailable(String),
+}
+
+impl Embedding {
+    /// The embedder `found`; its worker is started by [`Embedding::start`].
+    pub fn new(found: Embedder, query_timeout: Duration, queue: usize) -> Embedding {
+        let (embedder, unavailable) = match found {
+            Embedder::Ready(embedder) => (Ok(embedder), None),
+            Embedder::Off => (Err(Lexical::NoEmbedder), None),
+            Embedder::Unavailable(why) => {
+                tracing::warn!(
+                    reason = %why,
+                    "recall by meaning is off: the embedder could not be loaded; recall goes by words alone"
+                );
+                (Err(Lexical::EmbedderUnavailable), Some(why))
+            }
+        };
+        Embedding {
+            embedder,
+            unavailable,
+            query_timeout,
+            jobs: Worker::new(queue),
+            counters: Arc::new(EmbeddingCounters::default()),
+        }
+    }
+
+    /// No embedder (tests, tools).
+    pub fn off() -> Embedding {
+        Embedding::new(Embedder::Off, Duration::from_secs(1), 1)
+    }
+
+    /// The vector space in use and its dimension (`None`: recall by words alone).
+    pub fn space(&self) -> Option<(&str, usize)> {
+        self.embedder.as_ref().ok().map(|e| (e.id(), e.dims()))
+    }
+
+    /// Why the configured embedder is unavailable, if it is.
+    pub fn unavailable(&self) -> Option<&str> {
+        self.unavailable.as_deref()
+    }
+
+    /// Embeds the new message on the request path. Blocks; a failure, or an embedding longer
+    /// than `embedding.query_timeout`, is why recall goes by words.
+    pub fn query(&self, text: &str) -> Result<Vec<f32>, Lexical> {
+        let embedder = self.embedder.as_ref().map_err(|why| *why)?;
+        let started = Instant::now();
+        let result = embedder.embed(&[text]);
+        let took = started.elapsed();
+        let c = &self.counters;
+        c.queries.fetch_add(1, Ordering::Relaxed);
+        c.query_micros
+            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+        match result {
+            Ok(mut vectors) if took <= self.query_timeout && vectors.len() == 1 => {
+                Ok(vectors.swap_remove(0))
+            }
+            Ok(_) => {
+                c.query_failures.fetch_add(1, Ordering::Relaxed);
+                Err(Lexical::QueryFailed)
+            }
+            Err(err) => {
+                c.query_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %err, "embedding the new message failed; recall goes by words");
+                Err(Lexical::QueryFailed)
+            }
+        }
+    }
+
+    /// Queues the embedding of a commit's new messages `(turn, search text)`; a full queue
+    /// drops the job (counted).
+    pub fn after_commit(&self, key: &ConversationKey, conversation_id: u64, texts: &[(u64, String)]) {
+        if self.embedder.is_err() || texts.is_empty() {
+            return;
+        }
+        let job = Job {
+            key: key.clone(),
+            conversation_id,
+            texts: texts.to_vec(),
+        };
+        if self.jobs.enqueue(job) {
+            self.counters.jobs_queued.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// No background job is queued or running.
+    pub fn idle(&self) -> bool {
+        let c = &self.counters;
+        c.jobs_finished.load(Ordering::Relaxed) >= c.jobs_queued.load(Ordering::Relaxed)
+    }
+
+    /// Starts the background worker (one job at a time: embedding is CPU work, and a
+    /// sidecar's cores are the agent's too). Must be called inside a tokio runtime.
+    pub fn start(&self, store: Arc<Store>, recall: Arc<Recall>) {
+        let Ok(embedder) = &self.embedder else {
+            return;
+        };
+        let embedder = Arc::clone(embedder);
+        let counters = Arc::clone(&self.counters);
+        self.jobs.start(1, move |job: Job| {
+            let (embedder, store, recall, counters) = (
+                Arc::clone(&embedder),
+                Arc::clone(&store),
+                Arc::clone(&recall),
+                Arc::clone(&counters),
+            );
+            async move {
+                let done = tokio::task::spawn_blocking(move || {
+                    embed_and_store(&*embedder, &store, &recall, &job)
+                })
+                .await;
+                match done {
+                    Ok(Ok(stored)) => {
+                        counters
+                            .vectors_stored
+                            .fetch_add(stored as u64, Ordering::Relaxed);
+                    }
+                    Ok(Err(err)) => {
+                        counters.jobs_failed.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %err, "embedding stored messages failed");
+                    }
+                    Err(err) => {
+                        counters.jobs_failed.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %err, "an embedding task failed");
+                    }
+                }
+                counters.jobs_finished.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+    }
+
+    /// Stops the worker, waiting up to `grace` for the job in flight.
+    pub async fn shutdown(&self, grace: Duration) {
+        self.jobs.shutdown(grace).await;
+    }
+}
+
+/// Why a background embedding failed (never holds message text).
+#[derive(Debug, thiserror::Error)]
+pub enum EmbedJobError {
+    #[error(transparent)]
+    Embed(#[from] memproxy_embed::EmbedError),
+    #[error(transparent)]
+    Store(#[from] memproxy_store::StoreError),
+}
+
+/// Embeds `job`'s texts (without the conversation's lock), then, under it, stores the vectors
+/// of the turns still stored and hands them to the recall index. The number stored.
+fn embed_and_store(
+    embedder: &dyn Embed,
+    store: &Store,
+    recall: &Recall,
+    job: &Job,
+) -> Result<usize, EmbedJobError> {
+    let mut vectors: Vec<(u64, Vec<f32>)> = Vec::with_capacity(job.texts.len());
+    for batch in job.texts.chunks(BATCH) {
+        let texts: Vec<&str> = batch.iter().map(|(_, text)| text.as_str()).collect();
+        let made = embedder.embed(&texts)?;
+        vectors.extend(batch.iter().map(|(turn, _)| *turn).zip(made));
+    }
+    store_vectors(store, recall, &job.key, job.conversation_id, embedder.id(), &vectors)
+}
+
+/// Stores `vectors` of conversation `key` (id `conversation_id`) under its lock, and hands
+/// them to its recall index. The number stored (those of turns no longer stored are not).
+pub fn store_vectors(
+    store: &Store,
+    recall: &Recall,
+    key: &ConversationKey,
+    conversation_id: u64,
+    space: &str,
+    vectors: &[(u64, Vec<f32>)],
+) -> Result<usize, EmbedJobError> {
+    let handle = store.conversation(key)?;
+    let mut conversation = lock(&handle);
+    store.refresh(&mut conversation)?;
+    if conversation.meta.as_ref().map(|m| m.id) != Some(conversation_id) {
+        return Ok(0);
+    }
+    let stored = store.put_vectors(&conversation, space, vectors)?;
+    recall.add_vectors(key, conversation_id, vectors);
+    Ok(stored)
+}

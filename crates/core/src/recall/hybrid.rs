@@ -1,0 +1,212 @@
+//! Hybrid recall: each older turn scored by its words (BM25, `index.rs`) and by its meaning
+//! (the cosine of its vector with the new message's, `vectors.rs`), the two fused into one
+//! score on an absolute scale, so that a floor can tell "nothing here answers this" from "this
+//! is the best of a poor lot".
+//!
+//! - lexical, in 0..1: the turn's BM25 score over the query's own best possible score (every
+//!   query term matched at saturated frequency; a query word the conversation never used
+//!   counts against every turn);
+//! - semantic, in 0..1: the cosine, each turn's mixed with its neighbours' (a question and its
+//!   answer describe each other; images and short replies carry their context), as BM25's
+//!   documents carry their neighbours' words;
+//! - fused = `lexical_weight` × lexical + (1 − `lexical_weight`) × semantic. A turn without a
+//!   vector yet (made after its commit, off the request path) is fused from its words alone,
+//!   at the lexical weight.
+
+use super::index::Hit;
+
+/// Weights of a turn's own similarity and of its neighbours' one and two places away (the
+/// proportions of BM25's neighbour terms, `index.rs`).
+const SMOOTHING: [f32; 3] = [1.0, 0.75, 0.375];
+
+/// How the two scores are fused.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fusion {
+    /// The share of the lexical score, 0..1.
+    pub lexical_weight: f32,
+    /// Turns whose fused score is below this are not recalled (0: none is dropped).
+    pub floor: f32,
+}
+
+impl Default for Fusion {
+    fn default() -> Fusion {
+        Fusion {
+            lexical_weight: DEFAULT_LEXICAL_WEIGHT,
+            floor: 0.0,
+        }
+    }
+}
+
+/// The lexical share when vectors take part.
+pub const DEFAULT_LEXICAL_WEIGHT: f32 = 0.5;
+
+/// The default relevance floor (chosen on the project's own paraphrase set, `tests/it/`).
+pub const DEFAULT_FLOOR: f32 = 0.0;
+
+/// A turn as hybrid recall scored it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scored {
+    pub turn: u64,
+    /// The fused score, 0..1.
+    pub score: f32,
+    /// The lexical score, 0..1 (0: no query word).
+    pub lexical: f32,
+    /// The semantic score, 0..1 (`None`: the turn or the query has no vector).
+    pub semantic: Option<f32>,
+}
+
+/// Mixes each turn's similarity with its neighbours' (by position in `similarities`, which is
+/// by turn ascending), as weighted means.
+pub fn smooth(similarities: &[(u64, f32)]) -> Vec<(u64, f32)> {
+    let n = similarities.len();
+    (0..n)
+        .map(|i| {
+            let mut sum = SMOOTHING[0] * similarities[i].1;
+            let mut weights = SMOOTHING[0];
+            for (distance, &w) in SMOOTHING.iter().enumerate().skip(1) {
+                if let Some(j) = i.checked_sub(distance) {
+                    sum += w * similarities[j].1;
+                    weights += w;
+                }
+                if i + distance < n {
+                    sum += w * similarities[i + distance].1;
+                    weights += w;
+                }
+            }
+            (similarities[i].0, sum / weights)
+        })
+        .collect()
+}
+
+/// Fuses `lexical` hits (raw BM25 scores; `query_weight` is the query's best possible score)
+/// with the smoothed `semantic` similarities (by turn ascending; `None`: no query vector) of
+/// the turns `in_pool` accepts, best first; those under the floor are returned apart, best
+/// first. A turn with neither a query word nor a vector is never a candidate.
+pub fn fuse(
+    lexical: &[Hit],
+    query_weight: f32,
+    semantic: Option<&[(u64, f32)]>,
+    in_pool: impl Fn(u64) -> bool,
+    fusion: Fusion,
+) -> (Vec<Scored>, Vec<Scored>) {
+    let lexical_score = |bm25: f32| {
+        if query_weight > 0.0 {
+            (bm25 / query_weight).clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    };
+    let mut scored: Vec<Scored> = Vec::new();
+    match semantic {
+        None => scored.extend(lexical.iter().map(|hit| {
+            let lexical = lexical_score(hit.score);
+            Scored {
+                turn: hit.turn,
+                score: lexical,
+                lexical,
+                semantic: None,
+            }
+        })),
+        Some(semantic) => {
+            let w = fusion.lexical_weight.clamp(0.0, 1.0);
+            let words: std::collections::HashMap<u64, f32> = lexical
+                .iter()
+                .map(|h| (h.turn, lexical_score(h.score)))
+                .collect();
+            let mut seen = std::collections::HashSet::with_capacity(semantic.len());
+            for &(turn, similarity) in semantic {
+                if !in_pool(turn) {
+                    continue;
+                }
+                seen.insert(turn);
+                let lexical = words.get(&turn).copied().unwrap_or(0.0);
+                let semantic = similarity.clamp(0.0, 1.0);
+                scored.push(Scored {
+                    turn,
+                    score: w * lexical + (1.0 - w) * semantic,
+                    lexical,
+                    semantic: Some(semantic),
+                });
+            }
+            // Turns whose vector is not made yet: their words alone.
+            for hit in lexical {
+                if !seen.contains(&hit.turn) {
+                    let lexical = lexical_score(hit.score);
+                    scored.push(Scored {
+                        turn: hit.turn,
+                        score: w * lexical,
+                        lexical,
+                        semantic: None,
+                    });
+                }
+            }
+        }
+    }
+    scored.sort_by(|a, b| b.score.total_cmp(&a.score).then(b.turn.cmp(&a.turn)));
+    let cut = scored.partition_point(|s| s.score >= fusion.floor && s.score > 0.0);
+    let under = scored.split_off(cut);
+    (scored, under)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hit(turn: u64, score: f32) -> Hit {
+        Hit { turn, score }
+    }
+
+    #[test]
+    fn smoothing_mixes_neighbours_and_keeps_order() {
+        let smoothed = smooth(&[(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0), (5, 0.0)]);
+        assert_eq!(smoothed.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+        // Turn 2 keeps the most; its neighbours get some of it, the farther less.
+        assert!(smoothed[1].1 > smoothed[0].1 && smoothed[1].1 > smoothed[2].1);
+        assert!(smoothed[2].1 > smoothed[3].1 && smoothed[3].1 > smoothed[4].1);
+        assert_eq!(smoothed[4].1, 0.0);
+    }
+
+    #[test]
+    fn lexical_alone_is_on_the_query_scale() {
+        let (kept, under) = fuse(
+            &[hit(3, 2.0), hit(5, 4.0)],
+            8.0,
+            None,
+            |_| true,
+            Fusion::default(),
+        );
+        assert!(under.is_empty());
+        assert_eq!(kept[0].turn, 5);
+        assert!((kept[0].score - 0.5).abs() < 1e-6);
+        assert!((kept[1].score - 0.25).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_turn_found_by_meaning_alone_ranks_and_the_floor_drops_the_weak() {
+        let semantic = [(1, 0.9), (2, 0.1), (3, 0.2), (9, 0.95)];
+        let fusion = Fusion {
+            lexical_weight: 0.5,
+            floor: 0.2,
+        };
+        let (kept, under) = fuse(&[hit(3, 4.0)], 8.0, Some(&semantic), |t| t < 9, fusion);
+        let turns: Vec<u64> = kept.iter().map(|s| s.turn).collect();
+        // Turn 1 shares no word and ranks first; turn 9 is outside the pool.
+        assert_eq!(turns, [1, 3]);
+        assert_eq!(kept[1].lexical, 0.5);
+        assert_eq!(kept[1].semantic, Some(0.2));
+        assert_eq!(under.iter().map(|s| s.turn).collect::<Vec<_>>(), [2]);
+    }
+
+    #[test]
+    fn a_turn_without_a_vector_keeps_its_words() {
+        let (kept, _) = fuse(
+            &[hit(4, 8.0)],
+            8.0,
+            Some(&[(1, 0.3)]),
+            |_| true,
+            Fusion::default(),
+        );
+        let four = kept.iter().find(|s| s.turn == 4).map(|s| (s.score, s.semantic));
+        assert_eq!(four, Some((0.5, None)));
+    }
+}

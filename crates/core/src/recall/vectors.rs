@@ -1,0 +1,184 @@
+//! A conversation's message vectors as its recall index holds them: one per stored turn, of
+//! one embedder's space, quantised to a byte per dimension with a scale, so a conversation of
+//! 1,000 messages at 256 dimensions costs about 260 KB of cache.
+//!
+//! Vectors arrive after their messages (they are made off the request path), so some turns
+//! may have none yet: those are found by their words only.
+
+use memproxy_base::heap;
+
+/// Vectors by turn, ascending.
+#[derive(Debug, Clone, Default)]
+pub struct DocVectors {
+    dims: usize,
+    turns: Vec<u64>,
+    /// `dims` bytes per turn, in the order of `turns`.
+    values: Vec<i8>,
+    scales: Vec<f32>,
+}
+
+/// Quantises `vector` to bytes and the scale that gives them back.
+pub fn quantise(vector: &[f32]) -> (Vec<i8>, f32) {
+    let max = vector.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if max == 0.0 || !max.is_finite() {
+        return (vec![0; vector.len()], 0.0);
+    }
+    let scale = max / 127.0;
+    let bytes = vector
+        .iter()
+        .map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8)
+        .collect();
+    (bytes, scale)
+}
+
+impl DocVectors {
+    pub fn new(dims: usize) -> DocVectors {
+        DocVectors {
+            dims,
+            ..DocVectors::default()
+        }
+    }
+
+    pub fn dims(&self) -> usize {
+        self.dims
+    }
+
+    pub fn len(&self) -> usize {
+        self.turns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.turns.is_empty()
+    }
+
+    /// Sets `turn`'s vector (a vector of another length is ignored).
+    pub fn insert(&mut self, turn: u64, vector: &[f32]) {
+        if vector.len() != self.dims || self.dims == 0 {
+            return;
+        }
+        let (bytes, scale) = quantise(vector);
+        match self.turns.binary_search(&turn) {
+            Ok(at) => {
+                self.values[at * self.dims..(at + 1) * self.dims].copy_from_slice(&bytes);
+                self.scales[at] = scale;
+            }
+            Err(at) if at == self.turns.len() => {
+                self.turns.push(turn);
+                self.values.extend_from_slice(&bytes);
+                self.scales.push(scale);
+            }
+            Err(at) => {
+                self.turns.insert(at, turn);
+                self.values
+                    .splice(at * self.dims..at * self.dims, bytes.iter().copied());
+                self.scales.insert(at, scale);
+            }
+        }
+    }
+
+    /// Drops the vectors of `turns`.
+    pub fn remove(&mut self, turns: &[u64]) {
+        if turns.is_empty() || self.turns.is_empty() {
+            return;
+        }
+        let dims = self.dims;
+        let mut keep = 0;
+        for i in 0..self.turns.len() {
+            if turns.contains(&self.turns[i]) {
+                continue;
+            }
+            if keep != i {
+                self.turns[keep] = self.turns[i];
+                self.scales[keep] = self.scales[i];
+                self.values.copy_within(i * dims..(i + 1) * dims, keep * dims);
+            }
+            keep += 1;
+        }
+        self.turns.truncate(keep);
+        self.scales.truncate(keep);
+        self.values.truncate(keep * dims);
+    }
+
+    /// Keeps only the vectors of turns `keep` accepts.
+    pub fn retain(&mut self, keep: impl Fn(u64) -> bool) {
+        let gone: Vec<u64> = self.turns.iter().copied().filter(|&t| !keep(t)).collect();
+        self.remove(&gone);
+    }
+
+    /// The turns that have a vector.
+    pub fn turns(&self) -> &[u64] {
+        &self.turns
+    }
+
+    /// The cosine similarity of `query` (unit length) with every vector, by turn ascending.
+    pub fn similarities(&self, query: &[f32]) -> Vec<(u64, f32)> {
+        if query.len() != self.dims || self.dims == 0 {
+            return Vec::new();
+        }
+        self.turns
+            .iter()
+            .enumerate()
+            .map(|(i, &turn)| {
+                let row = &self.values[i * self.dims..(i + 1) * self.dims];
+                let dot: f32 = row.iter().zip(query).map(|(&b, &q)| f32::from(b) * q).sum();
+                (turn, dot * self.scales[i])
+            })
+            .collect()
+    }
+
+    /// Heap bytes held.
+    pub fn heap_bytes(&self) -> usize {
+        heap::vec::<u64>(self.turns.capacity())
+            + heap::vec::<i8>(self.values.capacity())
+            + heap::vec::<f32>(self.scales.capacity())
+    }
+
+    pub fn shrink_to_fit(&mut self) {
+        self.turns.shrink_to_fit();
+        self.values.shrink_to_fit();
+        self.scales.shrink_to_fit();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unit(v: &[f32]) -> Vec<f32> {
+        let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        v.iter().map(|x| x / n).collect()
+    }
+
+    #[test]
+    fn similarities_survive_quantisation() {
+        let a = unit(&[0.3, -0.2, 0.9, 0.1]);
+        let b = unit(&[-0.5, 0.4, 0.1, 0.7]);
+        let mut vectors = DocVectors::new(4);
+        vectors.insert(7, &b);
+        vectors.insert(3, &a);
+        let sims = vectors.similarities(&a);
+        assert_eq!(sims.iter().map(|s| s.0).collect::<Vec<_>>(), vec![3, 7]);
+        assert!((sims[0].1 - 1.0).abs() < 0.01, "{sims:?}");
+        let exact: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert!((sims[1].1 - exact).abs() < 0.01, "{sims:?} vs {exact}");
+    }
+
+    #[test]
+    fn insert_replaces_and_remove_keeps_order() {
+        let mut vectors = DocVectors::new(2);
+        for turn in [1, 2, 3, 4] {
+            vectors.insert(turn, &[turn as f32, 1.0]);
+        }
+        vectors.insert(2, &[0.0, 1.0]);
+        vectors.remove(&[1, 3]);
+        assert_eq!(vectors.turns(), &[2, 4]);
+        let sims = vectors.similarities(&[0.0, 1.0]);
+        assert!((sims[0].1 - 1.0).abs() < 0.01);
+        assert!((sims[1].1 - 1.0).abs() < 0.01);
+        vectors.retain(|t| t > 2);
+        assert_eq!(vectors.turns(), &[4]);
+        // Another length is not this space's.
+        vectors.insert(9, &[1.0, 0.0, 0.0]);
+        assert_eq!(vectors.turns(), &[4]);
+    }
+}

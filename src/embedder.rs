@@ -1,0 +1,156 @@
+//! The embedder `[embedding]` names, made at start: the in-process ones of `memproxy-embed`
+//! (the model's files found, the static table distilled once and kept), or the upstream's
+//! OpenAI-compatible `/v1/embeddings` ([`UpstreamEmbedder`]). One that cannot be made leaves
+//! recall by words alone, with the reason in the log and `/readyz`: never a failed start.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use http::HeaderMap;
+use serde_json::{Value, json};
+use tokio::runtime::Handle;
+
+use crate::config::{Config, EmbedderKind};
+use crate::embedding::Embedder;
+use crate::upstream::Upstream;
+use memproxy_base::model::Credentials;
+use memproxy_embed::{Embed, EmbedError};
+
+/// Texts one `/v1/embeddings` call carries at most.
+const UPSTREAM_BATCH: usize = 64;
+
+/// The embedder `config` names; `upstream` is the client of `[upstream]`, for `upstream`.
+pub fn load(config: &Config, upstream: &Upstream) -> Embedder {
+    let settings = &config.embedding;
+    match settings.embedder {
+        EmbedderKind::Off => Embedder::Off,
+        EmbedderKind::Upstream => match Handle::try_current() {
+            Ok(runtime) => Embedder::Ready(std::sync::Arc::new(UpstreamEmbedder {
+                upstream: upstream.clone(),
+                model: settings.upstream_model.clone(),
+                id: format!("upstream/{}", settings.upstream_model),
+                dims: OnceLock::new(),
+                timeout: config.upstream.timeout,
+                runtime,
+            })),
+            Err(_) => Embedder::Unavailable("no async runtime for the upstream embedder".into()),
+        },
+        EmbedderKind::Static | EmbedderKind::Contextual => in_process(config),
+    }
+}
+
+/// The in-process embedders.
+fn in_process(config: &Config) -> Embedder {
+    let _ = config;
+    Embedder::Unavailable("the in-process embedder is not built yet".into())
+}
+
+/// The upstream's `/v1/embeddings`: the provider's model, called with `[upstream]`'s key
+/// (`upstream.api_key`; the calls are memproxy's own, made without a client's credentials).
+/// Blocks the calling thread (a blocking-pool thread: the plan and the background jobs run
+/// there) while the call runs on the runtime, for at most `upstream.timeout`.
+pub struct UpstreamEmbedder {
+    upstream: Upstream,
+    model: String,
+    id: String,
+    /// Learned from the first answer.
+    dims: OnceLock<usize>,
+    timeout: Duration,
+    runtime: Handle,
+}
+
+impl std::fmt::Debug for UpstreamEmbedder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamEmbedder")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One `/v1/embeddings` call: a unit-length vector per text, in order.
+async fn embeddings(
+    upstream: Upstream,
+    model: String,
+    texts: Vec<String>,
+) -> Result<Vec<Vec<f32>>, EmbedError> {
+    let count = texts.len();
+    let body = json!({"model": model, "input": texts, "encoding_format": "float"});
+    let answer = upstream
+        .model_post(
+            "/v1/embeddings",
+            &Credentials::default(),
+            HeaderMap::new(),
+            body.to_string(),
+            "embedding",
+        )
+        .await
+        .map_err(|err| EmbedError::Failed(err.to_string()))?;
+    let value: Value = serde_json::from_slice(&answer)
+        .map_err(|_| EmbedError::Failed("the embeddings answer is not JSON".into()))?;
+    let data = value
+        .get("data")
+        .and_then(Value::as_array)
+        .ok_or_else(|| EmbedError::Failed("the embeddings answer has no `data`".into()))?;
+    let mut vectors: Vec<Option<Vec<f32>>> = vec![None; count];
+    for (position, item) in data.iter().enumerate() {
+        let index = item
+            .get("index")
+            .and_then(Value::as_u64)
+            .map_or(position, |i| i as usize);
+        let vector: Vec<f32> = item
+            .get("embedding")
+            .and_then(Value::as_array)
+            .ok_or_else(|| EmbedError::Failed("an embedding is not a list".into()))?
+            .iter()
+            .map(|v| v.as_f64().unwrap_or(0.0) as f32)
+            .collect();
+        if let Some(slot) = vectors.get_mut(index) {
+            *slot = Some(unit(vector));
+        }
+    }
+    vectors
+        .into_iter()
+        .map(|v| v.ok_or_else(|| EmbedError::Failed("an input has no embedding".into())))
+        .collect()
+}
+
+/// `vector` scaled to length 1 (zeros stay zeros).
+fn unit(mut vector: Vec<f32>) -> Vec<f32> {
+    let norm = vector.iter().map(|v| v * v).sum::<f32>().sqrt();
+    if norm > 0.0 && norm.is_finite() {
+        for v in &mut vector {
+            *v /= norm;
+        }
+    }
+    vector
+}
+
+impl Embed for UpstreamEmbedder {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn dims(&self) -> usize {
+        self.dims.get().copied().unwrap_or(0)
+    }
+
+    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
+        let mut out = Vec::with_capacity(texts.len());
+        for batch in texts.chunks(UPSTREAM_BATCH) {
+            let owned: Vec<String> = batch.iter().map(|t| t.to_string()).collect();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let call = embeddings(self.upstream.clone(), self.model.clone(), owned);
+            self.runtime.spawn(async move {
+                let _ = tx.send(call.await);
+            });
+            let vectors = rx
+                .recv_timeout(self.timeout)
+                .map_err(|_| EmbedError::Failed("the embeddings call timed out".into()))??;
+            if let Some(first) = vectors.first() {
+                let _ = self.dims.set(first.len());
+            }
+            out.extend(vectors);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,95 @@
+//! Recall by meaning's metrics (`crate::embedding`): the new messages embedded on the request
+//! path (and those that failed, so recall went by words), the time they took, the stored
+//! messages given a vector in the background and the jobs dropped or failed, mirrored from the
+//! embedding's counters at each scrape; and whether an embedder is in use.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::embedding::{Embedding, EmbeddingCounters};
+
+/// The embedding metrics.
+pub(crate) struct EmbeddingMetrics {
+    up: Gauge,
+    queries: Counter,
+    query_failures: Counter,
+    query_seconds: Counter<f64>,
+    vectors_stored: Counter,
+    jobs_dropped: Counter,
+    jobs_failed: Counter,
+}
+
+impl EmbeddingMetrics {
+    pub(crate) fn register(registry: &mut Registry) -> EmbeddingMetrics {
+        let metrics = EmbeddingMetrics {
+            up: Gauge::default(),
+            queries: Counter::default(),
+            query_failures: Counter::default(),
+            query_seconds: Counter::default(),
+            vectors_stored: Counter::default(),
+            jobs_dropped: Counter::default(),
+            jobs_failed: Counter::default(),
+        };
+        registry.register(
+            "embedding_up",
+            "1 when an embedder is in use (recall by words and meaning), 0 when recall goes by words alone (none configured, or it could not be loaded: /readyz says why)",
+            metrics.up.clone(),
+        );
+        let counters = [
+            (
+                "embedding_queries",
+                "New messages embedded on the request path",
+                &metrics.queries,
+            ),
+            (
+                "embedding_query_failures",
+                "New messages whose embedding failed or passed embedding.query_timeout: recall went by words (X-Memory-Recall: lexical; reason=query-embedding-failed)",
+                &metrics.query_failures,
+            ),
+            (
+                "embedding_vectors_stored",
+                "Stored messages given a vector by the background job",
+                &metrics.vectors_stored,
+            ),
+            (
+                "embedding_jobs_dropped",
+                "Background embedding jobs dropped (queue full): their messages have no vector until `memproxy vectors rebuild`",
+                &metrics.jobs_dropped,
+            ),
+            (
+                "embedding_jobs_failed",
+                "Background embedding jobs that failed (the embedder or the store)",
+                &metrics.jobs_failed,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            registry.register(name, help, counter.clone());
+        }
+        registry.register(
+            "embedding_query_seconds",
+            "Time spent embedding new messages on the request path",
+            metrics.query_seconds.clone(),
+        );
+        metrics
+    }
+
+    /// Brings the metrics up to the embedding's counters.
+    pub(crate) fn mirror(&self, embedding: &Embedding, catch_up: fn(&Counter, u64)) {
+        let c: &EmbeddingCounters = &embedding.counters;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        self.up.set(i64::from(embedding.space().is_some()));
+        catch_up(&self.queries, load(&c.queries));
+        catch_up(&self.query_failures, load(&c.query_failures));
+        catch_up(&self.vectors_stored, load(&c.vectors_stored));
+        catch_up(&self.jobs_dropped, load(&c.jobs_dropped));
+        catch_up(&self.jobs_failed, load(&c.jobs_failed));
+        let seconds = load(&c.query_micros) as f64 / 1e6;
+        let current = self.query_seconds.get();
+        if seconds > current {
+            self.query_seconds.inc_by(seconds - current);
+        }
+    }
+}
