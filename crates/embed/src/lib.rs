@@ -3,6 +3,29 @@
 //! [`Embed`] is what the memory core calls. Implementations are synchronous CPU work (the core
 //! runs them off the async runtime's threads) or, for an embedder behind HTTP (the upstream's
 //! `/v1/embeddings`), implemented at the edge.
+//!
+//! # Layout
+//!
+//! - [`files`] finds the model's files on disk ([`ModelFiles::locate`]); nothing here downloads
+//!   anything (`scripts/fetch-model.sh` does, before a build or in the image);
+//! - [`tokenize`] turns text into all-MiniLM-L6-v2's word pieces (the `tokenizers` crate, the
+//!   model's own `tokenizer.json`);
+//! - [`contextual`] is the model's full forward pass ([`Contextual`]): BERT, mean pooled;
+//! - [`table`] is the static embedder ([`Static`]): a table of one vector per word piece,
+//!   distilled from [`Contextual`] ([`table::distill`]) and kept in a cache file;
+//! - [`pca`] is the principal component analysis the distillation projects the table with;
+//! - [`vector`] holds the arithmetic both share (L2 normalisation).
+
+pub mod contextual;
+pub mod files;
+pub mod pca;
+pub mod table;
+pub mod tokenize;
+pub mod vector;
+
+pub use contextual::Contextual;
+pub use files::ModelFiles;
+pub use table::Static;
 
 /// Why texts could not be embedded. Never fails a chat request: recall falls back to lexical.
 #[derive(Debug, thiserror::Error)]

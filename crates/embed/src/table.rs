@@ -1,0 +1,432 @@
+//! The static embedder: one vector per word piece, distilled from [`Contextual`] the way
+//! model2vec does it, so embedding a query costs a tokenization and a few additions, not a
+//! forward pass. Owns the table, its distillation and its cache file; loads the model only to
+//! distill.
+//!
+//! Distillation ([`distill`]): every vocabulary entry `t` goes through the model alone, as
+//! `[CLS] t [SEP]`, mean pooled (the contextual embedder's pooling); the rows of the real
+//! entries (not `[unused…]` or the special tokens) give a PCA that centres every row (the
+//! shared component all of them carry, which otherwise dominates every sum) and keeps
+//! [`Distillation::dims`] axes; each row is then scaled by its word piece's weight
+//! ([`Weighting`]). A text's vector is the sum of its word pieces' rows (the weighted mean, up
+//! to a scale the normalisation removes), L2 normalised; a text with no word pieces is zero.
+//!
+//! The cache file is a header (magic, the space's id, the vocabulary size, the width, the sizes
+//! of the model's files it was distilled from) and the table as little-endian f32. A file whose
+//! header does not match what would be distilled now is refused and distilled again.
+
+use std::path::{Path, PathBuf};
+
+use crate::contextual::Contextual;
+use crate::files::MODEL_NAME;
+use crate::pca::Pca;
+use crate::tokenize::WordPieces;
+use crate::vector::normalize;
+use crate::{Embed, EmbedError, ModelFiles};
+
+/// Bumped whenever the distillation changes the vectors for the same options.
+pub const TABLE_VERSION: u32 = 1;
+
+const MAGIC: &[u8; 8] = b"MPXSTAT\0";
+
+/// Texts per forward pass while distilling: every input is three word pieces long.
+const DISTILL_BATCH: usize = 512;
+
+/// How a word piece's row is weighted in a text's sum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Weighting {
+    /// Every word piece counts the same.
+    Uniform,
+    /// Smooth inverse frequency with frequencies from Zipf's law over the word piece's rank:
+    /// `w = a / (a + p)`, `p = 1 / (rank · H)`, where the rank is the id's place among the
+    /// vocabulary's words. In BERT's uncased vocabulary the words (from id 1996, "the", "of",
+    /// "and" …) are roughly in order of frequency; the single characters before them are
+    /// counted as the most frequent (rank 1).
+    Zipf,
+}
+
+impl Weighting {
+    fn name(self) -> &'static str {
+        match self {
+            Weighting::Uniform => "uniform",
+            Weighting::Zipf => "zipf",
+        }
+    }
+}
+
+/// What the distillation makes: the vectors' width and the weighting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Distillation {
+    /// The width after PCA (at most the model's 384).
+    pub dims: usize,
+    pub weighting: Weighting,
+}
+
+impl Default for Distillation {
+    /// The default: 256 axes, Zipf weights (the README's measurement).
+    fn default() -> Self {
+        Self {
+            dims: 256,
+            weighting: Weighting::Zipf,
+        }
+    }
+}
+
+impl Distillation {
+    /// The vector space's name, e.g. `all-MiniLM-L6-v2/static-v1-zipf/256`.
+    pub fn id(&self) -> String {
+        format!(
+            "{MODEL_NAME}/static-v{TABLE_VERSION}-{}/{}",
+            self.weighting.name(),
+            self.dims
+        )
+    }
+
+    /// The cache file's name in the model's directory, e.g. `static-256.bin`.
+    pub fn file_name(&self) -> String {
+        match *self == Self::default() {
+            true => format!("static-{}.bin", self.dims),
+            false => format!("static-{}-{}.bin", self.weighting.name(), self.dims),
+        }
+    }
+}
+
+/// The static embedder.
+pub struct Static {
+    pieces: WordPieces,
+    /// `vocab × dims`, row by row, each row already weighted.
+    table: Vec<f32>,
+    dims: usize,
+    id: String,
+}
+
+impl std::fmt::Debug for Static {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Static")
+            .field("id", &self.id)
+            .field("rows", &(self.table.len() / self.dims.max(1)))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Static {
+    /// Where the table of `distillation` is kept by default: in the model's directory
+    /// (`static-256.bin` for the default), where the image carries it.
+    pub fn default_cache_path(files: &ModelFiles, distillation: &Distillation) -> PathBuf {
+        files.dir().join(distillation.file_name())
+    }
+
+    /// The default table ([`Distillation::default`]) from `cache_path`, or distilled from the
+    /// model (a few seconds in a release build) and written there when the file is missing or
+    /// does not match.
+    pub fn load_or_distill(files: &ModelFiles, cache_path: &Path) -> Result<Self, EmbedError> {
+        Self::load_or_distill_with(files, cache_path, &Distillation::default())
+    }
+
+    /// [`Static::load_or_distill`] for any distillation.
+    pub fn load_or_distill_with(
+        files: &ModelFiles,
+        cache_path: &Path,
+        distillation: &Distillation,
+    ) -> Result<Self, EmbedError> {
+        if let Ok(table) = Self::load(files, cache_path, distillation) {
+            return Ok(table);
+        }
+        let model = Contextual::load(files, None)?;
+        let table = distill(&model, distillation)?;
+        table.save(files, cache_path)?;
+        Ok(table)
+    }
+
+    /// The table in `path`, refused ([`EmbedError::Unavailable`]) unless its header says it is
+    /// `distillation`'s, from these model files, and its size is the header's.
+    pub fn load(
+        files: &ModelFiles,
+        path: &Path,
+        distillation: &Distillation,
+    ) -> Result<Self, EmbedError> {
+        let pieces = WordPieces::load(files)?;
+        let bytes = std::fs::read(path).map_err(|err| {
+            EmbedError::Unavailable(format!("cannot read {}: {err}", path.display()))
+        })?;
+        let header = Header::expected(files, &pieces, distillation)?;
+        let body = header.check(&bytes).map_err(|why| {
+            EmbedError::Unavailable(format!("{} is not this table: {why}", path.display()))
+        })?;
+        let table = body
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        Ok(Self {
+            pieces,
+            table,
+            dims: distillation.dims,
+            id: header.id,
+        })
+    }
+
+    /// Writes the table to `path` (a sibling file first, then renamed over it, so a reader
+    /// never sees half a table).
+    pub fn save(&self, files: &ModelFiles, path: &Path) -> Result<(), EmbedError> {
+        let header = Header {
+            id: self.id.clone(),
+            vocab: self.table.len() / self.dims.max(1),
+            dims: self.dims,
+            sources: source_sizes(files)?,
+        };
+        let mut bytes = header.encode();
+        bytes.reserve(self.table.len() * 4);
+        for x in &self.table {
+            bytes.extend_from_slice(&x.to_le_bytes());
+        }
+        let cannot = |err: std::io::Error| {
+            EmbedError::Failed(format!("cannot write {}: {err}", path.display()))
+        };
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        let partial = PathBuf::from(partial);
+        if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(cannot)?;
+        }
+        std::fs::write(&partial, &bytes).map_err(cannot)?;
+        std::fs::rename(&partial, path).map_err(cannot)
+    }
+
+    /// The table's size in memory, in bytes.
+    pub fn table_bytes(&self) -> usize {
+        self.table.len() * std::mem::size_of::<f32>()
+    }
+
+    fn row(&self, id: u32) -> Option<&[f32]> {
+        let start = usize::try_from(id).ok()?.checked_mul(self.dims)?;
+        self.table.get(start..start + self.dims)
+    }
+}
+
+impl Embed for Static {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn dims(&self) -> usize {
+        self.dims
+    }
+
+    /// A text's whole text counts (no truncation); word pieces outside the table (none, for
+    /// the model's own tokenizer) are passed over.
+    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
+        texts
+            .iter()
+            .map(|text| {
+                let mut sum = vec![0.0f32; self.dims];
+                for id in self.pieces.pieces(text)? {
+                    if let Some(row) = self.row(id) {
+                        for (s, x) in sum.iter_mut().zip(row) {
+                            *s += x;
+                        }
+                    }
+                }
+                normalize(&mut sum);
+                Ok(sum)
+            })
+            .collect()
+    }
+}
+
+/// Distills `distillation`'s table from `model` (see the module's doc).
+pub fn distill(model: &Contextual, distillation: &Distillation) -> Result<Static, EmbedError> {
+    let pieces = model.word_pieces().clone();
+    let vocab = pieces.vocab_size();
+    let ids = 0..u32::try_from(vocab).map_err(|err| EmbedError::Failed(err.to_string()))?;
+    let inputs: Vec<Vec<u32>> = ids.map(|id| vec![pieces.cls(), id, pieces.sep()]).collect();
+    let outputs = model.mean_pooled_in_batches(&inputs, DISTILL_BATCH)?;
+    let width = outputs.first().map_or(0, Vec::len);
+    let kinds: Vec<Kind> = (0..vocab).map(|id| kind_of(&pieces, id)).collect();
+    let real = outputs
+        .iter()
+        .zip(&kinds)
+        .filter(|(_, kind)| matches!(kind, Kind::Word | Kind::Character))
+        .map(|(row, _)| row.as_slice());
+    let pca = Pca::fit(real, width, distillation.dims);
+    let words_start = kinds.iter().position(|k| *k == Kind::Word).unwrap_or(0);
+    let mut table = Vec::with_capacity(vocab * distillation.dims);
+    for (id, (row, kind)) in outputs.iter().zip(&kinds).enumerate() {
+        let weight = match (kind, distillation.weighting) {
+            (Kind::Special, _) => 0.0,
+            (_, Weighting::Uniform) => 1.0,
+            (Kind::Character, Weighting::Zipf) => zipf_weight(1, vocab),
+            (Kind::Word, Weighting::Zipf) => zipf_weight(id + 1 - words_start, vocab),
+        };
+        table.extend(pca.project(row).into_iter().map(|x| x * weight));
+    }
+    Ok(Static {
+        pieces,
+        table,
+        dims: distillation.dims,
+        id: distillation.id(),
+    })
+}
+
+/// What a vocabulary entry is, for its weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `[PAD]`, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]`, `[unused…]`: never part of a sum.
+    Special,
+    /// The single characters (and their `##` forms) BERT's vocabulary lists before its words.
+    Character,
+    /// A word or word piece, roughly in order of frequency.
+    Word,
+}
+
+fn kind_of(pieces: &WordPieces, id: usize) -> Kind {
+    let token = u32::try_from(id)
+        .ok()
+        .and_then(|id| pieces.token(id))
+        .unwrap_or_default();
+    let bare = token.strip_prefix("##").unwrap_or(&token);
+    if token.starts_with('[') && token.ends_with(']') {
+        Kind::Special
+    } else if bare.chars().count() == 1 {
+        Kind::Character
+    } else {
+        Kind::Word
+    }
+}
+
+/// Smooth inverse frequency of the word at `rank` (from 1) under Zipf's law over `vocab`
+/// words: `a / (a + p)` with `p = 1 / (rank · H(vocab))` and `a = 1e-4`, the coefficient
+/// model2vec uses.
+fn zipf_weight(rank: usize, vocab: usize) -> f32 {
+    const A: f64 = 1e-4;
+    let harmonic = (vocab as f64).ln() + 0.577_215_664_9;
+    let p = 1.0 / (rank.max(1) as f64 * harmonic);
+    (A / (A + p)) as f32
+}
+
+/// The header of a cache file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Header {
+    id: String,
+    vocab: usize,
+    dims: usize,
+    /// The byte sizes of `model.safetensors` and `tokenizer.json`.
+    sources: [u64; 2],
+}
+
+fn source_sizes(files: &ModelFiles) -> Result<[u64; 2], EmbedError> {
+    let size = |path: PathBuf| {
+        std::fs::metadata(&path).map(|m| m.len()).map_err(|err| {
+            EmbedError::Unavailable(format!("cannot read {}: {err}", path.display()))
+        })
+    };
+    Ok([size(files.weights())?, size(files.tokenizer())?])
+}
+
+impl Header {
+    fn expected(
+        files: &ModelFiles,
+        pieces: &WordPieces,
+        distillation: &Distillation,
+    ) -> Result<Self, EmbedError> {
+        Ok(Self {
+            id: distillation.id(),
+            vocab: pieces.vocab_size(),
+            dims: distillation.dims,
+            sources: source_sizes(files)?,
+        })
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        let id = self.id.as_bytes();
+        out.extend_from_slice(&(id.len() as u64).to_le_bytes());
+        out.extend_from_slice(id);
+        for n in [
+            self.vocab as u64,
+            self.dims as u64,
+            self.sources[0],
+            self.sources[1],
+        ] {
+            out.extend_from_slice(&n.to_le_bytes());
+        }
+        out
+    }
+
+    /// The table's bytes, when `bytes` starts with this header and holds exactly its table.
+    fn check<'a>(&self, bytes: &'a [u8]) -> Result<&'a [u8], String> {
+        let header = self.encode();
+        let Some(head) = bytes.get(..header.len()) else {
+            return Err("shorter than its header".into());
+        };
+        if head != header.as_slice() {
+            return Err(format!(
+                "its header is not that of {} ({} × {}, from model files of {} and {} bytes)",
+                self.id, self.vocab, self.dims, self.sources[0], self.sources[1]
+            ));
+        }
+        let body = &bytes[header.len()..];
+        if body.len() != self.vocab * self.dims * 4 {
+            return Err(format!(
+                "{} bytes of table, not {}",
+                body.len(),
+                self.vocab * self.dims * 4
+            ));
+        }
+        Ok(body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rare_words_weigh_more_than_common_ones() {
+        let common = zipf_weight(1, 30_000);
+        let middling = zipf_weight(1_000, 30_000);
+        let rare = zipf_weight(25_000, 30_000);
+        assert!(
+            common < middling && middling < rare,
+            "{common} {middling} {rare}"
+        );
+        assert!(rare <= 1.0);
+    }
+
+    #[test]
+    fn the_id_names_version_weighting_and_width() {
+        assert_eq!(
+            Distillation::default().id(),
+            format!("all-MiniLM-L6-v2/static-v{TABLE_VERSION}-zipf/256")
+        );
+        assert_eq!(Distillation::default().file_name(), "static-256.bin");
+        let other = Distillation {
+            dims: 384,
+            weighting: Weighting::Uniform,
+        };
+        assert_eq!(other.file_name(), "static-uniform-384.bin");
+    }
+
+    #[test]
+    fn a_header_refuses_another_id_or_size() {
+        let header = Header {
+            id: "m/static-v1-zipf/2".into(),
+            vocab: 3,
+            dims: 2,
+            sources: [10, 20],
+        };
+        let mut file = header.encode();
+        file.extend_from_slice(&[0u8; 24]);
+        assert_eq!(header.check(&file).map(<[u8]>::len), Ok(24));
+        assert!(header.check(&file[..file.len() - 4]).is_err());
+        let other = Header {
+            id: "m/static-v1-uniform/2".into(),
+            ..header.clone()
+        };
+        assert!(other.check(&file).is_err());
+        let resized = Header {
+            sources: [11, 20],
+            ..header
+        };
+        assert!(resized.check(&file).is_err());
+    }
+}

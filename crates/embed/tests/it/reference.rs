@@ -1,0 +1,80 @@
+//! `Contextual` against `reference.json`, the vectors and word-piece ids a plain numpy forward
+//! pass of the model computed (`scripts/embed_reference.py`): a short sentence, a question,
+//! accents, CJK, Greek, an emoji and a word over 100 characters (`[UNK]`), a text past 256
+//! word pieces (truncated), and the empty text.
+
+use memproxy_embed::contextual::MAX_PIECES;
+use memproxy_embed::{Contextual, Embed};
+use serde::Deserialize;
+
+use crate::model_files;
+
+#[derive(Deserialize)]
+struct Reference {
+    cases: Vec<Case>,
+}
+
+#[derive(Deserialize)]
+struct Case {
+    text: String,
+    ids: Vec<u32>,
+    vector: Vec<f32>,
+}
+
+fn reference() -> Reference {
+    let text = include_str!("reference.json");
+    serde_json::from_str(text).unwrap()
+}
+
+#[test]
+fn word_pieces_are_the_reference_tokenizers() {
+    let model = Contextual::load(&model_files(), None).unwrap();
+    for case in reference().cases {
+        let ids = model
+            .word_pieces()
+            .model_input(&case.text, MAX_PIECES)
+            .unwrap();
+        assert_eq!(ids, case.ids, "{:?}", case.text);
+    }
+}
+
+#[test]
+fn contextual_vectors_are_the_reference_forward_pass() {
+    let model = Contextual::load(&model_files(), None).unwrap();
+    let cases = reference().cases;
+    let texts: Vec<&str> = cases.iter().map(|c| c.text.as_str()).collect();
+    // All at once (one padded batch, so padding must not change a vector) and one by one.
+    let together = model.embed(&texts).unwrap();
+    for (case, got) in cases.iter().zip(&together) {
+        let alone = model.embed(&[case.text.as_str()]).unwrap().remove(0);
+        for vector in [got, &alone] {
+            assert_eq!(vector.len(), 384);
+            let worst = vector
+                .iter()
+                .zip(&case.vector)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst <= 1e-4, "{:?}: max abs diff {worst}", case.text);
+        }
+    }
+    assert!(
+        cases.iter().any(|c| c.ids.len() == MAX_PIECES),
+        "a truncated case"
+    );
+    assert!(cases.iter().any(|c| c.text.is_empty()), "the empty case");
+}
+
+#[test]
+fn a_fixed_thread_count_gives_the_same_vectors() {
+    let files = model_files();
+    let default = Contextual::load(&files, None).unwrap();
+    let one = Contextual::load(&files, std::num::NonZeroUsize::new(1)).unwrap();
+    let text = ["the thread pool must not change the numbers"];
+    let (a, b) = (default.embed(&text).unwrap(), one.embed(&text).unwrap());
+    let worst = a[0]
+        .iter()
+        .zip(&b[0])
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 1e-5, "{worst}");
+}
