@@ -64,6 +64,9 @@ pub enum Command {
     /// into a fresh one.
     #[command(subcommand)]
     Store(crate::admin::store_cli::StoreCommand),
+    /// Recall by meaning's vectors: `rebuild` gives every stored message one.
+    #[command(subcommand)]
+    Vectors(crate::embedder::VectorsCommand),
 }
 
 impl Cli {

@@ -2,8 +2,12 @@
 //! (the model's files found, the static table distilled once and kept), or the upstream's
 //! OpenAI-compatible `/v1/embeddings` ([`UpstreamEmbedder`]). One that cannot be made leaves
 //! recall by words alone, with the reason in the log and `/readyz`: never a failed start.
+//!
+//! Also `memproxy vectors rebuild` ([`rebuild_command`]): every stored message given a vector
+//! of the configured embedder's space, for what was stored before.
 
-use std::sync::OnceLock;
+use std::num::NonZeroUsize;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use http::HeaderMap;
@@ -14,7 +18,8 @@ use crate::config::{Config, EmbedderKind};
 use crate::embedding::Embedder;
 use crate::upstream::Upstream;
 use memproxy_base::model::Credentials;
-use memproxy_embed::{Embed, EmbedError};
+use memproxy_embed::table::Distillation;
+use memproxy_embed::{Contextual, Embed, EmbedError, ModelFiles, Static};
 
 /// Texts one `/v1/embeddings` call carries at most.
 const UPSTREAM_BATCH: usize = 64;
@@ -25,7 +30,7 @@ pub fn load(config: &Config, upstream: &Upstream) -> Embedder {
     match settings.embedder {
         EmbedderKind::Off => Embedder::Off,
         EmbedderKind::Upstream => match Handle::try_current() {
-            Ok(runtime) => Embedder::Ready(std::sync::Arc::new(UpstreamEmbedder {
+            Ok(runtime) => Embedder::Ready(Arc::new(UpstreamEmbedder {
                 upstream: upstream.clone(),
                 model: settings.upstream_model.clone(),
                 id: format!("upstream/{}", settings.upstream_model),
@@ -39,10 +44,61 @@ pub fn load(config: &Config, upstream: &Upstream) -> Embedder {
     }
 }
 
-/// The in-process embedders.
+/// The in-process embedders: the model's files found (`embedding.model_dir`, then the usual
+/// places, `memproxy_embed::ModelFiles::locate`); the static table read from its file
+/// (`embedding.table`, else beside the model), or distilled once and written there (or, when
+/// that directory is read-only, into the data directory).
 fn in_process(config: &Config) -> Embedder {
-    let _ = config;
-    Embedder::Unavailable("the in-process embedder is not built yet".into())
+    let settings = &config.embedding;
+    let files = match ModelFiles::locate(settings.model_dir.as_deref()) {
+        Ok(files) => files,
+        Err(err) => return Embedder::Unavailable(err.to_string()),
+    };
+    let threads = NonZeroUsize::new(settings.threads);
+    let made: Result<Arc<dyn Embed>, EmbedError> = match settings.embedder {
+        EmbedderKind::Contextual => {
+            Contextual::load(&files, threads).map(|e| Arc::new(e) as Arc<dyn Embed>)
+        }
+        _ => static_table(config, &files).map(|e| Arc::new(e) as Arc<dyn Embed>),
+    };
+    match made {
+        Ok(embedder) => {
+            tracing::info!(
+                embedder = embedder.id(),
+                dims = embedder.dims(),
+                model_dir = %files.dir().display(),
+                "recall by meaning is on"
+            );
+            Embedder::Ready(embedder)
+        }
+        Err(err) => Embedder::Unavailable(err.to_string()),
+    }
+}
+
+/// The static table, from its file or distilled once.
+fn static_table(config: &Config, files: &ModelFiles) -> Result<Static, EmbedError> {
+    let distillation = Distillation::default();
+    if let Some(path) = &config.embedding.table {
+        return Static::load_or_distill(files, path);
+    }
+    let beside = Static::default_cache_path(files, &distillation);
+    if let Ok(table) = Static::load(files, &beside, &distillation) {
+        return Ok(table);
+    }
+    let in_data = config
+        .data_dir
+        .join("embedding")
+        .join(distillation.file_name());
+    if let Ok(table) = Static::load(files, &in_data, &distillation) {
+        return Ok(table);
+    }
+    tracing::info!("distilling the static embedding table from the model (once; kept on disk)");
+    match Static::load_or_distill(files, &beside) {
+        Err(EmbedError::Failed(why)) if why.starts_with("cannot write") => {
+            Static::load_or_distill(files, &in_data)
+        }
+        other => other,
+    }
 }
 
 /// The upstream's `/v1/embeddings`: the provider's model, called with `[upstream]`'s key
@@ -152,5 +208,72 @@ impl Embed for UpstreamEmbedder {
             out.extend(vectors);
         }
         Ok(out)
+    }
+}
+
+/// `memproxy vectors ...`.
+#[derive(Debug, clap::Subcommand)]
+pub enum VectorsCommand {
+    /// Give every stored message a vector of the configured embedder (`[embedding]`): for
+    /// conversations stored before it was configured, jobs dropped under load, or another
+    /// embedder. Messages that have one are left alone. On sled, with memproxy stopped; on
+    /// Redis, while replicas run. Prints one JSON line of totals.
+    Rebuild,
+}
+
+/// Runs `memproxy vectors rebuild` on the store of `config`.
+pub async fn rebuild_command(config: Config, command: VectorsCommand) -> std::process::ExitCode {
+    use std::io::Write;
+    use std::process::ExitCode;
+    let VectorsCommand::Rebuild = command;
+    let fail = |message: String| {
+        let _ = writeln!(std::io::stderr(), "memproxy: {message}");
+        ExitCode::FAILURE
+    };
+    let grace = config.shutdown_grace;
+    let state = match crate::state::AppState::build(config) {
+        Ok(state) => state,
+        Err(err) => return fail(format!("cannot start: {err}")),
+    };
+    let memory = match &state.memory {
+        Ok(memory) => Arc::clone(memory),
+        Err(unavailable) => return fail(format!("cannot open the store: {unavailable}")),
+    };
+    let Some(embedder) = memory.embedding.embedder().cloned() else {
+        let why = memory
+            .embedding
+            .unavailable()
+            .unwrap_or("no embedder is configured ([embedding] embedder = \"off\")")
+            .to_string();
+        return fail(why);
+    };
+    let working = Arc::clone(&memory);
+    let done = tokio::task::spawn_blocking(move || {
+        crate::embedding::rebuild(&working.store, &working.recall, &*embedder, |_, done| {
+            if done.conversations % 100 == 0 {
+                tracing::info!(
+                    conversations = done.conversations,
+                    vectors = done.vectors,
+                    "rebuilding vectors"
+                );
+            }
+        })
+    })
+    .await;
+    let closed = memory.shutdown(grace).await;
+    match (done, closed) {
+        (Ok(Ok(done)), Ok(())) => {
+            let line = json!({
+                "space": memory.embedding.space().map(|(id, _)| id),
+                "conversations": done.conversations,
+                "vectors_made": done.vectors,
+                "already_present": done.present,
+            });
+            let _ = writeln!(std::io::stdout(), "{line}");
+            ExitCode::SUCCESS
+        }
+        (Ok(Err(err)), _) => fail(format!("rebuilding vectors failed: {err}")),
+        (Err(err), _) => fail(format!("rebuilding vectors failed: {err}")),
+        (_, Err(err)) => fail(format!("closing the store failed: {err}")),
     }
 }

@@ -36,6 +36,10 @@ fn main() -> ExitCode {
                 memproxy::admin::offline::run_users(&config, command).await
             }
             Some(Command::Store(command)) => memproxy::admin::store_cli::run(&config, command),
+            Some(Command::Vectors(command)) => {
+                init_tracing(config.log_format);
+                memproxy::embedder::rebuild_command(config, command).await
+            }
             Some(Command::Mcp(args)) => {
                 // Standard output carries the protocol: logs go to standard error.
                 init_tracing(config.log_format);

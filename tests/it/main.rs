@@ -46,6 +46,7 @@ mod memory_budget;
 mod metrics;
 mod prompt_cache;
 mod recall;
+mod recall_meaning;
 mod receipts;
 mod redis;
 mod shutdown;

@@ -51,6 +51,17 @@ pub fn test_budget(extra_toml: &str) -> &'static str {
     }
 }
 
+/// The embedder of the tests' proxies unless `extra_toml` has an `[embedding]` section: none
+/// (recall by words), so that only the tests of recall by meaning (`recall_meaning.rs`) load
+/// the model, once each.
+pub fn test_embedding(extra_toml: &str) -> &'static str {
+    if extra_toml.contains("[embedding]") {
+        ""
+    } else {
+        "\n[embedding]\nembedder = \"off\"\n"
+    }
+}
+
 /// The shutdown grace period of the tests' proxies unless `extra_toml` sets one.
 pub fn test_grace(extra_toml: &str) -> &'static str {
     if extra_toml.contains("shutdown_grace") {
@@ -96,11 +107,12 @@ pub fn config_toml(
     extra_toml: &str,
 ) -> String {
     format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\n{}{}{extra_toml}",
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\n{}{}{extra_toml}{}",
         mock.base_url(),
         data_dir.display(),
         test_grace(extra_toml),
-        test_budget(extra_toml)
+        test_budget(extra_toml),
+        test_embedding(extra_toml)
     )
 }
 

@@ -159,6 +159,11 @@ impl Embedding {
         self.embedder.as_ref().ok().map(|e| (e.id(), e.dims()))
     }
 
+    /// The embedder in use.
+    pub fn embedder(&self) -> Option<&Arc<dyn Embed>> {
+        self.embedder.as_ref().ok()
+    }
+
     /// Why the configured embedder is unavailable, if it is.
     pub fn unavailable(&self) -> Option<&str> {
         self.unavailable.as_deref()
@@ -306,4 +311,62 @@ pub fn store_vectors(
     let stored = store.put_vectors(&conversation, space, vectors)?;
     recall.add_vectors(key, conversation_id, vectors);
     Ok(stored)
+}
+
+/// What [`rebuild`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Rebuilt {
+    /// Conversations looked at.
+    pub conversations: u64,
+    /// Stored messages given a vector.
+    pub vectors: u64,
+    /// Stored messages that already had one of this space.
+    pub present: u64,
+}
+
+/// Gives every stored message of every conversation in `store` a vector of `embedder`'s space
+/// (those that have one are left alone): for data stored before the embedder was configured,
+/// jobs dropped under load, or a new embedder (`memproxy vectors rebuild`). Each conversation
+/// is embedded outside its lock and stored under it (turns gone meanwhile are not written).
+/// `progress` is told after each conversation.
+pub fn rebuild(
+    store: &Store,
+    recall: &Recall,
+    embedder: &dyn Embed,
+    mut progress: impl FnMut(&ConversationKey, &Rebuilt),
+) -> Result<Rebuilt, EmbedJobError> {
+    let mut done = Rebuilt::default();
+    let mut cursor: Option<Vec<u8>> = None;
+    loop {
+        let (batch, more) = store.scan(cursor.as_deref(), 500)?;
+        for (key, meta) in &batch {
+            cursor = Some(key.to_bytes());
+            done.conversations += 1;
+            let mut missing = {
+                let handle = store.conversation(key)?;
+                let conversation = lock(&handle);
+                store.turns_without_vectors(&conversation, embedder.id())?
+            };
+            missing.sort_unstable();
+            let stored = store.all_messages(key, meta)?;
+            done.present += (stored.len() - missing.len().min(stored.len())) as u64;
+            let texts: Vec<(u64, String)> = stored
+                .iter()
+                .filter(|m| missing.binary_search(&m.turn).is_ok())
+                .map(|m| (m.turn, memproxy_base::message::search_text(&m.message)))
+                .collect();
+            if !texts.is_empty() {
+                let job = Job {
+                    key: key.clone(),
+                    conversation_id: meta.id,
+                    texts,
+                };
+                done.vectors += embed_and_store(embedder, store, recall, &job)? as u64;
+            }
+            progress(key, &done);
+        }
+        if !more {
+            return Ok(done);
+        }
+    }
 }

@@ -449,15 +449,6 @@ impl Store {
         }
     }
 
-    // TEMPORARY until the vectors branch lands.
-    pub fn put_vectors(&self, _c: &Conversation, _space: &str, _v: &[(u64, Vec<f32>)]) -> Result<usize, StoreError> {
-        Ok(0)
-    }
-    // TEMPORARY until the vectors branch lands.
-    pub fn vectors(&self, _c: &Conversation, _space: &str) -> Result<Vec<(u64, Vec<f32>)>, StoreError> {
-        Ok(Vec::new())
-    }
-
     /// Re-reads a conversation whose commit found it stale.
     pub fn reload(&self, conversation: &mut Conversation) -> Result<(), StoreError> {
         *conversation = self.load(&conversation.key)?;

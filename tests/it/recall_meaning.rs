@@ -1,0 +1,198 @@
+//! Recall by meaning through the real proxy and the real in-process embedder (the static table
+//! distilled from all-MiniLM-L6-v2; `scripts/fetch-model.sh` puts the model where these tests
+//! find it): 30 facts stated early in a 300-exchange conversation, asked about at the end in
+//! other words. Words alone find few of them, words and meaning most; questions nothing in the
+//! conversation answers carry fewer recalled turns with the relevance floor than without.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::support::mock_upstream::MockUpstream;
+use crate::support::*;
+
+/// (the fact as the user states it, a question about it sharing none of its words).
+const FACTS: [(&str, &str); 30] = [
+    ("I drive a silver Volvo.", "What kind of automobile do I own?"),
+    ("My sister Anna lives in Lisbon.", "Which city is my sibling based in?"),
+    ("I'm allergic to peanuts.", "Is there any food that makes me ill?"),
+    ("Our dog is a golden retriever named Biscuit.", "What breed is our pet?"),
+    ("I work as a nurse at the children's hospital.", "What is my profession?"),
+    ("My favourite band is Radiohead.", "Which musicians do I enjoy most?"),
+    ("I play the cello in a community orchestra.", "Which instrument can I perform on?"),
+    ("My wife is called Priya.", "What is my spouse's name?"),
+    ("I'm training for the Berlin marathon in September.", "What race am I preparing for?"),
+    ("I can't stand coriander.", "Which herb do I dislike?"),
+    ("We moved into a flat in Manchester last spring.", "Where is our new apartment?"),
+    ("I studied chemistry at university.", "What was my major in college?"),
+    ("My son Leo just started kindergarten.", "Where does my child go during the day?"),
+    ("I'm vegetarian.", "Do I eat meat?"),
+    ("My laptop is a ThinkPad.", "What computer do I use?"),
+    ("I'm terrified of spiders.", "What creatures am I scared of?"),
+    ("I speak fluent Japanese.", "Which foreign languages do I know?"),
+    ("My dad was a carpenter.", "What did my father do for a living?"),
+    ("I take my coffee black with no sugar.", "How do I like my morning brew?"),
+    ("My favourite film is Spirited Away.", "Which movie do I love most?"),
+    ("I broke my wrist skiing last winter.", "Have I had any injuries?"),
+    ("I grow tomatoes and basil on the balcony.", "What plants do I cultivate at home?"),
+    ("I'm saving up for a trip to Iceland.", "Where do I want to travel?"),
+    ("I volunteer at the animal shelter on Saturdays.", "What charity work do I do at weekends?"),
+    ("My doctor says my cholesterol is high.", "Do I have any health issues?"),
+    ("I support Arsenal.", "Which football team do I cheer for?"),
+    ("I commute by bicycle every day.", "How do I get to the office?"),
+    ("My grandmother taught me to knit.", "Who showed me how to make scarves?"),
+    ("I'm learning to bake sourdough bread.", "What am I practising in the kitchen?"),
+    ("My phone is an old iPhone 8.", "What mobile device do I carry?"),
+];
+
+/// Questions nothing in the conversation answers.
+const UNRELATED: [&str; 10] = [
+    "What is the boiling point of mercury?",
+    "Who painted the ceiling of the Sistine Chapel?",
+    "How many moons does Neptune have?",
+    "Explain quantum entanglement briefly.",
+    "What is the capital of Mongolia?",
+    "How do volcanoes form?",
+    "Translate 'good morning' into Swahili.",
+    "What year did the Berlin Wall fall?",
+    "Summarise the plot of Hamlet.",
+    "How does a jet engine work?",
+];
+
+/// The filler exchanges between the facts and the questions: everyday requests.
+fn filler(i: usize) -> String {
+    const TASKS: [&str; 10] = [
+        "Can you rephrase this line of the quarterly report",
+        "Draft a short reply to the email about the invoice",
+        "List three ideas for the team offsite agenda",
+        "Check the grammar of this paragraph about our release",
+        "Suggest a title for the slide on customer churn",
+        "Summarise the notes from the planning meeting",
+        "Write a polite reminder about the overdue timesheets",
+        "Give me a checklist for the server migration",
+        "Turn these bullet points into a status update",
+        "Propose a name for the new onboarding document",
+    ];
+    format!("{} (item {i})", TASKS[i % TASKS.len()])
+}
+
+/// The recalled-turns message of the last forwarded prompt ("" when none).
+fn recalled(mock: &MockUpstream) -> String {
+    mock.last_messages()
+        .iter()
+        .filter_map(|m| m["content"].as_str())
+        .find(|text| text.starts_with("[Earlier in this conversation"))
+        .unwrap_or("")
+        .to_string()
+}
+
+/// Waits until every stored message has its vector (they are made in the background).
+async fn embedded(proxy: &Proxy) {
+    let memory = proxy.state.memory().expect("memory");
+    for _ in 0..6000 {
+        if memory.embedding.idle() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the background embedding jobs did not finish within a minute");
+}
+
+const EMBEDDING: &str = "[memory]\nrecent_n = 10\nrelevance_top_k = 5\ncompression_enabled = false\nmax_messages = 10000\n[embedding]\nembedder = \"static\"\n";
+
+/// Facts found by each question's recall, as (found, of 30).
+async fn facts_found(proxy: &Proxy, mock: &MockUpstream, extra: &[(&str, &str)]) -> usize {
+    let mut found = 0;
+    for (fact, question) in FACTS {
+        let mut headers = vec![("x-memory-persist", "false")];
+        headers.extend_from_slice(extra);
+        let answer = chat(proxy, "facts", &body(&[user(question)]), &headers).await;
+        assert_eq!(answer.status, 200);
+        if recalled(mock).contains(fact) {
+            found += 1;
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn facts_asked_about_in_other_words_are_recalled_by_meaning() {
+    let Started { mock, proxy, .. } = Harness::new().config(EMBEDDING).start().await;
+    let ready: Value = send("GET", &proxy.url("/readyz"), &[], "").await.json();
+    assert_eq!(ready["recall"], "hybrid", "{ready}");
+    for (fact, _) in FACTS {
+        chat(&proxy, "facts", &body(&[user(fact)]), &[]).await;
+    }
+    for i in 0..270 {
+        chat(&proxy, "facts", &body(&[user(&filler(i))]), &[]).await;
+    }
+    embedded(&proxy).await;
+
+    let lexical = facts_found(&proxy, &mock, &[("x-memory-relevance-semantic", "false")]).await;
+    let hybrid = facts_found(&proxy, &mock, &[]).await;
+    eprintln!("paraphrased facts recalled: words alone {lexical}/30, words and meaning {hybrid}/30");
+    assert!(lexical <= 8, "words alone found {lexical} of 30");
+    assert!(hybrid >= 18, "words and meaning found {hybrid} of 30");
+
+    // The request says how it searched, and the receipt shows both scores of each turn.
+    let answer = chat(
+        &proxy,
+        "facts",
+        &body(&[user(FACTS[0].1)]),
+        &[("x-memory-persist", "false")],
+    )
+    .await;
+    assert_eq!(answer.header("x-memory-recall"), "hybrid");
+    let lexical_answer = chat(
+        &proxy,
+        "facts",
+        &body(&[user(FACTS[0].1)]),
+        &[("x-memory-persist", "false"), ("x-memory-relevance-semantic", "false")],
+    )
+    .await;
+    assert_eq!(lexical_answer.header("x-memory-recall"), "lexical; reason=setting");
+}
+
+#[tokio::test]
+async fn the_relevance_floor_keeps_unrelated_questions_free_of_recalled_turns() {
+    let Started { mock, proxy, .. } = Harness::new().config(EMBEDDING).start().await;
+    for (fact, _) in FACTS {
+        chat(&proxy, "floor", &body(&[user(fact)]), &[]).await;
+    }
+    for i in 0..60 {
+        chat(&proxy, "floor", &body(&[user(&filler(i))]), &[]).await;
+    }
+    embedded(&proxy).await;
+    let mut without_floor = 0;
+    let mut with_floor = 0;
+    for question in UNRELATED {
+        let answer = chat(
+            &proxy,
+            "floor",
+            &body(&[user(question)]),
+            &[("x-memory-persist", "false"), ("x-memory-relevance-floor", "0")],
+        )
+        .await;
+        without_floor += answer.header("x-memory-retrieved").parse::<usize>().unwrap();
+        let answer = chat(
+            &proxy,
+            "floor",
+            &body(&[user(question)]),
+            &[("x-memory-persist", "false")],
+        )
+        .await;
+        with_floor += answer.header("x-memory-retrieved").parse::<usize>().unwrap();
+    }
+    eprintln!("recalled turns for 10 unrelated questions: floor 0 {without_floor}, default floor {with_floor}");
+    assert!(without_floor >= 30, "{without_floor}");
+    assert!(with_floor * 4 <= without_floor, "{with_floor} of {without_floor}");
+    // A paraphrased fact still clears the floor.
+    chat(
+        &proxy,
+        "floor",
+        &body(&[user(FACTS[0].1)]),
+        &[("x-memory-persist", "false")],
+    )
+    .await;
+    assert!(recalled(&mock).contains(FACTS[0].0));
+}
