@@ -40,8 +40,8 @@
 //!   tenant and agent, a bounded page at a time. A cursor is the key bytes of the last
 //!   conversation a page looked at; a page may end early (few matches among many keys) and
 //!   then returns a cursor all the same.
-//! - **Delete** removes a conversation's record, messages, summaries, closed branches and TTL
-//!   record in one atomic step; with `idle_before_ms` only if its last activity is older
+//! - **Delete** removes a conversation's record, messages, summaries, closed branches, vectors
+//!   and TTL record in one atomic step; with `idle_before_ms` only if its last activity is older
 //!   (checked in the same step). Nothing of it is readable afterwards through any method.
 //! - **Durability**: a write is visible to every later read at once; [`Engine::flush`] returns
 //!   once every write acknowledged before it was called survives a crash of this process.
