@@ -66,6 +66,12 @@ fn files_holding(dir: &Path, text: &str) -> Vec<PathBuf> {
 /// `dir/keys/` that opens it: what anyone holding the directory can read of the sealed text.
 /// The format is read here as documented, independently of the code that writes it.
 fn readable_sealed_text(dir: &Path) -> Vec<String> {
+    open_sealed(dir, &[b"memproxy message", b"memproxy summary"])
+}
+
+/// The plaintext of every sealed value of the `kinds` (associated data) in any file under
+/// `dir` that a key file under `dir/keys/` opens.
+fn open_sealed(dir: &Path, kinds: &[&[u8]]) -> Vec<String> {
     let all = files(dir);
     let keys: Vec<LessSafeKey> = all
         .iter()
@@ -85,7 +91,7 @@ fn readable_sealed_text(dir: &Path) -> Vec<String> {
             // A sealed value with no terminator of its own (a summary record) may run into the
             // next record's bytes in sled's files: shorter runs are tried too.
             for cut in (start.max(end.saturating_sub(MAX_RUN_ON))..=end).rev() {
-                if let Some(plain) = open_any(&keys, &bytes[start..cut]) {
+                if let Some(plain) = open_as(&keys, &bytes[start..cut], kinds) {
                     opened.push(plain);
                     break;
                 }
@@ -97,11 +103,6 @@ fn readable_sealed_text(dir: &Path) -> Vec<String> {
 
 /// How many bytes past a sealed value's end [`readable_sealed_text`] allows for.
 const MAX_RUN_ON: usize = 64;
-
-/// The plaintext of the base64 `text` under any of `keys`.
-fn open_any(keys: &[LessSafeKey], text: &[u8]) -> Option<String> {
-    open_as(keys, text, &[b"memproxy message", b"memproxy summary"])
-}
 
 /// The plaintext of the base64 `text` under any of `keys`, sealed as any of `kinds`.
 fn open_as(keys: &[LessSafeKey], text: &[u8], kinds: &[&[u8]]) -> Option<String> {
@@ -122,32 +123,9 @@ fn open_as(keys: &[LessSafeKey], text: &[u8], kinds: &[&[u8]]) -> Option<String>
 }
 
 /// How many sealed vectors in the files under `dir` open with a key file under `dir/keys/`:
-/// the vectors anyone holding the directory can read (their bytes end where base64 does: a
-/// vector is stored as a sealed string, like a message body).
+/// the vectors anyone holding the directory can read.
 fn readable_vectors(dir: &Path) -> usize {
-    let all = files(dir);
-    let keys: Vec<LessSafeKey> = all
-        .iter()
-        .filter(|(path, bytes)| path.extension().is_some_and(|e| e == "key") && bytes.len() == 32)
-        .map(|(_, bytes)| LessSafeKey::new(UnboundKey::new(&AES_256_GCM, bytes).unwrap()))
-        .collect();
-    let mut opened = 0;
-    for (_, bytes) in &all {
-        let mut at = 0;
-        while let Some(found) = bytes[at..].windows(SEALED.len()).position(|w| w == SEALED) {
-            let start = at + found + SEALED.len();
-            let end = bytes[start..]
-                .iter()
-                .position(|b| !(b.is_ascii_alphanumeric() || *b == b'+' || *b == b'/'))
-                .map_or(bytes.len(), |n| start + n);
-            at = end;
-            let found = (start.max(end.saturating_sub(MAX_RUN_ON))..=end)
-                .rev()
-                .any(|cut| open_as(&keys, &bytes[start..cut], &[b"memproxy vector"]).is_some());
-            opened += usize::from(found);
-        }
-    }
-    opened
+    open_sealed(dir, &[b"memproxy vector"]).len()
 }
 
 /// The embedding space the tests' vectors are of.
