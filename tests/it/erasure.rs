@@ -4,7 +4,9 @@
 //! tenant) removes the key, so that after it, and after a restart on the same directory, no
 //! byte of any file under the data directory reads as the deleted text: not as it was sent,
 //! not in base64, and not once every sealed value left in the files is opened with every key
-//! left on disk.
+//! left on disk. Vectors of messages (recall by meaning, `crates/store/src/vectors.rs`) are
+//! sealed the same way and go with their conversation: none is left in the store, nor readable
+//! in any file, once it is deleted.
 
 use std::path::{Path, PathBuf};
 
@@ -15,7 +17,9 @@ use serde_json::Value;
 
 use crate::support::admin::*;
 use crate::support::mock_upstream::{MockUpstream, Reply};
+use crate::support::redis_server::RedisServer;
 use crate::support::*;
+use memproxy::store::{Store, lock};
 
 const OTHER: &str = "sk-test-other";
 
@@ -62,6 +66,12 @@ fn files_holding(dir: &Path, text: &str) -> Vec<PathBuf> {
 /// `dir/keys/` that opens it: what anyone holding the directory can read of the sealed text.
 /// The format is read here as documented, independently of the code that writes it.
 fn readable_sealed_text(dir: &Path) -> Vec<String> {
+    open_sealed(dir, &[b"memproxy message", b"memproxy summary"])
+}
+
+/// The plaintext of every sealed value of the `kinds` (associated data) in any file under
+/// `dir` that a key file under `dir/keys/` opens.
+fn open_sealed(dir: &Path, kinds: &[&[u8]]) -> Vec<String> {
     let all = files(dir);
     let keys: Vec<LessSafeKey> = all
         .iter()
@@ -81,7 +91,7 @@ fn readable_sealed_text(dir: &Path) -> Vec<String> {
             // A sealed value with no terminator of its own (a summary record) may run into the
             // next record's bytes in sled's files: shorter runs are tried too.
             for cut in (start.max(end.saturating_sub(MAX_RUN_ON))..=end).rev() {
-                if let Some(plain) = open_any(&keys, &bytes[start..cut]) {
+                if let Some(plain) = open_as(&keys, &bytes[start..cut], kinds) {
                     opened.push(plain);
                     break;
                 }
@@ -94,14 +104,14 @@ fn readable_sealed_text(dir: &Path) -> Vec<String> {
 /// How many bytes past a sealed value's end [`readable_sealed_text`] allows for.
 const MAX_RUN_ON: usize = 64;
 
-/// The plaintext of the base64 `text` under any of `keys`.
-fn open_any(keys: &[LessSafeKey], text: &[u8]) -> Option<String> {
+/// The plaintext of the base64 `text` under any of `keys`, sealed as any of `kinds`.
+fn open_as(keys: &[LessSafeKey], text: &[u8], kinds: &[&[u8]]) -> Option<String> {
     let sealed = STANDARD_NO_PAD.decode(text).ok()?;
     if sealed.len() < NONCE_LEN + 16 {
         return None;
     }
     for key in keys {
-        for aad in [b"memproxy message".as_slice(), b"memproxy summary"] {
+        for &aad in kinds {
             let mut buffer = sealed.clone();
             let nonce = Nonce::try_assume_unique_for_key(&buffer[..NONCE_LEN]).unwrap();
             if let Ok(plain) = key.open_within(nonce, Aad::from(aad), &mut buffer, NONCE_LEN..) {
@@ -110,6 +120,31 @@ fn open_any(keys: &[LessSafeKey], text: &[u8]) -> Option<String> {
         }
     }
     None
+}
+
+/// How many sealed vectors in the files under `dir` open with a key file under `dir/keys/`:
+/// the vectors anyone holding the directory can read.
+fn readable_vectors(dir: &Path) -> usize {
+    open_sealed(dir, &[b"memproxy vector"]).len()
+}
+
+/// The embedding space the tests' vectors are of.
+const SPACE: &str = "test/space/8";
+
+/// Puts a vector of every stored turn of conversation `id` of `token`, as the embedding job
+/// does (under the conversation's lock); the count written.
+fn embed(store: &Store, token: &str, id: &str) -> usize {
+    let handle = store
+        .conversation(&key_for(Some(token), "default", id))
+        .unwrap();
+    let mut conversation = lock(&handle);
+    store.refresh(&mut conversation).unwrap();
+    let turns = store.turns_without_vectors(&conversation, SPACE).unwrap();
+    let vectors: Vec<(u64, Vec<f32>)> = turns
+        .iter()
+        .map(|&turn| (turn, (0..8).map(|i| (turn * 8 + i) as f32).collect()))
+        .collect();
+    store.put_vectors(&conversation, SPACE, &vectors).unwrap()
 }
 
 /// Asserts that nothing anyone holding `dir` can read shows any of `texts`.
@@ -236,10 +271,21 @@ async fn stored_text_is_sealed_and_a_deleted_conversation_is_unreadable_in_every
     for text in gone {
         assert!(opened.iter().any(|p| p.contains(text)), "{text}");
     }
+    // Vectors of the deleted conversation's messages, sealed and readable with its key too.
+    let embedded = embed(proxy.store(), TOKEN, "gone");
+    assert_eq!(embedded, 16);
+    proxy.store().sync().await.unwrap();
+    assert!(readable_vectors(data) >= embedded);
 
     let path = conversation_path(TOKEN, "default", "gone");
     let (proxy, deleted) = delete_and_restart(proxy, &mock, data, &path, &gone).await;
     assert_eq!(deleted["deleted"]["summaries"], 1);
+    assert_eq!(proxy.store().vector_count().unwrap(), 0);
+    assert_eq!(
+        readable_vectors(data),
+        0,
+        "a vector opens with a key left on disk"
+    );
 
     // The other conversation's key was kept: it reads in plaintext, in an export and in the
     // prompt its next turn forwards.
@@ -272,10 +318,23 @@ async fn a_deleted_tenant_is_unreadable_in_every_file() {
         "numbat5c3a-second",
     ];
     assert_in_no_file(data, &["numbat5c3a-user", "numbat5c3a-reply", "dingo9e7b"]);
+    let store = proxy.store();
+    let theirs = embed(store, OTHER, "theirs");
+    assert!(embed(store, TOKEN, "first") > 0 && embed(store, TOKEN, "second") > 0);
 
     let path = format!("/admin/v1/tenants/{}", tenant(TOKEN));
     let (proxy, deleted) = delete_and_restart(proxy, &mock, data, &path, &gone).await;
     assert_eq!(deleted["deleted_conversations"], 2);
+    // The tenant's vectors went with its conversations; the other tenant's are all there.
+    assert_eq!(proxy.store().vector_count().unwrap(), theirs as u64);
+    let handle = proxy
+        .store()
+        .conversation(&key_for(Some(OTHER), "default", "theirs"))
+        .unwrap();
+    assert_eq!(
+        proxy.store().vectors(&lock(&handle), SPACE).unwrap().len(),
+        theirs
+    );
     assert!(
         export(&proxy, OTHER, "theirs")
             .await
@@ -315,5 +374,28 @@ async fn an_export_is_plaintext_and_its_import_is_sealed() {
         serde_json::from_str::<Value>(&export(&proxy, TOKEN, "copy").await).unwrap()["messages"],
         original["messages"]
     );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn with_redis_a_deleted_conversation_and_tenant_leave_no_vector() {
+    let redis = RedisServer::start();
+    let Started { mock, proxy, .. } = harness().redis(&redis).start().await;
+    for (token, id) in [(TOKEN, "gone"), (TOKEN, "kept"), (OTHER, "theirs")] {
+        converse(&proxy, &mock, token, id, &format!("emu{id}"), 2).await;
+        assert_eq!(embed(proxy.store(), token, id), 4);
+    }
+    let store = proxy.store();
+    assert_eq!(store.vector_count().unwrap(), 12);
+    let path = conversation_path(TOKEN, "default", "gone");
+    assert_eq!(admin(&proxy, "DELETE", &path, "").await.status, 200);
+    assert_eq!(store.vector_count().unwrap(), 8);
+    let path = format!("/admin/v1/tenants/{}", tenant(TOKEN));
+    assert_eq!(admin(&proxy, "DELETE", &path, "").await.status, 200);
+    assert_eq!(store.vector_count().unwrap(), 4);
+    let handle = store
+        .conversation(&key_for(Some(OTHER), "default", "theirs"))
+        .unwrap();
+    assert_eq!(store.vectors(&lock(&handle), SPACE).unwrap().len(), 4);
     proxy.stop().await;
 }

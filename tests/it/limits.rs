@@ -10,8 +10,8 @@ use memproxy::pipeline::commit::TRIM_BATCH;
 use memproxy::state::AppState;
 use memproxy::store::{
     Backing, Clock, ConversationMeta, Deleted, Engine, ImportMeta, Loaded, Origin, OwnerKey,
-    OwnerMeta, OwnerRecord, Owners, Page, Scope, SledEngine, Store, StoreError, StoredBranch,
-    StoredMessage, TtlRecord, Version, Write,
+    OwnerMeta, OwnerRecord, Owners, Page, Scope, SealedVector, SledEngine, Store, StoreError,
+    StoredBranch, StoredMessage, TtlRecord, Vectors, Version, Write,
 };
 use memproxy::upstream::Upstream;
 use serde_json::Value;
@@ -357,6 +357,46 @@ impl Owners for Counting {
         limit: usize,
     ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
         self.inner.owners(after, limit)
+    }
+}
+
+impl Vectors for Counting {
+    fn put_vectors(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        vectors: &[(u64, Vec<u8>)],
+    ) -> Result<Option<usize>, StoreError> {
+        self.inner.put_vectors(key, id, vectors)
+    }
+
+    fn vectors(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+    ) -> Result<Vec<SealedVector<u64>>, StoreError> {
+        self.inner.vectors(key, id)
+    }
+
+    fn put_owner_vectors(
+        &self,
+        owner: &OwnerKey,
+        id: u64,
+        vectors: &[(u8, Vec<u8>, Vec<u8>)],
+    ) -> Result<Option<usize>, StoreError> {
+        self.inner.put_owner_vectors(owner, id, vectors)
+    }
+
+    fn owner_vectors(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+    ) -> Result<Vec<SealedVector<Vec<u8>>>, StoreError> {
+        self.inner.owner_vectors(owner, space)
+    }
+
+    fn vector_count(&self) -> Result<u64, StoreError> {
+        self.inner.vector_count()
     }
 }
 

@@ -512,7 +512,49 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
     .await;
     assert_eq!(bad.status, 400);
 
-    // Delete the user: conversations, archive, memories; nothing readable anywhere.
+    // Vectors of the user's messages, archive and memories, as the embedding job puts them.
+    let store = proxy.store();
+    let space = "test/space/4";
+    let embedding = |n: usize| vec![1.0, n as f32, 0.5, -2.0];
+    for conversation in ["a", "b"] {
+        let handle = store
+            .conversation(&key_for(Some(TOKEN), "default", conversation))
+            .unwrap();
+        let conversation = memproxy::store::lock(&handle);
+        let turns = store.turns_without_vectors(&conversation, space).unwrap();
+        let vectors: Vec<(u64, Vec<f32>)> =
+            turns.iter().map(|&t| (t, embedding(t as usize))).collect();
+        assert!(store.put_vectors(&conversation, space, &vectors).unwrap() > 0);
+    }
+    let user = memproxy::store::OwnerKey::user(
+        &memproxy::identity::TenantId::from_token(Some(TOKEN)),
+        "ana",
+    );
+    let owner = store.owner(&user, false).unwrap().unwrap();
+    for records in [
+        memproxy::longterm::memories::SPACE_MEMORIES,
+        memproxy::longterm::archive::SPACE_ARCHIVE,
+    ] {
+        let ids = store
+            .owner_records_without_vectors(&owner, records, space)
+            .unwrap();
+        let vectors: Vec<(u8, Vec<u8>, Vec<f32>)> = ids
+            .into_iter()
+            .enumerate()
+            .map(|(n, id)| (records, id, embedding(n)))
+            .collect();
+        assert!(store.put_owner_vectors(&owner, space, &vectors).unwrap() > 0);
+        assert!(
+            !store
+                .owner_vectors(&owner, records, space)
+                .unwrap()
+                .is_empty()
+        );
+    }
+    assert!(store.vector_count().unwrap() > 0);
+
+    // Delete the user: conversations, archive, memories, their vectors; nothing readable
+    // anywhere.
     let deleted = admin(&proxy, "DELETE", &base, "").await;
     assert_eq!(deleted.status, 200, "{:?}", deleted.body);
     assert_eq!(deleted.json()["deleted_conversations"], 2);
@@ -523,10 +565,10 @@ async fn memories_are_corrected_by_hand_and_a_user_delete_leaves_nothing() {
         404
     );
     assert!(proxy.stored(Some(TOKEN), "a").is_empty());
-    let store = proxy.store();
     for needle in ["Rua Augusta", "Porto", "vegetarian"] {
         assert!(!store.any_trace_of(needle.as_bytes()).unwrap(), "{needle}");
     }
+    assert_eq!(store.vector_count().unwrap(), 0);
     if let Some(redis) = &redis {
         // With Redis: no key of the user is left, only the id counter.
         assert_eq!(redis.command("KEYS mp:*"), "*1\r\n$6\r\nmp:ids\r\n");

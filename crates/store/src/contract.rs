@@ -868,6 +868,284 @@ pub fn an_owner_delete_leaves_nothing(engine: &dyn Engine) {
     assert!(engine.owner(&owners[3]).unwrap().is_some());
 }
 
+/// The vectors of conversation `id`, as (turn, text of the value).
+fn vector_texts(engine: &dyn Engine, k: &ConversationKey, id: u64) -> Vec<(u64, String)> {
+    engine
+        .vectors(k, id)
+        .unwrap()
+        .into_iter()
+        .map(|(turn, value)| (turn, String::from_utf8(value).unwrap()))
+        .collect()
+}
+
+fn values(turns: &[u64], text: &str) -> Vec<(u64, Vec<u8>)> {
+    turns
+        .iter()
+        .map(|&t| (t, format!("{text}{t}").into_bytes()))
+        .collect()
+}
+
+pub fn vectors_are_kept_for_stored_turns_only_and_read_by_turn(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, version) = create(engine, &k, 4);
+    assert_eq!(engine.vector_count().unwrap(), 0);
+    // Turn 9 is not stored: not written, not counted.
+    assert_eq!(
+        engine
+            .put_vectors(&k, id, &values(&[3, 1, 9], "a"))
+            .unwrap(),
+        Some(2)
+    );
+    assert_eq!(
+        vector_texts(engine, &k, id),
+        [(1, "a1".to_string()), (3, "a3".to_string())]
+    );
+    // A turn's vector is replaced; a put does not change the conversation's version.
+    assert_eq!(
+        engine.put_vectors(&k, id, &values(&[1, 2], "b")).unwrap(),
+        Some(2)
+    );
+    assert_eq!(
+        vector_texts(engine, &k, id),
+        [(1, "b1".into()), (2, "b2".into()), (3, "a3".into())]
+    );
+    assert_eq!(engine.load(&k).unwrap().version, version);
+    assert_eq!(engine.vector_count().unwrap(), 3);
+    // Another id (a writer that read another life of the conversation) writes nothing.
+    assert_eq!(
+        engine
+            .put_vectors(&k, id + 1000, &values(&[4], "x"))
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        engine
+            .put_vectors(&key("t", "a", "none"), id, &values(&[4], "x"))
+            .unwrap(),
+        None
+    );
+    // Another conversation's vectors are its own.
+    let d = key("t", "a", "d");
+    let (other, _) = create(engine, &d, 1);
+    assert_eq!(
+        engine.put_vectors(&d, other, &values(&[1], "d")).unwrap(),
+        Some(1)
+    );
+    assert_eq!(vector_texts(engine, &d, other), [(1, "d1".into())]);
+    assert_eq!(vector_texts(engine, &k, id).len(), 3);
+    assert_eq!(engine.vector_count().unwrap(), 4);
+    // Keys name ids and turns only: nothing of the conversation's key is in them.
+    assert!(!engine.any_trace_of(b"x4").unwrap());
+}
+
+pub fn a_write_removes_the_vectors_of_the_turns_it_removes(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, v1) = create(engine, &k, 6);
+    engine
+        .put_vectors(&k, id, &values(&[1, 2, 3, 4, 5, 6], "v"))
+        .unwrap();
+    // Trimmed rounds (1, 2) and a replaced reply (6, written again as 7).
+    let v2 = engine
+        .write(
+            &k,
+            &v1,
+            Write {
+                meta: &meta(id, 8, 4),
+                remove_turns: &[1, 2, 6],
+                add: &[message(7, "m7")],
+                summaries: &[],
+                remove_summaries: &[],
+                branches: &[],
+                response_ids: &[],
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        vector_texts(engine, &k, id),
+        [(3, "v3".into()), (4, "v4".into()), (5, "v5".into())]
+    );
+    // A branch closed from turn 4 takes 4, 5 and 7 off the main line: their vectors go.
+    engine.put_vectors(&k, id, &values(&[7], "v")).unwrap();
+    let v3 = engine
+        .write(
+            &k,
+            &v2,
+            Write {
+                meta: &meta(id, 9, 2),
+                remove_turns: &[4, 5, 7],
+                add: &[message(8, "m8")],
+                summaries: &[],
+                remove_summaries: &[],
+                branches: &[branch(1, 3, &[4, 5, 7], "branch")],
+                response_ids: &[],
+            },
+        )
+        .unwrap();
+    assert_eq!(vector_texts(engine, &k, id), [(3, "v3".into())]);
+    assert_eq!(engine.vector_count().unwrap(), 1);
+    // A branch's turns are not the main line's: no vector is written for them.
+    assert_eq!(
+        engine.put_vectors(&k, id, &values(&[4, 8], "w")).unwrap(),
+        Some(1)
+    );
+    // A stale write removes nothing.
+    let stale = engine.write(
+        &k,
+        &v2,
+        Write {
+            meta: &meta(id, 9, 1),
+            remove_turns: &[3],
+            add: &[],
+            summaries: &[],
+            remove_summaries: &[],
+            branches: &[],
+            response_ids: &[],
+        },
+    );
+    assert!(matches!(stale, Err(StoreError::Stale)));
+    assert_eq!(
+        vector_texts(engine, &k, id),
+        [(3, "v3".into()), (8, "w8".into())]
+    );
+    // A turn written again (an engine writes what it is given) loses the vector it had.
+    engine
+        .write(
+            &k,
+            &v3,
+            Write {
+                meta: &meta(id, 9, 2),
+                remove_turns: &[],
+                add: &[message(8, "m8 again")],
+                summaries: &[],
+                remove_summaries: &[],
+                branches: &[],
+                response_ids: &[],
+            },
+        )
+        .unwrap();
+    assert_eq!(vector_texts(engine, &k, id), [(3, "v3".into())]);
+}
+
+pub fn a_delete_removes_every_vector_of_the_conversation(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, _) = create(engine, &k, 3);
+    engine
+        .put_vectors(&k, id, &values(&[1, 2, 3], "v"))
+        .unwrap();
+    let idle = key("t", "a", "idle");
+    let (idle_id, _) = create(engine, &idle, 2);
+    engine
+        .put_vectors(&idle, idle_id, &values(&[1, 2], "i"))
+        .unwrap();
+    let kept = key("t", "a", "kept");
+    let (kept_id, _) = create(engine, &kept, 1);
+    engine
+        .put_vectors(&kept, kept_id, &values(&[1], "k"))
+        .unwrap();
+    assert_eq!(engine.vector_count().unwrap(), 6);
+
+    engine.delete(&k, None).unwrap().unwrap();
+    assert!(engine.vectors(&k, id).unwrap().is_empty());
+    assert_eq!(engine.vector_count().unwrap(), 3);
+    // The TTL sweeper's delete (idle since before the cutoff) too.
+    engine.delete(&idle, Some(i64::MAX)).unwrap().unwrap();
+    assert_eq!(engine.vector_count().unwrap(), 1);
+    // A put finishing after the delete writes nothing, and the conversation started again
+    // (a new id, the same turns) has none of the old life's.
+    assert_eq!(
+        engine.put_vectors(&k, id, &values(&[1], "late")).unwrap(),
+        None
+    );
+    let (again, _) = create(engine, &k, 3);
+    assert_ne!(again, id);
+    assert!(engine.vectors(&k, again).unwrap().is_empty());
+    assert_eq!(
+        engine.put_vectors(&k, id, &values(&[1], "late")).unwrap(),
+        None
+    );
+    assert_eq!(engine.vector_count().unwrap(), 1);
+    assert_eq!(vector_texts(engine, &kept, kept_id), [(1, "k1".into())]);
+}
+
+pub fn owner_vectors_go_with_their_records_and_their_owner(engine: &dyn Engine) {
+    let tenant = TenantId::from_token(Some("t"));
+    let user = OwnerKey::user(&tenant, "ana");
+    let kept = OwnerKey::user(&tenant, "bob");
+    let mut ids = Vec::new();
+    for owner in [&user, &kept] {
+        let id = engine.new_id().unwrap();
+        engine
+            .create_owner(owner, OwnerMeta { id, created_ms: 0 })
+            .unwrap();
+        engine
+            .write_owner(
+                owner,
+                id,
+                &[
+                    record(1, b"a", "x"),
+                    record(3, b"m2", "y"),
+                    record(3, b"m1", "z"),
+                ],
+                &[],
+            )
+            .unwrap();
+        ids.push(id);
+    }
+    let put = |owner: &OwnerKey, id: u64, which: &[(u8, &[u8])]| {
+        let vectors: Vec<(u8, Vec<u8>, Vec<u8>)> = which
+            .iter()
+            .map(|(space, rid)| (*space, rid.to_vec(), [&[*space][..], rid].concat()))
+            .collect();
+        engine.put_owner_vectors(owner, id, &vectors).unwrap()
+    };
+    // A record that is not stored (or in another space) gets no vector.
+    assert_eq!(
+        put(
+            &user,
+            ids[0],
+            &[(3, b"m2"), (3, b"m1"), (1, b"a"), (3, b"a"), (3, b"gone")]
+        ),
+        Some(3)
+    );
+    put(&kept, ids[1], &[(3, b"m1")]);
+    let memories = engine.owner_vectors(&user, 3).unwrap();
+    assert_eq!(
+        memories,
+        [
+            (b"m1".to_vec(), b"\x03m1".to_vec()),
+            (b"m2".to_vec(), b"\x03m2".to_vec())
+        ]
+    );
+    assert_eq!(engine.owner_vectors(&user, 1).unwrap().len(), 1);
+    assert!(engine.owner_vectors(&user, 2).unwrap().is_empty());
+    assert_eq!(engine.vector_count().unwrap(), 4);
+    // A writer holding another id writes nothing.
+    assert_eq!(put(&user, ids[1], &[(3, b"m1")]), None);
+    // A record removed takes its vector; one rewritten keeps it (the writer re-embeds).
+    assert!(
+        engine
+            .write_owner(
+                &user,
+                ids[0],
+                &[record(3, b"m1", "z2")],
+                &[(3, b"m2".to_vec())]
+            )
+            .unwrap()
+    );
+    assert_eq!(
+        engine.owner_vectors(&user, 3).unwrap(),
+        [(b"m1".to_vec(), b"\x03m1".to_vec())]
+    );
+    assert_eq!(engine.vector_count().unwrap(), 3);
+    // The owner's delete takes them all; the other owner's stay.
+    engine.delete_owner(&user).unwrap().unwrap();
+    assert!(engine.owner_vectors(&user, 3).unwrap().is_empty());
+    assert!(engine.owner_vectors(&user, 1).unwrap().is_empty());
+    assert_eq!(put(&user, ids[0], &[(3, b"m1")]), None);
+    assert_eq!(engine.vector_count().unwrap(), 1);
+    assert_eq!(engine.owner_vectors(&kept, 3).unwrap().len(), 1);
+}
+
 /// Runs every contract test against the engine `$make()` returns (with a guard that keeps its
 /// resources alive).
 macro_rules! contract_tests {
@@ -901,6 +1179,17 @@ macro_rules! contract_tests {
             );
         }
     };
+    // Vectors of messages and of owners' records.
+    (vectors: $engine:ident, $make:expr) => {
+        mod $engine {
+            contract_tests!(@each $make;
+                vectors_are_kept_for_stored_turns_only_and_read_by_turn,
+                a_write_removes_the_vectors_of_the_turns_it_removes,
+                a_delete_removes_every_vector_of_the_conversation,
+                owner_vectors_go_with_their_records_and_their_owner
+            );
+        }
+    };
     (@each $make:expr; $($test:ident),*) => {
         $(
             #[test]
@@ -921,6 +1210,7 @@ fn sled() -> (Box<dyn Engine>, tempfile::TempDir) {
 
 contract_tests!(sled_engine, super::sled);
 contract_tests!(owners: sled_engine_owners, super::sled);
+contract_tests!(vectors: sled_engine_vectors, super::sled);
 
 #[path = "../../../tests/support/redis_server.rs"]
 pub(crate) mod redis_server;
@@ -948,3 +1238,4 @@ pub(crate) fn redis_options(url: &str) -> super::RedisOptions {
 
 contract_tests!(redis_engine, super::redis);
 contract_tests!(owners: redis_engine_owners, super::redis);
+contract_tests!(vectors: redis_engine_vectors, super::redis);

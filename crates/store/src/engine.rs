@@ -1,10 +1,11 @@
 //! The storage contract: what the memory core needs of a storage engine, named from the
 //! caller's side, one trait per capability: [`Engine`] the conversations, [`Owners`] the
-//! owners' records every engine also keeps, and [`SharedEngine`] what only an engine other
-//! replicas write to has (a version check of a cached conversation, the conversations' keys,
-//! summary leases). sled (embedded, the default) implements the first two in
-//! `sled_engine.rs`; Redis, for several replicas, all three, and runs the same contract tests
-//! (`contract.rs`, one line per engine).
+//! owners' records every engine also keeps, [`Vectors`] the vectors of both, and
+//! [`SharedEngine`] what only an engine other replicas write to has (a version check of a
+//! cached conversation, the conversations' keys, summary leases). sled (embedded, the default)
+//! implements the first three in `sled_engine.rs` (vectors in `sled_vectors.rs`); Redis, for
+//! several replicas, all four (vectors in `redis_vectors.rs`), and runs the same contract
+//! tests (`contract.rs`, one line per engine).
 //!
 //! # The contract
 //!
@@ -39,8 +40,8 @@
 //!   tenant and agent, a bounded page at a time. A cursor is the key bytes of the last
 //!   conversation a page looked at; a page may end early (few matches among many keys) and
 //!   then returns a cursor all the same.
-//! - **Delete** removes a conversation's record, messages, summaries, closed branches and TTL
-//!   record in one atomic step; with `idle_before_ms` only if its last activity is older
+//! - **Delete** removes a conversation's record, messages, summaries, closed branches, vectors
+//!   and TTL record in one atomic step; with `idle_before_ms` only if its last activity is older
 //!   (checked in the same step). Nothing of it is readable afterwards through any method.
 //! - **Durability**: a write is visible to every later read at once; [`Engine::flush`] returns
 //!   once every write acknowledged before it was called survives a crash of this process.
@@ -60,11 +61,26 @@
 //!   writes nothing). [`Owners::owner_records`] pages one space in id order;
 //!   [`Owners::delete_owner`] removes the record and every record of the owner in one step;
 //!   [`Owners::owners`] pages owners in key order ([`OwnerKey::to_bytes`]).
+//! - **Vectors** (recall by meaning, `vectors.rs`): one opaque value per stored message of
+//!   the main line, by conversation id and turn ([`Vectors::put_vectors`]), and one per owner's
+//!   record, by space and id ([`Vectors::put_owner_vectors`]). A put writes only the values
+//!   whose message (record) is stored when it runs, and only while the conversation (owner)
+//!   still has the id given, checked atomically with the write; it replaces the value a turn
+//!   (record) had. Vectors are not part of a conversation's [`Version`]: a put never makes a
+//!   commit stale. They go with what they describe, in the same atomic step: a write's removed
+//!   turns (trims, a replaced reply, a closed branch) and a turn written again lose theirs, a
+//!   delete removes all of the conversation's (an idle delete, the TTL sweeper's, too; an
+//!   engine that expires keys by itself expires them with the conversation's), a record
+//!   removed by [`Owners::write_owner`] loses its own and [`Owners::delete_owner`] removes all
+//!   of the owner's. [`Vectors::vectors`] and [`Vectors::owner_vectors`] read a
+//!   conversation's (an owner's space's) in one step, by turn (id); [`Vectors::vector_count`]
+//!   counts every vector the engine holds (tests, audits). Keys carry the conversation id and
+//!   turn, or the owner's key and the record's id, as their other records do, nothing more.
 //! - Every method may block (disk or network I/O): callers on an async runtime run them
 //!   where blocking is allowed.
 //!
-//! Message bodies ([`StoredMessage::message`]) and summary records reach an engine sealed by
-//! the store (`seal.rs`): an engine stores them as given and never reads inside them.
+//! Message bodies ([`StoredMessage::message`]), summary records and vectors reach an engine
+//! sealed by the store (`seal.rs`): an engine stores them as given and never reads inside them.
 
 use memproxy_base::identity::{ConversationKey, TenantId};
 
@@ -166,7 +182,7 @@ pub enum Refresh {
 pub type Page<T> = (Vec<T>, Option<Vec<u8>>);
 
 /// A storage engine. See the module documentation for the contract every engine keeps.
-pub trait Engine: Owners + Send + Sync + 'static {
+pub trait Engine: Owners + Vectors + Send + Sync + 'static {
     /// The engine's name, for logs and `/readyz`.
     fn name(&self) -> &'static str;
 
@@ -333,6 +349,50 @@ pub trait Owners: Send + Sync {
         after: Option<&[u8]>,
         limit: usize,
     ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError>;
+}
+
+/// A vector as an engine keeps it: what it describes (a turn, a record id) and its sealed
+/// value.
+pub type SealedVector<K> = (K, Vec<u8>);
+
+/// Vectors of stored messages and of owners' records (recall by meaning): what every engine
+/// keeps beside what they describe, and removes with it. Values are opaque (sealed by the
+/// store, `vectors.rs`).
+pub trait Vectors: Send + Sync {
+    /// Writes `vectors` (turn, value) of conversation `id`, each only if its turn is stored on
+    /// the main line, replacing the value it had; atomically with the check that `key` still
+    /// has the id `id`. The count written, `None` (nothing written) when it does not.
+    fn put_vectors(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        vectors: &[(u64, Vec<u8>)],
+    ) -> Result<Option<usize>, StoreError>;
+
+    /// Every vector of conversation `id` (turn, value), by turn, in one read.
+    fn vectors(&self, key: &ConversationKey, id: u64)
+    -> Result<Vec<SealedVector<u64>>, StoreError>;
+
+    /// Writes `vectors` (record space, record id, value) of the owner, each only if its record
+    /// is stored, replacing the value it had; atomically with the check that the owner still
+    /// has the id `id`. The count written, `None` (nothing written) when it does not.
+    fn put_owner_vectors(
+        &self,
+        owner: &OwnerKey,
+        id: u64,
+        vectors: &[(u8, Vec<u8>, Vec<u8>)],
+    ) -> Result<Option<usize>, StoreError>;
+
+    /// Every vector of the owner's records in `space` (record id, value), by id, in one read.
+    fn owner_vectors(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+    ) -> Result<Vec<SealedVector<Vec<u8>>>, StoreError>;
+
+    /// How many vectors the engine holds, of conversations and owners together: a full scan,
+    /// to prove a deletion left none (tests, audits).
+    fn vector_count(&self) -> Result<u64, StoreError>;
 }
 
 /// What only an engine that other processes write to has (Redis): a cached conversation is

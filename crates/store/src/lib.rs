@@ -16,6 +16,9 @@
 //!   conversation, kept in its own file, so that a delete leaves nothing readable on disk;
 //! - `owners.rs` — owners' records (long-term memory per user, agent or tenant), sealed with
 //!   a key per owner like conversations;
+//! - `vectors.rs` — vectors of stored messages and of owners' records (recall by meaning):
+//!   their quantised, sealed format, written only for what is stored and gone with it;
+//!   `sled_vectors.rs`, `redis_vectors.rs` — how each engine keeps them;
 //! - `clock.rs` — the one clock every timestamp is read from ([`Clock`]; tests move it);
 //! - `health.rs` — the check at open, failures to write and their retry (readiness);
 //! - `salvage.rs`, `sled_salvage.rs` — reading a damaged data directory and writing what can
@@ -44,6 +47,7 @@ mod sled_salvage;
 mod summaries;
 mod transfer;
 mod ttl;
+mod vectors;
 
 #[cfg(test)]
 mod contract;
@@ -57,7 +61,10 @@ use tokio::task::JoinHandle;
 
 pub use branches::closed_by_branch;
 pub use clock::Clock;
-pub use engine::{Engine, Loaded, Owners, Page, Refresh, Scope, SharedEngine, Version, Write};
+pub use engine::{
+    Engine, Loaded, Owners, Page, Refresh, Scope, SealedVector, SharedEngine, Vectors, Version,
+    Write,
+};
 pub use flush::FlushError;
 pub use health::RETRY_AFTER;
 pub use owners::OwnerHandle;
@@ -70,6 +77,7 @@ pub use records::{
 pub use redis_engine::{RedisEngine, RedisOptions, is_redis_url};
 pub use sled_engine::SledEngine;
 pub use transfer::already_stored;
+pub use vectors::RecordVector;
 
 use flush::GroupFlusher;
 use keys::{EngineKeys, KeyFiles, Keys};

@@ -17,7 +17,7 @@ use super::{Page, Store, StoreError};
 pub struct OwnerHandle {
     pub owner: OwnerKey,
     pub id: u64,
-    key: Key,
+    pub(super) key: Key,
 }
 
 impl std::fmt::Debug for OwnerHandle {

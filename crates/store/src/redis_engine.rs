@@ -18,6 +18,7 @@
 //! | `P{T}:b:ID` | hash | closed branches: field the branch row's key (as in sled's `branches` tree), value its record, message or summary |
 //! | `P{T}:k:ID` | string | the conversation's 32-byte key (`keys.rs`, `seal.rs`) |
 //! | `P{T}:r:ID` | set | the Responses API ids of the replies written (`Write::response_ids`) |
+//! | `P{T}:v:ID` | hash | the messages' vectors (`vectors.rs`, `redis_vectors.rs`): field the turn (decimal), value the sealed vector |
 //! | `P{T}:ttl` | string | the [`TtlRecord`] (JSON) |
 //! | `P{T}:lease` | string | the summary lease: which replica makes the due summary (`summaries.rs`) |
 //! | `P:ids` | string | the counter [`Engine::new_id`] increments |
@@ -81,6 +82,10 @@ use memproxy_base::identity::{ConversationKey, TenantId};
 // Owners' records (long-term memory): their keys, scripts and methods.
 #[path = "redis_owners.rs"]
 mod owner_records;
+
+// Vectors of messages and of owners' records (recall by meaning).
+#[path = "redis_vectors.rs"]
+mod vectors;
 
 /// How often a read or delete retries when a write changed the conversation under it.
 const MAX_ATTEMPTS: usize = 8;
@@ -147,6 +152,7 @@ pub struct RedisEngine {
     wait_timeout: Duration,
     scripts: Scripts,
     owner_scripts: owner_records::OwnerScripts,
+    vector_scripts: vectors::VectorScripts,
 }
 
 impl std::fmt::Debug for RedisEngine {
@@ -199,19 +205,23 @@ end
 /// The grace past a conversation's TTL before Redis expires its keys (in the Lua above).
 pub const EXPIRY_GRACE_MS: u64 = 60_000;
 
-/// KEYS: conv, m, s, b, k, ttl, r. ARGV: expected version ('' = absent), key bytes, meta JSON,
-/// id, last activity, then counted lists: turns to remove, (turn, member) to add, summary
-/// numbers to remove, (number, member) to add, (field, value) branch rows, response ids. Returns the new
-/// version, or false when stale.
+/// KEYS: conv, m, s, b, k, ttl, r, v. ARGV: expected version ('' = absent), key bytes, meta
+/// JSON, id, last activity, then counted lists: turns to remove, (turn, member) to add, summary
+/// numbers to remove, (number, member) to add, (field, value) branch rows, response ids. A turn
+/// removed or written again loses its vector. Returns the new version, or false when stale.
 const WRITE: &str = r"
 local v = redis.call('HGET', KEYS[1], 'ver')
 if (v or '') ~= ARGV[1] then return false end
 local i = 6
 local n = tonumber(ARGV[i]); i = i + 1
-for _ = 1, n do redis.call('ZREMRANGEBYSCORE', KEYS[2], ARGV[i], ARGV[i]); i = i + 1 end
+for _ = 1, n do
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], ARGV[i], ARGV[i])
+  redis.call('HDEL', KEYS[8], ARGV[i]); i = i + 1
+end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   redis.call('ZREMRANGEBYSCORE', KEYS[2], ARGV[i], ARGV[i])
+  redis.call('HDEL', KEYS[8], ARGV[i])
   redis.call('ZADD', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2
 end
 n = tonumber(ARGV[i]); i = i + 1
@@ -233,7 +243,7 @@ end
 local ver = ARGV[4] .. ':' .. count
 redis.call('HSET', KEYS[1], 'ver', ver, 'key', ARGV[2], 'meta', ARGV[3], 'id', ARGV[4], 'last', ARGV[5])
 expire_all(KEYS[6], 1, 5)
-expire_all(KEYS[6], 7, 7)
+expire_all(KEYS[6], 7, 8)
 return ver
 ";
 
@@ -249,7 +259,7 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], ARGV[2], '+inf')) do out
 return out
 ";
 
-/// KEYS: conv, m, s, b, k, ttl, lease, r. ARGV: the id read, idle cutoff ('' = none). Returns
+/// KEYS: conv, m, s, b, k, ttl, lease, r, v. ARGV: the id read, idle cutoff ('' = none). Returns
 /// `{0}` (not stored, or used since the cutoff), `{-1}` (the id changed: read again) or
 /// `{1, messages, summaries, branches}`.
 const DELETE: &str = r"
@@ -262,7 +272,7 @@ for _, f in ipairs(redis.call('HKEYS', KEYS[4])) do
   if string.byte(f, 17) == 0 then branches = branches + 1 end
 end
 local out = {1, redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]), branches}
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9])
 return out
 ";
 
@@ -277,13 +287,13 @@ if ttl > 0 then redis.call('PEXPIRE', KEYS[2], ttl) end
 return 1
 ";
 
-/// KEYS: ttl, conv, m, s, b, k, r. ARGV: record, the id read ('' = not stored). Writes the
+/// KEYS: ttl, conv, m, s, b, k, r, v. ARGV: record, the id read ('' = not stored). Writes the
 /// record and expires the conversation's keys by it; -1 when the id changed (read again).
 const PUT_TTL: &str = r"
 local id = redis.call('HGET', KEYS[2], 'id') or ''
 if id ~= ARGV[2] then return -1 end
 redis.call('SET', KEYS[1], ARGV[1])
-if id == '' then expire_all(KEYS[1], 1, 1) else expire_all(KEYS[1], 1, 7) end
+if id == '' then expire_all(KEYS[1], 1, 1) else expire_all(KEYS[1], 1, 8) end
 return 1
 ";
 
@@ -395,6 +405,9 @@ impl Keys {
     fn secret(&self, id: u64) -> String {
         format!("{}k:{id}", self.tag_prefix)
     }
+    fn vectors(&self, id: u64) -> String {
+        format!("{}v:{id}", self.tag_prefix)
+    }
     fn ttl(&self) -> String {
         format!("{}ttl", self.tag_prefix)
     }
@@ -505,6 +518,7 @@ impl RedisEngine {
             wait_timeout: options.wait_timeout,
             scripts: Scripts::new(),
             owner_scripts: owner_records::OwnerScripts::new(),
+            vector_scripts: vectors::VectorScripts::new(),
         })
     }
 
@@ -792,6 +806,7 @@ impl Engine for RedisEngine {
             .key(keys.secret(id))
             .key(keys.ttl())
             .key(keys.responses(id))
+            .key(keys.vectors(id))
             .arg(expected.token().unwrap_or_default())
             .arg(key_bytes.as_slice())
             .arg(encode(write.meta)?)
@@ -885,6 +900,7 @@ impl Engine for RedisEngine {
                 .key(keys.ttl())
                 .key(keys.lease())
                 .key(keys.responses(id))
+                .key(keys.vectors(id))
                 .arg(id)
                 .arg(idle_before_ms.map(|ms| ms.to_string()).unwrap_or_default())
                 .invoke(&mut *c)?;
@@ -1021,6 +1037,7 @@ impl Engine for RedisEngine {
                 .key(keys.branches(n))
                 .key(keys.secret(n))
                 .key(keys.responses(n))
+                .key(keys.vectors(n))
                 .arg(record.as_slice())
                 .arg(id.map(|id| id.to_string()).unwrap_or_default())
                 .invoke(&mut *c)?;
@@ -1462,6 +1479,7 @@ mod tests {
             keys.summaries(7),
             keys.branches(7),
             keys.secret(7),
+            keys.vectors(7),
             keys.ttl(),
             keys.lease(),
         ];

@@ -13,6 +13,7 @@
 //! | `P{O}:owner` | hash | `key` (the owner key's bytes), `id`, `meta` ([`OwnerMeta`], JSON) |
 //! | `P{O}:ov` | hash | the records: field the space byte then the record id, value the (sealed) record |
 //! | `P{O}:oi` | sorted set | the same fields, score 0: the records in (space, id) order (`ZRANGEBYLEX`) |
+//! | `P{O}:ovec` | hash | the records' vectors (`vectors.rs`, `redis_vectors.rs`): field as in `ov`, value the sealed vector |
 //! | `P{O}:k:ID` | string | the owner's encryption key (`keys.rs`), kept for good once the owner is created |
 //! | `P:idx:owner` | sorted set | every owner's key bytes, score 0, in key order: a hint kept after each create and delete, cleaned of owners that are gone |
 //!
@@ -42,14 +43,15 @@ redis.call('PERSIST', KEYS[2])
 return {1, ARGV[3]}
 ";
 
-/// KEYS: owner, ov, oi. ARGV: id, then counted lists: fields to remove, (field, value) to
-/// put. 1 when written, 0 when the owner does not have that id.
+/// KEYS: owner, ov, oi, ovec. ARGV: id, then counted lists: fields to remove (with their
+/// vectors), (field, value) to put. 1 when written, 0 when the owner does not have that id.
 const WRITE_OWNER: &str = r"
 if redis.call('HGET', KEYS[1], 'id') ~= ARGV[1] then return 0 end
 local i = 2
 local n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   redis.call('HDEL', KEYS[2], ARGV[i])
+  redis.call('HDEL', KEYS[4], ARGV[i])
   redis.call('ZREM', KEYS[3], ARGV[i]); i = i + 1
 end
 n = tonumber(ARGV[i]); i = i + 1
@@ -70,13 +72,13 @@ end
 return out
 ";
 
-/// KEYS: owner, ov, oi, the encryption key of the id read. ARGV: the id read. 1 when deleted,
-/// 0 when there is no owner, -1 when its id changed (read again).
+/// KEYS: owner, ov, oi, the encryption key of the id read, ovec. ARGV: the id read. 1 when
+/// deleted, 0 when there is no owner, -1 when its id changed (read again).
 const DELETE_OWNER: &str = r"
 local id = redis.call('HGET', KEYS[1], 'id')
 if not id then return 0 end
 if id ~= ARGV[1] then return -1 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 return 1
 ";
 
@@ -100,16 +102,19 @@ impl OwnerScripts {
 }
 
 /// The keys of one owner.
-struct OwnerKeys {
+pub(super) struct OwnerKeys {
     tagged: Keys,
 }
 
 impl OwnerKeys {
-    fn owner(&self) -> String {
+    pub(super) fn owner(&self) -> String {
         format!("{}owner", self.tagged.tag_prefix)
     }
-    fn values(&self) -> String {
+    pub(super) fn values(&self) -> String {
         format!("{}ov", self.tagged.tag_prefix)
+    }
+    pub(super) fn vectors(&self) -> String {
+        format!("{}ovec", self.tagged.tag_prefix)
     }
     fn order(&self) -> String {
         format!("{}oi", self.tagged.tag_prefix)
@@ -120,7 +125,7 @@ impl OwnerKeys {
 }
 
 /// A record's field: its space, then its id.
-fn field(space: u8, id: &[u8]) -> Vec<u8> {
+pub(super) fn field(space: u8, id: &[u8]) -> Vec<u8> {
     let mut field = Vec::with_capacity(1 + id.len());
     field.push(space);
     field.extend_from_slice(id);
@@ -136,7 +141,7 @@ fn space_end(space: u8) -> Vec<u8> {
 }
 
 impl RedisEngine {
-    fn owner_keys(&self, owner: &OwnerKey) -> OwnerKeys {
+    pub(super) fn owner_keys(&self, owner: &OwnerKey) -> OwnerKeys {
         OwnerKeys {
             tagged: Keys::of(&self.prefix, &super::super::owners::key_ref(owner)),
         }
@@ -196,6 +201,7 @@ impl RedisEngine {
             .key(keys.owner())
             .key(keys.values())
             .key(keys.order())
+            .key(keys.vectors())
             .arg(id)
             .arg(remove.len());
         for (space, record_id) in remove {
@@ -290,6 +296,7 @@ impl RedisEngine {
                 .key(keys.values())
                 .key(keys.order())
                 .key(keys.secret(id))
+                .key(keys.vectors())
                 .arg(id)
                 .invoke(&mut *c)?;
             match deleted {
@@ -345,7 +352,7 @@ mod tests {
             let close = name[open..].find('}').unwrap() + open;
             name[open..=close].to_string()
         };
-        for name in [keys.values(), keys.order(), keys.secret(9)] {
+        for name in [keys.values(), keys.order(), keys.secret(9), keys.vectors()] {
             assert_eq!(tag(&name), tag(&keys.owner()), "{name}");
         }
         assert_eq!(space_end(3), b"(\x04");

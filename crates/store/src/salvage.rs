@@ -29,6 +29,9 @@
 //! open with the owner's key is lost; an owner without a readable key keeps nothing. A repair
 //! writes each under a new id, its key file copied, its records as they were sealed.
 //!
+//! Vectors (`vectors.rs`) are neither read nor written: they are derived from the messages and
+//! records, and rebuilt for the repaired store (a fresh store holds none of the old ids).
+//!
 //! A repair writes each salvaged conversation into the fresh store in one atomic write, with
 //! its turn numbers, times, token counts, summaries and TTL record, its values as they were
 //! sealed and its key file copied (under the conversation's new id: ids are the fresh

@@ -7,7 +7,8 @@
 //!
 //! `sealed:v1:` and then, in base64 (standard alphabet, no padding), a random 96-bit nonce,
 //! the AES-256-GCM ciphertext and its 128-bit tag. The associated data names what the value is
-//! (`memproxy message`, `memproxy summary`), so one is never opened as the other. A message
+//! (`memproxy message`, `memproxy summary`, `memproxy record`, `memproxy vector`), so one is
+//! never opened as another. A message
 //! body is stored as that text in a JSON string, so [`StoredMessage`] keeps its shape and an
 //! engine still reads turn, role, tokens and fingerprint; a summary record is stored as that
 //! text.
@@ -15,7 +16,7 @@
 //! # What is not sealed
 //!
 //! Conversation records (id, counts, times), the engine's keys (tenant hash, agent,
-//! conversation id), TTL records, and each message's role, origin, time, token count and
+//! conversation id; a vector's key is its conversation id and turn, `vectors.rs`), TTL records, and each message's role, origin, time, token count and
 //! fingerprint (a hash of its text). Values stored by an earlier version (a message body or a
 //! summary record that is a JSON object) are read as they are and stay in plaintext until
 //! they are rewritten (trimmed, or deleted with their conversation); such a conversation gets
@@ -46,6 +47,8 @@ pub enum Kind {
     Summary,
     /// An owner's long-term record (`owners.rs`).
     Record,
+    /// A vector of a message or of an owner's record (`vectors.rs`).
+    Vector,
 }
 
 impl Kind {
@@ -54,6 +57,7 @@ impl Kind {
             Kind::Message => b"memproxy message".as_slice(),
             Kind::Summary => b"memproxy summary".as_slice(),
             Kind::Record => b"memproxy record".as_slice(),
+            Kind::Vector => b"memproxy vector".as_slice(),
         })
     }
 }

@@ -15,7 +15,11 @@
 //! - `conversation_responses`: `conversation id (u64 BE) ++ response id` → nothing: the same
 //!   ids by conversation, so a delete finds them;
 //! - `owners`: owner key bytes ([`OwnerKey::to_bytes`]) → [`OwnerMeta`] (JSON);
-//! - `owner_records`: owner key bytes `\0 space id` → the record's value.
+//! - `owner_records`: owner key bytes `\0 space id` → the record's value;
+//! - `vectors`: `conversation id (u64 BE) ++ turn (u64 BE)` → the message's vector (sealed,
+//!   `vectors.rs`), as in `messages`;
+//! - `owner_vectors`: owner key bytes `\0 space id` → the record's vector (sealed), as in
+//!   `owner_records`.
 //!
 //! Every conditional write is one sled transaction over the trees it touches that first checks
 //! the conversation's record.
@@ -54,6 +58,10 @@ use super::records::{
 };
 use memproxy_base::identity::{ConversationKey, TenantId};
 
+// Vectors (recall by meaning): `sled_vectors.rs`.
+#[path = "sled_vectors.rs"]
+mod vectors;
+
 /// How often a delete retries when a commit changed the conversation under it.
 const MAX_ATTEMPTS: usize = 8;
 
@@ -82,6 +90,8 @@ pub(super) struct Trees {
     pub(super) conversation_responses: sled::Tree,
     pub(super) owners: sled::Tree,
     pub(super) owner_records: sled::Tree,
+    pub(super) vectors: sled::Tree,
+    pub(super) owner_vectors: sled::Tree,
 }
 
 impl Trees {
@@ -96,6 +106,8 @@ impl Trees {
             conversation_responses: db.open_tree("conversation_responses")?,
             owners: db.open_tree("owners")?,
             owner_records: db.open_tree("owner_records")?,
+            vectors: db.open_tree("vectors")?,
+            owner_vectors: db.open_tree("owner_vectors")?,
             db,
         })
     }
@@ -198,6 +210,17 @@ fn done_or_false(result: Result<bool, TransactionError<()>>) -> Result<bool, Sto
     match result {
         Ok(done) => Ok(done),
         Err(TransactionError::Abort(())) => Ok(false),
+        Err(TransactionError::Storage(err)) => Err(err.into()),
+    }
+}
+
+/// The result of a transaction that answers a count, or `None` rather than aborting.
+fn done_or_count(
+    result: Result<Option<usize>, TransactionError<()>>,
+) -> Result<Option<usize>, StoreError> {
+    match result {
+        Ok(done) => Ok(done),
+        Err(TransactionError::Abort(())) => Ok(None),
         Err(TransactionError::Storage(err)) => Err(err.into()),
     }
 }
@@ -381,33 +404,39 @@ impl Engine for SledEngine {
             &t.branches,
             &t.responses,
             &t.conversation_responses,
+            &t.vectors,
         )
-            .transaction(|(convs, msgs, sums, branches, by_id, by_conversation)| {
-                if convs.get(&key)?.as_deref() != expected {
-                    return Err(ConflictableTransactionError::Abort(()));
-                }
-                for turn in write.remove_turns {
-                    msgs.remove(&message_key(id, *turn)[..])?;
-                }
-                for (k, v) in &added {
-                    msgs.insert(&k[..], v.as_slice())?;
-                }
-                for number in write.remove_summaries {
-                    sums.remove(&message_key(id, *number)[..])?;
-                }
-                for (number, record) in write.summaries {
-                    sums.insert(&message_key(id, *number)[..], *record)?;
-                }
-                for (k, v) in &branch_rows {
-                    branches.insert(&k[..], v.as_slice())?;
-                }
-                for (by_id_key, by_conversation_key) in &responses {
-                    by_id.insert(by_id_key.as_slice(), response_value.as_slice())?;
-                    by_conversation.insert(by_conversation_key.as_slice(), &[][..])?;
-                }
-                convs.insert(key.as_slice(), meta_bytes.as_slice())?;
-                Ok(())
-            });
+            .transaction(
+                |(convs, msgs, sums, branches, by_id, by_conversation, vecs)| {
+                    if convs.get(&key)?.as_deref() != expected {
+                        return Err(ConflictableTransactionError::Abort(()));
+                    }
+                    // A turn removed, or written again, loses its vector with it.
+                    for turn in write.remove_turns {
+                        msgs.remove(&message_key(id, *turn)[..])?;
+                        vecs.remove(&message_key(id, *turn)[..])?;
+                    }
+                    for (k, v) in &added {
+                        msgs.insert(&k[..], v.as_slice())?;
+                        vecs.remove(&k[..])?;
+                    }
+                    for number in write.remove_summaries {
+                        sums.remove(&message_key(id, *number)[..])?;
+                    }
+                    for (number, record) in write.summaries {
+                        sums.insert(&message_key(id, *number)[..], *record)?;
+                    }
+                    for (k, v) in &branch_rows {
+                        branches.insert(&k[..], v.as_slice())?;
+                    }
+                    for (by_id_key, by_conversation_key) in &responses {
+                        by_id.insert(by_id_key.as_slice(), response_value.as_slice())?;
+                        by_conversation.insert(by_conversation_key.as_slice(), &[][..])?;
+                    }
+                    convs.insert(key.as_slice(), meta_bytes.as_slice())?;
+                    Ok(())
+                },
+            );
         match result {
             Ok(()) => Ok(Version::of(meta_bytes)),
             Err(TransactionError::Abort(())) => Err(StoreError::Stale),
@@ -447,6 +476,11 @@ impl Engine for SledEngine {
                 .scan_prefix(prefix)
                 .keys()
                 .collect::<Result<Vec<_>, _>>()?;
+            let vector_keys = t
+                .vectors
+                .scan_prefix(prefix)
+                .keys()
+                .collect::<Result<Vec<_>, _>>()?;
             let response_keys = t
                 .conversation_responses
                 .scan_prefix(prefix)
@@ -465,9 +499,10 @@ impl Engine for SledEngine {
                 &t.ttl,
                 &t.responses,
                 &t.conversation_responses,
+                &t.vectors,
             )
                 .transaction(
-                    |(convs, msgs, sums, branches, ttl, by_id, by_conversation)| {
+                    |(convs, msgs, sums, branches, ttl, by_id, by_conversation, vecs)| {
                         if convs.get(&key_bytes)?.as_ref() != Some(&stored_meta) {
                             return Err(ConflictableTransactionError::Abort(()));
                         }
@@ -479,6 +514,9 @@ impl Engine for SledEngine {
                         }
                         for k in &branch_keys {
                             branches.remove(k)?;
+                        }
+                        for k in &vector_keys {
+                            vecs.remove(k)?;
                         }
                         for (by_conversation_key, by_id_key) in &response_keys {
                             by_conversation.remove(by_conversation_key)?;
@@ -496,7 +534,8 @@ impl Engine for SledEngine {
                     // so anything left under this id is removed too.
                     let late = Self::remove_prefix(&t.messages, &prefix)?
                         + Self::remove_prefix(&t.summaries, &prefix)?
-                        + Self::remove_prefix(&t.branches, &prefix)?;
+                        + Self::remove_prefix(&t.branches, &prefix)?
+                        + Self::remove_prefix(&t.vectors, &prefix)?;
                     if late > 0 {
                         tracing::debug!(late, "removed records written during a delete");
                     }
@@ -801,24 +840,28 @@ impl Owners for SledEngine {
     ) -> Result<bool, StoreError> {
         let t = self.trees()?;
         let owner_bytes = owner.to_bytes();
-        let result = (&t.owners, &t.owner_records).transaction(|(owners, records)| {
-            let current = owners
-                .get(&owner_bytes)?
-                .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok());
-            if current.map(|m| m.id) != Some(id) {
-                return Ok(false);
-            }
-            for (space, record_id) in remove {
-                records.remove(owner_record_key(owner, *space, record_id))?;
-            }
-            for record in put {
-                records.insert(
-                    owner_record_key(owner, record.space, &record.id),
-                    record.value.as_slice(),
-                )?;
-            }
-            Ok(true)
-        });
+        let result = (&t.owners, &t.owner_records, &t.owner_vectors).transaction(
+            |(owners, records, vectors)| {
+                let current = owners
+                    .get(&owner_bytes)?
+                    .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok());
+                if current.map(|m| m.id) != Some(id) {
+                    return Ok(false);
+                }
+                // A record removed loses its vector with it.
+                for (space, record_id) in remove {
+                    records.remove(owner_record_key(owner, *space, record_id))?;
+                    vectors.remove(owner_record_key(owner, *space, record_id))?;
+                }
+                for record in put {
+                    records.insert(
+                        owner_record_key(owner, record.space, &record.id),
+                        record.value.as_slice(),
+                    )?;
+                }
+                Ok(true)
+            },
+        );
         done_or_false(result)
     }
 
@@ -883,19 +926,30 @@ impl Owners for SledEngine {
             .scan_prefix(&prefix)
             .keys()
             .collect::<Result<_, _>>()?;
-        let result = (&t.owners, &t.owner_records).transaction(|(owners, records)| {
-            let removed = owners.remove(owner_bytes.as_slice())?;
-            for key in &keys {
-                records.remove(key)?;
-            }
-            Ok(removed.and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok()))
-        });
+        let vector_keys: Vec<sled::IVec> = t
+            .owner_vectors
+            .scan_prefix(&prefix)
+            .keys()
+            .collect::<Result<_, _>>()?;
+        let result = (&t.owners, &t.owner_records, &t.owner_vectors).transaction(
+            |(owners, records, vectors)| {
+                let removed = owners.remove(owner_bytes.as_slice())?;
+                for key in &keys {
+                    records.remove(key)?;
+                }
+                for key in &vector_keys {
+                    vectors.remove(key)?;
+                }
+                Ok(removed.and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok()))
+            },
+        );
         let removed = match result {
             Ok(removed) => removed,
             Err(TransactionError::Abort(())) => None,
             Err(TransactionError::Storage(err)) => return Err(err.into()),
         };
         Self::remove_prefix(&t.owner_records, &prefix)?;
+        Self::remove_prefix(&t.owner_vectors, &prefix)?;
         Ok(removed.map(|m| m.id))
     }
 

@@ -24,10 +24,10 @@ use memproxy_base::identity::ConversationKey;
 const MAX_ATTEMPTS: usize = 8;
 
 impl Store {
-    /// Deletes a conversation completely: its record, messages, summaries and TTL record in one
-    /// atomic step, under the conversation's lock; once that is durable its key, so that no
-    /// byte the engine's files still hold of it can be read; then its cached state and its
-    /// workspace folder. `None` when it did not exist (its TTL record and cache entry are
+    /// Deletes a conversation completely: its record, messages, summaries, vectors and TTL
+    /// record in one atomic step, under the conversation's lock; once that is durable its key,
+    /// so that no byte the engine's files still hold of it can be read; then its cached state
+    /// and its workspace folder. `None` when it did not exist (its TTL record and cache entry are
     /// dropped all the same). The recall index is not the store's: the caller forgets it.
     pub fn delete_conversation(
         &self,

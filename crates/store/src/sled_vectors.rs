@@ -1,0 +1,122 @@
+//! Vectors in the sled engine (the [`Vectors`] part of the contract, `engine.rs`): the
+//! `vectors` tree keyed like `messages` (conversation id, turn) and the `owner_vectors` tree
+//! keyed like `owner_records` (owner key bytes `\0` space, id). A put is one transaction that
+//! checks the conversation's (owner's) record and each message (record) it describes; what
+//! removes a message or a record removes its vector in its own transaction
+//! (`sled_engine.rs`).
+
+use sled::Transactional;
+
+use super::super::StoreError;
+use super::super::engine::{SealedVector, Vectors};
+use super::super::records::{ConversationMeta, OwnerKey, OwnerMeta};
+use super::{SledEngine, done_or_count, message_key, owner_prefix, owner_record_key};
+use memproxy_base::identity::ConversationKey;
+
+impl Vectors for SledEngine {
+    fn put_vectors(
+        &self,
+        key: &ConversationKey,
+        id: u64,
+        vectors: &[(u64, Vec<u8>)],
+    ) -> Result<Option<usize>, StoreError> {
+        let t = self.trees()?;
+        let key_bytes = key.to_bytes();
+        let result =
+            (&t.conversations, &t.messages, &t.vectors).transaction(|(convs, msgs, vecs)| {
+                let current = convs
+                    .get(&key_bytes)?
+                    .and_then(|bytes| serde_json::from_slice::<ConversationMeta>(&bytes).ok());
+                if current.map(|m| m.id) != Some(id) {
+                    return Ok(None);
+                }
+                let mut written = 0;
+                for (turn, value) in vectors {
+                    let k = message_key(id, *turn);
+                    if msgs.get(&k[..])?.is_some() {
+                        vecs.insert(&k[..], value.as_slice())?;
+                        written += 1;
+                    }
+                }
+                Ok(Some(written))
+            });
+        done_or_count(result)
+    }
+
+    fn vectors(
+        &self,
+        _key: &ConversationKey,
+        id: u64,
+    ) -> Result<Vec<SealedVector<u64>>, StoreError> {
+        let t = self.trees()?;
+        let mut out = Vec::new();
+        for item in t.vectors.scan_prefix(id.to_be_bytes()) {
+            let (key, value) = item?;
+            let turn = key
+                .get(8..16)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map(u64::from_be_bytes)
+                .ok_or_else(|| StoreError::Corrupt("a vector key is malformed".into()))?;
+            out.push((turn, value.to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn put_owner_vectors(
+        &self,
+        owner: &OwnerKey,
+        id: u64,
+        vectors: &[(u8, Vec<u8>, Vec<u8>)],
+    ) -> Result<Option<usize>, StoreError> {
+        let t = self.trees()?;
+        let owner_bytes = owner.to_bytes();
+        let result = (&t.owners, &t.owner_records, &t.owner_vectors).transaction(
+            |(owners, records, vecs)| {
+                let current = owners
+                    .get(&owner_bytes)?
+                    .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok());
+                if current.map(|m| m.id) != Some(id) {
+                    return Ok(None);
+                }
+                let mut written = 0;
+                for (space, record_id, value) in vectors {
+                    let k = owner_record_key(owner, *space, record_id);
+                    if records.get(&k)?.is_some() {
+                        vecs.insert(k, value.as_slice())?;
+                        written += 1;
+                    }
+                }
+                Ok(Some(written))
+            },
+        );
+        done_or_count(result)
+    }
+
+    fn owner_vectors(
+        &self,
+        owner: &OwnerKey,
+        space: u8,
+    ) -> Result<Vec<SealedVector<Vec<u8>>>, StoreError> {
+        let t = self.trees()?;
+        let prefix = owner_prefix(owner, Some(space));
+        let mut out = Vec::new();
+        for item in t.owner_vectors.scan_prefix(&prefix) {
+            let (key, value) = item?;
+            let id = key.get(prefix.len()..).unwrap_or_default();
+            out.push((id.to_vec(), value.to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn vector_count(&self) -> Result<u64, StoreError> {
+        let t = self.trees()?;
+        let mut count = 0;
+        for tree in [&t.vectors, &t.owner_vectors] {
+            for key in tree.iter().keys() {
+                key?;
+                count += 1;
+            }
+        }
+        Ok(count)
+    }
+}
