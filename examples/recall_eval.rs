@@ -877,7 +877,8 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
             ks.join(",")
         },
         args.embedder,
-        args.semantic.map_or("default".to_string(), |b| b.to_string()),
+        args.semantic
+            .map_or("default".to_string(), |b| b.to_string()),
         args.floor.map_or("default".to_string(), |f| f.to_string()),
         args.lexical_weight
             .map_or("default".to_string(), |w| w.to_string()),

@@ -415,7 +415,12 @@ async fn readiness(state: &AppState) -> Response<ProxyBody> {
     if let Some(memory) = state.memory() {
         let embedding = &memory.embedding;
         body["recall"] = serde_json::Value::String(
-            if embedding.space().is_some() { "hybrid" } else { "lexical" }.to_string(),
+            if embedding.space().is_some() {
+                "hybrid"
+            } else {
+                "lexical"
+            }
+            .to_string(),
         );
         if let Some((space, _)) = embedding.space() {
             body["embedder"] = serde_json::Value::String(space.to_string());

@@ -13,36 +13,111 @@ use crate::support::*;
 
 /// (the fact as the user states it, a question about it sharing none of its words).
 const FACTS: [(&str, &str); 30] = [
-    ("I drive a silver Volvo.", "What kind of automobile do I own?"),
-    ("My sister Anna lives in Lisbon.", "Which city is my sibling based in?"),
-    ("I'm allergic to peanuts.", "Is there any food that makes me ill?"),
-    ("Our dog is a golden retriever named Biscuit.", "What breed is our pet?"),
-    ("I work as a nurse at the children's hospital.", "What is my profession?"),
-    ("My favourite band is Radiohead.", "Which musicians do I enjoy most?"),
-    ("I play the cello in a community orchestra.", "Which instrument can I perform on?"),
+    (
+        "I drive a silver Volvo.",
+        "What kind of automobile do I own?",
+    ),
+    (
+        "My sister Anna lives in Lisbon.",
+        "Which city is my sibling based in?",
+    ),
+    (
+        "I'm allergic to peanuts.",
+        "Is there any food that makes me ill?",
+    ),
+    (
+        "Our dog is a golden retriever named Biscuit.",
+        "What breed is our pet?",
+    ),
+    (
+        "I work as a nurse at the children's hospital.",
+        "What is my profession?",
+    ),
+    (
+        "My favourite band is Radiohead.",
+        "Which musicians do I enjoy most?",
+    ),
+    (
+        "I play the cello in a community orchestra.",
+        "Which instrument can I perform on?",
+    ),
     ("My wife is called Priya.", "What is my spouse's name?"),
-    ("I'm training for the Berlin marathon in September.", "What race am I preparing for?"),
+    (
+        "I'm training for the Berlin marathon in September.",
+        "What race am I preparing for?",
+    ),
     ("I can't stand coriander.", "Which herb do I dislike?"),
-    ("We moved into a flat in Manchester last spring.", "Where is our new apartment?"),
-    ("I studied chemistry at university.", "What was my major in college?"),
-    ("My son Leo just started kindergarten.", "Where does my child go during the day?"),
+    (
+        "We moved into a flat in Manchester last spring.",
+        "Where is our new apartment?",
+    ),
+    (
+        "I studied chemistry at university.",
+        "What was my major in college?",
+    ),
+    (
+        "My son Leo just started kindergarten.",
+        "Where does my child go during the day?",
+    ),
     ("I'm vegetarian.", "Do I eat meat?"),
     ("My laptop is a ThinkPad.", "What computer do I use?"),
-    ("I'm terrified of spiders.", "What creatures am I scared of?"),
-    ("I speak fluent Japanese.", "Which foreign languages do I know?"),
-    ("My dad was a carpenter.", "What did my father do for a living?"),
-    ("I take my coffee black with no sugar.", "How do I like my morning brew?"),
-    ("My favourite film is Spirited Away.", "Which movie do I love most?"),
-    ("I broke my wrist skiing last winter.", "Have I had any injuries?"),
-    ("I grow tomatoes and basil on the balcony.", "What plants do I cultivate at home?"),
-    ("I'm saving up for a trip to Iceland.", "Where do I want to travel?"),
-    ("I volunteer at the animal shelter on Saturdays.", "What charity work do I do at weekends?"),
-    ("My doctor says my cholesterol is high.", "Do I have any health issues?"),
+    (
+        "I'm terrified of spiders.",
+        "What creatures am I scared of?",
+    ),
+    (
+        "I speak fluent Japanese.",
+        "Which foreign languages do I know?",
+    ),
+    (
+        "My dad was a carpenter.",
+        "What did my father do for a living?",
+    ),
+    (
+        "I take my coffee black with no sugar.",
+        "How do I like my morning brew?",
+    ),
+    (
+        "My favourite film is Spirited Away.",
+        "Which movie do I love most?",
+    ),
+    (
+        "I broke my wrist skiing last winter.",
+        "Have I had any injuries?",
+    ),
+    (
+        "I grow tomatoes and basil on the balcony.",
+        "What plants do I cultivate at home?",
+    ),
+    (
+        "I'm saving up for a trip to Iceland.",
+        "Where do I want to travel?",
+    ),
+    (
+        "I volunteer at the animal shelter on Saturdays.",
+        "What charity work do I do at weekends?",
+    ),
+    (
+        "My doctor says my cholesterol is high.",
+        "Do I have any health issues?",
+    ),
     ("I support Arsenal.", "Which football team do I cheer for?"),
-    ("I commute by bicycle every day.", "How do I get to the office?"),
-    ("My grandmother taught me to knit.", "Who showed me how to make scarves?"),
-    ("I'm learning to bake sourdough bread.", "What am I practising in the kitchen?"),
-    ("My phone is an old iPhone 8.", "What mobile device do I carry?"),
+    (
+        "I commute by bicycle every day.",
+        "How do I get to the office?",
+    ),
+    (
+        "My grandmother taught me to knit.",
+        "Who showed me how to make scarves?",
+    ),
+    (
+        "I'm learning to bake sourdough bread.",
+        "What am I practising in the kitchen?",
+    ),
+    (
+        "My phone is an old iPhone 8.",
+        "What mobile device do I carry?",
+    ),
 ];
 
 /// Questions nothing in the conversation answers.
@@ -130,7 +205,9 @@ async fn facts_asked_about_in_other_words_are_recalled_by_meaning() {
 
     let lexical = facts_found(&proxy, &mock, &[("x-memory-relevance-semantic", "false")]).await;
     let hybrid = facts_found(&proxy, &mock, &[]).await;
-    eprintln!("paraphrased facts recalled: words alone {lexical}/30, words and meaning {hybrid}/30");
+    eprintln!(
+        "paraphrased facts recalled: words alone {lexical}/30, words and meaning {hybrid}/30"
+    );
     assert!(lexical <= 8, "words alone found {lexical} of 30");
     assert!(hybrid >= 18, "words and meaning found {hybrid} of 30");
 
@@ -147,10 +224,16 @@ async fn facts_asked_about_in_other_words_are_recalled_by_meaning() {
         &proxy,
         "facts",
         &body(&[user(FACTS[0].1)]),
-        &[("x-memory-persist", "false"), ("x-memory-relevance-semantic", "false")],
+        &[
+            ("x-memory-persist", "false"),
+            ("x-memory-relevance-semantic", "false"),
+        ],
     )
     .await;
-    assert_eq!(lexical_answer.header("x-memory-recall"), "lexical; reason=setting");
+    assert_eq!(
+        lexical_answer.header("x-memory-recall"),
+        "lexical; reason=setting"
+    );
 }
 
 #[tokio::test]
@@ -170,10 +253,16 @@ async fn the_relevance_floor_keeps_unrelated_questions_free_of_recalled_turns() 
             &proxy,
             "floor",
             &body(&[user(question)]),
-            &[("x-memory-persist", "false"), ("x-memory-relevance-floor", "0")],
+            &[
+                ("x-memory-persist", "false"),
+                ("x-memory-relevance-floor", "0"),
+            ],
         )
         .await;
-        without_floor += answer.header("x-memory-retrieved").parse::<usize>().unwrap();
+        without_floor += answer
+            .header("x-memory-retrieved")
+            .parse::<usize>()
+            .unwrap();
         let answer = chat(
             &proxy,
             "floor",
@@ -181,11 +270,19 @@ async fn the_relevance_floor_keeps_unrelated_questions_free_of_recalled_turns() 
             &[("x-memory-persist", "false")],
         )
         .await;
-        with_floor += answer.header("x-memory-retrieved").parse::<usize>().unwrap();
+        with_floor += answer
+            .header("x-memory-retrieved")
+            .parse::<usize>()
+            .unwrap();
     }
-    eprintln!("recalled turns for 10 unrelated questions: floor 0 {without_floor}, default floor {with_floor}");
+    eprintln!(
+        "recalled turns for 10 unrelated questions: floor 0 {without_floor}, default floor {with_floor}"
+    );
     assert!(without_floor >= 30, "{without_floor}");
-    assert!(with_floor * 4 <= without_floor, "{with_floor} of {without_floor}");
+    assert!(
+        with_floor * 4 <= without_floor,
+        "{with_floor} of {without_floor}"
+    );
     // A paraphrased fact still clears the floor.
     chat(
         &proxy,

@@ -198,7 +198,12 @@ impl Embedding {
 
     /// Queues the embedding of a commit's new messages `(turn, search text)`; a full queue
     /// drops the job (counted).
-    pub fn after_commit(&self, key: &ConversationKey, conversation_id: u64, texts: &[(u64, String)]) {
+    pub fn after_commit(
+        &self,
+        key: &ConversationKey,
+        conversation_id: u64,
+        texts: &[(u64, String)],
+    ) {
         if self.embedder.is_err() || texts.is_empty() {
             return;
         }
@@ -289,7 +294,14 @@ fn embed_and_store(
         let made = embedder.embed(&texts)?;
         vectors.extend(batch.iter().map(|(turn, _)| *turn).zip(made));
     }
-    store_vectors(store, recall, &job.key, job.conversation_id, embedder.id(), &vectors)
+    store_vectors(
+        store,
+        recall,
+        &job.key,
+        job.conversation_id,
+        embedder.id(),
+        &vectors,
+    )
 }
 
 /// Stores `vectors` of conversation `key` (id `conversation_id`) under its lock, and hands

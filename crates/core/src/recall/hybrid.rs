@@ -159,7 +159,10 @@ mod tests {
     #[test]
     fn smoothing_mixes_neighbours_and_keeps_order() {
         let smoothed = smooth(&[(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0), (5, 0.0)]);
-        assert_eq!(smoothed.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+        assert_eq!(
+            smoothed.iter().map(|s| s.0).collect::<Vec<_>>(),
+            [1, 2, 3, 4, 5]
+        );
         // Turn 2 keeps the most; its neighbours get some of it, the farther less.
         assert!(smoothed[1].1 > smoothed[0].1 && smoothed[1].1 > smoothed[2].1);
         assert!(smoothed[2].1 > smoothed[3].1 && smoothed[3].1 > smoothed[4].1);
@@ -206,7 +209,10 @@ mod tests {
             |_| true,
             Fusion::default(),
         );
-        let four = kept.iter().find(|s| s.turn == 4).map(|s| (s.score, s.semantic));
+        let four = kept
+            .iter()
+            .find(|s| s.turn == 4)
+            .map(|s| (s.score, s.semantic));
         assert_eq!(four, Some((0.5, None)));
     }
 }

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use self::hybrid::{Fusion, Scored, fuse, smooth};
 use self::index::Index;
-use self::vectors::DocVectors;
 use self::tokenize::{Lang, TextLanguage, detect, terms};
+use self::vectors::DocVectors;
 use memproxy_base::cache::{Cache, Policy, Shrink};
 use memproxy_base::heap;
 use memproxy_base::identity::ConversationKey;
@@ -196,7 +196,12 @@ impl Recall {
 
     /// Hands the vectors a background job stored to conversation `key`'s cached index (if it
     /// is cached and of the same conversation id).
-    pub fn add_vectors(&self, key: &ConversationKey, conversation_id: u64, vectors: &[(u64, Vec<f32>)]) {
+    pub fn add_vectors(
+        &self,
+        key: &ConversationKey,
+        conversation_id: u64,
+        vectors: &[(u64, Vec<f32>)],
+    ) {
         let Some(handle) = self.cache.get(key) else {
             return;
         };

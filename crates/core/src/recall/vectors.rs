@@ -90,7 +90,8 @@ impl DocVectors {
             if keep != i {
                 self.turns[keep] = self.turns[i];
                 self.scales[keep] = self.scales[i];
-                self.values.copy_within(i * dims..(i + 1) * dims, keep * dims);
+                self.values
+                    .copy_within(i * dims..(i + 1) * dims, keep * dims);
             }
             keep += 1;
         }
