@@ -508,7 +508,8 @@ impl Harness {
         let data_dir = tempfile::tempdir()?;
         // JSON string literals are valid TOML basic strings.
         let text = format!(
-            "[upstream]\nbase_url = {}\ntimeout = \"PT60S\"\nconnect_timeout = \"PT5S\"\n\
+            "[server]\nmemory_budget = \"2GiB\"\n\
+             [upstream]\nbase_url = {}\ntimeout = \"PT60S\"\nconnect_timeout = \"PT5S\"\n\
              [storage]\ndata_dir = {}\n\
              [memory]\nrecent_n = {RECENT_N}\ncompression_enabled = false\nmax_messages = 100000\n\
              relevance_max_tokens = {:?}\n\

@@ -142,10 +142,45 @@ pub fn fuse(
             }
         }
     }
-    scored.sort_by(|a, b| b.score.total_cmp(&a.score).then(b.turn.cmp(&a.turn)));
-    let cut = scored.partition_point(|s| s.score >= fusion.floor && s.score > 0.0);
-    let under = scored.split_off(cut);
-    (scored, under)
+    // Ranked on each score's range among the candidates (min-max): the two scales differ in
+    // spread from query to query, so neither drowns the other; the floor reads the absolute
+    // fused score.
+    let rank = ranking(&scored, fusion.lexical_weight.clamp(0.0, 1.0));
+    let mut ranked: Vec<(f32, Scored)> = rank.into_iter().zip(scored).collect();
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.turn.cmp(&a.1.turn)));
+    let (kept, under): (Vec<Scored>, Vec<Scored>) = ranked
+        .into_iter()
+        .map(|(_, s)| s)
+        .partition(|s| s.score >= fusion.floor && s.score > 0.0);
+    (kept, under)
+}
+
+/// Each candidate's ranking score: its lexical and semantic scores each scaled to their range
+/// among the candidates, then weighed as the fused score is. With no semantic score anywhere,
+/// the lexical order.
+fn ranking(scored: &[Scored], lexical_weight: f32) -> Vec<f32> {
+    let range = |values: &mut dyn Iterator<Item = f32>| {
+        values.fold((f32::MAX, f32::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)))
+    };
+    let (lex_lo, lex_hi) = range(&mut scored.iter().map(|s| s.lexical));
+    let (sem_lo, sem_hi) = range(&mut scored.iter().filter_map(|s| s.semantic));
+    let scale = |v: f32, lo: f32, hi: f32| {
+        if hi > lo { (v - lo) / (hi - lo) } else { 0.0 }
+    };
+    scored
+        .iter()
+        .map(|s| {
+            let lexical = scale(s.lexical, lex_lo, lex_hi);
+            match s.semantic {
+                Some(semantic) => {
+                    lexical_weight * lexical
+                        + (1.0 - lexical_weight) * scale(semantic, sem_lo, sem_hi)
+                }
+                None if sem_hi >= sem_lo => lexical_weight * lexical,
+                None => lexical,
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
