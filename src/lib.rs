@@ -27,7 +27,8 @@
 //! - [`summary`] makes summaries in the background; [`longterm`] is what a user said in any
 //!   of their conversations (the archive and index per user, extracted memories);
 //!   [`recall`] keeps BM25 indexes;
-//! - [`store`] keeps conversations behind a storage contract (sled by default);
+//! - [`store`] keeps conversations behind a storage contract (sled by default); [`embed`]
+//!   turns texts into vectors (all-MiniLM-L6-v2 in process, and a static table from it);
 //! - leaves: [`config`], [`model`] (the model-call trait), [`settings`], [`identity`],
 //!   [`message`], [`tokens`], [`heap`] (what cached values really take), [`wire`] (the three
 //!   request formats memory serves, read into and written from the one message model).
@@ -56,4 +57,5 @@ pub use memproxy_base::{cache, heap, identity, message, model, tokens, wire};
 pub use memproxy_core::{
     config, ledger, longterm, memory, pipeline, recall, settings, summary, tools, ttl,
 };
+pub use memproxy_embed as embed;
 pub use memproxy_store as store;

@@ -1,4 +1,7 @@
 //! Command-line flags. Each flag has an environment variable; both override the config file.
+//! [`model`] is the `memproxy model` commands (the embedding model, offline).
+
+pub mod model;
 
 use std::path::PathBuf;
 
@@ -64,6 +67,10 @@ pub enum Command {
     /// into a fresh one.
     #[command(subcommand)]
     Store(crate::admin::store_cli::StoreCommand),
+    /// The embedding model for recall by meaning: distill its static table, or print the
+    /// vectors of texts. Needs no config and no network (the files: scripts/fetch-model.sh).
+    #[command(subcommand)]
+    Model(model::ModelCommand),
 }
 
 impl Cli {
