@@ -16,9 +16,9 @@ use memproxy_embed::table::{self, Distillation};
 use memproxy_embed::{Contextual, Embed, ModelFiles, Static};
 
 const QUERY: &str = "What did we decide about the staging database reset schedule last week?";
-const MESSAGE: &str = "I looked into the failing deploy again this morning and it turns out the \
-script needs the VPN to reach the artifact store, so until we move that bucket into the public \
-subnet please connect before running it, and tell me if anything else breaks.";
+const MESSAGE: &str = "I looked into the failing deploy again this morning: the script needs the \
+VPN to reach the artifact store, so until that bucket moves into the public subnet please \
+connect before running it, and tell me if anything else breaks.";
 
 /// The process's resident set, in bytes (Linux; 0 elsewhere).
 fn rss() -> u64 {
