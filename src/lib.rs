@@ -29,7 +29,8 @@
 //!   [`recall`] keeps BM25 indexes and the messages' vectors (hybrid recall); [`embedding`]
 //!   makes the vectors, with the embedder [`embedder`] loads at start (in process, or the
 //!   upstream's `/v1/embeddings`);
-//! - [`store`] keeps conversations behind a storage contract (sled by default);
+//! - [`store`] keeps conversations behind a storage contract (sled by default); [`embed`]
+//!   turns texts into vectors (all-MiniLM-L6-v2 in process, and a static table from it);
 //! - leaves: [`config`], [`model`] (the model-call trait), [`settings`], [`identity`],
 //!   [`message`], [`tokens`], [`heap`] (what cached values really take), [`wire`] (the three
 //!   request formats memory serves, read into and written from the one message model).
@@ -59,4 +60,5 @@ pub use memproxy_base::{cache, heap, identity, message, model, tokens, wire};
 pub use memproxy_core::{
     config, embedding, ledger, longterm, memory, pipeline, recall, settings, summary, tools, ttl,
 };
+pub use memproxy_embed as embed;
 pub use memproxy_store as store;

@@ -12,6 +12,10 @@ use tokio::net::TcpListener;
 fn main() -> ExitCode {
     memproxy::allocator::configure();
     let cli = Cli::parse();
+    // The model commands read no config: they run even where none is valid.
+    if let Some(Command::Model(command)) = &cli.command {
+        return memproxy::cli::model::run(command);
+    }
     let config = match config::load(&cli.overrides(), &|name| std::env::var(name).ok()) {
         Ok(config) => config,
         Err(err) => {
@@ -46,6 +50,8 @@ fn main() -> ExitCode {
                 memproxy::mcp::stdio::run(config, args).await
             }
             Some(Command::Serve) | None => serve(config).await,
+            // Answered above, before the config is read.
+            Some(Command::Model(_)) => ExitCode::SUCCESS,
         }
     })
 }

@@ -788,11 +788,12 @@ fn layer_problems(layers: &Layers, graph: &Graph) -> Vec<String> {
 /// The workspace's crates, each with the module its root is in the one namespace of the layers
 /// table: the edge (`src/`), `memproxy-base` and `memproxy-core` hold top-level modules, and
 /// `memproxy-store` is `store` (the edge re-exports it under that name).
-const CRATES: [(&str, &str); 4] = [
+const CRATES: [(&str, &str); 5] = [
     ("src", ""),
     ("crates/base/src", ""),
     ("crates/core/src", ""),
     ("crates/store/src", "store"),
+    ("crates/embed/src", "embed"),
 ];
 
 /// The graph of the workspace's modules. An import between crates (`memproxy_store::…` in

@@ -27,6 +27,9 @@ use crate::{Embed, EmbedError, ModelFiles};
 /// Bumped whenever the distillation changes the vectors for the same options.
 pub const TABLE_VERSION: u32 = 1;
 
+/// The model's width: the only width of a table without PCA.
+pub const NO_PCA_DIMS: usize = 384;
+
 const MAGIC: &[u8; 8] = b"MPXSTAT\0";
 
 /// Texts per forward pass while distilling: every input is three word pieces long.
@@ -54,10 +57,14 @@ impl Weighting {
     }
 }
 
-/// What the distillation makes: the vectors' width and the weighting.
+/// What the distillation makes: whether rows are centred and projected (PCA), the width, and
+/// the weighting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Distillation {
-    /// The width after PCA (at most the model's 384).
+    /// Centre the rows and keep the `dims` axes of most variance; without it the rows are the
+    /// model's own, 384 wide, and `dims` must be 384.
+    pub pca: bool,
+    /// The width (at most the model's 384).
     pub dims: usize,
     pub weighting: Weighting,
 }
@@ -66,6 +73,7 @@ impl Default for Distillation {
     /// The default: 256 axes, Zipf weights (the README's measurement).
     fn default() -> Self {
         Self {
+            pca: true,
             dims: 256,
             weighting: Weighting::Zipf,
         }
@@ -73,20 +81,29 @@ impl Default for Distillation {
 }
 
 impl Distillation {
-    /// The vector space's name, e.g. `all-MiniLM-L6-v2/static-v1-zipf/256`.
+    /// The vector space's name, e.g. `all-MiniLM-L6-v2/static-v1-zipf/256` (`-nopca` after
+    /// the weighting without PCA).
     pub fn id(&self) -> String {
         format!(
-            "{MODEL_NAME}/static-v{TABLE_VERSION}-{}/{}",
+            "{MODEL_NAME}/static-v{TABLE_VERSION}-{}{}/{}",
             self.weighting.name(),
+            if self.pca { "" } else { "-nopca" },
             self.dims
         )
     }
 
-    /// The cache file's name in the model's directory, e.g. `static-256.bin`.
+    /// The cache file's name in the model's directory: `static-256.bin` for the default,
+    /// e.g. `static-uniform-nopca-384.bin` for another.
     pub fn file_name(&self) -> String {
-        match *self == Self::default() {
-            true => format!("static-{}.bin", self.dims),
-            false => format!("static-{}-{}.bin", self.weighting.name(), self.dims),
+        if *self == Self::default() {
+            format!("static-{}.bin", self.dims)
+        } else {
+            format!(
+                "static-{}{}-{}.bin",
+                self.weighting.name(),
+                if self.pca { "" } else { "-nopca" },
+                self.dims
+            )
         }
     }
 }
@@ -129,6 +146,12 @@ impl Static {
         cache_path: &Path,
         distillation: &Distillation,
     ) -> Result<Self, EmbedError> {
+        if !distillation.pca && distillation.dims != NO_PCA_DIMS {
+            return Err(EmbedError::Failed(format!(
+                "without PCA the table is the model's width, {NO_PCA_DIMS}, not {}",
+                distillation.dims
+            )));
+        }
         if let Ok(table) = Self::load(files, cache_path, distillation) {
             return Ok(table);
         }
@@ -160,7 +183,7 @@ impl Static {
         Ok(Self {
             pieces,
             table,
-            dims: distillation.dims,
+            dims: header.dims,
             id: header.id,
         })
     }
@@ -235,36 +258,83 @@ impl Embed for Static {
 
 /// Distills `distillation`'s table from `model` (see the module's doc).
 pub fn distill(model: &Contextual, distillation: &Distillation) -> Result<Static, EmbedError> {
-    let pieces = model.word_pieces().clone();
-    let vocab = pieces.vocab_size();
-    let ids = 0..u32::try_from(vocab).map_err(|err| EmbedError::Failed(err.to_string()))?;
-    let inputs: Vec<Vec<u32>> = ids.map(|id| vec![pieces.cls(), id, pieces.sep()]).collect();
-    let outputs = model.mean_pooled_in_batches(&inputs, DISTILL_BATCH)?;
-    let width = outputs.first().map_or(0, Vec::len);
-    let kinds: Vec<Kind> = (0..vocab).map(|id| kind_of(&pieces, id)).collect();
-    let real = outputs
-        .iter()
-        .zip(&kinds)
-        .filter(|(_, kind)| matches!(kind, Kind::Word | Kind::Character))
-        .map(|(row, _)| row.as_slice());
-    let pca = Pca::fit(real, width, distillation.dims);
-    let words_start = kinds.iter().position(|k| *k == Kind::Word).unwrap_or(0);
-    let mut table = Vec::with_capacity(vocab * distillation.dims);
-    for (id, (row, kind)) in outputs.iter().zip(&kinds).enumerate() {
-        let weight = match (kind, distillation.weighting) {
-            (Kind::Special, _) => 0.0,
-            (_, Weighting::Uniform) => 1.0,
-            (Kind::Character, Weighting::Zipf) => zipf_weight(1, vocab),
-            (Kind::Word, Weighting::Zipf) => zipf_weight(id + 1 - words_start, vocab),
-        };
-        table.extend(pca.project(row).into_iter().map(|x| x * weight));
+    Ok(TokenRows::from_model(model)?.table(distillation))
+}
+
+/// The model's mean-pooled output for every vocabulary entry alone (`[CLS] t [SEP]`): the
+/// distillation's costly half, from which tables of any [`Distillation`] are made.
+pub struct TokenRows {
+    pieces: WordPieces,
+    rows: Vec<Vec<f32>>,
+    kinds: Vec<Kind>,
+}
+
+impl std::fmt::Debug for TokenRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenRows")
+            .field("rows", &self.rows.len())
+            .finish_non_exhaustive()
     }
-    Ok(Static {
-        pieces,
-        table,
-        dims: distillation.dims,
-        id: distillation.id(),
-    })
+}
+
+impl TokenRows {
+    /// Runs every vocabulary entry through `model`, in batches of 512.
+    pub fn from_model(model: &Contextual) -> Result<Self, EmbedError> {
+        let pieces = model.word_pieces().clone();
+        let vocab = pieces.vocab_size();
+        let ids = 0..u32::try_from(vocab).map_err(|err| EmbedError::Failed(err.to_string()))?;
+        let inputs: Vec<Vec<u32>> = ids.map(|id| vec![pieces.cls(), id, pieces.sep()]).collect();
+        let rows = model.mean_pooled_in_batches(&inputs, DISTILL_BATCH)?;
+        let kinds = (0..vocab).map(|id| kind_of(&pieces, id)).collect();
+        Ok(Self {
+            pieces,
+            rows,
+            kinds,
+        })
+    }
+
+    /// The table of `distillation`: rows projected, weighted, special entries zero.
+    pub fn table(&self, distillation: &Distillation) -> Static {
+        let width = self.rows.first().map_or(0, Vec::len);
+        let dims = if distillation.pca {
+            distillation.dims.min(width)
+        } else {
+            width
+        };
+        let real = self
+            .rows
+            .iter()
+            .zip(&self.kinds)
+            .filter(|(_, kind)| **kind != Kind::Special)
+            .map(|(row, _)| row.as_slice());
+        let pca = distillation.pca.then(|| Pca::fit(real, width, dims));
+        let vocab = self.rows.len();
+        let words_start = self
+            .kinds
+            .iter()
+            .position(|k| *k == Kind::Word)
+            .unwrap_or(0);
+        let mut table = Vec::with_capacity(vocab * dims);
+        for (id, (row, kind)) in self.rows.iter().zip(&self.kinds).enumerate() {
+            let weight = match (kind, distillation.weighting) {
+                (Kind::Special, _) => 0.0,
+                (_, Weighting::Uniform) => 1.0,
+                (Kind::Character, Weighting::Zipf) => zipf_weight(1, vocab),
+                (Kind::Word, Weighting::Zipf) => zipf_weight(id + 1 - words_start, vocab),
+            };
+            let projected = match &pca {
+                Some(pca) => pca.project(row),
+                None => row.clone(),
+            };
+            table.extend(projected.into_iter().map(|x| x * weight));
+        }
+        Static {
+            pieces: self.pieces.clone(),
+            table,
+            dims,
+            id: distillation.id(),
+        }
+    }
 }
 
 /// What a vocabulary entry is, for its weight.
@@ -400,10 +470,15 @@ mod tests {
         );
         assert_eq!(Distillation::default().file_name(), "static-256.bin");
         let other = Distillation {
+            pca: false,
             dims: 384,
             weighting: Weighting::Uniform,
         };
-        assert_eq!(other.file_name(), "static-uniform-384.bin");
+        assert_eq!(other.file_name(), "static-uniform-nopca-384.bin");
+        assert_eq!(
+            other.id(),
+            format!("all-MiniLM-L6-v2/static-v{TABLE_VERSION}-uniform-nopca/384")
+        );
     }
 
     #[test]

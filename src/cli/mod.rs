@@ -1,4 +1,7 @@
 //! Command-line flags. Each flag has an environment variable; both override the config file.
+//! [`model`] is the `memproxy model` commands (the embedding model, offline).
+
+pub mod model;
 
 use std::path::PathBuf;
 
@@ -67,6 +70,10 @@ pub enum Command {
     /// Recall by meaning's vectors: `rebuild` gives every stored message one.
     #[command(subcommand)]
     Vectors(crate::embedder::VectorsCommand),
+    /// The embedding model for recall by meaning: distill its static table, or print the
+    /// vectors of texts. Needs no config and no network (the files: scripts/fetch-model.sh).
+    #[command(subcommand)]
+    Model(model::ModelCommand),
 }
 
 impl Cli {

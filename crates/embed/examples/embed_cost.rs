@@ -1,0 +1,110 @@
+//! What the embedders cost: time per text (p50 and p90 over many runs) for a 12-word query and
+//! a 40-word message, for the static table and the contextual forward pass on one thread and
+//! on the default threads; the table's size on disk and in memory; the contextual model's
+//! resident memory (the RSS it adds when loaded); and, with `--distill`, the distillation.
+//!
+//!     scripts/fetch-model.sh
+//!     cargo run --release -p memproxy-embed --example embed_cost [-- --distill]
+
+// Allowed: an example prints its report.
+#![allow(clippy::print_stdout, clippy::unwrap_used)]
+
+use std::num::NonZeroUsize;
+use std::time::Instant;
+
+use memproxy_embed::table::{self, Distillation};
+use memproxy_embed::{Contextual, Embed, ModelFiles, Static};
+
+const QUERY: &str = "What did we decide about the staging database reset schedule last week?";
+const MESSAGE: &str = "I looked into the failing deploy again this morning: the script needs the \
+VPN to reach the artifact store, so until that bucket moves into the public subnet please \
+connect before running it, and tell me if anything else breaks.";
+
+/// The process's resident set, in bytes (Linux; 0 elsewhere).
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// p50 and p90 of `runs` single-text embeddings, in milliseconds, after a few warm-up runs.
+fn time(embedder: &dyn Embed, text: &str, runs: usize) -> (f64, f64) {
+    for _ in 0..5 {
+        embedder.embed(&[text]).unwrap();
+    }
+    let mut samples: Vec<f64> = (0..runs)
+        .map(|_| {
+            let start = Instant::now();
+            embedder.embed(&[text]).unwrap();
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    (samples[runs / 2], samples[runs * 9 / 10])
+}
+
+fn report(name: &str, embedder: &dyn Embed, runs: usize) {
+    for (what, text) in [("12-word query", QUERY), ("40-word message", MESSAGE)] {
+        let (p50, p90) = time(embedder, text, runs);
+        println!("{name:<34} {what:<16} p50 {p50:8.3} ms  p90 {p90:8.3} ms  ({runs} runs)");
+    }
+}
+
+fn main() {
+    assert_eq!(QUERY.split_whitespace().count(), 12);
+    assert_eq!(MESSAGE.split_whitespace().count(), 40);
+    let files = ModelFiles::locate(None).unwrap();
+    let distillation = Distillation::default();
+    let cache = Static::default_cache_path(&files, &distillation);
+
+    let before = rss();
+    let start = Instant::now();
+    let table = Static::load_or_distill(&files, &cache).unwrap();
+    println!(
+        "static table {}: loaded in {:.0} ms; {:.1} MiB on disk ({}), {:.1} MiB in memory, RSS +{:.1} MiB",
+        table.id(),
+        start.elapsed().as_secs_f64() * 1e3,
+        std::fs::metadata(&cache).unwrap().len() as f64 / 1048576.0,
+        cache.display(),
+        table.table_bytes() as f64 / 1048576.0,
+        rss().saturating_sub(before) as f64 / 1048576.0
+    );
+    report("static", &table, 2000);
+    drop(table);
+
+    let before = rss();
+    let start = Instant::now();
+    let one = Contextual::load(&files, NonZeroUsize::new(1)).unwrap();
+    println!(
+        "contextual model: loaded in {:.0} ms, RSS +{:.1} MiB",
+        start.elapsed().as_secs_f64() * 1e3,
+        rss().saturating_sub(before) as f64 / 1048576.0
+    );
+    report("contextual, 1 thread", &one, 200);
+    drop(one);
+    let default = Contextual::load(&files, None).unwrap();
+    report("contextual, default threads", &default, 200);
+    let threads = NonZeroUsize::new(2).unwrap();
+    let two = Contextual::load(&files, Some(threads)).unwrap();
+    report("contextual, 2 threads (own pool)", &two, 200);
+
+    if std::env::args().any(|arg| arg == "--distill") {
+        for (name, model) in [("default threads", &default), ("2 threads", &two)] {
+            let start = Instant::now();
+            table::distill(model, &distillation).unwrap();
+            println!(
+                "distillation ({name}): {:.1} s",
+                start.elapsed().as_secs_f64()
+            );
+        }
+    }
+}
