@@ -24,7 +24,8 @@ const SMOOTHING: [f32; 3] = [1.0, 0.75, 0.375];
 pub struct Fusion {
     /// The share of the lexical score, 0..1.
     pub lexical_weight: f32,
-    /// Turns whose fused score is below this are not recalled (0: none is dropped).
+    /// Turns whose fused score is below this are not recalled (0: none is dropped). Applies
+    /// when vectors take part: by words alone, every turn that shares a word competes.
     pub floor: f32,
 }
 
@@ -61,21 +62,20 @@ pub struct Scored {
 }
 
 /// Mixes each turn's similarity with its neighbours' (by position in `similarities`, which is
-/// by turn ascending), as weighted means.
+/// by turn ascending), as weighted means over the whole reach (a neighbour past either end
+/// counts as 0), so no turn scores above the one that made its neighbours score.
 pub fn smooth(similarities: &[(u64, f32)]) -> Vec<(u64, f32)> {
     let n = similarities.len();
+    let weights: f32 = SMOOTHING[0] + 2.0 * SMOOTHING[1..].iter().sum::<f32>();
     (0..n)
         .map(|i| {
             let mut sum = SMOOTHING[0] * similarities[i].1;
-            let mut weights = SMOOTHING[0];
             for (distance, &w) in SMOOTHING.iter().enumerate().skip(1) {
                 if let Some(j) = i.checked_sub(distance) {
                     sum += w * similarities[j].1;
-                    weights += w;
                 }
                 if i + distance < n {
                     sum += w * similarities[i + distance].1;
-                    weights += w;
                 }
             }
             (similarities[i].0, sum / weights)
@@ -153,10 +153,13 @@ pub fn fuse(
     let rank = ranking(&scored, fusion.lexical_weight.clamp(0.0, 1.0));
     let mut ranked: Vec<(f32, Scored)> = rank.into_iter().zip(scored).collect();
     ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.turn.cmp(&a.1.turn)));
+    // The floor is calibrated on the fused score: by words alone (no query vector) every turn
+    // sharing a word competes, as it always has.
+    let floor = if semantic.is_some() { fusion.floor } else { 0.0 };
     let (kept, under): (Vec<Scored>, Vec<Scored>) = ranked
         .into_iter()
         .map(|(_, s)| s)
-        .partition(|s| s.score >= fusion.floor && s.score > 0.0);
+        .partition(|s| s.score >= floor && s.score > 0.0);
     (kept, under)
 }
 
@@ -228,7 +231,7 @@ mod tests {
     fn a_turn_found_by_meaning_alone_ranks_and_the_floor_drops_the_weak() {
         let semantic = [(1, 0.9), (2, 0.1), (3, 0.2), (9, 0.95)];
         let fusion = Fusion {
-            lexical_weight: 0.5,
+            lexical_weight: 0.3,
             floor: 0.2,
         };
         let (kept, under) = fuse(&[hit(3, 4.0)], 8.0, Some(&semantic), |t| t < 9, fusion);
@@ -253,6 +256,6 @@ mod tests {
             .iter()
             .find(|s| s.turn == 4)
             .map(|s| (s.score, s.semantic));
-        assert_eq!(four, Some((0.5, None)));
+        assert_eq!(four, Some((DEFAULT_LEXICAL_WEIGHT, None)));
     }
 }
