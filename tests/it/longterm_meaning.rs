@@ -8,15 +8,15 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use memproxy::longterm::archive::SPACE_ARCHIVE;
 use memproxy::longterm::memories::{MEANING_DUPLICATE, SPACE_MEMORIES, cosine};
 use memproxy::store::{OwnerKey, Store};
 use memproxy_embed::Embed;
 
+use crate::longterm::{eventually, extraction_answer, memories_of, recalled};
+use crate::recall_meaning::embedded;
 use crate::support;
-use crate::support::mock_upstream::MockUpstream;
 use crate::support::*;
 
 /// The static embedder on, as `recall_meaning.rs` has it.
@@ -166,16 +166,9 @@ fn the_meaning_threshold_tells_paraphrased_memories_from_distinct_facts() {
     assert_eq!(merged, 0, "{report}");
 }
 
-/// The memories of user `ana` of the test tenant, and her owner key.
+/// User `ana` of the test tenant.
 fn ana() -> OwnerKey {
     OwnerKey::user(&key(Some(TOKEN), "x").tenant, "ana")
-}
-
-fn memories_of(store: &Store) -> Vec<memproxy::longterm::memories::MemoryRecord> {
-    match store.owner(&ana(), false).unwrap() {
-        Some(handle) => memproxy::longterm::memories::all(store, &handle).unwrap(),
-        None => Vec::new(),
-    }
 }
 
 /// Ana's vectors of record space `records`.
@@ -185,39 +178,6 @@ fn vectors_of(store: &Store, records: u8) -> Vec<(Vec<u8>, Vec<f32>)> {
         Some(handle) => store.owner_vectors(&handle, records, &space).unwrap(),
         None => Vec::new(),
     }
-}
-
-/// Waits (bounded) until the background embedding jobs are done.
-async fn embedded(proxy: &Proxy) {
-    let memory = proxy.state.memory().unwrap();
-    for _ in 0..3000 {
-        if memory.embedding.idle() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the background embedding jobs did not finish within 30 s");
-}
-
-/// Waits (bounded) until `done` holds.
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    for _ in 0..200 {
-        if done() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
-/// The recalled-turns message of the last forwarded prompt ("" when none).
-fn recalled(mock: &MockUpstream) -> String {
-    mock.last_messages()
-        .iter()
-        .filter_map(|m| m["content"].as_str())
-        .find(|text| text.starts_with("[Earlier in this conversation"))
-        .unwrap_or("")
-        .to_string()
 }
 
 async fn say(proxy: &Proxy, conversation: &str, text: &str, extra: &[(&str, &str)]) {
@@ -263,10 +223,6 @@ async fn a_fact_from_another_conversation_is_recalled_by_a_question_in_other_wor
     proxy.stop().await;
 }
 
-fn extraction_answer(memories: serde_json::Value) -> support::mock_upstream::Reply {
-    support::mock_upstream::Reply::Text(serde_json::json!({ "memories": memories }).to_string())
-}
-
 #[tokio::test]
 async fn a_paraphrased_memory_is_not_stored_twice_and_a_distinct_one_is_added() {
     let Started { mock, proxy, .. } = Harness::new().admin().config(STATIC).start().await;
@@ -277,7 +233,10 @@ async fn a_paraphrased_memory_is_not_stored_twice_and_a_distinct_one_is_added() 
     ])));
     say(&proxy, "a", "I'm training for the Berlin marathon", &extra).await;
     let store = proxy.store();
-    eventually("the first extraction", || memories_of(store).len() == 1).await;
+    eventually("the first extraction", || {
+        memories_of(&proxy, "ana").len() == 1
+    })
+    .await;
     assert_eq!(vectors_of(store, SPACE_MEMORIES).len(), 1);
     // In other words (and of another type: by text alone it would be a second memory), with
     // a distinct fact beside it.
@@ -299,7 +258,7 @@ async fn a_paraphrased_memory_is_not_stored_twice_and_a_distinct_one_is_added() 
         counters.done.load(Ordering::Relaxed) == 2
     })
     .await;
-    let all = memories_of(store);
+    let all = memories_of(&proxy, "ana");
     assert_eq!(all.len(), 2, "{all:?}");
     assert_eq!(counters.ignored.load(Ordering::Relaxed), 1);
     assert_eq!(counters.updated.load(Ordering::Relaxed), 0);

@@ -930,6 +930,33 @@ mod tests {
         }
     }
 
+    /// A stored private memory of ana's, of importance 0.5, never accessed.
+    fn stored(id: u64, text: &str, kind: MemoryType) -> MemoryRecord {
+        MemoryRecord {
+            id,
+            tenant: "t".into(),
+            user: "ana".into(),
+            agent: "default".into(),
+            kind,
+            scope: MemoryScope::Private,
+            text: text.into(),
+            excerpt: String::new(),
+            importance: 0.5,
+            confidence: 0.9,
+            tags: vec![],
+            source: MemorySource::ImplicitInference,
+            conversation: None,
+            source_turns: vec![],
+            version: 1,
+            history: vec![],
+            created_ms: 0,
+            updated_ms: 0,
+            last_accessed_ms: 0,
+            supersedes: vec![],
+            related_to: vec![],
+        }
+    }
+
     fn candidate(text: &str, kind: &str) -> Candidate {
         Candidate {
             text: text.into(),
@@ -1061,29 +1088,7 @@ mod tests {
     #[test]
     fn selection_takes_relevant_memories_and_the_profile_within_the_budget() {
         let user = origin().user;
-        let mk = |id: u64, text: &str, kind: MemoryType| MemoryRecord {
-            id,
-            tenant: "t".into(),
-            user: "ana".into(),
-            agent: "default".into(),
-            kind,
-            scope: MemoryScope::Private,
-            text: text.into(),
-            excerpt: String::new(),
-            importance: 0.5,
-            confidence: 0.9,
-            tags: vec![],
-            source: MemorySource::ImplicitInference,
-            conversation: None,
-            source_turns: vec![],
-            version: 1,
-            history: vec![],
-            created_ms: 0,
-            updated_ms: 0,
-            last_accessed_ms: 0,
-            supersedes: vec![],
-            related_to: vec![],
-        };
+        let mk = stored;
         let all = vec![
             (
                 user.clone(),
@@ -1206,29 +1211,7 @@ mod tests {
     #[test]
     fn selection_by_meaning_finds_a_memory_sharing_no_word() {
         let user = origin().user;
-        let mk = |id: u64, text: &str| MemoryRecord {
-            id,
-            tenant: "t".into(),
-            user: "ana".into(),
-            agent: "default".into(),
-            kind: MemoryType::Episodic,
-            scope: MemoryScope::Private,
-            text: text.into(),
-            excerpt: String::new(),
-            importance: 0.5,
-            confidence: 0.9,
-            tags: vec![],
-            source: MemorySource::ImplicitInference,
-            conversation: None,
-            source_turns: vec![],
-            version: 1,
-            history: vec![],
-            created_ms: 0,
-            updated_ms: 0,
-            last_accessed_ms: 0,
-            supersedes: vec![],
-            related_to: vec![],
-        };
+        let mk = |id: u64, text: &str| stored(id, text, MemoryType::Episodic);
         let all = vec![
             (user.clone(), mk(1, "The user drives a silver Volvo")),
             (user.clone(), mk(2, "The user booked a hotel in Porto")),

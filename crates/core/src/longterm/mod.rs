@@ -8,11 +8,13 @@
 //!   too; what it finds competes with the conversation's own older turns for the same
 //!   `relevance_top_k` slots and token budget. The archive outlives the conversations: a
 //!   conversation deleted by its TTL is still searchable, and a new request on its id is
-//!   rebuilt from it, until the user is deleted.
+//!   rebuilt from it, until the user is deleted. With an embedder, archived turns get vectors
+//!   in the background (`crate::embedding`'s worker) and the search fuses words and meaning
+//!   as a conversation's recall does (`recall/hybrid.rs`), with the request's query vector.
 //! - **Layer 2** (`memories.rs`, `extract.rs`): memories extracted from what the user said by a
 //!   background model call (`extract.rs`, queued by the commit, never on a request's path),
-//!   deduplicated, superseded and decaying (`memories.rs`), chosen for the prompt by relevance
-//!   and importance (`docs/memories.md`); `edits.rs` the memories changed at someone's word
+//!   deduplicated (by text, and by meaning), superseded and decaying (`memories.rs`), chosen
+//!   for the prompt by relevance (words and meaning) and importance (`docs/memories.md`); `edits.rs` the memories changed at someone's word
 //!   (an operator's hand edits, a user's agent through the memory tools), through the same
 //!   records, history and dedup.
 //!
