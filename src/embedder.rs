@@ -214,9 +214,10 @@ impl Embed for UpstreamEmbedder {
 /// `memproxy vectors ...`.
 #[derive(Debug, clap::Subcommand)]
 pub enum VectorsCommand {
-    /// Give every stored message a vector of the configured embedder (`[embedding]`): for
-    /// conversations stored before it was configured, jobs dropped under load, or another
-    /// embedder. Messages that have one are left alone. On sled, with memproxy stopped; on
+    /// Give every stored message, and every archived turn and memory of long-term memory, a
+    /// vector of the configured embedder (`[embedding]`): for data stored before it was
+    /// configured, jobs dropped under load, memories edited offline, or another embedder.
+    /// What has one is left alone. On sled, with memproxy stopped; on
     /// Redis, while replicas run. Prints one JSON line of totals.
     Rebuild,
 }
@@ -249,15 +250,22 @@ pub async fn rebuild_command(config: Config, command: VectorsCommand) -> std::pr
     };
     let working = Arc::clone(&memory);
     let done = tokio::task::spawn_blocking(move || {
-        crate::embedding::rebuild(&working.store, &working.recall, &*embedder, |_, done| {
-            if done.conversations % 100 == 0 {
-                tracing::info!(
-                    conversations = done.conversations,
-                    vectors = done.vectors,
-                    "rebuilding vectors"
-                );
-            }
-        })
+        let records = &crate::longterm::VECTOR_RECORDS;
+        crate::embedding::rebuild(
+            &working.store,
+            &working.recall,
+            &*embedder,
+            records,
+            |_, done| {
+                if done.conversations % 100 == 0 {
+                    tracing::info!(
+                        conversations = done.conversations,
+                        vectors = done.vectors,
+                        "rebuilding vectors"
+                    );
+                }
+            },
+        )
     })
     .await;
     let closed = memory.shutdown(grace).await;
@@ -268,6 +276,9 @@ pub async fn rebuild_command(config: Config, command: VectorsCommand) -> std::pr
                 "conversations": done.conversations,
                 "vectors_made": done.vectors,
                 "already_present": done.present,
+                "owners": done.owners,
+                "records_vectors_made": done.records,
+                "records_already_present": done.records_present,
             });
             let _ = writeln!(std::io::stdout(), "{line}");
             ExitCode::SUCCESS

@@ -279,7 +279,7 @@ async fn user_memories(
     call: AdminCall<'_>,
     (tenant, user): (TenantId, &str),
 ) -> Result<Response<ProxyBody>, AdminError> {
-    let store = &call.memory.store;
+    let (store, embedding) = (&call.memory.store, Some(&call.memory.embedding));
     match call.method {
         Method::GET => {
             let now = call.memory.clock.now_ms();
@@ -287,7 +287,7 @@ async fn user_memories(
         }
         Method::POST => {
             let (_, bytes) = call.read().await?;
-            ok(users::create(store, &tenant, user, &bytes)?)
+            ok(users::create(store, embedding, &tenant, user, &bytes)?)
         }
         _ => Err(wrong_method("GET, POST")),
     }
@@ -320,12 +320,12 @@ async fn user_memory(
     let id: u64 = id
         .parse()
         .map_err(|_| AdminError::BadRequest("a memory id is a number".to_string()))?;
-    let store = &call.memory.store;
+    let (store, embedding) = (&call.memory.store, Some(&call.memory.embedding));
     match call.method {
         Method::GET => ok(users::get(store, &tenant, user, id)?),
         Method::PATCH => {
             let (_, bytes) = call.read().await?;
-            ok(users::update(store, &tenant, user, id, &bytes)?)
+            ok(users::update(store, embedding, &tenant, user, id, &bytes)?)
         }
         Method::DELETE => ok(users::delete(store, &tenant, user, id)?),
         _ => Err(wrong_method("GET, PATCH, DELETE")),

@@ -322,11 +322,24 @@ fn execute_users(store: &Store, command: UsersCommand) -> Result<(), OfflineErro
         }
         UsersCommand::Create { address, body } => {
             let (tenant, user) = user_address(&address)?;
-            print(&users::create(store, &tenant, &user, body.as_bytes())?)
+            print(&users::create(
+                store,
+                None,
+                &tenant,
+                &user,
+                body.as_bytes(),
+            )?)
         }
         UsersCommand::Update { address, id, body } => {
             let (tenant, user) = user_address(&address)?;
-            print(&users::update(store, &tenant, &user, id, body.as_bytes())?)
+            print(&users::update(
+                store,
+                None,
+                &tenant,
+                &user,
+                id,
+                body.as_bytes(),
+            )?)
         }
         UsersCommand::Forget { address, id } => {
             let (tenant, user) = user_address(&address)?;

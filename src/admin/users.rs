@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::ops::AdminError;
+use crate::embedding::Embedding;
 use crate::identity::TenantId;
 use crate::longterm::archive::{self, ArchivedTurn};
 use crate::longterm::edits::{self, EditError, Fields};
@@ -82,7 +83,17 @@ pub fn list(
         return Ok(json!({"user": user, "memories": listed}));
     };
     let candidates = records.into_iter().map(|m| (owner.clone(), m)).collect();
-    let chosen = memories::select(candidates, &q, now, decay, 50, u64::MAX);
+    // By words (an operator's search; the chat path and the memory tools add meaning).
+    let no_vectors = std::collections::HashMap::new();
+    let ask = memories::Ask {
+        query: crate::recall::Query {
+            text: &q,
+            vector: None,
+            fusion: crate::recall::hybrid::Fusion::default(),
+        },
+        vectors: &no_vectors,
+    };
+    let chosen = memories::select(candidates, ask, now, decay, 50, u64::MAX);
     let found: Vec<Value> = chosen
         .into_iter()
         .map(|c| json!({"score": c.score, "decay": c.decay, "memory": c.memory}))
@@ -162,12 +173,13 @@ fn edit_error(err: EditError, user: &str) -> AdminError {
 /// A memory written by hand.
 pub fn create(
     store: &Store,
+    embedding: Option<&Embedding>,
     tenant: &TenantId,
     user: &str,
     body: &[u8],
 ) -> Result<Value, AdminError> {
     let fields = parse_edit(body)?;
-    let record = edits::create(store, &OwnerKey::user(tenant, user), fields)
+    let record = edits::create(store, embedding, &OwnerKey::user(tenant, user), fields)
         .map_err(|err| edit_error(err, user))?;
     Ok(json!(record))
 }
@@ -175,6 +187,7 @@ pub fn create(
 /// A memory corrected by hand: a new version, the old text kept in its history.
 pub fn update(
     store: &Store,
+    embedding: Option<&Embedding>,
     tenant: &TenantId,
     user: &str,
     id: u64,
@@ -183,7 +196,8 @@ pub fn update(
     let fields = parse_edit(body)?;
     let owner = OwnerKey::user(tenant, user);
     all(store, &owner)?;
-    let record = edits::correct(store, &owner, id, fields).map_err(|err| edit_error(err, user))?;
+    let record = edits::correct(store, embedding, &owner, id, fields)
+        .map_err(|err| edit_error(err, user))?;
     Ok(json!(record))
 }
 
@@ -301,7 +315,7 @@ pub fn import_user(
     }
     let skipped_memories = ids.len() - fresh.len();
     if !fresh.is_empty() {
-        memories::write(store, &owner, &fresh, &[])?;
+        memories::write(store, &owner, &fresh, &[], &[])?;
     }
     let (added, skipped) = archive::import(store, &handle, export.archive)?;
     tracing::info!("a user was imported by an operator");

@@ -267,7 +267,13 @@ fn remember(
     };
     let user = user_of(caller, &mut arguments)?;
     arguments.done()?;
-    let (kept, record) = edits::remember(&memory.store, &user, &caller.agent, statement)?;
+    let (kept, record) = edits::remember(
+        &memory.store,
+        Some(&memory.embedding),
+        &user,
+        &caller.agent,
+        statement,
+    )?;
     Ok(json!({"kept": kept.as_str(), "memory": record}))
 }
 
@@ -293,7 +299,7 @@ fn correct(memory: &Memory, caller: &Caller, mut arguments: Arguments) -> Result
         ));
     }
     let (owner, _) = edits::find_for_user(&memory.store, &user, &caller.agent, id)?;
-    let record = edits::correct(&memory.store, &owner, id, fields)?;
+    let record = edits::correct(&memory.store, Some(&memory.embedding), &owner, id, fields)?;
     Ok(json!({"memory": record}))
 }
 

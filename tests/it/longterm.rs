@@ -16,7 +16,7 @@ const FACT: &str = "My favourite city is Lisbon and I am allergic to peanuts";
 const QUESTION: &str = "Which city is my favourite, and what am I allergic to?";
 
 /// The recalled-turns system message of the last forwarded prompt, if any.
-fn recalled(mock: &MockUpstream) -> String {
+pub(crate) fn recalled(mock: &MockUpstream) -> String {
     mock.last_messages()
         .iter()
         .filter(|m| m["role"] == "system")
@@ -241,7 +241,10 @@ async fn a_bad_user_id_is_a_400_naming_the_header() {
 }
 
 /// The memories stored for `user` (private scope) of the test tenant.
-fn memories_of(proxy: &Proxy, user: &str) -> Vec<memproxy::longterm::memories::MemoryRecord> {
+pub(crate) fn memories_of(
+    proxy: &Proxy,
+    user: &str,
+) -> Vec<memproxy::longterm::memories::MemoryRecord> {
     let store = proxy.store();
     let owner = memproxy::store::OwnerKey::user(&key(Some(TOKEN), "x").tenant, user);
     match store.owner(&owner, false).unwrap() {
@@ -262,7 +265,7 @@ async fn tell_ana(proxy: &Proxy, text: &str, extra: &[(&str, &str)], memories: u
 }
 
 /// Waits (bounded) until `done` holds.
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+pub(crate) async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     for _ in 0..100 {
         if done() {
             return;
@@ -272,7 +275,7 @@ async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
-fn extraction_answer(memories: serde_json::Value) -> support::mock_upstream::Reply {
+pub(crate) fn extraction_answer(memories: serde_json::Value) -> support::mock_upstream::Reply {
     support::mock_upstream::Reply::Text(serde_json::json!({ "memories": memories }).to_string())
 }
 

@@ -40,6 +40,7 @@ mod forwarding;
 mod ledger;
 mod limits;
 mod longterm;
+mod longterm_meaning;
 mod mcp;
 mod memory;
 mod memory_budget;

@@ -162,7 +162,7 @@ fn recalled(mock: &MockUpstream) -> String {
 }
 
 /// Waits until every stored message has its vector (they are made in the background).
-async fn embedded(proxy: &Proxy) {
+pub(crate) async fn embedded(proxy: &Proxy) {
     let memory = proxy.state.memory().expect("memory");
     for _ in 0..6000 {
         if memory.embedding.idle() {

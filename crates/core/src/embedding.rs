@@ -1,6 +1,7 @@
 //! Vectors for recall by meaning: the configured embedder (`memproxy-embed`, or the upstream's
 //! `/v1/embeddings` from the edge), the new message's embedding on the request path, and the
-//! background job that embeds each commit's new messages and stores their vectors.
+//! background jobs that embed each commit's new messages and owners' records (long-term
+//! memory's archived turns and memories, queued by `crate::longterm`) and store their vectors.
 //!
 //! Nothing here fails a chat request: without an embedder, or when an embedding fails, recall
 //! goes on by words alone and the request's `X-Memory-Recall` says why.
@@ -13,7 +14,7 @@ use crate::recall::Recall;
 use crate::worker::Worker;
 use memproxy_base::identity::ConversationKey;
 use memproxy_embed::Embed;
-use memproxy_store::{Store, lock};
+use memproxy_store::{OwnerHandle, OwnerKey, Store, StoreError, lock};
 
 /// Texts embedded at once by a background job.
 const BATCH: usize = 32;
@@ -98,13 +99,53 @@ struct Job {
     texts: Vec<(u64, String)>,
 }
 
+/// An owner's record to embed: (record space, record id, text).
+pub type RecordText = (u8, Vec<u8>, String);
+
+/// An owner's record's vector: (record space, record id, embedding).
+pub type RecordVector = (u8, Vec<u8>, Vec<f32>);
+
+/// What a records job embeds: texts known when it was queued, or read when it runs (a
+/// memory's current text, so that an edit queued before a later one never leaves the older
+/// text's vector behind).
+pub enum RecordTexts {
+    Given(Vec<RecordText>),
+    Read(Box<ReadTexts>),
+}
+
+/// Reads the texts of a [`RecordTexts::Read`] job from the owner's records.
+pub type ReadTexts = dyn FnOnce(&Store, &OwnerHandle) -> Result<Vec<RecordText>, StoreError> + Send;
+
+/// Told the vectors a records job stored (the user's index takes them).
+pub type RecordsStored = Box<dyn FnOnce(&[RecordVector]) + Send>;
+
+/// An owner's records to embed, and who is told once their vectors are stored.
+struct RecordsJob {
+    owner: OwnerKey,
+    texts: RecordTexts,
+    stored: Option<RecordsStored>,
+}
+
+impl std::fmt::Debug for RecordsJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordsJob").finish_non_exhaustive()
+    }
+}
+
+/// A background job: a conversation's messages, or an owner's records.
+#[derive(Debug)]
+enum Work {
+    Messages(Job),
+    Records(RecordsJob),
+}
+
 /// The embedder and its background worker.
 pub struct Embedding {
     embedder: Result<Arc<dyn Embed>, Lexical>,
     /// Why the configured embedder is unavailable (for `/readyz` and the log).
     unavailable: Option<String>,
     query_timeout: Duration,
-    jobs: Worker<Job>,
+    jobs: Worker<Work>,
     pub counters: Arc<EmbeddingCounters>,
 }
 
@@ -207,12 +248,34 @@ impl Embedding {
         if self.embedder.is_err() || texts.is_empty() {
             return;
         }
-        let job = Job {
+        self.enqueue(Work::Messages(Job {
             key: key.clone(),
             conversation_id,
             texts: texts.to_vec(),
-        };
-        if self.jobs.enqueue(job) {
+        }));
+    }
+
+    /// Queues the embedding of an owner's records (archived turns, memories); `stored` is
+    /// told the vectors once they are stored. A full queue drops the job (counted): the
+    /// records have no vector until `memproxy vectors rebuild`, and are found by words.
+    pub fn after_records(
+        &self,
+        owner: &OwnerKey,
+        texts: RecordTexts,
+        stored: Option<RecordsStored>,
+    ) {
+        if self.embedder.is_err() || matches!(&texts, RecordTexts::Given(t) if t.is_empty()) {
+            return;
+        }
+        self.enqueue(Work::Records(RecordsJob {
+            owner: owner.clone(),
+            texts,
+            stored,
+        }));
+    }
+
+    fn enqueue(&self, work: Work) {
+        if self.jobs.enqueue(work) {
             self.counters.jobs_queued.fetch_add(1, Ordering::Relaxed);
         } else {
             self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
@@ -233,7 +296,7 @@ impl Embedding {
         };
         let embedder = Arc::clone(embedder);
         let counters = Arc::clone(&self.counters);
-        self.jobs.start(1, move |job: Job| {
+        self.jobs.start(1, move |work: Work| {
             let (embedder, store, recall, counters) = (
                 Arc::clone(&embedder),
                 Arc::clone(&store),
@@ -241,8 +304,9 @@ impl Embedding {
                 Arc::clone(&counters),
             );
             async move {
-                let done = tokio::task::spawn_blocking(move || {
-                    embed_and_store(&*embedder, &store, &recall, &job)
+                let done = tokio::task::spawn_blocking(move || match work {
+                    Work::Messages(job) => embed_and_store(&*embedder, &store, &recall, &job),
+                    Work::Records(job) => embed_records(&*embedder, &store, job),
                 })
                 .await;
                 match done {
@@ -288,12 +352,13 @@ fn embed_and_store(
     recall: &Recall,
     job: &Job,
 ) -> Result<usize, EmbedJobError> {
-    let mut vectors: Vec<(u64, Vec<f32>)> = Vec::with_capacity(job.texts.len());
-    for batch in job.texts.chunks(BATCH) {
-        let texts: Vec<&str> = batch.iter().map(|(_, text)| text.as_str()).collect();
-        let made = embedder.embed(&texts)?;
-        vectors.extend(batch.iter().map(|(turn, _)| *turn).zip(made));
-    }
+    let texts: Vec<&str> = job.texts.iter().map(|(_, text)| text.as_str()).collect();
+    let vectors: Vec<(u64, Vec<f32>)> = job
+        .texts
+        .iter()
+        .map(|(turn, _)| *turn)
+        .zip(embed_all(embedder, &texts)?)
+        .collect();
     store_vectors(
         store,
         recall,
@@ -302,6 +367,55 @@ fn embed_and_store(
         embedder.id(),
         &vectors,
     )
+}
+
+/// Embeds `texts` in batches of [`BATCH`].
+pub fn embed_all(embedder: &dyn Embed, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedJobError> {
+    let mut out = Vec::with_capacity(texts.len());
+    for batch in texts.chunks(BATCH) {
+        let made = embedder.embed(batch)?;
+        if made.len() != batch.len() {
+            return Err(EmbedJobError::Embed(memproxy_embed::EmbedError::Failed(
+                format!("{} vectors made for {} texts", made.len(), batch.len()),
+            )));
+        }
+        out.extend(made);
+    }
+    Ok(out)
+}
+
+/// Embeds a records job's texts and stores them for the owner (only for records still
+/// stored, nothing once the owner is deleted); the job's `stored` is told what was stored.
+/// The number stored.
+fn embed_records(
+    embedder: &dyn Embed,
+    store: &Store,
+    job: RecordsJob,
+) -> Result<usize, EmbedJobError> {
+    let Some(handle) = store.owner(&job.owner, false)? else {
+        return Ok(0);
+    };
+    let texts = match job.texts {
+        RecordTexts::Given(texts) => texts,
+        RecordTexts::Read(read) => read(store, &handle)?,
+    };
+    if texts.is_empty() {
+        return Ok(0);
+    }
+    let made = embed_all(
+        embedder,
+        &texts.iter().map(|(_, _, t)| t.as_str()).collect::<Vec<_>>(),
+    )?;
+    let vectors: Vec<RecordVector> = texts
+        .into_iter()
+        .zip(made)
+        .map(|((space, id, _), vector)| (space, id, vector))
+        .collect();
+    let stored = store.put_owner_vectors(&handle, embedder.id(), &vectors)?;
+    if let Some(told) = job.stored {
+        told(&vectors);
+    }
+    Ok(stored)
 }
 
 /// Stores `vectors` of conversation `key` (id `conversation_id`) under its lock, and hands
@@ -334,18 +448,95 @@ pub struct Rebuilt {
     pub vectors: u64,
     /// Stored messages that already had one of this space.
     pub present: u64,
+    /// Owners looked at (long-term memory).
+    pub owners: u64,
+    /// Owners' records given a vector.
+    pub records: u64,
+    /// Owners' records that already had one of this space.
+    pub records_present: u64,
 }
+
+/// Reads the texts of an owner's records `ids` (in id order) of record space `space`.
+pub type ReadRecords =
+    dyn Fn(&Store, &OwnerHandle, u8, &[Vec<u8>]) -> Result<Vec<RecordText>, StoreError> + Sync;
+
+/// Which owners' records have vectors, and how their texts are read: what a rebuild needs
+/// to know of long-term memory (`crate::longterm::VECTOR_RECORDS`), which this module, below
+/// it, does not import.
+pub struct OwnerRecords<'a> {
+    /// The record spaces embedded.
+    pub spaces: &'a [u8],
+    pub read: &'a ReadRecords,
+}
+
+/// Owners looked at in one page of a rebuild.
+const OWNER_PAGE: usize = 200;
 
 /// Gives every stored message of every conversation in `store` a vector of `embedder`'s space
 /// (those that have one are left alone): for data stored before the embedder was configured,
 /// jobs dropped under load, or a new embedder (`memproxy vectors rebuild`). Each conversation
 /// is embedded outside its lock and stored under it (turns gone meanwhile are not written).
-/// `progress` is told after each conversation.
+/// Then every owner's records of `records`' spaces (long-term memory's archived turns and
+/// memories: memories imported, written offline, or whose text changed with no embedder at
+/// hand) the same way. `progress` is told after each conversation.
 pub fn rebuild(
     store: &Store,
     recall: &Recall,
     embedder: &dyn Embed,
+    records: &OwnerRecords<'_>,
     mut progress: impl FnMut(&ConversationKey, &Rebuilt),
+) -> Result<Rebuilt, EmbedJobError> {
+    let mut done = rebuild_conversations(store, recall, embedder, &mut progress)?;
+    rebuild_owners(store, embedder, records, &mut done)?;
+    Ok(done)
+}
+
+/// The owners' part of [`rebuild`]: page by page, as the TTL sweeper walks them.
+fn rebuild_owners(
+    store: &Store,
+    embedder: &dyn Embed,
+    records: &OwnerRecords<'_>,
+    done: &mut Rebuilt,
+) -> Result<(), EmbedJobError> {
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let (page, next) = store.owners(after.as_deref(), OWNER_PAGE)?;
+        for (owner, _) in page {
+            done.owners += 1;
+            let Some(handle) = store.owner(&owner, false)? else {
+                continue;
+            };
+            for &space in records.spaces {
+                let missing = store.owner_records_without_vectors(&handle, space, embedder.id())?;
+                let stored = store.owner_vectors(&handle, space, embedder.id())?.len();
+                done.records_present += stored as u64;
+                if missing.is_empty() {
+                    continue;
+                }
+                let texts = (records.read)(store, &handle, space, &missing)?;
+                for chunk in texts.chunks(BATCH * 8) {
+                    let job = RecordsJob {
+                        owner: owner.clone(),
+                        texts: RecordTexts::Given(chunk.to_vec()),
+                        stored: None,
+                    };
+                    done.records += embed_records(embedder, store, job)? as u64;
+                }
+            }
+        }
+        match next {
+            Some(next) => after = Some(next),
+            None => return Ok(()),
+        }
+    }
+}
+
+/// The conversations' part of [`rebuild`].
+fn rebuild_conversations(
+    store: &Store,
+    recall: &Recall,
+    embedder: &dyn Embed,
+    progress: &mut impl FnMut(&ConversationKey, &Rebuilt),
 ) -> Result<Rebuilt, EmbedJobError> {
     let mut done = Rebuilt::default();
     let mut cursor: Option<Vec<u8>> = None;

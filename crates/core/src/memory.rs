@@ -148,15 +148,17 @@ impl Memory {
             embedding.space().map(|(id, dims)| (id.to_string(), dims)),
         ));
         embedding.start(Arc::clone(&store), Arc::clone(&recall));
+        let longterm = LongTerm::new(
+            recall_cache_bytes / 4,
+            Arc::clone(&store),
+            Arc::clone(&model),
+            Arc::clone(&ledger),
+            embedding.embedder().cloned(),
+        );
         Memory {
             recall,
             embedding,
-            longterm: LongTerm::new(
-                recall_cache_bytes / 4,
-                Arc::clone(&store),
-                Arc::clone(&model),
-                Arc::clone(&ledger),
-            ),
+            longterm,
             summarizer: Summarizer::start(
                 Arc::clone(&store),
                 model,

@@ -163,14 +163,36 @@ pub fn search(
         .into_iter()
         .flat_map(|(owner, list)| list.into_iter().map(move |m| (owner.clone(), m)))
         .collect();
-    let memories = memories::select(candidates, query, now, decay_of(settings), limit, u64::MAX)
+    // By meaning too, as a chat request's memories and recall.
+    let vector = settings
+        .relevance_semantic
+        .then(|| memory.embedding.query(query).ok())
+        .flatten();
+    let asked = crate::recall::Query {
+        text: query,
+        vector: vector.as_deref(),
+        fusion: settings.fusion(),
+    };
+    let mut vectors = std::collections::HashMap::new();
+    if let (Some(space), Some(_)) = (memory.longterm.space(), vector.as_ref()) {
+        for owner in extract::owners(user, agent) {
+            if let Some(handle) = store.owner(&owner, false)? {
+                vectors.extend(memories::vectors(store, &handle, space)?);
+            }
+        }
+    }
+    let ask = memories::Ask {
+        query: asked,
+        vectors: &vectors,
+    };
+    let memories = memories::select(candidates, ask, now, decay_of(settings), limit, u64::MAX)
         .into_iter()
         .filter(|c| c.score > 0.0)
         .map(|c| FoundMemory::of(&c.owner, c.memory, c.score, c.decay))
         .collect();
     let hits = memory
         .longterm
-        .search(store, user, None, settings.relevance_language, query, limit)?
+        .search(store, user, None, settings.relevance_language, asked, limit)?
         .into_iter()
         .map(|t| (t.score, t.agent, t.conversation, t.message))
         .collect();

@@ -315,6 +315,9 @@ pub trait Owners: Send + Sync {
 
     /// Puts `put` and removes `remove` (space, id) among the owner's records, atomically, if
     /// the owner's record still has the id `id`; false (and nothing written) when it does not.
+    /// Removes go first, each with its record's vector: a record both removed and put is
+    /// written anew without a vector (long-term memory drops a memory's old vector so when
+    /// it changes its text).
     fn write_owner(
         &self,
         owner: &OwnerKey,

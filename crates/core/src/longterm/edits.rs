@@ -7,6 +7,11 @@
 //!
 //! Arguments are checked here, each error naming the field and what it accepts; the callers
 //! turn an [`EditError`] into their own answer (a 400 or 404, an MCP error).
+//!
+//! A memory written or given a new text loses the vector of its old text in the same write;
+//! with an embedding (`None`: the offline CLI, whose memories wait for `memproxy vectors
+//! rebuild`) its new vector is made by the background worker; a statement to remember is
+//! embedded at once, as its deduplication by meaning needs it.
 
 use std::collections::HashMap;
 
@@ -15,6 +20,7 @@ use super::memories::{
     self, Applied, Candidate, CandidateSource, MAX_MEMORY_CHARS, MemoryRecord, MemoryScope,
     MemorySource, MemoryType,
 };
+use crate::embedding::Embedding;
 use memproxy_store::{OwnerKey, OwnerKind, Store, StoreError};
 
 /// Why an edit was refused.
@@ -96,8 +102,13 @@ pub struct Fields {
 }
 
 /// A memory written by an operator under `owner` (a user: private scope), source
-/// `corrected_memory`.
-pub fn create(store: &Store, owner: &OwnerKey, fields: Fields) -> Result<MemoryRecord, EditError> {
+/// `corrected_memory`; its vector made by `embedding`'s worker.
+pub fn create(
+    store: &Store,
+    embedding: Option<&Embedding>,
+    owner: &OwnerKey,
+    fields: Fields,
+) -> Result<MemoryRecord, EditError> {
     let text = checked_text(fields.text.as_deref().unwrap_or(""))?;
     let kind = checked_kind(fields.kind.as_deref().unwrap_or(""))?;
     let importance = checked_unit("importance", fields.importance)?.unwrap_or(0.7);
@@ -126,7 +137,8 @@ pub fn create(store: &Store, owner: &OwnerKey, fields: Fields) -> Result<MemoryR
         supersedes: Vec::new(),
         related_to: Vec::new(),
     };
-    memories::write(store, owner, std::slice::from_ref(&record), &[])?;
+    memories::write(store, owner, std::slice::from_ref(&record), &[], &[])?;
+    memories::embed_later(embedding, owner, vec![record.id]);
     Ok(record)
 }
 
@@ -170,14 +182,17 @@ pub fn find_for_user(
 }
 
 /// Corrects memory `id` of `owner`: a new version (the old text kept in its history), source
-/// `corrected_memory`, used from the next request on.
+/// `corrected_memory`, used from the next request on; a new text gets its vector from
+/// `embedding`'s worker (the old one goes in the same write).
 pub fn correct(
     store: &Store,
+    embedding: Option<&Embedding>,
     owner: &OwnerKey,
     id: u64,
     fields: Fields,
 ) -> Result<MemoryRecord, EditError> {
     let mut record = find(store, owner, id)?;
+    let old_text = record.text.clone();
     let text = match fields.text.as_deref() {
         Some(text) => checked_text(text)?,
         None => record.text.clone(),
@@ -198,14 +213,16 @@ pub fn correct(
     if let Some(tags) = fields.tags {
         record.tags = tags;
     }
-    memories::write(store, owner, std::slice::from_ref(&record), &[])?;
+    let new_text: &[u64] = if record.text == old_text { &[] } else { &[id] };
+    memories::write(store, owner, std::slice::from_ref(&record), new_text, &[])?;
+    memories::embed_later(embedding, owner, new_text.to_vec());
     Ok(record)
 }
 
 /// Deletes memory `id` of `owner`.
 pub fn forget(store: &Store, owner: &OwnerKey, id: u64) -> Result<MemoryRecord, EditError> {
     let record = find(store, owner, id)?;
-    memories::write(store, owner, &[], &[id])?;
+    memories::write(store, owner, &[], &[], &[id])?;
     Ok(record)
 }
 
@@ -246,10 +263,12 @@ impl Kept {
 }
 
 /// Keeps a statement of `user` (talking to `agent`) as extraction keeps a candidate: compared
-/// with the memories of the owner its scope names, it supersedes, updates or is added
-/// ([`memories::apply`]); its source is `explicit_user_input` (the user's own words).
+/// with the memories of the owner its scope names (by text, and by meaning with
+/// `embedding`'s embedder), it supersedes, updates or is added ([`memories::apply`]); its
+/// source is `explicit_user_input` (the user's own words).
 pub fn remember(
     store: &Store,
+    embedding: Option<&Embedding>,
     user: &OwnerKey,
     agent: &str,
     statement: Statement,
@@ -280,9 +299,15 @@ pub fn remember(
         now_ms: store.clock().now_ms(),
     };
     let mut known = extract::known(store, user, agent)?;
-    let (applied, changed) = memories::apply(&mut known, &[candidate], &origin, || store.new_id())?;
+    let embedder = embedding.and_then(Embedding::embedder).map(|e| &**e);
+    let candidates = [candidate];
+    let mut meanings = extract::meanings(store, embedder, &known, &candidates)?;
+    let (applied, changed) =
+        memories::apply(&mut known, &candidates, &origin, &mut meanings, || {
+            store.new_id()
+        })?;
     let record = changed.values().flatten().next().cloned();
-    memories::store_changed(store, changed, &known)?;
+    memories::store_changed(store, changed, &known, &meanings, embedder.map(|e| e.id()))?;
     let kept = match applied {
         Applied { added: 1, .. } => Kept::Added,
         Applied { ignored: 1, .. } => Kept::AlreadyKnown,

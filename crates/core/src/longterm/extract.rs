@@ -27,6 +27,7 @@ use crate::ledger::{Ledger, Task};
 use crate::worker::{Backoff, Worker};
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::model::{Credentials, ModelCall, ModelMessage, ModelRequest};
+use memproxy_embed::Embed;
 use memproxy_store::{OwnerKey, Store, StoreError};
 
 /// The `x-memproxy-task` of an extraction call.
@@ -130,6 +131,8 @@ pub struct Extractor {
     model: Arc<dyn ModelCall>,
     /// Where the calls' tokens are counted, and the daily budget that stops them.
     ledger: Arc<Ledger>,
+    /// Embeds the candidates: deduplication by meaning, and the new memories' vectors.
+    embedder: Option<Arc<dyn Embed>>,
     jobs: Worker<ExtractionJob>,
     pub counters: ExtractionCounters,
 }
@@ -159,11 +162,13 @@ impl Extractor {
         store: Arc<Store>,
         model: Arc<dyn ModelCall>,
         ledger: Arc<Ledger>,
+        embedder: Option<Arc<dyn Embed>>,
     ) -> Arc<Extractor> {
         let extractor = Arc::new(Extractor {
             store,
             model,
             ledger,
+            embedder,
             jobs: Worker::new(QUEUE_CAPACITY),
             counters: ExtractionCounters::default(),
         });
@@ -255,10 +260,13 @@ impl Extractor {
         let candidates = parse(&reply.text)?;
         let store = Arc::clone(&self.store);
         let job = job.clone();
-        tokio::task::spawn_blocking(move || apply(&store, &job, &turns, &candidates))
-            .await
-            .map_err(|err| ExtractError::Task(err.to_string()))?
-            .map_err(ExtractError::from)
+        let embedder = self.embedder.clone();
+        tokio::task::spawn_blocking(move || {
+            apply(&store, embedder.as_deref(), &job, &turns, &candidates)
+        })
+        .await
+        .map_err(|err| ExtractError::Task(err.to_string()))?
+        .map_err(ExtractError::from)
     }
 
     /// Stops taking jobs and waits up to `grace` for the running one; then cancels it.
@@ -463,6 +471,7 @@ pub fn parse(text: &str) -> Result<Vec<Candidate>, ExtractError> {
 
 fn apply(
     store: &Store,
+    embedder: Option<&dyn Embed>,
     job: &ExtractionJob,
     turns: &[SourceTurn],
     candidates: &[Candidate],
@@ -488,9 +497,41 @@ fn apply(
         stated: false,
         now_ms: store.clock().now_ms(),
     };
-    let (applied, changed) = memories::apply(&mut known, candidates, &origin, || store.new_id())?;
-    memories::store_changed(store, changed, &known)?;
+    let mut meanings = meanings(store, embedder, &known, candidates)?;
+    let (applied, changed) =
+        memories::apply(&mut known, candidates, &origin, &mut meanings, || {
+            store.new_id()
+        })?;
+    memories::store_changed(store, changed, &known, &meanings, embedder.map(|e| e.id()))?;
     Ok(applied)
+}
+
+/// The vectors that deduplicate `candidates` by meaning against the `known` memories: the
+/// candidates embedded (off every request's path: extraction's worker, a memory tool's call)
+/// and the memories' stored vectors. Without an embedder, or when embedding fails (logged),
+/// none: candidates are then compared by text alone, and new texts get no vector until
+/// `memproxy vectors rebuild`.
+pub fn meanings(
+    store: &Store,
+    embedder: Option<&dyn Embed>,
+    known: &Known,
+    candidates: &[Candidate],
+) -> Result<memories::Meanings, StoreError> {
+    let Some(embedder) = embedder else {
+        return Ok(memories::Meanings::default());
+    };
+    let texts: Vec<&str> = candidates.iter().map(|c| c.text.trim()).collect();
+    match crate::embedding::embed_all(embedder, &texts) {
+        Ok(vectors) => Ok(memories::Meanings {
+            candidates: vectors,
+            memories: memories::Meanings::of_known(store, known, embedder.id())?,
+            renewed: Default::default(),
+        }),
+        Err(err) => {
+            tracing::warn!(error = %err, "embedding memory candidates failed; deduplicated by text alone");
+            Ok(memories::Meanings::default())
+        }
+    }
 }
 
 #[cfg(test)]

@@ -5,12 +5,17 @@
 //! - **Insert** ([`apply`]): each extracted candidate is checked (text, type, scope, scores),
 //!   then compared with the owner's memories: one it names in `supersedes`, or one of the same
 //!   type with a very similar text, is updated (a new version; the old text kept in its
-//!   history); a near-duplicate only refreshes the one stored; anything else is added.
+//!   history); a near-duplicate (by text, or by meaning: its vector's cosine with a stored
+//!   memory's at least [`MEANING_DUPLICATE`]) only refreshes the one stored; anything else is
+//!   added. A memory given a new text loses its vector in the same write, and gets the new
+//!   one when it is made ([`Meanings`]).
 //! - **Decay**: `0.5 ^ (time since last access / (half_life × (0.5 + importance)))`, so an
 //!   important memory fades slower; recalling a memory refreshes its last access. The sweeper
 //!   deletes memories whose score falls under `memory_min_decay`.
 //! - **In the prompt** ([`select`], [`render`]): the memories most relevant to the new
-//!   message (BM25 over their text, times `0.5 + importance`, times decay) up to
+//!   message (relevance times `0.5 + importance`, times decay; relevance is BM25 over their
+//!   text on hybrid recall's 0..1 scale, fused with the cosine of the memory's vector and the
+//!   query's as hybrid recall fuses them, `recall/hybrid.rs`) up to
 //!   `long_term_top_k`, plus the user's preference and profile memories, within
 //!   `long_term_max_tokens`, as one system message right after the client's instructions.
 
@@ -19,6 +24,8 @@ use std::collections::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::embedding::{Embedding, RecordText, RecordTexts};
+use crate::recall::Query;
 use crate::recall::tokenize::terms;
 use memproxy_base::message::MEMORIES_MARKER;
 use memproxy_store::{OwnerHandle, OwnerKey, OwnerKind, Store, StoreError};
@@ -36,6 +43,13 @@ pub const MIN_CONFIDENCE: f64 = 0.3;
 const DUPLICATE_SIMILARITY: f64 = 0.85;
 /// Texts at least this similar, of the same type, are a new version of the same memory.
 const UPDATE_SIMILARITY: f64 = 0.6;
+/// Memories whose vectors' cosine is at least this are the same memory said in other words.
+/// Chosen with the static embedder on `tests/it/longterm_meaning.rs`'s 12 paraphrased and 12
+/// distinct pairs: distinct facts reach 0.867 ("supports Arsenal" / "supports Chelsea"),
+/// paraphrases range from 0.54 to 1.0; at 0.88 no distinct pair is merged and 5 of 12
+/// paraphrases are caught (the rest are left to the text checks, or stored twice): merging
+/// two facts loses one, a duplicate only costs a line of the prompt.
+pub const MEANING_DUPLICATE: f32 = 0.88;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -249,6 +263,29 @@ pub fn record_id(id: u64) -> Vec<u8> {
     id.to_be_bytes().to_vec()
 }
 
+/// Queues the embedding of memories `ids` of `owner` with `embedding`'s background worker,
+/// from their text as it is when the job runs (a memory gone by then is skipped).
+pub fn embed_later(embedding: Option<&Embedding>, owner: &OwnerKey, ids: Vec<u64>) {
+    let Some(embedding) = embedding else {
+        return;
+    };
+    if ids.is_empty() || embedding.embedder().is_none() {
+        return;
+    }
+    let read = move |store: &Store, handle: &OwnerHandle| -> Result<Vec<RecordText>, StoreError> {
+        let mut texts = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(bytes) = store.owner_record(handle, SPACE_MEMORIES, &record_id(id))? {
+                let memory: MemoryRecord = serde_json::from_slice(&bytes)
+                    .map_err(|e| StoreError::Corrupt(e.to_string()))?;
+                texts.push((SPACE_MEMORIES, record_id(id), memory.text));
+            }
+        }
+        Ok(texts)
+    };
+    embedding.after_records(owner, RecordTexts::Read(Box::new(read)), None);
+}
+
 /// Every memory of an owner.
 pub fn all(store: &Store, handle: &OwnerHandle) -> Result<Vec<MemoryRecord>, StoreError> {
     store
@@ -258,11 +295,14 @@ pub fn all(store: &Store, handle: &OwnerHandle) -> Result<Vec<MemoryRecord>, Sto
         .collect()
 }
 
-/// Writes `records` of one owner (creating it when missing) and removes `remove`.
+/// Writes `records` of one owner (creating it when missing) and removes `remove`. Those of
+/// `records` whose id is in `new_texts` have a new text: their vector, made from the old one,
+/// goes in the same write (an engine removes before it puts), until a new one is stored.
 pub fn write(
     store: &Store,
     owner: &OwnerKey,
     records: &[MemoryRecord],
+    new_texts: &[u64],
     remove: &[u64],
 ) -> Result<bool, StoreError> {
     let Some(handle) = store.owner(owner, true)? else {
@@ -274,23 +314,112 @@ pub fn write(
         .collect::<Result<Vec<_>, StoreError>>()?;
     let remove: Vec<(u8, Vec<u8>)> = remove
         .iter()
+        .chain(
+            new_texts
+                .iter()
+                .filter(|id| records.iter().any(|r| r.id == **id)),
+        )
         .map(|id| (SPACE_MEMORIES, record_id(*id)))
         .collect();
     store.write_owner(&handle, put, &remove)
 }
 
-/// Writes what [`apply`] changed, owner by owner, and keeps each within
+/// Writes what [`apply`] changed, owner by owner, with the vectors of the memories it gave
+/// a new text (`meanings`, of embedding space `space`), and keeps each owner within
 /// [`MAX_MEMORIES_PER_OWNER`] (`known`: the owners' memories as [`apply`] left them).
 pub fn store_changed(
     store: &Store,
     changed: HashMap<OwnerKey, Vec<MemoryRecord>>,
     known: &HashMap<OwnerKey, Vec<MemoryRecord>>,
+    meanings: &Meanings,
+    space: Option<&str>,
 ) -> Result<(), StoreError> {
     for (owner, records) in changed {
-        write(store, &owner, &records, &[])?;
+        let renewed: Vec<u64> = records
+            .iter()
+            .map(|r| r.id)
+            .filter(|id| meanings.renewed.contains(id))
+            .collect();
+        write(store, &owner, &records, &renewed, &[])?;
+        if let Some(space) = space {
+            let vectors: Vec<(u8, Vec<u8>, Vec<f32>)> = renewed
+                .iter()
+                .filter_map(|id| {
+                    let vector = meanings.memories.get(id)?;
+                    Some((SPACE_MEMORIES, record_id(*id), vector.clone()))
+                })
+                .collect();
+            if !vectors.is_empty()
+                && let Some(handle) = store.owner(&owner, false)?
+            {
+                store.put_owner_vectors(&handle, space, &vectors)?;
+            }
+        }
         prune(store, &owner, known.get(&owner).map_or(0, Vec::len))?;
     }
     Ok(())
+}
+
+/// What deduplication by meaning reads and [`apply`] leaves for [`store_changed`].
+#[derive(Debug, Default, Clone)]
+pub struct Meanings {
+    /// Each candidate's vector, in the candidates' order (empty: none was embedded, and
+    /// candidates are compared by text alone).
+    pub candidates: Vec<Vec<f32>>,
+    /// The memories' vectors by id, as stored; [`apply`] sets those of the memories it
+    /// gives a new text (and drops them when the candidate has no vector).
+    pub memories: HashMap<u64, Vec<f32>>,
+    /// The memories [`apply`] added or gave a new text: their vector is new.
+    pub renewed: HashSet<u64>,
+}
+
+/// The vectors (of `space`) of an owner's memories, by memory id.
+pub fn vectors(
+    store: &Store,
+    handle: &OwnerHandle,
+    space: &str,
+) -> Result<HashMap<u64, Vec<f32>>, StoreError> {
+    Ok(store
+        .owner_vectors(handle, SPACE_MEMORIES, space)?
+        .into_iter()
+        .filter_map(|(id, vector)| {
+            let id = <[u8; 8]>::try_from(id.as_slice()).ok()?;
+            Some((u64::from_be_bytes(id), vector))
+        })
+        .collect())
+}
+
+impl Meanings {
+    /// The vectors (of `space`) of every memory in `known`.
+    pub fn of_known(
+        store: &Store,
+        known: &HashMap<OwnerKey, Vec<MemoryRecord>>,
+        space: &str,
+    ) -> Result<HashMap<u64, Vec<f32>>, StoreError> {
+        let mut out = HashMap::new();
+        for owner in known.keys() {
+            if let Some(handle) = store.owner(owner, false)? {
+                out.extend(vectors(store, &handle, space)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The vector of candidate `index`, if candidates were embedded.
+    fn candidate(&self, index: usize) -> Option<&[f32]> {
+        self.candidates.get(index).map(Vec::as_slice)
+    }
+}
+
+/// The cosine of two vectors (0 when either is all zeros or their lengths differ).
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() {
+        return 0.0;
+    }
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norms =
+        a.iter().map(|x| x * x).sum::<f32>().sqrt() * b.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if norms > 0.0 { dot / norms } else { 0.0 }
 }
 
 /// Keeps an owner within [`MAX_MEMORIES_PER_OWNER`]: the least important, least recently
@@ -362,39 +491,51 @@ fn checked(candidate: &Candidate) -> Option<(MemoryType, MemoryScope)> {
 
 /// Applies extracted `candidates` to the memories of `existing` (owner → its memories, as
 /// read; every owner a candidate's scope may name must be there), returning the records to
-/// write per owner. `new_id` hands out memory ids.
+/// write per owner. `new_id` hands out memory ids; `meanings` holds the vectors that
+/// deduplicate by meaning, and is told which memories have a new text (and vector).
 pub fn apply(
     existing: &mut HashMap<OwnerKey, Vec<MemoryRecord>>,
     candidates: &[Candidate],
     origin: &CandidateSource,
+    meanings: &mut Meanings,
     mut new_id: impl FnMut() -> Result<u64, StoreError>,
 ) -> Result<(Applied, HashMap<OwnerKey, Vec<MemoryRecord>>), StoreError> {
     let mut applied = Applied::default();
     let mut changed: HashMap<OwnerKey, Vec<MemoryRecord>> = HashMap::new();
-    for candidate in candidates {
+    for (index, candidate) in candidates.iter().enumerate() {
         let Some(reading) = Reading::of(candidate, origin) else {
             applied.rejected += 1;
             continue;
         };
+        let vector = meanings.candidate(index).map(<[f32]>::to_vec);
         let owner = reading.scope.owner(&origin.user, &origin.agent);
         let memories = existing.entry(owner.clone()).or_default();
-        let record = match Target::in_memories(memories, &reading) {
-            Some(target) => {
-                let memory = &mut memories[target.index];
-                match reading.merge_into(memory, &target, origin) {
-                    Merged::Ignored => applied.ignored += 1,
-                    Merged::Updated => applied.updated += 1,
-                    Merged::Superseded => applied.superseded += 1,
+        let (record, renewed) =
+            match Target::in_memories(memories, &reading, vector.as_deref(), &meanings.memories) {
+                Some(target) => {
+                    let memory = &mut memories[target.index];
+                    let merged = reading.merge_into(memory, &target, origin);
+                    match merged {
+                        Merged::Ignored => applied.ignored += 1,
+                        Merged::Updated => applied.updated += 1,
+                        Merged::Superseded => applied.superseded += 1,
+                    }
+                    (memory.clone(), !matches!(merged, Merged::Ignored))
                 }
-                memory.clone()
-            }
-            None => {
-                let record = reading.new_record(new_id()?, origin);
-                memories.push(record.clone());
-                applied.added += 1;
-                record
-            }
-        };
+                None => {
+                    let record = reading.new_record(new_id()?, origin);
+                    memories.push(record.clone());
+                    applied.added += 1;
+                    (record, true)
+                }
+            };
+        if renewed {
+            meanings.renewed.insert(record.id);
+            match vector {
+                Some(vector) => meanings.memories.insert(record.id, vector),
+                None => meanings.memories.remove(&record.id),
+            };
+        }
         upsert(changed.entry(owner).or_default(), record);
     }
     Ok((applied, changed))
@@ -468,9 +609,7 @@ impl<'a> Reading<'a> {
         origin: &CandidateSource,
     ) -> Merged {
         let candidate = self.candidate;
-        if !target.superseding
-            && (target.similarity >= DUPLICATE_SIMILARITY || memory.text == self.text)
-        {
+        if !target.superseding && (target.duplicate || memory.text == self.text) {
             memory.importance = memory.importance.max(candidate.importance);
             memory.confidence = memory.confidence.max(candidate.confidence);
             memory.last_accessed_ms = origin.now_ms;
@@ -534,40 +673,69 @@ impl<'a> Reading<'a> {
 struct Target {
     /// Its index among the owner's memories.
     index: usize,
-    /// How similar its text is (1 when named in `supersedes`).
-    similarity: f64,
+    /// A near-duplicate: by text, or by meaning.
+    duplicate: bool,
     /// The candidate names it in `supersedes`.
     superseding: bool,
 }
 
 impl Target {
-    /// The memory the candidate names in `supersedes`, else the most similar one that is a
-    /// near-duplicate or, of the same type, similar enough to be a new version of it.
-    fn in_memories(memories: &[MemoryRecord], reading: &Reading<'_>) -> Option<Target> {
+    /// The memory the candidate names in `supersedes`; else the one whose text is most
+    /// similar, when it is a near-duplicate; else the one closest in meaning (`vector`
+    /// against the memories' `vectors`), when that is a near-duplicate; else the one whose
+    /// text is most similar, when it is of the same type and similar enough to be a new
+    /// version of it.
+    fn in_memories(
+        memories: &[MemoryRecord],
+        reading: &Reading<'_>,
+        vector: Option<&[f32]>,
+        vectors: &HashMap<u64, Vec<f32>>,
+    ) -> Option<Target> {
         let superseded = memories
             .iter()
             .position(|m| reading.candidate.supersedes.contains(&m.id));
         if let Some(index) = superseded {
             return Some(Target {
                 index,
-                similarity: 1.0,
+                duplicate: false,
                 superseding: true,
             });
+        }
+        let by_text = memories
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (i, similarity(&m.text, &reading.text)))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let target = |index, duplicate| Target {
+            index,
+            duplicate,
+            superseding: false,
+        };
+        if let Some((index, s)) = by_text
+            && s >= DUPLICATE_SIMILARITY
+        {
+            return Some(target(index, true));
+        }
+        let by_meaning = vector.and_then(|vector| {
+            memories
+                .iter()
+                .enumerate()
+                .filter_map(|(i, m)| Some((i, cosine(vector, vectors.get(&m.id)?))))
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+        });
+        if let Some((index, c)) = by_meaning
+            && c >= MEANING_DUPLICATE
+        {
+            return Some(target(index, true));
         }
         memories
             .iter()
             .enumerate()
+            .filter(|(_, m)| m.kind == reading.kind)
             .map(|(i, m)| (i, similarity(&m.text, &reading.text)))
-            .filter(|(i, s)| {
-                *s >= DUPLICATE_SIMILARITY
-                    || (*s >= UPDATE_SIMILARITY && memories[*i].kind == reading.kind)
-            })
+            .filter(|(_, s)| *s >= UPDATE_SIMILARITY)
             .max_by(|a, b| a.1.total_cmp(&b.1))
-            .map(|(index, similarity)| Target {
-                index,
-                similarity,
-                superseding: false,
-            })
+            .map(|(index, _)| target(index, false))
     }
 }
 
@@ -592,10 +760,44 @@ pub fn memory_tokens(memory: &MemoryRecord) -> u64 {
     memproxy_base::tokens::count_message(None, &memory.text) as u64 + 4
 }
 
+/// What memories are chosen for: the query (its words, its vector, how the two are fused)
+/// and the memories' vectors by id (of the query vector's space).
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    pub query: Query<'a>,
+    pub vectors: &'a HashMap<u64, Vec<f32>>,
+}
+
+impl Ask<'_> {
+    /// A memory's relevance, 0..1, from its normalised BM25 score (`lexical`): fused with
+    /// its cosine when the query and some memory have a vector (one without a vector yet by
+    /// its words alone, at the lexical weight), as hybrid recall fuses a turn's; 0 under the
+    /// floor.
+    fn relevance(&self, memory: &MemoryRecord, lexical: f64) -> f64 {
+        let fusion = self.query.fusion;
+        let relevance = match self.query.vector {
+            Some(query) if !self.vectors.is_empty() => {
+                let w = f64::from(fusion.lexical_weight.clamp(0.0, 1.0));
+                let semantic = self
+                    .vectors
+                    .get(&memory.id)
+                    .map_or(0.0, |v| f64::from(cosine(query, v).clamp(0.0, 1.0)));
+                w * lexical + (1.0 - w) * semantic
+            }
+            _ => lexical,
+        };
+        if relevance >= f64::from(fusion.floor) {
+            relevance
+        } else {
+            0.0
+        }
+    }
+}
+
 /// The memories for the prompt (see the module documentation), best first.
 pub fn select(
     candidates: Vec<(OwnerKey, MemoryRecord)>,
-    query: &str,
+    ask: Ask<'_>,
     now_ms: i64,
     decay: Decay,
     top_k: usize,
@@ -609,7 +811,7 @@ pub fn select(
         crate::recall::tokenize::TextLanguage::Auto,
         candidates.iter().map(|(_, m)| m.text.as_str()),
     );
-    let query: HashSet<String> = terms(query, latin).into_iter().collect();
+    let query: HashSet<String> = terms(ask.query.text, latin).into_iter().collect();
     let docs: Vec<Vec<String>> = candidates
         .iter()
         .map(|(_, m)| terms(&m.text, latin))
@@ -623,6 +825,13 @@ pub fn select(
             *df.entry(term).or_default() += 1.0;
         }
     }
+    let idf = |term: &str| {
+        let df = df.get(term).copied().unwrap_or(0.0);
+        (1.0 + (n - df.max(1.0) + 0.5) / (df.max(1.0) + 0.5)).ln()
+    };
+    // The query's best possible score, as `Index::query_weight`: each word matched once in a
+    // memory of average length.
+    let weight: f64 = query.iter().map(|term| idf(term)).sum();
     let mut scored: Vec<Chosen> = candidates
         .into_iter()
         .zip(&docs)
@@ -633,13 +842,17 @@ pub fn select(
                 if tf == 0.0 {
                     continue;
                 }
-                let df = df.get(term.as_str()).copied().unwrap_or(0.0);
-                let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
-                bm25 += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * doc.len() as f64 / avgdl));
+                bm25 +=
+                    idf(term) * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * doc.len() as f64 / avgdl));
             }
+            let lexical = if weight > 0.0 {
+                (bm25 / weight).clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
             let decayed = memory.decay(now_ms, decay);
             Chosen {
-                score: bm25 * (0.5 + memory.importance) * decayed,
+                score: ask.relevance(&memory, lexical) * (0.5 + memory.importance) * decayed,
                 decay: decayed,
                 owner,
                 memory,
@@ -703,6 +916,7 @@ pub fn render(chosen: &[Chosen]) -> Option<Box<RawValue>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::recall::hybrid::Fusion;
     use memproxy_base::identity::TenantId;
 
     fn origin() -> CandidateSource {
@@ -713,6 +927,33 @@ mod tests {
             turns: HashMap::from([(1, "I live in Lisbon".to_string())]),
             stated: false,
             now_ms: 1_000,
+        }
+    }
+
+    /// A stored private memory of ana's, of importance 0.5, never accessed.
+    fn stored(id: u64, text: &str, kind: MemoryType) -> MemoryRecord {
+        MemoryRecord {
+            id,
+            tenant: "t".into(),
+            user: "ana".into(),
+            agent: "default".into(),
+            kind,
+            scope: MemoryScope::Private,
+            text: text.into(),
+            excerpt: String::new(),
+            importance: 0.5,
+            confidence: 0.9,
+            tags: vec![],
+            source: MemorySource::ImplicitInference,
+            conversation: None,
+            source_turns: vec![],
+            version: 1,
+            history: vec![],
+            created_ms: 0,
+            updated_ms: 0,
+            last_accessed_ms: 0,
+            supersedes: vec![],
+            related_to: vec![],
         }
     }
 
@@ -742,6 +983,7 @@ mod tests {
             &mut existing,
             &[candidate("The user lives in Lisbon", "profile")],
             &origin,
+            &mut Meanings::default(),
             &mut ids,
         )
         .unwrap();
@@ -756,13 +998,21 @@ mod tests {
             &mut existing,
             &[candidate("The user lives in Lisbon", "profile")],
             &origin,
+            &mut Meanings::default(),
             &mut ids,
         )
         .unwrap();
         assert_eq!(applied.ignored, 1);
         let mut moved = candidate("The user moved from Lisbon to Berlin", "profile");
         moved.supersedes = vec![id];
-        let (applied, changed) = apply(&mut existing, &[moved], &origin, &mut ids).unwrap();
+        let (applied, changed) = apply(
+            &mut existing,
+            &[moved],
+            &origin,
+            &mut Meanings::default(),
+            &mut ids,
+        )
+        .unwrap();
         assert_eq!((applied.superseded, applied.updated), (1, 0));
         let memory = &changed[&origin.user][0];
         assert_eq!(memory.id, id);
@@ -798,6 +1048,7 @@ mod tests {
                 candidate("   ", "profile"),
             ],
             &origin,
+            &mut Meanings::default(),
             || {
                 n += 1;
                 Ok(n)
@@ -818,6 +1069,7 @@ mod tests {
             &mut existing,
             &[candidate("The user lives in Lisbon", "profile")],
             &origin,
+            &mut Meanings::default(),
             || Ok(1),
         )
         .unwrap();
@@ -836,29 +1088,7 @@ mod tests {
     #[test]
     fn selection_takes_relevant_memories_and_the_profile_within_the_budget() {
         let user = origin().user;
-        let mk = |id: u64, text: &str, kind: MemoryType| MemoryRecord {
-            id,
-            tenant: "t".into(),
-            user: "ana".into(),
-            agent: "default".into(),
-            kind,
-            scope: MemoryScope::Private,
-            text: text.into(),
-            excerpt: String::new(),
-            importance: 0.5,
-            confidence: 0.9,
-            tags: vec![],
-            source: MemorySource::ImplicitInference,
-            conversation: None,
-            source_turns: vec![],
-            version: 1,
-            history: vec![],
-            created_ms: 0,
-            updated_ms: 0,
-            last_accessed_ms: 0,
-            supersedes: vec![],
-            related_to: vec![],
-        };
+        let mk = stored;
         let all = vec![
             (
                 user.clone(),
@@ -881,16 +1111,32 @@ mod tests {
             half_life_ms: 1e12,
             min: 0.2,
         };
-        let chosen = select(all.clone(), "what is my dog called?", 0, decay, 5, 600);
+        let none = HashMap::new();
+        let words = |text| Ask {
+            query: Query {
+                text,
+                vector: None,
+                fusion: Fusion::default(),
+            },
+            vectors: &none,
+        };
+        let chosen = select(
+            all.clone(),
+            words("what is my dog called?"),
+            0,
+            decay,
+            5,
+            600,
+        );
         let ids: Vec<u64> = chosen.iter().map(|c| c.memory.id).collect();
         assert_eq!(ids, [2, 1], "the relevant one, then the preference");
-        assert!(select(all.clone(), "dog", 0, decay, 5, 3).is_empty());
+        assert!(select(all.clone(), words("dog"), 0, decay, 5, 3).is_empty());
         let old = Decay {
             half_life_ms: 1.0,
             min: 0.2,
         };
         assert!(
-            select(all, "dog", 1_000_000, old, 5, 600).is_empty(),
+            select(all, words("dog"), 1_000_000, old, 5, 600).is_empty(),
             "decayed"
         );
         let message: serde_json::Value =
@@ -901,5 +1147,95 @@ mod tests {
                 .unwrap()
                 .starts_with(MEMORIES_MARKER)
         );
+    }
+
+    #[test]
+    fn a_candidate_close_in_meaning_is_a_duplicate_and_a_new_text_a_new_vector() {
+        let origin = origin();
+        let mut existing = HashMap::new();
+        let mut next = 0;
+        let mut ids = || {
+            next += 1;
+            Ok(next)
+        };
+        let mut meanings = Meanings {
+            candidates: vec![vec![1.0, 0.0, 0.0]],
+            ..Meanings::default()
+        };
+        let (applied, _) = apply(
+            &mut existing,
+            &[candidate("The user lives in Lisbon", "profile")],
+            &origin,
+            &mut meanings,
+            &mut ids,
+        )
+        .unwrap();
+        assert_eq!(applied.added, 1);
+        assert!(meanings.renewed.contains(&1) && meanings.memories.contains_key(&1));
+        // Other words, the same meaning: the stored one's scores are raised, no new text.
+        let mut paraphrase = candidate("Lisbon is the user's home town", "semantic");
+        paraphrase.importance = 0.95;
+        let mut meanings = Meanings {
+            candidates: vec![vec![0.99, 0.1, 0.0]],
+            memories: HashMap::from([(1, vec![1.0, 0.0, 0.0])]),
+            ..Meanings::default()
+        };
+        let (applied, changed) = apply(
+            &mut existing,
+            std::slice::from_ref(&paraphrase),
+            &origin,
+            &mut meanings,
+            &mut ids,
+        )
+        .unwrap();
+        assert_eq!((applied.ignored, applied.added), (1, 0));
+        assert_eq!(changed[&origin.user][0].importance, 0.95);
+        assert!(meanings.renewed.is_empty());
+        // Far in meaning: added.
+        let mut meanings = Meanings {
+            candidates: vec![vec![0.0, 1.0, 0.0]],
+            memories: HashMap::from([(1, vec![1.0, 0.0, 0.0])]),
+            ..Meanings::default()
+        };
+        let (applied, _) = apply(
+            &mut existing,
+            &[paraphrase],
+            &origin,
+            &mut meanings,
+            &mut ids,
+        )
+        .unwrap();
+        assert_eq!(applied.added, 1);
+    }
+
+    #[test]
+    fn selection_by_meaning_finds_a_memory_sharing_no_word() {
+        let user = origin().user;
+        let mk = |id: u64, text: &str| stored(id, text, MemoryType::Episodic);
+        let all = vec![
+            (user.clone(), mk(1, "The user drives a silver Volvo")),
+            (user.clone(), mk(2, "The user booked a hotel in Porto")),
+        ];
+        let vectors = HashMap::from([(1, vec![0.9, 0.1]), (2, vec![0.1, 0.9])]);
+        let decay = Decay {
+            half_life_ms: 1e12,
+            min: 0.2,
+        };
+        let ask = |vector| Ask {
+            query: Query {
+                text: "what kind of automobile do I own?",
+                vector,
+                fusion: Fusion {
+                    lexical_weight: 0.5,
+                    floor: 0.3,
+                },
+            },
+            vectors: &vectors,
+        };
+        assert!(select(all.clone(), ask(None), 0, decay, 1, 600).is_empty());
+        let chosen = select(all, ask(Some(&[1.0, 0.0])), 0, decay, 1, 600);
+        assert_eq!(chosen.len(), 1);
+        assert_eq!(chosen[0].memory.id, 1);
+        assert!(chosen[0].score > 0.0);
     }
 }

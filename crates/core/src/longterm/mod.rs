@@ -8,11 +8,13 @@
 //!   too; what it finds competes with the conversation's own older turns for the same
 //!   `relevance_top_k` slots and token budget. The archive outlives the conversations: a
 //!   conversation deleted by its TTL is still searchable, and a new request on its id is
-//!   rebuilt from it, until the user is deleted.
+//!   rebuilt from it, until the user is deleted. With an embedder, archived turns get vectors
+//!   in the background (`crate::embedding`'s worker) and the search fuses words and meaning
+//!   as a conversation's recall does (`recall/hybrid.rs`), with the request's query vector.
 //! - **Layer 2** (`memories.rs`, `extract.rs`): memories extracted from what the user said by a
 //!   background model call (`extract.rs`, queued by the commit, never on a request's path),
-//!   deduplicated, superseded and decaying (`memories.rs`), chosen for the prompt by relevance
-//!   and importance (`docs/memories.md`); `edits.rs` the memories changed at someone's word
+//!   deduplicated (by text, and by meaning), superseded and decaying (`memories.rs`), chosen
+//!   for the prompt by relevance (words and meaning) and importance (`docs/memories.md`); `edits.rs` the memories changed at someone's word
 //!   (an operator's hand edits, a user's agent through the memory tools), through the same
 //!   records, history and dedup.
 //!
@@ -32,12 +34,15 @@ mod user_index;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::embedding::{Embedding, RecordTexts, RecordVector, RecordsStored};
 use crate::ledger::Ledger;
+use crate::recall::Query;
 use crate::recall::tokenize::TextLanguage;
 use crate::summary::OnStored;
 use memproxy_base::cache::{Cache, Policy, Shrink};
 use memproxy_base::identity::{ConversationKey, TenantId};
 use memproxy_base::model::ModelCall;
+use memproxy_embed::Embed;
 use memproxy_store::{Conversation, OwnerKey, Store, StoreError, StoredMessage};
 
 pub use archive::{ArchivedTurn, ExtractionRule, SPACE_ARCHIVE, SPACE_CONVERSATIONS};
@@ -73,9 +78,14 @@ pub struct ElsewhereTurn {
     pub message: StoredMessage,
 }
 
+/// The users' cached indexes.
+type Users = Cache<OwnerKey, Arc<Mutex<UserState>>>;
+
 /// Long-term memory's part of the memory core: the users' indexes and the counters.
 pub struct LongTerm {
-    users: Arc<Cache<OwnerKey, Arc<Mutex<UserState>>>>,
+    users: Arc<Users>,
+    /// The embedder's vector space and dimension (`None`: by words alone).
+    space: Option<(String, usize)>,
     pub counters: Counters,
     /// The background worker that extracts memories (layer 2).
     pub extractor: Arc<Extractor>,
@@ -97,13 +107,15 @@ fn lock(state: &Mutex<UserState>) -> MutexGuard<'_, UserState> {
 
 impl LongTerm {
     /// Long-term memory whose user indexes take at most `capacity_bytes`, its memories
-    /// extracted by `model`. Must be called inside a tokio runtime: the extraction worker
-    /// starts here.
+    /// extracted by `model`; with `embedder`, archived turns and memories are found by
+    /// meaning too, and memories deduplicated by it. Must be called inside a tokio runtime:
+    /// the extraction worker starts here.
     pub fn new(
         capacity_bytes: u64,
         store: Arc<Store>,
         model: Arc<dyn ModelCall>,
         ledger: Arc<Ledger>,
+        embedder: Option<Arc<dyn Embed>>,
     ) -> LongTerm {
         let users = Arc::new(Cache::new(
             "users",
@@ -118,9 +130,40 @@ impl LongTerm {
         ));
         LongTerm {
             users,
+            space: embedder.as_ref().map(|e| (e.id().to_string(), e.dims())),
             counters: Counters::default(),
-            extractor: Extractor::start(store, model, ledger),
+            extractor: Extractor::start(store, model, ledger, embedder),
         }
+    }
+
+    /// The embedder's vector space (`None`: by words alone).
+    pub fn space(&self) -> Option<&str> {
+        self.space.as_ref().map(|(id, _)| id.as_str())
+    }
+
+    /// What a records job of `user`'s archive tells once it stored their vectors: the
+    /// user's cached index takes them.
+    fn archive_vectors_stored(&self, user: &OwnerKey) -> RecordsStored {
+        let (users, user) = (Arc::clone(&self.users), user.clone());
+        Box::new(move |vectors: &[RecordVector]| {
+            let Some(state) = users.get(&user) else {
+                return;
+            };
+            {
+                let mut state = lock(&state);
+                let Some(index) = state.index.as_mut() else {
+                    return;
+                };
+                let archived: Vec<(Vec<u8>, Vec<f32>)> = vectors
+                    .iter()
+                    .filter(|(space, _, _)| *space == SPACE_ARCHIVE)
+                    .map(|(_, id, vector)| (id.clone(), vector.clone()))
+                    .collect();
+                index.add_vectors(&archived);
+            }
+            // Re-inserted so the cache weighs the vectors.
+            users.insert(user, state);
+        })
     }
 
     fn state(&self, user: &OwnerKey) -> Arc<Mutex<UserState>> {
@@ -130,10 +173,12 @@ impl LongTerm {
 
     /// After a commit of `conversation` for `user` (under the conversation's lock): copies
     /// the messages not yet in the user's archive into it, and removes `dropped` turns (a
-    /// replaced reply, a closed branch: no longer what was said). The user's index follows.
+    /// replaced reply, a closed branch: no longer what was said). The user's index follows;
+    /// the archived turns' vectors are made by `embedding`'s background worker.
     pub fn after_commit(
         &self,
         store: &Store,
+        embedding: &Embedding,
         user: &OwnerKey,
         conversation: &Conversation,
         dropped: &[u64],
@@ -150,6 +195,20 @@ impl LongTerm {
                 self.counters
                     .archived
                     .fetch_add(added.len() as u64, Ordering::Relaxed);
+                if self.space.is_some() && !added.is_empty() {
+                    let texts = added
+                        .iter()
+                        .map(|a| {
+                            let text = memproxy_base::message::search_text(&a.turn.message.message);
+                            (SPACE_ARCHIVE, a.id.clone(), text)
+                        })
+                        .collect();
+                    embedding.after_records(
+                        user,
+                        RecordTexts::Given(texts),
+                        Some(self.archive_vectors_stored(user)),
+                    );
+                }
                 if let Some(index) = &mut state.index {
                     if dropped.is_empty() {
                         for turn in &added {
@@ -237,13 +296,13 @@ impl LongTerm {
     }
 
     /// The memories for a request's prompt: the user's own, the agent's and the tenant's,
-    /// chosen as [`memories::select`] says.
+    /// chosen as [`memories::select`] says (by meaning too when `query` has a vector).
     pub fn memories_for(
         &self,
         store: &Store,
         user: &OwnerKey,
         agent: &str,
-        query: &str,
+        query: Query<'_>,
         settings: &crate::settings::MemorySettings,
         now_ms: i64,
     ) -> Result<Vec<memories::Chosen>, StoreError> {
@@ -251,16 +310,26 @@ impl LongTerm {
             return Ok(Vec::new());
         }
         let mut candidates = Vec::new();
+        let mut vectors = std::collections::HashMap::new();
         for owner in extract::owners(user, agent) {
             if let Some(handle) = store.owner(&owner, false)? {
-                for memory in memories::all(store, &handle)? {
+                let found = memories::all(store, &handle)?;
+                if let (Some(space), Some(_), false) =
+                    (self.space(), query.vector, found.is_empty())
+                {
+                    vectors.extend(memories::vectors(store, &handle, space)?);
+                }
+                for memory in found {
                     candidates.push((owner.clone(), memory));
                 }
             }
         }
         Ok(memories::select(
             candidates,
-            query,
+            memories::Ask {
+                query,
+                vectors: &vectors,
+            },
             now_ms,
             decay_of(settings),
             settings.long_term_top_k,
@@ -281,7 +350,8 @@ impl LongTerm {
         for (owner, records) in by_owner {
             // Only owners that still exist: a refresh never recreates a deleted user.
             let written = match store.owner(owner, false) {
-                Ok(Some(_)) => memories::write(store, owner, &records, &[]).map(|_| ()),
+                // The texts are unchanged: their vectors stay.
+                Ok(Some(_)) => memories::write(store, owner, &records, &[], &[]).map(|_| ()),
                 Ok(None) => Ok(()),
                 Err(err) => Err(err),
             };
@@ -297,17 +367,17 @@ impl LongTerm {
     }
 
     /// The `k` turns of `user`'s conversations other than `current` (all of them: `None`)
-    /// most relevant to `query`, best first.
+    /// most relevant to `query` (by words, and by meaning when it has a vector), best first.
     pub fn search(
         &self,
         store: &Store,
         user: &OwnerKey,
         current: Option<&ConversationKey>,
         language: TextLanguage,
-        query: &str,
+        query: Query<'_>,
         k: usize,
     ) -> Result<Vec<ElsewhereTurn>, StoreError> {
-        if k == 0 || query.trim().is_empty() {
+        if k == 0 || query.text.trim().is_empty() {
             return Ok(Vec::new());
         }
         let Some(handle) = store.owner(user, false)? else {
@@ -319,7 +389,7 @@ impl LongTerm {
             let mut state = lock(&state);
             let fresh = match state.index.take() {
                 Some(index) if index.setting() == language => index,
-                _ => UserIndex::build(store, &handle, language)?,
+                _ => UserIndex::build(store, &handle, language, self.space.as_ref())?,
             };
             let index = state.index.insert(fresh);
             index.search(
@@ -394,6 +464,47 @@ impl LongTerm {
     pub fn cache(&self) -> Arc<dyn Shrink> {
         Arc::clone(&self.users) as Arc<dyn Shrink>
     }
+}
+
+/// The owners' records that have vectors (archived turns, memories) and how a rebuild reads
+/// their texts (`crate::embedding::rebuild`).
+pub static VECTOR_RECORDS: crate::embedding::OwnerRecords<'static> =
+    crate::embedding::OwnerRecords {
+        spaces: &[SPACE_ARCHIVE, memories::SPACE_MEMORIES],
+        read: &record_texts,
+    };
+
+/// The texts of an owner's records `ids` of record space `space`, as they are embedded: an
+/// archived turn's search text, a memory's text.
+fn record_texts(
+    store: &Store,
+    handle: &memproxy_store::OwnerHandle,
+    space: u8,
+    ids: &[Vec<u8>],
+) -> Result<Vec<crate::embedding::RecordText>, StoreError> {
+    let mut wanted: Vec<&[u8]> = ids.iter().map(Vec::as_slice).collect();
+    wanted.sort_unstable();
+    let corrupt = |err: serde_json::Error| StoreError::Corrupt(err.to_string());
+    let mut out = Vec::with_capacity(ids.len());
+    for record in store.all_owner_records(handle, space)? {
+        if wanted.binary_search(&record.id.as_slice()).is_err() {
+            continue;
+        }
+        let text = match space {
+            SPACE_ARCHIVE => {
+                let turn: ArchivedTurn = serde_json::from_slice(&record.value).map_err(corrupt)?;
+                memproxy_base::message::search_text(&turn.message.message)
+            }
+            memories::SPACE_MEMORIES => {
+                let memory: memories::MemoryRecord =
+                    serde_json::from_slice(&record.value).map_err(corrupt)?;
+                memory.text
+            }
+            _ => continue,
+        };
+        out.push((space, record.id, text));
+    }
+    Ok(out)
 }
 
 /// The decay settings of `settings`.

@@ -323,9 +323,14 @@ impl Exchange {
             let extraction = self
                 .extraction_rule
                 .map(|rule| (rule, self.extraction.as_ref()));
-            memory
-                .longterm
-                .after_commit(store, user, conversation, &leaving.unsaid, extraction);
+            memory.longterm.after_commit(
+                store,
+                &memory.embedding,
+                user,
+                conversation,
+                &leaving.unsaid,
+                extraction,
+            );
         }
         Ok(Written::Exchange)
     }

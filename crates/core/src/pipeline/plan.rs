@@ -184,6 +184,7 @@ pub fn plan(
         &request,
         &window,
         recall.query.as_deref(),
+        recall.vector.as_deref(),
         &mut summary,
     );
 
@@ -540,6 +541,8 @@ fn summarized(
 struct Recalled {
     /// What recall searched with (`None`: it did not search).
     query: Option<String>,
+    /// Its vector (`None`: recall by words alone), which long-term memory's stage uses too.
+    vector: Option<Vec<f32>>,
     /// The recalled turns, fitted to `relevance_max_tokens`.
     turns: Vec<RecalledTurn>,
     /// Turns the relevance floor kept out, best first.
@@ -578,22 +581,26 @@ fn recalled(
         Some(opener) => request.messages[opener].text(),
         None => query_text(&request.new_turns, &request.texts, &window.messages),
     });
-    if let Some(query) = query.as_deref()
+    // The query's vector, made once: the conversation's own recall, the user's other
+    // conversations and the user's memories all use it.
+    let vector = query
+        .as_deref()
+        .map(|query| match settings.relevance_semantic {
+            true => on.memory.embedding.query(query),
+            false => Err(Lexical::Setting),
+        });
+    if let (Some(query), Some(vector)) = (query.as_deref(), vector.as_ref())
         && pool_end > 0
     {
         let before_turn =
             history[pool_end.min(history.len() - 1)].turn + u64::from(pool_end == history.len());
-        let vector = match settings.relevance_semantic {
-            true => on.memory.embedding.query(query),
-            false => Err(Lexical::Setting),
-        };
         let found = on.memory.recall.search(
             store,
             on.conversation,
             settings.relevance_language,
             Query {
                 text: query,
-                vector: vector.as_deref().ok(),
+                vector: vector.as_ref().ok().map(Vec::as_slice),
                 fusion: settings.fusion(),
             },
             before_turn,
@@ -602,7 +609,7 @@ fn recalled(
         mode = match (vector, found.semantic) {
             (Ok(_), true) => RecallMode::Hybrid,
             (Ok(_), false) => RecallMode::Lexical(Lexical::NoVectors),
-            (Err(why), _) => RecallMode::Lexical(why),
+            (Err(why), _) => RecallMode::Lexical(*why),
         };
         under_floor = found.under_floor;
         let hits = found.hits;
@@ -623,13 +630,18 @@ fn recalled(
         }
     }
     // Long-term memory: the user's other conversations compete for the same slots.
+    let vector = vector.and_then(Result::ok);
     if let (Some(user), Some(query)) = (on.user, query.as_deref()) {
         match on.memory.longterm.search(
             store,
             user,
             Some(on.key),
             settings.relevance_language,
-            query,
+            Query {
+                text: query,
+                vector: vector.as_deref(),
+                fusion: settings.fusion(),
+            },
             settings.relevance_top_k,
         ) {
             Ok(found) if !found.is_empty() => {
@@ -656,6 +668,7 @@ fn recalled(
     }
     Ok(Recalled {
         query,
+        vector,
         turns,
         under_floor,
         mode,
@@ -678,6 +691,7 @@ fn long_term(
     request: &Reconciled,
     window: &Windowed,
     query: Option<&str>,
+    vector: Option<&[f32]>,
     summary: &mut super::summarized::SummaryPlan,
 ) -> LongTerm {
     let Some(user) = on.user else {
@@ -694,7 +708,11 @@ fn long_term(
         store,
         user,
         &key.agent,
-        &query,
+        Query {
+            text: &query,
+            vector,
+            fusion: settings.fusion(),
+        },
         settings,
         memory.clock.now_ms(),
     ) {
