@@ -42,7 +42,7 @@ fn main() -> ExitCode {
             Some(Command::Store(command)) => memproxy::admin::store_cli::run(&config, command),
             Some(Command::Vectors(command)) => {
                 init_tracing(config.log_format);
-                memproxy::embedder::rebuild_command(config, command).await
+                memproxy::cli::vectors::run(config, command).await
             }
             Some(Command::Mcp(args)) => {
                 // Standard output carries the protocol: logs go to standard error.

@@ -1,7 +1,9 @@
 //! Command-line flags. Each flag has an environment variable; both override the config file.
-//! [`model`] is the `memproxy model` commands (the embedding model, offline).
+//! [`model`] is the `memproxy model` commands (the embedding model, offline); [`vectors`] is
+//! `memproxy vectors rebuild`.
 
 pub mod model;
+pub mod vectors;
 
 use std::path::PathBuf;
 
@@ -69,7 +71,7 @@ pub enum Command {
     Store(crate::admin::store_cli::StoreCommand),
     /// Recall by meaning's vectors: `rebuild` gives every stored message one.
     #[command(subcommand)]
-    Vectors(crate::embedder::VectorsCommand),
+    Vectors(vectors::VectorsCommand),
     /// The embedding model for recall by meaning: distill its static table, or print the
     /// vectors of texts. Needs no config and no network (the files: scripts/fetch-model.sh).
     #[command(subcommand)]

@@ -1,11 +1,13 @@
 //! Hybrid recall: each older turn scored by its words (BM25, `index.rs`) and by its meaning
 //! (the cosine of its vector with the new message's, `vectors.rs`), the two fused into one
 //! score on an absolute scale, so that a floor can tell "nothing here answers this" from "this
-//! is the best of a poor lot".
+//! is the best of a poor lot"; candidates are ranked on each score's range among them
+//! (min-max), as the two scales spread differently from query to query.
 //!
-//! - lexical, in 0..1: the turn's BM25 score over the query's own best possible score (every
-//!   query term matched at saturated frequency; a query word the conversation never used
-//!   counts against every turn);
+//! - lexical: the turn's BM25 score over the query's weight (every distinct query term matched
+//!   once in a turn of average length; a query word the conversation never used counts
+//!   against every turn): 1 or more when the turn holds the whole question, capped at 1 in
+//!   the fused score;
 //! - semantic, in 0..1: the cosine, each turn's mixed with its neighbours' (a question and its
 //!   answer describe each other; images and short replies carry their context), as BM25's
 //!   documents carry their neighbours' words;
@@ -55,7 +57,7 @@ pub struct Scored {
     pub turn: u64,
     /// The fused score, 0..1.
     pub score: f32,
-    /// The lexical score, 0..1 (0: no query word).
+    /// The lexical score: 0 for no query word, 1 or more for the whole question.
     pub lexical: f32,
     /// The semantic score, 0..1 (`None`: the turn or the query has no vector).
     pub semantic: Option<f32>,
@@ -96,7 +98,7 @@ pub fn fuse(
 ) -> (Vec<Scored>, Vec<Scored>) {
     let lexical_score = |bm25: f32| {
         if query_weight > 0.0 {
-            (bm25 / query_weight).clamp(0.0, 1.0)
+            (bm25 / query_weight).max(0.0)
         } else {
             0.0
         }
@@ -107,7 +109,7 @@ pub fn fuse(
             let lexical = lexical_score(hit.score);
             Scored {
                 turn: hit.turn,
-                score: lexical,
+                score: lexical.min(1.0),
                 lexical,
                 semantic: None,
             }
@@ -128,7 +130,7 @@ pub fn fuse(
                 let semantic = similarity.clamp(0.0, 1.0);
                 scored.push(Scored {
                     turn,
-                    score: w * lexical + (1.0 - w) * semantic,
+                    score: w * lexical.min(1.0) + (1.0 - w) * semantic,
                     lexical,
                     semantic: Some(semantic),
                 });
@@ -139,7 +141,7 @@ pub fn fuse(
                     let lexical = lexical_score(hit.score);
                     scored.push(Scored {
                         turn: hit.turn,
-                        score: w * lexical,
+                        score: w * lexical.min(1.0),
                         lexical,
                         semantic: None,
                     });
@@ -155,7 +157,11 @@ pub fn fuse(
     ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.turn.cmp(&a.1.turn)));
     // The floor is calibrated on the fused score: by words alone (no query vector) every turn
     // sharing a word competes, as it always has.
-    let floor = if semantic.is_some() { fusion.floor } else { 0.0 };
+    let floor = if semantic.is_some() {
+        fusion.floor
+    } else {
+        0.0
+    };
     let (kept, under): (Vec<Scored>, Vec<Scored>) = ranked
         .into_iter()
         .map(|(_, s)| s)

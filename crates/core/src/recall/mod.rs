@@ -1,11 +1,15 @@
-//! Relevance recall: a BM25 index per conversation over its stored messages, held in a
+//! Relevance recall: an index per conversation over its stored messages, held in a
 //! memory-weighted cache, updated at each commit and rebuilt from the store on a miss.
 //!
 //! The index covers every stored message; a search only considers those before the recent
-//! window (the older pool). With an embedder, the index also holds the messages' vectors
-//! (`vectors.rs`, loaded from the store with the index, added as background jobs make them)
-//! and a search fuses words and meaning (`hybrid.rs`). This module searches and keeps indexes; choosing the window and
+//! window (the older pool). This module searches and keeps indexes; choosing the window and
 //! rendering the recalled turns is the pipeline's job.
+//!
+//! - `index.rs` — BM25 over the messages' words (`tokenize.rs` makes the terms);
+//! - `vectors.rs` — with an embedder, the messages' vectors, loaded from the store with the
+//!   index and added as background jobs make them;
+//! - `hybrid.rs` — words and meaning fused into one score, and the relevance floor;
+//! - `excerpt.rs` — the passage of a long recalled turn that best matches the question.
 
 pub mod excerpt;
 pub mod hybrid;
