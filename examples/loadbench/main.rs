@@ -23,6 +23,8 @@
 //!   one new user message with `X-Memory-Persist: false`, so the conversation stays that size;
 //! - `mem-10-persist`, `mem-1k-persist`, `mem-10k-persist`: the same but stored (each request
 //!   appends 2 messages); each mode gets its own freshly pre-filled conversation;
+//! - `mem-1k-words`, `mem-10k-words`: `mem-1k`, `mem-10k` recalling by words alone
+//!   (`X-Memory-Relevance-Semantic: false`); the memory rows recall by words and meaning;
 //! - `mem-10k-norecall`, `mem-10k-nocompress`: `mem-10k` with `X-Memory-Relevance-Enabled:
 //!   false` or `X-Memory-Compression-Enabled: false` (diagnostics: how much of the 10k cost is
 //!   recall, and the summary);

@@ -127,6 +127,30 @@ pub const SCENARIOS: &[Scenario] = &[
         baseline: "direct",
         spread: false,
     },
+    // Recall by words alone on the same conversations as `mem-1k`/`mem-10k` (which recall by
+    // words and meaning, the default): the difference is what the embedder adds to a request.
+    Scenario {
+        name: "mem-1k-words",
+        api: Api::Chat,
+        target: Target::Proxy,
+        prefill: 1000,
+        persist: false,
+        stream: false,
+        headers: &[("x-memory-relevance-semantic", "false")],
+        baseline: "direct",
+        spread: false,
+    },
+    Scenario {
+        name: "mem-10k-words",
+        api: Api::Chat,
+        target: Target::Proxy,
+        prefill: 10_000,
+        persist: false,
+        stream: false,
+        headers: &[("x-memory-relevance-semantic", "false")],
+        baseline: "direct",
+        spread: false,
+    },
     Scenario {
         name: "mem-10k-norecall",
         api: Api::Chat,
