@@ -310,3 +310,55 @@ async fn the_relevance_floor_keeps_unrelated_questions_free_of_recalled_turns() 
     .await;
     assert!(recalled(&mock).contains(FACTS[0].0));
 }
+
+#[tokio::test]
+async fn a_broken_model_leaves_recall_by_words_and_every_request_answered() {
+    let model = tempfile::tempdir().unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::write(model.path().join(file), "not a model").unwrap();
+    }
+    let config = format!(
+        "[memory]\nrecent_n = 2\n[embedding]\nembedder = \"static\"\nmodel_dir = {:?}\n",
+        model.path().display().to_string()
+    );
+    let Started { mock, proxy, .. } = Harness::new().config(&config).start().await;
+    // Ready (once the tokenizer is warm), recalling by words.
+    let mut ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    for _ in 0..200 {
+        if ready.status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    }
+    assert_eq!(ready.status, 200, "{:?}", ready.body);
+    let ready: Value = ready.json();
+    assert_eq!(ready["recall"], "lexical", "{ready}");
+    assert!(
+        ready["embedder_reason"]
+            .as_str()
+            .is_some_and(|r| !r.is_empty()),
+        "{ready}"
+    );
+    for (fact, _) in &FACTS[..4] {
+        let answer = chat(&proxy, "broken", &body(&[user(fact)]), &[]).await;
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+    let answer = chat(
+        &proxy,
+        "broken",
+        &body(&[user("Where does my sister Anna live?")]),
+        &[],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        answer.header("x-memory-recall"),
+        "lexical; reason=embedder-unavailable"
+    );
+    assert!(recalled(&mock).contains("Lisbon"));
+    let metrics = send("GET", &proxy.url("/metrics"), &[], "").await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(metrics.contains("memproxy_embedding_up 0"), "{metrics}");
+}
