@@ -67,8 +67,8 @@ pub struct Args {
     /// Soak: memory in a redis-server the soak starts (on a free 127.0.0.1 port).
     #[arg(long)]
     pub redis: bool,
-    /// Soak: `server.memory_budget` in MiB (default: not set, so memproxy's default); the soak
-    /// fails if RSS ever exceeds it plus 64 MiB.
+    /// `server.memory_budget` in MiB (default: not set, so memproxy's default); the soak fails
+    /// if RSS ever exceeds it plus 64 MiB.
     #[arg(long)]
     pub budget_mib: Option<u64>,
     /// A TOML file added to the generated config: for the soak (diagnostics: cache sizes, say)

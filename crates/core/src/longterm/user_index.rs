@@ -193,7 +193,14 @@ impl UserIndex {
             .index
             .search_where(&words, u64::MAX, lexical_k, in_pool);
         let weight = self.index.query_weight(&words);
-        let (hits, _) = fuse(&lexical, weight, semantic.as_deref(), in_pool, query.fusion);
+        let (hits, _) = fuse(
+            &lexical,
+            weight,
+            semantic.as_deref(),
+            in_pool,
+            query.fusion,
+            k,
+        );
         hits.into_iter()
             .take(k)
             .filter_map(|hit| {

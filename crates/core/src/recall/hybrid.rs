@@ -87,14 +87,16 @@ pub fn smooth(similarities: &[(u64, f32)]) -> Vec<(u64, f32)> {
 
 /// Fuses `lexical` hits (raw BM25 scores; `query_weight` is the query's best possible score)
 /// with the smoothed `semantic` similarities (by turn ascending; `None`: no query vector) of
-/// the turns `in_pool` accepts, best first; those under the floor are returned apart, best
-/// first. A turn with neither a query word nor a vector is never a candidate.
+/// the turns `in_pool` accepts: the best `k`, best first, split into those at or above the
+/// floor and those under it. A turn with neither a query word nor a vector is never a
+/// candidate.
 pub fn fuse(
     lexical: &[Hit],
     query_weight: f32,
     semantic: Option<&[(u64, f32)]>,
     in_pool: impl Fn(u64) -> bool,
     fusion: Fusion,
+    k: usize,
 ) -> (Vec<Scored>, Vec<Scored>) {
     let lexical_score = |bm25: f32| {
         if query_weight > 0.0 {
@@ -120,12 +122,10 @@ pub fn fuse(
                 .iter()
                 .map(|h| (h.turn, lexical_score(h.score)))
                 .collect();
-            let mut seen = std::collections::HashSet::with_capacity(semantic.len());
             for &(turn, similarity) in semantic {
                 if !in_pool(turn) {
                     continue;
                 }
-                seen.insert(turn);
                 let lexical = words.get(&turn).copied().unwrap_or(0.0);
                 let semantic = similarity.clamp(0.0, 1.0);
                 scored.push(Scored {
@@ -137,7 +137,8 @@ pub fn fuse(
             }
             // Turns whose vector is not made yet: their words alone.
             for hit in lexical {
-                if !seen.contains(&hit.turn) {
+                let has_vector = semantic.binary_search_by_key(&hit.turn, |s| s.0).is_ok();
+                if !has_vector {
                     let lexical = lexical_score(hit.score);
                     scored.push(Scored {
                         turn: hit.turn,
@@ -154,7 +155,14 @@ pub fn fuse(
     // fused score.
     let rank = ranking(&scored, fusion.lexical_weight.clamp(0.0, 1.0));
     let mut ranked: Vec<(f32, Scored)> = rank.into_iter().zip(scored).collect();
-    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.turn.cmp(&a.1.turn)));
+    let by_rank =
+        |a: &(f32, Scored), b: &(f32, Scored)| b.0.total_cmp(&a.0).then(b.1.turn.cmp(&a.1.turn));
+    // Only the best `k` are ever used: select them, then sort those.
+    if ranked.len() > k && k > 0 {
+        ranked.select_nth_unstable_by(k - 1, by_rank);
+        ranked.truncate(k);
+    }
+    ranked.sort_by(by_rank);
     // The floor is calibrated on the fused score: by words alone (no query vector) every turn
     // sharing a word competes, as it always has.
     let floor = if semantic.is_some() {
@@ -226,6 +234,7 @@ mod tests {
             None,
             |_| true,
             Fusion::default(),
+            10,
         );
         assert!(under.is_empty());
         assert_eq!(kept[0].turn, 5);
@@ -240,7 +249,7 @@ mod tests {
             lexical_weight: 0.3,
             floor: 0.2,
         };
-        let (kept, under) = fuse(&[hit(3, 4.0)], 8.0, Some(&semantic), |t| t < 9, fusion);
+        let (kept, under) = fuse(&[hit(3, 4.0)], 8.0, Some(&semantic), |t| t < 9, fusion, 10);
         let turns: Vec<u64> = kept.iter().map(|s| s.turn).collect();
         // Turn 1 shares no word and ranks first; turn 9 is outside the pool.
         assert_eq!(turns, [1, 3]);
@@ -257,6 +266,7 @@ mod tests {
             Some(&[(1, 0.3)]),
             |_| true,
             Fusion::default(),
+            10,
         );
         let four = kept
             .iter()

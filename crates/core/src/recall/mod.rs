@@ -180,17 +180,14 @@ impl Recall {
             None => index.index.search(&query_terms, before_turn, k),
         };
         let weight = index.index.query_weight(&query_terms);
-        let (mut hits, mut under_floor) = fuse(
+        let (hits, under_floor) = fuse(
             &lexical,
             weight,
             semantic.as_deref(),
             |turn| turn < before_turn,
             query.fusion,
+            k,
         );
-        if hits.len() > k {
-            hits.truncate(k);
-        }
-        under_floor.truncate(k.saturating_sub(hits.len()));
         Ok(Found {
             hits,
             under_floor,
