@@ -91,14 +91,14 @@ fi
 
 # The admin API, console, TTL, metrics, long-term memory and MCP suites once more with memory in Redis (each
 # test's proxy started with `Harness::admin`, `tests/support/harness.rs`, starts its own
-# redis-server): the modules `admin`, `console`, `ttl`, `metrics`, `longterm` and `mcp` of the integration test
+# redis-server): the modules `admin`, `console`, `ttl`, `metrics`, `longterm`, `longterm_meaning`, `recall_meaning` and `mcp` of the integration test
 # binary `it` (`tests/it/`), named by a regular expression on the test's path for nextest and by
 # the modules' prefixes, which libtest matches as substrings, for `cargo test`.
-step "the admin API, console, TTL, metrics, long-term memory and MCP suites with memory in Redis"
+step "the admin API, console, TTL, metrics, long-term memory, recall by meaning and MCP suites with memory in Redis"
 if cargo nextest --version >/dev/null 2>&1; then
-    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test it -E 'test(/^(admin|console|ttl|metrics|longterm|mcp)::/)'
+    MEMPROXY_TEST_BACKEND=redis cargo nextest run --test it -E 'test(/^(admin|console|ttl|metrics|longterm|longterm_meaning|recall_meaning|mcp)::/)'
 else
-    MEMPROXY_TEST_BACKEND=redis cargo test --test it -- admin:: console:: ttl:: metrics:: longterm:: mcp::
+    MEMPROXY_TEST_BACKEND=redis cargo test --test it -- admin:: console:: ttl:: metrics:: longterm:: longterm_meaning:: recall_meaning:: mcp::
 fi
 
 # Bounded fuzzing: the property tests of the three parsers a client's bytes reach (SSE, the
