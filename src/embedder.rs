@@ -189,7 +189,29 @@ impl Embed for UpstreamEmbedder {
         self.dims.get().copied().unwrap_or(0)
     }
 
+    /// Texts with nothing to embed (the API refuses an empty string) get a zero vector without
+    /// a call.
     fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
+        let sent: Vec<&str> = texts
+            .iter()
+            .copied()
+            .filter(|t| !t.trim().is_empty())
+            .collect();
+        let mut made = self.embed_all(&sent)?.into_iter();
+        let dims = self.dims();
+        Ok(texts
+            .iter()
+            .map(|t| match t.trim().is_empty() {
+                true => vec![0.0; dims],
+                false => made.next().unwrap_or_else(|| vec![0.0; dims]),
+            })
+            .collect())
+    }
+}
+
+impl UpstreamEmbedder {
+    /// One vector per text, in calls of at most [`UPSTREAM_BATCH`] texts.
+    fn embed_all(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
         let mut out = Vec::with_capacity(texts.len());
         for batch in texts.chunks(UPSTREAM_BATCH) {
             let owned: Vec<String> = batch.iter().map(|t| t.to_string()).collect();

@@ -362,3 +362,50 @@ async fn a_broken_model_leaves_recall_by_words_and_every_request_answered() {
     let metrics = String::from_utf8_lossy(&metrics.body);
     assert!(metrics.contains("memproxy_embedding_up 0"), "{metrics}");
 }
+
+#[tokio::test]
+async fn the_providers_embeddings_serve_recall_when_configured() {
+    let Started { mock, proxy, .. } = Harness::new()
+        .upstream("api_key_env = \"TEST_UPSTREAM_KEY\"\n")
+        .config(
+            "[memory]\nrecent_n = 2\nrelevance_top_k = 2\n[embedding]\nembedder = \"upstream\"\nupstream_model = \"text-embedding-3-small\"\n",
+        )
+        .start()
+        .await;
+    for (fact, _) in &FACTS[..6] {
+        let answer = chat(&proxy, "provider", &body(&[user(fact)]), &[]).await;
+        assert_eq!(answer.status, 200);
+    }
+    embedded(&proxy).await;
+    let calls: Vec<_> = mock
+        .recorded()
+        .into_iter()
+        .filter(|r| r.path.ends_with("/embeddings"))
+        .collect();
+    assert!(!calls.is_empty());
+    for call in &calls {
+        assert_eq!(call.headers["authorization"], "Bearer sk-proxy-held");
+        assert_eq!(call.headers["x-memproxy-task"], "embedding");
+        assert_eq!(call.json()["model"], "text-embedding-3-small");
+    }
+    let memory = proxy.state.memory().unwrap();
+    assert!(
+        memory
+            .embedding
+            .counters
+            .vectors_stored
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 12
+    );
+    let answer = chat(
+        &proxy,
+        "provider",
+        &body(&[user("Tell me about the Volvo again")]),
+        &[("x-memory-persist", "false")],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("x-memory-recall"), "hybrid");
+    assert!(recalled(&mock).contains("silver Volvo"));
+    assert!(mock.refusals().is_empty(), "{:?}", mock.refusals());
+}

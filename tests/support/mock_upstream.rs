@@ -457,6 +457,9 @@ async fn answer(
     if let Some(response) = control(shared, &parts, &body) {
         return response;
     }
+    if parts.uri.path().ends_with("/embeddings") {
+        return embeddings_answer(&recorded.json());
+    }
     let api_path = parts.uri.path();
     if api_path.ends_with("/responses") || api_path.ends_with("/v1/messages") {
         let request = recorded_json(&recorded);
@@ -1401,4 +1404,62 @@ fn anthropic_events(
         }
     }
     events
+}
+
+/// Dimensions of the mock's embeddings.
+const MOCK_EMBEDDING_DIMS: usize = 64;
+
+/// `/v1/embeddings` as OpenAI answers it, refusing what OpenAI refuses (no model, an input that
+/// is not a string or a list of strings, an empty list or one of more than 2,048, an empty
+/// string). A text's vector counts its lower-case words hashed into 64 dimensions: texts that
+/// share words are near, others are not (enough to tell whether memproxy uses the vectors).
+fn embeddings_answer(request: &Value) -> Response<MockBody> {
+    let refuse = |message: &str, param: &str| {
+        json_response(
+            StatusCode::BAD_REQUEST,
+            json!({"error": {"message": message, "type": "invalid_request_error", "param": param, "code": null}}),
+        )
+    };
+    let Some(model) = request["model"].as_str().filter(|m| !m.is_empty()) else {
+        return refuse("you must provide a model parameter", "model");
+    };
+    let inputs: Vec<&str> = match &request["input"] {
+        Value::String(text) => vec![text.as_str()],
+        Value::Array(items) => match items.iter().map(Value::as_str).collect::<Option<Vec<_>>>() {
+            Some(texts) => texts,
+            None => return refuse("'input' must be a string or a list of strings", "input"),
+        },
+        _ => return refuse("'input' is a required property", "input"),
+    };
+    if inputs.is_empty() || inputs.len() > 2048 {
+        return refuse("'input' must hold 1 to 2048 items", "input");
+    }
+    if inputs.iter().any(|t| t.is_empty()) {
+        return refuse("'input' cannot contain an empty string", "input");
+    }
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(index, text)| {
+            let mut vector = [0f32; MOCK_EMBEDDING_DIMS];
+            for word in text
+                .split(|c: char| !c.is_alphanumeric())
+                .filter(|w| w.len() > 2)
+            {
+                let hash = word
+                    .to_lowercase()
+                    .bytes()
+                    .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+                    });
+                vector[(hash % MOCK_EMBEDDING_DIMS as u64) as usize] += 1.0;
+            }
+            json!({"object": "embedding", "index": index, "embedding": vector.to_vec()})
+        })
+        .collect();
+    json_response(
+        StatusCode::OK,
+        json!({"object": "list", "data": data, "model": model,
+               "usage": {"prompt_tokens": inputs.len(), "total_tokens": inputs.len()}}),
+    )
 }

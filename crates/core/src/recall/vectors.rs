@@ -51,8 +51,13 @@ impl DocVectors {
         self.turns.is_empty()
     }
 
-    /// Sets `turn`'s vector (a vector of another length is ignored).
+    /// Sets `turn`'s vector (a vector of another length is ignored). Vectors of dimension 0
+    /// (an embedder that learns its width from its first answer, the provider's) take the
+    /// first vector's.
     pub fn insert(&mut self, turn: u64, vector: &[f32]) {
+        if self.dims == 0 && self.turns.is_empty() {
+            self.dims = vector.len();
+        }
         if vector.len() != self.dims || self.dims == 0 {
             return;
         }
@@ -170,6 +175,15 @@ mod tests {
         assert!((sims[0].1 - 1.0).abs() < 0.01, "{sims:?}");
         let exact: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((sims[1].1 - exact).abs() < 0.01, "{sims:?} vs {exact}");
+    }
+
+    #[test]
+    fn an_unknown_width_is_the_first_vectors() {
+        let mut vectors = DocVectors::new(0);
+        vectors.insert(1, &[0.6, 0.8]);
+        vectors.insert(2, &[1.0, 0.0, 0.0]);
+        assert_eq!(vectors.dims(), 2);
+        assert_eq!(vectors.turns(), &[1]);
     }
 
     #[test]
