@@ -18,6 +18,7 @@ use crate::embedding::Embedder;
 use crate::upstream::Upstream;
 use memproxy_base::model::Credentials;
 use memproxy_embed::table::Distillation;
+use memproxy_embed::vector::normalize;
 use memproxy_embed::{Contextual, Embed, EmbedError, ModelFiles, Static};
 
 /// Texts one `/v1/embeddings` call carries at most.
@@ -152,7 +153,7 @@ async fn embeddings(
             .get("index")
             .and_then(Value::as_u64)
             .map_or(position, |i| i as usize);
-        let vector: Vec<f32> = item
+        let mut vector: Vec<f32> = item
             .get("embedding")
             .and_then(Value::as_array)
             .ok_or_else(|| EmbedError::Failed("an embedding is not a list".into()))?
@@ -160,24 +161,14 @@ async fn embeddings(
             .map(|v| v.as_f64().unwrap_or(0.0) as f32)
             .collect();
         if let Some(slot) = vectors.get_mut(index) {
-            *slot = Some(unit(vector));
+            normalize(&mut vector);
+            *slot = Some(vector);
         }
     }
     vectors
         .into_iter()
         .map(|v| v.ok_or_else(|| EmbedError::Failed("an input has no embedding".into())))
         .collect()
-}
-
-/// `vector` scaled to length 1 (zeros stay zeros).
-fn unit(mut vector: Vec<f32>) -> Vec<f32> {
-    let norm = vector.iter().map(|v| v * v).sum::<f32>().sqrt();
-    if norm > 0.0 && norm.is_finite() {
-        for v in &mut vector {
-            *v /= norm;
-        }
-    }
-    vector
 }
 
 impl Embed for UpstreamEmbedder {

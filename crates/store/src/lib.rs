@@ -77,7 +77,7 @@ pub use records::{
 pub use redis_engine::{RedisEngine, RedisOptions, is_redis_url};
 pub use sled_engine::SledEngine;
 pub use transfer::already_stored;
-pub use vectors::RecordVector;
+pub use vectors::{RecordVector, quantise};
 
 use flush::GroupFlusher;
 use keys::{EngineKeys, KeyFiles, Keys};

@@ -51,8 +51,9 @@ fn space_tag(space: &str) -> [u8; TAG_LEN] {
 }
 
 /// `vector` quantised: its scale and one int8 per component; `None` when it is empty or holds
-/// a value that is not finite.
-pub(crate) fn quantise(vector: &[f32]) -> Option<(f32, Vec<i8>)> {
+/// a value that is not finite. The one quantisation of vectors: the store's records and the
+/// recall indexes (`memproxy-core`'s `recall/vectors.rs`) hold the same bytes.
+pub fn quantise(vector: &[f32]) -> Option<(f32, Vec<i8>)> {
     if vector.is_empty() || vector.iter().any(|x| !x.is_finite()) {
         return None;
     }

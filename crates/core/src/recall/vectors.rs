@@ -17,18 +17,13 @@ pub struct DocVectors {
     scales: Vec<f32>,
 }
 
-/// Quantises `vector` to bytes and the scale that gives them back.
-pub fn quantise(vector: &[f32]) -> (Vec<i8>, f32) {
-    let max = vector.iter().fold(0f32, |m, v| m.max(v.abs()));
-    if max == 0.0 || !max.is_finite() {
-        return (vec![0; vector.len()], 0.0);
+/// Quantises `vector` as the store does (`memproxy_store::quantise`): its bytes and the scale
+/// that gives them back; all zeros for one that cannot be (empty, or not finite).
+fn quantise(vector: &[f32]) -> (Vec<i8>, f32) {
+    match memproxy_store::quantise(vector) {
+        Some((scale, bytes)) => (bytes, scale),
+        None => (vec![0; vector.len()], 0.0),
     }
-    let scale = max / 127.0;
-    let bytes = vector
-        .iter()
-        .map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8)
-        .collect();
-    (bytes, scale)
 }
 
 impl DocVectors {
