@@ -126,7 +126,7 @@ fn print_store_needs(config: &Config) {
                 format!(
                     "; the caches give up {} MiB: a budget of {} MiB would leave them whole",
                     mib(overdraft),
-                    mib(budget_for_messages(messages))
+                    mib(budget_for_messages(messages, budget.embedder))
                 )
             } else {
                 String::new()
@@ -135,7 +135,12 @@ fn print_store_needs(config: &Config) {
     }
     let sizes: Vec<String> = [100_000u64, 1_000_000, 10_000_000]
         .iter()
-        .map(|&n| format!("{n} messages {} MiB", mib(budget_for_messages(n))))
+        .map(|&n| {
+            format!(
+                "{n} messages {} MiB",
+                mib(budget_for_messages(n, budget.embedder))
+            )
+        })
         .collect();
     println!(
         "budget a sled store needs so the caches keep their shares: {}",
@@ -176,7 +181,7 @@ fn check_config(config: &Config) -> ExitCode {
     let budget = &config.memory_budget;
     let mib = |bytes: u64| bytes >> 20;
     println!(
-        "memory budget = {} MiB: state cache {} MiB, sled page cache {} MiB, recall cache {} MiB, the storage engine beyond its cache {} MiB, receipts {} MiB, the process itself about {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
+        "memory budget = {} MiB: state cache {} MiB, sled page cache {} MiB, recall cache {} MiB, the storage engine beyond its cache {} MiB, receipts {} MiB, the process itself about {} MiB, the embedder {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
         mib(budget.total),
         mib(budget.state_cache),
         mib(budget.store_cache),
@@ -184,6 +189,7 @@ fn check_config(config: &Config) -> ExitCode {
         mib(budget.engine_reserve),
         mib(budget.receipts),
         mib(memproxy::config::PROCESS_BASE),
+        mib(budget.embedder),
         mib(budget.in_flight()),
         mib(budget.high_water),
         mib(budget.total) + 64

@@ -112,9 +112,74 @@ impl Distillation {
 pub struct Static {
     pieces: WordPieces,
     /// `vocab × dims`, row by row, each row already weighted.
-    table: Vec<f32>,
+    table: Rows,
     dims: usize,
     id: String,
+}
+
+/// The table's rows held as int8 with a scale per row: a quarter of the memory of f32 (7.6 MiB
+/// instead of 29.8 for the default table), which a sidecar's budget counts. Each element is
+/// within half a step (1/254 of its row's largest magnitude) of the f32 the file holds, far
+/// under what moves a cosine between texts.
+#[derive(Debug, Default)]
+struct Rows {
+    codes: Vec<i8>,
+    scales: Vec<f32>,
+}
+
+impl Rows {
+    fn quantised(values: &[f32], dims: usize) -> Rows {
+        let mut rows = Rows {
+            codes: Vec::with_capacity(values.len()),
+            scales: Vec::with_capacity(values.len() / dims.max(1)),
+        };
+        for row in values.chunks(dims.max(1)) {
+            let max = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let scale = if max > 0.0 { max / 127.0 } else { 0.0 };
+            rows.scales.push(scale);
+            rows.codes.extend(row.iter().map(|x| {
+                if scale > 0.0 {
+                    (x / scale).round().clamp(-127.0, 127.0) as i8
+                } else {
+                    0
+                }
+            }));
+        }
+        rows
+    }
+
+    fn len(&self) -> usize {
+        self.codes.len()
+    }
+
+    /// Adds row `id` to `sum` (nothing when there is no such row).
+    fn add_to(&self, id: u32, sum: &mut [f32]) {
+        let dims = sum.len();
+        let Some(start) = usize::try_from(id).ok().and_then(|i| i.checked_mul(dims)) else {
+            return;
+        };
+        let (Some(codes), Some(&scale)) = (
+            self.codes.get(start..start + dims),
+            self.scales.get(start / dims.max(1)),
+        ) else {
+            return;
+        };
+        for (s, &c) in sum.iter_mut().zip(codes) {
+            *s += scale * f32::from(c);
+        }
+    }
+
+    /// The rows as f32 again, for the file.
+    fn values(&self, dims: usize) -> impl Iterator<Item = f32> + '_ {
+        self.codes
+            .chunks(dims.max(1))
+            .zip(&self.scales)
+            .flat_map(|(row, &scale)| row.iter().map(move |&c| scale * f32::from(c)))
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.codes.capacity() + self.scales.capacity() * std::mem::size_of::<f32>()
+    }
 }
 
 impl std::fmt::Debug for Static {
@@ -176,13 +241,13 @@ impl Static {
         let body = header.check(&bytes).map_err(|why| {
             EmbedError::Unavailable(format!("{} is not this table: {why}", path.display()))
         })?;
-        let table = body
+        let values: Vec<f32> = body
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         Ok(Self {
             pieces,
-            table,
+            table: Rows::quantised(&values, header.dims),
             dims: header.dims,
             id: header.id,
         })
@@ -199,7 +264,7 @@ impl Static {
         };
         let mut bytes = header.encode();
         bytes.reserve(self.table.len() * 4);
-        for x in &self.table {
+        for x in self.table.values(self.dims) {
             bytes.extend_from_slice(&x.to_le_bytes());
         }
         let cannot = |err: std::io::Error| {
@@ -217,12 +282,7 @@ impl Static {
 
     /// The table's size in memory, in bytes.
     pub fn table_bytes(&self) -> usize {
-        self.table.len() * std::mem::size_of::<f32>()
-    }
-
-    fn row(&self, id: u32) -> Option<&[f32]> {
-        let start = usize::try_from(id).ok()?.checked_mul(self.dims)?;
-        self.table.get(start..start + self.dims)
+        self.table.heap_bytes()
     }
 }
 
@@ -243,11 +303,7 @@ impl Embed for Static {
             .map(|text| {
                 let mut sum = vec![0.0f32; self.dims];
                 for id in self.pieces.pieces(text)? {
-                    if let Some(row) = self.row(id) {
-                        for (s, x) in sum.iter_mut().zip(row) {
-                            *s += x;
-                        }
-                    }
+                    self.table.add_to(id, &mut sum);
                 }
                 normalize(&mut sum);
                 Ok(sum)
@@ -330,7 +386,7 @@ impl TokenRows {
         }
         Static {
             pieces: self.pieces.clone(),
-            table,
+            table: Rows::quantised(&table, dims),
             dims,
             id: distillation.id(),
         }
@@ -449,6 +505,26 @@ impl Header {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn int8_rows_stay_within_half_a_step_and_requantise_to_themselves() {
+        let values = [
+            0.5, -0.25, 0.001, 0.0, /* second row */ 0.0, 0.0, 0.0, 0.0,
+        ];
+        let rows = Rows::quantised(&values, 4);
+        let back: Vec<f32> = rows.values(4).collect();
+        for (x, y) in values[..4].iter().zip(&back) {
+            assert!((x - y).abs() <= 0.5 / 127.0 * 0.5 + 1e-7, "{x} {y}");
+        }
+        assert_eq!(&back[4..], &[0.0; 4]);
+        let mut sum = vec![0.0; 4];
+        rows.add_to(0, &mut sum);
+        rows.add_to(7, &mut sum);
+        assert_eq!(sum, back[..4]);
+        let again = Rows::quantised(&back, 4);
+        assert_eq!(again.codes, rows.codes);
+        assert_eq!(rows.heap_bytes(), 8 + 2 * 4);
+    }
 
     #[test]
     fn rare_words_weigh_more_than_common_ones() {

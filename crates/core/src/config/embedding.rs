@@ -23,6 +23,16 @@ pub enum EmbedderKind {
 }
 
 impl EmbedderKind {
+    /// What the embedder keeps resident in the process, which `server.memory_budget` sets
+    /// aside before its split (`memory_budget.rs`).
+    pub fn resident_bytes(self) -> u64 {
+        match self {
+            EmbedderKind::Static => super::memory_budget::STATIC_EMBEDDER_BYTES,
+            EmbedderKind::Contextual => super::memory_budget::CONTEXTUAL_EMBEDDER_BYTES,
+            EmbedderKind::Upstream | EmbedderKind::Off => 0,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             EmbedderKind::Static => "static",

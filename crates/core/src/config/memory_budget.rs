@@ -3,8 +3,10 @@
 //! "Sizing the sidecar").
 //!
 //! The split ([`split`]): the process itself first, [`PROCESS_BASE`] (binary, runtime and
-//! threads, the tokenizers' tables: about 57 MiB measured once they are loaded); of the rest,
-//! in eighths,
+//! threads, the tokenizers' tables: about 57 MiB measured once they are loaded), and the
+//! embedder's table or model (`[embedding]`: [`STATIC_EMBEDDER_BYTES`] for the default static
+//! table, [`CONTEXTUAL_EMBEDDER_BYTES`] for the full model, nothing for the provider's or none;
+//! the table below is without one); of the rest, in eighths,
 //!
 //! | share | eighths | at the default 192 MiB |
 //! |---|---|---|
@@ -60,16 +62,17 @@ pub fn messages_on_disk(bytes: u64) -> u64 {
 }
 
 /// The smallest budget whose split gives sled's memory beyond its page cache room for a store
-/// of `messages` messages, rounded up to a MiB (never under [`MIN_MEMORY_BUDGET`], never under
-/// the default).
-pub fn budget_for_messages(messages: u64) -> u64 {
+/// of `messages` messages, rounded up to a MiB (never under the minimum for `embedder`, the
+/// embedder's resident bytes).
+pub fn budget_for_messages(messages: u64, embedder: u64) -> u64 {
     let need = engine_need(messages);
-    // The reserve is ENGINE_EIGHTHS eighths of what is past the process base.
-    let total = PROCESS_BASE.saturating_add(need.saturating_mul(8).div_ceil(ENGINE_EIGHTHS));
+    // The reserve is ENGINE_EIGHTHS eighths of what is past the process base and the embedder.
+    let total =
+        (PROCESS_BASE + embedder).saturating_add(need.saturating_mul(8).div_ceil(ENGINE_EIGHTHS));
     total
         .div_ceil(MIB)
         .saturating_mul(MIB)
-        .max(MIN_MEMORY_BUDGET)
+        .max(MIN_MEMORY_BUDGET + embedder)
 }
 
 impl MemoryBudget {
@@ -84,7 +87,15 @@ impl MemoryBudget {
     }
 }
 
-/// The smallest budget accepted: the process base and 32 MiB to share.
+/// The embedder's memory, resident from start: the default static table (int8 rows, 7.6 MiB,
+/// and the tokenizer; +16.4 MiB RSS measured with `memproxy-embed`'s `embed_cost` example).
+pub const STATIC_EMBEDDER_BYTES: u64 = 17 * MIB;
+
+/// The full model's (+91.1 MiB RSS measured the same way) and a forward pass's activations.
+pub const CONTEXTUAL_EMBEDDER_BYTES: u64 = 104 * MIB;
+
+/// The smallest budget accepted without an embedder: the process base and 32 MiB to share (an
+/// embedder adds its own bytes).
 pub const MIN_MEMORY_BUDGET: u64 = PROCESS_BASE + 32 * MIB;
 
 /// What the process takes before any cache or request: the binary, the runtime and its
@@ -118,6 +129,8 @@ pub struct MemoryBudget {
     pub engine_reserve: u64,
     /// `receipts.max_bytes`: explicit, or the share (0 with receipts off).
     pub receipts: u64,
+    /// The embedder's table or model, taken before the split (0: none, or the provider's).
+    pub embedder: u64,
 }
 
 impl MemoryBudget {
@@ -125,7 +138,7 @@ impl MemoryBudget {
     /// their part.
     pub fn in_flight(&self) -> u64 {
         self.total
-            .saturating_sub(PROCESS_BASE)
+            .saturating_sub(PROCESS_BASE + self.embedder)
             .saturating_sub(self.state_cache + self.store_cache + self.recall_cache)
             .saturating_sub(self.engine_reserve)
             .saturating_sub(self.receipts)
@@ -160,9 +173,15 @@ pub fn split(total: u64) -> MemoryBudget {
     split_for(total, StoreResidence::Embedded)
 }
 
-/// The split of `total` for `engine`, with no cache size set explicitly.
+/// The split of `total` for `engine`, with no cache size set explicitly and no embedder.
 pub fn split_for(total: u64, engine: StoreResidence) -> MemoryBudget {
-    let eighth = total.saturating_sub(PROCESS_BASE) / 8;
+    split_with(total, engine, 0)
+}
+
+/// The split of `total` for `engine` and an embedder of `embedder` bytes, with no cache size
+/// set explicitly.
+pub fn split_with(total: u64, engine: StoreResidence, embedder: u64) -> MemoryBudget {
+    let eighth = total.saturating_sub(PROCESS_BASE + embedder) / 8;
     let embedded = MemoryBudget {
         total,
         high_water: total - eighth,
@@ -171,6 +190,7 @@ pub fn split_for(total: u64, engine: StoreResidence) -> MemoryBudget {
         recall_cache: RECALL_EIGHTHS * eighth,
         engine_reserve: ENGINE_EIGHTHS * eighth,
         receipts: 0,
+        embedder,
     };
     let embedded = MemoryBudget {
         receipts: receipts_share(&embedded),
@@ -199,19 +219,30 @@ pub fn split_for(total: u64, engine: StoreResidence) -> MemoryBudget {
 pub(super) fn check_budget(
     total: u64,
     engine: StoreResidence,
+    embedder: (&str, u64),
     explicit: ExplicitCaches,
     problems: &mut Vec<String>,
 ) -> MemoryBudget {
-    if total < MIN_MEMORY_BUDGET {
+    let (embedder_name, embedder) = embedder;
+    let minimum = MIN_MEMORY_BUDGET + embedder;
+    if total < minimum {
+        let with = if embedder > 0 {
+            format!(
+                " and the {embedder_name} embedder {} MiB; or set [embedding] embedder = \"off\" or \"upstream\"",
+                embedder / MIB
+            )
+        } else {
+            String::new()
+        };
         problems.push(format!(
-            "server.memory_budget: {} MiB is too small: at least {} MiB (the process itself takes about {} MiB)",
+            "server.memory_budget: {} MiB is too small: at least {} MiB (the process itself takes about {} MiB{with})",
             total / MIB,
-            MIN_MEMORY_BUDGET / MIB,
+            minimum / MIB,
             PROCESS_BASE / MIB
         ));
-        return split_for(MIN_MEMORY_BUDGET, engine);
+        return split_with(minimum, engine, embedder);
     }
-    let shares = split_for(total, engine);
+    let shares = split_with(total, engine, embedder);
     let budget = MemoryBudget {
         state_cache: explicit.state.unwrap_or(shares.state_cache),
         store_cache: explicit.store.unwrap_or(shares.store_cache),
@@ -268,7 +299,13 @@ mod tests {
 
     fn check(total: u64, explicit: ExplicitCaches) -> (MemoryBudget, Vec<String>) {
         let mut problems = Vec::new();
-        let budget = check_budget(total, StoreResidence::Embedded, explicit, &mut problems);
+        let budget = check_budget(
+            total,
+            StoreResidence::Embedded,
+            ("none", 0),
+            explicit,
+            &mut problems,
+        );
         (budget, problems)
     }
 
@@ -290,11 +327,16 @@ mod tests {
             0
         );
         // The budget whose reserve covers it.
-        let needed = budget_for_messages(1_000_000);
+        let needed = budget_for_messages(1_000_000, 0);
         assert_eq!(split(needed).store_overdraft(1_000_000), 0);
         assert!(split(needed - MIB).store_overdraft(1_000_000) > 0);
         // An empty store: sled's base alone, two eighths of 44 MiB.
-        assert_eq!(budget_for_messages(0), 108 * MIB);
+        assert_eq!(budget_for_messages(0, 0), 108 * MIB);
+        // The static embedder comes first.
+        let with_table = budget_for_messages(1_000_000, STATIC_EMBEDDER_BYTES);
+        assert_eq!(with_table, needed + STATIC_EMBEDDER_BYTES);
+        let split = split_with(with_table, StoreResidence::Embedded, STATIC_EMBEDDER_BYTES);
+        assert_eq!(split.store_overdraft(1_000_000), 0);
         assert_eq!(messages_on_disk(600 * 1000), 1000);
     }
 
@@ -311,6 +353,7 @@ mod tests {
                 recall_cache: 32 * MIB,
                 engine_reserve: 32 * MIB,
                 receipts: 8 * MIB,
+                embedder: 0,
             }
         );
         assert_eq!(budget.in_flight(), 24 * MIB);
@@ -402,6 +445,7 @@ mod tests {
             check_budget(
                 192 * MIB,
                 StoreResidence::Remote,
+                ("none", 0),
                 ExplicitCaches::default(),
                 &mut problems
             ),
@@ -447,5 +491,51 @@ mod tests {
         assert_eq!(problems.len(), 1);
         assert!(problems[0].contains("at least 96 MiB"), "{}", problems[0]);
         assert_eq!(budget, split(MIN_MEMORY_BUDGET));
+    }
+
+    #[test]
+    fn the_embedder_is_taken_before_the_split_and_raises_the_minimum() {
+        let mut problems = Vec::new();
+        let budget = check_budget(
+            192 * MIB,
+            StoreResidence::Embedded,
+            ("static", STATIC_EMBEDDER_BYTES),
+            ExplicitCaches::default(),
+            &mut problems,
+        );
+        assert!(problems.is_empty(), "{problems:?}");
+        // (192 − 64 − 17) / 8 = 13.875 MiB an eighth.
+        let eighth = (192 - 64 - 17) * MIB / 8;
+        assert_eq!(
+            (budget.embedder, budget.state_cache, budget.high_water),
+            (STATIC_EMBEDDER_BYTES, eighth, 192 * MIB - eighth)
+        );
+        assert_eq!(
+            PROCESS_BASE
+                + budget.embedder
+                + budget.state_cache
+                + budget.store_cache
+                + budget.recall_cache
+                + budget.engine_reserve
+                + budget.receipts
+                + budget.in_flight(),
+            192 * MIB
+        );
+        // The full model does not fit a budget the default's size.
+        let mut problems = Vec::new();
+        check_budget(
+            192 * MIB,
+            StoreResidence::Embedded,
+            ("contextual", CONTEXTUAL_EMBEDDER_BYTES),
+            ExplicitCaches::default(),
+            &mut problems,
+        );
+        assert_eq!(problems.len(), 1);
+        assert!(
+            problems[0].contains("at least 200 MiB")
+                && problems[0].contains("the contextual embedder 104 MiB"),
+            "{}",
+            problems[0]
+        );
     }
 }

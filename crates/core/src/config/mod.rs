@@ -56,8 +56,9 @@ pub use embedding::{
 pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig};
 pub use mcp::{DEFAULT_MCP_ALLOWED_HOSTS, McpConfig};
 pub use memory_budget::{
-    MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE, budget_for_messages, engine_need,
-    messages_on_disk, split as split_memory_budget,
+    CONTEXTUAL_EMBEDDER_BYTES, MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE,
+    STATIC_EMBEDDER_BYTES, budget_for_messages, engine_need, messages_on_disk,
+    split as split_memory_budget,
 };
 pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{
@@ -231,8 +232,17 @@ fn check(
         storage::Backend::Sled => memory_budget::StoreResidence::Embedded,
         storage::Backend::Redis(_) => memory_budget::StoreResidence::Remote,
     };
-    let mut memory_budget =
-        memory_budget::check_budget(server.memory_budget, engine, storage.caches, &mut problems);
+    let embedding = embedding::check_embedding(raw.embedding, &mut problems);
+    let mut memory_budget = memory_budget::check_budget(
+        server.memory_budget,
+        engine,
+        (
+            embedding.embedder.name(),
+            embedding.embedder.resident_bytes(),
+        ),
+        storage.caches,
+        &mut problems,
+    );
     let (mut receipts, receipts_bytes) = receipts::check_receipts(raw.receipts, &mut problems);
     memory_budget::apply_receipts(
         &mut memory_budget,
@@ -247,7 +257,6 @@ fn check(
     let compression = compression::check_compression(raw.compression, &mut problems);
     let limits = limits::check_limits(raw.limits, &mut problems);
     let mcp = mcp::check_mcp(raw.mcp, &mut problems);
-    let embedding = embedding::check_embedding(raw.embedding, &mut problems);
 
     let background_budget = BackgroundBudget {
         default: compression.max_tokens_per_day,
@@ -503,7 +512,11 @@ mod tests {
         assert_default_time_limits(&config);
         assert_eq!(
             config.memory_budget,
-            split_memory_budget(DEFAULT_MEMORY_BUDGET)
+            memory_budget::split_with(
+                DEFAULT_MEMORY_BUDGET,
+                memory_budget::StoreResidence::Embedded,
+                STATIC_EMBEDDER_BYTES
+            )
         );
         assert!(text.contains("\nmemory_budget = \"192MiB\"\n"));
         assert!(config.receipts.enabled);
@@ -583,7 +596,7 @@ mod tests {
     #[test]
     fn the_caches_take_their_shares_of_the_memory_budget() {
         const MIB: u64 = 1024 * 1024;
-        let config = from_toml("", &no_env).unwrap();
+        let config = from_toml("[embedding]\nembedder = \"off\"\n", &no_env).unwrap();
         assert_eq!(config.memory_budget.total, DEFAULT_MEMORY_BUDGET);
         assert_eq!(
             (
@@ -593,9 +606,21 @@ mod tests {
             ),
             (16 * MIB, 16 * MIB, 32 * MIB)
         );
+        // The default static embedder's 17 MiB come first: eighths of 111 MiB.
+        let config = from_toml("", &no_env).unwrap();
+        let eighth = 111 * MIB / 8;
+        assert_eq!(
+            (
+                config.memory_budget.embedder,
+                config.state_cache_bytes,
+                config.store_cache_bytes,
+                config.recall_cache_bytes
+            ),
+            (17 * MIB, eighth, eighth, 2 * eighth)
+        );
 
         let config = from_toml(
-            "[server]\nmemory_budget = \"320MiB\"\n[storage]\nrecall_cache_bytes = \"64MiB\"\n",
+            "[server]\nmemory_budget = \"320MiB\"\n[storage]\nrecall_cache_bytes = \"64MiB\"\n[embedding]\nembedder = \"off\"\n",
             &no_env,
         )
         .unwrap();
@@ -628,7 +653,9 @@ mod tests {
         assert_eq!(err.problems.len(), 2, "{err}");
         assert_refused(
             "[server]\nmemory_budget = \"64MiB\"\n",
-            &["server.memory_budget: 64 MiB is too small: at least 96 MiB"],
+            &[
+                "server.memory_budget: 64 MiB is too small: at least 113 MiB (the process itself takes about 64 MiB and the static embedder 17 MiB; or set [embedding] embedder = \"off\" or \"upstream\")",
+            ],
         );
     }
 
