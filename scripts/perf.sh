@@ -23,7 +23,12 @@
 #
 # Usage: scripts/perf.sh [--rounds N] [--duration S] [--connections C] [--baseline BINARY]
 #                        [--binary BINARY] [--log LEVEL] [--budget SIZE] [--keep] [--record DIR]
+#                        [--extra FILE] [--baseline-extra FILE]
 # --budget SIZE: memproxy's server.memory_budget (default: its default, 192MiB).
+# --extra FILE: TOML added to each memproxy's config (any section but [server], [upstream] and
+# [storage], which the script writes), e.g. `[embedding]\nembedder = "off"`;
+# --baseline-extra FILE: the same for the baseline binary only (default: --extra's), so two
+# settings of one binary can be compared in one run (--baseline the same binary).
 # --record DIR: each memproxy row of the first round is also sampled with `perf record -g`
 # (Debian's linux-perf) into DIR/ROW.data, for `perf report -i DIR/ROW.data`.
 # Needs: nginx, wrk, curl, python3 (apt-get install nginx wrk curl python3); a release build
@@ -42,6 +47,8 @@ log_level=warn
 keep=false
 record=""
 budget=""
+extra=""
+baseline_extra=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --rounds) rounds=$2; shift 2 ;;
@@ -54,6 +61,8 @@ while [ $# -gt 0 ]; do
         --keep) keep=true; shift ;;
         --record) record=$2; shift 2 ;;
         --budget) budget=$2; shift 2 ;;
+        --extra) extra=$2; shift 2 ;;
+        --baseline-extra) baseline_extra=$2; shift 2 ;;
         -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
         *) echo "perf.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -136,7 +145,7 @@ done
 
 # memproxy: one process per binary, each with its own data directory, started anew at each
 # round (so every round starts from the same caches and resident memory).
-declare -A port_of pid_of binary_of
+declare -A port_of pid_of binary_of extra_of
 budget_line=""
 [ -z "$budget" ] || budget_line="memory_budget = \"$budget\""
 start_memproxy() { # name
@@ -158,6 +167,9 @@ base_url = "http://127.0.0.1:$upstream_port"
 [storage]
 data_dir = "$dir/$1/data"
 EOF
+    if [ -n "${extra_of[$1]}" ]; then
+        cat "${extra_of[$1]}" >>"$dir/$1/memproxy.toml"
+    fi
     RUST_LOG=$log_level "${nice_cmd[@]}" "${binary_of[$1]}" --config "$dir/$1/memproxy.toml" \
         serve >>"$dir/$1/log" 2>&1 &
     pid_of[$1]=$!
@@ -175,10 +187,12 @@ stop_memproxy() { # name
 binaries=(new)
 port_of[new]=$proxy_port
 binary_of[new]=$binary
+extra_of[new]=$extra
 if [ -n "$baseline" ]; then
     binaries+=(base)
     port_of[base]=$(free_port)
     binary_of[base]=$baseline
+    extra_of[base]=${baseline_extra:-$extra}
 fi
 for name in "${binaries[@]}"; do start_memproxy "$name"; done
 
@@ -316,6 +330,17 @@ for round in $(seq "$rounds"); do
             | awk -v who="$name" -v round="$round" '/^memproxy_admission_refused[a-z_]*\{/ && $NF > 0 {
                 print "perf.sh: WARNING round " round " [" who "] " $0 > "/dev/stderr" }'
     done
+done
+# Where a memory request's time goes (the last round's mem-ro and mem-store rows together):
+# each stage's mean, from memproxy's own histograms.
+for name in "${binaries[@]}"; do
+    curl -s "http://127.0.0.1:${port_of[$name]}/metrics" | tee "$dir/$name/metrics-last" | awk -v who="$name" '
+        /^memproxy_stage_duration_seconds_(sum|count)\{/ {
+            match($0, /stage="[a-z_]*"/); stage = substr($0, RSTART + 7, RLENGTH - 8)
+            if ($0 ~ /_sum\{/) sum[stage] = $NF; else count[stage] = $NF }
+        END { line = "[" who "] mean µs per stage, last round:"
+              for (s in count) if (count[s] > 0) line = line sprintf(" %s %.0f (%d)", s, sum[s] / count[s] * 1e6, count[s])
+              print line }'
 done
 
 python3 - "$results" "${binaries[@]}" <<'EOF'

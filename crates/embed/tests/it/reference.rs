@@ -78,3 +78,53 @@ fn a_fixed_thread_count_gives_the_same_vectors() {
         .fold(0.0f32, f32::max);
     assert!(worst <= 1e-5, "{worst}");
 }
+
+/// The ASCII short path gives the general pipeline's pieces: on the reference texts, and on
+/// generated ASCII text of every kind of byte (letters weighted as in prose, digits,
+/// punctuation, the whitespace BERT knows, control bytes, words past 100 characters).
+#[test]
+fn the_ascii_path_splits_as_the_general_pipeline() {
+    let model = Contextual::load(&model_files(), None).unwrap();
+    let pieces = model.word_pieces();
+    assert!(pieces.has_ascii_path());
+    let mut texts: Vec<String> = reference()
+        .cases
+        .into_iter()
+        .map(|c| c.text)
+        .filter(|t| t.is_ascii())
+        .collect();
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for n in 0..3000 {
+        let len = (next() % 240) as usize;
+        let mut text = String::with_capacity(len);
+        for _ in 0..len {
+            let pick = next() % 100;
+            let byte = match pick {
+                0..=59 => b"etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLU"[(next() % 38) as usize],
+                60..=69 => b' ',
+                70..=76 => b"0123456789"[(next() % 10) as usize],
+                77..=88 => b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"[(next() % 32) as usize],
+                89..=93 => b"\t\n\r\x0b\x0c"[(next() % 5) as usize],
+                _ => (next() % 128) as u8,
+            };
+            text.push(char::from(byte));
+        }
+        if n % 100 == 0 {
+            text.push_str(&"abc".repeat(40));
+        }
+        texts.push(text);
+    }
+    for text in &texts {
+        assert_eq!(
+            pieces.pieces(text).unwrap(),
+            pieces.general_pieces(text).unwrap(),
+            "{text:?}"
+        );
+    }
+}
