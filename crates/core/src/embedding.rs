@@ -288,45 +288,46 @@ impl Embedding {
         c.jobs_finished.load(Ordering::Relaxed) >= c.jobs_queued.load(Ordering::Relaxed)
     }
 
-    /// Starts the background worker (one job at a time: embedding is CPU work, and a
-    /// sidecar's cores are the agent's too). Must be called inside a tokio runtime.
+    /// Starts the background worker: one batch of jobs at a time (embedding is CPU work, and a
+    /// sidecar's cores are the agent's too), a batch being what queued while the last one ran,
+    /// its jobs of one conversation stored together. Must be called inside a tokio runtime.
     pub fn start(&self, store: Arc<Store>, recall: Arc<Recall>) {
         let Ok(embedder) = &self.embedder else {
             return;
         };
         let embedder = Arc::clone(embedder);
         let counters = Arc::clone(&self.counters);
-        self.jobs.start(1, move |work: Work| {
-            let (embedder, store, recall, counters) = (
-                Arc::clone(&embedder),
-                Arc::clone(&store),
-                Arc::clone(&recall),
-                Arc::clone(&counters),
-            );
-            async move {
-                let done = tokio::task::spawn_blocking(move || match work {
-                    Work::Messages(job) => embed_and_store(&*embedder, &store, &recall, &job),
-                    Work::Records(job) => embed_records(&*embedder, &store, job),
-                })
-                .await;
-                match done {
-                    Ok(Ok(stored)) => {
-                        counters
-                            .vectors_stored
-                            .fetch_add(stored as u64, Ordering::Relaxed);
+        self.jobs
+            .start_batched(BATCH_JOBS, move |batch: Vec<Work>| {
+                let (embedder, store, recall, counters) = (
+                    Arc::clone(&embedder),
+                    Arc::clone(&store),
+                    Arc::clone(&recall),
+                    Arc::clone(&counters),
+                );
+                async move {
+                    let jobs = batch.len() as u64;
+                    let done = tokio::task::spawn_blocking(move || {
+                        run_batch(&*embedder, &store, &recall, batch)
+                    })
+                    .await;
+                    match done {
+                        Ok(outcome) => {
+                            counters
+                                .vectors_stored
+                                .fetch_add(outcome.stored as u64, Ordering::Relaxed);
+                            counters
+                                .jobs_failed
+                                .fetch_add(outcome.failed_jobs, Ordering::Relaxed);
+                        }
+                        Err(err) => {
+                            counters.jobs_failed.fetch_add(jobs, Ordering::Relaxed);
+                            tracing::warn!(error = %err, "an embedding task failed");
+                        }
                     }
-                    Ok(Err(err)) => {
-                        counters.jobs_failed.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %err, "embedding stored messages failed");
-                    }
-                    Err(err) => {
-                        counters.jobs_failed.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %err, "an embedding task failed");
-                    }
+                    counters.jobs_finished.fetch_add(jobs, Ordering::Relaxed);
                 }
-                counters.jobs_finished.fetch_add(1, Ordering::Relaxed);
-            }
-        });
+            });
     }
 
     /// Stops the worker, waiting up to `grace` for the job in flight.
@@ -342,6 +343,63 @@ pub enum EmbedJobError {
     Embed(#[from] memproxy_embed::EmbedError),
     #[error(transparent)]
     Store(#[from] memproxy_store::StoreError),
+}
+
+/// Jobs a background batch takes at most.
+const BATCH_JOBS: usize = 256;
+
+/// What a batch of jobs did.
+#[derive(Debug, Default)]
+struct BatchOutcome {
+    stored: usize,
+    failed_jobs: u64,
+}
+
+impl BatchOutcome {
+    fn add(&mut self, result: Result<usize, EmbedJobError>, jobs: u64) {
+        match result {
+            Ok(stored) => self.stored += stored,
+            Err(err) => {
+                self.failed_jobs += jobs;
+                tracing::warn!(error = %err, "embedding stored messages failed");
+            }
+        }
+    }
+}
+
+/// Runs a batch: the owners' records job by job; the messages of each conversation (same key
+/// and id) merged into one job, in the order they came (a turn made again later keeps the
+/// later vector), so the batch costs one store transaction per conversation.
+fn run_batch(
+    embedder: &dyn Embed,
+    store: &Store,
+    recall: &Recall,
+    batch: Vec<Work>,
+) -> BatchOutcome {
+    let mut outcome = BatchOutcome::default();
+    let mut merged: Vec<(Job, u64)> = Vec::new();
+    let mut at: std::collections::HashMap<(ConversationKey, u64), usize> =
+        std::collections::HashMap::new();
+    for work in batch {
+        match work {
+            Work::Messages(job) => match at.entry((job.key.clone(), job.conversation_id)) {
+                std::collections::hash_map::Entry::Occupied(slot) => {
+                    let (into, jobs) = &mut merged[*slot.get()];
+                    into.texts.extend(job.texts);
+                    *jobs += 1;
+                }
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(merged.len());
+                    merged.push((job, 1));
+                }
+            },
+            Work::Records(job) => outcome.add(embed_records(embedder, store, job), 1),
+        }
+    }
+    for (job, jobs) in merged {
+        outcome.add(embed_and_store(embedder, store, recall, &job), jobs);
+    }
+    outcome
 }
 
 /// Embeds `job`'s texts (without the conversation's lock), then, under it, stores the vectors

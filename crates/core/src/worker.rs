@@ -79,6 +79,39 @@ impl<J: Send + 'static> Worker<J> {
         *lock(&self.task) = Some(task);
     }
 
+    /// Runs the queued jobs with `run` one batch at a time: each batch is what waited in the
+    /// queue when the previous one ended (at least one job, at most `max_batch`), so a job
+    /// whose fixed cost can be shared with the others (one store transaction per
+    /// conversation, one embedding call) pays it once per batch. Until [`Worker::shutdown`];
+    /// a second call (or one after [`Worker::start`]) does nothing.
+    pub fn start_batched<F, Fut>(&self, max_batch: usize, run: F)
+    where
+        F: Fn(Vec<J>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let Some(mut rx) = lock(&self.waiting).take() else {
+            return;
+        };
+        let stop = Arc::clone(&self.stop);
+        let max_batch = max_batch.max(1);
+        let task = tokio::spawn(async move {
+            let mut batch = Vec::with_capacity(max_batch);
+            loop {
+                tokio::select! {
+                    got = rx.recv_many(&mut batch, max_batch) => {
+                        if got == 0 {
+                            break;
+                        }
+                        run(std::mem::replace(&mut batch, Vec::with_capacity(max_batch))).await;
+                    }
+                    () = stop.notified() => break,
+                }
+            }
+            rx.close();
+        });
+        *lock(&self.task) = Some(task);
+    }
+
     /// Queues a job; false when the queue is full or closed (the job is dropped).
     pub fn enqueue(&self, job: J) -> bool {
         match &*lock(&self.queue) {
@@ -190,6 +223,34 @@ mod tests {
             worker.shutdown(Duration::from_millis(50)).await,
             "the long job is cancelled"
         );
+        assert!(!worker.enqueue(1), "a worker shut down takes no job");
+    }
+
+    #[tokio::test]
+    async fn batches_take_what_queued_meanwhile_in_order_and_at_most_so_many() {
+        let worker = Worker::new(64);
+        let batches = Arc::new(Mutex::new(Vec::<Vec<u32>>::new()));
+        let seen = Arc::clone(&batches);
+        // Queued before the start: the first batch takes them, up to the limit.
+        for n in 0..10 {
+            assert!(worker.enqueue(n));
+        }
+        worker.start_batched(4, move |batch: Vec<u32>| {
+            let seen = Arc::clone(&seen);
+            async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                lock(&seen).push(batch);
+            }
+        });
+        let count = || lock(&batches).iter().map(Vec::len).sum::<usize>();
+        while count() < 10 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let got = lock(&batches).clone();
+        assert_eq!(got.concat(), (0..10).collect::<Vec<u32>>());
+        assert!(got.iter().all(|b| !b.is_empty() && b.len() <= 4), "{got:?}");
+        assert_eq!(got[0], [0, 1, 2, 3]);
+        assert!(!worker.shutdown(Duration::from_millis(50)).await);
         assert!(!worker.enqueue(1), "a worker shut down takes no job");
     }
 }

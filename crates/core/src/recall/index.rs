@@ -289,6 +289,11 @@ impl Index {
         self.live().iter().map(|d| d.turn)
     }
 
+    /// Whether `turn` is a live document (documents are in turn order).
+    pub fn holds(&self, turn: u64) -> bool {
+        self.live().binary_search_by_key(&turn, |d| d.turn).is_ok()
+    }
+
     /// The `k` best documents for `query` among those with a turn below `before_turn`, best
     /// first. Documents with no query term are never returned.
     pub fn search(&mut self, query: &[String], before_turn: u64, k: usize) -> Vec<Hit> {
@@ -466,6 +471,18 @@ mod tests {
         assert!(hits[0].score > hits[1].score);
         assert!(index.search(&words("account"), 1, 5).is_empty());
         assert!(index.search(&words("nothing"), 100, 5).is_empty());
+    }
+
+    #[test]
+    fn holds_the_live_turns_only() {
+        let mut index = Index::new();
+        for turn in [2, 5, 9, 12] {
+            index.push(turn, words("a b"));
+        }
+        index.drop_front(1);
+        index.pop();
+        let held: Vec<u64> = (0..14).filter(|&t| index.holds(t)).collect();
+        assert_eq!(held, [5, 9]);
     }
 
     #[test]

@@ -211,12 +211,16 @@ impl Recall {
             if index.conversation_id != Some(conversation_id) {
                 return;
             }
-            let live: std::collections::HashSet<u64> = index.index.turns().collect();
-            let Some(held) = index.vectors.as_mut() else {
+            let ConversationIndex {
+                index: words,
+                vectors: held,
+                ..
+            } = &mut *index;
+            let Some(held) = held.as_mut() else {
                 return;
             };
             for (turn, vector) in vectors {
-                if live.contains(turn) {
+                if words.holds(*turn) {
                     held.insert(*turn, vector);
                 }
             }
