@@ -263,7 +263,7 @@ measure() { # port conversations prefix persist [binary] [record] → req/s and 
     fi
     if [ -n "${6:-}" ]; then
         mkdir -p "$record"
-        perf record -e cpu-clock -g -p "$pid" -o "$record/$6.data" -- sleep $((duration - 1)) \
+        perf record -e cpu-clock ${PERF_CALL_GRAPH:--g} -p "$pid" -o "$record/$6.data" -- sleep $((duration - 1)) \
             >/dev/null 2>&1 &
     fi
     out=$("${nice_cmd[@]}" wrk -t"$threads" -c"$connections" -d"${duration}s" --timeout 10s \
