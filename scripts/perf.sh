@@ -30,7 +30,9 @@
 # --baseline-extra FILE: the same for the baseline binary only (default: --extra's), so two
 # settings of one binary can be compared in one run (--baseline the same binary).
 # --record DIR: each memproxy row of the first round is also sampled with `perf record -g`
-# (Debian's linux-perf) into DIR/ROW.data, for `perf report -i DIR/ROW.data`.
+# (Debian's linux-perf) into DIR/ROW.data, for `perf report -i DIR/ROW.data`; set
+# PERF_CALL_GRAPH="--call-graph dwarf,8192" for stacks through code without frame pointers
+# (build with CARGO_PROFILE_RELEASE_STRIP=none, in a target dir of its own, to see names).
 # Needs: nginx, wrk, curl, python3 (apt-get install nginx wrk curl python3); a release build
 # (`cargo build --release`). Every address is on 127.0.0.1; every load loop ends after DURATION.
 # Run as root, the measured processes get `nice -n -15` (elsewhere they run at the usual
@@ -63,7 +65,7 @@ while [ $# -gt 0 ]; do
         --budget) budget=$2; shift 2 ;;
         --extra) extra=$2; shift 2 ;;
         --baseline-extra) baseline_extra=$2; shift 2 ;;
-        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
         *) echo "perf.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
