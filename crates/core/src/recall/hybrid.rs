@@ -118,15 +118,28 @@ pub fn fuse(
         })),
         Some(semantic) => {
             let w = fusion.lexical_weight.clamp(0.0, 1.0);
-            let words: std::collections::HashMap<u64, f32> = lexical
+            // The lexical scores by turn, walked alongside `semantic` (also by turn).
+            let mut words: Vec<(u64, f32)> = lexical
                 .iter()
                 .map(|h| (h.turn, lexical_score(h.score)))
                 .collect();
+            words.sort_unstable_by_key(|&(turn, _)| turn);
+            let mut next_word = words.iter().peekable();
+            scored.reserve(semantic.len() + words.len());
             for &(turn, similarity) in semantic {
+                let mut lexical = 0.0;
+                while let Some(&&(word_turn, score)) = next_word.peek() {
+                    if word_turn > turn {
+                        break;
+                    }
+                    if word_turn == turn {
+                        lexical = score;
+                    }
+                    next_word.next();
+                }
                 if !in_pool(turn) {
                     continue;
                 }
-                let lexical = words.get(&turn).copied().unwrap_or(0.0);
                 let semantic = similarity.clamp(0.0, 1.0);
                 scored.push(Scored {
                     turn,
@@ -256,6 +269,30 @@ mod tests {
         assert_eq!(kept[1].lexical, 0.5);
         assert_eq!(kept[1].semantic, Some(0.2));
         assert_eq!(under.iter().map(|s| s.turn).collect::<Vec<_>>(), [2]);
+    }
+
+    #[test]
+    fn lexical_hits_in_any_order_meet_their_turns_vectors() {
+        // Best first, as the index gives them; one turn (8) has no vector.
+        let hits = [hit(7, 8.0), hit(2, 4.0), hit(8, 2.0), hit(5, 1.0)];
+        let semantic = [(1, 0.1), (2, 0.2), (5, 0.5), (7, 0.7), (9, 0.9)];
+        let (kept, _) = fuse(&hits, 8.0, Some(&semantic), |_| true, Fusion::default(), 10);
+        let mut found: Vec<(u64, f32, Option<f32>)> = kept
+            .iter()
+            .map(|s| (s.turn, s.lexical, s.semantic))
+            .collect();
+        found.sort_by_key(|f| f.0);
+        assert_eq!(
+            found,
+            [
+                (1, 0.0, Some(0.1)),
+                (2, 0.5, Some(0.2)),
+                (5, 0.125, Some(0.5)),
+                (7, 1.0, Some(0.7)),
+                (8, 0.25, None),
+                (9, 0.0, Some(0.9)),
+            ]
+        );
     }
 
     #[test]
