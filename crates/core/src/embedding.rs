@@ -6,6 +6,8 @@
 //! Nothing here fails a chat request: without an embedder, or when an embedding fails, recall
 //! goes on by words alone and the request's `X-Memory-Recall` says why.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -377,18 +379,18 @@ fn run_batch(
     batch: Vec<Work>,
 ) -> BatchOutcome {
     let mut outcome = BatchOutcome::default();
+    // Each conversation's merged job and how many jobs it took in, in order of arrival.
     let mut merged: Vec<(Job, u64)> = Vec::new();
-    let mut at: std::collections::HashMap<(ConversationKey, u64), usize> =
-        std::collections::HashMap::new();
+    let mut at: HashMap<(ConversationKey, u64), usize> = HashMap::new();
     for work in batch {
         match work {
             Work::Messages(job) => match at.entry((job.key.clone(), job.conversation_id)) {
-                std::collections::hash_map::Entry::Occupied(slot) => {
+                Entry::Occupied(slot) => {
                     let (into, jobs) = &mut merged[*slot.get()];
                     into.texts.extend(job.texts);
                     *jobs += 1;
                 }
-                std::collections::hash_map::Entry::Vacant(slot) => {
+                Entry::Vacant(slot) => {
                     slot.insert(merged.len());
                     merged.push((job, 1));
                 }

@@ -91,7 +91,8 @@ impl MemoryBudget {
 /// and the tokenizer; +16.4 MiB RSS measured with `memproxy-embed`'s `embed_cost` example).
 pub const STATIC_EMBEDDER_BYTES: u64 = 17 * MIB;
 
-/// The full model's (+91.1 MiB RSS measured the same way) and a forward pass's activations.
+/// The full model's: +91.1 MiB RSS measured the same way, and an allowance (not measured) of
+/// about 13 MiB for a forward pass's activations.
 pub const CONTEXTUAL_EMBEDDER_BYTES: u64 = 104 * MIB;
 
 /// The smallest budget accepted without an embedder: the process base and 32 MiB to share (an

@@ -284,11 +284,6 @@ impl Index {
         self.term_ids.shrink_to_fit();
     }
 
-    /// The turns of every live document, oldest first.
-    pub fn turns(&self) -> impl Iterator<Item = u64> + '_ {
-        self.live().iter().map(|d| d.turn)
-    }
-
     /// Whether `turn` is a live document (documents are in turn order).
     pub fn holds(&self, turn: u64) -> bool {
         self.live().binary_search_by_key(&turn, |d| d.turn).is_ok()
