@@ -51,6 +51,10 @@ struct Args {
     /// sled's page cache in MiB (default: the default budget's share).
     #[arg(long)]
     page_cache_mib: Option<u64>,
+    /// Also store a vector of this many dimensions for each message, as recall by meaning
+    /// does (the default static embedder's: 256; 0: none).
+    #[arg(long, default_value_t = 0)]
+    vector_dims: usize,
 }
 
 fn rss_kib() -> u64 {
@@ -104,9 +108,10 @@ async fn main() -> Result<(), String> {
     );
     let opened = rss_kib();
     println!(
-        "store_growth: sled page cache {} MiB; {} conversations; RSS before opening {} MiB, opened {} MiB",
+        "store_growth: sled page cache {} MiB; {} conversations; vectors of {} dimensions; RSS before opening {} MiB, opened {} MiB",
         page_cache >> 20,
         args.conversations,
+        args.vector_dims,
         idle / 1024,
         opened / 1024
     );
@@ -141,6 +146,23 @@ async fn main() -> Result<(), String> {
                 },
             )
             .map_err(|e| e.to_string())?;
+        if args.vector_dims > 0 {
+            let vectors: Vec<(u64, Vec<f32>)> = conversation
+                .entries
+                .iter()
+                .rev()
+                .take(2)
+                .map(|e| {
+                    let v = (0..args.vector_dims)
+                        .map(|i| ((e.turn as usize * 31 + i * 7) % 97) as f32 / 97.0 - 0.5)
+                        .collect();
+                    (e.turn, v)
+                })
+                .collect();
+            store
+                .put_vectors(&conversation, "growth:static", &vectors)
+                .map_err(|e| e.to_string())?;
+        }
         drop(conversation);
         store.touch(&key, &handle);
         stored += 2;

@@ -108,7 +108,9 @@ pin_project! {
     ///
     /// The clock runs only while the body's reader is waiting for a frame: a reader that is
     /// slow to ask (a client reading slowly, a connection applying back-pressure) never makes
-    /// the body look stalled.
+    /// the body look stalled. It is started when the body first has no frame ready, so a body
+    /// whose frames are all at hand (most request bodies, and answers that come with their
+    /// head) never touches the runtime's timer wheel, whose lock two workers would share.
     pub struct IdleTimeout<B> {
         #[pin]
         inner: B,
@@ -144,22 +146,24 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
-        if !*this.waiting {
-            this.sleep.as_mut().reset(Instant::now() + *this.idle);
-            *this.waiting = true;
-        }
         match this.inner.poll_frame(cx) {
             Poll::Ready(frame) => {
                 *this.waiting = false;
                 Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
             }
-            Poll::Pending => match this.sleep.poll(cx) {
-                Poll::Ready(()) => {
-                    *this.waiting = false;
-                    Poll::Ready(Some(Err(Box::new(Stalled { idle: *this.idle }))))
+            Poll::Pending => {
+                if !*this.waiting {
+                    this.sleep.as_mut().reset(Instant::now() + *this.idle);
+                    *this.waiting = true;
                 }
-                Poll::Pending => Poll::Pending,
-            },
+                match this.sleep.poll(cx) {
+                    Poll::Ready(()) => {
+                        *this.waiting = false;
+                        Poll::Ready(Some(Err(Box::new(Stalled { idle: *this.idle }))))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
     }
 

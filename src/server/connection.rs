@@ -101,6 +101,7 @@ pub fn serve(
         // An idle connection shut down gracefully has this long to close (an h2c client that
         // never acknowledges the GOAWAY's ping would hold it); then it is dropped.
         let mut cut_at: Option<Instant> = None;
+        let mut timer = Timer::new();
         loop {
             tokio::select! {
                 result = connection.as_mut() => {
@@ -109,7 +110,7 @@ pub fn serve(
                     }
                     return;
                 }
-                expiry = activity.expired(limits), if !closing => match expiry {
+                expiry = activity.expired(limits, &mut timer), if !closing => match expiry {
                     Expiry::Head => {
                         tracing::debug!(timeout_s = limits.header_read.as_secs_f64(), "no complete request head in time; closing the connection");
                         return;
@@ -247,7 +248,7 @@ impl Activity {
 
     /// Completes once the connection has run out of time: waits through every change of state
     /// (each one can move the deadline) until a deadline passes with nothing changed.
-    pub async fn expired(&self, limits: Limits) -> Expiry {
+    pub async fn expired(&self, limits: Limits, timer: &mut Timer) -> Expiry {
         loop {
             // Registered before the state is read, so no change between the two is missed.
             let changed = self.changed.notified();
@@ -255,14 +256,60 @@ impl Activity {
             changed.as_mut().enable();
             match self.deadline(limits) {
                 None => changed.await,
-                Some((at, expiry)) if at <= Instant::now() => return expiry,
-                Some((at, _)) => {
+                Some((at, expiry)) => {
+                    let now = Instant::now();
+                    if at <= now {
+                        return expiry;
+                    }
+                    timer.set(wake_at(at, expiry, limits, now));
                     tokio::select! {
                         () = changed => {}
-                        () = tokio::time::sleep_until(at) => {}
+                        () = timer.sleep.as_mut() => {}
                     }
                 }
             }
+        }
+    }
+}
+
+/// A connection's one watchdog timer, moved as its deadline moves rather than made anew for each
+/// request. Moved later, a timer still waiting in the runtime's wheel is only re-dated (no
+/// lock); made anew or moved earlier, it takes the wheel's lock, which the workers share, and
+/// that twice per request was a measurable part of pass-through's cost.
+pub struct Timer {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Default for Timer {
+    fn default() -> Self {
+        Timer::new()
+    }
+}
+
+impl Timer {
+    pub fn new() -> Timer {
+        Timer {
+            sleep: Box::pin(tokio::time::sleep(Duration::from_secs(3600))),
+        }
+    }
+
+    fn set(&mut self, at: Instant) {
+        if self.sleep.deadline() != at {
+            self.sleep.as_mut().reset(at);
+        }
+    }
+}
+
+/// When the watchdog wakes for a deadline `at`. An idle HTTP/1.1 connection's next head will
+/// be due `header_read` after its first byte, which is earlier than the idle deadline: waking
+/// at the earlier of the two while idle keeps each move of the timer a later one (the lock-free
+/// kind); woken early, the watchdog finds the connection still idle and waits on to `at`.
+fn wake_at(at: Instant, expiry: Expiry, limits: Limits, now: Instant) -> Instant {
+    match expiry {
+        Expiry::Head => at,
+        Expiry::Idle => {
+            let early = at - limits.idle + limits.header_read;
+            if early > now && early < at { early } else { at }
         }
     }
 }
@@ -340,7 +387,10 @@ mod tests {
     async fn a_new_connection_must_send_its_head_within_the_head_timeout() {
         let activity = Activity::new();
         let started = Instant::now();
-        assert_eq!(activity.expired(LIMITS).await, Expiry::Head);
+        assert_eq!(
+            activity.expired(LIMITS, &mut Timer::new()).await,
+            Expiry::Head
+        );
         assert_eq!(started.elapsed(), LIMITS.header_read);
     }
 
@@ -350,7 +400,12 @@ mod tests {
         let in_flight = activity.request_started(Version::HTTP_11);
         let watch = {
             let activity = Arc::clone(&activity);
-            tokio::spawn(async move { (activity.expired(LIMITS).await, Instant::now()) })
+            tokio::spawn(async move {
+                (
+                    activity.expired(LIMITS, &mut Timer::new()).await,
+                    Instant::now(),
+                )
+            })
         };
         tokio::time::sleep(LIMITS.idle * 5).await;
         assert!(!watch.is_finished());
@@ -362,13 +417,39 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn an_idle_watchdog_wakes_first_where_a_head_would_be_due_and_never_moves_earlier() {
+        let now = Instant::now();
+        let idle_at = now + LIMITS.idle;
+        // Idle: woken at the head window, so a byte then moves the timer later, not earlier.
+        assert_eq!(
+            wake_at(idle_at, Expiry::Idle, LIMITS, now),
+            now + LIMITS.header_read
+        );
+        let head_due = now + Duration::from_secs(3) + LIMITS.header_read;
+        assert!(head_due > wake_at(idle_at, Expiry::Idle, LIMITS, now));
+        // Woken there and still idle: on to the idle deadline itself.
+        let later = now + LIMITS.header_read;
+        assert_eq!(wake_at(idle_at, Expiry::Idle, LIMITS, later), idle_at);
+        assert_eq!(wake_at(head_due, Expiry::Head, LIMITS, now), head_due);
+        // A head timeout longer than the idle one: the idle deadline.
+        let long_head = Limits {
+            header_read: Duration::from_secs(90),
+            idle: Duration::from_secs(60),
+        };
+        assert_eq!(wake_at(idle_at, Expiry::Idle, long_head, now), idle_at);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_byte_after_the_last_answer_starts_the_head_timeout_on_http1_only() {
         let activity = Arc::new(Activity::new());
         drop(activity.request_started(Version::HTTP_11));
         tokio::time::sleep(Duration::from_secs(5)).await;
         let byte_at = Instant::now();
         activity.received();
-        assert_eq!(activity.expired(LIMITS).await, Expiry::Head);
+        assert_eq!(
+            activity.expired(LIMITS, &mut Timer::new()).await,
+            Expiry::Head
+        );
         assert_eq!(Instant::now() - byte_at, LIMITS.header_read);
 
         let h2 = Arc::new(Activity::new());
@@ -377,7 +458,7 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(5)).await;
         // A ping between requests: not the start of a head.
         h2.received();
-        assert_eq!(h2.expired(LIMITS).await, Expiry::Idle);
+        assert_eq!(h2.expired(LIMITS, &mut Timer::new()).await, Expiry::Idle);
         assert_eq!(Instant::now() - idle_at, LIMITS.idle);
     }
 }
