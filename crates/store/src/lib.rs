@@ -116,6 +116,8 @@ pub struct Conversation {
     /// The version a commit checks against.
     version: Version,
     pub entries: Vec<Entry>,
+    /// The message bodies last read and opened ([`Store::messages`]).
+    opened: Mutex<Opened>,
 }
 
 impl Conversation {
@@ -125,12 +127,13 @@ impl Conversation {
             meta: loaded.meta,
             version: loaded.version,
             entries: loaded.entries,
+            opened: Mutex::default(),
         }
     }
 
-    /// The heap it holds beyond its own struct: its key's strings, its version, its entries,
-    /// its record's list of the newest exchanges' figures.
-    fn heap_bytes(&self) -> usize {
+    /// The heap it holds beyond its own struct, but for [`Opened`]: its key's strings, its
+    /// version, its entries, its record's list of the newest exchanges' figures.
+    fn own_heap_bytes(&self) -> usize {
         self.key.heap_bytes()
             + self.version.heap_bytes()
             + heap::vec::<Entry>(self.entries.capacity())
@@ -140,11 +143,120 @@ impl Conversation {
                 .map_or(0, |meta| heap::vec::<ExchangePoint>(meta.recent.capacity()))
     }
 
+    /// Weighs the conversation for the state cache, granting [`Opened`] its allowance for
+    /// until the next weighing: as much as the rest of the conversation weighs, at most
+    /// [`Opened::MAX_ALLOWANCE`] (what it held over the new grant is let go now).
+    fn weigh(&self) -> usize {
+        let own = self.own_heap_bytes();
+        let granted = match self.opened.try_lock() {
+            Ok(mut opened) => {
+                opened.grant(own.min(Opened::MAX_ALLOWANCE));
+                opened.allowance
+            }
+            // Held by a reader right now: its allowance stays the one last weighed.
+            Err(_) => 0,
+        };
+        own + granted
+    }
+
     /// Empties an in-memory conversation.
     fn reset(&mut self) {
         self.meta = None;
         self.version = Version::absent();
         self.entries.clear();
+        self.opened_lock().clear();
+    }
+
+    fn opened_lock(&self) -> MutexGuard<'_, Opened> {
+        self.opened
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The stored fingerprint of `turn`, if the conversation holds it.
+    fn fingerprint(&self, turn: u64) -> Option<u64> {
+        self.entries
+            .binary_search_by_key(&turn, |e| e.turn)
+            .ok()
+            .map(|i| self.entries[i].fingerprint)
+    }
+}
+
+/// The message bodies a cached conversation last read and opened, most recently used last:
+/// each request reads its window (and its recalled turns) again, and reading one from the
+/// engine means a lookup, a base64 decode and a decryption, about a tenth of a read-only
+/// request's CPU. Held for one conversation id (cleared when it changes) and checked against
+/// the entry's fingerprint on each use, so a body is never taken for another message. It holds
+/// at most the allowance the state cache's weigher granted when it last weighed the
+/// conversation ([`Conversation::weigh`]), so a conversation never holds more than it is
+/// counted for.
+#[derive(Debug, Default)]
+struct Opened {
+    id: u64,
+    messages: Vec<StoredMessage>,
+    bytes: usize,
+    allowance: usize,
+}
+
+impl Opened {
+    /// The most bytes of opened bodies a conversation keeps: a window of ten messages and
+    /// five recalled turns of a few hundred bytes each.
+    const MAX_ALLOWANCE: usize = 12 << 10;
+
+    fn clear(&mut self) {
+        self.messages.clear();
+        self.bytes = 0;
+    }
+
+    /// Sets the allowance, letting go of the least recently used bodies over it.
+    fn grant(&mut self, allowance: usize) {
+        self.allowance = allowance;
+        while self.bytes > allowance && !self.messages.is_empty() {
+            let old = self.messages.remove(0);
+            self.bytes -= Opened::weight(&old);
+        }
+    }
+
+    fn weight(message: &StoredMessage) -> usize {
+        heap::string(message.message.get().len()) + std::mem::size_of::<StoredMessage>()
+    }
+
+    /// The body of `turn` when it is held for conversation `id` with `fingerprint`; marked as
+    /// used last.
+    fn take(&mut self, id: u64, turn: u64, fingerprint: u64) -> Option<StoredMessage> {
+        if self.id != id {
+            return None;
+        }
+        let i = self
+            .messages
+            .iter()
+            .position(|m| m.turn == turn && m.fingerprint == fingerprint)?;
+        let message = self.messages.remove(i);
+        self.messages.push(message.clone());
+        Some(message)
+    }
+
+    /// Keeps `message` (of conversation `id`), dropping the least recently used past the
+    /// allowance.
+    fn keep(&mut self, id: u64, message: &StoredMessage) {
+        if self.id != id {
+            self.clear();
+            self.id = id;
+        }
+        let weight = Opened::weight(message);
+        if weight > self.allowance / 4 {
+            return;
+        }
+        if let Some(i) = self.messages.iter().position(|m| m.turn == message.turn) {
+            let old = self.messages.remove(i);
+            self.bytes -= Opened::weight(&old);
+        }
+        while self.bytes + weight > self.allowance && !self.messages.is_empty() {
+            let old = self.messages.remove(0);
+            self.bytes -= Opened::weight(&old);
+        }
+        self.bytes += weight;
+        self.messages.push(message.clone());
     }
 }
 
@@ -348,7 +460,7 @@ impl Store {
             |key: &ConversationKey, handle: &Handle| {
                 // `try_lock`: the weigher may run while the caller holds the lock (the weight
                 // is refreshed by `touch` after each commit).
-                let state = handle.try_lock().map_or(0, |c| c.heap_bytes());
+                let state = handle.try_lock().map_or(0, |c| c.weigh());
                 let bytes = heap::CACHE_ENTRY
                     + key.heap_bytes()
                     + heap::arc::<Mutex<Conversation>>()
@@ -474,9 +586,38 @@ impl Store {
             return Ok(Vec::new());
         };
         let turns: Vec<u64> = turns.into_iter().collect();
-        let mut messages = self.engine.messages(&conversation.key, meta.id, &turns)?;
-        self.open_messages(&conversation.key, meta.id, &mut messages)?;
-        Ok(messages)
+        let mut found: Vec<Option<StoredMessage>> = Vec::with_capacity(turns.len());
+        let mut missing = Vec::new();
+        {
+            let mut opened = conversation.opened_lock();
+            for &turn in &turns {
+                let held = conversation
+                    .fingerprint(turn)
+                    .and_then(|fingerprint| opened.take(meta.id, turn, fingerprint));
+                if held.is_none() {
+                    missing.push(turn);
+                }
+                found.push(held);
+            }
+        }
+        if missing.is_empty() {
+            return Ok(found.into_iter().flatten().collect());
+        }
+        let mut read = self.engine.messages(&conversation.key, meta.id, &missing)?;
+        self.open_messages(&conversation.key, meta.id, &mut read)?;
+        {
+            let mut opened = conversation.opened_lock();
+            for message in &read {
+                if conversation.fingerprint(message.turn) == Some(message.fingerprint) {
+                    opened.keep(meta.id, message);
+                }
+            }
+        }
+        let mut read = read.into_iter();
+        Ok(found
+            .into_iter()
+            .filter_map(|held| held.or_else(|| read.next()))
+            .collect())
     }
 
     /// Applies `change` to `conversation` atomically, assigning turn numbers to the added
@@ -852,6 +993,108 @@ pub(crate) mod tests {
                 .entries
                 .is_empty()
         );
+    }
+
+    #[tokio::test]
+    async fn opened_bodies_are_served_again_only_for_the_message_they_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let handle = store.conversation(&key("c")).unwrap();
+        let mut conv = lock(&handle);
+        let change = Change {
+            add: vec![
+                message(Role::User, "one"),
+                message(Role::Assistant, "two two"),
+                message(Role::User, "three three three"),
+            ],
+            ..Change::default()
+        };
+        store.commit(&mut conv, change).unwrap();
+        // Weighed again after the commit, as the pipeline does: the allowance follows.
+        drop(conv);
+        store.touch(&key("c"), &handle);
+        let mut conv = lock(&handle);
+        assert!(conv.opened_lock().allowance > 0);
+        let text = |m: &StoredMessage| m.message.get().to_string();
+        let first: Vec<String> = store
+            .messages(&conv, [3, 1])
+            .unwrap()
+            .iter()
+            .map(text)
+            .collect();
+        assert!(first[0].contains("three") && first[1].contains("one"));
+        assert_eq!(conv.opened_lock().messages.len(), 2);
+
+        // Held: a second read takes turn 1 from what was opened (marked here), and turn 2,
+        // never read, from the engine, in the order asked.
+        let marked = RawValue::from_string(r#"{"role":"user","content":"held"}"#.into()).unwrap();
+        for m in conv
+            .opened_lock()
+            .messages
+            .iter_mut()
+            .filter(|m| m.turn == 1)
+        {
+            m.message = marked.clone();
+        }
+        let again: Vec<String> = store
+            .messages(&conv, [2, 1])
+            .unwrap()
+            .iter()
+            .map(text)
+            .collect();
+        assert!(again[0].contains("two two"), "{again:?}");
+        assert!(again[1].contains("held"), "{again:?}");
+
+        // An entry whose fingerprint is not the held body's: read from the engine again.
+        let i = conv.entries.iter().position(|e| e.turn == 1).unwrap();
+        conv.entries[i].fingerprint += 1;
+        let fresh = store.messages(&conv, [1]).unwrap();
+        assert!(text(&fresh[0]).contains("one"), "{fresh:?}");
+        conv.entries[i].fingerprint -= 1;
+
+        // Another conversation id: nothing held is used.
+        let mut opened = Opened::default();
+        opened.grant(Opened::MAX_ALLOWANCE);
+        opened.keep(7, &fresh[0]);
+        assert!(opened.take(8, 1, fresh[0].fingerprint).is_none());
+        assert!(opened.take(7, 1, fresh[0].fingerprint).is_some());
+    }
+
+    #[test]
+    fn opened_bodies_stay_within_their_allowance_least_recently_used_out() {
+        let mut opened = Opened::default();
+        opened.grant(Opened::MAX_ALLOWANCE);
+        let body = "x".repeat(600);
+        for turn in 1..=100u64 {
+            let mut m = message(Role::User, &body);
+            m.turn = turn;
+            opened.keep(1, &m);
+            // Turn 1 is used after each keep: it stays.
+            assert!(opened.take(1, 1, m.fingerprint).is_some(), "turn {turn}");
+            assert!(
+                opened.bytes <= Opened::MAX_ALLOWANCE,
+                "{} bytes",
+                opened.bytes
+            );
+        }
+        let held: Vec<u64> = opened.messages.iter().map(|m| m.turn).collect();
+        assert!(
+            held.contains(&100) && held.contains(&1) && !held.contains(&2),
+            "{held:?}"
+        );
+        assert_eq!(
+            opened.bytes,
+            opened.messages.iter().map(Opened::weight).sum::<usize>()
+        );
+        // A body over a quarter of the allowance is not kept.
+        let mut big = message(Role::User, &"y".repeat(Opened::MAX_ALLOWANCE));
+        big.turn = 200;
+        opened.keep(1, &big);
+        assert!(opened.take(1, 200, big.fingerprint).is_none());
+        // A smaller grant lets the least recently used go at once.
+        opened.grant(2_000);
+        assert!(opened.bytes <= 2_000 && !opened.messages.is_empty());
+        assert_eq!(opened.messages.last().map(|m| m.turn), Some(1));
     }
 
     #[test]
