@@ -15,9 +15,9 @@
 //! - **Relieved** ([`Relief`]): before it comes to refusing, a thread every [`RELIEF_EVERY`]
 //!   holds the caches (conversation state, recall indexes, users' indexes, receipts; each a
 //!   [`Shrink`]) under lower limits, least recently used first, down to their floors, and asks
-//!   the allocator to give the freed pages back (`allocator.rs`), once the RSS passes
-//!   [`Marks::shrink_above`]; it lifts the limits again once the RSS is under
-//!   [`Marks::grow_below`] ([`new_limits`]). Refusal is left for what shrinking cannot cover,
+//!   the allocator to give the freed pages back (`allocator.rs`), once the RSS with the
+//!   reservations on top passes [`Marks::shrink_above`]; it lifts the limits again once that
+//!   is under [`Marks::grow_below`] ([`new_limits`]). Refusal is left for what shrinking cannot cover,
 //!   and ends as soon as the RSS is back under the mark.
 //!
 //! What a refusal means is the caller's choice (README, "Sizing the sidecar"): a chat request
@@ -122,6 +122,7 @@ const LOG_EVERY: Duration = Duration::from_secs(60);
 impl MemoryGuard {
     pub fn new(budget: MemoryBudget) -> MemoryGuard {
         let resident = Arc::new(Resident::new());
+        let reserved = Arc::new(AtomicU64::new(0));
         MemoryGuard {
             budget,
             relief: Arc::new(Relief {
@@ -131,12 +132,13 @@ impl MemoryGuard {
                 pretended_messages: AtomicU64::new(NOT_PRETENDING),
                 overdraft: AtomicU64::new(0),
                 resident: Arc::clone(&resident),
+                reserved: Arc::clone(&reserved),
                 caches: Mutex::default(),
                 shrinks: AtomicU64::new(0),
                 state: AtomicU64::new(PressureState::Calm as u64),
             }),
             resident,
-            reserved: Arc::new(AtomicU64::new(0)),
+            reserved,
             refusing: AtomicBool::new(false),
             logged_at_ms: AtomicU64::new(NEVER_READ),
         }
@@ -390,6 +392,8 @@ pub struct Relief {
     /// What the store needs beyond its reserve, taken from the caches' sizes (last tick).
     overdraft: AtomicU64,
     resident: Arc<Resident>,
+    /// The guard's reservations of the requests in flight ([`MemoryGuard::admit`]).
+    reserved: Arc<AtomicU64>,
     caches: Mutex<Vec<Arc<dyn Shrink>>>,
     /// Ticks that shrank a cache.
     shrinks: AtomicU64,
@@ -490,10 +494,17 @@ impl Relief {
 
     /// One tick: reads the RSS afresh, sets each cache's limit ([`new_limits`]) and, when
     /// anything was evicted, gives the freed pages back to the system.
+    ///
+    /// What it weighs is the RSS with the reservations of the requests in flight on top, as
+    /// admission does: a steady load's reservations (16 clients with long histories hold 10–20
+    /// MiB) would otherwise keep admission past the mark while the caches, under the mark by the
+    /// RSS alone, stayed full, and memory would be refused where shrinking could make room.
     pub fn relieve(&self) {
         let Some(resident) = self.resident.read_now() else {
             return;
         };
+        let reserved = self.reserved.load(Ordering::Acquire);
+        let weighed = resident.saturating_add(reserved);
         let caches = self.caches();
         let ceilings = self.ceilings(&caches);
         let figures: Vec<CacheFigures> = caches
@@ -506,12 +517,12 @@ impl Relief {
                 capacity: ceiling,
             })
             .collect();
-        let limits = new_limits(resident, &self.marks, &figures);
+        let limits = new_limits(weighed, &self.marks, &figures);
         let mut freed = 0;
         for (cache, limit) in caches.iter().zip(limits) {
             freed += cache.limit_to(limit);
         }
-        let state = if resident <= self.marks.shrink_above {
+        let state = if weighed <= self.marks.shrink_above {
             PressureState::Calm
         } else if figures.iter().all(|c| c.bytes.min(c.limit) <= c.floor) {
             PressureState::AtFloors
@@ -522,6 +533,7 @@ impl Relief {
         if before != state as u64 {
             tracing::info!(
                 resident_mib = resident >> 20,
+                reserved_mib = reserved >> 20,
                 shrink_above_mib = self.marks.shrink_above >> 20,
                 state = ?state,
                 "memory pressure changed"
@@ -694,6 +706,35 @@ mod tests {
         assert_eq!(guard.reserved_bytes(), 0);
         guard.pretend_resident(Some(120 * MIB));
         assert!(guard.admit(MIB).is_ok());
+    }
+
+    #[test]
+    fn the_reservations_in_flight_make_the_caches_give_room_before_admission_refuses() {
+        let guard = MemoryGuard::new(crate::config::split_memory_budget(192 * MIB));
+        let marks = guard.relief().marks();
+        let cache = Arc::new(crate::cache::Cache::new(
+            "state",
+            8 * MIB,
+            crate::cache::Policy::Lru,
+            |_: &u64, _: &u64| (64 << 10) as u32,
+        ));
+        for key in 0..120u64 {
+            cache.insert(key, key);
+        }
+        let full = cache.weighted_size();
+        assert!(full > 6 * MIB, "{full}");
+        guard.watch(vec![Arc::clone(&cache) as Arc<dyn Shrink>], None);
+        // The RSS alone is under the shrink mark: the caches stay as they are.
+        guard.pretend_resident(Some(marks.shrink_above - 4 * MIB));
+        guard.relief().relieve();
+        assert_eq!(cache.limit(), cache.capacity());
+        // With requests in flight reserving 8 MiB on top, they give room.
+        let in_flight = guard.admit(8 * MIB).unwrap();
+        guard.relief().relieve();
+        assert!(cache.limit() < cache.capacity(), "{}", cache.limit());
+        assert!(cache.weighted_size() < full);
+        assert_ne!(guard.relief().state(), PressureState::Calm);
+        drop(in_flight);
     }
 
     #[test]
