@@ -243,7 +243,10 @@ mod tests {
             }
         });
         let count = || lock(&batches).iter().map(Vec::len).sum::<usize>();
-        while count() < 10 {
+        for _ in 0..2_500 {
+            if count() >= 10 {
+                break;
+            }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         let got = lock(&batches).clone();

@@ -126,6 +126,13 @@ pub fn fuse(
             words.sort_unstable_by_key(|&(turn, _)| turn);
             let mut next_word = words.iter().peekable();
             scored.reserve(semantic.len() + words.len());
+            // A turn whose vector is not made yet: its words alone.
+            let words_alone = |turn: u64, lexical: f32| Scored {
+                turn,
+                score: w * lexical.min(1.0),
+                lexical,
+                semantic: None,
+            };
             for &(turn, similarity) in semantic {
                 let mut lexical = 0.0;
                 while let Some(&&(word_turn, score)) = next_word.peek() {
@@ -134,6 +141,8 @@ pub fn fuse(
                     }
                     if word_turn == turn {
                         lexical = score;
+                    } else {
+                        scored.push(words_alone(word_turn, score));
                     }
                     next_word.next();
                 }
@@ -148,19 +157,7 @@ pub fn fuse(
                     semantic: Some(semantic),
                 });
             }
-            // Turns whose vector is not made yet: their words alone.
-            for hit in lexical {
-                let has_vector = semantic.binary_search_by_key(&hit.turn, |s| s.0).is_ok();
-                if !has_vector {
-                    let lexical = lexical_score(hit.score);
-                    scored.push(Scored {
-                        turn: hit.turn,
-                        score: w * lexical.min(1.0),
-                        lexical,
-                        semantic: None,
-                    });
-                }
-            }
+            scored.extend(next_word.map(|&(turn, score)| words_alone(turn, score)));
         }
     }
     // Ranked on each score's range among the candidates (min-max): the two scales differ in
