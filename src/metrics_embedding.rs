@@ -1,7 +1,8 @@
 //! Recall by meaning's metrics (`crate::embedding`): the new messages embedded on the request
 //! path (and those that failed, so recall went by words), the time they took, the stored
-//! messages given a vector in the background and the jobs dropped or failed, mirrored from the
-//! embedding's counters at each scrape; and whether an embedder is in use.
+//! messages given a vector in the background, the jobs dropped or failed and the catch-ups of
+//! dropped ones, mirrored from the embedding's counters at each scrape; whether an embedder is
+//! in use, and how many conversations and owners are owed a catch-up.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -20,6 +21,9 @@ pub(crate) struct EmbeddingMetrics {
     vectors_stored: Counter,
     jobs_dropped: Counter,
     jobs_failed: Counter,
+    caught_up: Counter,
+    owed_forgotten: Counter,
+    owed: Gauge,
 }
 
 impl EmbeddingMetrics {
@@ -32,11 +36,19 @@ impl EmbeddingMetrics {
             vectors_stored: Counter::default(),
             jobs_dropped: Counter::default(),
             jobs_failed: Counter::default(),
+            caught_up: Counter::default(),
+            owed_forgotten: Counter::default(),
+            owed: Gauge::default(),
         };
         registry.register(
             "embedding_up",
             "1 when an embedder is in use (recall by words and meaning), 0 when recall goes by words alone (none configured, or it could not be loaded: /readyz says why)",
             metrics.up.clone(),
+        );
+        registry.register(
+            "embedding_owed",
+            "Conversations and owners whose embedding job was dropped (queue full) and whose missing vectors the worker has yet to make",
+            metrics.owed.clone(),
         );
         let counters = [
             (
@@ -56,8 +68,18 @@ impl EmbeddingMetrics {
             ),
             (
                 "embedding_jobs_dropped",
-                "Background embedding jobs dropped (queue full): their messages have no vector until `memproxy vectors rebuild`",
+                "Background embedding jobs dropped (queue full): their conversation or owner is owed a catch-up (embedding_owed) that makes the missing vectors once the queue has room",
                 &metrics.jobs_dropped,
+            ),
+            (
+                "embedding_caught_up",
+                "Conversations and owners whose missing vectors were made after a job of theirs was dropped",
+                &metrics.caught_up,
+            ),
+            (
+                "embedding_owed_forgotten",
+                "Dropped jobs whose conversation or owner could not be remembered for a catch-up (4,096 of each already owed): their vectors wait for `memproxy vectors rebuild`",
+                &metrics.owed_forgotten,
             ),
             (
                 "embedding_jobs_failed",
@@ -86,6 +108,9 @@ impl EmbeddingMetrics {
         catch_up(&self.vectors_stored, load(&c.vectors_stored));
         catch_up(&self.jobs_dropped, load(&c.jobs_dropped));
         catch_up(&self.jobs_failed, load(&c.jobs_failed));
+        catch_up(&self.caught_up, load(&c.caught_up));
+        catch_up(&self.owed_forgotten, load(&c.owed_forgotten));
+        self.owed.set(embedding.owed() as i64);
         let seconds = load(&c.query_micros) as f64 / 1e6;
         let current = self.query_seconds.get();
         if seconds > current {

@@ -409,3 +409,72 @@ async fn the_providers_embeddings_serve_recall_when_configured() {
     assert!(recalled(&mock).contains("silver Volvo"));
     assert!(mock.refusals().is_empty(), "{:?}", mock.refusals());
 }
+
+/// A slow provider fills the embedding queue (of one job): the jobs dropped are caught up once
+/// the worker has room, so every stored message, archived turn included, ends with a vector
+/// without `memproxy vectors rebuild`.
+#[tokio::test]
+async fn jobs_a_full_queue_dropped_are_caught_up() {
+    let Started { mock, proxy, .. } = Harness::new()
+        .upstream("api_key_env = \"TEST_UPSTREAM_KEY\"\n")
+        .config(
+            "[memory]\nrecent_n = 2\nrelevance_top_k = 2\ncompression_enabled = false\n[embedding]\nembedder = \"upstream\"\nupstream_model = \"text-embedding-3-small\"\nqueue = 1\n",
+        )
+        .start()
+        .await;
+    mock.set_embeddings_delay(Duration::from_millis(300));
+    for (i, (fact, _)) in FACTS[..8].iter().enumerate() {
+        let answer = chat(
+            &proxy,
+            &format!("slow-{i}"),
+            &body(&[user(fact)]),
+            &[("x-memory-user-id", "ana")],
+        )
+        .await;
+        assert_eq!(answer.status, 200);
+    }
+    let memory = proxy.state.memory().unwrap();
+    let counters = &memory.embedding.counters;
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        load(&counters.jobs_dropped) >= 2,
+        "the queue of one never filled"
+    );
+    embedded(&proxy).await;
+    assert!(load(&counters.caught_up) >= 2);
+    assert_eq!(load(&counters.owed_forgotten), 0);
+    assert_eq!(memory.embedding.owed(), 0);
+
+    let store = proxy.store();
+    let (space, _) = memory.embedding.space().unwrap();
+    let (listed, _) = store.scan(None, 100).unwrap();
+    assert_eq!(listed.len(), 8);
+    for (key, _) in &listed {
+        let handle = store.conversation(key).unwrap();
+        let conversation = memproxy::store::lock(&handle);
+        assert_eq!(conversation.entries.len(), 2);
+        let missing = store.turns_without_vectors(&conversation, space).unwrap();
+        assert!(
+            missing.is_empty(),
+            "{key:?}: turns {missing:?} have no vector"
+        );
+    }
+    let ana = memproxy::store::OwnerKey::user(&listed[0].0.tenant, "ana");
+    let owner = store.owner(&ana, false).unwrap().unwrap();
+    let archived = store
+        .owner_records_without_vectors(&owner, memproxy::longterm::archive::SPACE_ARCHIVE, space)
+        .unwrap();
+    assert!(
+        archived.is_empty(),
+        "{} archived turns have no vector",
+        archived.len()
+    );
+    assert!(
+        store
+            .owner_vectors(&owner, memproxy::longterm::archive::SPACE_ARCHIVE, space)
+            .unwrap()
+            .len()
+            >= 16
+    );
+    assert!(mock.refusals().is_empty(), "{:?}", mock.refusals());
+}

@@ -182,6 +182,8 @@ struct Shared {
     extraction_script: Mutex<VecDeque<Reply>>,
     /// Numbers the ids of answers (`resp_mock_N`, `msg_mock_N`).
     next_id: std::sync::atomic::AtomicU64,
+    /// Milliseconds every `/v1/embeddings` answer waits ([`MockUpstream::set_embeddings_delay`]).
+    embeddings_delay_ms: std::sync::atomic::AtomicU64,
 }
 
 /// A running mock upstream. Dropping it stops the server (and fails the test when it refused a
@@ -341,6 +343,14 @@ impl MockUpstream {
             .store(strict, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// Makes every `/v1/embeddings` answer wait `delay` (a slow provider).
+    pub fn set_embeddings_delay(&self, delay: Duration) {
+        self.shared.embeddings_delay_ms.store(
+            delay.as_millis() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
     /// The requests refused so far under the provider's rules.
     pub fn refusals(&self) -> Vec<Refused> {
         lock(&self.shared.refusals).clone()
@@ -458,6 +468,12 @@ async fn answer(
         return response;
     }
     if parts.uri.path().ends_with("/embeddings") {
+        let delay = shared
+            .embeddings_delay_ms
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
         return embeddings_answer(&recorded.json());
     }
     let api_path = parts.uri.path();

@@ -6,10 +6,11 @@
 //! Nothing here fails a chat request: without an embedder, or when an embedding fails, recall
 //! goes on by words alone and the request's `X-Memory-Recall` says why.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::recall::Recall;
@@ -84,10 +85,16 @@ pub struct EmbeddingCounters {
     pub query_micros: AtomicU64,
     /// Stored messages given a vector.
     pub vectors_stored: AtomicU64,
-    /// Background jobs dropped (queue full) or failed: their messages have no vector until
-    /// `memproxy vectors rebuild`.
+    /// Background jobs dropped (queue full): their conversation or owner is owed a catch-up
+    /// ([`Owed`]), which makes the missing vectors once the queue has room.
     pub jobs_dropped: AtomicU64,
     pub jobs_failed: AtomicU64,
+    /// Catch-ups run: conversations and owners whose missing vectors were made after a job
+    /// of theirs was dropped.
+    pub caught_up: AtomicU64,
+    /// Conversations and owners not remembered for a catch-up (more than [`OWED_MAX`] were
+    /// owed at once): their vectors wait for `memproxy vectors rebuild`.
+    pub owed_forgotten: AtomicU64,
     /// Background jobs queued, and finished (stored, failed or found nothing to store).
     pub jobs_queued: AtomicU64,
     pub jobs_finished: AtomicU64,
@@ -139,6 +146,95 @@ impl std::fmt::Debug for RecordsJob {
 enum Work {
     Messages(Job),
     Records(RecordsJob),
+    /// Nothing to embed of its own: the batch it is in runs the next catch-ups ([`Owed`]).
+    CatchUp,
+}
+
+/// Conversations and owners at most remembered as owed a catch-up, each.
+pub const OWED_MAX: usize = 4096;
+/// Catch-ups run after each batch, at most: new commits' jobs go first.
+const CATCH_UPS_PER_BATCH: usize = 16;
+
+/// Conversations and owners whose background job was dropped because the queue was full.
+/// After each batch the worker takes a few and gives every message (or record) of theirs
+/// that has no vector one, as `memproxy vectors rebuild` does for all; so a burst that fills
+/// the queue leaves recall by words alone for as long as it lasts, not until someone runs the
+/// rebuild. Oldest first, each at most once (known by a hash of its key: the key is held
+/// once); at most [`OWED_MAX`] of each, so at most about 2 MB.
+#[derive(Debug, Default)]
+struct Owed {
+    conversations: VecDeque<ConversationKey>,
+    owners: VecDeque<OwnerKey>,
+    held: HashSet<u64>,
+    hasher: RandomState,
+}
+
+/// One conversation or owner owed a catch-up.
+#[derive(Debug)]
+enum Due {
+    Conversation(ConversationKey),
+    Owner(OwnerKey),
+}
+
+impl Owed {
+    /// Remembers who `work` was for; false when that would pass [`OWED_MAX`].
+    fn owe(&mut self, work: &Work) -> bool {
+        match work {
+            Work::Messages(job) => {
+                let hash = self.hasher.hash_one((0u8, &job.key));
+                if self.held.contains(&hash) {
+                    return true;
+                }
+                if self.conversations.len() >= OWED_MAX {
+                    return false;
+                }
+                self.held.insert(hash);
+                self.conversations.push_back(job.key.clone());
+            }
+            Work::Records(job) => {
+                let hash = self.hasher.hash_one((1u8, &job.owner));
+                if self.held.contains(&hash) {
+                    return true;
+                }
+                if self.owners.len() >= OWED_MAX {
+                    return false;
+                }
+                self.held.insert(hash);
+                self.owners.push_back(job.owner.clone());
+            }
+            Work::CatchUp => {}
+        }
+        true
+    }
+
+    /// The `n` owed longest, conversations first.
+    fn take(&mut self, n: usize) -> Vec<Due> {
+        let mut due = Vec::new();
+        while due.len() < n {
+            if let Some(key) = self.conversations.pop_front() {
+                self.held.remove(&self.hasher.hash_one((0u8, &key)));
+                due.push(Due::Conversation(key));
+            } else if let Some(owner) = self.owners.pop_front() {
+                self.held.remove(&self.hasher.hash_one((1u8, &owner)));
+                due.push(Due::Owner(owner));
+            } else {
+                break;
+            }
+        }
+        due
+    }
+
+    fn len(&self) -> usize {
+        self.conversations.len() + self.owners.len()
+    }
+}
+
+/// What the worker needs of long-term memory to catch an owner up: which records have vectors
+/// and how their texts are read, and who is told once an owner's vectors are made (its
+/// cached index, which holds them, is dropped). Long-term memory is above this module.
+pub struct OwnerCatchUp {
+    pub records: &'static OwnerRecords<'static>,
+    pub caught_up: Box<dyn Fn(&OwnerKey) + Send + Sync>,
 }
 
 /// The embedder and its background worker.
@@ -148,6 +244,7 @@ pub struct Embedding {
     unavailable: Option<String>,
     query_timeout: Duration,
     jobs: Worker<Work>,
+    owed: Arc<Mutex<Owed>>,
     pub counters: Arc<EmbeddingCounters>,
 }
 
@@ -188,6 +285,7 @@ impl Embedding {
             unavailable,
             query_timeout,
             jobs: Worker::new(queue),
+            owed: Arc::new(Mutex::new(Owed::default())),
             counters: Arc::new(EmbeddingCounters::default()),
         }
     }
@@ -240,7 +338,7 @@ impl Embedding {
     }
 
     /// Queues the embedding of a commit's new messages `(turn, search text)`; a full queue
-    /// drops the job (counted).
+    /// drops the job (counted) and the conversation is owed a catch-up.
     pub fn after_commit(
         &self,
         key: &ConversationKey,
@@ -258,8 +356,8 @@ impl Embedding {
     }
 
     /// Queues the embedding of an owner's records (archived turns, memories); `stored` is
-    /// told the vectors once they are stored. A full queue drops the job (counted): the
-    /// records have no vector until `memproxy vectors rebuild`, and are found by words.
+    /// told the vectors once they are stored. A full queue drops the job (counted) and the
+    /// owner is owed a catch-up; until it runs, the records are found by words.
     pub fn after_records(
         &self,
         owner: &OwnerKey,
@@ -277,40 +375,67 @@ impl Embedding {
     }
 
     fn enqueue(&self, work: Work) {
-        if self.jobs.enqueue(work) {
-            self.counters.jobs_queued.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
+        match self.jobs.try_enqueue(work) {
+            Ok(()) => {
+                self.counters.jobs_queued.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(work) => {
+                self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
+                if !lock_owed(&self.owed).owe(&work) {
+                    self.counters.owed_forgotten.fetch_add(1, Ordering::Relaxed);
+                }
+            }
         }
     }
 
-    /// No background job is queued or running.
+    /// No background job is queued or running, and no catch-up is owed.
     pub fn idle(&self) -> bool {
         let c = &self.counters;
         c.jobs_finished.load(Ordering::Relaxed) >= c.jobs_queued.load(Ordering::Relaxed)
+            && self.owed() == 0
+    }
+
+    /// Conversations and owners owed a catch-up.
+    pub fn owed(&self) -> usize {
+        lock_owed(&self.owed).len()
     }
 
     /// Starts the background worker: one batch of jobs at a time (embedding is CPU work, and a
     /// sidecar's cores are the agent's too), a batch being what queued while the last one ran,
-    /// its jobs of one conversation stored together. Must be called inside a tokio runtime.
-    pub fn start(&self, store: Arc<Store>, recall: Arc<Recall>) {
+    /// its jobs of one conversation stored together, then up to [`CATCH_UPS_PER_BATCH`]
+    /// catch-ups ([`Owed`]). Must be called inside a tokio runtime.
+    pub fn start(&self, store: Arc<Store>, recall: Arc<Recall>, owners: OwnerCatchUp) {
         let Ok(embedder) = &self.embedder else {
             return;
         };
         let embedder = Arc::clone(embedder);
         let counters = Arc::clone(&self.counters);
+        let owed = Arc::clone(&self.owed);
+        let owners = Arc::new(owners);
+        // Weak: the worker's own task must not keep its queue open.
+        let Some(again) = self.jobs.weak_sender() else {
+            return;
+        };
         self.jobs
             .start_batched(BATCH_JOBS, move |batch: Vec<Work>| {
-                let (embedder, store, recall, counters) = (
+                let (embedder, store, recall, counters, owed, owners, again) = (
                     Arc::clone(&embedder),
                     Arc::clone(&store),
                     Arc::clone(&recall),
                     Arc::clone(&counters),
+                    Arc::clone(&owed),
+                    Arc::clone(&owners),
+                    again.clone(),
                 );
                 async move {
                     let jobs = batch.len() as u64;
+                    let due = lock_owed(&owed).take(CATCH_UPS_PER_BATCH);
                     let done = tokio::task::spawn_blocking(move || {
-                        run_batch(&*embedder, &store, &recall, batch)
+                        let mut outcome = run_batch(&*embedder, &store, &recall, batch);
+                        for due in due {
+                            outcome.catch_up(catch_up(&*embedder, &store, &recall, &owners, &due));
+                        }
+                        outcome
                     })
                     .await;
                     match done {
@@ -321,11 +446,24 @@ impl Embedding {
                             counters
                                 .jobs_failed
                                 .fetch_add(outcome.failed_jobs, Ordering::Relaxed);
+                            counters
+                                .caught_up
+                                .fetch_add(outcome.caught_up, Ordering::Relaxed);
                         }
                         Err(err) => {
                             counters.jobs_failed.fetch_add(jobs, Ordering::Relaxed);
                             tracing::warn!(error = %err, "an embedding task failed");
                         }
+                    }
+                    // More owed: a marker so a batch comes even if no commit queues one (when
+                    // the queue is full, a batch is coming anyway). Queued before this batch
+                    // counts as finished, so `idle` never sees the gap.
+                    if lock_owed(&owed).len() > 0
+                        && again
+                            .upgrade()
+                            .is_some_and(|tx| tx.try_send(Work::CatchUp).is_ok())
+                    {
+                        counters.jobs_queued.fetch_add(1, Ordering::Relaxed);
                     }
                     counters.jobs_finished.fetch_add(jobs, Ordering::Relaxed);
                 }
@@ -355,9 +493,23 @@ const BATCH_JOBS: usize = 256;
 struct BatchOutcome {
     stored: usize,
     failed_jobs: u64,
+    caught_up: u64,
 }
 
 impl BatchOutcome {
+    fn catch_up(&mut self, result: Result<usize, EmbedJobError>) {
+        match result {
+            Ok(stored) => {
+                self.stored += stored;
+                self.caught_up += 1;
+            }
+            Err(err) => {
+                self.failed_jobs += 1;
+                tracing::warn!(error = %err, "making the vectors of dropped jobs failed");
+            }
+        }
+    }
+
     fn add(&mut self, result: Result<usize, EmbedJobError>, jobs: u64) {
         match result {
             Ok(stored) => self.stored += stored,
@@ -396,12 +548,103 @@ fn run_batch(
                 }
             },
             Work::Records(job) => outcome.add(embed_records(embedder, store, job), 1),
+            Work::CatchUp => {}
         }
     }
     for (job, jobs) in merged {
         outcome.add(embed_and_store(embedder, store, recall, &job), jobs);
     }
     outcome
+}
+
+fn lock_owed(owed: &Mutex<Owed>) -> std::sync::MutexGuard<'_, Owed> {
+    owed.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Makes the missing vectors of one conversation or owner owed a catch-up. The number stored.
+fn catch_up(
+    embedder: &dyn Embed,
+    store: &Store,
+    recall: &Recall,
+    owners: &OwnerCatchUp,
+    due: &Due,
+) -> Result<usize, EmbedJobError> {
+    match due {
+        Due::Conversation(key) => match missing_vectors(store, key, embedder.id())?.0 {
+            Some(job) => embed_and_store(embedder, store, recall, &job),
+            None => Ok(0),
+        },
+        Due::Owner(owner) => {
+            let (made, _) = owner_missing_vectors(store, embedder, owners.records, owner)?;
+            if made > 0 {
+                (owners.caught_up)(owner);
+            }
+            Ok(made)
+        }
+    }
+}
+
+/// The job that gives conversation `key`'s stored messages without a vector of `space` one
+/// (`None`: every one has), and how many already have one. Reads under the conversation's lock.
+fn missing_vectors(
+    store: &Store,
+    key: &ConversationKey,
+    space: &str,
+) -> Result<(Option<Job>, u64), StoreError> {
+    let handle = store.conversation(key)?;
+    let mut conversation = lock(&handle);
+    store.refresh(&mut conversation)?;
+    let Some(id) = conversation.meta.as_ref().map(|m| m.id) else {
+        return Ok((None, 0));
+    };
+    let missing = store.turns_without_vectors(&conversation, space)?;
+    let present = (conversation.entries.len() - missing.len()) as u64;
+    if missing.is_empty() {
+        return Ok((None, present));
+    }
+    let texts = store
+        .messages(&conversation, missing)?
+        .iter()
+        .map(|m| (m.turn, memproxy_base::message::search_text(&m.message)))
+        .collect();
+    let job = Job {
+        key: key.clone(),
+        conversation_id: id,
+        texts,
+    };
+    Ok((Some(job), present))
+}
+
+/// Gives `owner`'s records of `records`' spaces without a vector of `embedder`'s space one:
+/// (records given one, records that had one).
+fn owner_missing_vectors(
+    store: &Store,
+    embedder: &dyn Embed,
+    records: &OwnerRecords<'_>,
+    owner: &OwnerKey,
+) -> Result<(usize, usize), EmbedJobError> {
+    let Some(handle) = store.owner(owner, false)? else {
+        return Ok((0, 0));
+    };
+    let (mut made, mut present) = (0, 0);
+    for &space in records.spaces {
+        let missing = store.owner_records_without_vectors(&handle, space, embedder.id())?;
+        present += store.owner_vectors(&handle, space, embedder.id())?.len();
+        if missing.is_empty() {
+            continue;
+        }
+        let texts = (records.read)(store, &handle, space, &missing)?;
+        for chunk in texts.chunks(BATCH * 8) {
+            let job = RecordsJob {
+                owner: owner.clone(),
+                texts: RecordTexts::Given(chunk.to_vec()),
+                stored: None,
+            };
+            made += embed_records(embedder, store, job)?;
+        }
+    }
+    Ok((made, present))
 }
 
 /// Embeds `job`'s texts (without the conversation's lock), then, under it, stores the vectors
@@ -563,26 +806,9 @@ fn rebuild_owners(
         let (page, next) = store.owners(after.as_deref(), OWNER_PAGE)?;
         for (owner, _) in page {
             done.owners += 1;
-            let Some(handle) = store.owner(&owner, false)? else {
-                continue;
-            };
-            for &space in records.spaces {
-                let missing = store.owner_records_without_vectors(&handle, space, embedder.id())?;
-                let stored = store.owner_vectors(&handle, space, embedder.id())?.len();
-                done.records_present += stored as u64;
-                if missing.is_empty() {
-                    continue;
-                }
-                let texts = (records.read)(store, &handle, space, &missing)?;
-                for chunk in texts.chunks(BATCH * 8) {
-                    let job = RecordsJob {
-                        owner: owner.clone(),
-                        texts: RecordTexts::Given(chunk.to_vec()),
-                        stored: None,
-                    };
-                    done.records += embed_records(embedder, store, job)? as u64;
-                }
-            }
+            let (made, present) = owner_missing_vectors(store, embedder, records, &owner)?;
+            done.records += made as u64;
+            done.records_present += present as u64;
         }
         match next {
             Some(next) => after = Some(next),
@@ -602,28 +828,12 @@ fn rebuild_conversations(
     let mut cursor: Option<Vec<u8>> = None;
     loop {
         let (batch, more) = store.scan(cursor.as_deref(), 500)?;
-        for (key, meta) in &batch {
+        for (key, _) in &batch {
             cursor = Some(key.to_bytes());
             done.conversations += 1;
-            let mut missing = {
-                let handle = store.conversation(key)?;
-                let conversation = lock(&handle);
-                store.turns_without_vectors(&conversation, embedder.id())?
-            };
-            missing.sort_unstable();
-            let stored = store.all_messages(key, meta)?;
-            done.present += (stored.len() - missing.len().min(stored.len())) as u64;
-            let texts: Vec<(u64, String)> = stored
-                .iter()
-                .filter(|m| missing.binary_search(&m.turn).is_ok())
-                .map(|m| (m.turn, memproxy_base::message::search_text(&m.message)))
-                .collect();
-            if !texts.is_empty() {
-                let job = Job {
-                    key: key.clone(),
-                    conversation_id: meta.id,
-                    texts,
-                };
+            let (job, present) = missing_vectors(store, key, embedder.id())?;
+            done.present += present;
+            if let Some(job) = job {
                 done.vectors += embed_and_store(embedder, store, recall, &job)? as u64;
             }
             progress(key, &done);
@@ -631,5 +841,77 @@ fn rebuild_conversations(
         if !more {
             return Ok(done);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memproxy_base::identity::TenantId;
+
+    fn messages(conversation: &str) -> Work {
+        Work::Messages(Job {
+            key: ConversationKey {
+                tenant: TenantId::from_token(None),
+                agent: "default".into(),
+                conversation: conversation.into(),
+            },
+            conversation_id: 1,
+            texts: vec![(0, "text".into())],
+        })
+    }
+
+    fn records(user: &str) -> Work {
+        Work::Records(RecordsJob {
+            owner: OwnerKey::user(&TenantId::from_token(None), user),
+            texts: RecordTexts::Given(Vec::new()),
+            stored: None,
+        })
+    }
+
+    fn names(due: &[Due]) -> Vec<String> {
+        due.iter()
+            .map(|d| match d {
+                Due::Conversation(key) => key.conversation.clone(),
+                Due::Owner(owner) => {
+                    assert_eq!(*owner, OwnerKey::user(&TenantId::from_token(None), "ana"));
+                    "ana".to_string()
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn each_is_owed_once_oldest_first_conversations_before_owners() {
+        let mut owed = Owed::default();
+        for work in [
+            messages("a"),
+            records("ana"),
+            messages("b"),
+            messages("a"),
+            records("ana"),
+        ] {
+            assert!(owed.owe(&work));
+        }
+        assert!(owed.owe(&Work::CatchUp));
+        assert_eq!(owed.len(), 3);
+        assert_eq!(names(&owed.take(2)), ["a", "b"]);
+        assert_eq!(names(&owed.take(5)), ["ana"]);
+        assert_eq!(owed.len(), 0);
+        // Taken, it may be owed again.
+        assert!(owed.owe(&messages("a")));
+        assert_eq!(owed.len(), 1);
+    }
+
+    #[test]
+    fn past_the_bound_a_new_one_is_not_remembered() {
+        let mut owed = Owed::default();
+        for i in 0..OWED_MAX {
+            assert!(owed.owe(&messages(&format!("c{i}"))));
+        }
+        assert!(!owed.owe(&messages("one too many")));
+        assert!(owed.owe(&messages("c7")), "one already owed still is");
+        assert!(owed.owe(&records("ana")), "owners have their own bound");
+        assert_eq!(owed.len(), OWED_MAX + 1);
     }
 }

@@ -147,13 +147,17 @@ impl Memory {
             recall_cache_bytes - recall_cache_bytes / 4,
             embedding.space().map(|(id, dims)| (id.to_string(), dims)),
         ));
-        embedding.start(Arc::clone(&store), Arc::clone(&recall));
         let longterm = LongTerm::new(
             recall_cache_bytes / 4,
             Arc::clone(&store),
             Arc::clone(&model),
             Arc::clone(&ledger),
             embedding.embedder().cloned(),
+        );
+        embedding.start(
+            Arc::clone(&store),
+            Arc::clone(&recall),
+            longterm.owner_catch_up(),
         );
         Memory {
             recall,

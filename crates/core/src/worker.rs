@@ -114,10 +114,21 @@ impl<J: Send + 'static> Worker<J> {
 
     /// Queues a job; false when the queue is full or closed (the job is dropped).
     pub fn enqueue(&self, job: J) -> bool {
+        self.try_enqueue(job).is_ok()
+    }
+
+    /// Queues a job; gives it back when the queue is full or closed.
+    pub fn try_enqueue(&self, job: J) -> Result<(), J> {
         match &*lock(&self.queue) {
-            Some(tx) => tx.try_send(job).is_ok(),
-            None => false,
+            Some(tx) => tx.try_send(job).map_err(|err| err.into_inner()),
+            None => Err(job),
         }
+    }
+
+    /// A sender into the queue that does not keep it open (for the worker's own jobs to queue
+    /// more); `None` once shut down.
+    pub fn weak_sender(&self) -> Option<mpsc::WeakSender<J>> {
+        lock(&self.queue).as_ref().map(mpsc::Sender::downgrade)
     }
 
     /// Stops taking jobs and waits up to `grace` for the running ones; then cancels them.

@@ -432,6 +432,17 @@ impl LongTerm {
         Ok(rebuilt)
     }
 
+    /// What the embedding worker needs to catch an owner's vectors up after a dropped job:
+    /// the records that have vectors, and the user's cached index dropped once they are made
+    /// (it is rebuilt with them on its next search).
+    pub fn owner_catch_up(&self) -> crate::embedding::OwnerCatchUp {
+        let users = Arc::clone(&self.users);
+        crate::embedding::OwnerCatchUp {
+            records: &VECTOR_RECORDS,
+            caught_up: Box::new(move |owner| users.invalidate(owner)),
+        }
+    }
+
     /// Drops a user's cached index (after a delete).
     pub fn forget(&self, user: &OwnerKey) {
         self.users.invalidate(user);
