@@ -155,6 +155,11 @@ struct CacheLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AllocatorLabels {
+    state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: &'static str,
 }
@@ -600,6 +605,7 @@ struct AdmissionMetrics {
     pressure: Gauge,
     shrinks: Counter,
     store_share: Gauge,
+    allocator: Family<AllocatorLabels, Gauge>,
     cache_bytes: Family<CacheLabels, Gauge>,
     cache_limit: Family<CacheLabels, Gauge>,
     cache_shrunk: Family<CacheLabels, Counter>,
@@ -617,6 +623,7 @@ impl AdmissionMetrics {
             pressure: Gauge::default(),
             shrinks: Counter::default(),
             store_share: Gauge::default(),
+            allocator: Family::default(),
             cache_bytes: Family::default(),
             cache_limit: Family::default(),
             cache_shrunk: Family::default(),
@@ -682,6 +689,12 @@ impl AdmissionMetrics {
             "The RSS from which new chat requests are served with memory off",
             Unit::Bytes,
             metrics.high_water.clone(),
+        );
+        registry.register_with_unit(
+            "allocator",
+            "What the allocator holds, by state: in_use (handed out to memproxy) and free (kept for later: RSS that is neither memproxy's nor given back). With glibc's malloc (the default build) only",
+            Unit::Bytes,
+            metrics.allocator.clone(),
         );
         registry.register_with_unit(
             "memory_in_flight",
@@ -866,6 +879,14 @@ impl Metrics {
             .high_water
             .set(gauge(guard.budget().high_water));
         self.admission.in_flight.set(gauge(guard.reserved_bytes()));
+        if let Some(held) = crate::allocator::held() {
+            for (state, bytes) in [("in_use", held.in_use), ("free", held.free)] {
+                self.admission
+                    .allocator
+                    .get_or_create(&AllocatorLabels { state })
+                    .set(gauge(bytes));
+            }
+        }
         let relief = guard.relief();
         self.admission.pressure.set(relief.state() as i64);
         self.admission.store_share.set(gauge(relief.store_share()));

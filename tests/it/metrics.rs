@@ -153,6 +153,9 @@ async fn metrics_parse_and_move_as_requests_flow() {
         "recent_n = 4 forwards less than the history: {history_tokens} vs {forwarded}"
     );
     assert!(value(&after, "memproxy_store_size_bytes", &[]) > 0.0);
+    // glibc's figures (the default build): this test process has a heap in use.
+    assert!(value(&after, "memproxy_allocator_bytes", &[("state", "in_use")]) > 1e6);
+    assert!(value(&after, "memproxy_allocator_bytes", &[("state", "free")]) >= 0.0);
     assert!(
         value(
             &after,
@@ -181,6 +184,7 @@ async fn metrics_parse_and_move_as_requests_flow() {
     }
     let allowed = [
         "route", "status", "stage", "cache", "result", "le", "action", "reason", "agent", "task",
+        "state",
     ];
     for sample in &after.samples {
         let labels = format!("{:?}", sample.labels);
