@@ -423,14 +423,20 @@ async fn jobs_a_full_queue_dropped_are_caught_up() {
         .start()
         .await;
     mock.set_embeddings_delay(Duration::from_millis(300));
-    for (i, (fact, _)) in FACTS[..8].iter().enumerate() {
-        let answer = chat(
-            &proxy,
-            &format!("slow-{i}"),
-            &body(&[user(fact)]),
-            &[("x-memory-user-id", "ana")],
-        )
-        .await;
+    // Eight commits at once: the worker embeds the first while the second waits in the queue
+    // of one, and the rest are dropped.
+    let go = |i: usize| {
+        let conversation = format!("slow-{i}");
+        let proxy = &proxy;
+        async move {
+            let headers = [("x-memory-user-id", "ana")];
+            chat(proxy, &conversation, &body(&[user(FACTS[i].0)]), &headers).await
+        }
+    };
+    let answers = tokio::join!(go(0), go(1), go(2), go(3), go(4), go(5), go(6), go(7));
+    for answer in [
+        answers.0, answers.1, answers.2, answers.3, answers.4, answers.5, answers.6, answers.7,
+    ] {
         assert_eq!(answer.status, 200);
     }
     let memory = proxy.state.memory().unwrap();
@@ -475,6 +481,68 @@ async fn jobs_a_full_queue_dropped_are_caught_up() {
             .unwrap()
             .len()
             >= 16
+    );
+    assert!(mock.refusals().is_empty(), "{:?}", mock.refusals());
+}
+
+/// A commit's messages and their copies in the user's archive are one embedding job: each text
+/// is embedded once (the archived turn takes its message's vector), and both have vectors.
+#[tokio::test]
+async fn archived_turns_take_their_messages_vectors() {
+    let Started { mock, proxy, .. } = Harness::new()
+        .upstream("api_key_env = \"TEST_UPSTREAM_KEY\"\n")
+        .config(
+            "[memory]\nrecent_n = 2\nrelevance_top_k = 2\ncompression_enabled = false\n[embedding]\nembedder = \"upstream\"\nupstream_model = \"text-embedding-3-small\"\n",
+        )
+        .start()
+        .await;
+    // One exchange per conversation: no older turn, so no query is embedded on the way.
+    for (i, (fact, _)) in FACTS[..6].iter().enumerate() {
+        let answer = chat(
+            &proxy,
+            &format!("archived-{i}"),
+            &body(&[user(fact)]),
+            &[("x-memory-user-id", "ana")],
+        )
+        .await;
+        assert_eq!(answer.status, 200);
+    }
+    embedded(&proxy).await;
+    let texts: Vec<String> = mock
+        .recorded()
+        .into_iter()
+        .filter(|r| r.path.ends_with("/embeddings"))
+        .flat_map(|r| {
+            let input = r.json()["input"].clone();
+            input.as_array().cloned().unwrap_or_else(|| vec![input])
+        })
+        .filter_map(|text| text.as_str().map(str::to_string))
+        .collect();
+    // Each reply once (its message's vector serves its archived copy; before, twice); each
+    // new message twice: its query (recall over the user's other conversations) and its own.
+    for (fact, _) in &FACTS[..6] {
+        let reply = format!("reply to: {fact}");
+        assert_eq!(texts.iter().filter(|t| **t == reply).count(), 1, "{reply}");
+        assert_eq!(texts.iter().filter(|t| t == fact).count(), 2, "{fact}");
+    }
+    assert_eq!(texts.len(), 18, "{texts:?}");
+
+    let memory = proxy.state.memory().unwrap();
+    let store = proxy.store();
+    let (space, _) = memory.embedding.space().unwrap();
+    let (listed, _) = store.scan(None, 100).unwrap();
+    let ana = memproxy::store::OwnerKey::user(&listed[0].0.tenant, "ana");
+    let owner = store.owner(&ana, false).unwrap().unwrap();
+    let archive = memproxy::longterm::archive::SPACE_ARCHIVE;
+    assert!(
+        store
+            .owner_records_without_vectors(&owner, archive, space)
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        store.owner_vectors(&owner, archive, space).unwrap().len(),
+        12
     );
     assert!(mock.refusals().is_empty(), "{:?}", mock.refusals());
 }

@@ -100,12 +100,22 @@ pub struct EmbeddingCounters {
     pub jobs_finished: AtomicU64,
 }
 
-/// A commit's new messages to embed.
+/// A commit's new messages to embed, and the same turns as the user's archive copied them
+/// (their vectors are the messages', not made twice).
 #[derive(Debug)]
 struct Job {
     key: ConversationKey,
     conversation_id: u64,
     texts: Vec<(u64, String)>,
+    archive: Vec<RecordsJob>,
+}
+
+/// The turns a commit copied into the user's archive, to embed with the commit's messages
+/// (`crate::longterm` makes it; [`Embedding::after_commit`] takes it).
+pub struct Archived {
+    pub owner: OwnerKey,
+    pub texts: Vec<RecordText>,
+    pub stored: RecordsStored,
 }
 
 /// An owner's record to embed: (record space, record id, text).
@@ -181,29 +191,40 @@ impl Owed {
     fn owe(&mut self, work: &Work) -> bool {
         match work {
             Work::Messages(job) => {
-                let hash = self.hasher.hash_one((0u8, &job.key));
-                if self.held.contains(&hash) {
-                    return true;
+                let mut all = self.owe_conversation(&job.key);
+                for archive in &job.archive {
+                    all &= self.owe_owner(&archive.owner);
                 }
-                if self.conversations.len() >= OWED_MAX {
-                    return false;
-                }
-                self.held.insert(hash);
-                self.conversations.push_back(job.key.clone());
+                all
             }
-            Work::Records(job) => {
-                let hash = self.hasher.hash_one((1u8, &job.owner));
-                if self.held.contains(&hash) {
-                    return true;
-                }
-                if self.owners.len() >= OWED_MAX {
-                    return false;
-                }
-                self.held.insert(hash);
-                self.owners.push_back(job.owner.clone());
-            }
-            Work::CatchUp => {}
+            Work::Records(job) => self.owe_owner(&job.owner),
+            Work::CatchUp => true,
         }
+    }
+
+    fn owe_conversation(&mut self, key: &ConversationKey) -> bool {
+        let hash = self.hasher.hash_one((0u8, key));
+        if self.held.contains(&hash) {
+            return true;
+        }
+        if self.conversations.len() >= OWED_MAX {
+            return false;
+        }
+        self.held.insert(hash);
+        self.conversations.push_back(key.clone());
+        true
+    }
+
+    fn owe_owner(&mut self, owner: &OwnerKey) -> bool {
+        let hash = self.hasher.hash_one((1u8, owner));
+        if self.held.contains(&hash) {
+            return true;
+        }
+        if self.owners.len() >= OWED_MAX {
+            return false;
+        }
+        self.held.insert(hash);
+        self.owners.push_back(owner.clone());
         true
     }
 
@@ -337,21 +358,40 @@ impl Embedding {
         }
     }
 
-    /// Queues the embedding of a commit's new messages `(turn, search text)`; a full queue
-    /// drops the job (counted) and the conversation is owed a catch-up.
+    /// Queues the embedding of a commit's new messages `(turn, search text)` and of the turns
+    /// it copied into the user's archive (one job: an archived turn whose text is one of the
+    /// messages' takes that message's vector); a full queue drops the job (counted) and the
+    /// conversation and the user are owed a catch-up.
     pub fn after_commit(
         &self,
         key: &ConversationKey,
         conversation_id: u64,
         texts: &[(u64, String)],
+        archived: Option<Archived>,
     ) {
-        if self.embedder.is_err() || texts.is_empty() {
+        if self.embedder.is_err() {
+            return;
+        }
+        let archive: Vec<RecordsJob> = archived
+            .filter(|a| !a.texts.is_empty())
+            .map(|a| RecordsJob {
+                owner: a.owner,
+                texts: RecordTexts::Given(a.texts),
+                stored: Some(a.stored),
+            })
+            .into_iter()
+            .collect();
+        if texts.is_empty() {
+            for job in archive {
+                self.enqueue(Work::Records(job));
+            }
             return;
         }
         self.enqueue(Work::Messages(Job {
             key: key.clone(),
             conversation_id,
             texts: texts.to_vec(),
+            archive,
         }));
     }
 
@@ -540,6 +580,7 @@ fn run_batch(
                 Entry::Occupied(slot) => {
                     let (into, jobs) = &mut merged[*slot.get()];
                     into.texts.extend(job.texts);
+                    into.archive.extend(job.archive);
                     *jobs += 1;
                 }
                 Entry::Vacant(slot) => {
@@ -547,12 +588,14 @@ fn run_batch(
                     merged.push((job, 1));
                 }
             },
-            Work::Records(job) => outcome.add(embed_records(embedder, store, job), 1),
+            Work::Records(job) => {
+                outcome.add(embed_records(embedder, store, job, &HashMap::new()), 1);
+            }
             Work::CatchUp => {}
         }
     }
     for (job, jobs) in merged {
-        outcome.add(embed_and_store(embedder, store, recall, &job), jobs);
+        outcome.add(embed_and_store(embedder, store, recall, job), jobs);
     }
     outcome
 }
@@ -572,7 +615,7 @@ fn catch_up(
 ) -> Result<usize, EmbedJobError> {
     match due {
         Due::Conversation(key) => match missing_vectors(store, key, embedder.id())?.0 {
-            Some(job) => embed_and_store(embedder, store, recall, &job),
+            Some(job) => embed_and_store(embedder, store, recall, job),
             None => Ok(0),
         },
         Due::Owner(owner) => {
@@ -612,6 +655,7 @@ fn missing_vectors(
         key: key.clone(),
         conversation_id: id,
         texts,
+        archive: Vec::new(),
     };
     Ok((Some(job), present))
 }
@@ -641,7 +685,7 @@ fn owner_missing_vectors(
                 texts: RecordTexts::Given(chunk.to_vec()),
                 stored: None,
             };
-            made += embed_records(embedder, store, job)?;
+            made += embed_records(embedder, store, job, &HashMap::new())?;
         }
     }
     Ok((made, present))
@@ -653,7 +697,7 @@ fn embed_and_store(
     embedder: &dyn Embed,
     store: &Store,
     recall: &Recall,
-    job: &Job,
+    job: Job,
 ) -> Result<usize, EmbedJobError> {
     let texts: Vec<&str> = job.texts.iter().map(|(_, text)| text.as_str()).collect();
     let vectors: Vec<(u64, Vec<f32>)> = job
@@ -662,14 +706,24 @@ fn embed_and_store(
         .map(|(turn, _)| *turn)
         .zip(embed_all(embedder, &texts)?)
         .collect();
-    store_vectors(
+    let mut stored = store_vectors(
         store,
         recall,
         &job.key,
         job.conversation_id,
         embedder.id(),
         &vectors,
-    )
+    )?;
+    // The archived copies of these turns take their vectors.
+    let known: HashMap<&str, &Vec<f32>> = texts
+        .iter()
+        .copied()
+        .zip(vectors.iter().map(|(_, vector)| vector))
+        .collect();
+    for archive in job.archive {
+        stored += embed_records(embedder, store, archive, &known)?;
+    }
+    Ok(stored)
 }
 
 /// Embeds `texts` in batches of [`BATCH`].
@@ -688,12 +742,13 @@ pub fn embed_all(embedder: &dyn Embed, texts: &[&str]) -> Result<Vec<Vec<f32>>, 
 }
 
 /// Embeds a records job's texts and stores them for the owner (only for records still
-/// stored, nothing once the owner is deleted); the job's `stored` is told what was stored.
-/// The number stored.
+/// stored, nothing once the owner is deleted); a text in `known` takes its vector from there.
+/// The job's `stored` is told what was stored. The number stored.
 fn embed_records(
     embedder: &dyn Embed,
     store: &Store,
     job: RecordsJob,
+    known: &HashMap<&str, &Vec<f32>>,
 ) -> Result<usize, EmbedJobError> {
     let Some(handle) = store.owner(&job.owner, false)? else {
         return Ok(0);
@@ -705,15 +760,20 @@ fn embed_records(
     if texts.is_empty() {
         return Ok(0);
     }
-    let made = embed_all(
-        embedder,
-        &texts.iter().map(|(_, _, t)| t.as_str()).collect::<Vec<_>>(),
-    )?;
-    let vectors: Vec<RecordVector> = texts
-        .into_iter()
-        .zip(made)
-        .map(|((space, id, _), vector)| (space, id, vector))
+    let unknown: Vec<&str> = texts
+        .iter()
+        .map(|(_, _, t)| t.as_str())
+        .filter(|t| !known.contains_key(t))
         .collect();
+    let mut made = embed_all(embedder, &unknown)?.into_iter();
+    let mut vectors: Vec<RecordVector> = Vec::with_capacity(texts.len());
+    for (space, id, text) in texts {
+        let vector = match known.get(text.as_str()) {
+            Some(vector) => (*vector).clone(),
+            None => made.next().unwrap_or_default(),
+        };
+        vectors.push((space, id, vector));
+    }
     let stored = store.put_owner_vectors(&handle, embedder.id(), &vectors)?;
     if let Some(told) = job.stored {
         told(&vectors);
@@ -834,7 +894,7 @@ fn rebuild_conversations(
             let (job, present) = missing_vectors(store, key, embedder.id())?;
             done.present += present;
             if let Some(job) = job {
-                done.vectors += embed_and_store(embedder, store, recall, &job)? as u64;
+                done.vectors += embed_and_store(embedder, store, recall, job)? as u64;
             }
             progress(key, &done);
         }
@@ -858,6 +918,7 @@ mod tests {
             },
             conversation_id: 1,
             texts: vec![(0, "text".into())],
+            archive: Vec::new(),
         })
     }
 

@@ -2,8 +2,9 @@
 //! shared out. Sizing a sidecar is then one number, the pod's limit less a margin (README,
 //! "Sizing the sidecar").
 //!
-//! The split ([`split`]): the process itself first, [`PROCESS_BASE`] (binary, runtime and
-//! threads, the tokenizers' tables: about 57 MiB measured once they are loaded), and the
+//! The split ([`split`]): the process itself first, [`PROCESS_BASE`] (binary, runtime,
+//! threads and connections, the tokenizer's tables, and what the allocator keeps under load),
+//! and the
 //! embedder's table or model (`[embedding]`: [`STATIC_EMBEDDER_BYTES`] for the default static
 //! table, [`CONTEXTUAL_EMBEDDER_BYTES`] for the full model, nothing for the provider's or none;
 //! the table below is without one); of the rest, in eighths,
@@ -99,8 +100,12 @@ pub const CONTEXTUAL_EMBEDDER_BYTES: u64 = 104 * MIB;
 /// embedder adds its own bytes).
 pub const MIN_MEMORY_BUDGET: u64 = PROCESS_BASE + 32 * MIB;
 
-/// What the process takes before any cache or request: the binary, the runtime and its
-/// threads, the tokenizers' tables.
+/// What the process takes apart from its caches and its requests' own bytes. Idle, 28 MiB
+/// (RSS, embedder off, sled; 20.7 MiB of it the binary's pages) since `o200k_base` is held
+/// compact (`memproxy_base::tokens::Lean`; 57 MiB before). Under the soak's load (16 clients,
+/// `loadbench --soak`) the heap in use past the caches and the reservations grows by about
+/// 30 MiB more (`memproxy_allocator_bytes`: up to 45 threads, their allocator caches, the
+/// connections' buffers), and the allocator keeps a few MiB free: the base keeps room for both.
 pub const PROCESS_BASE: u64 = 64 * MIB;
 
 const MIB: u64 = 1024 * 1024;

@@ -34,7 +34,7 @@ mod user_index;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::embedding::{Embedding, RecordTexts, RecordVector, RecordsStored};
+use crate::embedding::{Archived, RecordVector, RecordsStored};
 use crate::ledger::Ledger;
 use crate::recall::Query;
 use crate::recall::tokenize::TextLanguage;
@@ -174,18 +174,19 @@ impl LongTerm {
     /// After a commit of `conversation` for `user` (under the conversation's lock): copies
     /// the messages not yet in the user's archive into it, and removes `dropped` turns (a
     /// replaced reply, a closed branch: no longer what was said). The user's index follows;
-    /// the archived turns' vectors are made by `embedding`'s background worker.
+    /// the archived turns are returned for the embedding job of the same commit, which gives
+    /// them their messages' vectors (`None`: none archived, or no recall by meaning).
     pub fn after_commit(
         &self,
         store: &Store,
-        embedding: &Embedding,
         user: &OwnerKey,
         conversation: &Conversation,
         dropped: &[u64],
         extraction: Option<(ExtractionRule, Option<&ExtractionCall>)>,
-    ) {
+    ) -> Option<Archived> {
         let state = self.state(user);
         let mut state = lock(&state);
+        let mut archived = None;
         let rule = extraction.map(|(rule, call)| ExtractionRule {
             may_queue: rule.may_queue && call.is_some(),
             ..rule
@@ -203,11 +204,11 @@ impl LongTerm {
                             (SPACE_ARCHIVE, a.id.clone(), text)
                         })
                         .collect();
-                    embedding.after_records(
-                        user,
-                        RecordTexts::Given(texts),
-                        Some(self.archive_vectors_stored(user)),
-                    );
+                    archived = Some(Archived {
+                        owner: user.clone(),
+                        texts,
+                        stored: self.archive_vectors_stored(user),
+                    });
                 }
                 if let Some(index) = &mut state.index {
                     if dropped.is_empty() {
@@ -244,6 +245,7 @@ impl LongTerm {
         if let Some(state) = self.users.get(user) {
             self.users.insert(user.clone(), state);
         }
+        archived
     }
 
     /// What a summary job of conversation `key` (life `conversation_id`) of `user` does once

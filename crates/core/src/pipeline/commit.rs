@@ -315,23 +315,20 @@ impl Exchange {
         memory
             .recall
             .apply(&self.key, current, &leaving.removed, &added, after);
-        // Their vectors are made in the background, off this request's path.
-        if let Some(id) = conversation.meta.as_ref().map(|m| m.id) {
-            memory.embedding.after_commit(&self.key, id, &added);
-        }
-        if let Some(user) = &self.user {
+        let archived = self.user.as_ref().and_then(|user| {
             let extraction = self
                 .extraction_rule
                 .map(|rule| (rule, self.extraction.as_ref()));
-            memory.longterm.after_commit(
-                store,
-                &memory.embedding,
-                user,
-                conversation,
-                &leaving.unsaid,
-                extraction,
-            );
-        }
+            memory
+                .longterm
+                .after_commit(store, user, conversation, &leaving.unsaid, extraction)
+        });
+        // Their vectors, and the archived copies', are made in the background, off this
+        // request's path.
+        let id = conversation.meta.as_ref().map_or(0, |m| m.id);
+        memory
+            .embedding
+            .after_commit(&self.key, id, &added, archived);
         Ok(Written::Exchange)
     }
 
