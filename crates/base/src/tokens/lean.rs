@@ -44,10 +44,10 @@ impl std::fmt::Debug for Lean {
 }
 
 thread_local! {
-    /// Each thread's own clone of the pattern: a `fancy_regex` match takes scratch space from
-    /// a pool shared by the clones' users (tiktoken keeps a clone per thread for the same
-    /// reason). Freed with the thread.
-    static PATTERN: RefCell<Option<Regex>> = const { RefCell::new(None) };
+    /// Each thread's own clone of the pattern, with the address of the [`Lean`] it is of: a
+    /// `fancy_regex` match takes scratch space from a pool shared by the clones' users
+    /// (tiktoken keeps a clone per thread for the same reason). Freed with the thread.
+    static PATTERN: RefCell<Option<(usize, Regex)>> = const { RefCell::new(None) };
 }
 
 /// FNV-1a over a token's bytes (tokens are short).
@@ -199,7 +199,13 @@ impl Lean {
         }
         PATTERN.with(|cell| {
             let mut held = cell.borrow_mut();
-            let pattern = held.get_or_insert_with(|| self.pattern.clone());
+            let mine = self as *const Lean as usize;
+            if held.as_ref().is_none_or(|(of, _)| *of != mine) {
+                *held = Some((mine, self.pattern.clone()));
+            }
+            let Some((_, pattern)) = held.as_ref() else {
+                return;
+            };
             let mut done = 0;
             for found in pattern.find_iter(text) {
                 match found {
