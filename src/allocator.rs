@@ -139,6 +139,27 @@ mod imp {
             libc::malloc_trim(0);
         }
     }
+
+    /// With glibc, what a live allocation takes shows in `in_use`, and freeing it lowers it.
+    #[cfg(test)]
+    #[test]
+    fn a_live_allocation_counts_as_in_use() {
+        configure();
+        let before = held().unwrap();
+        // Past the mmap threshold: a block of its own, counted at once whatever the arenas do.
+        let block = std::hint::black_box(vec![7u8; 4 << 20]);
+        let during = held().unwrap();
+        assert!(
+            during.in_use >= before.in_use + (4 << 20) - (64 << 10),
+            "{before:?} {during:?}"
+        );
+        drop(block);
+        let after = held().unwrap();
+        assert!(
+            after.in_use + (4 << 20) <= during.in_use + (64 << 10),
+            "{during:?} {after:?}"
+        );
+    }
 }
 
 /// Any other allocator (mimalloc returns pages on its own; the system's as it comes): nothing
@@ -157,35 +178,5 @@ mod imp {
     pub fn release() {}
     pub fn held() -> Option<super::Held> {
         None
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    /// With glibc, what a live allocation takes shows in `in_use`, and freeing it lowers it.
-    #[cfg(all(
-        feature = "glibc-trim",
-        not(feature = "jemalloc"),
-        not(feature = "mimalloc"),
-        target_os = "linux",
-        target_env = "gnu"
-    ))]
-    #[test]
-    fn a_live_allocation_counts_as_in_use() {
-        super::configure();
-        let before = super::held().unwrap();
-        // Past the mmap threshold: a block of its own, counted at once whatever the arenas do.
-        let block = std::hint::black_box(vec![7u8; 4 << 20]);
-        let during = super::held().unwrap();
-        assert!(
-            during.in_use >= before.in_use + (4 << 20) - (64 << 10),
-            "{before:?} {during:?}"
-        );
-        drop(block);
-        let after = super::held().unwrap();
-        assert!(
-            after.in_use + (4 << 20) <= during.in_use + (64 << 10),
-            "{during:?} {after:?}"
-        );
     }
 }

@@ -204,27 +204,29 @@ impl Owed {
 
     fn owe_conversation(&mut self, key: &ConversationKey) -> bool {
         let hash = self.hasher.hash_one((0u8, key));
-        if self.held.contains(&hash) {
-            return true;
-        }
-        if self.conversations.len() >= OWED_MAX {
-            return false;
-        }
-        self.held.insert(hash);
-        self.conversations.push_back(key.clone());
-        true
+        Self::owe_one(&mut self.held, &mut self.conversations, hash, key)
     }
 
     fn owe_owner(&mut self, owner: &OwnerKey) -> bool {
         let hash = self.hasher.hash_one((1u8, owner));
-        if self.held.contains(&hash) {
+        Self::owe_one(&mut self.held, &mut self.owners, hash, owner)
+    }
+
+    /// Queues `key` (known by `hash`) unless it is owed already; false past [`OWED_MAX`].
+    fn owe_one<K: Clone>(
+        held: &mut HashSet<u64>,
+        queue: &mut VecDeque<K>,
+        hash: u64,
+        key: &K,
+    ) -> bool {
+        if held.contains(&hash) {
             return true;
         }
-        if self.owners.len() >= OWED_MAX {
+        if queue.len() >= OWED_MAX {
             return false;
         }
-        self.held.insert(hash);
-        self.owners.push_back(owner.clone());
+        held.insert(hash);
+        queue.push_back(key.clone());
         true
     }
 
