@@ -40,6 +40,7 @@ use std::error::Error;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -107,6 +108,25 @@ struct Args {
     /// `X-Memory-Relevance-Lexical-Weight`: the words' share of the fused score.
     #[arg(long)]
     lexical_weight: Option<f32>,
+    /// Write each category 1-4 question whose evidence did not reach the model (the question,
+    /// its evidence and what was recalled) as JSON to this path, for study. It holds the
+    /// data's text: keep it outside the repository.
+    #[arg(long)]
+    misses: Option<PathBuf>,
+    /// `sessions`: each session is replayed at its date (`session_N_date_time`, as memproxy's
+    /// clock reads it) and the questions are asked the day after the last; `now`: everything
+    /// at the time of the run.
+    #[arg(long, default_value = "sessions")]
+    clock: ClockMode,
+    /// `X-Memory-Relevance-Time`: favour the turns of the period a question names.
+    #[arg(long)]
+    time: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ClockMode {
+    Sessions,
+    Now,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -149,6 +169,8 @@ impl EvalConfig {
 struct Msg {
     role: &'static str,
     text: String,
+    /// When its session took place (UTC ms), from `session_N_date_time`.
+    at_ms: Option<i64>,
 }
 
 #[derive(Debug)]
@@ -346,6 +368,10 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
     let mut messages: Vec<Msg> = Vec::new();
     let mut by_session: Vec<Vec<Msg>> = Vec::new();
     for (n, session) in sessions {
+        let at_ms = sessions_object
+            .get(&format!("session_{n}_date_time"))
+            .and_then(Value::as_str)
+            .and_then(session_time);
         let mut this_session: Vec<Msg> = Vec::new();
         let session_turns = session
             .as_array()
@@ -370,6 +396,7 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
                     _ => list.push(Msg {
                         role,
                         text: text.clone(),
+                        at_ms,
                     }),
                 }
             }
@@ -447,6 +474,23 @@ fn load_conversation(sample: &Value, notes: &mut DataNotes) -> BoxResult<Convers
     })
 }
 
+/// A session's time as LoCoMo writes it (`1:56 pm on 8 May, 2023`), UTC ms.
+fn session_time(text: &str) -> Option<i64> {
+    let (clock, date) = text.split_once(" on ")?;
+    let day = memproxy::recall::when::period(date, 0)?.first;
+    let (hm, half) = clock.trim().split_once(' ')?;
+    let (h, m) = hm.split_once(':')?;
+    let (h, m): (i64, i64) = (h.parse().ok()?, m.parse().ok()?);
+    let h = h % 12
+        + if half.eq_ignore_ascii_case("pm") {
+            12
+        } else {
+            0
+        };
+    let midnight = day.midnight().assume_utc().unix_timestamp() * 1000;
+    Some(midnight + (h * 60 + m) * 60_000)
+}
+
 /// A message's text: string content, or the `text` of its content parts.
 fn content_text(message: &Value) -> String {
     match message.get("content") {
@@ -469,6 +513,10 @@ struct Harness {
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<Result<(), String>>>,
     _data_dir: tempfile::TempDir,
+    /// Replay by the sessions' dates (`--clock sessions`).
+    dated: bool,
+    /// The clock's last setting in this conversation's replay.
+    clock_set: AtomicI64,
 }
 
 struct Answer {
@@ -496,7 +544,7 @@ impl Answer {
 }
 
 impl Harness {
-    async fn start(relevance_max_tokens: &str, embedder: &str) -> BoxResult<Harness> {
+    async fn start(relevance_max_tokens: &str, embedder: &str, dated: bool) -> BoxResult<Harness> {
         let mock = MockUpstream::start_with(
             MockOptions {
                 record: true,
@@ -548,6 +596,8 @@ impl Harness {
             stop: Some(stop),
             task: Some(task),
             _data_dir: data_dir,
+            dated,
+            clock_set: AtomicI64::new(i64::MIN),
         })
     }
 
@@ -648,6 +698,19 @@ impl Harness {
         }
     }
 
+    /// Moves memproxy's clock to `at_ms` when the replay goes by the sessions' dates and it
+    /// is later than the clock's last setting (a session's exchanges keep the real time's
+    /// pace from there).
+    fn at(&self, at_ms: Option<i64>) {
+        let (Some(at_ms), Some(memory)) = (at_ms.filter(|_| self.dated), self.state.memory())
+        else {
+            return;
+        };
+        if self.clock_set.fetch_max(at_ms, Ordering::Relaxed) < at_ms {
+            memory.clock.set(at_ms);
+        }
+    }
+
     /// Waits until the background embedding jobs are done (every replayed message has its
     /// vector, as a conversation asked later would).
     async fn embedded(&self) -> BoxResult<()> {
@@ -713,6 +776,9 @@ async fn replay_messages(
     let mut i = 0;
     while i < messages.len() {
         let message = &messages[i];
+        if pending.is_empty() {
+            harness.at(message.at_ms);
+        }
         pending.push(message_json(message));
         i += 1;
         if message.role != "user" {
@@ -796,6 +862,9 @@ fn question_headers(config: EvalConfig, args: &Args) -> Vec<(&'static str, Strin
     if let Some(on) = args.semantic {
         headers.push(("x-memory-relevance-semantic", on.to_string()));
     }
+    if let Some(on) = args.time {
+        headers.push(("x-memory-relevance-time", on.to_string()));
+    }
     if let Some(floor) = args.floor {
         headers.push(("x-memory-relevance-floor", floor.to_string()));
     }
@@ -842,6 +911,44 @@ fn score(conversation: &Conversation, question: &Question, forwarded: &[Value]) 
     }
 }
 
+/// A question whose evidence did not reach the model: what it asked, the evidence turns (id,
+/// text) and the recalled turns' lines that were forwarded instead.
+fn miss(
+    conversation: &Conversation,
+    question: &Question,
+    config: EvalConfig,
+    forwarded: &[Value],
+) -> Value {
+    let evidence: Vec<Value> = question
+        .evidence
+        .iter()
+        .map(|id| {
+            let text = conversation.turns.get(id);
+            let message = text.and_then(|text| {
+                conversation
+                    .messages
+                    .iter()
+                    .position(|m| m.text.contains(text.as_str()))
+            });
+            json!({"id": id, "text": text, "message": message})
+        })
+        .collect();
+    let recalled: Vec<String> = forwarded
+        .iter()
+        .map(content_text)
+        .filter(|text| text.contains("[earlier turn #"))
+        .flat_map(|text| text.lines().map(str::to_owned).collect::<Vec<_>>())
+        .collect();
+    json!({
+        "conversation": conversation.id,
+        "config": config.name(),
+        "category": question.category,
+        "question": question.text,
+        "evidence": evidence,
+        "recalled": recalled,
+    })
+}
+
 /// Figures per configuration: category (1–4) → tally.
 type Results = Vec<(EvalConfig, BTreeMap<u8, Tally>)>;
 
@@ -867,7 +974,7 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
         |f| f.to_string_lossy().into_owned(),
     );
     format!(
-        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}  embedder={}  semantic={}  floor={}  lexical_weight={}",
+        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}  embedder={}  semantic={}  floor={}  lexical_weight={}  clock={}  time={}",
         match args.mode {
             Mode::Within => "within",
             Mode::CrossSession => "cross-session",
@@ -883,6 +990,11 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
         args.floor.map_or("default".to_string(), |f| f.to_string()),
         args.lexical_weight
             .map_or("default".to_string(), |w| w.to_string()),
+        match args.clock {
+            ClockMode::Sessions => "sessions",
+            ClockMode::Now => "now",
+        },
+        args.time.map_or("default".to_string(), |t| t.to_string()),
     )
 }
 
@@ -1045,12 +1157,19 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
     let conversations = load(&args.data, args.conversations, &mut notes)?;
     print_notes(&notes);
 
-    let harness = Harness::start(&args.relevance_max_tokens, &args.embedder).await?;
+    let harness = Harness::start(
+        &args.relevance_max_tokens,
+        &args.embedder,
+        args.clock == ClockMode::Sessions,
+    )
+    .await?;
     let mut unanswered: Vec<(EvalConfig, Recalled)> =
         configs.iter().map(|c| (*c, Recalled::default())).collect();
     let mut results: Results = configs.iter().map(|c| (*c, BTreeMap::new())).collect();
+    let mut misses: Vec<Value> = Vec::new();
     for conversation in &conversations {
         let replay_started = Instant::now();
+        harness.clock_set.store(i64::MIN, Ordering::Relaxed);
         let asked_in = match args.mode {
             Mode::Within => {
                 replay(&harness, conversation).await?;
@@ -1063,6 +1182,9 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
             }
         };
         harness.embedded().await?;
+        // The questions are asked the day after the last session.
+        let last = conversation.messages.iter().filter_map(|m| m.at_ms).max();
+        harness.at(last.map(|at| at + 86_400_000));
         let replayed = replay_started.elapsed();
         for ((config, tallies), (_, recalled)) in results.iter_mut().zip(&mut unanswered) {
             let mut headers = question_headers(*config, &args);
@@ -1071,11 +1193,11 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
             }
             for question in &conversation.questions {
                 let forwarded = harness.ask(&asked_in, &question.text, &headers).await?;
-                tallies.entry(question.category).or_default().add(score(
-                    conversation,
-                    question,
-                    &forwarded,
-                ));
+                let tally = score(conversation, question, &forwarded);
+                if tally.any == 0 && args.misses.is_some() {
+                    misses.push(miss(conversation, question, *config, &forwarded));
+                }
+                tallies.entry(question.category).or_default().add(tally);
             }
             for question in &conversation.unanswerable {
                 let forwarded = harness.ask(&asked_in, question, &headers).await?;
@@ -1117,6 +1239,10 @@ async fn run(args: Args) -> Result<(), Box<dyn Error>> {
     );
     println!("wall time: {wall:.1}s");
 
+    if let Some(path) = &args.misses {
+        std::fs::write(path, serde_json::to_string_pretty(&misses)? + "\n")
+            .map_err(|err| format!("{}: {err}", path.display()))?;
+    }
     if let Some(path) = &args.json {
         let value = results_json(&args, &results, &conversations, &notes, wall);
         std::fs::write(path, serde_json::to_string_pretty(&value)? + "\n")

@@ -90,6 +90,7 @@ pub fn list(
             text: &q,
             vector: None,
             fusion: crate::recall::hybrid::Fusion::default(),
+            when: None,
         },
         vectors: &no_vectors,
     };

@@ -421,3 +421,71 @@ async fn an_echoed_injected_message_is_not_stored_or_repeated() {
             .any(|m| m.contains("[Earlier in this conversation"))
     );
 }
+
+/// UTC ms of a day at noon.
+fn noon(year: i32, month: u8, day: u8) -> i64 {
+    let date =
+        time::Date::from_calendar_date(year, time::Month::try_from(month).unwrap(), day).unwrap();
+    (date.midnight().assume_utc().unix_timestamp() + 12 * 3600) * 1000
+}
+
+#[tokio::test]
+async fn a_question_naming_a_period_recalls_the_turns_of_that_time() {
+    let Started { mock, proxy, .. } = Harness::new().start().await;
+    let clock = &proxy.state.memory().unwrap().clock;
+    let narrow = [
+        ("x-memory-recent-n", "2"),
+        ("x-memory-relevance-top-k", "1"),
+    ];
+    let say = |text: String| {
+        let proxy = &proxy;
+        async move {
+            let answer = chat(proxy, "diary", &body(&[user(&text)]), &narrow).await;
+            assert_eq!(answer.status, 200);
+        }
+    };
+    // The March turn words a concert a little better than the July one (a shorter turn).
+    clock.set(noon(2025, 3, 10));
+    for i in 12..15 {
+        say(filler(i)).await;
+    }
+    say("I went to a concert with Sam".into()).await;
+    for i in 0..6 {
+        say(filler(i)).await;
+    }
+    clock.set(noon(2025, 7, 12));
+    say("I went to a concert with Alex, my neighbour from across the street".into()).await;
+    for i in 6..12 {
+        say(filler(i)).await;
+    }
+    clock.set(noon(2025, 7, 20));
+    let ask = |question: &'static str, extra: &'static [(&'static str, &'static str)]| {
+        let (proxy, mock) = (&proxy, &mock);
+        async move {
+            let mut headers = narrow.to_vec();
+            headers.push(("x-memory-persist", "false"));
+            headers.extend_from_slice(extra);
+            let answer = chat(proxy, "diary", &body(&[user(question)]), &headers).await;
+            assert_eq!(answer.status, 200);
+            recalled_message(mock).unwrap_or_default()
+        }
+    };
+    let july = ask("Who did I go to a concert with in July?", &[]).await;
+    assert!(july.contains("Alex") && !july.contains("Sam"), "{july}");
+    // The 20th is a Sunday: last weekend was the 12th and 13th.
+    let last_weekend = ask("Who came to the concert last weekend?", &[]).await;
+    assert!(last_weekend.contains("Alex"), "{last_weekend}");
+    let spring = ask("Who did I go to a concert with in spring 2025?", &[]).await;
+    assert!(
+        spring.contains("Sam") && !spring.contains("Alex"),
+        "{spring}"
+    );
+    // The setting off: words alone choose the better worded turn, whatever the question's time.
+    let off = ask(
+        "Who did I go to a concert with in July?",
+        &[("x-memory-relevance-time", "false")],
+    )
+    .await;
+    assert!(off.contains("Sam") && !off.contains("Alex"), "{off}");
+    proxy.stop().await;
+}

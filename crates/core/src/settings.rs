@@ -66,6 +66,9 @@ pub struct MemorySettings {
     /// Recall by meaning too (hybrid: words and vectors, `recall/hybrid.rs`) when an embedder
     /// is configured; off: by words alone.
     pub relevance_semantic: bool,
+    /// Favour the turns stored in the period a question names ("in July 2022", "last week":
+    /// `recall/when.rs`).
+    pub relevance_time: bool,
     /// The share of the words' score in the fused score (the rest is the meaning's), in
     /// millionths.
     pub relevance_lexical_weight_micros: u32,
@@ -110,6 +113,13 @@ impl MemorySettings {
         }
     }
 
+    /// The period `text` names, read at `now_ms`, when `relevance_time` is on.
+    pub fn period(&self, text: &str, now_ms: i64) -> Option<crate::recall::when::Period> {
+        self.relevance_time
+            .then(|| crate::recall::when::period(text, now_ms))
+            .flatten()
+    }
+
     /// `memory_min_decay` as a fraction.
     pub fn memory_min_decay(&self) -> f64 {
         f64::from(self.memory_min_decay_micros) / 1e6
@@ -144,6 +154,7 @@ impl Default for MemorySettings {
             max_context_tokens: None,
             relevance_language: TextLanguage::Auto,
             relevance_semantic: true,
+            relevance_time: true,
             relevance_lexical_weight_micros: (crate::recall::hybrid::DEFAULT_LEXICAL_WEIGHT * 1e6)
                 as u32,
             relevance_floor_micros: (crate::recall::hybrid::DEFAULT_FLOOR * 1e6) as u32,
@@ -272,6 +283,7 @@ pub const SETTINGS: &[(&str, Kind)] = &[
     ),
     ("relevance_language", Kind::Language),
     ("relevance_semantic", Kind::Bool),
+    ("relevance_time", Kind::Bool),
     ("relevance_lexical_weight", Kind::Fraction),
     ("relevance_floor", Kind::Fraction),
     ("ttl", Kind::OptionalDuration),
@@ -428,6 +440,7 @@ impl MemorySettings {
             ("memory_half_life", Value::Duration(d)) => self.memory_half_life = d,
             ("memory_min_decay", Value::Fraction(f)) => self.memory_min_decay_micros = f,
             ("relevance_semantic", Value::Bool(b)) => self.relevance_semantic = b,
+            ("relevance_time", Value::Bool(b)) => self.relevance_time = b,
             ("relevance_lexical_weight", Value::Fraction(f)) => {
                 self.relevance_lexical_weight_micros = f
             }
@@ -483,6 +496,7 @@ impl MemorySettings {
                 self.relevance_language.name().to_string(),
             ),
             ("relevance_semantic", self.relevance_semantic.to_string()),
+            ("relevance_time", self.relevance_time.to_string()),
             (
                 "relevance_lexical_weight",
                 (f64::from(self.relevance_lexical_weight_micros) / 1e6).to_string(),

@@ -168,10 +168,12 @@ pub fn search(
         .relevance_semantic
         .then(|| memory.embedding.query(query).ok())
         .flatten();
+    let when = settings.period(query, now);
     let asked = crate::recall::Query {
         text: query,
         vector: vector.as_deref(),
         fusion: settings.fusion(),
+        when,
     };
     let mut vectors = std::collections::HashMap::new();
     if let (Some(space), Some(_)) = (memory.longterm.space(), vector.as_ref()) {
@@ -224,6 +226,7 @@ pub fn recall_conversation(
         .relevance_semantic
         .then(|| memory.embedding.query(query).ok())
         .flatten();
+    let when = settings.period(query, store.clock().now_ms());
     let handle = store.conversation(key)?;
     let mut conversation = lock(&handle);
     if store.shared() {
@@ -242,6 +245,7 @@ pub fn recall_conversation(
                 text: query,
                 vector: vector.as_deref(),
                 fusion: settings.fusion(),
+                when,
             },
             next_turn,
             limit,

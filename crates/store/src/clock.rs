@@ -18,6 +18,13 @@ impl Clock {
         system_ms().saturating_add(self.offset_ms.load(Ordering::Relaxed))
     }
 
+    /// Sets this clock to read `now_ms` from here on (a replay of a conversation that
+    /// happened at other times: `examples/recall_eval.rs`).
+    pub fn set(&self, now_ms: i64) {
+        self.offset_ms
+            .store(now_ms.saturating_sub(system_ms()), Ordering::Relaxed);
+    }
+
     /// Moves this clock forward (tests).
     pub fn advance(&self, by: Duration) {
         let ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
@@ -45,5 +52,14 @@ mod tests {
         let after = clock.now_ms();
         assert!(after - before >= 3_600_000, "{before} → {after}");
         assert!(after - before < 3_660_000, "{before} → {after}");
+    }
+
+    #[test]
+    fn a_clock_set_to_a_time_reads_it() {
+        let clock = Clock::default();
+        let may_2023 = 1_683_504_000_000;
+        clock.set(may_2023);
+        let read = clock.now_ms();
+        assert!((may_2023..may_2023 + 60_000).contains(&read), "{read}");
     }
 }

@@ -1117,6 +1117,7 @@ mod tests {
                 text,
                 vector: None,
                 fusion: Fusion::default(),
+                when: None,
             },
             vectors: &none,
         };
@@ -1229,6 +1230,7 @@ mod tests {
                     lexical_weight: 0.5,
                     floor: 0.3,
                 },
+                when: None,
             },
             vectors: &vectors,
         };

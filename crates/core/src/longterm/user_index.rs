@@ -24,6 +24,8 @@ struct Doc {
     id: Vec<u8>,
     /// Its conversation, as an index into `names`.
     name: u32,
+    /// When the turn was stored (UTC ms), for questions that name a period.
+    at_ms: i64,
 }
 
 #[derive(Debug)]
@@ -63,7 +65,14 @@ impl UserIndex {
             vectors: space.map(|(_, dims)| DocVectors::new(*dims)),
         };
         for (added, text) in turns.into_iter().zip(texts) {
-            index.push_text(added.id, &added.turn.agent, &added.turn.conversation, &text);
+            let at_ms = added.turn.message.at_ms;
+            index.push_text(
+                added.id,
+                &added.turn.agent,
+                &added.turn.conversation,
+                &text,
+                at_ms,
+            );
         }
         index.index.shrink_to_fit();
         if let Some((space, _)) = space {
@@ -141,10 +150,11 @@ impl UserIndex {
             &added.turn.agent,
             &added.turn.conversation,
             &text,
+            added.turn.message.at_ms,
         );
     }
 
-    fn push_text(&mut self, id: Vec<u8>, agent: &str, conversation: &str, text: &str) {
+    fn push_text(&mut self, id: Vec<u8>, agent: &str, conversation: &str, text: &str, at_ms: i64) {
         let name = (agent.to_string(), conversation.to_string());
         let next = self.names.len() as u32;
         let name = *self.name_ids.entry(name.clone()).or_insert_with(|| {
@@ -153,7 +163,7 @@ impl UserIndex {
         });
         let seq = self.docs.len() as u64;
         self.index.push(seq, terms(text, self.latin));
-        self.docs.push(Doc { id, name });
+        self.docs.push(Doc { id, name, at_ms });
     }
 
     /// The `k` best documents for `query` outside the conversation `skip` (agent,
@@ -187,17 +197,29 @@ impl UserIndex {
             docs.get(seq as usize)
                 .is_some_and(|d| Some(d.name) != skipped)
         };
-        // With meaning, every matching document: the fusion ranks them with the rest.
-        let lexical_k = if semantic.is_some() { usize::MAX } else { k };
+        // With meaning or a period, every matching document: the fusion ranks them with the
+        // rest.
+        let lexical_k = if semantic.is_some() || query.when.is_some() {
+            usize::MAX
+        } else {
+            k
+        };
         let lexical = self
             .index
             .search_where(&words, u64::MAX, lexical_k, in_pool);
         let weight = self.index.query_weight(&words);
+        let holds = |seq: u64| {
+            query.when.is_some_and(|period| {
+                docs.get(seq as usize)
+                    .is_some_and(|d| period.holds(d.at_ms))
+            })
+        };
         let (hits, _) = fuse(
             &lexical,
             weight,
             semantic.as_deref(),
             in_pool,
+            query.when.map(|_| &holds as &dyn Fn(u64) -> bool),
             query.fusion,
             k,
         );

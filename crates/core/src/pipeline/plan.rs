@@ -589,6 +589,10 @@ fn recalled(
             true => on.memory.embedding.query(query),
             false => Err(Lexical::Setting),
         });
+    // The period the question names, if any: turns stored in it are favoured.
+    let when = query
+        .as_deref()
+        .and_then(|query| settings.period(query, on.memory.clock.now_ms()));
     if let (Some(query), Some(vector)) = (query.as_deref(), vector.as_ref())
         && pool_end > 0
     {
@@ -602,6 +606,7 @@ fn recalled(
                 text: query,
                 vector: vector.as_ref().ok().map(Vec::as_slice),
                 fusion: settings.fusion(),
+                when,
             },
             before_turn,
             settings.relevance_top_k,
@@ -641,6 +646,7 @@ fn recalled(
                 text: query,
                 vector: vector.as_deref(),
                 fusion: settings.fusion(),
+                when,
             },
             settings.relevance_top_k,
         ) {
@@ -712,6 +718,7 @@ fn long_term(
             text: &query,
             vector,
             fusion: settings.fusion(),
+            when: None,
         },
         settings,
         memory.clock.now_ms(),

@@ -13,7 +13,9 @@
 //!   documents carry their neighbours' words;
 //! - fused = `lexical_weight` × lexical + (1 − `lexical_weight`) × semantic. A turn without a
 //!   vector yet (made after its commit, off the request path) is fused from its words alone,
-//!   at the lexical weight.
+//!   at the lexical weight;
+//! - a question that names a period ("in July 2022", "last week": `when.rs`) adds
+//!   [`TIME_BONUS`] to the scores of the turns stored in it.
 
 use super::index::Hit;
 
@@ -44,6 +46,12 @@ impl Default for Fusion {
 /// embedder, 0.3 → 0.774, 0.5 → 0.800, 0.7 → 0.817 recall_any@10 (words alone 0.812).
 pub const DEFAULT_LEXICAL_WEIGHT: f32 = 0.7;
 
+/// What a turn stored in the period the question names (`when.rs`) adds to its ranking score
+/// (each part min-max scaled to 0..1 among the candidates, so a fifth of the range) and to its
+/// fused score: enough to lift a turn of that time over better worded ones of other times,
+/// not enough to bring one in that shares nothing with the question.
+pub const TIME_BONUS: f32 = 0.2;
+
 /// The default relevance floor, chosen on the project's own paraphrase set
 /// (`tests/it/recall_meaning.rs`, the static embedder): a turn found by meaning alone needs a
 /// cosine of about 0.17 at the default weights (paraphrased facts scored 0.17–0.42 there,
@@ -61,6 +69,8 @@ pub struct Scored {
     pub lexical: f32,
     /// The semantic score, 0..1 (`None`: the turn or the query has no vector).
     pub semantic: Option<f32>,
+    /// Stored in the period the question names (`when.rs`).
+    pub when: bool,
 }
 
 /// Mixes each turn's similarity with its neighbours' (by position in `similarities`, which is
@@ -89,12 +99,14 @@ pub fn smooth(similarities: &[(u64, f32)]) -> Vec<(u64, f32)> {
 /// with the smoothed `semantic` similarities (by turn ascending; `None`: no query vector) of
 /// the turns `in_pool` accepts: the best `k`, best first, split into those at or above the
 /// floor and those under it. A turn with neither a query word nor a vector is never a
-/// candidate.
+/// candidate. `in_period` tells the turns stored in the period the question names (`None`: it
+/// names none): they gain [`TIME_BONUS`].
 pub fn fuse(
     lexical: &[Hit],
     query_weight: f32,
     semantic: Option<&[(u64, f32)]>,
     in_pool: impl Fn(u64) -> bool,
+    in_period: Option<&dyn Fn(u64) -> bool>,
     fusion: Fusion,
     k: usize,
 ) -> (Vec<Scored>, Vec<Scored>) {
@@ -114,6 +126,7 @@ pub fn fuse(
                 score: lexical.min(1.0),
                 lexical,
                 semantic: None,
+                when: false,
             }
         })),
         Some(semantic) => {
@@ -132,6 +145,7 @@ pub fn fuse(
                 score: w * lexical.min(1.0),
                 lexical,
                 semantic: None,
+                when: false,
             };
             for &(turn, similarity) in semantic {
                 let mut lexical = 0.0;
@@ -155,9 +169,18 @@ pub fn fuse(
                     score: w * lexical.min(1.0) + (1.0 - w) * semantic,
                     lexical,
                     semantic: Some(semantic),
+                    when: false,
                 });
             }
             scored.extend(next_word.map(|&(turn, score)| words_alone(turn, score)));
+        }
+    }
+    if let Some(in_period) = in_period {
+        for s in &mut scored {
+            s.when = in_period(s.turn);
+            if s.when {
+                s.score = (s.score + TIME_BONUS).min(1.0);
+            }
         }
     }
     // Ranked on each score's range among the candidates (min-max): the two scales differ in
@@ -188,8 +211,8 @@ pub fn fuse(
 }
 
 /// Each candidate's ranking score: its lexical and semantic scores each scaled to their range
-/// among the candidates, then weighed as the fused score is. With no semantic score anywhere,
-/// the lexical order.
+/// among the candidates, then weighed as the fused score is (with no semantic score anywhere,
+/// the lexical order), plus [`TIME_BONUS`] for a turn of the period the question names.
 fn ranking(scored: &[Scored], lexical_weight: f32) -> Vec<f32> {
     let range = |values: &mut dyn Iterator<Item = f32>| {
         values.fold((f32::MAX, f32::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)))
@@ -203,14 +226,16 @@ fn ranking(scored: &[Scored], lexical_weight: f32) -> Vec<f32> {
         .iter()
         .map(|s| {
             let lexical = scale(s.lexical, lex_lo, lex_hi);
-            match s.semantic {
-                Some(semantic) => {
-                    lexical_weight * lexical
-                        + (1.0 - lexical_weight) * scale(semantic, sem_lo, sem_hi)
+            let bonus = if s.when { TIME_BONUS } else { 0.0 };
+            bonus
+                + match s.semantic {
+                    Some(semantic) => {
+                        lexical_weight * lexical
+                            + (1.0 - lexical_weight) * scale(semantic, sem_lo, sem_hi)
+                    }
+                    None if sem_hi >= sem_lo => lexical_weight * lexical,
+                    None => lexical,
                 }
-                None if sem_hi >= sem_lo => lexical_weight * lexical,
-                None => lexical,
-            }
         })
         .collect()
 }
@@ -243,6 +268,7 @@ mod tests {
             8.0,
             None,
             |_| true,
+            None,
             Fusion::default(),
             10,
         );
@@ -259,7 +285,15 @@ mod tests {
             lexical_weight: 0.3,
             floor: 0.2,
         };
-        let (kept, under) = fuse(&[hit(3, 4.0)], 8.0, Some(&semantic), |t| t < 9, fusion, 10);
+        let (kept, under) = fuse(
+            &[hit(3, 4.0)],
+            8.0,
+            Some(&semantic),
+            |t| t < 9,
+            None,
+            fusion,
+            10,
+        );
         let turns: Vec<u64> = kept.iter().map(|s| s.turn).collect();
         // Turn 1 shares no word and ranks first; turn 9 is outside the pool.
         assert_eq!(turns, [1, 3]);
@@ -273,7 +307,15 @@ mod tests {
         // Best first, as the index gives them; one turn (8) has no vector.
         let hits = [hit(7, 8.0), hit(2, 4.0), hit(8, 2.0), hit(5, 1.0)];
         let semantic = [(1, 0.1), (2, 0.2), (5, 0.5), (7, 0.7), (9, 0.9)];
-        let (kept, _) = fuse(&hits, 8.0, Some(&semantic), |_| true, Fusion::default(), 10);
+        let (kept, _) = fuse(
+            &hits,
+            8.0,
+            Some(&semantic),
+            |_| true,
+            None,
+            Fusion::default(),
+            10,
+        );
         let mut found: Vec<(u64, f32, Option<f32>)> = kept
             .iter()
             .map(|s| (s.turn, s.lexical, s.semantic))
@@ -299,6 +341,7 @@ mod tests {
             8.0,
             Some(&[(1, 0.3)]),
             |_| true,
+            None,
             Fusion::default(),
             10,
         );
@@ -307,5 +350,64 @@ mod tests {
             .find(|s| s.turn == 4)
             .map(|s| (s.score, s.semantic));
         assert_eq!(four, Some((DEFAULT_LEXICAL_WEIGHT, None)));
+    }
+
+    #[test]
+    fn a_turn_of_the_named_period_outranks_better_worded_ones_of_other_times_but_not_far_better() {
+        // Turn 2 is of the period; 1 words the question slightly better, 3 far better.
+        let hits = [hit(1, 5.0), hit(2, 4.0), hit(3, 8.0), hit(4, 0.5)];
+        let semantic = [(1, 0.3), (2, 0.3), (3, 0.6), (4, 0.0)];
+        let in_period = |turn: u64| turn == 2;
+        let order = |when: Option<&dyn Fn(u64) -> bool>| {
+            let (kept, _) = fuse(
+                &hits,
+                8.0,
+                Some(&semantic),
+                |_| true,
+                when,
+                Fusion::default(),
+                10,
+            );
+            kept.iter().map(|s| (s.turn, s.when)).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            order(None),
+            [(3, false), (1, false), (2, false), (4, false)]
+        );
+        assert_eq!(
+            order(Some(&in_period)),
+            [(3, false), (2, true), (1, false), (4, false)]
+        );
+        // Its fused score carries the bonus too (turns of other conversations compete on it).
+        let (kept, _) = fuse(
+            &hits,
+            8.0,
+            Some(&semantic),
+            |_| true,
+            Some(&in_period),
+            Fusion::default(),
+            10,
+        );
+        let two = kept.iter().find(|s| s.turn == 2).unwrap();
+        let plain = DEFAULT_LEXICAL_WEIGHT * 0.5 + (1.0 - DEFAULT_LEXICAL_WEIGHT) * 0.3;
+        assert!((two.score - (plain + TIME_BONUS)).abs() < 1e-6, "{two:?}");
+    }
+
+    #[test]
+    fn by_words_alone_a_turn_of_the_named_period_gains_too() {
+        let hits = [hit(1, 5.0), hit(2, 4.8), hit(3, 1.0)];
+        let in_period = |turn: u64| turn == 2 || turn == 3;
+        let (kept, _) = fuse(
+            &hits,
+            8.0,
+            None,
+            |_| true,
+            Some(&in_period),
+            Fusion::default(),
+            10,
+        );
+        // Ranked on the words' range among the candidates: 2 is close to 1 and passes it; 3 is
+        // far under and stays there.
+        assert_eq!(kept.iter().map(|s| s.turn).collect::<Vec<_>>(), [2, 1, 3]);
     }
 }

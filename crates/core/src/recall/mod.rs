@@ -9,6 +9,8 @@
 //! - `vectors.rs` — with an embedder, the messages' vectors, loaded from the store with the
 //!   index and added as background jobs make them;
 //! - `hybrid.rs` — words and meaning fused into one score, and the relevance floor;
+//! - `when.rs` — the period a question names ("in July 2022", "last week"): the turns stored
+//!   in it are favoured;
 //! - `excerpt.rs` — the passage of a long recalled turn that best matches the question.
 
 pub mod excerpt;
@@ -16,6 +18,7 @@ pub mod hybrid;
 pub mod index;
 pub mod tokenize;
 pub mod vectors;
+pub mod when;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -85,6 +88,10 @@ pub struct Query<'a> {
     pub text: &'a str,
     pub vector: Option<&'a [f32]>,
     pub fusion: Fusion,
+    /// The period the text names (`when.rs`): turns stored in it are favoured. Its words
+    /// ("july") are still matched as words: a turn that says "in July" tells of it too
+    /// (leaving them out measured 0.817 against 0.820 on LoCoMo).
+    pub when: Option<when::Period>,
 }
 
 /// What a search found: the turns to recall, best first, and those the relevance floor left
@@ -174,17 +181,34 @@ impl Recall {
             }
             _ => None,
         };
-        let lexical = match semantic {
+        let lexical = match (&semantic, query.when) {
             // Every matching turn: the fusion ranks them with the rest.
-            Some(_) => index.index.search(&query_terms, before_turn, usize::MAX),
-            None => index.index.search(&query_terms, before_turn, k),
+            (Some(_), _) | (_, Some(_)) => {
+                index.index.search(&query_terms, before_turn, usize::MAX)
+            }
+            (None, None) => index.index.search(&query_terms, before_turn, k),
         };
         let weight = index.index.query_weight(&query_terms);
+        // The turns stored in the period the question names, by turn ascending.
+        let in_period: Option<Vec<u64>> = query.when.map(|period| {
+            conversation
+                .entries
+                .iter()
+                .filter(|e| e.turn < before_turn && period.holds(e.at_ms))
+                .map(|e| e.turn)
+                .collect()
+        });
+        let holds = |turn: u64| {
+            in_period
+                .as_ref()
+                .is_some_and(|turns| turns.binary_search(&turn).is_ok())
+        };
         let (hits, under_floor) = fuse(
             &lexical,
             weight,
             semantic.as_deref(),
             |turn| turn < before_turn,
+            in_period.as_ref().map(|_| &holds as &dyn Fn(u64) -> bool),
             query.fusion,
             k,
         );
