@@ -121,6 +121,10 @@ struct Args {
     /// `X-Memory-Relevance-Time`: favour the turns of the period a question names.
     #[arg(long)]
     time: Option<bool>,
+    /// `X-Memory-Relevance-Feedback`: score the turns a second time with the question's vector
+    /// moved towards the best turns'.
+    #[arg(long)]
+    feedback: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -865,6 +869,9 @@ fn question_headers(config: EvalConfig, args: &Args) -> Vec<(&'static str, Strin
     if let Some(on) = args.time {
         headers.push(("x-memory-relevance-time", on.to_string()));
     }
+    if let Some(on) = args.feedback {
+        headers.push(("x-memory-relevance-feedback", on.to_string()));
+    }
     if let Some(floor) = args.floor {
         headers.push(("x-memory-relevance-floor", floor.to_string()));
     }
@@ -974,7 +981,7 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
         |f| f.to_string_lossy().into_owned(),
     );
     format!(
-        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}  embedder={}  semantic={}  floor={}  lexical_weight={}  clock={}  time={}",
+        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}  embedder={}  semantic={}  floor={}  lexical_weight={}  clock={}  time={}  feedback={}",
         match args.mode {
             Mode::Within => "within",
             Mode::CrossSession => "cross-session",
@@ -995,6 +1002,8 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
             ClockMode::Now => "now",
         },
         args.time.map_or("default".to_string(), |t| t.to_string()),
+        args.feedback
+            .map_or("default".to_string(), |f| f.to_string()),
     )
 }
 

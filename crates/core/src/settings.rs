@@ -69,6 +69,9 @@ pub struct MemorySettings {
     /// Favour the turns stored in the period a question names ("in July 2022", "last week":
     /// `recall/when.rs`).
     pub relevance_time: bool,
+    /// Score the older turns twice, the second time with the question's vector moved towards
+    /// the best turns' (`recall/hybrid.rs`'s `feedback`).
+    pub relevance_feedback: bool,
     /// The share of the words' score in the fused score (the rest is the meaning's), in
     /// millionths.
     pub relevance_lexical_weight_micros: u32,
@@ -110,6 +113,7 @@ impl MemorySettings {
         crate::recall::hybrid::Fusion {
             lexical_weight: self.relevance_lexical_weight_micros as f32 / 1e6,
             floor: self.relevance_floor_micros as f32 / 1e6,
+            feedback: self.relevance_feedback,
         }
     }
 
@@ -155,6 +159,7 @@ impl Default for MemorySettings {
             relevance_language: TextLanguage::Auto,
             relevance_semantic: true,
             relevance_time: true,
+            relevance_feedback: false,
             relevance_lexical_weight_micros: (crate::recall::hybrid::DEFAULT_LEXICAL_WEIGHT * 1e6)
                 as u32,
             relevance_floor_micros: (crate::recall::hybrid::DEFAULT_FLOOR * 1e6) as u32,
@@ -284,6 +289,7 @@ pub const SETTINGS: &[(&str, Kind)] = &[
     ("relevance_language", Kind::Language),
     ("relevance_semantic", Kind::Bool),
     ("relevance_time", Kind::Bool),
+    ("relevance_feedback", Kind::Bool),
     ("relevance_lexical_weight", Kind::Fraction),
     ("relevance_floor", Kind::Fraction),
     ("ttl", Kind::OptionalDuration),
@@ -441,6 +447,7 @@ impl MemorySettings {
             ("memory_min_decay", Value::Fraction(f)) => self.memory_min_decay_micros = f,
             ("relevance_semantic", Value::Bool(b)) => self.relevance_semantic = b,
             ("relevance_time", Value::Bool(b)) => self.relevance_time = b,
+            ("relevance_feedback", Value::Bool(b)) => self.relevance_feedback = b,
             ("relevance_lexical_weight", Value::Fraction(f)) => {
                 self.relevance_lexical_weight_micros = f
             }
@@ -497,6 +504,7 @@ impl MemorySettings {
             ),
             ("relevance_semantic", self.relevance_semantic.to_string()),
             ("relevance_time", self.relevance_time.to_string()),
+            ("relevance_feedback", self.relevance_feedback.to_string()),
             (
                 "relevance_lexical_weight",
                 (f64::from(self.relevance_lexical_weight_micros) / 1e6).to_string(),

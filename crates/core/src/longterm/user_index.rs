@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use super::archive::{self, Added, SPACE_ARCHIVE};
 use crate::recall::Query;
-use crate::recall::hybrid::{fuse, smooth};
+use crate::recall::hybrid::{FEEDBACK_TURNS, fuse, smooth};
 use crate::recall::index::Index;
 use crate::recall::stemming;
 use crate::recall::tokenize::{Lang, TextLanguage, terms};
@@ -214,15 +214,28 @@ impl UserIndex {
                     .is_some_and(|d| period.holds(d.at_ms))
             })
         };
-        let (hits, _) = fuse(
-            &lexical,
-            weight,
-            semantic.as_deref(),
-            in_pool,
-            query.when.map(|_| &holds as &dyn Fn(u64) -> bool),
-            query.fusion,
-            k,
-        );
+        let ranked = |semantic: Option<&[(u64, f32)]>, k: usize| {
+            fuse(
+                &lexical,
+                weight,
+                semantic,
+                in_pool,
+                query.when.map(|_| &holds as &dyn Fn(u64) -> bool),
+                query.fusion,
+                k,
+            )
+            .0
+        };
+        let mut hits = ranked(semantic.as_deref(), k.max(FEEDBACK_TURNS));
+        // Feedback, as a conversation's own recall (`recall/hybrid.rs`).
+        if let (Some(vector), Some(vectors)) = (query.vector, self.vectors.as_ref())
+            && semantic.is_some()
+            && query.fusion.feedback
+            && let Some(moved) = vectors.feedback(vector, &hits)
+        {
+            let semantic = self.similarities(vectors, &moved);
+            hits = ranked(Some(&semantic), k);
+        }
         hits.into_iter()
             .take(k)
             .filter_map(|hit| {

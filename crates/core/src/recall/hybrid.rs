@@ -14,6 +14,8 @@
 //! - fused = `lexical_weight` × lexical + (1 − `lexical_weight`) × semantic. A turn without a
 //!   vector yet (made after its commit, off the request path) is fused from its words alone,
 //!   at the lexical weight;
+//! - with vectors and `relevance_feedback`, the fusion runs twice: the second time with the
+//!   query's vector moved towards the vectors of the first's best turns ([`feedback`]);
 //! - a question that names a period ("in July 2022", "last week": `when.rs`) adds
 //!   [`TIME_BONUS`] to the scores of the turns stored in it.
 
@@ -31,6 +33,9 @@ pub struct Fusion {
     /// Turns whose fused score is below this are not recalled (0: none is dropped). Applies
     /// when vectors take part: by words alone, every turn that shares a word competes.
     pub floor: f32,
+    /// Score the turns a second time with the query's vector moved towards the best turns'
+    /// ([`feedback`]; `relevance_feedback`).
+    pub feedback: bool,
 }
 
 impl Default for Fusion {
@@ -38,6 +43,7 @@ impl Default for Fusion {
         Fusion {
             lexical_weight: DEFAULT_LEXICAL_WEIGHT,
             floor: 0.0,
+            feedback: false,
         }
     }
 }
@@ -51,6 +57,36 @@ pub const DEFAULT_LEXICAL_WEIGHT: f32 = 0.7;
 /// fused score: enough to lift a turn of that time over better worded ones of other times,
 /// not enough to bring one in that shares nothing with the question.
 pub const TIME_BONUS: f32 = 0.2;
+
+/// Feedback (`relevance_feedback`, off by default): the query's vector is moved towards the
+/// vectors of the turns the first fusion ranked best, and the turns are scored again
+/// (pseudo-relevance feedback, Rocchio's): what the question means is often said better by the
+/// turns it found than by its own few words. The second pass costs as much as the first
+/// (+0.9 ms at 10,000 stored messages with the static table, which would pass the 2 ms the
+/// default embedder may add; nothing next to the full model's 19 ms query). This many turns…
+pub const FEEDBACK_TURNS: usize = 3;
+/// …weigh this much, together, against the query's own vector. Measured on LoCoMo's dev file:
+/// recall_any@10 +0.004 with the static table and with the full model, the same at weights
+/// 0.3 to 1.5 and with 1 to 5 turns.
+pub const FEEDBACK_WEIGHT: f32 = 0.7;
+
+/// The query's vector moved towards `rows` (the best turns' vectors): `query` +
+/// [`FEEDBACK_WEIGHT`] × their mean, L2 normalised. `None` when there is no row.
+pub fn feedback(query: &[f32], rows: &[Vec<f32>]) -> Option<Vec<f32>> {
+    let rows: Vec<&Vec<f32>> = rows.iter().filter(|r| r.len() == query.len()).collect();
+    if rows.is_empty() {
+        return None;
+    }
+    let share = FEEDBACK_WEIGHT / rows.len() as f32;
+    let mut moved = query.to_vec();
+    for row in rows {
+        for (m, r) in moved.iter_mut().zip(row) {
+            *m += share * r;
+        }
+    }
+    let norm = moved.iter().map(|x| x * x).sum::<f32>().sqrt();
+    (norm > 0.0).then(|| moved.iter().map(|x| x / norm).collect())
+}
 
 /// The default relevance floor, chosen on the project's own paraphrase set
 /// (`tests/it/recall_meaning.rs`, the static embedder): a turn found by meaning alone needs a
@@ -284,6 +320,7 @@ mod tests {
         let fusion = Fusion {
             lexical_weight: 0.3,
             floor: 0.2,
+            feedback: false,
         };
         let (kept, under) = fuse(
             &[hit(3, 4.0)],
@@ -409,5 +446,20 @@ mod tests {
         // Ranked on the words' range among the candidates: 2 is close to 1 and passes it; 3 is
         // far under and stays there.
         assert_eq!(kept.iter().map(|s| s.turn).collect::<Vec<_>>(), [2, 1, 3]);
+    }
+
+    #[test]
+    fn feedback_moves_the_query_towards_the_best_turns_and_stays_a_unit_vector() {
+        let query = [1.0, 0.0, 0.0];
+        let moved = feedback(&query, &[vec![0.0, 1.0, 0.0], vec![0.0, 1.0, 0.0]]).unwrap();
+        let norm: f32 = moved.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-6);
+        // Towards the rows, the query's own direction still the larger.
+        assert!(moved[1] > 0.0 && moved[0] > moved[1], "{moved:?}");
+        let expected = FEEDBACK_WEIGHT / (1.0 + FEEDBACK_WEIGHT * FEEDBACK_WEIGHT).sqrt();
+        assert!((moved[1] - expected).abs() < 1e-6, "{moved:?}");
+        // Rows of another dimension are ignored; none at all: no feedback.
+        assert_eq!(feedback(&query, &[vec![1.0, 2.0]]), None);
+        assert_eq!(feedback(&query, &[]), None);
     }
 }

@@ -23,7 +23,7 @@ pub mod when;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use self::hybrid::{Fusion, Scored, fuse, smooth};
+use self::hybrid::{FEEDBACK_TURNS, Fusion, Scored, fuse, smooth};
 use self::index::Index;
 use self::tokenize::{Lang, TextLanguage, detect, terms};
 use self::vectors::DocVectors;
@@ -203,15 +203,28 @@ impl Recall {
                 .as_ref()
                 .is_some_and(|turns| turns.binary_search(&turn).is_ok())
         };
-        let (hits, under_floor) = fuse(
-            &lexical,
-            weight,
-            semantic.as_deref(),
-            |turn| turn < before_turn,
-            in_period.as_ref().map(|_| &holds as &dyn Fn(u64) -> bool),
-            query.fusion,
-            k,
-        );
+        let ranked = |semantic: Option<&[(u64, f32)]>, k: usize| {
+            fuse(
+                &lexical,
+                weight,
+                semantic,
+                |turn| turn < before_turn,
+                in_period.as_ref().map(|_| &holds as &dyn Fn(u64) -> bool),
+                query.fusion,
+                k,
+            )
+        };
+        let (mut hits, mut under_floor) = ranked(semantic.as_deref(), k.max(FEEDBACK_TURNS));
+        // Feedback: scored again with the query moved towards the best turns' meaning.
+        if let (Some(vector), Some(vectors)) = (query.vector, index.vectors.as_ref())
+            && semantic.is_some()
+            && query.fusion.feedback
+            && let Some(moved) = vectors.feedback(vector, &hits)
+        {
+            let semantic = smooth(&vectors.similarities(&moved));
+            (hits, under_floor) = ranked(Some(&semantic), k);
+        }
+        hits.truncate(k);
         Ok(Found {
             hits,
             under_floor,

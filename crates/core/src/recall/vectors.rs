@@ -136,6 +136,29 @@ impl DocVectors {
     }
 
     /// Heap bytes held.
+    /// `query` moved towards the vectors of the best of `ranked` (best first;
+    /// `hybrid::feedback`): `None` when none of them has a vector.
+    pub fn feedback(&self, query: &[f32], ranked: &[super::hybrid::Scored]) -> Option<Vec<f32>> {
+        let best: Vec<Vec<f32>> = ranked
+            .iter()
+            .take(super::hybrid::FEEDBACK_TURNS)
+            .filter_map(|hit| self.row(hit.turn))
+            .collect();
+        super::hybrid::feedback(query, &best)
+    }
+
+    /// The vector of `turn`, as held (int8, scaled back).
+    pub fn row(&self, turn: u64) -> Option<Vec<f32>> {
+        let at = self.turns.binary_search(&turn).ok()?;
+        let scale = self.scales[at];
+        Some(
+            self.values[at * self.dims..(at + 1) * self.dims]
+                .iter()
+                .map(|&b| f32::from(b) * scale)
+                .collect(),
+        )
+    }
+
     pub fn heap_bytes(&self) -> usize {
         heap::vec::<u64>(self.turns.capacity())
             + heap::vec::<i8>(self.values.capacity())
