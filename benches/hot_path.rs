@@ -335,6 +335,7 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
                 score: 5.0 - i as f32,
                 lexical: 5.0 - i as f32,
                 semantic: None,
+                when: false,
                 tokens: tokens::count_message(Some("gpt-4o"), &text) + 20,
                 line: format!(
                     "[earlier turn #{} at 2026-11-22T10:15:00Z] assistant: {text}",

@@ -255,6 +255,8 @@ pub struct RecallScore {
     pub lexical: f32,
     /// `None`: no vector took part.
     pub semantic: Option<f32>,
+    /// Stored in the period the question names (`recall/when.rs`): it gained the time bonus.
+    pub when: bool,
 }
 
 impl Planned {
@@ -271,12 +273,15 @@ impl Planned {
                 .recalled_scores
                 .iter()
                 .zip(&plan.report.recalled_parts)
-                .map(|(&(turn, score), &(_, lexical, semantic))| RecallScore {
-                    turn,
-                    score,
-                    lexical,
-                    semantic,
-                })
+                .map(
+                    |(&(turn, score), &(_, lexical, semantic, when))| RecallScore {
+                        turn,
+                        score,
+                        lexical,
+                        semantic,
+                        when,
+                    },
+                )
                 .collect(),
             under_floor: plan
                 .report
@@ -287,6 +292,7 @@ impl Planned {
                     score: s.score,
                     lexical: s.lexical,
                     semantic: s.semantic,
+                    when: s.when,
                 })
                 .collect(),
             recall_mode: plan.report.recall_mode,

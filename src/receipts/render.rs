@@ -112,13 +112,15 @@ pub fn to_json(receipt: &Receipt) -> Value {
     })
 }
 
-/// A recalled turn's scores: fused, words, meaning (`null`: no vector took part).
+/// A recalled turn's scores: fused, words, meaning (`null`: no vector took part), and whether
+/// it is of the period the question names.
 fn score_json(score: &super::RecallScore) -> Value {
     json!({
         "turn": score.turn,
         "score": score.score,
         "lexical": score.lexical,
         "semantic": score.semantic,
+        "when": score.when,
     })
 }
 

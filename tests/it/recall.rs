@@ -431,7 +431,7 @@ fn noon(year: i32, month: u8, day: u8) -> i64 {
 
 #[tokio::test]
 async fn a_question_naming_a_period_recalls_the_turns_of_that_time() {
-    let Started { mock, proxy, .. } = Harness::new().start().await;
+    let Started { mock, proxy, .. } = Harness::new().admin().start().await;
     let clock = &proxy.state.memory().unwrap().clock;
     let narrow = [
         ("x-memory-recent-n", "2"),
@@ -467,25 +467,33 @@ async fn a_question_naming_a_period_recalls_the_turns_of_that_time() {
             headers.extend_from_slice(extra);
             let answer = chat(proxy, "diary", &body(&[user(question)]), &headers).await;
             assert_eq!(answer.status, 200);
-            recalled_message(mock).unwrap_or_default()
+            // The receipt tells whether the recalled turn is of the period named.
+            let id = answer.header("x-memory-receipt");
+            let path = format!("/admin/v1/receipts/{id}");
+            let receipt = crate::support::admin::admin(proxy, "GET", &path, "").await;
+            assert_eq!(receipt.status, 200);
+            let when = receipt.json()["prompt"]["recalled"]["turns"][0]["when"].clone();
+            (recalled_message(mock).unwrap_or_default(), when)
         }
     };
-    let july = ask("Who did I go to a concert with in July?", &[]).await;
+    let (july, when) = ask("Who did I go to a concert with in July?", &[]).await;
+    assert_eq!(when, true);
     assert!(july.contains("Alex") && !july.contains("Sam"), "{july}");
     // The 20th is a Sunday: last weekend was the 12th and 13th.
-    let last_weekend = ask("Who came to the concert last weekend?", &[]).await;
+    let (last_weekend, _) = ask("Who came to the concert last weekend?", &[]).await;
     assert!(last_weekend.contains("Alex"), "{last_weekend}");
-    let spring = ask("Who did I go to a concert with in spring 2025?", &[]).await;
+    let (spring, _) = ask("Who did I go to a concert with in spring 2025?", &[]).await;
     assert!(
         spring.contains("Sam") && !spring.contains("Alex"),
         "{spring}"
     );
     // The setting off: words alone choose the better worded turn, whatever the question's time.
-    let off = ask(
+    let (off, when) = ask(
         "Who did I go to a concert with in July?",
         &[("x-memory-relevance-time", "false")],
     )
     .await;
+    assert_eq!(when, false);
     assert!(off.contains("Sam") && !off.contains("Alex"), "{off}");
     proxy.stop().await;
 }

@@ -217,6 +217,7 @@ mod tests {
                 score: *s,
                 lexical: *s,
                 semantic: None,
+                when: false,
                 tokens: 10,
                 line: String::new(),
                 elsewhere: None,

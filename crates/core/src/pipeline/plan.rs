@@ -69,7 +69,7 @@ pub struct Report {
     /// The recalled turns with their fused scores (0..1), best first.
     pub recalled_scores: Vec<(u64, f32)>,
     /// The same turns' parts: (turn, lexical score, semantic score), best first.
-    pub recalled_parts: Vec<(u64, f32, Option<f32>)>,
+    pub recalled_parts: Vec<(u64, f32, Option<f32>, bool)>,
     /// Turns the relevance floor kept out, best first.
     pub under_floor: Vec<Scored>,
     /// How recall searched: words and meaning, or words alone and why.
@@ -770,7 +770,7 @@ struct RecallReport {
     /// The same with their scores, best first.
     scores: Vec<(u64, f32)>,
     /// The same with their parts: (turn, lexical, semantic), best first.
-    parts: Vec<(u64, f32, Option<f32>)>,
+    parts: Vec<(u64, f32, Option<f32>, bool)>,
     /// Those cut to their most relevant passage, in turn order.
     excerpted: Vec<u64>,
     /// Turns of the user's other conversations: (conversation, turn, score), best first.
@@ -787,7 +787,9 @@ impl RecallReport {
         RecallReport {
             turns,
             scores: own().map(|r| (r.turn, r.score)).collect(),
-            parts: own().map(|r| (r.turn, r.lexical, r.semantic)).collect(),
+            parts: own()
+                .map(|r| (r.turn, r.lexical, r.semantic, r.when))
+                .collect(),
             excerpted,
             elsewhere: recalled
                 .iter()

@@ -31,6 +31,8 @@ pub struct RecalledTurn {
     /// Its parts: the words' score and the meaning's (`None`: no vector took part).
     pub lexical: f32,
     pub semantic: Option<f32>,
+    /// Stored in the period the question names (`recall/when.rs`).
+    pub when: bool,
     /// The stored token count plus the line overhead.
     pub tokens: u32,
     pub line: String,
@@ -59,6 +61,7 @@ pub fn recalled_turns(hits: &[Scored], messages: Vec<StoredMessage>) -> Vec<Reca
             score: hit.score,
             lexical: hit.lexical,
             semantic: hit.semantic,
+            when: hit.when,
             tokens: message.tokens + LINE_OVERHEAD_TOKENS,
             line: render_line(&message),
             elsewhere: None,
@@ -83,6 +86,7 @@ pub fn elsewhere_turns(found: Vec<crate::longterm::ElsewhereTurn>) -> Vec<Recall
                 score: turn.score,
                 lexical: turn.score,
                 semantic: None,
+                when: false,
                 tokens: turn.message.tokens + LINE_OVERHEAD_TOKENS + 4,
                 line,
                 elsewhere: Some(Elsewhere {
@@ -278,6 +282,7 @@ mod tests {
             score: 1.0,
             lexical: 1.0,
             semantic: None,
+            when: false,
             tokens: memproxy_base::tokens::count_message(None, text) + LINE_OVERHEAD_TOKENS,
             line,
             elsewhere: None,
@@ -342,6 +347,7 @@ mod tests {
                 score: 3.0,
                 lexical: 3.0,
                 semantic: None,
+                when: false,
                 tokens: 1,
                 line: "nine".into(),
                 elsewhere: None,
@@ -352,6 +358,7 @@ mod tests {
                 score: 1.0,
                 lexical: 1.0,
                 semantic: None,
+                when: false,
                 tokens: 1,
                 line: "two".into(),
                 elsewhere: None,
