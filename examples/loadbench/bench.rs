@@ -344,10 +344,11 @@ pub async fn bench(args: Args) -> Result<(), String> {
                 match (t.retrieved, t.prompt_tokens) {
                     (None, None) => String::new(),
                     (r, p) => format!(
-                        "; X-Memory-Retrieved {}, X-Memory-Prompt-Tokens {}, X-Memory-Summary {}",
+                        "; X-Memory-Retrieved {}, X-Memory-Prompt-Tokens {}, X-Memory-Summary {}, X-Memory-Recall {}",
                         fmt_us(r),
                         fmt_us(p),
-                        t.summary.as_deref().unwrap_or("-")
+                        t.summary.as_deref().unwrap_or("-"),
+                        t.recall.as_deref().unwrap_or("-")
                     ),
                 },
                 if t.samples.is_empty() {

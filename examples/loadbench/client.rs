@@ -134,6 +134,8 @@ pub struct Outcome {
     pub retrieved: Option<u64>,
     pub prompt_tokens: Option<u64>,
     pub summary: Option<String>,
+    /// `X-Memory-Recall`: words and meaning, or words alone and why.
+    pub recall: Option<String>,
     pub first_byte: Instant,
     pub done: Instant,
     pub body: Vec<u8>,
@@ -173,6 +175,7 @@ pub async fn send(client: &HttpClient, request: Request<Full<Bytes>>) -> Result<
     let retrieved = header("x-memory-retrieved").and_then(|t| t.parse().ok());
     let prompt_tokens = header("x-memory-prompt-tokens").and_then(|t| t.parse().ok());
     let summary = header("x-memory-summary");
+    let recall = header("x-memory-recall");
     let mut body = response.into_body();
     let mut first_byte = None;
     let mut bytes = Vec::new();
@@ -193,6 +196,7 @@ pub async fn send(client: &HttpClient, request: Request<Full<Bytes>>) -> Result<
         retrieved,
         prompt_tokens,
         summary,
+        recall,
         first_byte: first_byte.unwrap_or(done),
         done,
         body: bytes,

@@ -115,6 +115,7 @@ pub fn result_json(r: &RunResult, all: &[RunResult]) -> Value {
         "x_memory_retrieved": t.retrieved,
         "x_memory_prompt_tokens": t.prompt_tokens,
         "x_memory_summary": t.summary,
+        "x_memory_recall": t.recall,
         "open_loop_send_lag_us": r.output.lag.as_ref().map(q),
     })
 }

@@ -40,6 +40,8 @@ pub struct Tally {
     pub prompt_tokens: Option<u64>,
     /// Last `X-Memory-Summary` seen.
     pub summary: Option<String>,
+    /// Last `X-Memory-Recall` seen (a memory row measured by words alone says so).
+    pub recall: Option<String>,
 }
 
 impl Tally {
@@ -54,6 +56,7 @@ impl Tally {
             retrieved: None,
             prompt_tokens: None,
             summary: None,
+            recall: None,
         }
     }
 
@@ -79,6 +82,9 @@ impl Tally {
         self.prompt_tokens = self.prompt_tokens.max(other.prompt_tokens);
         if other.summary.is_some() {
             self.summary = other.summary;
+        }
+        if other.recall.is_some() {
+            self.recall = other.recall;
         }
     }
 
@@ -108,6 +114,9 @@ impl Tally {
         }
         if outcome.summary.is_some() {
             self.summary = outcome.summary.take();
+        }
+        if outcome.recall.is_some() {
+            self.recall = outcome.recall.take();
         }
         if outcome.status != 200 {
             return self.error(format!("HTTP {}: {}", outcome.status, outcome.snippet()));
