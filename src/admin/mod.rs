@@ -541,7 +541,7 @@ fn preview(
         "recalled": planned
             .report.recalled_scores
             .iter()
-            .map(|(turn, score)| json!({"turn": turn, "score": score}))
+            .map(|s| json!({"turn": s.turn, "score": s.score}))
             .collect::<Vec<_>>(),
         "stored_messages": planned.report.stored_count,
         "summary": planned

@@ -248,16 +248,7 @@ pub struct Planned {
 }
 
 /// A recalled turn's scores: fused, and its parts (`recall/hybrid.rs`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RecallScore {
-    pub turn: u64,
-    pub score: f32,
-    pub lexical: f32,
-    /// `None`: no vector took part.
-    pub semantic: Option<f32>,
-    /// Stored in the period the question names (`recall/when.rs`): it gained the time bonus.
-    pub when: bool,
-}
+pub use crate::recall::hybrid::Scored as RecallScore;
 
 impl Planned {
     /// Takes what the receipt needs from `plan`, moved out: the body was rendered from the plan
@@ -268,33 +259,8 @@ impl Planned {
             prompt_tokens: plan.report.prompt_tokens,
             history_tokens: plan.report.history_tokens,
             stored_count: plan.report.stored_count,
-            recalled: plan
-                .report
-                .recalled_scores
-                .iter()
-                .zip(&plan.report.recalled_parts)
-                .map(
-                    |(&(turn, score), &(_, lexical, semantic, when))| RecallScore {
-                        turn,
-                        score,
-                        lexical,
-                        semantic,
-                        when,
-                    },
-                )
-                .collect(),
-            under_floor: plan
-                .report
-                .under_floor
-                .iter()
-                .map(|s| RecallScore {
-                    turn: s.turn,
-                    score: s.score,
-                    lexical: s.lexical,
-                    semantic: s.semantic,
-                    when: s.when,
-                })
-                .collect(),
+            recalled: plan.report.recalled_scores.clone(),
+            under_floor: plan.report.under_floor.clone(),
             recall_mode: plan.report.recall_mode,
             recalled_elsewhere: std::mem::take(&mut plan.report.recalled_elsewhere),
             excerpted: std::mem::take(&mut plan.report.excerpted_turns),

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use super::archive::{self, Added, SPACE_ARCHIVE};
+use super::archive::{self, Added, ArchivedTurn, SPACE_ARCHIVE};
 use crate::recall::Query;
 use crate::recall::hybrid::{FEEDBACK_TURNS, fuse, smooth};
 use crate::recall::index::Index;
@@ -65,14 +65,7 @@ impl UserIndex {
             vectors: space.map(|(_, dims)| DocVectors::new(*dims)),
         };
         for (added, text) in turns.into_iter().zip(texts) {
-            let at_ms = added.turn.message.at_ms;
-            index.push_text(
-                added.id,
-                &added.turn.agent,
-                &added.turn.conversation,
-                &text,
-                at_ms,
-            );
+            index.push_text(added.id, &added.turn, &text);
         }
         index.index.shrink_to_fit();
         if let Some((space, _)) = space {
@@ -145,17 +138,11 @@ impl UserIndex {
     /// Adds an archived turn as the newest document.
     pub fn push(&mut self, added: &Added) {
         let text = search_text(&added.turn.message.message);
-        self.push_text(
-            added.id.clone(),
-            &added.turn.agent,
-            &added.turn.conversation,
-            &text,
-            added.turn.message.at_ms,
-        );
+        self.push_text(added.id.clone(), &added.turn, &text);
     }
 
-    fn push_text(&mut self, id: Vec<u8>, agent: &str, conversation: &str, text: &str, at_ms: i64) {
-        let name = (agent.to_string(), conversation.to_string());
+    fn push_text(&mut self, id: Vec<u8>, turn: &ArchivedTurn, text: &str) {
+        let name = (turn.agent.clone(), turn.conversation.clone());
         let next = self.names.len() as u32;
         let name = *self.name_ids.entry(name.clone()).or_insert_with(|| {
             self.names.push(name);
@@ -163,7 +150,11 @@ impl UserIndex {
         });
         let seq = self.docs.len() as u64;
         self.index.push(seq, terms(text, self.latin));
-        self.docs.push(Doc { id, name, at_ms });
+        self.docs.push(Doc {
+            id,
+            name,
+            at_ms: turn.message.at_ms,
+        });
     }
 
     /// The `k` best documents for `query` outside the conversation `skip` (agent,
@@ -208,25 +199,30 @@ impl UserIndex {
             .index
             .search_where(&words, u64::MAX, lexical_k, in_pool);
         let weight = self.index.query_weight(&words);
-        let holds = |seq: u64| {
-            query.when.is_some_and(|period| {
+        let in_period = query.when.map(|period| {
+            move |seq: u64| {
                 docs.get(seq as usize)
                     .is_some_and(|d| period.holds(d.at_ms))
-            })
-        };
+            }
+        });
         let ranked = |semantic: Option<&[(u64, f32)]>, k: usize| {
             fuse(
                 &lexical,
                 weight,
                 semantic,
                 in_pool,
-                query.when.map(|_| &holds as &dyn Fn(u64) -> bool),
+                in_period.as_ref().map(|f| f as &dyn Fn(u64) -> bool),
                 query.fusion,
                 k,
             )
             .0
         };
-        let mut hits = ranked(semantic.as_deref(), k.max(FEEDBACK_TURNS));
+        let first_k = if query.fusion.feedback {
+            k.max(FEEDBACK_TURNS)
+        } else {
+            k
+        };
+        let mut hits = ranked(semantic.as_deref(), first_k);
         // Feedback, as a conversation's own recall (`recall/hybrid.rs`).
         if let (Some(vector), Some(vectors)) = (query.vector, self.vectors.as_ref())
             && semantic.is_some()

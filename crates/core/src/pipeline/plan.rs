@@ -66,10 +66,9 @@ pub struct Report {
     pub planned_count: usize,
     /// Turns recalled into the prompt, oldest first.
     pub recalled_turns: Vec<u64>,
-    /// The recalled turns with their fused scores (0..1), best first.
-    pub recalled_scores: Vec<(u64, f32)>,
-    /// The same turns' parts: (turn, lexical score, semantic score), best first.
-    pub recalled_parts: Vec<(u64, f32, Option<f32>, bool)>,
+    /// The recalled turns as recall scored them (the fused score, 0..1, and its parts), best
+    /// first.
+    pub recalled_scores: Vec<Scored>,
     /// Turns the relevance floor kept out, best first.
     pub under_floor: Vec<Scored>,
     /// How recall searched: words and meaning, or words alone and why.
@@ -767,10 +766,8 @@ fn long_term(
 struct RecallReport {
     /// The conversation's own recalled turns, oldest first.
     turns: Vec<u64>,
-    /// The same with their scores, best first.
-    scores: Vec<(u64, f32)>,
-    /// The same with their parts: (turn, lexical, semantic), best first.
-    parts: Vec<(u64, f32, Option<f32>, bool)>,
+    /// The same as recall scored them, best first.
+    scores: Vec<Scored>,
     /// Those cut to their most relevant passage, in turn order.
     excerpted: Vec<u64>,
     /// Turns of the user's other conversations: (conversation, turn, score), best first.
@@ -786,9 +783,14 @@ impl RecallReport {
         excerpted.sort_unstable();
         RecallReport {
             turns,
-            scores: own().map(|r| (r.turn, r.score)).collect(),
-            parts: own()
-                .map(|r| (r.turn, r.lexical, r.semantic, r.when))
+            scores: own()
+                .map(|r| Scored {
+                    turn: r.turn,
+                    score: r.score,
+                    lexical: r.lexical,
+                    semantic: r.semantic,
+                    when: r.when,
+                })
                 .collect(),
             excerpted,
             elsewhere: recalled
@@ -1016,7 +1018,6 @@ fn assembled(on: &Planning<'_>, handle: &memproxy_store::Handle, staged: Staged)
             planned_count,
             recalled_turns: report.turns,
             recalled_scores: report.scores,
-            recalled_parts: report.parts,
             under_floor,
             recall_mode,
             excerpted_turns: report.excerpted,

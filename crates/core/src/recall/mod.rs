@@ -214,7 +214,12 @@ impl Recall {
                 k,
             )
         };
-        let (mut hits, mut under_floor) = ranked(semantic.as_deref(), k.max(FEEDBACK_TURNS));
+        let first_k = if query.fusion.feedback {
+            k.max(FEEDBACK_TURNS)
+        } else {
+            k
+        };
+        let (mut hits, mut under_floor) = ranked(semantic.as_deref(), first_k);
         // Feedback: scored again with the query moved towards the best turns' meaning.
         if let (Some(vector), Some(vectors)) = (query.vector, index.vectors.as_ref())
             && semantic.is_some()

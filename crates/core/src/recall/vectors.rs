@@ -135,7 +135,6 @@ impl DocVectors {
             .collect()
     }
 
-    /// Heap bytes held.
     /// `query` moved towards the vectors of the best of `ranked` (best first;
     /// `hybrid::feedback`): `None` when none of them has a vector.
     pub fn feedback(&self, query: &[f32], ranked: &[super::hybrid::Scored]) -> Option<Vec<f32>> {
@@ -159,6 +158,7 @@ impl DocVectors {
         )
     }
 
+    /// Heap bytes held.
     pub fn heap_bytes(&self) -> usize {
         heap::vec::<u64>(self.turns.capacity())
             + heap::vec::<i8>(self.values.capacity())
