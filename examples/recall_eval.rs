@@ -105,6 +105,10 @@ struct Args {
     /// `X-Memory-Relevance-Floor`: recalled turns under this fused score are not injected.
     #[arg(long)]
     floor: Option<f32>,
+    /// `X-Memory-Relevance-Relative-Floor`: recalled turns under this share of the best one's
+    /// fused score are not injected.
+    #[arg(long)]
+    relative_floor: Option<f32>,
     /// `X-Memory-Relevance-Lexical-Weight`: the words' share of the fused score.
     #[arg(long)]
     lexical_weight: Option<f32>,
@@ -875,6 +879,9 @@ fn question_headers(config: EvalConfig, args: &Args) -> Vec<(&'static str, Strin
     if let Some(floor) = args.floor {
         headers.push(("x-memory-relevance-floor", floor.to_string()));
     }
+    if let Some(share) = args.relative_floor {
+        headers.push(("x-memory-relevance-relative-floor", share.to_string()));
+    }
     if let Some(weight) = args.lexical_weight {
         headers.push(("x-memory-relevance-lexical-weight", weight.to_string()));
     }
@@ -981,7 +988,7 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
         |f| f.to_string_lossy().into_owned(),
     );
     format!(
-        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}  embedder={}  semantic={}  floor={}  lexical_weight={}  clock={}  time={}  feedback={}",
+        "recall_eval  data={file}  mode={}  recent_n={RECENT_N}  top-K={}  token budget={budget}  embedder={}  semantic={}  floor={}  relative_floor={}  lexical_weight={}  clock={}  time={}  feedback={}",
         match args.mode {
             Mode::Within => "within",
             Mode::CrossSession => "cross-session",
@@ -995,6 +1002,8 @@ fn settings_line(args: &Args, configs: &[EvalConfig]) -> String {
         args.semantic
             .map_or("default".to_string(), |b| b.to_string()),
         args.floor.map_or("default".to_string(), |f| f.to_string()),
+        args.relative_floor
+            .map_or("default".to_string(), |f| f.to_string()),
         args.lexical_weight
             .map_or("default".to_string(), |w| w.to_string()),
         match args.clock {

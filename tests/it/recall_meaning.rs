@@ -270,6 +270,7 @@ async fn the_relevance_floor_keeps_unrelated_questions_free_of_recalled_turns() 
             &[
                 ("x-memory-persist", "false"),
                 ("x-memory-relevance-floor", "0"),
+                ("x-memory-relevance-relative-floor", "0"),
             ],
         )
         .await;
@@ -309,6 +310,61 @@ async fn the_relevance_floor_keeps_unrelated_questions_free_of_recalled_turns() 
     )
     .await;
     assert!(recalled(&mock).contains(FACTS[0].0));
+}
+
+/// A question one older turn answers squarely: the relative floor leaves out the turns that
+/// only share a word or two with it, and keeps the answer.
+#[tokio::test]
+async fn the_relative_floor_leaves_out_the_weak_tail_and_keeps_the_answer() {
+    let Started { mock, proxy, .. } = Harness::new().config(EMBEDDING).start().await;
+    // Three office chores after each fact, so no fact is within reach of another's words.
+    for (i, (fact, _)) in FACTS.iter().enumerate() {
+        chat(&proxy, "tail", &body(&[user(fact)]), &[]).await;
+        for j in 0..3 {
+            chat(&proxy, "tail", &body(&[user(&filler(i * 3 + j))]), &[]).await;
+        }
+    }
+    embedded(&proxy).await;
+    let (all_turns, all_answered) = own_words_asked(&proxy, &mock, Some("0")).await;
+    let (kept_turns, kept_answered) = own_words_asked(&proxy, &mock, Some("0.4")).await;
+    eprintln!(
+        "30 facts asked in their own words: relative floor 0 {all_turns} turns ({all_answered} answered), 0.4 {kept_turns} turns ({kept_answered} answered)"
+    );
+    // The last fact is in the recent window, not recalled.
+    assert_eq!((all_answered, kept_answered), (29, 29));
+    // What is left out is the far tail: a fact's neighbours carry its words (a turn's words
+    // count in its neighbours' two places away, `recall/index.rs`) and stay.
+    assert!(
+        kept_turns + 10 <= all_turns,
+        "{kept_turns} of {all_turns} turns"
+    );
+    // The default is 0.4.
+    assert_eq!(
+        own_words_asked(&proxy, &mock, None).await,
+        (kept_turns, kept_answered)
+    );
+}
+
+/// Asks about each fact in its own words with `X-Memory-Relevance-Relative-Floor: share`
+/// (`None`: the default): (turns recalled in all, facts recalled).
+async fn own_words_asked(
+    proxy: &Proxy,
+    mock: &MockUpstream,
+    share: Option<&str>,
+) -> (usize, usize) {
+    let (mut turns, mut answered) = (0, 0);
+    for (fact, _) in FACTS {
+        let question = format!("Remind me, did I tell you this: {fact}");
+        let mut headers = vec![("x-memory-persist", "false")];
+        headers.extend(share.map(|share| ("x-memory-relevance-relative-floor", share)));
+        let answer = chat(proxy, "tail", &body(&[user(&question)]), &headers).await;
+        turns += answer
+            .header("x-memory-retrieved")
+            .parse::<usize>()
+            .unwrap();
+        answered += usize::from(recalled(mock).contains(fact));
+    }
+    (turns, answered)
 }
 
 #[tokio::test]

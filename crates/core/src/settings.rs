@@ -77,6 +77,9 @@ pub struct MemorySettings {
     pub relevance_lexical_weight_micros: u32,
     /// Recalled turns whose fused score is below this are not injected, in millionths.
     pub relevance_floor_micros: u32,
+    /// Recalled turns whose fused score is below this share of the best one's are not
+    /// injected, in millionths.
+    pub relevance_relative_floor_micros: u32,
     /// A conversation idle longer than this is deleted by the TTL sweeper; `None`: kept forever.
     pub ttl: Option<Duration>,
     /// Long-term memory (recall across the user's conversations, extracted memories) for
@@ -108,11 +111,13 @@ pub struct MemorySettings {
 }
 
 impl MemorySettings {
-    /// The fusion of hybrid recall: `relevance_lexical_weight` and `relevance_floor`.
+    /// The fusion of hybrid recall: `relevance_lexical_weight`, `relevance_floor`,
+    /// `relevance_relative_floor` and `relevance_feedback`.
     pub fn fusion(&self) -> crate::recall::hybrid::Fusion {
         crate::recall::hybrid::Fusion {
             lexical_weight: self.relevance_lexical_weight_micros as f32 / 1e6,
             floor: self.relevance_floor_micros as f32 / 1e6,
+            relative_floor: self.relevance_relative_floor_micros as f32 / 1e6,
             feedback: self.relevance_feedback,
         }
     }
@@ -163,6 +168,8 @@ impl Default for MemorySettings {
             relevance_lexical_weight_micros: (crate::recall::hybrid::DEFAULT_LEXICAL_WEIGHT * 1e6)
                 as u32,
             relevance_floor_micros: (crate::recall::hybrid::DEFAULT_FLOOR * 1e6) as u32,
+            relevance_relative_floor_micros: (crate::recall::hybrid::DEFAULT_RELATIVE_FLOOR * 1e6)
+                as u32,
             ttl: None,
             long_term_enabled: true,
             long_term_top_k: DEFAULT_LONG_TERM_TOP_K,
@@ -292,6 +299,7 @@ pub const SETTINGS: &[(&str, Kind)] = &[
     ("relevance_feedback", Kind::Bool),
     ("relevance_lexical_weight", Kind::Fraction),
     ("relevance_floor", Kind::Fraction),
+    ("relevance_relative_floor", Kind::Fraction),
     ("ttl", Kind::OptionalDuration),
     ("long_term_enabled", Kind::Bool),
     (
@@ -452,6 +460,9 @@ impl MemorySettings {
                 self.relevance_lexical_weight_micros = f
             }
             ("relevance_floor", Value::Fraction(f)) => self.relevance_floor_micros = f,
+            ("relevance_relative_floor", Value::Fraction(f)) => {
+                self.relevance_relative_floor_micros = f
+            }
             ("prompt_cache_key", Value::Bool(b)) => self.prompt_cache_key = b,
             ("cache_breakpoints", Value::Bool(b)) => self.cache_breakpoints = b,
             ("store_side_calls", Value::Bool(b)) => self.store_side_calls = b,
@@ -512,6 +523,10 @@ impl MemorySettings {
             (
                 "relevance_floor",
                 (f64::from(self.relevance_floor_micros) / 1e6).to_string(),
+            ),
+            (
+                "relevance_relative_floor",
+                (f64::from(self.relevance_relative_floor_micros) / 1e6).to_string(),
             ),
             (
                 "ttl",

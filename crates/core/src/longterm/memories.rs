@@ -1229,6 +1229,7 @@ mod tests {
                 fusion: Fusion {
                     lexical_weight: 0.5,
                     floor: 0.3,
+                    relative_floor: 0.0,
                     feedback: false,
                 },
                 when: None,

@@ -33,6 +33,9 @@ pub struct Fusion {
     /// Turns whose fused score is below this are not recalled (0: none is dropped). Applies
     /// when vectors take part: by words alone, every turn that shares a word competes.
     pub floor: f32,
+    /// Turns whose fused score is below this share of the best candidate's are not recalled
+    /// either (0: none is dropped); when vectors take part, as `floor`.
+    pub relative_floor: f32,
     /// Score the turns a second time with the query's vector moved towards the best turns'
     /// ([`feedback`]; `relevance_feedback`).
     pub feedback: bool,
@@ -43,6 +46,7 @@ impl Default for Fusion {
         Fusion {
             lexical_weight: DEFAULT_LEXICAL_WEIGHT,
             floor: 0.0,
+            relative_floor: 0.0,
             feedback: false,
         }
     }
@@ -94,6 +98,13 @@ pub fn feedback(query: &[f32], rows: &[Vec<f32>]) -> Option<Vec<f32>> {
 /// turns unrelated to the question 0.10–0.15); one that shares a word with the question
 /// passes.
 pub const DEFAULT_FLOOR: f32 = 0.05;
+
+/// The default relative floor: a turn under two fifths of the best candidate's fused score is
+/// left out. Measured on LoCoMo's dev file (static embedder): recall_any@10 0.820 → 0.818,
+/// recalled tokens per unanswerable question (category 5) 610.6 → 569.0; at 0.3 / 0.5: 0.818 /
+/// 0.817, 600.0 / 525.2 tokens. The tail it cuts is turns that share a word or two with the
+/// question where another turn answers it squarely.
+pub const DEFAULT_RELATIVE_FLOOR: f32 = 0.4;
 
 /// A turn as hybrid recall scored it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -232,10 +243,13 @@ pub fn fuse(
         ranked.truncate(k);
     }
     ranked.sort_by(by_rank);
-    // The floor is calibrated on the fused score: by words alone (no query vector) every turn
-    // sharing a word competes, as it always has.
+    // The floors read the fused score: by words alone (no query vector) every turn sharing a
+    // word competes, as it always has.
     let floor = if semantic.is_some() {
-        fusion.floor
+        let best = ranked.iter().map(|(_, s)| s.score).fold(0.0, f32::max);
+        fusion
+            .floor
+            .max(fusion.relative_floor.clamp(0.0, 1.0) * best)
     } else {
         0.0
     };
@@ -320,6 +334,7 @@ mod tests {
         let fusion = Fusion {
             lexical_weight: 0.3,
             floor: 0.2,
+            relative_floor: 0.0,
             feedback: false,
         };
         let (kept, under) = fuse(
@@ -337,6 +352,30 @@ mod tests {
         assert_eq!(kept[1].lexical, 0.5);
         assert_eq!(kept[1].semantic, Some(0.2));
         assert_eq!(under.iter().map(|s| s.turn).collect::<Vec<_>>(), [2]);
+    }
+
+    #[test]
+    fn the_relative_floor_drops_turns_far_under_the_best_and_not_by_words_alone() {
+        // Fused at weight 0.7: turn 1 0.7 + 0.3·0.8 = 0.94, turn 2 0.35 + 0.06 = 0.41,
+        // turn 3 0.0875 + 0.06 = 0.1475.
+        let hits = [hit(1, 8.0), hit(2, 4.0), hit(3, 1.0)];
+        let semantic = [(1, 0.8), (2, 0.2), (3, 0.2)];
+        let turns = |relative_floor: f32, semantic: Option<&[(u64, f32)]>| {
+            let fusion = Fusion {
+                relative_floor,
+                ..Fusion::default()
+            };
+            let (kept, under) = fuse(&hits, 8.0, semantic, |_| true, None, fusion, 10);
+            let ids = |v: &[Scored]| v.iter().map(|s| s.turn).collect::<Vec<_>>();
+            (ids(&kept), ids(&under))
+        };
+        assert_eq!(turns(0.0, Some(&semantic)), (vec![1, 2, 3], vec![]));
+        // 0.4 × 0.94 = 0.376: turn 3 is under it, turn 2 over it.
+        assert_eq!(turns(0.4, Some(&semantic)), (vec![1, 2], vec![3]));
+        // 0.5 × 0.94 = 0.47: turn 2 too.
+        assert_eq!(turns(0.5, Some(&semantic)), (vec![1], vec![2, 3]));
+        // By words alone no floor applies, as with the absolute one.
+        assert_eq!(turns(0.5, None), (vec![1, 2, 3], vec![]));
     }
 
     #[test]
