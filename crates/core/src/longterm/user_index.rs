@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use super::archive::{self, Added, ArchivedTurn, SPACE_ARCHIVE};
 use crate::recall::Query;
-use crate::recall::hybrid::{FEEDBACK_TURNS, fuse, smooth};
+use crate::recall::hybrid::{fuse, fuse_with_feedback, smooth};
 use crate::recall::index::Index;
 use crate::recall::stemming;
 use crate::recall::tokenize::{Lang, TextLanguage, terms};
@@ -215,25 +215,14 @@ impl UserIndex {
                 query.fusion,
                 k,
             )
-            .0
         };
-        let first_k = if query.fusion.feedback {
-            k.max(FEEDBACK_TURNS)
-        } else {
-            k
-        };
-        let mut hits = ranked(semantic.as_deref(), first_k);
         // Feedback, as a conversation's own recall (`recall/hybrid.rs`).
-        if let (Some(vector), Some(vectors)) = (query.vector, self.vectors.as_ref())
-            && semantic.is_some()
-            && query.fusion.feedback
-            && let Some(moved) = vectors.feedback(vector, &hits)
-        {
-            let semantic = self.similarities(vectors, &moved);
-            hits = ranked(Some(&semantic), k);
-        }
+        let (hits, _) = fuse_with_feedback(semantic.as_deref(), query.fusion, k, ranked, |best| {
+            let vectors = self.vectors.as_ref()?;
+            let moved = vectors.feedback(query.vector?, best)?;
+            Some(self.similarities(vectors, &moved))
+        });
         hits.into_iter()
-            .take(k)
             .filter_map(|hit| {
                 let doc = self.docs.get(hit.turn as usize)?;
                 Some((hit.score, doc.id.clone()))

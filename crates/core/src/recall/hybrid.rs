@@ -92,6 +92,31 @@ pub fn feedback(query: &[f32], rows: &[Vec<f32>]) -> Option<Vec<f32>> {
     (norm > 0.0).then(|| moved.iter().map(|x| x / norm).collect())
 }
 
+/// Runs `ranked` (a [`fuse`] over one set of candidates, given the meaning's similarities and
+/// how many turns to keep) once, and with `fusion.feedback` a second time on the similarities
+/// `moved` gives for the first run's best turns (the query moved towards them, [`feedback`];
+/// `None`: no vector to move towards). The first run keeps at least [`FEEDBACK_TURNS`] for
+/// that. The best `k`, best first, and those under the floor.
+pub fn fuse_with_feedback(
+    semantic: Option<&[(u64, f32)]>,
+    fusion: Fusion,
+    k: usize,
+    ranked: impl Fn(Option<&[(u64, f32)]>, usize) -> (Vec<Scored>, Vec<Scored>),
+    moved: impl FnOnce(&[Scored]) -> Option<Vec<(u64, f32)>>,
+) -> (Vec<Scored>, Vec<Scored>) {
+    if !fusion.feedback {
+        return ranked(semantic, k);
+    }
+    let (mut hits, under_floor) = ranked(semantic, k.max(FEEDBACK_TURNS));
+    if semantic.is_some()
+        && let Some(again) = moved(&hits)
+    {
+        return ranked(Some(&again), k);
+    }
+    hits.truncate(k);
+    (hits, under_floor)
+}
+
 /// The default relevance floor, chosen on the project's own paraphrase set
 /// (`tests/it/recall_meaning.rs`, the static embedder): a turn found by meaning alone needs a
 /// cosine of about 0.17 at the default weights (paraphrased facts scored 0.17–0.42 there,
@@ -485,6 +510,36 @@ mod tests {
         // Ranked on the words' range among the candidates: 2 is close to 1 and passes it; 3 is
         // far under and stays there.
         assert_eq!(kept.iter().map(|s| s.turn).collect::<Vec<_>>(), [2, 1, 3]);
+    }
+
+    #[test]
+    fn feedback_fuses_a_second_time_on_the_moved_similarities_only_when_asked() {
+        let hits = [hit(1, 8.0), hit(2, 4.0), hit(3, 2.0), hit(4, 1.0)];
+        let first = [(1, 0.9), (2, 0.1), (3, 0.1), (4, 0.1)];
+        let again = vec![(1, 0.0), (2, 0.0), (3, 0.0), (4, 1.0)];
+        let run = |feedback: bool, moved: Option<Vec<(u64, f32)>>, k: usize| {
+            let fusion = Fusion {
+                feedback,
+                ..Fusion::default()
+            };
+            let calls = std::cell::RefCell::new(Vec::new());
+            let ranked = |semantic: Option<&[(u64, f32)]>, k: usize| {
+                calls.borrow_mut().push(k);
+                fuse(&hits, 8.0, semantic, |_| true, None, fusion, k)
+            };
+            let (kept, _) = fuse_with_feedback(Some(&first), fusion, k, ranked, |best| {
+                assert_eq!(best.len(), k.max(FEEDBACK_TURNS));
+                moved
+            });
+            let turns: Vec<u64> = kept.iter().map(|s| s.turn).collect();
+            (turns, calls.into_inner())
+        };
+        // Off: one fusion of the best k.
+        assert_eq!(run(false, Some(again.clone()), 2), (vec![1, 2], vec![2]));
+        // On: the first keeps at least three, the second ranks on the moved similarities.
+        assert_eq!(run(true, Some(again), 2), (vec![1, 4], vec![3, 2]));
+        // On, but nothing to move towards: the first's best k.
+        assert_eq!(run(true, None, 2), (vec![1, 2], vec![3]));
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub mod when;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use self::hybrid::{FEEDBACK_TURNS, Fusion, Scored, fuse, smooth};
+use self::hybrid::{Fusion, Scored, fuse, fuse_with_feedback, smooth};
 use self::index::Index;
 use self::tokenize::{Lang, TextLanguage, detect, terms};
 use self::vectors::DocVectors;
@@ -214,22 +214,13 @@ impl Recall {
                 k,
             )
         };
-        let first_k = if query.fusion.feedback {
-            k.max(FEEDBACK_TURNS)
-        } else {
-            k
-        };
-        let (mut hits, mut under_floor) = ranked(semantic.as_deref(), first_k);
         // Feedback: scored again with the query moved towards the best turns' meaning.
-        if let (Some(vector), Some(vectors)) = (query.vector, index.vectors.as_ref())
-            && semantic.is_some()
-            && query.fusion.feedback
-            && let Some(moved) = vectors.feedback(vector, &hits)
-        {
-            let semantic = smooth(&vectors.similarities(&moved));
-            (hits, under_floor) = ranked(Some(&semantic), k);
-        }
-        hits.truncate(k);
+        let (hits, under_floor) =
+            fuse_with_feedback(semantic.as_deref(), query.fusion, k, ranked, |best| {
+                let vectors = index.vectors.as_ref()?;
+                let moved = vectors.feedback(query.vector?, best)?;
+                Some(smooth(&vectors.similarities(&moved)))
+            });
         Ok(Found {
             hits,
             under_floor,
