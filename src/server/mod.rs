@@ -95,6 +95,11 @@ pub async fn run(
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                // Connections that ended are let go of before another starts: while new ones
+                // keep arriving, `select!` picks this branch or the reaping one at random, and
+                // that one alone would leave ended connections' tasks held (as the summary
+                // worker once did, `memproxy_core::worker`).
+                while connections.try_join_next().is_some() {}
                 match admission.admit() {
                     Admit::Serve(slot) => {
                         let state = Arc::clone(&state);

@@ -18,6 +18,9 @@ pub struct Worker<J> {
     waiting: Mutex<Option<mpsc::Receiver<J>>>,
     stop: Arc<Notify>,
     task: Mutex<Option<JoinHandle<()>>>,
+    /// The most job tasks [`Worker::start`]'s set held at once, running or finished.
+    #[cfg(test)]
+    most_held: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<J> std::fmt::Debug for Worker<J> {
@@ -39,6 +42,8 @@ impl<J: Send + 'static> Worker<J> {
             waiting: Mutex::new(Some(rx)),
             stop: Arc::new(Notify::new()),
             task: Mutex::new(None),
+            #[cfg(test)]
+            most_held: Arc::default(),
         }
     }
 
@@ -53,6 +58,8 @@ impl<J: Send + 'static> Worker<J> {
             return;
         };
         let stop = Arc::clone(&self.stop);
+        #[cfg(test)]
+        let most_held = Arc::clone(&self.most_held);
         let task = tokio::spawn(async move {
             let permits = Arc::new(Semaphore::new(concurrency.max(1)));
             let mut jobs = JoinSet::new();
@@ -61,11 +68,18 @@ impl<J: Send + 'static> Worker<J> {
                     job = rx.recv() => {
                         let Some(job) = job else { break };
                         let Ok(permit) = Arc::clone(&permits).acquire_owned().await else { break };
+                        // The jobs that ended are let go of first. While the queue is never
+                        // empty, `select!` picks this branch or the next at random, so the
+                        // next alone would leave ended jobs' tasks held (each the size of its
+                        // future) in a number that grows for as long as the queue stays full.
+                        while jobs.try_join_next().is_some() {}
                         let running = run(job);
                         jobs.spawn(async move {
                             let _permit = permit;
                             running.await;
                         });
+                        #[cfg(test)]
+                        most_held.fetch_max(jobs.len(), std::sync::atomic::Ordering::Relaxed);
                     }
                     Some(_) = jobs.join_next(), if !jobs.is_empty() => {}
                     () = stop.notified() => break,
@@ -235,6 +249,36 @@ mod tests {
             "the long job is cancelled"
         );
         assert!(!worker.enqueue(1), "a worker shut down takes no job");
+    }
+
+    /// With the queue never empty, the tasks of ended jobs are let go of as new ones start:
+    /// the set holds the running jobs and at most the ones that ended since the last start.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ended_jobs_are_let_go_of_while_the_queue_stays_full() {
+        const JOBS: usize = 3_000;
+        let worker = Worker::new(JOBS);
+        let done = Arc::new(AtomicUsize::new(0));
+        for _ in 0..JOBS {
+            assert!(worker.enqueue(()));
+        }
+        let d = Arc::clone(&done);
+        worker.start(2, move |()| {
+            let d = Arc::clone(&d);
+            async move {
+                tokio::task::yield_now().await;
+                d.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        for _ in 0..5_000 {
+            if done.load(Ordering::SeqCst) == JOBS {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(done.load(Ordering::SeqCst), JOBS);
+        let most = worker.most_held.load(Ordering::Relaxed);
+        assert!(most <= 4, "the set held {most} tasks at once");
+        assert!(!worker.shutdown(Duration::from_millis(50)).await);
     }
 
     #[tokio::test]
