@@ -10,12 +10,15 @@
 //!   anything (`scripts/fetch-model.sh` does, before a build or in the image);
 //! - [`tokenize`] turns text into all-MiniLM-L6-v2's word pieces (the `tokenizers` crate, the
 //!   model's own `tokenizer.json`);
-//! - [`contextual`] is the model's full forward pass ([`Contextual`]): BERT, mean pooled;
+//! - [`bert`] is the model's forward pass written out (bf16 weights, f32 arithmetic, AVX-512
+//!   BF16 or AVX2 where the CPU has them);
+//! - [`contextual`] is the full-model embedder ([`Contextual`]): BERT, mean pooled;
 //! - [`table`] is the static embedder ([`Static`]): a table of one vector per word piece,
 //!   distilled from [`Contextual`] ([`table::distill`]) and kept in a cache file;
 //! - [`pca`] is the principal component analysis the distillation projects the table with;
 //! - [`vector`] holds the arithmetic both share (L2 normalisation).
 
+pub mod bert;
 pub mod contextual;
 pub mod files;
 pub mod pca;

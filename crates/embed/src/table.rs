@@ -32,9 +32,6 @@ pub const NO_PCA_DIMS: usize = 384;
 
 const MAGIC: &[u8; 8] = b"MPXSTAT\0";
 
-/// Texts per forward pass while distilling: every input is three word pieces long.
-const DISTILL_BATCH: usize = 512;
-
 /// How a word piece's row is weighted in a text's sum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Weighting {
@@ -334,13 +331,13 @@ impl std::fmt::Debug for TokenRows {
 }
 
 impl TokenRows {
-    /// Runs every vocabulary entry through `model`, in batches of 512.
+    /// Runs every vocabulary entry through `model`, on its threads.
     pub fn from_model(model: &Contextual) -> Result<Self, EmbedError> {
         let pieces = model.word_pieces().clone();
         let vocab = pieces.vocab_size();
         let ids = 0..u32::try_from(vocab).map_err(|err| EmbedError::Failed(err.to_string()))?;
         let inputs: Vec<Vec<u32>> = ids.map(|id| vec![pieces.cls(), id, pieces.sep()]).collect();
-        let rows = model.mean_pooled_in_batches(&inputs, DISTILL_BATCH)?;
+        let rows = model.mean_pooled(&inputs);
         let kinds = (0..vocab).map(|id| kind_of(&pieces, id)).collect();
         Ok(Self {
             pieces,
