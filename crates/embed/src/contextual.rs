@@ -84,11 +84,6 @@ impl Contextual {
         &self.pieces
     }
 
-    /// The bytes the model's weights take in memory.
-    pub fn weight_bytes(&self) -> usize {
-        self.model.weight_bytes()
-    }
-
     /// The mean-pooled (not normalised) output for each input, each a list of word-piece ids
     /// with its special tokens: one input on the caller's thread, more on the embedder's
     /// threads, each its own forward pass (no padding).

@@ -79,11 +79,18 @@ fn a_fixed_thread_count_gives_the_same_vectors() {
     let files = model_files();
     let default = Contextual::load(&files, None).unwrap();
     let one = Contextual::load(&files, std::num::NonZeroUsize::new(1)).unwrap();
-    let text = ["the thread pool must not change the numbers"];
-    let (a, b) = (default.embed(&text).unwrap(), one.embed(&text).unwrap());
-    let worst = a[0]
+    // Several texts, so each embedder runs them on its pool (one text runs on the caller's
+    // thread), each vector back in its text's place.
+    let texts = [
+        "the thread pool must not change the numbers",
+        "nor the order the vectors come back in",
+        "a third, longer text about pools, threads and the order of their results",
+    ];
+    let (a, b) = (default.embed(&texts).unwrap(), one.embed(&texts).unwrap());
+    let worst = a
         .iter()
-        .zip(&b[0])
+        .flatten()
+        .zip(b.iter().flatten())
         .map(|(x, y)| (x - y).abs())
         .fold(0.0f32, f32::max);
     assert!(worst <= 1e-5, "{worst}");
