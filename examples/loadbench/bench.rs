@@ -287,11 +287,12 @@ pub async fn bench(args: Args) -> Result<(), String> {
                     redis_memory.push((conversation.clone(), done.messages, before, after));
                 }
                 println!(
-                    "  pre-filled {} with {} messages in one request ({:.1} MiB body) in {:.0} ms; X-Memory-Turns {}; proxy RSS now {} MiB",
+                    "  pre-filled {} with {} messages in one request ({:.1} MiB body) in {:.0} ms, their vectors made {:.1} s later; X-Memory-Turns {}; proxy RSS now {} MiB",
                     done.conversation,
                     done.messages,
                     done.body_bytes as f64 / 1048576.0,
                     done.took.as_secs_f64() * 1000.0,
+                    done.embedding.as_secs_f64(),
                     done.turns.map_or("-".to_string(), |t| t.to_string()),
                     mib(done.proxy_rss_after_kb)
                 );

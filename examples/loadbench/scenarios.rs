@@ -326,6 +326,9 @@ pub struct Prefill {
     pub took: Duration,
     pub turns: Option<u64>,
     pub proxy_rss_after_kb: Option<u64>,
+    /// How long memproxy took after the answer to make the stored messages' vectors (off the
+    /// request path; waited for, so the rows measure requests and not that).
+    pub embedding: Duration,
 }
 
 /// Stores `messages` messages in `conversation` with one request: `messages - 1` alternating
@@ -375,6 +378,7 @@ pub async fn prefill(
             outcome.snippet()
         ));
     }
+    let embedding = embedded(ctx).await;
     Ok(Prefill {
         conversation: conversation.to_string(),
         messages,
@@ -382,5 +386,65 @@ pub async fn prefill(
         took,
         turns: outcome.turns,
         proxy_rss_after_kb: status_kb(ctx.proxy_pid, "VmRSS"),
+        embedding,
     })
+}
+
+/// The longest [`embedded`] waits.
+const EMBEDDING_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Waits until memproxy's background embedding is done: `memproxy_embedding_vectors_stored`
+/// has not moved for a second and no conversation is owed vectors (at most
+/// [`EMBEDDING_TIMEOUT`]). With the full model, 10,000 pre-filled messages take most of a
+/// minute, and rows measured meanwhile would measure that. Returns how long it waited.
+async fn embedded(ctx: &Ctx) -> Duration {
+    let started = Instant::now();
+    let read = |text: &str, name: &str| -> Option<f64> {
+        text.lines()
+            .filter(|line| !line.starts_with('#'))
+            .find_map(|line| {
+                line.strip_prefix(name)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+    };
+    let mut last: Option<f64> = None;
+    let mut still_since = Instant::now();
+    while started.elapsed() < EMBEDDING_TIMEOUT {
+        let text = scrape(ctx).await;
+        let stored = read(&text, "memproxy_embedding_vectors_stored_total");
+        let owed = read(&text, "memproxy_embedding_owed").unwrap_or(0.0);
+        if stored != last || owed > 0.0 {
+            last = stored;
+            still_since = Instant::now();
+        } else if still_since.elapsed() >= Duration::from_secs(1) {
+            return started.elapsed().saturating_sub(Duration::from_secs(1));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    started.elapsed()
+}
+
+/// memproxy's `GET /metrics` as text (empty if it fails).
+async fn scrape(ctx: &Ctx) -> String {
+    let uri = format!(
+        "http://{}/metrics",
+        ctx.proxy_url.authority().map_or("", |a| a.as_str())
+    );
+    let Ok(uri) = uri.parse::<hyper::Uri>() else {
+        return String::new();
+    };
+    let Ok(request) =
+        hyper::Request::get(uri).body(http_body_util::Full::new(hyper::body::Bytes::new()))
+    else {
+        return String::new();
+    };
+    match tokio::time::timeout(Duration::from_secs(10), send(&ctx.client, request)).await {
+        Ok(Ok(answer)) if answer.status == 200 => {
+            String::from_utf8_lossy(&answer.body).into_owned()
+        }
+        _ => String::new(),
+    }
 }

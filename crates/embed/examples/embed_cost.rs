@@ -59,7 +59,51 @@ fn report(name: &str, embedder: &dyn Embed, runs: usize) {
     }
 }
 
+/// Recall's scoring: one query's bytes against 10,000 stored vectors' (256 dimensions), with
+/// `vector::dots_i8` and with the plain loop it replaced; p50 over 200 runs, in ms.
+fn scoring() {
+    let dims = 256;
+    let rows: Vec<i8> = (0..10_000 * dims)
+        .map(|i| ((i * 91 % 255) as i32 - 127) as i8)
+        .collect();
+    let query: Vec<i8> = (0..dims)
+        .map(|i| ((i * 37 % 255) as i32 - 127) as i8)
+        .collect();
+    let p50 = |f: &mut dyn FnMut() -> i64| {
+        let mut samples: Vec<f64> = (0..200)
+            .map(|_| {
+                let start = Instant::now();
+                std::hint::black_box(f());
+                start.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        samples.sort_by(f64::total_cmp);
+        samples[100]
+    };
+    let mut out = Vec::new();
+    let wide = p50(&mut || {
+        memproxy_embed::vector::dots_i8(&rows, &query, &mut out);
+        out.iter().map(|&d| i64::from(d)).sum()
+    });
+    let plain = p50(&mut || {
+        rows.chunks_exact(dims)
+            .map(|row| {
+                let dot: i32 = row
+                    .iter()
+                    .zip(&query)
+                    .map(|(&b, &q)| i32::from(b) * i32::from(q))
+                    .sum();
+                i64::from(dot)
+            })
+            .sum()
+    });
+    println!(
+        "recall scoring, 10,000 vectors of 256 bytes: dots_i8 p50 {wide:.3} ms, the plain loop {plain:.3} ms"
+    );
+}
+
 fn main() {
+    scoring();
     assert_eq!(QUERY.split_whitespace().count(), 12);
     assert_eq!(MESSAGE.split_whitespace().count(), 40);
     let files = ModelFiles::locate(None).unwrap();

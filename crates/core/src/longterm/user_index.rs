@@ -123,10 +123,7 @@ impl UserIndex {
                     .push((seq, similarity));
             }
         }
-        let mut out: Vec<(u64, f32)> = by_conversation
-            .into_values()
-            .flat_map(|turns| smooth(&turns))
-            .collect();
+        let mut out: Vec<(u64, f32)> = by_conversation.into_values().flat_map(smooth).collect();
         out.sort_unstable_by_key(|(seq, _)| *seq);
         out
     }

@@ -147,24 +147,30 @@ pub struct Scored {
 
 /// Mixes each turn's similarity with its neighbours' (by position in `similarities`, which is
 /// by turn ascending), as weighted means over the whole reach (a neighbour past either end
-/// counts as 0), so no turn scores above the one that made its neighbours score.
-pub fn smooth(similarities: &[(u64, f32)]) -> Vec<(u64, f32)> {
+/// counts as 0), so no turn scores above the one that made its neighbours score. In place:
+/// the turns behind are remembered as they were.
+pub fn smooth(mut similarities: Vec<(u64, f32)>) -> Vec<(u64, f32)> {
+    const REACH: usize = SMOOTHING.len() - 1;
     let n = similarities.len();
     let weights: f32 = SMOOTHING[0] + 2.0 * SMOOTHING[1..].iter().sum::<f32>();
-    (0..n)
-        .map(|i| {
-            let mut sum = SMOOTHING[0] * similarities[i].1;
-            for (distance, &w) in SMOOTHING.iter().enumerate().skip(1) {
-                if let Some(j) = i.checked_sub(distance) {
-                    sum += w * similarities[j].1;
-                }
-                if i + distance < n {
-                    sum += w * similarities[i + distance].1;
-                }
+    // The similarities 1, 2, … places behind, before they were mixed.
+    let mut behind: [Option<f32>; REACH] = [None; REACH];
+    for i in 0..n {
+        let own = similarities[i].1;
+        let mut sum = SMOOTHING[0] * own;
+        for (distance, &w) in SMOOTHING.iter().enumerate().skip(1) {
+            if let Some(before) = behind[distance - 1] {
+                sum += w * before;
             }
-            (similarities[i].0, sum / weights)
-        })
-        .collect()
+            if i + distance < n {
+                sum += w * similarities[i + distance].1;
+            }
+        }
+        similarities[i].1 = sum / weights;
+        behind.rotate_right(1);
+        behind[0] = Some(own);
+    }
+    similarities
 }
 
 /// Fuses `lexical` hits (raw BM25 scores; `query_weight` is the query's best possible score)
@@ -173,6 +179,10 @@ pub fn smooth(similarities: &[(u64, f32)]) -> Vec<(u64, f32)> {
 /// floor and those under it. A turn with neither a query word nor a vector is never a
 /// candidate. `in_period` tells the turns stored in the period the question names (`None`: it
 /// names none): they gain [`TIME_BONUS`].
+///
+/// Every candidate is visited twice and none is kept beyond the best `k` (twice `k` at most
+/// between selections): a conversation of 10,000 turns is ranked without a list of 10,000
+/// (which would be pages of its own, mapped and cleared on every request).
 pub fn fuse(
     lexical: &[Hit],
     query_weight: f32,
@@ -182,90 +192,42 @@ pub fn fuse(
     fusion: Fusion,
     k: usize,
 ) -> (Vec<Scored>, Vec<Scored>) {
-    let lexical_score = |bm25: f32| {
-        if query_weight > 0.0 {
-            (bm25 / query_weight).max(0.0)
+    let w = fusion.lexical_weight.clamp(0.0, 1.0);
+    let candidates = Candidates {
+        lexical: if semantic.is_none() || lexical.is_sorted_by_key(|h| h.turn) {
+            std::borrow::Cow::Borrowed(lexical)
         } else {
-            0.0
-        }
+            let mut sorted = lexical.to_vec();
+            sorted.sort_unstable_by_key(|h| h.turn);
+            std::borrow::Cow::Owned(sorted)
+        },
+        query_weight,
+        semantic,
+        in_pool,
+        in_period,
+        lexical_weight: w,
     };
-    let mut scored: Vec<Scored> = Vec::new();
-    match semantic {
-        None => scored.extend(lexical.iter().map(|hit| {
-            let lexical = lexical_score(hit.score);
-            Scored {
-                turn: hit.turn,
-                score: lexical.min(1.0),
-                lexical,
-                semantic: None,
-                when: false,
-            }
-        })),
-        Some(semantic) => {
-            let w = fusion.lexical_weight.clamp(0.0, 1.0);
-            // The lexical scores by turn, walked alongside `semantic` (also by turn).
-            let mut words: Vec<(u64, f32)> = lexical
-                .iter()
-                .map(|h| (h.turn, lexical_score(h.score)))
-                .collect();
-            words.sort_unstable_by_key(|&(turn, _)| turn);
-            let mut next_word = words.iter().peekable();
-            scored.reserve(semantic.len() + words.len());
-            // A turn whose vector is not made yet: its words alone.
-            let words_alone = |turn: u64, lexical: f32| Scored {
-                turn,
-                score: w * lexical.min(1.0),
-                lexical,
-                semantic: None,
-                when: false,
-            };
-            for &(turn, similarity) in semantic {
-                let mut lexical = 0.0;
-                while let Some(&&(word_turn, score)) = next_word.peek() {
-                    if word_turn > turn {
-                        break;
-                    }
-                    if word_turn == turn {
-                        lexical = score;
-                    } else {
-                        scored.push(words_alone(word_turn, score));
-                    }
-                    next_word.next();
-                }
-                if !in_pool(turn) {
-                    continue;
-                }
-                let semantic = similarity.clamp(0.0, 1.0);
-                scored.push(Scored {
-                    turn,
-                    score: w * lexical.min(1.0) + (1.0 - w) * semantic,
-                    lexical,
-                    semantic: Some(semantic),
-                    when: false,
-                });
-            }
-            scored.extend(next_word.map(|&(turn, score)| words_alone(turn, score)));
-        }
-    }
-    if let Some(in_period) = in_period {
-        for s in &mut scored {
-            s.when = in_period(s.turn);
-            if s.when {
-                s.score = (s.score + TIME_BONUS).min(1.0);
-            }
-        }
-    }
     // Ranked on each score's range among the candidates (min-max): the two scales differ in
     // spread from query to query, so neither drowns the other; the floor reads the absolute
     // fused score.
-    let rank = ranking(&scored, fusion.lexical_weight.clamp(0.0, 1.0));
-    let mut ranked: Vec<(f32, Scored)> = rank.into_iter().zip(scored).collect();
+    let mut ranges = Ranges::default();
+    candidates.visit(|s| ranges.add(&s));
+    let keep = if k == 0 { usize::MAX } else { k };
     let by_rank =
         |a: &(f32, Scored), b: &(f32, Scored)| b.0.total_cmp(&a.0).then(b.1.turn.cmp(&a.1.turn));
-    // Only the best `k` are ever used: select them, then sort those.
-    if ranked.len() > k && k > 0 {
-        ranked.select_nth_unstable_by(k - 1, by_rank);
-        ranked.truncate(k);
+    let mut ranked: Vec<(f32, Scored)> = Vec::new();
+    candidates.visit(|s| {
+        ranked.push((ranges.rank(&s, w), s));
+        // Only the best `keep` are ever used: whenever twice that many are held, the best
+        // half is selected.
+        if ranked.len() >= keep.saturating_mul(2).max(64) {
+            ranked.select_nth_unstable_by(keep - 1, by_rank);
+            ranked.truncate(keep);
+        }
+    });
+    if ranked.len() > keep {
+        ranked.select_nth_unstable_by(keep - 1, by_rank);
+        ranked.truncate(keep);
     }
     ranked.sort_by(by_rank);
     // The floors read the fused score: by words alone (no query vector) every turn sharing a
@@ -285,34 +247,138 @@ pub fn fuse(
     (kept, under)
 }
 
-/// Each candidate's ranking score: its lexical and semantic scores each scaled to their range
-/// among the candidates, then weighed as the fused score is (with no semantic score anywhere,
-/// the lexical order), plus [`TIME_BONUS`] for a turn of the period the question names.
-fn ranking(scored: &[Scored], lexical_weight: f32) -> Vec<f32> {
-    let range = |values: &mut dyn Iterator<Item = f32>| {
-        values.fold((f32::MAX, f32::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)))
-    };
-    let (lex_lo, lex_hi) = range(&mut scored.iter().map(|s| s.lexical));
-    let (sem_lo, sem_hi) = range(&mut scored.iter().filter_map(|s| s.semantic));
-    let scale = |v: f32, lo: f32, hi: f32| {
-        if hi > lo { (v - lo) / (hi - lo) } else { 0.0 }
-    };
-    scored
-        .iter()
-        .map(|s| {
-            let lexical = scale(s.lexical, lex_lo, lex_hi);
-            let bonus = if s.when { TIME_BONUS } else { 0.0 };
-            bonus
-                + match s.semantic {
-                    Some(semantic) => {
-                        lexical_weight * lexical
-                            + (1.0 - lexical_weight) * scale(semantic, sem_lo, sem_hi)
-                    }
-                    None if sem_hi >= sem_lo => lexical_weight * lexical,
-                    None => lexical,
+/// [`fuse`]'s candidates: the inputs that make them, walked as often as needed.
+struct Candidates<'a, P> {
+    /// By turn ascending when `semantic` is given.
+    lexical: std::borrow::Cow<'a, [Hit]>,
+    query_weight: f32,
+    semantic: Option<&'a [(u64, f32)]>,
+    in_pool: P,
+    in_period: Option<&'a dyn Fn(u64) -> bool>,
+    lexical_weight: f32,
+}
+
+impl<P: Fn(u64) -> bool> Candidates<'_, P> {
+    /// The turn's BM25 score on the query's scale.
+    fn lexical_score(&self, bm25: f32) -> f32 {
+        if self.query_weight > 0.0 {
+            (bm25 / self.query_weight).max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// Calls `visit` with every candidate, scored, once: by words alone in `lexical`'s order;
+    /// with meaning, the two walked together by turn.
+    fn visit(&self, mut visit: impl FnMut(Scored)) {
+        let w = self.lexical_weight;
+        let mut visit = |mut s: Scored| {
+            if let Some(in_period) = self.in_period {
+                s.when = in_period(s.turn);
+                if s.when {
+                    s.score = (s.score + TIME_BONUS).min(1.0);
                 }
-        })
-        .collect()
+            }
+            visit(s);
+        };
+        let Some(semantic) = self.semantic else {
+            for hit in self.lexical.iter() {
+                let lexical = self.lexical_score(hit.score);
+                visit(Scored {
+                    turn: hit.turn,
+                    score: lexical.min(1.0),
+                    lexical,
+                    semantic: None,
+                    when: false,
+                });
+            }
+            return;
+        };
+        // A turn whose vector is not made yet: its words alone.
+        let words_alone = |turn: u64, lexical: f32| Scored {
+            turn,
+            score: w * lexical.min(1.0),
+            lexical,
+            semantic: None,
+            when: false,
+        };
+        let mut next_word = self.lexical.iter().peekable();
+        for &(turn, similarity) in semantic {
+            let mut lexical = 0.0;
+            while let Some(&hit) = next_word.peek() {
+                if hit.turn > turn {
+                    break;
+                }
+                if hit.turn == turn {
+                    lexical = self.lexical_score(hit.score);
+                } else {
+                    visit(words_alone(hit.turn, self.lexical_score(hit.score)));
+                }
+                next_word.next();
+            }
+            if !(self.in_pool)(turn) {
+                continue;
+            }
+            let semantic = similarity.clamp(0.0, 1.0);
+            visit(Scored {
+                turn,
+                score: w * lexical.min(1.0) + (1.0 - w) * semantic,
+                lexical,
+                semantic: Some(semantic),
+                when: false,
+            });
+        }
+        for hit in next_word {
+            visit(words_alone(hit.turn, self.lexical_score(hit.score)));
+        }
+    }
+}
+
+/// The range of the candidates' lexical scores and of their semantic ones.
+struct Ranges {
+    lexical: (f32, f32),
+    semantic: (f32, f32),
+}
+
+impl Default for Ranges {
+    fn default() -> Ranges {
+        Ranges {
+            lexical: (f32::MAX, f32::MIN),
+            semantic: (f32::MAX, f32::MIN),
+        }
+    }
+}
+
+impl Ranges {
+    fn add(&mut self, s: &Scored) {
+        let widen = |(lo, hi): (f32, f32), v: f32| (lo.min(v), hi.max(v));
+        self.lexical = widen(self.lexical, s.lexical);
+        if let Some(semantic) = s.semantic {
+            self.semantic = widen(self.semantic, semantic);
+        }
+    }
+
+    /// A candidate's ranking score: its lexical and semantic scores each scaled to their
+    /// range among the candidates, then weighed as the fused score is (with no semantic score
+    /// anywhere, the lexical order), plus [`TIME_BONUS`] for a turn of the period the question
+    /// names.
+    fn rank(&self, s: &Scored, lexical_weight: f32) -> f32 {
+        let scale = |v: f32, (lo, hi): (f32, f32)| {
+            if hi > lo { (v - lo) / (hi - lo) } else { 0.0 }
+        };
+        let lexical = scale(s.lexical, self.lexical);
+        let bonus = if s.when { TIME_BONUS } else { 0.0 };
+        let any_semantic = self.semantic.1 >= self.semantic.0;
+        bonus
+            + match s.semantic {
+                Some(semantic) => {
+                    lexical_weight * lexical
+                        + (1.0 - lexical_weight) * scale(semantic, self.semantic)
+                }
+                None if any_semantic => lexical_weight * lexical,
+                None => lexical,
+            }
+    }
 }
 
 #[cfg(test)]
@@ -323,9 +389,61 @@ mod tests {
         Hit { turn, score }
     }
 
+    /// In place, smoothing gives exactly what the weighted mean over the original values
+    /// gives.
+    #[test]
+    fn smoothing_in_place_is_the_mean_of_the_original_values() {
+        let original: Vec<(u64, f32)> = (0..50u64)
+            .map(|t| (t * 3, ((t * 7919 % 101) as f32) / 101.0))
+            .collect();
+        let weights: f32 = SMOOTHING[0] + 2.0 * SMOOTHING[1..].iter().sum::<f32>();
+        let want: Vec<(u64, f32)> = (0..original.len())
+            .map(|i| {
+                let mut sum = SMOOTHING[0] * original[i].1;
+                for (distance, &w) in SMOOTHING.iter().enumerate().skip(1) {
+                    if let Some(j) = i.checked_sub(distance) {
+                        sum += w * original[j].1;
+                    }
+                    if let Some(after) = original.get(i + distance) {
+                        sum += w * after.1;
+                    }
+                }
+                (original[i].0, sum / weights)
+            })
+            .collect();
+        assert_eq!(smooth(original), want);
+    }
+
+    /// The best `k` kept while walking (selected whenever twice `k` are held) are the first
+    /// `k` of all the candidates ranked.
+    #[test]
+    fn the_best_k_kept_while_walking_are_the_first_of_all_ranked() {
+        let semantic: Vec<(u64, f32)> = (0..3000u64)
+            .map(|t| (t, ((t * 7919 % 1009) as f32) / 1009.0))
+            .collect();
+        let hits: Vec<Hit> = (0..3000u64)
+            .filter(|t| t % 3 == 0)
+            .map(|t| hit(t, ((t * 104_729 % 997) as f32) / 100.0))
+            .chain((3000..3100).map(|t| hit(t, 1.0)))
+            .collect();
+        let fusion = Fusion {
+            floor: 0.0,
+            relative_floor: 0.0,
+            ..Fusion::default()
+        };
+        let all = fuse(&hits, 8.0, Some(&semantic), |_| true, None, fusion, 0).0;
+        // All but the three turns of similarity 0 that share no word.
+        assert_eq!(all.len(), 3097);
+        for k in [1, 10, 40] {
+            let (kept, under) = fuse(&hits, 8.0, Some(&semantic), |_| true, None, fusion, k);
+            assert!(under.is_empty());
+            assert_eq!(kept, all[..k], "k = {k}");
+        }
+    }
+
     #[test]
     fn smoothing_mixes_neighbours_and_keeps_order() {
-        let smoothed = smooth(&[(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0), (5, 0.0)]);
+        let smoothed = smooth(vec![(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0), (5, 0.0)]);
         assert_eq!(
             smoothed.iter().map(|s| s.0).collect::<Vec<_>>(),
             [1, 2, 3, 4, 5]

@@ -295,7 +295,9 @@ impl Index {
         self.search_where(query, before_turn, k, |_| true)
     }
 
-    /// As [`Index::search`], among the documents whose turn `keep` accepts.
+    /// As [`Index::search`], among the documents whose turn `keep` accepts; with `k` at
+    /// `usize::MAX`, every match, by turn ascending instead (hybrid recall ranks them itself,
+    /// and walks them beside the vectors in that order).
     pub fn search_where(
         &mut self,
         query: &[String],
@@ -303,9 +305,69 @@ impl Index {
         k: usize,
         keep: impl Fn(u64) -> bool,
     ) -> Vec<Hit> {
-        let n = self.len();
-        if n == 0 || k == 0 || query.is_empty() {
+        if k == 0 {
             return Vec::new();
+        }
+        let Some((mut touched, end)) = self.score(query, before_turn, keep) else {
+            return Vec::new();
+        };
+        if k == usize::MAX {
+            // By document, which is by turn. A dense match is read off the scores in order;
+            // a sparse one sorted.
+            let mut hits = Vec::with_capacity(touched.len());
+            if touched.len() * 8 > end - self.first_live.min(end) {
+                for doc in self.first_live.min(end)..end {
+                    let score = self.scratch[doc];
+                    if score != 0.0 {
+                        hits.push(Hit {
+                            turn: self.docs[doc].turn,
+                            score,
+                        });
+                        self.scratch[doc] = 0.0;
+                    }
+                }
+            } else {
+                touched.sort_unstable();
+                for &d in &touched {
+                    hits.push(Hit {
+                        turn: self.docs[d as usize].turn,
+                        score: std::mem::take(&mut self.scratch[d as usize]),
+                    });
+                }
+            }
+            return hits;
+        }
+        let mut hits: Vec<Hit> = touched
+            .iter()
+            .map(|&d| Hit {
+                turn: self.docs[d as usize].turn,
+                score: self.scratch[d as usize],
+            })
+            .collect();
+        for &d in &touched {
+            self.scratch[d as usize] = 0.0;
+        }
+        let by_score = |a: &Hit, b: &Hit| b.score.total_cmp(&a.score).then(b.turn.cmp(&a.turn));
+        if hits.len() > k {
+            hits.select_nth_unstable_by(k - 1, by_score);
+            hits.truncate(k);
+        }
+        hits.sort_by(by_score);
+        hits
+    }
+
+    /// Scores every document before `before_turn` that `keep` accepts and `query` matches into
+    /// `scratch`: the documents touched (each once) and the end of the range; `None` when
+    /// nothing can match. The caller reads the scores and sets them back to 0.
+    fn score(
+        &mut self,
+        query: &[String],
+        before_turn: u64,
+        keep: impl Fn(u64) -> bool,
+    ) -> Option<(Vec<u32>, usize)> {
+        let n = self.len();
+        if n == 0 || query.is_empty() {
+            return None;
         }
         let avgdl = self.total_len as f32 / n as f32 / OWN as f32;
         let end = self.docs.partition_point(|d| d.turn < before_turn);
@@ -345,23 +407,7 @@ impl Index {
                 self.scratch[doc] += score;
             }
         }
-        let mut hits: Vec<Hit> = touched
-            .iter()
-            .map(|&d| Hit {
-                turn: self.docs[d as usize].turn,
-                score: self.scratch[d as usize],
-            })
-            .collect();
-        for &d in &touched {
-            self.scratch[d as usize] = 0.0;
-        }
-        let by_score = |a: &Hit, b: &Hit| b.score.total_cmp(&a.score).then(b.turn.cmp(&a.turn));
-        if hits.len() > k {
-            hits.select_nth_unstable_by(k - 1, by_score);
-            hits.truncate(k);
-        }
-        hits.sort_by(by_score);
-        hits
+        Some((touched, end))
     }
 
     /// The score of a document matching every distinct term of `query` once, at average

@@ -177,7 +177,7 @@ impl Recall {
         let query_terms = index.terms(query.text);
         let semantic = match (query.vector, &index.vectors) {
             (Some(vector), Some(vectors)) if !vectors.is_empty() => {
-                Some(smooth(&vectors.similarities(vector)))
+                Some(smooth(vectors.similarities(vector)))
             }
             _ => None,
         };
@@ -219,7 +219,7 @@ impl Recall {
             fuse_with_feedback(semantic.as_deref(), query.fusion, k, ranked, |best| {
                 let vectors = index.vectors.as_ref()?;
                 let moved = vectors.feedback(query.vector?, best)?;
-                Some(smooth(&vectors.similarities(&moved)))
+                Some(smooth(vectors.similarities(&moved)))
             });
         Ok(Found {
             hits,
