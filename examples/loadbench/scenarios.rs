@@ -327,7 +327,7 @@ pub struct Prefill {
     pub turns: Option<u64>,
     pub proxy_rss_after_kb: Option<u64>,
     /// How long memproxy took after the answer to make the stored messages' vectors (off the
-    /// request path; waited for, so the rows measure requests and not that).
+    /// request path; waited for, so that the rows measure requests and not that).
     pub embedding: Duration,
 }
 
@@ -359,6 +359,7 @@ pub async fn prefill(
         expect_memory: Some("stored"),
     };
     let request = chat_request(&spec, body)?;
+    let (vectors_before, _) = embedding_counts(ctx).await;
     let started = Instant::now();
     let outcome = tokio::time::timeout(PREFILL_TIMEOUT, send(&ctx.client, request))
         .await
@@ -378,7 +379,7 @@ pub async fn prefill(
             outcome.snippet()
         ));
     }
-    let embedding = embedded(ctx).await;
+    let embedding = embedded(ctx, vectors_before, messages).await;
     Ok(Prefill {
         conversation: conversation.to_string(),
         messages,
@@ -393,38 +394,48 @@ pub async fn prefill(
 /// The longest [`embedded`] waits.
 const EMBEDDING_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Waits until memproxy's background embedding is done: `memproxy_embedding_vectors_stored`
-/// has not moved for a second and no conversation is owed vectors (at most
-/// [`EMBEDDING_TIMEOUT`]). With the full model, 10,000 pre-filled messages take most of a
-/// minute, and rows measured meanwhile would measure that. Returns how long it waited.
-async fn embedded(ctx: &Ctx) -> Duration {
+/// Waits until memproxy's background embedding is idle: it has made at least `messages` more
+/// vectors than `before` (`memproxy_embedding_vectors_stored`), has made none for
+/// [`EMBEDDING_STILL`] since, and owes none (`memproxy_embedding_owed`); at most
+/// [`EMBEDDING_TIMEOUT`], or [`EMBEDDING_STILL`] of nothing at all (no embedder). The jobs of
+/// earlier requests (the RSS phase's conversations) run first, so the count alone does not
+/// tell. With the full model, 10,000 pre-filled messages take most of a minute, and rows
+/// measured meanwhile would measure that. Returns how long it waited.
+async fn embedded(ctx: &Ctx, before: f64, messages: usize) -> Duration {
     let started = Instant::now();
-    let read = |text: &str, name: &str| -> Option<f64> {
-        text.lines()
-            .filter(|line| !line.starts_with('#'))
-            .find_map(|line| {
-                line.strip_prefix(name)?
-                    .strip_prefix(' ')?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
-    };
-    let mut last: Option<f64> = None;
-    let mut still_since = Instant::now();
+    let mut last = before;
+    let mut moved = Instant::now();
     while started.elapsed() < EMBEDDING_TIMEOUT {
-        let text = scrape(ctx).await;
-        let stored = read(&text, "memproxy_embedding_vectors_stored_total");
-        let owed = read(&text, "memproxy_embedding_owed").unwrap_or(0.0);
+        let (stored, owed) = embedding_counts(ctx).await;
         if stored != last || owed > 0.0 {
             last = stored;
-            still_since = Instant::now();
-        } else if still_since.elapsed() >= Duration::from_secs(1) {
-            return started.elapsed().saturating_sub(Duration::from_secs(1));
+            moved = Instant::now();
+        } else if moved.elapsed() >= EMBEDDING_STILL
+            && (stored - before >= messages as f64 || stored == before)
+        {
+            return started.elapsed().saturating_sub(EMBEDDING_STILL);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     started.elapsed()
+}
+
+/// How long the vectors' count must stand still for [`embedded`].
+const EMBEDDING_STILL: Duration = Duration::from_secs(3);
+
+/// memproxy's `memproxy_embedding_vectors_stored` and `memproxy_embedding_owed` (0 when they
+/// cannot be read).
+async fn embedding_counts(ctx: &Ctx) -> (f64, f64) {
+    let text = scrape(ctx).await;
+    let read = |name: &str| {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        read("memproxy_embedding_vectors_stored_total"),
+        read("memproxy_embedding_owed"),
+    )
 }
 
 /// memproxy's `GET /metrics` as text (empty if it fails).
