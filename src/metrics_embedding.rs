@@ -24,6 +24,7 @@ pub(crate) struct EmbeddingMetrics {
     caught_up: Counter,
     owed_forgotten: Counter,
     owed: Gauge,
+    pending: Gauge,
 }
 
 impl EmbeddingMetrics {
@@ -39,6 +40,7 @@ impl EmbeddingMetrics {
             caught_up: Counter::default(),
             owed_forgotten: Counter::default(),
             owed: Gauge::default(),
+            pending: Gauge::default(),
         };
         registry.register(
             "embedding_up",
@@ -49,6 +51,11 @@ impl EmbeddingMetrics {
             "embedding_owed",
             "Conversations and owners whose embedding job was dropped (queue full) and whose missing vectors the worker has yet to make",
             metrics.owed.clone(),
+        );
+        registry.register(
+            "embedding_jobs_pending",
+            "Background embedding jobs queued or running: stored messages whose vectors are still to be made (0 when the embedding has caught up)",
+            metrics.pending.clone(),
         );
         let counters = [
             (
@@ -111,6 +118,8 @@ impl EmbeddingMetrics {
         catch_up(&self.caught_up, load(&c.caught_up));
         catch_up(&self.owed_forgotten, load(&c.owed_forgotten));
         self.owed.set(embedding.owed() as i64);
+        self.pending
+            .set(load(&c.jobs_queued).saturating_sub(load(&c.jobs_finished)) as i64);
         let seconds = load(&c.query_micros) as f64 / 1e6;
         let current = self.query_seconds.get();
         if seconds > current {

@@ -359,7 +359,6 @@ pub async fn prefill(
         expect_memory: Some("stored"),
     };
     let request = chat_request(&spec, body)?;
-    let (vectors_before, _) = embedding_counts(ctx).await;
     let started = Instant::now();
     let outcome = tokio::time::timeout(PREFILL_TIMEOUT, send(&ctx.client, request))
         .await
@@ -379,7 +378,7 @@ pub async fn prefill(
             outcome.snippet()
         ));
     }
-    let embedding = embedded(ctx, vectors_before, messages).await;
+    let embedding = embedded(ctx).await;
     Ok(Prefill {
         conversation: conversation.to_string(),
         messages,
@@ -394,48 +393,40 @@ pub async fn prefill(
 /// The longest [`embedded`] waits.
 const EMBEDDING_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Waits until memproxy's background embedding is idle: it has made at least `messages` more
-/// vectors than `before` (`memproxy_embedding_vectors_stored`), has made none for
-/// [`EMBEDDING_STILL`] since, and owes none (`memproxy_embedding_owed`); at most
-/// [`EMBEDDING_TIMEOUT`], or [`EMBEDDING_STILL`] of nothing at all (no embedder). The jobs of
-/// earlier requests (the RSS phase's conversations) run first, so the count alone does not
-/// tell. With the full model, 10,000 pre-filled messages take most of a minute, and rows
-/// measured meanwhile would measure that. Returns how long it waited.
-async fn embedded(ctx: &Ctx, before: f64, messages: usize) -> Duration {
+/// Waits until memproxy's background embedding is idle (`memproxy_embedding_jobs_pending`
+/// and `memproxy_embedding_owed` both 0, twice in a row), at most [`EMBEDDING_TIMEOUT`]. With
+/// the full model, the RSS phase's messages and 10,000 pre-filled ones take tens of seconds,
+/// and rows measured meanwhile would measure that (and recall without vectors). Returns how
+/// long it waited.
+async fn embedded(ctx: &Ctx) -> Duration {
     let started = Instant::now();
-    let mut last = before;
-    let mut moved = Instant::now();
+    let mut idle_once = false;
     while started.elapsed() < EMBEDDING_TIMEOUT {
-        let (stored, owed) = embedding_counts(ctx).await;
-        if stored != last || owed > 0.0 {
-            last = stored;
-            moved = Instant::now();
-        } else if moved.elapsed() >= EMBEDDING_STILL
-            && (stored - before >= messages as f64 || stored == before)
-        {
-            return started.elapsed().saturating_sub(EMBEDDING_STILL);
+        let text = scrape(ctx).await;
+        let read = |name: &str| {
+            text.lines().find_map(|line| {
+                line.strip_prefix(name)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
+        };
+        let idle = match (
+            read("memproxy_embedding_jobs_pending"),
+            read("memproxy_embedding_owed"),
+        ) {
+            (Some(pending), Some(owed)) => pending == 0.0 && owed == 0.0,
+            // No such metrics: nothing to wait for.
+            _ => true,
+        };
+        if idle && idle_once {
+            break;
         }
+        idle_once = idle;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     started.elapsed()
-}
-
-/// How long the vectors' count must stand still for [`embedded`].
-const EMBEDDING_STILL: Duration = Duration::from_secs(3);
-
-/// memproxy's `memproxy_embedding_vectors_stored` and `memproxy_embedding_owed` (0 when they
-/// cannot be read).
-async fn embedding_counts(ctx: &Ctx) -> (f64, f64) {
-    let text = scrape(ctx).await;
-    let read = |name: &str| {
-        text.lines()
-            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-            .unwrap_or(0.0)
-    };
-    (
-        read("memproxy_embedding_vectors_stored_total"),
-        read("memproxy_embedding_owed"),
-    )
 }
 
 /// memproxy's `GET /metrics` as text (empty if it fails).

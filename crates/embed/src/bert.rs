@@ -1,15 +1,18 @@
 //! all-MiniLM-L6-v2's forward pass written out for one text at a time: BERT's six layers with
 //! the weights of every matrix product held as bfloat16 (half the memory of f32) and the
-//! activations, sums, softmax and layer norms in f32. On a CPU with AVX-512 BF16 the products
-//! run on `vdpbf16ps` (two multiply-adds per lane per instruction, no reductions: the weights
-//! are packed so a broadcast pair of inputs meets sixteen outputs' pairs of weights); elsewhere
-//! on the same layout in f32 arithmetic, compiled for AVX2 and FMA where the CPU has them
-//! ([`Kernel`]).
+//! activations, sums, softmax and layer norms in f32. The products run on the best of
+//! [`Kernel`]: AMX tiles where the CPU has AMX-BF16 (`tdpbf16ps`, 16 rows × 16 outputs × 32
+//! inputs an instruction; the weights are packed so that a block of them is already a tile),
+//! else AVX-512 BF16's `vdpbf16ps` (two multiply-adds per lane per instruction, no reductions:
+//! a broadcast pair of inputs meets sixteen outputs' pairs of weights), else the same layout in
+//! f32 arithmetic, compiled for AVX2 and FMA where the CPU has them. The rest of the pass is
+//! plain code inlined into copies compiled for AVX-512 or AVX2 (`simd::pass`), with an `exp`
+//! of its own so that GELU and softmax vectorise.
 //!
-//! One text at a time needs no padding and no attention mask. On the project's machine a
-//! 12-word question takes 4.4 ms and a 40-word message 15.6 ms (candle's batched pass, which
-//! this replaced: 11–16 ms for a 10- to 15-piece question); the products are about 60% of it in
-//! a `perf` profile, attention, GELU and layer norms most of the rest.
+//! One text at a time needs no padding and no attention mask. On the project's machine (AMX) a
+//! 12-word question takes about 1.5 ms and a 40-word message about 5 ms (`embed_cost`; 4.4 and
+//! 15.6 ms on `vdpbf16ps` with the rest in SSE2, 19 and 38.5 ms with candle's batched pass,
+//! which this replaced). The products are just under half of it in a `perf` profile.
 
 use crate::EmbedError;
 use crate::vector::{dot, sum};
@@ -233,9 +236,11 @@ mod portable {
     }
 }
 
-/// The products on x86-64's vector extensions. The crate's only unsafe code: functions
-/// compiled for CPU features, called only once [`Kernel::available`] found them, and
-/// intrinsics on indices inside slices whose lengths are checked first.
+/// The products on x86-64's vector extensions and AMX tiles, and the pass compiled for wider
+/// vectors. With `vector::wide` the crate's only unsafe code: functions compiled for CPU
+/// features, called only once [`Kernel::available`] (or the feature check beside the call)
+/// found them; intrinsics and tile loads and stores on indices inside slices whose lengths are
+/// checked first; one `arch_prctl` call.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod simd {
