@@ -466,6 +466,38 @@ async fn the_providers_embeddings_serve_recall_when_configured() {
     assert!(mock.refusals().is_empty(), "{:?}", mock.refusals());
 }
 
+/// `memproxy_embedding_jobs_pending` counts a job while its vectors are being made and is 0
+/// once they are stored.
+#[tokio::test]
+async fn pending_embedding_jobs_are_a_gauge_that_returns_to_zero() {
+    let Started { mock, proxy, .. } = Harness::new()
+        .upstream("api_key_env = \"TEST_UPSTREAM_KEY\"\n")
+        .config(
+            "[memory]\nrecent_n = 2\ncompression_enabled = false\n[embedding]\nembedder = \"upstream\"\nupstream_model = \"text-embedding-3-small\"\n",
+        )
+        .start()
+        .await;
+    mock.set_embeddings_delay(Duration::from_millis(2000));
+    let pending = || async {
+        let metrics = send("GET", &proxy.url("/metrics"), &[], "").await;
+        String::from_utf8_lossy(&metrics.body)
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("memproxy_embedding_jobs_pending ")?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .expect("memproxy_embedding_jobs_pending")
+    };
+    assert_eq!(pending().await, 0);
+    let answer = chat(&proxy, "pending", &body(&[user(FACTS[0].0)]), &[]).await;
+    assert_eq!(answer.status, 200);
+    // The provider takes two seconds to answer the job's embedding request.
+    assert_eq!(pending().await, 1);
+    embedded(&proxy).await;
+    assert_eq!(pending().await, 0);
+}
+
 /// A slow provider fills the embedding queue (of one job): the jobs dropped are caught up once
 /// the worker has room, so every stored message, archived turn included, ends with a vector
 /// without `memproxy vectors rebuild`.
