@@ -54,7 +54,7 @@ impl EmbeddingMetrics {
         );
         registry.register(
             "embedding_jobs_pending",
-            "Background embedding jobs queued or running: stored messages whose vectors are still to be made (0 when the embedding has caught up)",
+            "Background embedding jobs queued or running (a commit's messages, a user's records, a catch-up): 0 with memproxy_embedding_owed at 0 when the embedding has caught up",
             metrics.pending.clone(),
         );
         let counters = [

@@ -402,7 +402,12 @@ async fn embedded(ctx: &Ctx) -> Duration {
     let started = Instant::now();
     let mut idle_once = false;
     while started.elapsed() < EMBEDDING_TIMEOUT {
-        let text = scrape(ctx).await;
+        // A scrape that fails is not idle.
+        let Some(text) = scrape(ctx).await else {
+            idle_once = false;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
         let read = |name: &str| {
             text.lines().find_map(|line| {
                 line.strip_prefix(name)?
@@ -417,7 +422,7 @@ async fn embedded(ctx: &Ctx) -> Duration {
             read("memproxy_embedding_owed"),
         ) {
             (Some(pending), Some(owed)) => pending == 0.0 && owed == 0.0,
-            // No such metrics: nothing to wait for.
+            // A memproxy without these metrics: nothing to wait for.
             _ => true,
         };
         if idle && idle_once {
@@ -429,24 +434,20 @@ async fn embedded(ctx: &Ctx) -> Duration {
     started.elapsed()
 }
 
-/// memproxy's `GET /metrics` as text (empty if it fails).
-async fn scrape(ctx: &Ctx) -> String {
+/// memproxy's `GET /metrics` as text (`None` if it fails).
+async fn scrape(ctx: &Ctx) -> Option<String> {
     let uri = format!(
         "http://{}/metrics",
         ctx.proxy_url.authority().map_or("", |a| a.as_str())
     );
-    let Ok(uri) = uri.parse::<hyper::Uri>() else {
-        return String::new();
-    };
-    let Ok(request) =
-        hyper::Request::get(uri).body(http_body_util::Full::new(hyper::body::Bytes::new()))
-    else {
-        return String::new();
-    };
+    let uri = uri.parse::<hyper::Uri>().ok()?;
+    let request = hyper::Request::get(uri)
+        .body(http_body_util::Full::new(hyper::body::Bytes::new()))
+        .ok()?;
     match tokio::time::timeout(Duration::from_secs(10), send(&ctx.client, request)).await {
         Ok(Ok(answer)) if answer.status == 200 => {
-            String::from_utf8_lossy(&answer.body).into_owned()
+            Some(String::from_utf8_lossy(&answer.body).into_owned())
         }
-        _ => String::new(),
+        _ => None,
     }
 }

@@ -252,8 +252,11 @@ mod simd {
     /// The forward pass ([`super::Bert::pass`]) compiled for AVX-512 or for AVX2 and FMA,
     /// whichever the CPU has (16 or 8 lanes a vector instead of SSE2's 4), else as built.
     pub(super) fn pass(bert: &super::Bert, ids: &[u32]) -> Vec<f32> {
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F; the body is safe code.
+        if std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has AVX-512F, AVX2 and FMA; the body is safe code.
             unsafe { pass_avx512(bert, ids) }
         } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU has AVX2 and FMA; the body is safe code.

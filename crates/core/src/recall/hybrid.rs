@@ -180,8 +180,8 @@ pub fn smooth(mut similarities: Vec<(u64, f32)>) -> Vec<(u64, f32)> {
 /// candidate. `in_period` tells the turns stored in the period the question names (`None`: it
 /// names none): they gain [`TIME_BONUS`].
 ///
-/// Every candidate is visited twice and none is kept beyond the best `k` (twice `k` at most
-/// between selections): a conversation of 10,000 turns is ranked without a list of 10,000
+/// Every candidate is visited twice and only the best `k` are kept (at most twice `k`, or 64,
+/// between selections; every candidate with `k` at 0): a conversation of 10,000 turns is ranked without a list of 10,000
 /// (which would be pages of its own, mapped and cleared on every request).
 pub fn fuse(
     lexical: &[Hit],
@@ -432,7 +432,8 @@ mod tests {
             ..Fusion::default()
         };
         let all = fuse(&hits, 8.0, Some(&semantic), |_| true, None, fusion, 0).0;
-        // All but the three turns of similarity 0 that share no word.
+        // All but the three turns of similarity 0 and no lexical score (turn 0's words score
+        // 0 on the query's scale; 1009 and 2018 share none).
         assert_eq!(all.len(), 3097);
         for k in [1, 10, 40] {
             let (kept, under) = fuse(&hits, 8.0, Some(&semantic), |_| true, None, fusion, k);

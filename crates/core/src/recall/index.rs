@@ -290,7 +290,8 @@ impl Index {
     }
 
     /// The `k` best documents for `query` among those with a turn below `before_turn`, best
-    /// first. Documents with no query term are never returned.
+    /// first (with `k` at `usize::MAX`, every match by turn: [`Index::search_where`]).
+    /// Documents with no query term are never returned.
     pub fn search(&mut self, query: &[String], before_turn: u64, k: usize) -> Vec<Hit> {
         self.search_where(query, before_turn, k, |_| true)
     }
@@ -512,6 +513,32 @@ mod tests {
         assert!(hits[0].score > hits[1].score);
         assert!(index.search(&words("account"), 1, 5).is_empty());
         assert!(index.search(&words("nothing"), 100, 5).is_empty());
+    }
+
+    /// Every match by turn, read off the scores densely (a common word) or from the sorted
+    /// touched list (a rare one), with the same scores as a ranked search; either way the
+    /// scratch is left clean, so a later search scores as on a fresh index.
+    #[test]
+    fn every_match_comes_by_turn_and_leaves_no_scores_behind() {
+        let text = |i: u64| words(&format!("common w{} r{}", i % 7, i % 97));
+        let build = || {
+            let mut index = Index::new();
+            for turn in 0..300u64 {
+                index.push(turn * 2, text(turn));
+            }
+            index
+        };
+        let (mut index, mut fresh) = (build(), build());
+        for query in ["common w3", "r5", "r5 r6 w2"] {
+            let all = index.search(&words(query), u64::MAX, usize::MAX);
+            assert!(all.windows(2).all(|p| p[0].turn < p[1].turn), "{query}");
+            let mut ranked = index.search(&words(query), u64::MAX, all.len());
+            ranked.sort_by_key(|h| h.turn);
+            assert_eq!(all, ranked, "{query}");
+            let a = index.search(&words("w4"), 400, 5);
+            let b = fresh.search(&words("w4"), 400, 5);
+            assert_eq!(a, b, "scores left behind by {query}");
+        }
     }
 
     #[test]
