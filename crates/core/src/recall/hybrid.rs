@@ -65,9 +65,10 @@ pub const TIME_BONUS: f32 = 0.2;
 /// Feedback (`relevance_feedback`, off by default): the query's vector is moved towards the
 /// vectors of the turns the first fusion ranked best, and the turns are scored again
 /// (pseudo-relevance feedback, Rocchio's): what the question means is often said better by the
-/// turns it found than by its own few words. The second pass costs as much as the first
-/// (+0.9 ms at 10,000 stored messages with the static table, which would pass the 2 ms the
-/// default embedder may add; nothing next to the full model's 19 ms query). This many turns…
+/// turns it found than by its own few words. The second pass costs as much as the first:
+/// about 0.1 ms at 10,000 stored messages with the static table (loadbench, p50 2,081 against
+/// 2,000 µs; 0.9 ms before the scoring's SIMD products), little next to the full model's
+/// 1.5–3 ms question. This many turns…
 pub const FEEDBACK_TURNS: usize = 3;
 /// …weigh this much, together, against the query's own vector. Measured on LoCoMo's dev file:
 /// recall_any@10 +0.004 with the static table and with the full model, the same at weights
