@@ -146,26 +146,25 @@ impl Kernel {
     pub fn best() -> Kernel {
         use std::sync::OnceLock;
         static BEST: OnceLock<Kernel> = OnceLock::new();
-        *BEST.get_or_init(|| {
-            [Kernel::Amx, Kernel::Avx512Bf16, Kernel::Avx2Fma]
-                .into_iter()
-                .find(|k| k.available())
-                .unwrap_or(Kernel::Plain)
+        *BEST.get_or_init(|| match Kernel::Amx.available() {
+            true => Kernel::Amx,
+            false => Kernel::best_without_tiles(),
         })
+    }
+
+    /// The fastest kernel this CPU runs other than AMX's tiles.
+    fn best_without_tiles() -> Kernel {
+        [Kernel::Avx512Bf16, Kernel::Avx2Fma]
+            .into_iter()
+            .find(|k| k.available())
+            .unwrap_or(Kernel::Plain)
     }
 
     /// The fastest kernel this CPU runs for a matrix `k` inputs wide: AMX's tiles take 32
     /// inputs at a time, so a width that is not a multiple of 32 takes the next best.
     fn best_for(k: usize) -> Kernel {
-        use std::sync::OnceLock;
-        static BEST_WITHOUT_TILES: OnceLock<Kernel> = OnceLock::new();
         match Kernel::best() {
-            Kernel::Amx if !k.is_multiple_of(32) => *BEST_WITHOUT_TILES.get_or_init(|| {
-                [Kernel::Avx512Bf16, Kernel::Avx2Fma]
-                    .into_iter()
-                    .find(|k| k.available())
-                    .unwrap_or(Kernel::Plain)
-            }),
+            Kernel::Amx if !k.is_multiple_of(32) => Kernel::best_without_tiles(),
             best => best,
         }
     }
@@ -363,6 +362,39 @@ mod simd {
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 
+    /// One input tile's step for three blocks of outputs: A tile `$a` loaded from `{a}`, and
+    /// each block's B tile from `{w0}`, `{w1}`, `{w2}` (all `$offset` bytes on), multiplied
+    /// into tiles 0–2.
+    macro_rules! three_blocks {
+        ($a:literal, $offset:literal) => {
+            concat!(
+                "tileloadd ",
+                $a,
+                ", [{a} + {s}*1 + ",
+                $offset,
+                "]\n",
+                "tileloadd tmm5, [{w0} + {s}*1 + ",
+                $offset,
+                "]\n",
+                "tdpbf16ps tmm0, ",
+                $a,
+                ", tmm5\n",
+                "tileloadd tmm6, [{w1} + {s}*1 + ",
+                $offset,
+                "]\n",
+                "tdpbf16ps tmm1, ",
+                $a,
+                ", tmm6\n",
+                "tileloadd tmm7, [{w2} + {s}*1 + ",
+                $offset,
+                "]\n",
+                "tdpbf16ps tmm2, ",
+                $a,
+                ", tmm7",
+            )
+        };
+    }
+
     /// `c` (16 rows × `w.n`) = the A tiles of `a` × the weights, three blocks of 16 outputs
     /// at a time (tiles 0–2), two A tiles alternating (3 and 4) and one B tile per block (5–7),
     /// so a tile is loaded while the others multiply.
@@ -396,20 +428,8 @@ mod simd {
                 while kc + 2 <= chunks {
                     let at = kc * TILE;
                     asm!(
-                        "tileloadd tmm3, [{a} + {s}*1]",
-                        "tileloadd tmm5, [{w0} + {s}*1]",
-                        "tdpbf16ps tmm0, tmm3, tmm5",
-                        "tileloadd tmm6, [{w1} + {s}*1]",
-                        "tdpbf16ps tmm1, tmm3, tmm6",
-                        "tileloadd tmm7, [{w2} + {s}*1]",
-                        "tdpbf16ps tmm2, tmm3, tmm7",
-                        "tileloadd tmm4, [{a} + {s}*1 + 1024]",
-                        "tileloadd tmm5, [{w0} + {s}*1 + 1024]",
-                        "tdpbf16ps tmm0, tmm4, tmm5",
-                        "tileloadd tmm6, [{w1} + {s}*1 + 1024]",
-                        "tdpbf16ps tmm1, tmm4, tmm6",
-                        "tileloadd tmm7, [{w2} + {s}*1 + 1024]",
-                        "tdpbf16ps tmm2, tmm4, tmm7",
+                        three_blocks!("tmm3", "0"),
+                        three_blocks!("tmm4", "1024"),
                         a = in(reg) a.add(at),
                         w0 = in(reg) w0.add(at),
                         w1 = in(reg) w1.add(at),
@@ -422,13 +442,7 @@ mod simd {
                 if kc < chunks {
                     let at = kc * TILE;
                     asm!(
-                        "tileloadd tmm3, [{a} + {s}*1]",
-                        "tileloadd tmm5, [{w0} + {s}*1]",
-                        "tdpbf16ps tmm0, tmm3, tmm5",
-                        "tileloadd tmm6, [{w1} + {s}*1]",
-                        "tdpbf16ps tmm1, tmm3, tmm6",
-                        "tileloadd tmm7, [{w2} + {s}*1]",
-                        "tdpbf16ps tmm2, tmm3, tmm7",
+                        three_blocks!("tmm3", "0"),
                         a = in(reg) a.add(at),
                         w0 = in(reg) w0.add(at),
                         w1 = in(reg) w1.add(at),
