@@ -1,10 +1,12 @@
 //! What the embedders cost: time per text (p50 and p90 over many runs) for a 12-word query and
-//! a 40-word message, for the static table and the contextual forward pass on one thread and
+//! a 22-word question like loadbench's and a 40-word message, for the static table and the contextual forward pass on one thread and
 //! on the default threads; the table's size on disk and in memory; the contextual model's
 //! resident memory (the RSS it adds when loaded); and, with `--distill`, the distillation.
 //!
 //!     scripts/fetch-model.sh
-//!     cargo run --release -p memproxy-embed --example embed_cost [-- --distill]
+//!     cargo run --release -p memproxy-embed --example embed_cost [-- --distill | --contextual]
+//!
+//! `--contextual` measures the contextual pass on one thread alone.
 
 // Allowed: an example prints its report.
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
@@ -16,6 +18,9 @@ use memproxy_embed::table::{self, Distillation};
 use memproxy_embed::{Contextual, Embed, ModelFiles, Static};
 
 const QUERY: &str = "What did we decide about the staging database reset schedule last week?";
+/// A question like loadbench's (16 to 24 common words), 22 words.
+const LOADBENCH_QUESTION: &str = "Please summarize the latest changes in the deployment pipeline and \
+explain why the project deadline moved before the customer meeting next week.";
 const MESSAGE: &str = "I looked into the failing deploy again this morning: the script needs the \
 VPN to reach the artifact store, so until that bucket moves into the public subnet please \
 connect before running it, and tell me if anything else breaks.";
@@ -53,7 +58,11 @@ fn time(embedder: &dyn Embed, text: &str, runs: usize) -> (f64, f64) {
 }
 
 fn report(name: &str, embedder: &dyn Embed, runs: usize) {
-    for (what, text) in [("12-word query", QUERY), ("40-word message", MESSAGE)] {
+    for (what, text) in [
+        ("12-word query", QUERY),
+        ("22-word question", LOADBENCH_QUESTION),
+        ("40-word message", MESSAGE),
+    ] {
         let (p50, p90) = time(embedder, text, runs);
         println!("{name:<34} {what:<16} p50 {p50:8.3} ms  p90 {p90:8.3} ms  ({runs} runs)");
     }
@@ -105,8 +114,15 @@ fn scoring() {
 fn main() {
     scoring();
     assert_eq!(QUERY.split_whitespace().count(), 12);
+    assert_eq!(LOADBENCH_QUESTION.split_whitespace().count(), 22);
     assert_eq!(MESSAGE.split_whitespace().count(), 40);
     let files = ModelFiles::locate(None).unwrap();
+    if std::env::args().any(|arg| arg == "--contextual") {
+        // The contextual pass on one thread alone (for a profile or a quick comparison).
+        let one = Contextual::load(&files, NonZeroUsize::new(1)).unwrap();
+        report("contextual, 1 thread", &one, 1000);
+        return;
+    }
     let distillation = Distillation::default();
     let cache = Static::default_cache_path(&files, &distillation);
 

@@ -22,6 +22,7 @@ pub mod bert;
 pub mod contextual;
 pub mod files;
 pub mod pca;
+mod products;
 pub mod table;
 pub mod tokenize;
 pub mod vector;

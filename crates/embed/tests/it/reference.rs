@@ -3,6 +3,7 @@
 //! accents, CJK, Greek, an emoji and a word over 100 characters (`[UNK]`), a text past 256
 //! word pieces (truncated), and the empty text.
 
+use memproxy_embed::bert::Kernel;
 use memproxy_embed::contextual::MAX_PIECES;
 use memproxy_embed::{Contextual, Embed};
 use serde::Deserialize;
@@ -38,10 +39,16 @@ fn word_pieces_are_the_reference_tokenizers() {
     }
 }
 
-/// The forward pass holds its weights as bf16 and rounds each product's inputs to bf16 (sums
-/// in f32), so it is within a cosine of 0.9999 of the f32 reference, each element within 2e-3.
+/// With bf16 weights (each product's inputs rounded to bf16, sums in f32) the pass is within a
+/// cosine of 0.9999 of the f32 reference, each element within 2e-3. With int8 weights and
+/// activations (AVX-512 VNNI) it is within 0.99 and 0.03: 0.9989–0.9990 for the texts here,
+/// 0.992 for the empty text (two word pieces, where a layer's rounding is shared by fewer).
 #[test]
 fn contextual_vectors_are_the_reference_forward_pass() {
+    let (least_cosine, most_apart) = match Kernel::best() {
+        Kernel::Avx512Vnni => (0.99, 0.03),
+        _ => (0.9999, 2e-3),
+    };
     let model = Contextual::load(&model_files(), None).unwrap();
     let cases = reference().cases;
     let texts: Vec<&str> = cases.iter().map(|c| c.text.as_str()).collect();
@@ -63,10 +70,13 @@ fn contextual_vectors_are_the_reference_forward_pass() {
             .fold(0.0f32, f32::max);
         let cosine: f32 = got.iter().zip(&case.vector).map(|(a, b)| a * b).sum();
         least = least.min(cosine);
-        assert!(worst <= 2e-3, "{:?}: max abs diff {worst}", case.text);
-        assert!(cosine >= 0.9999, "{:?}: cosine {cosine}", case.text);
+        assert!(worst <= most_apart, "{:?}: max abs diff {worst}", case.text);
+        assert!(cosine >= least_cosine, "{:?}: cosine {cosine}", case.text);
     }
-    eprintln!("least cosine with the reference: {least}");
+    eprintln!(
+        "least cosine with the reference ({}): {least}",
+        Kernel::best().name()
+    );
     assert!(
         cases.iter().any(|c| c.ids.len() == MAX_PIECES),
         "a truncated case"
