@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use clap::{Args, Subcommand};
 
+use crate::embed::bert::Precision;
 use crate::embed::table::{self, Distillation};
 use crate::embed::{Contextual, Embed, EmbedError, ModelFiles, Static};
 
@@ -83,7 +84,7 @@ fn distill(args: &DistillArgs) -> Result<(), EmbedError> {
         .clone()
         .unwrap_or_else(|| Static::default_cache_path(&files, &distillation));
     let start = Instant::now();
-    let model = Contextual::load(&files, args.threads)?;
+    let model = Contextual::load_at(&files, args.threads, Precision::Bf16)?;
     let table = table::distill(&model, &distillation)?;
     table.save(&files, &out)?;
     println!(

@@ -10,8 +10,11 @@
 //!   anything (`scripts/fetch-model.sh` does, before a build or in the image);
 //! - [`tokenize`] turns text into all-MiniLM-L6-v2's word pieces (the `tokenizers` crate, the
 //!   model's own `tokenizer.json`);
-//! - [`bert`] is the model's forward pass written out (bf16 weights, f32 arithmetic, AVX-512
-//!   BF16 or AVX2 where the CPU has them);
+//! - [`bert`] is the model's forward pass written out, one text at a time (f32 activations,
+//!   compiled for AVX-512 or AVX2 where the CPU has them);
+//! - `products` holds its matrix products and the kernels that run them (`Kernel`: AMX tiles
+//!   with bf16 weights, AVX-512 VNNI with int8 weights and activations, AVX-512 BF16, AVX2 and
+//!   FMA, plain);
 //! - [`contextual`] is the full-model embedder ([`Contextual`]): BERT, mean pooled;
 //! - [`table`] is the static embedder ([`Static`]): a table of one vector per word piece,
 //!   distilled from [`Contextual`] ([`table::distill`]) and kept in a cache file;

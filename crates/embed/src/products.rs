@@ -73,14 +73,16 @@ pub(crate) fn from_bf16(x: u16) -> f32 {
 
 impl Packed {
     /// Packs row-major `weights` (`n × k`, `n` a multiple of 64, `k` of 4) for the fastest
-    /// kernel this CPU runs at this width.
+    /// kernel this CPU runs at this width; with `precision` [`Precision::Bf16`], the fastest
+    /// with bf16 weights.
     pub(crate) fn new(
         weights: &[f32],
         bias: Vec<f32>,
         n: usize,
         k: usize,
+        precision: Precision,
     ) -> Result<Packed, EmbedError> {
-        Packed::for_kernel(Kernel::best_for(k), weights, bias, n, k)
+        Packed::for_kernel(Kernel::best_for(k, precision), weights, bias, n, k)
     }
 
     fn for_kernel(
@@ -165,6 +167,7 @@ impl Packed {
         }
     }
 
+    #[inline(always)]
     fn add_bias(&self, out: &mut [f32]) {
         for row in out.chunks_exact_mut(self.n()) {
             for (o, b) in row.iter_mut().zip(&self.bias) {
@@ -304,6 +307,17 @@ impl QuantizedRows {
     }
 }
 
+/// How closely the products follow the model's f32 arithmetic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precision {
+    /// The fastest kernel: int8 weights and activations where the CPU has AVX-512 VNNI and no
+    /// AMX (within a cosine of 0.99 of f32, 0.999 for most texts; recall as with bf16).
+    Fastest,
+    /// bf16 weights, f32 sums (within a cosine of 0.9999 of f32): what the static table is
+    /// distilled with, so that it is the same table on every machine.
+    Bf16,
+}
+
 /// Which code computes the matrix products, the fastest the CPU has (chosen once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
@@ -341,13 +355,22 @@ impl Kernel {
             .unwrap_or(Kernel::Plain)
     }
 
-    /// The fastest kernel this CPU runs for a matrix `k` inputs wide: AMX's tiles take 32
-    /// inputs at a time, so a width that is not a multiple of 32 takes the next best.
-    fn best_for(k: usize) -> Kernel {
-        match Kernel::best() {
-            Kernel::Amx if !k.is_multiple_of(32) => Kernel::best_without_tiles(),
-            best => best,
+    /// The fastest kernel this CPU runs for a matrix `k` inputs wide at `precision`: AMX's
+    /// tiles take 32 inputs at a time, so a width that is not a multiple of 32 takes the next
+    /// best.
+    fn best_for(k: usize, precision: Precision) -> Kernel {
+        if Kernel::best() == Kernel::Amx && k.is_multiple_of(32) {
+            return Kernel::Amx;
         }
+        let kernels: &[Kernel] = match precision {
+            Precision::Fastest => &[Kernel::Avx512Vnni, Kernel::Avx512Bf16, Kernel::Avx2Fma],
+            Precision::Bf16 => &[Kernel::Avx512Bf16, Kernel::Avx2Fma],
+        };
+        kernels
+            .iter()
+            .copied()
+            .find(|k| k.available())
+            .unwrap_or(Kernel::Plain)
     }
 
     /// Whether this CPU runs it.

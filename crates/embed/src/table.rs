@@ -17,6 +17,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::bert::Precision;
 use crate::contextual::Contextual;
 use crate::files::MODEL_NAME;
 use crate::pca::Pca;
@@ -217,7 +218,7 @@ impl Static {
         if let Ok(table) = Self::load(files, cache_path, distillation) {
             return Ok(table);
         }
-        let model = Contextual::load(files, None)?;
+        let model = Contextual::load_at(files, None, Precision::Bf16)?;
         let table = distill(&model, distillation)?;
         table.save(files, cache_path)?;
         Ok(table)
