@@ -159,7 +159,7 @@ fn main() {
     report("contextual, 2 threads (own pool)", &two, 200);
 
     if std::env::args().any(|arg| arg == "--distill") {
-        // As the table is distilled: bf16 products, the same table on every machine.
+        // As the table is distilled: with bf16 products on every machine.
         let default = Contextual::load_at(&files, None, Precision::Bf16).unwrap();
         let two = Contextual::load_at(&files, Some(threads), Precision::Bf16).unwrap();
         for (name, model) in [("default threads", &default), ("2 threads", &two)] {

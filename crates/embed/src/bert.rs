@@ -10,10 +10,11 @@
 //! allocator's threshold for a mapping of their own, so fresh ones were mapped, faulted in and
 //! unmapped every time.
 //!
-//! `embed_cost` on a 2-core Xeon with AVX-512 VNNI and no AMX: a 12-word question 1.19 ms, a
-//! 22-word one (loadbench's length) 2.07 ms, a 40-word message 3.60 ms (4.38 / 8.40 / 16.24 ms
-//! on `vdpbf16ps` on the same machine); on the AMX machine of the previous figures, 1.47 ms and
-//! 4.84 ms for 12 and 40 words with bf16 tiles. The products are about half of it.
+//! `embed_cost` on a 2-core Xeon with AVX-512 VNNI and no AMX: a 12-word question 1.16 ms, a
+//! 22-word one (loadbench's length) 2.14 ms, a 40-word message 3.52 ms (4.38 / 8.40 / 16.24 ms
+//! on `vdpbf16ps` on the same machine, before the int8 kernel, the attention's rewrite and the
+//! pooled scratch); on the AMX machine of the previous figures, 1.47 ms and 4.84 ms for 12 and
+//! 40 words with bf16 tiles. The products are about half of it.
 
 use crate::EmbedError;
 pub use crate::products::{Kernel, Precision};
@@ -105,11 +106,11 @@ struct Scratch {
     work: Workspace,
 }
 
-/// Scratch spaces kept for reuse: at most this many (one per thread that embeds at once, as a
-/// rule: the pool's threads and a request's question)…
-const SCRATCH_KEPT: usize = 4;
-/// …and only those sized for at most this many word pieces (about 1.2 MiB each), so a long
-/// message's scratch is not kept.
+/// Scratch spaces kept for reuse: at most this many (one per thread that embeds at once in a
+/// sidecar: the background's one thread and a request's question)…
+const SCRATCH_KEPT: usize = 2;
+/// …and only those last used for at most this many word pieces (about 1.3 MiB each, at most
+/// twice that as their buffers grew by doubling), so a long message's scratch is not kept.
 const SCRATCH_PIECES: usize = 64;
 
 impl Bert {
@@ -269,25 +270,38 @@ impl Bert {
             *p /= n as f32;
         }
         s.x = x;
-        self.keep_scratch(s);
+        self.keep_scratch(s, n);
         pooled
     }
 
-    fn take_scratch(&self) -> Scratch {
-        let pooled = self.scratch.lock().ok().and_then(|mut kept| kept.pop());
-        pooled.unwrap_or_default()
+    /// The pool's lock (a pass that panicked holding it left nothing half done in it).
+    fn kept(&self) -> std::sync::MutexGuard<'_, Vec<Scratch>> {
+        self.scratch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Keeps `s` for the next pass, unless the pool is full or it was sized for a long text.
-    fn keep_scratch(&self, s: Scratch) {
-        if s.wide.capacity() > SCRATCH_PIECES * self.shape.intermediate_size {
+    fn take_scratch(&self) -> Scratch {
+        self.kept().pop().unwrap_or_default()
+    }
+
+    /// Keeps `s`, just used for `n` word pieces, for the next pass, unless the pool is full or
+    /// the text was long.
+    fn keep_scratch(&self, s: Scratch, n: usize) {
+        if n > SCRATCH_PIECES {
             return;
         }
-        if let Ok(mut kept) = self.scratch.lock()
-            && kept.len() < SCRATCH_KEPT
-        {
+        let mut kept = self.kept();
+        if kept.len() < SCRATCH_KEPT {
             kept.push(s);
         }
+    }
+
+    /// The kernel of the products (for logs).
+    pub fn kernel(&self) -> Kernel {
+        self.layers
+            .first()
+            .map_or(Kernel::best(), |layer| layer.qkv.kernel())
     }
 
     #[inline(always)]

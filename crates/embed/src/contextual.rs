@@ -7,7 +7,7 @@ use std::num::NonZeroUsize;
 
 use rayon::prelude::*;
 
-use crate::bert::{Bert, Kernel, Precision, Shape};
+use crate::bert::{Bert, Precision, Shape};
 use crate::tokenize::WordPieces;
 use crate::vector::normalize;
 use crate::{Embed, EmbedError, ModelFiles};
@@ -32,7 +32,7 @@ impl std::fmt::Debug for Contextual {
         f.debug_struct("Contextual")
             .field("id", &CONTEXTUAL_ID)
             .field("dims", &self.model.dims())
-            .field("kernel", &Kernel::best().name())
+            .field("kernel", &self.model.kernel().name())
             .field(
                 "threads",
                 &self.pool.as_ref().map(|p| p.current_num_threads()),
@@ -54,8 +54,8 @@ impl Contextual {
     }
 
     /// [`Contextual::load`] with the products at `precision`: [`Precision::Bf16`] for the
-    /// static table's distillation, so that it is the same table on every machine (int8 on
-    /// AVX-512 VNNI distilled a table that recalled 0.818 on LoCoMo against 0.821).
+    /// static table's distillation, with bf16 products on every machine (int8 on AVX-512 VNNI
+    /// distilled a table that recalled 0.818 on LoCoMo against 0.821).
     pub fn load_at(
         files: &ModelFiles,
         threads: Option<NonZeroUsize>,

@@ -6,7 +6,7 @@
 //!   an instruction; the bf16 weights are packed so that a block of them is already a tile);
 //! - **AVX-512 VNNI** (`vpdpbusd`, 64 multiply-adds of bytes an instruction, 7.5 times
 //!   `vdpbf16ps`'s rate here): the weights as int8 with a scale per output, the activations
-//!   quantized to int8 per row as they come ([`Int8`]);
+//!   quantized to bytes per row as they come, with a scale and a zero point ([`Int8`]);
 //! - **AVX-512 BF16**'s `vdpbf16ps` (a broadcast pair of inputs meets sixteen outputs' pairs of
 //!   weights), else the same bf16 layout widened to f32, compiled for AVX2 and FMA, else plain.
 //!
@@ -112,6 +112,11 @@ impl Packed {
             weights,
             bias,
         })
+    }
+
+    /// The kernel the weights were packed for.
+    pub(crate) fn kernel(&self) -> Kernel {
+        self.kernel
     }
 
     /// Outputs.
@@ -254,12 +259,13 @@ fn largest_magnitude(values: &[f32]) -> f32 {
 }
 
 /// The scale and zero point that map `lowest..=highest` (widened to hold 0) onto 0..=255:
-/// `v ≈ scale · (q − zero)`. A row of zeros has scale 1 and zero point 0.
+/// `v ≈ scale · (q − zero)`. A row of zeros, or one whose range is too small for its scale's
+/// inverse to be finite, has scale 1 and zero point 0 (its values round to 0).
 #[inline(always)]
 fn range_of(lowest: f32, highest: f32) -> (f32, i32) {
     let (lowest, highest) = (lowest.min(0.0), highest.max(0.0));
-    if highest - lowest > 0.0 {
-        let scale = (highest - lowest) / 255.0;
+    let scale = (highest - lowest) / 255.0;
+    if scale > 0.0 && (1.0 / scale).is_finite() {
         (scale, (-lowest / scale).round_ties_even() as i32)
     } else {
         (1.0, 0)
@@ -299,7 +305,8 @@ impl QuantizedRows {
             let (scale, zero) = range_of(lowest, highest);
             let inverse = 1.0 / scale;
             for (q, v) in q.iter_mut().zip(row) {
-                *q = ((v * inverse).round_ties_even() as i32 + zero).clamp(0, 255) as u8;
+                let value = (v * inverse).round_ties_even() as i32;
+                *q = value.saturating_add(zero).clamp(0, 255) as u8;
             }
             self.scales.push(scale);
             self.zeros.push(zero);
@@ -314,7 +321,8 @@ pub enum Precision {
     /// AMX (within a cosine of 0.99 of f32, 0.999 for most texts; recall as with bf16).
     Fastest,
     /// bf16 weights, f32 sums (within a cosine of 0.9999 of f32): what the static table is
-    /// distilled with, so that it is the same table on every machine.
+    /// distilled with on every machine (AMX, `vdpbf16ps` or f32 FMA sum in other orders, so
+    /// the tables are close, not identical).
     Bf16,
 }
 
@@ -362,15 +370,13 @@ impl Kernel {
         if Kernel::best() == Kernel::Amx && k.is_multiple_of(32) {
             return Kernel::Amx;
         }
-        let kernels: &[Kernel] = match precision {
-            Precision::Fastest => &[Kernel::Avx512Vnni, Kernel::Avx512Bf16, Kernel::Avx2Fma],
-            Precision::Bf16 => &[Kernel::Avx512Bf16, Kernel::Avx2Fma],
-        };
-        kernels
-            .iter()
-            .copied()
-            .find(|k| k.available())
-            .unwrap_or(Kernel::Plain)
+        match precision {
+            Precision::Fastest => Kernel::best_without_tiles(),
+            Precision::Bf16 => [Kernel::Avx512Bf16, Kernel::Avx2Fma]
+                .into_iter()
+                .find(|k| k.available())
+                .unwrap_or(Kernel::Plain),
+        }
     }
 
     /// Whether this CPU runs it.
@@ -944,8 +950,8 @@ mod tests {
         (n, k, w, b, x)
     }
 
-    /// Rows past a multiple of four, of six and of sixteen.
-    const ROW_COUNTS: [usize; 7] = [1, 4, 6, 7, 16, 17, 33];
+    /// Rows past a multiple of four, of six (every tile of 1 to 6 rows) and of sixteen.
+    const ROW_COUNTS: [usize; 9] = [1, 2, 4, 6, 7, 8, 16, 17, 33];
 
     /// Every bf16 kernel this CPU runs agrees with a plain f32 product of the bf16-rounded
     /// values.
@@ -984,11 +990,12 @@ mod tests {
                 }
             }
         }
-        assert!(Kernel::best().available());
     }
 
     /// AVX-512 VNNI's products equal the plain integer ones exactly (the same sums, unscaled
     /// in the same order), and both are within the quantization's error of the f32 product.
+    /// (Where the CPU lacks VNNI, `apply` runs the plain products too, so only the second half
+    /// tests anything there.)
     #[test]
     fn int8_products_match_plain_integers_and_stay_near_f32() {
         for rows in ROW_COUNTS {
@@ -1054,5 +1061,39 @@ mod tests {
         // All positive: the range is widened to hold 0, which is then 0.
         assert_eq!(q.zeros[2], 0);
         assert_eq!(&q.values[8..], &[255, 127, 64, 32]);
+    }
+
+    /// The AVX-512 quantizer gives `fill`'s bytes, scales and zero points: ties, all-negative
+    /// rows, zeros, values at both ends, a range too small to invert, at widths of 16 and 32.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_quantizer_gives_the_plain_bytes() {
+        if !Kernel::Avx512Vnni.available() {
+            eprintln!("no AVX-512 VNNI here: the AVX-512 quantizer is not run");
+            return;
+        }
+        let mut rows: Vec<Vec<f32>> = vec![
+            (0..32).map(|i| (i as f32 - 10.0) * 0.5).collect(),
+            (0..32).map(|i| -(i as f32) - 1.0).collect(),
+            vec![0.0; 32],
+            (0..32)
+                .map(|i| if i % 2 == 0 { 255.0 } else { 0.0 })
+                .collect(),
+            (0..32).map(|i| i as f32 * 1e-39).collect(),
+            (0..32)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect(),
+        ];
+        // Exact ties: 0..=255 steps of a row spanning 0 to 255 hit .5 after the scale.
+        rows.push((0..32).map(|i| i as f32 * 8.5).collect());
+        for k in [16, 32] {
+            let x: Vec<f32> = rows.iter().flat_map(|r| r[..k].iter().copied()).collect();
+            let (mut plain, mut wide) = (QuantizedRows::default(), QuantizedRows::default());
+            plain.fill(&x, rows.len(), k);
+            simd::quantize_rows(&mut wide, &x, rows.len(), k);
+            assert_eq!(plain.values, wide.values, "k = {k}");
+            assert_eq!(plain.scales, wide.scales, "k = {k}");
+            assert_eq!(plain.zeros, wide.zeros, "k = {k}");
+        }
     }
 }
