@@ -19,7 +19,7 @@
 use crate::EmbedError;
 pub use crate::products::{Kernel, Precision};
 use crate::products::{Packed, Workspace, bf16, from_bf16};
-use crate::vector::{dot, sum};
+use crate::vector::{dot, max, sum};
 
 /// The model's shape, from its `config.json`.
 #[derive(Debug, Clone, serde::Deserialize)]
@@ -109,8 +109,9 @@ struct Scratch {
 /// Scratch spaces kept for reuse: at most this many (one per thread that embeds at once in a
 /// sidecar: the background's one thread and a request's question)…
 const SCRATCH_KEPT: usize = 2;
-/// …and only those last used for at most this many word pieces (about 1.3 MiB each, at most
-/// twice that as their buffers grew by doubling), so a long message's scratch is not kept.
+/// …and only those last used for at most this many word pieces (about 1.1–1.3 MiB each by the
+/// buffers' sizes, at most twice that as they grew by doubling), so a long message's scratch is
+/// not kept.
 const SCRATCH_PIECES: usize = 64;
 
 impl Bert {
@@ -380,7 +381,7 @@ impl Bert {
                 }
                 for row in s.scores.chunks_exact_mut(padded) {
                     let scores = &mut row[..n];
-                    let max = largest(scores);
+                    let max = max(scores);
                     for score in scores.iter_mut() {
                         *score = exp(*score - max);
                     }
@@ -409,25 +410,6 @@ impl Bert {
             }
         }
     }
-}
-
-/// The largest of `values` (negative infinity for none), in 16 partial maxima so that it
-/// vectorises.
-#[inline(always)]
-fn largest(values: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let body = values.chunks_exact(16);
-    let tail = body
-        .remainder()
-        .iter()
-        .copied()
-        .fold(f32::NEG_INFINITY, f32::max);
-    for chunk in body {
-        for (l, &v) in lanes.iter_mut().zip(chunk) {
-            *l = l.max(v);
-        }
-    }
-    lanes.iter().copied().fold(tail, f32::max)
 }
 
 /// GELU as BERT computes it: `x · Φ(x)`, with erf from Abramowitz and Stegun 7.1.26

@@ -203,7 +203,7 @@ impl Int8 {
         let scales: Vec<f32> = weights
             .chunks_exact(k)
             .map(|row| {
-                let largest = largest_magnitude(row);
+                let largest = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 if largest > 0.0 { largest / 127.0 } else { 1.0 }
             })
             .collect();
@@ -230,8 +230,8 @@ impl Int8 {
         }
     }
 
-    /// The products for `rows` rows of `x`: each row quantized to int8 by its own scale, then
-    /// multiplied on AVX-512 VNNI (the only kernel that packs int8).
+    /// The products for `rows` rows of `x`: each row quantized to bytes by its own scale and
+    /// zero point, then multiplied on AVX-512 VNNI (the only kernel that packs int8).
     fn products(&self, x: &[f32], rows: usize, out: &mut [f32], q: &mut QuantizedRows) {
         #[cfg(target_arch = "x86_64")]
         if Kernel::Avx512Vnni.available() {
@@ -241,21 +241,6 @@ impl Int8 {
         q.fill(x, rows, self.k);
         portable::int8_products(self, q, rows, out);
     }
-}
-
-/// The largest `|v|` of `values`, in [`LANES`] partial maxima so that it vectorises (a fold
-/// of `f32::max` is one long dependency chain).
-#[inline(always)]
-fn largest_magnitude(values: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; LANES];
-    let body = values.chunks_exact(LANES);
-    let tail = body.remainder().iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    for chunk in body {
-        for (l, v) in lanes.iter_mut().zip(chunk) {
-            *l = l.max(v.abs());
-        }
-    }
-    lanes.iter().fold(tail, |m, &v| m.max(v))
 }
 
 /// The scale and zero point that map `lowest..=highest` (widened to hold 0) onto 0..=255:

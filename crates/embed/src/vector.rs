@@ -51,6 +51,25 @@ pub fn sum(values: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
+/// The largest of `values` (negative infinity for none), in [`LANES`] partial maxima so that
+/// it vectorises (a fold of `f32::max` is one long dependency chain).
+#[inline(always)]
+pub fn max(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let body = values.chunks_exact(LANES);
+    let tail = body
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    for x in body {
+        for (l, &v) in lanes.iter_mut().zip(x) {
+            *l = l.max(v);
+        }
+    }
+    lanes.iter().copied().fold(tail, f32::max)
+}
+
 /// Lanes of the integer products: one AVX-512 register of i32 sums.
 const BYTE_LANES: usize = 16;
 
@@ -197,6 +216,19 @@ mod wide {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_finds_the_largest_in_the_lanes_and_the_tail() {
+        assert_eq!(max(&[]), f32::NEG_INFINITY);
+        for len in [1, 7, 8, 9, 25] {
+            for at in 0..len {
+                let values: Vec<f32> = (0..len)
+                    .map(|i| if i == at { 3.5 } else { -(i as f32) })
+                    .collect();
+                assert_eq!(max(&values), 3.5, "{len} values, largest at {at}");
+            }
+        }
+    }
 
     #[test]
     fn a_normalised_vector_has_length_one() {

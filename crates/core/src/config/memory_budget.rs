@@ -96,7 +96,7 @@ pub const STATIC_EMBEDDER_BYTES: u64 = 17 * MIB;
 /// AMX, +36.2 with int8 weights on AVX-512 VNNI), and the tokenizer, and about 4 MiB for each
 /// of two threads' forward passes over 256 word pieces (the activations of one text at a time:
 /// queries, keys, values and the wide layer; the scratch of two passes of 64 pieces or fewer,
-/// 1.3 to 2.6 MiB each, is kept for the next within that).
+/// 1.1 to 2.6 MiB each by the buffers' sizes, is kept for the next within that).
 pub const CONTEXTUAL_EMBEDDER_BYTES: u64 = 63 * MIB;
 
 /// The smallest budget accepted without an embedder: the process base and 32 MiB to share (an
