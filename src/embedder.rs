@@ -180,6 +180,11 @@ impl Embed for UpstreamEmbedder {
         self.dims.get().copied().unwrap_or(0)
     }
 
+    /// A call to the upstream.
+    fn worth_a_thread(&self) -> bool {
+        true
+    }
+
     /// Texts with nothing to embed (the API refuses an empty string) get a zero vector without
     /// a call.
     fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {

@@ -16,6 +16,7 @@ use crate::embedding::{Embedding, EmbeddingCounters};
 pub(crate) struct EmbeddingMetrics {
     up: Gauge,
     queries: Counter,
+    queries_ahead: Counter,
     query_failures: Counter,
     query_seconds: Counter<f64>,
     vectors_stored: Counter,
@@ -32,6 +33,7 @@ impl EmbeddingMetrics {
         let metrics = EmbeddingMetrics {
             up: Gauge::default(),
             queries: Counter::default(),
+            queries_ahead: Counter::default(),
             query_failures: Counter::default(),
             query_seconds: Counter::default(),
             vectors_stored: Counter::default(),
@@ -62,6 +64,11 @@ impl EmbeddingMetrics {
                 "embedding_queries",
                 "New messages embedded on the request path",
                 &metrics.queries,
+            ),
+            (
+                "embedding_queries_ahead",
+                "New messages whose embedding was started on the helper thread as soon as the plan knew them, while it read the window, the summary and the words' matches (an embedder worth a thread: the full model, the upstream's)",
+                &metrics.queries_ahead,
             ),
             (
                 "embedding_query_failures",
@@ -111,6 +118,7 @@ impl EmbeddingMetrics {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         self.up.set(i64::from(embedding.space().is_some()));
         catch_up(&self.queries, load(&c.queries));
+        catch_up(&self.queries_ahead, load(&c.queries_ahead));
         catch_up(&self.query_failures, load(&c.query_failures));
         catch_up(&self.vectors_stored, load(&c.vectors_stored));
         catch_up(&self.jobs_dropped, load(&c.jobs_dropped));

@@ -88,7 +88,7 @@ pub fn list(
     let ask = memories::Ask {
         query: crate::recall::Query {
             text: &q,
-            vector: None,
+            vector: crate::recall::QueryVector::None,
             fusion: crate::recall::hybrid::Fusion::default(),
             when: None,
         },

@@ -464,6 +464,20 @@ async fn the_providers_embeddings_serve_recall_when_configured() {
     assert_eq!(answer.header("x-memory-recall"), "hybrid");
     assert!(recalled(&mock).contains("silver Volvo"));
     assert!(mock.refusals().is_empty(), "{:?}", mock.refusals());
+    // A call to the provider is worth a thread: the new message was embedded ahead, while
+    // the plan read the window and matched the words.
+    let ahead = memory
+        .embedding
+        .counters
+        .queries_ahead
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(ahead >= 1, "{ahead}");
+    let metrics = send("GET", &proxy.url("/metrics"), &[], "").await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        metrics.contains(&format!("memproxy_embedding_queries_ahead_total {ahead}")),
+        "{metrics}"
+    );
 }
 
 /// `memproxy_embedding_jobs_pending` counts a job while its vectors are being made and is 0

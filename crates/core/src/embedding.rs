@@ -13,6 +13,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod ahead;
+
+pub use ahead::Ahead;
+
 use crate::recall::Recall;
 use crate::worker::Worker;
 use memproxy_base::identity::ConversationKey;
@@ -83,6 +87,8 @@ pub struct EmbeddingCounters {
     pub query_failures: AtomicU64,
     /// Microseconds spent embedding new messages on the request path.
     pub query_micros: AtomicU64,
+    /// New messages whose embedding was started ahead, on the helper thread.
+    pub queries_ahead: AtomicU64,
     /// Stored messages given a vector.
     pub vectors_stored: AtomicU64,
     /// Background jobs dropped (queue full): their conversation or owner is owed a catch-up
@@ -269,6 +275,8 @@ pub struct Embedding {
     jobs: Worker<Work>,
     owed: Arc<Mutex<Owed>>,
     pub counters: Arc<EmbeddingCounters>,
+    /// The thread that embeds new messages ahead ([`Embedding::ahead`]).
+    helper: ahead::Helper,
 }
 
 impl std::fmt::Debug for Embedding {
@@ -310,6 +318,7 @@ impl Embedding {
             jobs: Worker::new(queue),
             owed: Arc::new(Mutex::new(Owed::default())),
             counters: Arc::new(EmbeddingCounters::default()),
+            helper: ahead::Helper::default(),
         }
     }
 
@@ -333,13 +342,39 @@ impl Embedding {
         self.unavailable.as_deref()
     }
 
+    /// Starts embedding the new message `text` on the helper thread, for
+    /// [`Embedding::query_from`] to take when recall needs it, when the embedder is worth a
+    /// thread; `None` otherwise (and when the helper's queue is full).
+    pub fn ahead(&self, text: String) -> Option<Ahead> {
+        let embedder = self.embedder.as_ref().ok()?;
+        if !embedder.worth_a_thread() {
+            return None;
+        }
+        let ahead = self.helper.start(embedder, text);
+        if ahead.is_some() {
+            self.counters.queries_ahead.fetch_add(1, Ordering::Relaxed);
+        }
+        ahead
+    }
+
     /// Embeds the new message on the request path. Blocks; a failure, or an embedding longer
     /// than `embedding.query_timeout`, is why recall goes by words.
     pub fn query(&self, text: &str) -> Result<Vec<f32>, Lexical> {
+        self.query_from(None, text)
+    }
+
+    /// [`Embedding::query`], with the embedding `ahead` started if it is of this same text
+    /// (waited for if the helper is making it, made here if it has not begun).
+    pub fn query_from(&self, ahead: Option<Ahead>, text: &str) -> Result<Vec<f32>, Lexical> {
         let embedder = self.embedder.as_ref().map_err(|why| *why)?;
-        let started = Instant::now();
-        let result = embedder.embed(&[text]);
-        let took = started.elapsed();
+        let (result, took) = match ahead {
+            Some(ahead) if ahead.text() == text => ahead.take(),
+            _ => {
+                let started = Instant::now();
+                let result = embedder.embed(&[text]);
+                (result, started.elapsed())
+            }
+        };
         let c = &self.counters;
         c.queries.fetch_add(1, Ordering::Relaxed);
         c.query_micros

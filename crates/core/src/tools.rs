@@ -171,7 +171,7 @@ pub fn search(
     let when = settings.period(query, now);
     let asked = crate::recall::Query {
         text: query,
-        vector: vector.as_deref(),
+        vector: vector.as_deref().into(),
         fusion: settings.fusion(),
         when,
     };
@@ -243,7 +243,7 @@ pub fn recall_conversation(
             settings.relevance_language,
             crate::recall::Query {
                 text: query,
-                vector: vector.as_deref(),
+                vector: vector.as_deref().into(),
                 fusion: settings.fusion(),
                 when,
             },

@@ -58,4 +58,12 @@ pub trait Embed: Send + Sync + std::fmt::Debug {
     /// One unit-length vector (L2 norm 1, or all zeros for a text with nothing to embed) per
     /// text, in order.
     fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError>;
+
+    /// Whether one text costs enough to embed on another thread while the caller does other
+    /// work (a forward pass, a call to a service: yes; a table's few additions: no, the
+    /// hand-over would cost more). The new message of a chat request is embedded ahead when
+    /// it is.
+    fn worth_a_thread(&self) -> bool {
+        false
+    }
 }

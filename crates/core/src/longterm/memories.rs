@@ -775,7 +775,7 @@ impl Ask<'_> {
     /// floor.
     fn relevance(&self, memory: &MemoryRecord, lexical: f64) -> f64 {
         let fusion = self.query.fusion;
-        let relevance = match self.query.vector {
+        let relevance = match self.query.vector.get() {
             Some(query) if !self.vectors.is_empty() => {
                 let w = f64::from(fusion.lexical_weight.clamp(0.0, 1.0));
                 let semantic = self
@@ -1115,7 +1115,7 @@ mod tests {
         let words = |text| Ask {
             query: Query {
                 text,
-                vector: None,
+                vector: crate::recall::QueryVector::None,
                 fusion: Fusion::default(),
                 when: None,
             },
@@ -1236,8 +1236,8 @@ mod tests {
             },
             vectors: &vectors,
         };
-        assert!(select(all.clone(), ask(None), 0, decay, 1, 600).is_empty());
-        let chosen = select(all, ask(Some(&[1.0, 0.0])), 0, decay, 1, 600);
+        assert!(select(all.clone(), ask(None.into()), 0, decay, 1, 600).is_empty());
+        let chosen = select(all, ask(Some(&[1.0f32, 0.0][..]).into()), 0, decay, 1, 600);
         assert_eq!(chosen.len(), 1);
         assert_eq!(chosen[0].memory.id, 1);
         assert!(chosen[0].score > 0.0);

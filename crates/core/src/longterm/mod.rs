@@ -317,7 +317,7 @@ impl LongTerm {
             if let Some(handle) = store.owner(&owner, false)? {
                 let found = memories::all(store, &handle)?;
                 if let (Some(space), Some(_), false) =
-                    (self.space(), query.vector, found.is_empty())
+                    (self.space(), query.vector.get(), found.is_empty())
                 {
                     vectors.extend(memories::vectors(store, &handle, space)?);
                 }

@@ -174,7 +174,7 @@ impl UserIndex {
                 .get(&(agent.to_string(), conversation.to_string()))
                 .copied()
         });
-        let semantic = match (query.vector, &self.vectors) {
+        let semantic = match (query.vector.get(), &self.vectors) {
             (Some(vector), Some(vectors)) if !vectors.is_empty() => {
                 Some(self.similarities(vectors, vector))
             }
@@ -216,7 +216,7 @@ impl UserIndex {
         // Feedback, as a conversation's own recall (`recall/hybrid.rs`).
         let (hits, _) = fuse_with_feedback(semantic.as_deref(), query.fusion, k, ranked, |best| {
             let vectors = self.vectors.as_ref()?;
-            let moved = vectors.feedback(query.vector?, best)?;
+            let moved = vectors.feedback(query.vector.get()?, best)?;
             Some(self.similarities(vectors, &moved))
         });
         hits.into_iter()

@@ -13,12 +13,12 @@ use super::recalled::{RecalledTurn, elsewhere_turns, fit_recalled, recalled_turn
 use super::reconcile::{Alignment, Mark, align, rebase};
 use super::summarized::{SummaryInput, adopt_at_jumps, plan_summary};
 use super::window::{auto_step, summary_adoption_cutoff, window_start};
-use crate::embedding::{Lexical, RecallMode};
+use crate::embedding::{Ahead, Lexical, RecallMode};
 use crate::longterm::ExtractionRule;
 use crate::longterm::memories::{self, Chosen};
 use crate::memory::Memory;
-use crate::recall::Query;
 use crate::recall::hybrid::Scored;
+use crate::recall::{Later, Query, QueryVector};
 use crate::settings::MemorySettings;
 use crate::summary::{DeferredSummary, Job, SummaryRecord};
 use memproxy_base::identity::ConversationKey;
@@ -162,6 +162,9 @@ pub fn plan(
 
     let request = reconciled(&on, messages)?;
     timings.reconcile = started.elapsed();
+    // The new message's embedding, started now on another thread: the window, the summary
+    // and the words' search run meanwhile (`recalled` takes it).
+    let ahead = embed_ahead(&on, &request);
     let latest_summary = match &conversation.meta {
         Some(meta) if settings.compression_enabled => {
             memory.store.latest_summary(&conversation.key, meta.id)?
@@ -176,7 +179,7 @@ pub fn plan(
     let mut summary = summarized(&on, &request, &window, latest_summary)?;
 
     let started = Instant::now();
-    let mut recall = recalled(&on, &request, &window, &steps)?;
+    let mut recall = recalled(&on, &request, &window, &steps, ahead)?;
     timings.recall = started.elapsed();
     let long_term = long_term(
         &on,
@@ -549,6 +552,21 @@ struct Recalled {
     mode: RecallMode,
 }
 
+/// Starts embedding the query ahead ([`crate::embedding::Embedding::ahead`]) when recall will
+/// search by meaning and the query is already known: the new messages' text when they hold a
+/// user message ([`query_text`]; a tool loop's query is its opening question, found from the
+/// window, embedded when recall needs it).
+fn embed_ahead(on: &Planning<'_>, request: &Reconciled) -> Option<Ahead> {
+    let settings = on.settings;
+    let searching =
+        settings.relevance_enabled && settings.relevance_top_k > 0 && settings.relevance_semantic;
+    if !searching || !exchange_has_user(&request.new_turns) {
+        return None;
+    }
+    let text = query_text(&request.new_turns, &request.texts, &[]);
+    on.memory.embedding.ahead(text)
+}
+
 /// Recall: the older pool is everything before the window; in a tool loop, everything before
 /// the window the loop's opening question had, so every step recalls what the first did
 /// (`loop_pool_end`). With a user, the user's other conversations compete for the same slots.
@@ -557,6 +575,7 @@ fn recalled(
     request: &Reconciled,
     window: &Windowed,
     steps: &Steps<'_>,
+    ahead: Option<Ahead>,
 ) -> Result<Recalled, PlanError> {
     let (settings, store) = (on.settings, &on.memory.store);
     let history = request.history(on);
@@ -580,19 +599,22 @@ fn recalled(
         Some(opener) => request.messages[opener].text(),
         None => query_text(&request.new_turns, &request.texts, &window.messages),
     });
-    // The query's vector, made once: the conversation's own recall, the user's other
-    // conversations and the user's memories all use it.
-    let vector = query
-        .as_deref()
-        .map(|query| match settings.relevance_semantic {
-            true => on.memory.embedding.query(query),
+    // The query's vector, made once, when the search first needs it (after the words are
+    // matched): the conversation's own recall, the user's other conversations and the user's
+    // memories all use it. One started ahead (`ahead`) is taken if it is of this query.
+    let searching_by_meaning =
+        settings.relevance_semantic && on.memory.embedding.embedder().is_some();
+    let later = query.as_deref().map(|query| {
+        Later::new(move || match settings.relevance_semantic {
+            true => on.memory.embedding.query_from(ahead, query),
             false => Err(Lexical::Setting),
-        });
+        })
+    });
     // The period the question names, if any: turns stored in it are favoured.
     let when = query
         .as_deref()
         .and_then(|query| settings.period(query, on.memory.clock.now_ms()));
-    if let (Some(query), Some(vector)) = (query.as_deref(), vector.as_ref())
+    if let (Some(query), Some(later)) = (query.as_deref(), later.as_ref())
         && pool_end > 0
     {
         let before_turn =
@@ -603,17 +625,23 @@ fn recalled(
             settings.relevance_language,
             Query {
                 text: query,
-                vector: vector.as_ref().ok().map(Vec::as_slice),
+                // Without an embedder (or by words on purpose) no vector is asked for, and
+                // the words are matched as by words alone.
+                vector: match searching_by_meaning {
+                    true => QueryVector::Later(later),
+                    false => QueryVector::None,
+                },
                 fusion: settings.fusion(),
                 when,
             },
             before_turn,
             settings.relevance_top_k,
         )?;
-        mode = match (vector, found.semantic) {
-            (Ok(_), true) => RecallMode::Hybrid,
-            (Ok(_), false) => RecallMode::Lexical(Lexical::NoVectors),
-            (Err(why), _) => RecallMode::Lexical(*why),
+        mode = match (later.get(), found.semantic) {
+            (Some(Ok(_)), true) => RecallMode::Hybrid,
+            (Some(Ok(_)), false) => RecallMode::Lexical(Lexical::NoVectors),
+            (Some(Err(why)), _) => RecallMode::Lexical(*why),
+            (None, _) => RecallMode::Lexical(Lexical::QueryFailed),
         };
         under_floor = found.under_floor;
         let hits = found.hits;
@@ -634,7 +662,7 @@ fn recalled(
         }
     }
     // Long-term memory: the user's other conversations compete for the same slots.
-    let vector = vector.and_then(Result::ok);
+    let vector = later.and_then(|later| later.into_result()?.ok());
     if let (Some(user), Some(query)) = (on.user, query.as_deref()) {
         match on.memory.longterm.search(
             store,
@@ -643,7 +671,7 @@ fn recalled(
             settings.relevance_language,
             Query {
                 text: query,
-                vector: vector.as_deref(),
+                vector: vector.as_deref().into(),
                 fusion: settings.fusion(),
                 when,
             },
@@ -715,7 +743,7 @@ fn long_term(
         &key.agent,
         Query {
             text: &query,
-            vector,
+            vector: vector.into(),
             fusion: settings.fusion(),
             when: None,
         },

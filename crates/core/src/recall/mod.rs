@@ -86,12 +86,95 @@ fn lock(index: &Mutex<ConversationIndex>) -> MutexGuard<'_, ConversationIndex> {
 #[derive(Debug, Clone, Copy)]
 pub struct Query<'a> {
     pub text: &'a str,
-    pub vector: Option<&'a [f32]>,
+    pub vector: QueryVector<'a>,
     pub fusion: Fusion,
     /// The period the text names (`when.rs`): turns stored in it are favoured. Its words
     /// ("july") are still matched as words: a turn that says "in July" tells of it too
     /// (leaving them out measured 0.817 against 0.820 on LoCoMo).
     pub when: Option<when::Period>,
+}
+
+/// The new message's vector: none, at hand, or [`Later`]: made when a search first needs it,
+/// after the words are matched (an embedding started ahead, `crate::embedding::Ahead`, has
+/// that long to finish on its own thread).
+#[derive(Debug, Clone, Copy, Default)]
+pub enum QueryVector<'a> {
+    #[default]
+    None,
+    Ready(&'a [f32]),
+    Later(&'a dyn MadeLater),
+}
+
+impl<'a> QueryVector<'a> {
+    /// The vector (made now if it is [`Later`]'s), `None` without one or if it failed.
+    pub fn get(self) -> Option<&'a [f32]> {
+        match self {
+            QueryVector::None => None,
+            QueryVector::Ready(vector) => Some(vector),
+            QueryVector::Later(later) => later.vector(),
+        }
+    }
+
+    /// Whether there is a vector to ask for (it may still fail).
+    pub fn is_some(self) -> bool {
+        !matches!(self, QueryVector::None)
+    }
+}
+
+impl<'a> From<Option<&'a [f32]>> for QueryVector<'a> {
+    fn from(vector: Option<&'a [f32]>) -> Self {
+        vector.map_or(QueryVector::None, QueryVector::Ready)
+    }
+}
+
+/// [`Later`] behind a reference that does not tie the query's lifetime to what its maker
+/// borrows.
+pub trait MadeLater {
+    /// The vector, `None` if it failed; made on the first call.
+    fn vector(&self) -> Option<&[f32]>;
+}
+
+impl std::fmt::Debug for dyn MadeLater + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MadeLater")
+    }
+}
+
+/// A vector made once, when first asked for, or why there is none (`E`).
+pub struct Later<'a, E> {
+    made: std::cell::OnceCell<Option<Result<Vec<f32>, E>>>,
+    make: std::cell::Cell<Option<LaterMake<'a, E>>>,
+}
+
+type LaterMake<'a, E> = Box<dyn FnOnce() -> Result<Vec<f32>, E> + 'a>;
+
+impl<'a, E> Later<'a, E> {
+    pub fn new(make: impl FnOnce() -> Result<Vec<f32>, E> + 'a) -> Later<'a, E> {
+        Later {
+            made: std::cell::OnceCell::new(),
+            make: std::cell::Cell::new(Some(Box::new(make))),
+        }
+    }
+
+    /// The vector, or why there is none; made on the first call (`None` only if making it
+    /// panicked).
+    pub fn get(&self) -> Option<&Result<Vec<f32>, E>> {
+        self.made
+            .get_or_init(|| self.make.take().map(|make| make()))
+            .as_ref()
+    }
+
+    /// The vector or why there is none, made now if no search asked for it.
+    pub fn into_result(self) -> Option<Result<Vec<f32>, E>> {
+        self.get();
+        self.made.into_inner().flatten()
+    }
+}
+
+impl<E> MadeLater for Later<'_, E> {
+    fn vector(&self) -> Option<&[f32]> {
+        self.get()?.as_deref().ok()
+    }
 }
 
 /// What a search found: the turns to recall, best first, and those the relevance floor left
@@ -175,19 +258,24 @@ impl Recall {
         let mut guard = lock(&handle);
         let index = &mut *guard;
         let query_terms = index.terms(query.text);
-        let semantic = match (query.vector, &index.vectors) {
-            (Some(vector), Some(vectors)) if !vectors.is_empty() => {
-                Some(smooth(vectors.similarities(vector)))
-            }
+        let with_vectors = index.vectors.as_ref().is_some_and(|v| !v.is_empty());
+        // Every matching turn when the fusion ranks them with the rest.
+        let every = (query.vector.is_some() && with_vectors) || query.when.is_some();
+        let mut lexical = index.index.search(
+            &query_terms,
+            before_turn,
+            if every { usize::MAX } else { k },
+        );
+        // The query's vector only now, after the words: one embedded ahead has had this long.
+        let vector = with_vectors.then(|| query.vector.get()).flatten();
+        let semantic = match (vector, &index.vectors) {
+            (Some(vector), Some(vectors)) => Some(smooth(vectors.similarities(vector))),
             _ => None,
         };
-        let lexical = match (&semantic, query.when) {
-            // Every matching turn: the fusion ranks them with the rest.
-            (Some(_), _) | (_, Some(_)) => {
-                index.index.search(&query_terms, before_turn, usize::MAX)
-            }
-            (None, None) => index.index.search(&query_terms, before_turn, k),
-        };
+        if every && semantic.is_none() && query.when.is_none() {
+            // The vector failed: by words alone, as without one.
+            lexical = index.index.search(&query_terms, before_turn, k);
+        }
         let weight = index.index.query_weight(&query_terms);
         // The turns stored in the period the question names, by turn ascending.
         let in_period: Option<Vec<u64>> = query.when.map(|period| {
@@ -218,7 +306,7 @@ impl Recall {
         let (hits, under_floor) =
             fuse_with_feedback(semantic.as_deref(), query.fusion, k, ranked, |best| {
                 let vectors = index.vectors.as_ref()?;
-                let moved = vectors.feedback(query.vector?, best)?;
+                let moved = vectors.feedback(vector?, best)?;
                 Some(smooth(vectors.similarities(&moved)))
             });
         Ok(Found {
@@ -406,4 +494,40 @@ fn build(
         index,
         vectors,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_later_vector_is_made_once_when_first_asked_for() {
+        let calls = std::cell::Cell::new(0);
+        let later = Later::new(|| {
+            calls.set(calls.get() + 1);
+            Ok::<_, &str>(vec![1.0, 0.0])
+        });
+        assert_eq!(calls.get(), 0, "not made before it is asked for");
+        let vector = QueryVector::Later(&later);
+        assert!(vector.is_some());
+        assert_eq!(vector.get(), Some(&[1.0, 0.0][..]));
+        assert_eq!(vector.get(), Some(&[1.0, 0.0][..]));
+        assert_eq!(later.into_result(), Some(Ok(vec![1.0, 0.0])));
+        assert_eq!(calls.get(), 1);
+    }
+
+    #[test]
+    fn a_failed_later_vector_is_none_to_the_search_and_keeps_its_reason() {
+        let later = Later::new(|| Err::<Vec<f32>, _>("no model"));
+        assert_eq!(QueryVector::Later(&later).get(), None);
+        assert_eq!(later.into_result(), Some(Err("no model")));
+        // Never asked for by a search: made when the plan takes it.
+        let unasked = Later::new(|| Ok::<_, &str>(vec![0.5]));
+        assert_eq!(unasked.into_result(), Some(Ok(vec![0.5])));
+        assert!(!QueryVector::None.is_some());
+        assert_eq!(
+            QueryVector::from(Some(&[2.0f32][..])).get(),
+            Some(&[2.0][..])
+        );
+    }
 }

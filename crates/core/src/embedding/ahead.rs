@@ -1,0 +1,314 @@
+//! The new message embedded ahead: started on a thread of its own as soon as the plan knows
+//! the message (after reconcile), while the plan goes on with the window, the summary and the
+//! words' search on its own thread; recall then takes the vector when it needs it.
+//!
+//! One helper thread, started with the first embedding ahead. It never makes a request wait
+//! on other requests: a request whose embedding the helper has not started by the time recall
+//! needs it takes it back and embeds on its own thread, as it would without the helper; one
+//! the helper is running is waited for (it is no further from done than on the request's own
+//! thread). Only for an embedder for which a text costs enough to be worth a thread
+//! ([`memproxy_embed::Embed::worth_a_thread`]: the full model's forward pass, the upstream's
+//! `/v1/embeddings`), not for the static table's few additions.
+
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use memproxy_embed::{Embed, EmbedError};
+
+/// Embeddings waiting for the helper at once; past it, a request embeds on its own thread.
+const WAITING: usize = 64;
+
+/// What one embedding ahead came to.
+pub(super) type Made = (Result<Vec<Vec<f32>>, EmbedError>, Duration);
+
+enum State {
+    /// Waiting for the helper.
+    Queued,
+    /// The helper is embedding it.
+    Running,
+    /// Made (by the helper).
+    Done(Made),
+    /// Taken back by the request (or dropped): the helper skips it.
+    Taken,
+}
+
+struct Slot {
+    text: String,
+    state: Mutex<State>,
+    done: Condvar,
+}
+
+impl Slot {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A new message's embedding started ahead; [`Ahead::take`] gives its vector.
+pub struct Ahead {
+    slot: Arc<Slot>,
+    embedder: Arc<dyn Embed>,
+}
+
+impl std::fmt::Debug for Ahead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ahead").finish_non_exhaustive()
+    }
+}
+
+impl Ahead {
+    /// The text it embeds.
+    pub fn text(&self) -> &str {
+        &self.slot.text
+    }
+
+    /// The embedding: the helper's, waited for if it is running; else made on this thread.
+    pub(super) fn take(self) -> Made {
+        let mut state = self.slot.state();
+        loop {
+            match std::mem::replace(&mut *state, State::Taken) {
+                State::Done(made) => return made,
+                State::Running => {
+                    *state = State::Running;
+                    state = self
+                        .slot
+                        .done
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+                State::Queued | State::Taken => break,
+            }
+        }
+        drop(state);
+        embed(self.embedder.as_ref(), &self.slot.text)
+    }
+}
+
+impl Drop for Ahead {
+    /// Not taken (recall did not search after all): the helper skips it if it has not begun.
+    fn drop(&mut self) {
+        let mut state = self.slot.state();
+        if matches!(*state, State::Queued) {
+            *state = State::Taken;
+        }
+    }
+}
+
+/// One text embedded, and how long it took.
+fn embed(embedder: &dyn Embed, text: &str) -> Made {
+    let started = Instant::now();
+    let result = embedder.embed(&[text]);
+    (result, started.elapsed())
+}
+
+/// An embedding handed to the helper: the slot it is made into, and the embedder.
+type Queued = (Arc<Slot>, Arc<dyn Embed>);
+
+/// The helper: its queue, the thread started with the first embedding ahead (`None` if no
+/// thread could be started).
+#[derive(Default)]
+pub(super) struct Helper {
+    queue: OnceLock<Option<SyncSender<Queued>>>,
+}
+
+impl Helper {
+    /// Starts embedding `text` ahead, or `None` when the helper cannot take it (its queue full,
+    /// or no thread could be started): the request then embeds on its own thread, as before.
+    pub(super) fn start(&self, embedder: &Arc<dyn Embed>, text: String) -> Option<Ahead> {
+        let queue = self.queue.get_or_init(|| {
+            let (sender, receiver) = std::sync::mpsc::sync_channel(WAITING);
+            std::thread::Builder::new()
+                .name("memproxy-query".into())
+                .spawn(move || run(receiver))
+                .map_err(|err| {
+                    tracing::warn!(error = %err, "no thread to embed new messages ahead; they are embedded when recall needs them");
+                })
+                .ok()
+                .map(|_| sender)
+        });
+        let slot = Arc::new(Slot {
+            text,
+            state: Mutex::new(State::Queued),
+            done: Condvar::new(),
+        });
+        match queue
+            .as_ref()?
+            .try_send((Arc::clone(&slot), Arc::clone(embedder)))
+        {
+            Ok(()) => Some(Ahead {
+                slot,
+                embedder: Arc::clone(embedder),
+            }),
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => None,
+        }
+    }
+}
+
+/// The helper's loop: each queued embedding not taken back is made and handed over.
+fn run(queue: Receiver<Queued>) {
+    for (slot, embedder) in queue {
+        {
+            let mut state = slot.state();
+            if !matches!(*state, State::Queued) {
+                continue;
+            }
+            *state = State::Running;
+        }
+        let made = embed(embedder.as_ref(), &slot.text);
+        *slot.state() = State::Done(made);
+        slot.done.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Embeds a text as its length, after `delay`, counting its calls and naming the threads
+    /// that made them.
+    #[derive(Debug)]
+    struct Slow {
+        delay: Duration,
+        calls: AtomicUsize,
+        threads: Mutex<Vec<String>>,
+    }
+
+    impl Embed for Slow {
+        fn id(&self) -> &str {
+            "slow"
+        }
+        fn dims(&self) -> usize {
+            1
+        }
+        fn worth_a_thread(&self) -> bool {
+            true
+        }
+        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
+            let name = std::thread::current().name().unwrap_or("").to_string();
+            self.threads.lock().unwrap().push(name);
+            std::thread::sleep(self.delay);
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            Ok(texts.iter().map(|t| vec![t.len() as f32]).collect())
+        }
+    }
+
+    fn slow(millis: u64) -> (Arc<Slow>, Arc<dyn Embed>) {
+        let slow = Arc::new(Slow {
+            delay: Duration::from_millis(millis),
+            calls: AtomicUsize::new(0),
+            threads: Mutex::new(Vec::new()),
+        });
+        let embedder: Arc<dyn Embed> = slow.clone();
+        (slow, embedder)
+    }
+
+    /// Waits (bounded) until `slow` has made `calls` embeddings.
+    fn made(slow: &Slow, calls: usize) {
+        for _ in 0..500 {
+            if slow.calls.load(Ordering::SeqCst) >= calls {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("{calls} embeddings were not made in 5 s");
+    }
+
+    #[test]
+    fn the_helper_embeds_on_its_own_thread_and_the_caller_takes_its_result() {
+        let helper = Helper::default();
+        let (slow, embedder) = slow(20);
+        let ahead = helper.start(&embedder, "four".into()).unwrap();
+        assert_eq!(ahead.text(), "four");
+        // The caller's own work meanwhile.
+        made(&slow, 1);
+        let (vectors, _) = ahead.take();
+        assert_eq!(vectors.unwrap(), vec![vec![4.0]]);
+        assert_eq!(slow.calls.load(Ordering::SeqCst), 1);
+        assert_eq!(*slow.threads.lock().unwrap(), ["memproxy-query"]);
+    }
+
+    #[test]
+    fn a_caller_never_waits_behind_another_requests_embedding() {
+        let helper = Helper::default();
+        let (slow, embedder) = slow(300);
+        let first = helper.start(&embedder, "a".into()).unwrap();
+        // Let the helper begin the first.
+        for _ in 0..500 {
+            if !slow.threads.lock().unwrap().is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let second = helper.start(&embedder, "bb".into()).unwrap();
+        // The helper is busy with the first: the second is taken back and made here.
+        let (vectors, _) = second.take();
+        assert_eq!(vectors.unwrap(), vec![vec![2.0]]);
+        let (vectors, _) = first.take();
+        assert_eq!(vectors.unwrap(), vec![vec![1.0]]);
+        // A third, after both: the helper skipped the second, so it starts this one.
+        let third = helper.start(&embedder, "ccc".into()).unwrap();
+        made(&slow, 3);
+        assert_eq!(third.take().0.unwrap(), vec![vec![3.0]]);
+        let here = std::thread::current().name().unwrap_or("").to_string();
+        assert_eq!(
+            *slow.threads.lock().unwrap(),
+            ["memproxy-query", here.as_str(), "memproxy-query"]
+        );
+    }
+
+    #[test]
+    fn one_dropped_before_the_helper_begins_is_never_made() {
+        let helper = Helper::default();
+        let (slow, embedder) = slow(100);
+        let busy = helper.start(&embedder, "busy".into()).unwrap();
+        drop(helper.start(&embedder, "dropped".into()).unwrap());
+        let _ = busy.take();
+        // The helper's next one shows it went past the dropped one.
+        let next = helper.start(&embedder, "next".into()).unwrap();
+        made(&slow, 2);
+        let _ = next.take();
+        assert_eq!(slow.calls.load(Ordering::SeqCst), 2);
+    }
+
+    /// A table lookup: not worth a thread.
+    #[derive(Debug)]
+    struct Quick;
+
+    impl Embed for Quick {
+        fn id(&self) -> &str {
+            "quick"
+        }
+        fn dims(&self) -> usize {
+            1
+        }
+        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
+            Ok(texts.iter().map(|t| vec![t.len() as f32]).collect())
+        }
+    }
+
+    #[test]
+    fn only_an_embedder_worth_a_thread_goes_ahead_and_only_the_same_text_is_taken() {
+        use crate::embedding::{Embedder, Embedding};
+        let quick = Embedding::new(Embedder::Ready(Arc::new(Quick)), Duration::from_secs(5), 4);
+        assert!(quick.ahead("question".into()).is_none());
+        assert_eq!(quick.query_from(None, "question").unwrap(), vec![8.0]);
+
+        let (slow, embedder) = slow(10);
+        let embedding = Embedding::new(Embedder::Ready(embedder), Duration::from_secs(5), 4);
+        let ahead = embedding.ahead("question".into());
+        assert!(ahead.is_some());
+        assert_eq!(embedding.query_from(ahead, "question").unwrap(), vec![8.0]);
+        // Started ahead for another text (a tool loop's query is found later): that text
+        // is embedded, not the one started.
+        let ahead = embedding.ahead("question".into());
+        assert_eq!(embedding.query_from(ahead, "tool").unwrap(), vec![4.0]);
+        let counters = &embedding.counters;
+        assert_eq!(counters.queries_ahead.load(Ordering::Relaxed), 2);
+        assert_eq!(counters.queries.load(Ordering::Relaxed), 2);
+        assert_eq!(counters.query_failures.load(Ordering::Relaxed), 0);
+        // The second one ahead was made or skipped, never both taken and made twice.
+        assert!(slow.calls.load(Ordering::SeqCst) <= 3);
+    }
+}
