@@ -67,7 +67,7 @@ impl EmbeddingMetrics {
             ),
             (
                 "embedding_queries_ahead",
-                "New messages whose embedding was started on the helper thread as soon as the plan knew them, while it read the window, the summary and the words' matches (an embedder worth a thread: the full model, the upstream's)",
+                "New messages whose embedding was started on the helper thread as the plan began, while it reconciled and read the window, the summary and the words' matches (an embedder worth a thread: the full model, the upstream's); started, whether or not recall took it",
                 &metrics.queries_ahead,
             ),
             (
@@ -106,7 +106,7 @@ impl EmbeddingMetrics {
         }
         registry.register(
             "embedding_query_seconds",
-            "Time spent embedding new messages on the request path",
+            "Time spent embedding new messages for recall (on the request path, or ahead of it on the helper thread: memproxy_embedding_queries_ahead_total)",
             metrics.query_seconds.clone(),
         );
         metrics

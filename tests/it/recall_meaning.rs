@@ -472,6 +472,15 @@ async fn the_providers_embeddings_serve_recall_when_configured() {
         .queries_ahead
         .load(std::sync::atomic::Ordering::Relaxed);
     assert!(ahead >= 1, "{ahead}");
+    // Embedded once: started before reconcile from the request's trailing user message, and
+    // confirmed by it.
+    let asked: Vec<_> = mock
+        .recorded()
+        .into_iter()
+        .filter(|r| r.path.ends_with("/embeddings"))
+        .filter(|r| r.json()["input"].to_string().contains("Volvo again"))
+        .collect();
+    assert_eq!(asked.len(), 1, "{asked:?}");
     let metrics = send("GET", &proxy.url("/metrics"), &[], "").await;
     let metrics = String::from_utf8_lossy(&metrics.body);
     assert!(

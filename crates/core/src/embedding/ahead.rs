@@ -155,7 +155,16 @@ fn run(queue: Receiver<Queued>) {
             }
             *state = State::Running;
         }
-        let made = embed(embedder.as_ref(), &slot.text);
+        // A panic in the embedder ends this embedding, not the helper, and never leaves the
+        // request that waits for it waiting.
+        let started = Instant::now();
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            embed(embedder.as_ref(), &slot.text)
+        }))
+        .unwrap_or_else(|_| {
+            let failed = EmbedError::Failed("the embedder panicked".to_string());
+            (Err(failed), started.elapsed())
+        });
         *slot.state() = State::Done(made);
         slot.done.notify_all();
     }
@@ -173,6 +182,8 @@ mod tests {
         delay: Duration,
         calls: AtomicUsize,
         threads: Mutex<Vec<String>>,
+        /// While set, the text "a" waits (bounded) until it is cleared; "panic" panics.
+        gate: std::sync::atomic::AtomicBool,
     }
 
     impl Embed for Slow {
@@ -188,6 +199,17 @@ mod tests {
         fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
             let name = std::thread::current().name().unwrap_or("").to_string();
             self.threads.lock().unwrap().push(name);
+            if texts == ["panic"] {
+                panic!("an embedder's bug");
+            }
+            if texts == ["a"] {
+                for _ in 0..1000 {
+                    if !self.gate.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
             std::thread::sleep(self.delay);
             self.calls.fetch_add(1, Ordering::SeqCst);
             Ok(texts.iter().map(|t| vec![t.len() as f32]).collect())
@@ -199,6 +221,7 @@ mod tests {
             delay: Duration::from_millis(millis),
             calls: AtomicUsize::new(0),
             threads: Mutex::new(Vec::new()),
+            gate: std::sync::atomic::AtomicBool::new(false),
         });
         let embedder: Arc<dyn Embed> = slow.clone();
         (slow, embedder)
@@ -232,9 +255,10 @@ mod tests {
     #[test]
     fn a_caller_never_waits_behind_another_requests_embedding() {
         let helper = Helper::default();
-        let (slow, embedder) = slow(300);
+        let (slow, embedder) = slow(1);
+        // The first holds the helper until the gate opens.
+        slow.gate.store(true, Ordering::SeqCst);
         let first = helper.start(&embedder, "a".into()).unwrap();
-        // Let the helper begin the first.
         for _ in 0..500 {
             if !slow.threads.lock().unwrap().is_empty() {
                 break;
@@ -245,6 +269,7 @@ mod tests {
         // The helper is busy with the first: the second is taken back and made here.
         let (vectors, _) = second.take();
         assert_eq!(vectors.unwrap(), vec![vec![2.0]]);
+        slow.gate.store(false, Ordering::SeqCst);
         let (vectors, _) = first.take();
         assert_eq!(vectors.unwrap(), vec![vec![1.0]]);
         // A third, after both: the helper skipped the second, so it starts this one.
@@ -255,6 +280,29 @@ mod tests {
         assert_eq!(
             *slow.threads.lock().unwrap(),
             ["memproxy-query", here.as_str(), "memproxy-query"]
+        );
+    }
+
+    #[test]
+    fn an_embedder_that_panics_fails_that_embedding_and_the_helper_goes_on() {
+        let helper = Helper::default();
+        let (slow, embedder) = slow(1);
+        let broken = helper.start(&embedder, "panic".into()).unwrap();
+        // Wait until the helper has run it (its thread name is pushed before the panic).
+        for _ in 0..500 {
+            if !slow.threads.lock().unwrap().is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (vectors, _) = broken.take();
+        assert!(vectors.is_err());
+        let next = helper.start(&embedder, "four".into()).unwrap();
+        made(&slow, 1);
+        assert_eq!(next.take().0.unwrap(), vec![vec![4.0]]);
+        assert_eq!(
+            *slow.threads.lock().unwrap(),
+            ["memproxy-query", "memproxy-query"]
         );
     }
 

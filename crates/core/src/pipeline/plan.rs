@@ -25,7 +25,7 @@ use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::{Message, Role};
 use memproxy_base::model::Credentials;
 use memproxy_base::tokens;
-use memproxy_store::{OwnerKey, StoreError, StoredMessage, lock, tokens_between};
+use memproxy_store::{Conversation, OwnerKey, StoreError, StoredMessage, lock, tokens_between};
 
 /// A memory used in a prompt is marked accessed again once this long has passed since.
 const REFRESH_AFTER_MS: i64 = 3_600_000;
@@ -150,6 +150,10 @@ pub fn plan(
     let mut conversation = lock(&handle);
     // Another replica sharing the store may have written since this one cached it.
     catch_up(memory, key, &mut conversation)?;
+    // The question's embedding starts before reconcile, from what the request most likely
+    // adds; reconcile confirms it (`embed_ahead`).
+    let early = likely_query(settings, user.as_ref(), &conversation, &messages)
+        .and_then(|text| memory.embedding.ahead(text));
     let on = Planning {
         memory,
         conversation: &conversation,
@@ -162,9 +166,9 @@ pub fn plan(
 
     let request = reconciled(&on, messages)?;
     timings.reconcile = started.elapsed();
-    // The new message's embedding, started now on another thread: the window, the summary
-    // and the words' search run meanwhile (`recalled` takes it).
-    let ahead = embed_ahead(&on, &request);
+    // The new message's embedding on another thread, confirmed (or started) now: the window,
+    // the summary and the words' search run meanwhile (`recalled` takes it).
+    let ahead = embed_ahead(&on, &request, early);
     let latest_summary = match &conversation.meta {
         Some(meta) if settings.compression_enabled => {
             memory.store.latest_summary(&conversation.key, meta.id)?
@@ -552,18 +556,73 @@ struct Recalled {
     mode: RecallMode,
 }
 
-/// Starts embedding the query ahead ([`crate::embedding::Embedding::ahead`]) when recall will
-/// search by meaning and the query is already known: the new messages' text when they hold a
-/// user message ([`query_text`]; a tool loop's query is its opening question, found from the
-/// window, embedded when recall needs it).
-fn embed_ahead(on: &Planning<'_>, request: &Reconciled) -> Option<Ahead> {
-    let settings = on.settings;
-    let searching =
-        settings.relevance_enabled && settings.relevance_top_k > 0 && settings.relevance_semantic;
-    if !searching || !exchange_has_user(&request.new_turns) {
+/// Whether recall will likely search, so that embedding the question ahead is not thrown
+/// away: with a user (their other conversations), or with more stored messages than the
+/// recent window's `recent_n` (an older pool; the window may hold up to a step more, so a
+/// few are still embedded for nothing).
+fn worth_searching(
+    settings: &MemorySettings,
+    user: Option<&OwnerKey>,
+    conversation: &Conversation,
+) -> bool {
+    user.is_some() || conversation.entries.len() > settings.recent_n
+}
+
+/// Whether recall will search by meaning (if there is anything to search).
+fn searching_by_meaning(settings: &MemorySettings) -> bool {
+    settings.relevance_enabled && settings.relevance_top_k > 0 && settings.relevance_semantic
+}
+
+/// The query as the request most likely makes it, read before reconcile: the text of its
+/// trailing user messages, which is what a client sends new, whether it sends the whole
+/// history or only the newest message. `None` when it ends with another role's message, or
+/// when recall will likely not search ([`worth_searching`]).
+fn likely_query(
+    settings: &MemorySettings,
+    user: Option<&OwnerKey>,
+    conversation: &Conversation,
+    messages: &[Message],
+) -> Option<String> {
+    if !searching_by_meaning(settings) || !worth_searching(settings, user, conversation) {
+        return None;
+    }
+    let first = messages
+        .iter()
+        .rposition(|m| m.role != Role::User)
+        .map_or(0, |i| i + 1);
+    let trailing = &messages[first..];
+    (!trailing.is_empty()).then(|| {
+        trailing
+            .iter()
+            .map(Message::text)
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+}
+
+/// The query's embedding ahead ([`crate::embedding::Embedding::ahead`]) once reconcile knows
+/// the new messages, when recall will search by meaning: `early` if it was started for the
+/// same text, else started now for the new messages' text when they hold a user message
+/// ([`query_text`]; a tool loop's query is its opening question, found from the window and
+/// embedded when recall needs it). An `early` of another text is dropped (skipped if the
+/// helper has not begun it).
+fn embed_ahead(on: &Planning<'_>, request: &Reconciled, early: Option<Ahead>) -> Option<Ahead> {
+    // A rebase's query is its opener's text, found with the window.
+    if !searching_by_meaning(on.settings)
+        || !worth_searching(on.settings, on.user, on.conversation)
+        || !exchange_has_user(&request.new_turns)
+        || request.rebase
+    {
         return None;
     }
     let text = query_text(&request.new_turns, &request.texts, &[]);
+    if let Some(early) = early {
+        if early.text() == text {
+            return Some(early);
+        }
+        // Dropped before the right one is queued, so the helper skips it.
+        drop(early);
+    }
     on.memory.embedding.ahead(text)
 }
 

@@ -255,19 +255,26 @@ impl Recall {
                 built
             }
         };
+        let (query_terms, with_vectors, every, mut lexical) = {
+            let mut guard = lock(&handle);
+            let index = &mut *guard;
+            let query_terms = index.terms(query.text);
+            let with_vectors = index.vectors.as_ref().is_some_and(|v| !v.is_empty());
+            // Every matching turn when the fusion ranks them with the rest.
+            let every = (query.vector.is_some() && with_vectors) || query.when.is_some();
+            let lexical = index.index.search(
+                &query_terms,
+                before_turn,
+                if every { usize::MAX } else { k },
+            );
+            (query_terms, with_vectors, every, lexical)
+        };
+        // The query's vector only now, after the words (one embedded ahead has had this long),
+        // and with the index let go meanwhile: the background worker may be adding vectors to
+        // it. The conversation's own lock, held by the caller, keeps its turns as they are.
+        let vector = with_vectors.then(|| query.vector.get()).flatten();
         let mut guard = lock(&handle);
         let index = &mut *guard;
-        let query_terms = index.terms(query.text);
-        let with_vectors = index.vectors.as_ref().is_some_and(|v| !v.is_empty());
-        // Every matching turn when the fusion ranks them with the rest.
-        let every = (query.vector.is_some() && with_vectors) || query.when.is_some();
-        let mut lexical = index.index.search(
-            &query_terms,
-            before_turn,
-            if every { usize::MAX } else { k },
-        );
-        // The query's vector only now, after the words: one embedded ahead has had this long.
-        let vector = with_vectors.then(|| query.vector.get()).flatten();
         let semantic = match (vector, &index.vectors) {
             (Some(vector), Some(vectors)) => Some(smooth(vectors.similarities(vector))),
             _ => None,
