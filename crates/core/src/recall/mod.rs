@@ -506,6 +506,138 @@ fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memproxy_base::identity::TenantId;
+    use memproxy_base::message::Role;
+    use memproxy_store::{Change, Durability, Origin, StoreOptions, StoredMessage, lock};
+    use serde_json::value::RawValue;
+
+    const SPACE: &str = "test/2";
+
+    /// A store with one conversation of `texts`, each with a vector of the test space (turn
+    /// `t`'s vector points at angle `t`), and a recall over it.
+    fn conversation(dir: &std::path::Path, texts: &[&str]) -> (Store, ConversationKey) {
+        let options = StoreOptions {
+            durability: Durability::Interval(std::time::Duration::from_secs(1)),
+            page_cache_bytes: 1 << 20,
+            state_cache_bytes: 1 << 20,
+        };
+        let store = Store::open(dir, options).unwrap();
+        let key = ConversationKey {
+            tenant: TenantId::from_token(Some("t")),
+            agent: "a".into(),
+            conversation: "c".into(),
+        };
+        let add = texts
+            .iter()
+            .enumerate()
+            .map(|(i, text)| StoredMessage {
+                turn: 0,
+                role: if i % 2 == 0 {
+                    Role::User
+                } else {
+                    Role::Assistant
+                },
+                origin: Origin::Client,
+                at_ms: 1_000,
+                tokens: 5,
+                fingerprint: i as u64 + 1,
+                message: RawValue::from_string(
+                    serde_json::json!({"role": "user", "content": text}).to_string(),
+                )
+                .unwrap(),
+            })
+            .collect();
+        let handle = store.conversation(&key).unwrap();
+        let mut held = lock(&handle);
+        store
+            .commit(
+                &mut held,
+                Change {
+                    add,
+                    ..Change::default()
+                },
+            )
+            .unwrap();
+        let vectors: Vec<(u64, Vec<f32>)> = held
+            .entries
+            .iter()
+            .map(|e| {
+                let angle = e.turn as f32;
+                (e.turn, vec![angle.cos(), angle.sin()])
+            })
+            .collect();
+        store.put_vectors(&held, SPACE, &vectors).unwrap();
+        drop(held);
+        (store, key)
+    }
+
+    /// A search of the conversation's turns before the last two, by `vector`.
+    fn search(store: &Store, key: &ConversationKey, vector: QueryVector<'_>) -> Found {
+        let recall = Recall::new(1 << 20, Some((SPACE.to_string(), 2)));
+        let handle = store.conversation(key).unwrap();
+        let held = lock(&handle);
+        let before = held.entries.last().unwrap().turn - 1;
+        recall
+            .search(
+                store,
+                &held,
+                TextLanguage::Auto,
+                Query {
+                    text: "where is the silver car parked",
+                    vector,
+                    fusion: Fusion::default(),
+                    when: None,
+                },
+                before,
+                3,
+            )
+            .unwrap()
+    }
+
+    fn turns(found: &Found) -> Vec<u64> {
+        found.hits.iter().map(|h| h.turn).collect()
+    }
+
+    #[test]
+    fn a_search_with_a_later_vector_finds_what_one_at_hand_finds_and_a_failed_one_what_words_find()
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let texts = [
+            "the silver car is parked in the garage",
+            "noted",
+            "my sister lives in Oslo",
+            "nice",
+            "the car needs new tyres",
+            "ok",
+            "dinner is at eight",
+            "fine",
+        ];
+        let (store, key) = conversation(dir.path(), &texts);
+        let at_hand = [0.0f32, 1.0];
+        let ready = search(&store, &key, QueryVector::Ready(&at_hand));
+        assert!(ready.semantic);
+        let asked = std::cell::Cell::new(0);
+        let later = Later::new(|| {
+            asked.set(asked.get() + 1);
+            Ok::<_, ()>(at_hand.to_vec())
+        });
+        let lazily = search(&store, &key, QueryVector::Later(&later));
+        assert_eq!(asked.get(), 1);
+        assert!(lazily.semantic);
+        assert_eq!(turns(&lazily), turns(&ready));
+        let scores = |found: &Found| found.hits.iter().map(|h| h.score).collect::<Vec<_>>();
+        assert_eq!(scores(&lazily), scores(&ready));
+
+        // A vector that fails: the words alone, exactly as a search without one.
+        let words = search(&store, &key, QueryVector::None);
+        assert!(!words.semantic);
+        let failed = Later::new(|| Err::<Vec<f32>, _>(()));
+        let without = search(&store, &key, QueryVector::Later(&failed));
+        assert!(!without.semantic);
+        assert_eq!(turns(&without), turns(&words));
+        assert_eq!(scores(&without), scores(&words));
+        assert!(!turns(&words).is_empty());
+    }
 
     #[test]
     fn a_later_vector_is_made_once_when_first_asked_for() {
