@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod ahead;
 
@@ -369,11 +369,7 @@ impl Embedding {
         let embedder = self.embedder.as_ref().map_err(|why| *why)?;
         let (result, took) = match ahead {
             Some(ahead) if ahead.text() == text => ahead.take(),
-            _ => {
-                let started = Instant::now();
-                let result = embedder.embed(&[text]);
-                (result, started.elapsed())
-            }
+            _ => ahead::embed(embedder.as_ref(), text),
         };
         let c = &self.counters;
         c.queries.fetch_add(1, Ordering::Relaxed);

@@ -1,6 +1,7 @@
-//! The new message embedded ahead: started on a thread of its own as soon as the plan knows
-//! the message (after reconcile), while the plan goes on with the window, the summary and the
-//! words' search on its own thread; recall then takes the vector when it needs it.
+//! The new message embedded ahead: started on a thread of its own as the plan begins (from
+//! the request's trailing user messages, confirmed by reconcile), while the plan goes on with
+//! reconcile, the window, the summary and the words' search on its own thread; recall then
+//! takes the vector when it needs it.
 //!
 //! One helper thread, started with the first embedding ahead. It never makes a request wait
 //! on other requests: a request whose embedding the helper has not started by the time recall
@@ -96,7 +97,7 @@ impl Drop for Ahead {
 }
 
 /// One text embedded, and how long it took.
-fn embed(embedder: &dyn Embed, text: &str) -> Made {
+pub(super) fn embed(embedder: &dyn Embed, text: &str) -> Made {
     let started = Instant::now();
     let result = embedder.embed(&[text]);
     (result, started.elapsed())
@@ -158,13 +159,11 @@ fn run(queue: Receiver<Queued>) {
         // A panic in the embedder ends this embedding, not the helper, and never leaves the
         // request that waits for it waiting.
         let started = Instant::now();
-        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            embed(embedder.as_ref(), &slot.text)
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            embedder.embed(&[slot.text.as_str()])
         }))
-        .unwrap_or_else(|_| {
-            let failed = EmbedError::Failed("the embedder panicked".to_string());
-            (Err(failed), started.elapsed())
-        });
+        .unwrap_or_else(|_| Err(EmbedError::Failed("the embedder panicked".to_string())));
+        let made = (result, started.elapsed());
         *slot.state() = State::Done(made);
         slot.done.notify_all();
     }
@@ -227,6 +226,17 @@ mod tests {
         (slow, embedder)
     }
 
+    /// Waits (bounded) until the helper has begun an embedding of `slow`'s.
+    fn began(slow: &Slow) {
+        for _ in 0..500 {
+            if !slow.threads.lock().unwrap().is_empty() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("no embedding was begun in 5 s");
+    }
+
     /// Waits (bounded) until `slow` has made `calls` embeddings.
     fn made(slow: &Slow, calls: usize) {
         for _ in 0..500 {
@@ -259,12 +269,7 @@ mod tests {
         // The first holds the helper until the gate opens.
         slow.gate.store(true, Ordering::SeqCst);
         let first = helper.start(&embedder, "a".into()).unwrap();
-        for _ in 0..500 {
-            if !slow.threads.lock().unwrap().is_empty() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        began(&slow);
         let second = helper.start(&embedder, "bb".into()).unwrap();
         // The helper is busy with the first: the second is taken back and made here.
         let (vectors, _) = second.take();
@@ -288,13 +293,8 @@ mod tests {
         let helper = Helper::default();
         let (slow, embedder) = slow(1);
         let broken = helper.start(&embedder, "panic".into()).unwrap();
-        // Wait until the helper has run it (its thread name is pushed before the panic).
-        for _ in 0..500 {
-            if !slow.threads.lock().unwrap().is_empty() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        // The helper has run it (its thread name is pushed before the panic).
+        began(&slow);
         let (vectors, _) = broken.take();
         assert!(vectors.is_err());
         let next = helper.start(&embedder, "four".into()).unwrap();
