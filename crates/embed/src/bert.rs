@@ -16,9 +16,12 @@
 //! pooled scratch); on the AMX machine of the previous figures, 1.47 ms and 4.84 ms for 12 and
 //! 40 words with bf16 tiles. The products are about half of it.
 
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
 use crate::EmbedError;
 pub use crate::products::{Kernel, Precision};
 use crate::products::{Packed, Workspace, bf16, from_bf16};
+use crate::team::{Assist, Help, Team};
 use crate::vector::{dot, max, sum};
 
 /// The model's shape, from its `config.json`.
@@ -45,15 +48,16 @@ struct LayerNorm {
 
 impl LayerNorm {
     #[inline(always)]
-    fn apply(&self, x: &mut [f32], eps: f32) {
+    fn apply(&self, x: &mut [f32], eps: f32, centred: &mut Vec<f32>) {
         let d = self.weight.len();
-        let mut centred = vec![0.0f32; d];
+        centred.clear();
+        centred.resize(d, 0.0);
         for row in x.chunks_exact_mut(d) {
             let mean = sum(row) / d as f32;
             for (c, v) in centred.iter_mut().zip(row.iter()) {
                 *c = v - mean;
             }
-            let var = dot(&centred, &centred) / d as f32;
+            let var = dot(centred, centred) / d as f32;
             let inv = 1.0 / (var + eps).sqrt();
             for ((v, w), b) in row.iter_mut().zip(&self.weight).zip(&self.bias) {
                 *v = (*v - mean) * inv * w + b;
@@ -79,7 +83,7 @@ pub struct Bert {
     token_type: Vec<f32>,
     embedding_norm: LayerNorm,
     layers: Vec<Layer>,
-    scratch: std::sync::Mutex<Vec<Scratch>>,
+    scratch: Mutex<Vec<Scratch>>,
 }
 
 impl std::fmt::Debug for Bert {
@@ -91,19 +95,134 @@ impl std::fmt::Debug for Bert {
     }
 }
 
-/// Scratch space of one forward pass, pooled in [`Bert`] so that a pass allocates nothing
-/// (the buffers of a 25-piece question are up to 150 KiB, over the allocator's threshold for
-/// a mapping of its own, so each would be mapped, faulted in page by page and unmapped).
+/// The rows of one half of a pass (the first `split` word pieces, or the rest) and the buffers
+/// only they use.
 #[derive(Default)]
-struct Scratch {
+struct Rows {
     x: Vec<f32>,
     qkv: Vec<f32>,
     context: Vec<f32>,
     projected: Vec<f32>,
     wide: Vec<f32>,
-    keys: Vec<f32>,
-    scores: Vec<f32>,
+}
+
+/// What each thread in a pass has of its own.
+#[derive(Default)]
+struct Own {
     work: Workspace,
+    scores: Vec<f32>,
+    centred: Vec<f32>,
+}
+
+/// Every row's keys and values, which the attention of either half reads: a dimension's keys
+/// side by side (`keys[c * padded + row]`, each dimension padded with zeros to a multiple of
+/// 16 rows) and the values row by row.
+#[derive(Default)]
+struct KeysValues {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+/// Scratch space of one forward pass, pooled in [`Bert`] so that a pass allocates nothing
+/// (the buffers of a 25-piece question are up to 150 KiB, over the allocator's threshold for
+/// a mapping of its own, so each would be mapped, faulted in page by page and unmapped).
+#[derive(Default)]
+struct Scratch {
+    halves: [Rows; 2],
+    kv: KeysValues,
+    own: Own,
+    partner: Own,
+}
+
+/// One pass in two halves of rows ([`team`](crate::team)): the rows' buffers behind locks,
+/// so that a partner thread may run the second half of a step while the lead runs the first.
+/// Each lock is taken by one thread at a time (a step's halves touch their own rows, and the
+/// keys and values are written only between the attention that reads them).
+struct Halves {
+    ids: Vec<u32>,
+    /// Where the second half's rows begin.
+    split: usize,
+    /// The rows' count rounded up to a multiple of 16 (the keys' layout).
+    padded: usize,
+    rows: [Mutex<Rows>; 2],
+    kv: RwLock<KeysValues>,
+    partner: Mutex<Own>,
+    team: Team,
+}
+
+fn locked<T>(lock: &Mutex<T>) -> MutexGuard<'_, T> {
+    lock.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Halves {
+    /// The halves of a pass over `ids`: the first half as near half the rows as a whole
+    /// number of `group` rows makes it. A pass run alone splits at the products' kernel's
+    /// groups of rows ([`Kernel::rows`]), so that its halves' products, one after the other,
+    /// read the weights as often as one product of every row would; a pass on offer splits
+    /// evenly (group 1), since its halves run at once.
+    fn new(ids: &[u32], h: usize, group: usize, s: Scratch) -> (Halves, Own) {
+        let n = ids.len();
+        let group = group.max(1);
+        let split = ((n as f64 / 2.0 / group as f64).round() as usize * group).min(n);
+        let padded = n.div_ceil(16) * 16;
+        let Scratch {
+            halves: [mut first, mut second],
+            mut kv,
+            own,
+            partner,
+        } = s;
+        // A half with no rows is never stepped: nothing of a last pass's may stay in it.
+        first.x.clear();
+        second.x.clear();
+        kv.keys.clear();
+        kv.keys.resize(h * padded, 0.0);
+        kv.values.clear();
+        kv.values.resize(n * h, 0.0);
+        let halves = Halves {
+            ids: ids.to_vec(),
+            split,
+            padded,
+            rows: [Mutex::new(first), Mutex::new(second)],
+            kv: RwLock::new(kv),
+            partner: Mutex::new(partner),
+            team: Team::default(),
+        };
+        (halves, own)
+    }
+
+    /// The first row and the count of rows of `half`.
+    fn rows(&self, half: usize) -> (usize, usize) {
+        match half {
+            0 => (0, self.split),
+            _ => (self.split, self.ids.len() - self.split),
+        }
+    }
+
+    /// The buffers back, for the next pass (a partner still holding the pass finds them empty).
+    fn into_scratch(self: &Halves, own: Own) -> Scratch {
+        let take = |half: usize| std::mem::take(&mut *locked(&self.rows[half]));
+        Scratch {
+            halves: [take(0), take(1)],
+            kv: std::mem::take(&mut *self.kv.write().unwrap_or_else(PoisonError::into_inner)),
+            own,
+            partner: std::mem::take(&mut *locked(&self.partner)),
+        }
+    }
+}
+
+/// A pass on offer to a partner ([`crate::team::Help`]).
+struct Partner {
+    bert: Arc<Bert>,
+    halves: Arc<Halves>,
+}
+
+impl Help for Partner {
+    fn help(&self) -> usize {
+        let mut own = locked(&self.halves.partner);
+        self.halves.team.follow(|step, half| {
+            self.bert.run_step(&self.halves, step, half, &mut own);
+        })
+    }
 }
 
 /// Scratch spaces kept for reuse: at most this many (one per thread that embeds at once in a
@@ -210,7 +329,7 @@ impl Bert {
             token_type,
             embedding_norm,
             layers,
-            scratch: std::sync::Mutex::default(),
+            scratch: Mutex::default(),
         })
     }
 
@@ -227,56 +346,120 @@ impl Bert {
     /// The mean over the pieces of the last layer's output for `ids` (the word-piece ids with
     /// `[CLS]` and `[SEP]`; at most [`Bert::max_pieces`], more are cut). Not normalised.
     pub fn mean_pooled(&self, ids: &[u32]) -> Vec<f32> {
-        #[cfg(target_arch = "x86_64")]
-        return simd::pass(self, ids);
-        #[cfg(not(target_arch = "x86_64"))]
-        self.pass(ids)
+        let ids = &ids[..ids.len().min(self.max_pieces())];
+        let group = self.kernel().rows();
+        let (halves, mut own) = Halves::new(ids, self.dims(), group, self.take_scratch());
+        let pooled = self.pass(&halves, &mut own);
+        self.keep_scratch(halves.into_scratch(own), ids.len());
+        pooled
     }
 
-    /// [`Bert::mean_pooled`]'s pass, inlined into copies compiled for wider vectors
-    /// (`simd::pass`): the activations, softmax, GELU and layer norms are loops over slices
-    /// that the compiler vectorises to the target's width.
-    #[inline(always)]
-    fn pass(&self, ids: &[u32]) -> Vec<f32> {
-        let h = self.shape.hidden_size;
+    /// [`Bert::mean_pooled`], with the pass offered to a thread that waits for it
+    /// ([`Assist::help`]): that thread runs the second half of the rows of each step it
+    /// joins. The same vector, to the bit, whoever runs which half.
+    pub fn mean_pooled_assisted(self: &Arc<Self>, ids: &[u32], assist: &Assist) -> Vec<f32> {
         let ids = &ids[..ids.len().min(self.max_pieces())];
-        let n = ids.len();
+        let (halves, mut own) = Halves::new(ids, self.dims(), 1, self.take_scratch());
+        let halves = Arc::new(halves);
+        assist.offer(Arc::new(Partner {
+            bert: Arc::clone(self),
+            halves: Arc::clone(&halves),
+        }));
+        let pooled = self.pass(&halves, &mut own);
+        self.keep_scratch(halves.into_scratch(own), ids.len());
+        pooled
+    }
+
+    /// The pass: every layer in two steps (the projections to queries, keys and values; then
+    /// the attention and the rest of the layer), each step in two halves of the rows, which
+    /// [`Team::lead`] runs here or offers to a partner; then the mean.
+    fn pass(&self, halves: &Halves, own: &mut Own) -> Vec<f32> {
+        let h = self.dims();
+        let n = halves.ids.len();
         if n == 0 {
             return vec![0.0; h];
         }
-        let eps = self.shape.layer_norm_eps as f32;
-        let mut s = self.take_scratch();
-        let mut x = std::mem::take(&mut s.x);
-        x.clear();
-        x.resize(n * h, 0.0);
-        for (t, (&id, row)) in ids.iter().zip(x.chunks_exact_mut(h)).enumerate() {
-            let id = (id as usize).min(self.shape.vocab_size - 1);
-            let word = &self.words[id * h..(id + 1) * h];
-            let position = &self.positions[t * h..(t + 1) * h];
-            for (j, v) in row.iter_mut().enumerate() {
-                *v = from_bf16(word[j]) + position[j] + self.token_type[j];
-            }
-        }
-        self.embedding_norm.apply(&mut x, eps);
-        for layer in &self.layers {
-            self.layer(layer, &mut x, n, eps, &mut s);
-        }
+        halves.team.lead(2 * self.layers.len(), |step, half| {
+            self.run_step(halves, step, half, own);
+        });
         let mut pooled = vec![0.0f32; h];
-        for row in x.chunks_exact(h) {
-            for (p, v) in pooled.iter_mut().zip(row) {
-                *p += v;
+        for half in &halves.rows {
+            for row in locked(half).x.chunks_exact(h) {
+                for (p, v) in pooled.iter_mut().zip(row) {
+                    *p += v;
+                }
             }
         }
         for p in &mut pooled {
             *p /= n as f32;
         }
-        s.x = x;
-        self.keep_scratch(s, n);
         pooled
     }
 
+    /// [`Bert::step`] compiled for the widest vectors the CPU has.
+    fn run_step(&self, halves: &Halves, step: usize, half: usize, own: &mut Own) {
+        #[cfg(target_arch = "x86_64")]
+        simd::step(self, halves, step, half, own);
+        #[cfg(not(target_arch = "x86_64"))]
+        self.step(halves, step, half, own);
+    }
+
+    /// One half of one step: for an even step, the layer's projections of the half's rows
+    /// (after their embeddings, for the first layer); for an odd one, the rest of the layer.
+    /// Inlined into copies compiled for wider vectors (`simd::step`): the activations,
+    /// softmax, GELU and layer norms are loops over slices that the compiler vectorises to
+    /// the target's width.
+    #[inline(always)]
+    fn step(&self, halves: &Halves, step: usize, half: usize, own: &mut Own) {
+        let (first, count) = halves.rows(half);
+        if count == 0 {
+            return;
+        }
+        let layer = &self.layers[step / 2];
+        let mut rows = locked(&halves.rows[half]);
+        if step % 2 == 1 {
+            return self.rest_of_layer(layer, halves, count, &mut rows, own);
+        }
+        let h = self.dims();
+        if step == 0 {
+            self.embeddings(&halves.ids[first..first + count], first, &mut rows.x, own);
+        }
+        let Rows { x, qkv, .. } = &mut *rows;
+        layer.qkv.apply(x, count, qkv, &mut own.work);
+        let mut kv = halves.kv.write().unwrap_or_else(PoisonError::into_inner);
+        let KeysValues { keys, values } = &mut *kv;
+        for (j, row) in qkv.chunks_exact(3 * h).enumerate() {
+            let at = first + j;
+            for (c, &k) in row[h..2 * h].iter().enumerate() {
+                keys[c * halves.padded + at] = k;
+            }
+            values[at * h..(at + 1) * h].copy_from_slice(&row[2 * h..]);
+        }
+    }
+
+    /// The rows of the pieces `ids`, which begin at position `first`, into `x`, normalised.
+    #[inline(always)]
+    fn embeddings(&self, ids: &[u32], first: usize, x: &mut Vec<f32>, own: &mut Own) {
+        let h = self.dims();
+        x.clear();
+        x.resize(ids.len() * h, 0.0);
+        for (t, (&id, row)) in ids.iter().zip(x.chunks_exact_mut(h)).enumerate() {
+            let id = (id as usize).min(self.shape.vocab_size - 1);
+            let word = &self.words[id * h..(id + 1) * h];
+            let position = &self.positions[(first + t) * h..(first + t + 1) * h];
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = from_bf16(word[j]) + position[j] + self.token_type[j];
+            }
+        }
+        self.embedding_norm.apply(x, self.eps(), &mut own.centred);
+    }
+
+    fn eps(&self) -> f32 {
+        self.shape.layer_norm_eps as f32
+    }
+
     /// The pool's lock (a pass that panicked holding it left nothing half done in it).
-    fn kept(&self) -> std::sync::MutexGuard<'_, Vec<Scratch>> {
+    fn kept(&self) -> MutexGuard<'_, Vec<Scratch>> {
         self.scratch
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -305,63 +488,93 @@ impl Bert {
             .map_or(Kernel::best(), |layer| layer.qkv.kernel())
     }
 
+    /// The attention of the half's `count` rows over every row's keys and values, then the
+    /// rest of the layer for them.
     #[inline(always)]
-    fn layer(&self, layer: &Layer, x: &mut [f32], n: usize, eps: f32, s: &mut Scratch) {
-        layer.qkv.apply(x, n, &mut s.qkv, &mut s.work);
-        self.attention(n, s);
+    fn rest_of_layer(
+        &self,
+        layer: &Layer,
+        halves: &Halves,
+        count: usize,
+        rows: &mut Rows,
+        own: &mut Own,
+    ) {
+        let eps = self.eps();
+        {
+            let kv = halves.kv.read().unwrap_or_else(PoisonError::into_inner);
+            let n = halves.ids.len();
+            self.attention(
+                &rows.qkv,
+                count,
+                n,
+                halves.padded,
+                &kv,
+                own,
+                &mut rows.context,
+            );
+        }
+        let Rows {
+            x,
+            context,
+            projected,
+            wide,
+            ..
+        } = rows;
         layer
             .attention_out
-            .apply(&s.context, n, &mut s.projected, &mut s.work);
-        for (v, a) in x.iter_mut().zip(&s.projected) {
+            .apply(context, count, projected, &mut own.work);
+        for (v, a) in x.iter_mut().zip(projected.iter()) {
             *v += a;
         }
-        layer.attention_norm.apply(x, eps);
-        layer.intermediate.apply(x, n, &mut s.wide, &mut s.work);
-        for v in s.wide.iter_mut() {
+        layer.attention_norm.apply(x, eps, &mut own.centred);
+        layer.intermediate.apply(x, count, wide, &mut own.work);
+        for v in wide.iter_mut() {
             *v = gelu(*v);
         }
-        layer
-            .output
-            .apply(&s.wide, n, &mut s.projected, &mut s.work);
-        for (v, a) in x.iter_mut().zip(&s.projected) {
+        layer.output.apply(wide, count, projected, &mut own.work);
+        for (v, a) in x.iter_mut().zip(projected.iter()) {
             *v += a;
         }
-        layer.output_norm.apply(x, eps);
+        layer.output_norm.apply(x, eps, &mut own.centred);
     }
 
-    /// Self-attention of the `n` rows of `s.qkv` (each row a query, a key and a value of `h`)
-    /// into `s.context`. A head's keys are first laid out by dimension, each dimension's `n`
-    /// values padded to a multiple of 16 with zeros, so that scores against 16 keys are
-    /// whole-vector multiply-adds; probabilities then weigh the values 16 dimensions at a time
-    /// (a head's width is a multiple of 16, checked at load). Four queries go together, so
-    /// each load of keys or values meets four sums held in registers.
+    /// Self-attention of the `count` rows of `qkv` (each row a query, a key and a value of
+    /// `h`; the queries are what is read) over all `n` rows' keys and values in `kv`, into
+    /// `context`. The keys are laid out by dimension, each dimension's `n` values padded to
+    /// `padded` with zeros, so that scores against 16 keys are whole-vector multiply-adds;
+    /// probabilities then weigh the values 16 dimensions at a time (a head's width is a
+    /// multiple of 16, checked at load). Four queries go together, so each load of keys or
+    /// values meets four sums held in registers.
+    #[allow(clippy::too_many_arguments)] // One call, the step's buffers spelled out.
     #[inline(always)]
-    fn attention(&self, n: usize, s: &mut Scratch) {
+    fn attention(
+        &self,
+        qkv: &[f32],
+        count: usize,
+        n: usize,
+        padded: usize,
+        kv: &KeysValues,
+        own: &mut Own,
+        context: &mut Vec<f32>,
+    ) {
         const CHUNK: usize = 16;
         const GROUP: usize = 4;
         let h = self.shape.hidden_size;
         let heads = self.shape.num_attention_heads;
         let d = h / heads;
         let scale = 1.0 / (d as f32).sqrt();
-        let padded = n.div_ceil(CHUNK) * CHUNK;
-        s.keys.clear();
-        s.keys.resize(h * padded, 0.0);
-        for (j, row) in s.qkv.chunks_exact(3 * h).enumerate() {
-            for (c, &k) in row[h..2 * h].iter().enumerate() {
-                s.keys[c * padded + j] = k;
-            }
-        }
-        s.context.clear();
-        s.context.resize(n * h, 0.0);
-        s.scores.clear();
-        s.scores.resize(GROUP * padded, 0.0);
+        context.clear();
+        context.resize(count * h, 0.0);
+        let scores = &mut own.scores;
+        scores.clear();
+        scores.resize(GROUP * padded, 0.0);
         for hd in 0..heads {
-            let keys = &s.keys[hd * d * padded..(hd + 1) * d * padded];
-            for first in (0..n).step_by(GROUP) {
+            let keys = &kv.keys[hd * d * padded..(hd + 1) * d * padded];
+            for first in (0..count).step_by(GROUP) {
                 // Past the last query, the group repeats it (and drops what it computes).
                 let queries: [&[f32]; GROUP] = std::array::from_fn(|r| {
-                    let at = (first + r).min(n - 1) * 3 * h + hd * d;
-                    &s.qkv[at..at + d]
+                    let at = (first + r).min(count - 1) * 3 * h + hd * d;
+                    &qkv[at..at + d]
                 });
                 for c in 0..padded / CHUNK {
                     let mut acc = [[0.0f32; CHUNK]; GROUP];
@@ -375,11 +588,11 @@ impl Bert {
                         }
                     }
                     for (r, sums) in acc.iter().enumerate() {
-                        s.scores[r * padded + c * CHUNK..r * padded + (c + 1) * CHUNK]
+                        scores[r * padded + c * CHUNK..r * padded + (c + 1) * CHUNK]
                             .copy_from_slice(sums);
                     }
                 }
-                for row in s.scores.chunks_exact_mut(padded) {
+                for row in scores.chunks_exact_mut(padded) {
                     let scores = &mut row[..n];
                     let max = max(scores);
                     for score in scores.iter_mut() {
@@ -391,20 +604,20 @@ impl Bert {
                     }
                 }
                 for c in 0..d / CHUNK {
-                    let at = 2 * h + hd * d + c * CHUNK;
+                    let at = hd * d + c * CHUNK;
                     let mut acc = [[0.0f32; CHUNK]; GROUP];
-                    for (j, row) in s.qkv.chunks_exact(3 * h).enumerate() {
+                    for (j, row) in kv.values.chunks_exact(h).enumerate() {
                         let value = &row[at..at + CHUNK];
                         for (r, sums) in acc.iter_mut().enumerate() {
-                            let p = s.scores[r * padded + j];
+                            let p = scores[r * padded + j];
                             for (a, v) in sums.iter_mut().zip(value) {
                                 *a += p * v;
                             }
                         }
                     }
-                    for (r, sums) in acc.iter().enumerate().take(n - first) {
+                    for (r, sums) in acc.iter().enumerate().take(count - first) {
                         let to = (first + r) * h + hd * d + c * CHUNK;
-                        s.context[to..to + CHUNK].copy_from_slice(sums);
+                        context[to..to + CHUNK].copy_from_slice(sums);
                     }
                 }
             }
@@ -467,31 +680,33 @@ fn exp(x: f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod simd {
-    /// The forward pass ([`super::Bert::pass`]) compiled for AVX-512 or for AVX2 and FMA,
-    /// whichever the CPU has (16 or 8 lanes a vector instead of SSE2's 4), else as built.
-    pub(super) fn pass(bert: &super::Bert, ids: &[u32]) -> Vec<f32> {
+    use super::{Bert, Halves, Own};
+
+    /// One half of a step ([`Bert::step`]) compiled for AVX-512 or for AVX2 and FMA, whichever
+    /// the CPU has (16 or 8 lanes a vector instead of SSE2's 4), else as built.
+    pub(super) fn step(bert: &Bert, halves: &Halves, step: usize, half: usize, own: &mut Own) {
         if std::is_x86_feature_detected!("avx512f")
             && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
         {
             // SAFETY: the CPU has AVX-512F, AVX2 and FMA; the body is safe code.
-            unsafe { pass_avx512(bert, ids) }
+            unsafe { step_avx512(bert, halves, step, half, own) }
         } else if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU has AVX2 and FMA; the body is safe code.
-            unsafe { pass_avx2(bert, ids) }
+            unsafe { step_avx2(bert, halves, step, half, own) }
         } else {
-            bert.pass(ids)
+            bert.step(halves, step, half, own);
         }
     }
 
     #[target_feature(enable = "avx512f,avx2,fma")]
-    fn pass_avx512(bert: &super::Bert, ids: &[u32]) -> Vec<f32> {
-        bert.pass(ids)
+    fn step_avx512(bert: &Bert, halves: &Halves, step: usize, half: usize, own: &mut Own) {
+        bert.step(halves, step, half, own);
     }
 
     #[target_feature(enable = "avx2,fma")]
-    fn pass_avx2(bert: &super::Bert, ids: &[u32]) -> Vec<f32> {
-        bert.pass(ids)
+    fn step_avx2(bert: &Bert, halves: &Halves, step: usize, half: usize, own: &mut Own) {
+        bert.step(halves, step, half, own);
     }
 }
 

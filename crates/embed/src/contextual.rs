@@ -4,13 +4,14 @@
 //! a thread count, its own thread pool. It never downloads anything (see [`ModelFiles`]).
 
 use std::num::NonZeroUsize;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
 use crate::bert::{Bert, Precision, Shape};
 use crate::tokenize::WordPieces;
 use crate::vector::normalize;
-use crate::{Embed, EmbedError, ModelFiles};
+use crate::{Assist, Embed, EmbedError, ModelFiles};
 
 /// The vector space's name.
 pub const CONTEXTUAL_ID: &str = "all-MiniLM-L6-v2/384";
@@ -21,7 +22,7 @@ pub const MAX_PIECES: usize = 256;
 
 /// The contextual embedder.
 pub struct Contextual {
-    model: Bert,
+    model: Arc<Bert>,
     pieces: WordPieces,
     /// `None`: the global rayon pool (one thread per core, or `RAYON_NUM_THREADS`).
     pool: Option<rayon::ThreadPool>,
@@ -71,7 +72,7 @@ impl Contextual {
             serde_json::from_str(&config_text).map_err(|e| unavailable(&config_path, &e))?;
         let weights_path = files.weights();
         let bytes = std::fs::read(&weights_path).map_err(|e| unavailable(&weights_path, &e))?;
-        let model = Bert::from_safetensors(&bytes, shape, precision)?;
+        let model = Arc::new(Bert::from_safetensors(&bytes, shape, precision)?);
         drop(bytes);
         let pieces = WordPieces::load(files)?;
         let pool = threads
@@ -143,5 +144,13 @@ impl Embed for Contextual {
             normalize(vector);
         }
         Ok(vectors)
+    }
+
+    /// One pass, shared with the thread that waits for it while it helps.
+    fn embed_assisted(&self, text: &str, assist: &Assist) -> Result<Vec<Vec<f32>>, EmbedError> {
+        let input = self.pieces.model_input(text, MAX_PIECES)?;
+        let mut vector = self.model.mean_pooled_assisted(&input, assist);
+        normalize(&mut vector);
+        Ok(vec![vector])
     }
 }

@@ -18,6 +18,8 @@
 //! - [`contextual`] is the full-model embedder ([`Contextual`]): BERT, mean pooled;
 //! - [`table`] is the static embedder ([`Static`]): a table of one vector per word piece,
 //!   distilled from [`Contextual`] ([`table::distill`]) and kept in a cache file;
+//! - `team` shares one pass between the thread that runs it and one that waits for it
+//!   ([`Assist`]);
 //! - [`pca`] is the principal component analysis the distillation projects the table with;
 //! - [`vector`] holds the arithmetic both share (L2 normalisation).
 
@@ -27,12 +29,14 @@ pub mod files;
 pub mod pca;
 mod products;
 pub mod table;
+mod team;
 pub mod tokenize;
 pub mod vector;
 
 pub use contextual::Contextual;
 pub use files::ModelFiles;
 pub use table::Static;
+pub use team::Assist;
 
 /// Why texts could not be embedded. Never fails a chat request: recall falls back to lexical.
 #[derive(Debug, thiserror::Error)]
@@ -65,5 +69,13 @@ pub trait Embed: Send + Sync + std::fmt::Debug {
     /// it is.
     fn worth_a_thread(&self) -> bool {
         false
+    }
+
+    /// [`Embed::embed`] of one text, offering the work to a thread that waits for the result
+    /// and calls [`Assist::help`] (the full model's pass: that thread runs half of the rows
+    /// of every step it joins). By default, `embed` alone. The caller closes `assist` after.
+    fn embed_assisted(&self, text: &str, assist: &Assist) -> Result<Vec<Vec<f32>>, EmbedError> {
+        let _ = assist;
+        self.embed(&[text])
     }
 }

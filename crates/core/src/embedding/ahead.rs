@@ -6,8 +6,9 @@
 //! One helper thread, started with the first embedding ahead. It never makes a request wait
 //! on other requests: a request whose embedding the helper has not started by the time recall
 //! needs it takes it back and embeds on its own thread, as it would without the helper; one
-//! the helper is running is waited for (it is no further from done than on the request's own
-//! thread). Only for an embedder for which a text costs enough to be worth a thread
+//! the helper is running is helped with, then waited for: the full model offers its pass
+//! ([`Assist`]) and the request's thread, which would only wait, runs the second half of the
+//! rows of each step it joins (the same vector to the bit). Only for an embedder for which a text costs enough to be worth a thread
 //! ([`memproxy_embed::Embed::worth_a_thread`]: the full model's forward pass, the upstream's
 //! `/v1/embeddings`), not for the static table's few additions.
 
@@ -15,7 +16,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use memproxy_embed::{Embed, EmbedError};
+use memproxy_embed::{Assist, Embed, EmbedError};
 
 /// Embeddings waiting for the helper at once; past it, a request embeds on its own thread.
 const WAITING: usize = 64;
@@ -38,13 +39,40 @@ struct Slot {
     text: String,
     state: Mutex<State>,
     done: Condvar,
+    /// Where the helper's pass is offered to the request waiting for it.
+    assist: Assist,
 }
 
 impl Slot {
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// The embedding, taken if it is made within [`SOON`] of looking (a pass just helped
+    /// with); `None` after that, left to be waited for.
+    fn soon_done(&self) -> Option<Made> {
+        let until = Instant::now() + SOON;
+        loop {
+            {
+                let mut state = self.state();
+                match std::mem::replace(&mut *state, State::Taken) {
+                    State::Done(made) => return Some(made),
+                    other => *state = other,
+                }
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        }
+    }
 }
+
+/// How long a request that helped with its pass looks for the vector before it sleeps until
+/// it is handed over.
+const SOON: Duration = Duration::from_micros(200);
 
 /// A new message's embedding started ahead; [`Ahead::take`] gives its vector.
 pub struct Ahead {
@@ -64,12 +92,29 @@ impl Ahead {
         &self.slot.text
     }
 
-    /// The embedding: the helper's, waited for if it is running; else made on this thread.
+    /// The embedding: the helper's, helped with and waited for if it is running; else made on
+    /// this thread.
     pub(super) fn take(self) -> Made {
         let mut state = self.slot.state();
+        let mut helped = false;
         loop {
             match std::mem::replace(&mut *state, State::Taken) {
                 State::Done(made) => return made,
+                State::Running if !helped => {
+                    // This thread would only wait: it runs half of the pass's rows instead
+                    // (the full model's pass; other embedders offer nothing).
+                    *state = State::Running;
+                    drop(state);
+                    helped = true;
+                    if self.slot.assist.help() > 0 {
+                        // The pass is done; the vector is a moment away (pooled, normalised,
+                        // handed over): looked for here rather than slept for.
+                        if let Some(made) = self.slot.soon_done() {
+                            return made;
+                        }
+                    }
+                    state = self.slot.state();
+                }
                 State::Running => {
                     *state = State::Running;
                     state = self
@@ -132,6 +177,7 @@ impl Helper {
             text,
             state: Mutex::new(State::Queued),
             done: Condvar::new(),
+            assist: Assist::default(),
         });
         match queue
             .as_ref()?
@@ -160,9 +206,10 @@ fn run(queue: Receiver<Queued>) {
         // request that waits for it waiting.
         let started = Instant::now();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            embedder.embed(&[slot.text.as_str()])
+            embedder.embed_assisted(&slot.text, &slot.assist)
         }))
         .unwrap_or_else(|_| Err(EmbedError::Failed("the embedder panicked".to_string())));
+        slot.assist.close();
         let made = (result, started.elapsed());
         *slot.state() = State::Done(made);
         slot.done.notify_all();

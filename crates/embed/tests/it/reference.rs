@@ -165,3 +165,34 @@ fn the_ascii_path_splits_as_the_general_pipeline() {
         );
     }
 }
+
+/// A pass shared with a thread that waits for it (`Assist::help`: that thread runs the second
+/// half of the rows of each step it joins) gives every reference text the same vector, to the
+/// bit, as the pass alone: the rows' sums are the same sums, whichever thread runs them. The
+/// helper joins as the pass begins (it waits for the offer) and again whenever it left for
+/// want of work, so most passes are shared.
+#[test]
+fn a_pass_shared_with_a_waiting_thread_is_the_same_to_the_bit() {
+    use memproxy_embed::Assist;
+    use std::sync::Arc;
+    let model = Arc::new(Contextual::load(&model_files(), None).unwrap());
+    let mut shared_halves = 0;
+    for case in reference().cases {
+        let alone = model.embed(&[case.text.as_str()]).unwrap();
+        for _ in 0..3 {
+            let assist = Arc::new(Assist::default());
+            let helper = {
+                let assist = Arc::clone(&assist);
+                std::thread::spawn(move || assist.help())
+            };
+            let shared = model.embed_assisted(&case.text, &assist).unwrap();
+            assist.close();
+            shared_halves += helper.join().unwrap();
+            assert_eq!(shared, alone, "{:?}", case.text);
+        }
+    }
+    assert!(
+        shared_halves > 0,
+        "the waiting thread ran no half of any pass"
+    );
+}
