@@ -17,6 +17,7 @@ pub(crate) struct EmbeddingMetrics {
     up: Gauge,
     queries: Counter,
     queries_ahead: Counter,
+    query_halves_helped: Counter,
     query_failures: Counter,
     query_seconds: Counter<f64>,
     vectors_stored: Counter,
@@ -34,6 +35,7 @@ impl EmbeddingMetrics {
             up: Gauge::default(),
             queries: Counter::default(),
             queries_ahead: Counter::default(),
+            query_halves_helped: Counter::default(),
             query_failures: Counter::default(),
             query_seconds: Counter::default(),
             vectors_stored: Counter::default(),
@@ -69,6 +71,11 @@ impl EmbeddingMetrics {
                 "embedding_queries_ahead",
                 "New messages whose embedding was started on the helper thread as the plan began, while it reconciled and read the window, the summary and the words' matches (an embedder worth a thread: the full model, the upstream's); started, whether or not recall took it",
                 &metrics.queries_ahead,
+            ),
+            (
+                "embedding_query_halves_helped",
+                "Halves of a step of the helper's forward pass that the request waiting for its new message's vector ran itself instead of waiting (the full model: 12 steps of two halves a pass)",
+                &metrics.query_halves_helped,
             ),
             (
                 "embedding_query_failures",
@@ -119,6 +126,7 @@ impl EmbeddingMetrics {
         self.up.set(i64::from(embedding.space().is_some()));
         catch_up(&self.queries, load(&c.queries));
         catch_up(&self.queries_ahead, load(&c.queries_ahead));
+        catch_up(&self.query_halves_helped, load(&c.query_halves_helped));
         catch_up(&self.query_failures, load(&c.query_failures));
         catch_up(&self.vectors_stored, load(&c.vectors_stored));
         catch_up(&self.jobs_dropped, load(&c.jobs_dropped));

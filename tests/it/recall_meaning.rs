@@ -487,6 +487,11 @@ async fn the_providers_embeddings_serve_recall_when_configured() {
         metrics.contains(&format!("memproxy_embedding_queries_ahead_total {ahead}")),
         "{metrics}"
     );
+    // The provider's embedder offers no forward pass to help with: the request only waited.
+    assert!(
+        metrics.contains("memproxy_embedding_query_halves_helped_total 0"),
+        "{metrics}"
+    );
 }
 
 /// `memproxy_embedding_jobs_pending` counts a job while its vectors are being made and is 0

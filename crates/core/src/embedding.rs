@@ -89,6 +89,9 @@ pub struct EmbeddingCounters {
     pub query_micros: AtomicU64,
     /// New messages whose embedding was started ahead, on the helper thread.
     pub queries_ahead: AtomicU64,
+    /// Halves of a step of the helper's pass that the request waiting for it ran
+    /// (`memproxy_embed::Assist`; 12 steps a pass of the full model).
+    pub query_halves_helped: AtomicU64,
     /// Stored messages given a vector.
     pub vectors_stored: AtomicU64,
     /// Background jobs dropped (queue full): their conversation or owner is owed a catch-up
@@ -367,11 +370,13 @@ impl Embedding {
     /// (waited for if the helper is making it, made here if it has not begun).
     pub fn query_from(&self, ahead: Option<Ahead>, text: &str) -> Result<Vec<f32>, Lexical> {
         let embedder = self.embedder.as_ref().map_err(|why| *why)?;
-        let (result, took) = match ahead {
+        let ((result, took), helped) = match ahead {
             Some(ahead) if ahead.text() == text => ahead.take(),
-            _ => ahead::embed(embedder.as_ref(), text),
+            _ => (ahead::embed(embedder.as_ref(), text), 0),
         };
         let c = &self.counters;
+        c.query_halves_helped
+            .fetch_add(helped as u64, Ordering::Relaxed);
         c.queries.fetch_add(1, Ordering::Relaxed);
         c.query_micros
             .fetch_add(took.as_micros() as u64, Ordering::Relaxed);

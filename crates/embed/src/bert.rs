@@ -205,7 +205,11 @@ impl Halves {
             halves: [take(0), take(1)],
             kv: std::mem::take(&mut *self.kv.write().unwrap_or_else(PoisonError::into_inner)),
             own,
-            partner: std::mem::take(&mut *locked(&self.partner)),
+            // A partner that has not yet seen the pass finished keeps its own (not waited for).
+            partner: match self.partner.try_lock() {
+                Ok(mut own) => std::mem::take(&mut *own),
+                Err(_) => Own::default(),
+            },
         }
     }
 }
@@ -376,12 +380,14 @@ impl Bert {
     fn pass(&self, halves: &Halves, own: &mut Own) -> Vec<f32> {
         let h = self.dims();
         let n = halves.ids.len();
+        // No steps for no pieces, but led all the same: a partner is told the pass is done.
+        let steps = if n == 0 { 0 } else { 2 * self.layers.len() };
+        halves.team.lead(steps, |step, half| {
+            self.run_step(halves, step, half, own);
+        });
         if n == 0 {
             return vec![0.0; h];
         }
-        halves.team.lead(2 * self.layers.len(), |step, half| {
-            self.run_step(halves, step, half, own);
-        });
         let mut pooled = vec![0.0f32; h];
         for half in &halves.rows {
             for row in locked(half).x.chunks_exact(h) {

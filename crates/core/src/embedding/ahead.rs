@@ -93,24 +93,25 @@ impl Ahead {
     }
 
     /// The embedding: the helper's, helped with and waited for if it is running; else made on
-    /// this thread.
-    pub(super) fn take(self) -> Made {
+    /// this thread. Also how many halves of the helper's pass this thread ran.
+    pub(super) fn take(self) -> (Made, usize) {
         let mut state = self.slot.state();
-        let mut helped = false;
+        let mut helped = None;
         loop {
             match std::mem::replace(&mut *state, State::Taken) {
-                State::Done(made) => return made,
-                State::Running if !helped => {
+                State::Done(made) => return (made, helped.unwrap_or(0)),
+                State::Running if helped.is_none() => {
                     // This thread would only wait: it runs half of the pass's rows instead
                     // (the full model's pass; other embedders offer nothing).
                     *state = State::Running;
                     drop(state);
-                    helped = true;
-                    if self.slot.assist.help() > 0 {
+                    let halves = self.slot.assist.help();
+                    helped = Some(halves);
+                    if halves > 0 {
                         // The pass is done; the vector is a moment away (pooled, normalised,
                         // handed over): looked for here rather than slept for.
                         if let Some(made) = self.slot.soon_done() {
-                            return made;
+                            return (made, halves);
                         }
                     }
                     state = self.slot.state();
@@ -127,7 +128,7 @@ impl Ahead {
             }
         }
         drop(state);
-        embed(self.embedder.as_ref(), &self.slot.text)
+        (embed(self.embedder.as_ref(), &self.slot.text), 0)
     }
 }
 
@@ -303,7 +304,7 @@ mod tests {
         assert_eq!(ahead.text(), "four");
         // The caller's own work meanwhile.
         made(&slow, 1);
-        let (vectors, _) = ahead.take();
+        let ((vectors, _), _) = ahead.take();
         assert_eq!(vectors.unwrap(), vec![vec![4.0]]);
         assert_eq!(slow.calls.load(Ordering::SeqCst), 1);
         assert_eq!(*slow.threads.lock().unwrap(), ["memproxy-query"]);
@@ -319,15 +320,15 @@ mod tests {
         began(&slow);
         let second = helper.start(&embedder, "bb".into()).unwrap();
         // The helper is busy with the first: the second is taken back and made here.
-        let (vectors, _) = second.take();
+        let ((vectors, _), _) = second.take();
         assert_eq!(vectors.unwrap(), vec![vec![2.0]]);
         slow.gate.store(false, Ordering::SeqCst);
-        let (vectors, _) = first.take();
+        let ((vectors, _), _) = first.take();
         assert_eq!(vectors.unwrap(), vec![vec![1.0]]);
         // A third, after both: the helper skipped the second, so it starts this one.
         let third = helper.start(&embedder, "ccc".into()).unwrap();
         made(&slow, 3);
-        assert_eq!(third.take().0.unwrap(), vec![vec![3.0]]);
+        assert_eq!(third.take().0.0.unwrap(), vec![vec![3.0]]);
         let here = std::thread::current().name().unwrap_or("").to_string();
         assert_eq!(
             *slow.threads.lock().unwrap(),
@@ -342,11 +343,11 @@ mod tests {
         let broken = helper.start(&embedder, "panic".into()).unwrap();
         // The helper has run it (its thread name is pushed before the panic).
         began(&slow);
-        let (vectors, _) = broken.take();
+        let ((vectors, _), _) = broken.take();
         assert!(vectors.is_err());
         let next = helper.start(&embedder, "four".into()).unwrap();
         made(&slow, 1);
-        assert_eq!(next.take().0.unwrap(), vec![vec![4.0]]);
+        assert_eq!(next.take().0.0.unwrap(), vec![vec![4.0]]);
         assert_eq!(
             *slow.threads.lock().unwrap(),
             ["memproxy-query", "memproxy-query"]
