@@ -1,8 +1,15 @@
 //! all-MiniLM-L6-v2's forward pass written out for one text at a time: BERT's six layers, the
 //! matrix products on the fastest kernel this CPU runs ([`crate::products`]: int8 or bf16
 //! weights) and the activations, sums, softmax and layer norms in f32. The pass is plain code
-//! inlined into copies compiled for AVX-512 or AVX2 (`simd::pass`), with an `exp` of its own so
+//! inlined into copies compiled for AVX-512 or AVX2 (`simd::step`), with an `exp` of its own so
 //! that GELU and softmax vectorise.
+//!
+//! Each layer is two steps (the projections to queries, keys and values; then the attention
+//! and the rest of the layer), each step two halves of the rows, which [`crate::team`] lets a
+//! second thread share: a pass offered to the request that waits for it
+//! ([`Bert::mean_pooled_assisted`]) splits its rows evenly; one nobody is offered keeps them all
+//! in the first half. A row's sums are the same whichever half or thread computes them, so the
+//! vector is the same to the bit.
 //!
 //! One text at a time needs no padding and no attention mask. Self-attention lays a head's keys
 //! out by dimension and takes four queries at a time, so its sums stay in registers. Each pass
@@ -155,15 +162,13 @@ fn locked<T>(lock: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Halves {
-    /// The halves of a pass over `ids`: the first half as near half the rows as a whole
-    /// number of `group` rows makes it. A pass run alone splits at the products' kernel's
-    /// groups of rows ([`Kernel::rows`]), so that its halves' products, one after the other,
-    /// read the weights as often as one product of every row would; a pass on offer splits
-    /// evenly (group 1), since its halves run at once.
-    fn new(ids: &[u32], h: usize, group: usize, s: Scratch) -> (Halves, Own) {
+    /// The halves of a pass over `ids`: a pass on offer splits the rows evenly, since its
+    /// halves may run at once; a pass run alone keeps them all in the first half (the second
+    /// is empty, never stepped), so that each product reads its weights once, as one product
+    /// of every row.
+    fn new(ids: &[u32], h: usize, offered: bool, s: Scratch) -> (Halves, Own) {
         let n = ids.len();
-        let group = group.max(1);
-        let split = ((n as f64 / 2.0 / group as f64).round() as usize * group).min(n);
+        let split = if offered { n.div_ceil(2) } else { n };
         let padded = n.div_ceil(16) * 16;
         let Scratch {
             halves: [mut first, mut second],
@@ -351,8 +356,7 @@ impl Bert {
     /// `[CLS]` and `[SEP]`; at most [`Bert::max_pieces`], more are cut). Not normalised.
     pub fn mean_pooled(&self, ids: &[u32]) -> Vec<f32> {
         let ids = &ids[..ids.len().min(self.max_pieces())];
-        let group = self.kernel().rows();
-        let (halves, mut own) = Halves::new(ids, self.dims(), group, self.take_scratch());
+        let (halves, mut own) = Halves::new(ids, self.dims(), false, self.take_scratch());
         let pooled = self.pass(&halves, &mut own);
         self.keep_scratch(halves.into_scratch(own), ids.len());
         pooled
@@ -363,7 +367,7 @@ impl Bert {
     /// joins. The same vector, to the bit, whoever runs which half.
     pub fn mean_pooled_assisted(self: &Arc<Self>, ids: &[u32], assist: &Assist) -> Vec<f32> {
         let ids = &ids[..ids.len().min(self.max_pieces())];
-        let (halves, mut own) = Halves::new(ids, self.dims(), 1, self.take_scratch());
+        let (halves, mut own) = Halves::new(ids, self.dims(), true, self.take_scratch());
         let halves = Arc::new(halves);
         assist.offer(Arc::new(Partner {
             bert: Arc::clone(self),

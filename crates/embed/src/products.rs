@@ -390,17 +390,6 @@ impl Kernel {
         }
     }
 
-    /// The rows of input the kernel takes at a time: a product of fewer, or of a count not a
-    /// multiple of it, pays for a whole group (its weights read once a group).
-    pub(crate) fn rows(self) -> usize {
-        match self {
-            Kernel::Amx => 16,
-            Kernel::Avx512Vnni => INT8_ROWS,
-            Kernel::Avx512Bf16 | Kernel::Avx2Fma => ROWS,
-            Kernel::Plain => 1,
-        }
-    }
-
     /// Its name, for logs and the README's figures.
     pub fn name(self) -> &'static str {
         match self {
