@@ -226,8 +226,11 @@ struct Partner {
 }
 
 impl Help for Partner {
+    /// One partner at a time: a second finds the partner's scratch taken and leaves at once.
     fn help(&self) -> usize {
-        let mut own = locked(&self.halves.partner);
+        let Ok(mut own) = self.halves.partner.try_lock() else {
+            return 0;
+        };
         self.halves.team.follow(|step, half| {
             self.bert.run_step(&self.halves, step, half, &mut own);
         })

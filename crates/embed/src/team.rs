@@ -24,8 +24,6 @@ const FINISHED: usize = usize::MAX;
 /// The state two threads share for one pass.
 #[derive(Default)]
 pub(crate) struct Team {
-    /// Set while a partner is in [`Team::follow`] (one at a time).
-    joined: AtomicBool,
     /// `step + 1` while the second half of `step` waits to be claimed; 0 when none does;
     /// [`FINISHED`].
     open: AtomicUsize,
@@ -84,11 +82,10 @@ impl Team {
     }
 
     /// Runs the second halves the lead offers, `run(step, 1)`, until the pass is done or none
-    /// has been offered for [`Team::PATIENCE`]; returns how many it ran.
+    /// has been offered for [`Team::PATIENCE`]; returns how many it ran. Two partners at once
+    /// would each claim halves correctly, but the pass has room for one: its caller lets one
+    /// in at a time (`bert.rs`'s `Partner`, by its scratch's lock).
     pub(crate) fn follow(&self, mut run: impl FnMut(usize, usize)) -> usize {
-        if self.joined.swap(true, Ordering::AcqRel) {
-            return 0; // Another partner is there.
-        }
         let mut ran_halves = 0;
         let mut idle = Instant::now();
         let mut spins = 0u32;
@@ -123,7 +120,6 @@ impl Team {
                 break;
             }
         }
-        self.joined.store(false, Ordering::Release);
         ran_halves
     }
 }
