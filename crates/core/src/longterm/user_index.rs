@@ -123,7 +123,13 @@ impl UserIndex {
                     .push((seq, similarity));
             }
         }
-        let mut out: Vec<(u64, f32)> = by_conversation.into_values().flat_map(smooth).collect();
+        let mut out: Vec<(u64, f32)> = by_conversation
+            .into_values()
+            .flat_map(|mut similarities| {
+                smooth(&mut similarities);
+                similarities
+            })
+            .collect();
         out.sort_unstable_by_key(|(seq, _)| *seq);
         out
     }
@@ -174,7 +180,7 @@ impl UserIndex {
                 .get(&(agent.to_string(), conversation.to_string()))
                 .copied()
         });
-        let semantic = match (query.vector.get(), &self.vectors) {
+        let mut semantic = match (query.vector.get(), &self.vectors) {
             (Some(vector), Some(vectors)) if !vectors.is_empty() => {
                 Some(self.similarities(vectors, vector))
             }
@@ -214,11 +220,23 @@ impl UserIndex {
             )
         };
         // Feedback, as a conversation's own recall (`recall/hybrid.rs`).
-        let (hits, _) = fuse_with_feedback(semantic.as_deref(), query.fusion, k, ranked, |best| {
-            let vectors = self.vectors.as_ref()?;
-            let moved = vectors.feedback(query.vector.get()?, best)?;
-            Some(self.similarities(vectors, &moved))
-        });
+        let (hits, _) =
+            fuse_with_feedback(
+                semantic.as_mut(),
+                query.fusion,
+                k,
+                ranked,
+                |best, similarities| {
+                    let moved = self.vectors.as_ref().zip(query.vector.get()).and_then(
+                        |(vectors, query)| Some((vectors, vectors.feedback(query, best)?)),
+                    );
+                    let Some((vectors, moved)) = moved else {
+                        return false;
+                    };
+                    *similarities = self.similarities(vectors, &moved);
+                    true
+                },
+            );
         hits.into_iter()
             .filter_map(|hit| {
                 let doc = self.docs.get(hit.turn as usize)?;

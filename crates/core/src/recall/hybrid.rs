@@ -94,25 +94,27 @@ pub fn feedback(query: &[f32], rows: &[Vec<f32>]) -> Option<Vec<f32>> {
 }
 
 /// Runs `ranked` (a [`fuse`] over one set of candidates, given the meaning's similarities and
-/// how many turns to keep) once, and with `fusion.feedback` a second time on the similarities
-/// `moved` gives for the first run's best turns (the query moved towards them, [`feedback`];
-/// `None`: no vector to move towards). The first run keeps at least [`FEEDBACK_TURNS`] for
-/// that. The best `k`, best first, and those under the floor.
+/// how many turns to keep) once, and with `fusion.feedback` a second time, after `moved` has
+/// replaced the similarities with those of the query moved towards the first run's best turns
+/// ([`feedback`]; `false`: no vector to move towards, and they are left as they were). The
+/// first run keeps at least [`FEEDBACK_TURNS`] for that. The best `k`, best first, and those
+/// under the floor.
 pub fn fuse_with_feedback(
-    semantic: Option<&[(u64, f32)]>,
+    semantic: Option<&mut Vec<(u64, f32)>>,
     fusion: Fusion,
     k: usize,
     ranked: impl Fn(Option<&[(u64, f32)]>, usize) -> (Vec<Scored>, Vec<Scored>),
-    moved: impl FnOnce(&[Scored]) -> Option<Vec<(u64, f32)>>,
+    moved: impl FnOnce(&[Scored], &mut Vec<(u64, f32)>) -> bool,
 ) -> (Vec<Scored>, Vec<Scored>) {
+    let Some(semantic) = semantic else {
+        return ranked(None, k);
+    };
     if !fusion.feedback {
-        return ranked(semantic, k);
+        return ranked(Some(semantic), k);
     }
-    let (mut hits, under_floor) = ranked(semantic, k.max(FEEDBACK_TURNS));
-    if semantic.is_some()
-        && let Some(again) = moved(&hits)
-    {
-        return ranked(Some(&again), k);
+    let (mut hits, under_floor) = ranked(Some(semantic), k.max(FEEDBACK_TURNS));
+    if moved(&hits, semantic) {
+        return ranked(Some(semantic), k);
     }
     hits.truncate(k);
     (hits, under_floor)
@@ -150,7 +152,7 @@ pub struct Scored {
 /// by turn ascending), as weighted means over the whole reach (a neighbour past either end
 /// counts as 0), so no turn scores above the one that made its neighbours score. In place:
 /// the turns behind are remembered as they were.
-pub fn smooth(mut similarities: Vec<(u64, f32)>) -> Vec<(u64, f32)> {
+pub fn smooth(similarities: &mut [(u64, f32)]) {
     const REACH: usize = SMOOTHING.len() - 1;
     let n = similarities.len();
     let weights: f32 = SMOOTHING[0] + 2.0 * SMOOTHING[1..].iter().sum::<f32>();
@@ -171,7 +173,6 @@ pub fn smooth(mut similarities: Vec<(u64, f32)>) -> Vec<(u64, f32)> {
         behind.rotate_right(1);
         behind[0] = Some(own);
     }
-    similarities
 }
 
 /// Fuses `lexical` hits (raw BM25 scores; `query_weight` is the query's best possible score)
@@ -206,26 +207,29 @@ pub fn fuse(
         semantic,
         in_pool,
         in_period,
-        lexical_weight: w,
     };
     // Ranked on each score's range among the candidates (min-max): the two scales differ in
     // spread from query to query, so neither drowns the other; the floor reads the absolute
     // fused score.
     let mut ranges = Ranges::default();
-    candidates.visit(|s| ranges.add(&s));
+    candidates.visit(|c| ranges.add(&c));
     let keep = if k == 0 { usize::MAX } else { k };
-    let by_rank =
-        |a: &(f32, Scored), b: &(f32, Scored)| b.0.total_cmp(&a.0).then(b.1.turn.cmp(&a.1.turn));
-    let mut ranked: Vec<(f32, Scored)> = Vec::new();
-    candidates.visit(|s| {
-        ranked.push((ranges.rank(&s, w), s));
-        // Only the best `keep` are ever used: whenever twice that many are held, the best
-        // half is selected.
-        if ranked.len() >= keep.saturating_mul(2).max(64) {
-            ranked.select_nth_unstable_by(keep - 1, by_rank);
-            ranked.truncate(keep);
+    let mut best = Best {
+        keep,
+        ranked: Vec::new(),
+        worst: None,
+    };
+    let ranker = ranges.ranker(w);
+    candidates.visit(|c| {
+        let candidate = (ranker.rank(&c), c);
+        if best
+            .worst
+            .is_none_or(|worst| by_rank(&candidate, &worst).is_le())
+        {
+            best.push(candidate);
         }
     });
+    let mut ranked = best.ranked;
     if ranked.len() > keep {
         ranked.select_nth_unstable_by(keep - 1, by_rank);
         ranked.truncate(keep);
@@ -233,8 +237,12 @@ pub fn fuse(
     ranked.sort_by(by_rank);
     // The floors read the fused score: by words alone (no query vector) every turn sharing a
     // word competes, as it always has.
+    let ranked: Vec<Scored> = ranked
+        .into_iter()
+        .map(|(_, c)| c.scored(w, semantic.is_some()))
+        .collect();
     let floor = if semantic.is_some() {
-        let best = ranked.iter().map(|(_, s)| s.score).fold(0.0, f32::max);
+        let best = ranked.iter().map(|s| s.score).fold(0.0, f32::max);
         fusion
             .floor
             .max(fusion.relative_floor.clamp(0.0, 1.0) * best)
@@ -243,9 +251,38 @@ pub fn fuse(
     };
     let (kept, under): (Vec<Scored>, Vec<Scored>) = ranked
         .into_iter()
-        .map(|(_, s)| s)
         .partition(|s| s.score >= floor && s.score > 0.0);
     (kept, under)
+}
+
+/// Best first: by ranking score, then the newer turn.
+fn by_rank(a: &(f32, Found), b: &(f32, Found)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(b.1.turn.cmp(&a.1.turn))
+}
+
+/// The best `keep` candidates seen so far, and some more.
+struct Best {
+    keep: usize,
+    ranked: Vec<(f32, Found)>,
+    /// The worst of the best `keep` at the last selection: a candidate ranked after it can
+    /// never be among the best `keep`, as those only get better.
+    worst: Option<(f32, Found)>,
+}
+
+impl Best {
+    /// Holds `candidate` (not ranked after `worst`). Only the best `keep` are ever used:
+    /// whenever twice that many are held, the best half is selected. Out of the walk's loop,
+    /// which most candidates leave at the comparison with `worst`.
+    #[inline(never)]
+    fn push(&mut self, candidate: (f32, Found)) {
+        self.ranked.push(candidate);
+        let keep = self.keep;
+        if self.ranked.len() >= keep.saturating_mul(2).max(64) {
+            self.ranked.select_nth_unstable_by(keep - 1, by_rank);
+            self.ranked.truncate(keep);
+            self.worst = Some(self.ranked[keep - 1]);
+        }
+    }
 }
 
 /// [`fuse`]'s candidates: the inputs that make them, walked as often as needed.
@@ -256,7 +293,6 @@ struct Candidates<'a, P> {
     semantic: Option<&'a [(u64, f32)]>,
     in_pool: P,
     in_period: Option<&'a dyn Fn(u64) -> bool>,
-    lexical_weight: f32,
 }
 
 impl<P: Fn(u64) -> bool> Candidates<'_, P> {
@@ -269,39 +305,25 @@ impl<P: Fn(u64) -> bool> Candidates<'_, P> {
         }
     }
 
-    /// Calls `visit` with every candidate, scored, once: by words alone in `lexical`'s order;
-    /// with meaning, the two walked together by turn.
-    fn visit(&self, mut visit: impl FnMut(Scored)) {
-        let w = self.lexical_weight;
-        let mut visit = |mut s: Scored| {
+    /// Calls `visit` with every candidate once: by words alone in `lexical`'s order; with
+    /// meaning, the two walked together by turn.
+    fn visit(&self, mut visit: impl FnMut(Found)) {
+        let mut visit = |mut c: Found| {
             if let Some(in_period) = self.in_period {
-                s.when = in_period(s.turn);
-                if s.when {
-                    s.score = (s.score + TIME_BONUS).min(1.0);
-                }
+                c.when = in_period(c.turn);
             }
-            visit(s);
+            visit(c);
         };
-        let Some(semantic) = self.semantic else {
-            for hit in self.lexical.iter() {
-                let lexical = self.lexical_score(hit.score);
-                visit(Scored {
-                    turn: hit.turn,
-                    score: lexical.min(1.0),
-                    lexical,
-                    semantic: None,
-                    when: false,
-                });
-            }
-            return;
-        };
-        // A turn whose vector is not made yet: its words alone.
-        let words_alone = |turn: u64, lexical: f32| Scored {
-            turn,
-            score: w * lexical.min(1.0),
-            lexical,
+        // By words alone, or a turn whose vector is not made yet.
+        let words = |hit: &Hit| Found {
+            turn: hit.turn,
+            lexical: self.lexical_score(hit.score),
             semantic: None,
             when: false,
+        };
+        let Some(semantic) = self.semantic else {
+            self.lexical.iter().for_each(|hit| visit(words(hit)));
+            return;
         };
         let mut next_word = self.lexical.iter().peekable();
         for &(turn, similarity) in semantic {
@@ -313,24 +335,51 @@ impl<P: Fn(u64) -> bool> Candidates<'_, P> {
                 if hit.turn == turn {
                     lexical = self.lexical_score(hit.score);
                 } else {
-                    visit(words_alone(hit.turn, self.lexical_score(hit.score)));
+                    visit(words(hit));
                 }
                 next_word.next();
             }
             if !(self.in_pool)(turn) {
                 continue;
             }
-            let semantic = similarity.clamp(0.0, 1.0);
-            visit(Scored {
+            visit(Found {
                 turn,
-                score: w * lexical.min(1.0) + (1.0 - w) * semantic,
                 lexical,
-                semantic: Some(semantic),
+                semantic: Some(similarity.clamp(0.0, 1.0)),
                 when: false,
             });
         }
-        for hit in next_word {
-            visit(words_alone(hit.turn, self.lexical_score(hit.score)));
+        next_word.for_each(|hit| visit(words(hit)));
+    }
+}
+
+/// A candidate as [`Candidates::visit`] finds it; its fused score is made only for the best.
+#[derive(Debug, Clone, Copy)]
+struct Found {
+    turn: u64,
+    lexical: f32,
+    semantic: Option<f32>,
+    when: bool,
+}
+
+impl Found {
+    /// As [`Scored`], with the lexical share `w`; `meaning`: the query has a vector.
+    fn scored(self, w: f32, meaning: bool) -> Scored {
+        let mut score = match self.semantic {
+            Some(semantic) => w * self.lexical.min(1.0) + (1.0 - w) * semantic,
+            // A turn whose vector is not made yet: its words alone, at their weight.
+            None if meaning => w * self.lexical.min(1.0),
+            None => self.lexical.min(1.0),
+        };
+        if self.when {
+            score = (score + TIME_BONUS).min(1.0);
+        }
+        Scored {
+            turn: self.turn,
+            score,
+            lexical: self.lexical,
+            semantic: self.semantic,
+            when: self.when,
         }
     }
 }
@@ -351,32 +400,67 @@ impl Default for Ranges {
 }
 
 impl Ranges {
-    fn add(&mut self, s: &Scored) {
-        let widen = |(lo, hi): (f32, f32), v: f32| (lo.min(v), hi.max(v));
+    #[inline(always)]
+    fn add(&mut self, s: &Found) {
+        // As `lo.min(v), hi.max(v)`, without the code for a NaN on either side: the bounds
+        // start as numbers and a NaN `v` leaves them as they are, as `min` and `max` do.
+        let widen = |(lo, hi): (f32, f32), v: f32| {
+            (if v < lo { v } else { lo }, if v > hi { v } else { hi })
+        };
         self.lexical = widen(self.lexical, s.lexical);
         if let Some(semantic) = s.semantic {
             self.semantic = widen(self.semantic, semantic);
         }
     }
 
+    /// Ranks candidates on these ranges with the lexical share `lexical_weight`.
+    fn ranker(&self, lexical_weight: f32) -> Ranker {
+        Ranker {
+            lexical: self.lexical,
+            semantic: self.semantic,
+            lexical_weight,
+            any_semantic: self.semantic.1 >= self.semantic.0,
+            // Most candidates share no word with the question: their lexical part is the
+            // same for all.
+            no_words: scale(0.0, self.lexical),
+        }
+    }
+}
+
+/// `v` on the range `(lo, hi)`, 0..1 (0 for a range of one value).
+#[inline(always)]
+fn scale(v: f32, (lo, hi): (f32, f32)) -> f32 {
+    if hi > lo { (v - lo) / (hi - lo) } else { 0.0 }
+}
+
+/// [`Ranges`] made ready to rank.
+struct Ranker {
+    lexical: (f32, f32),
+    semantic: (f32, f32),
+    lexical_weight: f32,
+    any_semantic: bool,
+    /// The lexical score 0 scaled.
+    no_words: f32,
+}
+
+impl Ranker {
     /// A candidate's ranking score: its lexical and semantic scores each scaled to their
     /// range among the candidates, then weighed as the fused score is (with no semantic score
     /// anywhere, the lexical order), plus [`TIME_BONUS`] for a turn of the period the question
     /// names.
-    fn rank(&self, s: &Scored, lexical_weight: f32) -> f32 {
-        let scale = |v: f32, (lo, hi): (f32, f32)| {
-            if hi > lo { (v - lo) / (hi - lo) } else { 0.0 }
+    #[inline(always)]
+    fn rank(&self, s: &Found) -> f32 {
+        let lexical = if s.lexical == 0.0 {
+            self.no_words
+        } else {
+            scale(s.lexical, self.lexical)
         };
-        let lexical = scale(s.lexical, self.lexical);
         let bonus = if s.when { TIME_BONUS } else { 0.0 };
-        let any_semantic = self.semantic.1 >= self.semantic.0;
+        let w = self.lexical_weight;
         bonus
             + match s.semantic {
-                Some(semantic) => {
-                    lexical_weight * lexical
-                        + (1.0 - lexical_weight) * scale(semantic, self.semantic)
-                }
-                None if any_semantic => lexical_weight * lexical,
+                Some(semantic) => w * lexical + (1.0 - w) * scale(semantic, self.semantic),
+                None if self.any_semantic => w * lexical,
                 None => lexical,
             }
     }
@@ -412,7 +496,9 @@ mod tests {
                 (original[i].0, sum / weights)
             })
             .collect();
-        assert_eq!(smooth(original), want);
+        let mut smoothed = original;
+        smooth(&mut smoothed);
+        assert_eq!(smoothed, want);
     }
 
     /// The best `k` kept while walking (selected whenever twice `k` are held) are the first
@@ -445,7 +531,8 @@ mod tests {
 
     #[test]
     fn smoothing_mixes_neighbours_and_keeps_order() {
-        let smoothed = smooth(vec![(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0), (5, 0.0)]);
+        let mut smoothed = vec![(1, 0.0), (2, 1.0), (3, 0.0), (4, 0.0), (5, 0.0)];
+        smooth(&mut smoothed);
         assert_eq!(
             smoothed.iter().map(|s| s.0).collect::<Vec<_>>(),
             [1, 2, 3, 4, 5]
@@ -647,10 +734,23 @@ mod tests {
                 calls.borrow_mut().push(k);
                 fuse(&hits, 8.0, semantic, |_| true, None, fusion, k)
             };
-            let (kept, _) = fuse_with_feedback(Some(&first), fusion, k, ranked, |best| {
-                assert_eq!(best.len(), k.max(FEEDBACK_TURNS));
-                moved
-            });
+            let mut similarities = first.to_vec();
+            let (kept, _) = fuse_with_feedback(
+                Some(&mut similarities),
+                fusion,
+                k,
+                ranked,
+                |best, similarities| {
+                    assert_eq!(best.len(), k.max(FEEDBACK_TURNS));
+                    match moved {
+                        Some(moved) => {
+                            *similarities = moved;
+                            true
+                        }
+                        None => false,
+                    }
+                },
+            );
             let turns: Vec<u64> = kept.iter().map(|s| s.turn).collect();
             (turns, calls.into_inner())
         };

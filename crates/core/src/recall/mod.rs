@@ -51,6 +51,9 @@ pub struct ConversationIndex {
     index: Index,
     /// The messages' vectors, of the recall's space (`None`: no embedder).
     vectors: Option<DocVectors>,
+    /// The similarities of a search's query with every vector, kept from one search to the
+    /// next (weighed as if it held one per vector).
+    similarities: Vec<(u64, f32)>,
 }
 
 impl ConversationIndex {
@@ -198,7 +201,11 @@ impl Recall {
             |key: &ConversationKey, index: &Arc<Mutex<ConversationIndex>>| {
                 // `try_lock`: a search may hold it; a guess until the next re-insert.
                 let index = index.try_lock().map_or(4096, |i| {
-                    i.index.heap_bytes() + i.vectors.as_ref().map_or(0, DocVectors::heap_bytes)
+                    i.index.heap_bytes()
+                        + i.vectors.as_ref().map_or(0, |v| {
+                            v.heap_bytes()
+                                + heap::vec::<(u64, f32)>(i.similarities.capacity().max(v.len()))
+                        })
                 });
                 let bytes = heap::CACHE_ENTRY
                     + key.heap_bytes()
@@ -274,16 +281,26 @@ impl Recall {
         // it. The conversation's own lock, held by the caller, keeps its turns as they are.
         let vector = with_vectors.then(|| query.vector.get()).flatten();
         let mut guard = lock(&handle);
-        let index = &mut *guard;
-        let semantic = match (vector, &index.vectors) {
-            (Some(vector), Some(vectors)) => Some(smooth(vectors.similarities(vector))),
+        let ConversationIndex {
+            index: words,
+            vectors,
+            similarities: kept,
+            ..
+        } = &mut *guard;
+        let mut similarities = match (vector, &*vectors) {
+            (Some(vector), Some(vectors)) => {
+                let mut similarities = std::mem::take(kept);
+                vectors.similarities_into(vector, &mut similarities);
+                smooth(&mut similarities);
+                Some(similarities)
+            }
             _ => None,
         };
-        if every && semantic.is_none() && query.when.is_none() {
+        if every && similarities.is_none() && query.when.is_none() {
             // The vector failed: by words alone, as without one.
-            lexical = index.index.search(&query_terms, before_turn, k);
+            lexical = words.search(&query_terms, before_turn, k);
         }
-        let weight = index.index.query_weight(&query_terms);
+        let weight = words.query_weight(&query_terms);
         // The turns stored in the period the question names, by turn ascending.
         let in_period: Option<Vec<u64>> = query.when.map(|period| {
             conversation
@@ -310,16 +327,33 @@ impl Recall {
             )
         };
         // Feedback: scored again with the query moved towards the best turns' meaning.
-        let (hits, under_floor) =
-            fuse_with_feedback(semantic.as_deref(), query.fusion, k, ranked, |best| {
-                let vectors = index.vectors.as_ref()?;
-                let moved = vectors.feedback(vector?, best)?;
-                Some(smooth(vectors.similarities(&moved)))
-            });
+        let semantic = similarities.is_some();
+        let (hits, under_floor) = fuse_with_feedback(
+            similarities.as_mut(),
+            query.fusion,
+            k,
+            ranked,
+            |best, similarities| {
+                let moved = vectors
+                    .as_ref()
+                    .zip(vector)
+                    .and_then(|(vectors, vector)| Some((vectors, vectors.feedback(vector, best)?)));
+                let Some((vectors, moved)) = moved else {
+                    return false;
+                };
+                vectors.similarities_into(&moved, similarities);
+                smooth(similarities);
+                true
+            },
+        );
+        // The buffer kept for the next search.
+        if let Some(similarities) = similarities {
+            *kept = similarities;
+        }
         Ok(Found {
             hits,
             under_floor,
-            semantic: semantic.is_some(),
+            semantic,
         })
     }
 
@@ -500,6 +534,7 @@ fn build(
         conversation_id: conversation.meta.as_ref().map(|m| m.id),
         index,
         vectors,
+        similarities: Vec::new(),
     })
 }
 

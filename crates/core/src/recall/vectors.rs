@@ -117,18 +117,29 @@ impl DocVectors {
     /// conversation of 10,000 messages at 256 dimensions is scored in about a tenth of a
     /// millisecond.
     pub fn similarities(&self, query: &[f32]) -> Vec<(u64, f32)> {
+        let mut out = Vec::new();
+        self.similarities_into(query, &mut out);
+        out
+    }
+
+    /// As [`DocVectors::similarities`], into `out` (cleared first): a buffer kept from one
+    /// search to the next is not allocated again (a conversation of 10,000 messages' would be
+    /// pages of its own, mapped and cleared on every request).
+    pub fn similarities_into(&self, query: &[f32], out: &mut Vec<(u64, f32)>) {
+        out.clear();
         if query.len() != self.dims || self.dims == 0 {
-            return Vec::new();
+            return;
         }
         let (query, query_scale) = quantise(query);
         let mut dots = Vec::with_capacity(self.turns.len());
         memproxy_embed::vector::dots_i8(&self.values, &query, &mut dots);
-        self.turns
-            .iter()
-            .zip(dots)
-            .zip(&self.scales)
-            .map(|((&turn, dot), &scale)| (turn, dot as f32 * scale * query_scale))
-            .collect()
+        out.extend(
+            self.turns
+                .iter()
+                .zip(dots)
+                .zip(&self.scales)
+                .map(|((&turn, dot), &scale)| (turn, dot as f32 * scale * query_scale)),
+        );
     }
 
     /// `query` moved towards the vectors of the best of `ranked` (best first;
