@@ -1,6 +1,7 @@
 //! A conversation's message vectors as its recall index holds them: one per stored turn, of
 //! one embedder's space, quantised to a byte per dimension with a scale, so a conversation of
-//! 1,000 messages at 256 dimensions costs about 260 KB of cache.
+//! 1,000 messages at 256 dimensions costs about 260 KB of cache (and 16 KB more for the
+//! similarities' buffer its index keeps, `recall/mod.rs`).
 //!
 //! Vectors arrive after their messages (they are made off the request path), so some turns
 //! may have none yet: those are found by their words only.
