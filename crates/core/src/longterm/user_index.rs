@@ -220,23 +220,18 @@ impl UserIndex {
             )
         };
         // Feedback, as a conversation's own recall (`recall/hybrid.rs`).
-        let (hits, _) =
-            fuse_with_feedback(
-                semantic.as_mut(),
-                query.fusion,
-                k,
-                ranked,
-                |best, similarities| {
-                    let moved = self.vectors.as_ref().zip(query.vector.get()).and_then(
-                        |(vectors, query)| Some((vectors, vectors.feedback(query, best)?)),
-                    );
-                    let Some((vectors, moved)) = moved else {
-                        return false;
-                    };
-                    *similarities = self.similarities(vectors, &moved);
-                    true
-                },
-            );
+        let (hits, _) = fuse_with_feedback(
+            semantic.as_mut(),
+            query.fusion,
+            k,
+            ranked,
+            |best, similarities| {
+                let vectors = self.vectors.as_ref()?;
+                let moved = vectors.feedback(query.vector.get()?, best)?;
+                *similarities = self.similarities(vectors, &moved);
+                Some(())
+            },
+        );
         hits.into_iter()
             .filter_map(|hit| {
                 let doc = self.docs.get(hit.turn as usize)?;

@@ -96,7 +96,7 @@ pub fn feedback(query: &[f32], rows: &[Vec<f32>]) -> Option<Vec<f32>> {
 /// Runs `ranked` (a [`fuse`] over one set of candidates, given the meaning's similarities and
 /// how many turns to keep) once, and with `fusion.feedback` a second time, after `moved` has
 /// replaced the similarities with those of the query moved towards the first run's best turns
-/// ([`feedback`]; `false`: no vector to move towards, and they are left as they were). The
+/// ([`feedback`]; `None`: no vector to move towards, and they are left as they were). The
 /// first run keeps at least [`FEEDBACK_TURNS`] for that. The best `k`, best first, and those
 /// under the floor.
 pub fn fuse_with_feedback(
@@ -104,7 +104,7 @@ pub fn fuse_with_feedback(
     fusion: Fusion,
     k: usize,
     ranked: impl Fn(Option<&[(u64, f32)]>, usize) -> (Vec<Scored>, Vec<Scored>),
-    moved: impl FnOnce(&[Scored], &mut Vec<(u64, f32)>) -> bool,
+    moved: impl FnOnce(&[Scored], &mut Vec<(u64, f32)>) -> Option<()>,
 ) -> (Vec<Scored>, Vec<Scored>) {
     let Some(semantic) = semantic else {
         return ranked(None, k);
@@ -113,7 +113,7 @@ pub fn fuse_with_feedback(
         return ranked(Some(semantic), k);
     }
     let (mut hits, under_floor) = ranked(Some(semantic), k.max(FEEDBACK_TURNS));
-    if moved(&hits, semantic) {
+    if moved(&hits, semantic).is_some() {
         return ranked(Some(semantic), k);
     }
     hits.truncate(k);
@@ -219,9 +219,8 @@ pub fn fuse(
         ranked: Vec::new(),
         worst: None,
     };
-    let ranker = ranges.ranker(w);
     candidates.visit(|c| {
-        let candidate = (ranker.rank(&c), c);
+        let candidate = (ranges.rank(&c, w), c);
         if best
             .worst
             .is_none_or(|worst| by_rank(&candidate, &worst).is_le())
@@ -413,17 +412,24 @@ impl Ranges {
         }
     }
 
-    /// Ranks candidates on these ranges with the lexical share `lexical_weight`.
-    fn ranker(&self, lexical_weight: f32) -> Ranker {
-        Ranker {
-            lexical: self.lexical,
-            semantic: self.semantic,
-            lexical_weight,
-            any_semantic: self.semantic.1 >= self.semantic.0,
-            // Most candidates share no word with the question: their lexical part is the
-            // same for all.
-            no_words: scale(0.0, self.lexical),
-        }
+    /// A candidate's ranking score: its lexical and semantic scores each scaled to their
+    /// range among the candidates, then weighed as the fused score is (with no semantic score
+    /// anywhere, the lexical order), plus [`TIME_BONUS`] for a turn of the period the question
+    /// names.
+    #[inline(always)]
+    fn rank(&self, s: &Found, lexical_weight: f32) -> f32 {
+        let lexical = scale(s.lexical, self.lexical);
+        let bonus = if s.when { TIME_BONUS } else { 0.0 };
+        let any_semantic = self.semantic.1 >= self.semantic.0;
+        bonus
+            + match s.semantic {
+                Some(semantic) => {
+                    lexical_weight * lexical
+                        + (1.0 - lexical_weight) * scale(semantic, self.semantic)
+                }
+                None if any_semantic => lexical_weight * lexical,
+                None => lexical,
+            }
     }
 }
 
@@ -431,39 +437,6 @@ impl Ranges {
 #[inline(always)]
 fn scale(v: f32, (lo, hi): (f32, f32)) -> f32 {
     if hi > lo { (v - lo) / (hi - lo) } else { 0.0 }
-}
-
-/// [`Ranges`] made ready to rank.
-struct Ranker {
-    lexical: (f32, f32),
-    semantic: (f32, f32),
-    lexical_weight: f32,
-    any_semantic: bool,
-    /// The lexical score 0 scaled.
-    no_words: f32,
-}
-
-impl Ranker {
-    /// A candidate's ranking score: its lexical and semantic scores each scaled to their
-    /// range among the candidates, then weighed as the fused score is (with no semantic score
-    /// anywhere, the lexical order), plus [`TIME_BONUS`] for a turn of the period the question
-    /// names.
-    #[inline(always)]
-    fn rank(&self, s: &Found) -> f32 {
-        let lexical = if s.lexical == 0.0 {
-            self.no_words
-        } else {
-            scale(s.lexical, self.lexical)
-        };
-        let bonus = if s.when { TIME_BONUS } else { 0.0 };
-        let w = self.lexical_weight;
-        bonus
-            + match s.semantic {
-                Some(semantic) => w * lexical + (1.0 - w) * scale(semantic, self.semantic),
-                None if self.any_semantic => w * lexical,
-                None => lexical,
-            }
-    }
 }
 
 #[cfg(test)]
@@ -742,13 +715,8 @@ mod tests {
                 ranked,
                 |best, similarities| {
                     assert_eq!(best.len(), k.max(FEEDBACK_TURNS));
-                    match moved {
-                        Some(moved) => {
-                            *similarities = moved;
-                            true
-                        }
-                        None => false,
-                    }
+                    *similarities = moved?;
+                    Some(())
                 },
             );
             let turns: Vec<u64> = kept.iter().map(|s| s.turn).collect();

@@ -23,7 +23,7 @@ pub mod when;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use self::hybrid::{Fusion, Scored, fuse, fuse_with_feedback, smooth};
+use self::hybrid::{Fusion, Scored, fuse, fuse_with_feedback};
 use self::index::Index;
 use self::tokenize::{Lang, TextLanguage, detect, terms};
 use self::vectors::DocVectors;
@@ -290,8 +290,7 @@ impl Recall {
         let mut similarities = match (vector, &*vectors) {
             (Some(vector), Some(vectors)) => {
                 let mut similarities = std::mem::take(kept);
-                vectors.similarities_into(vector, &mut similarities);
-                smooth(&mut similarities);
+                vectors.smoothed_into(vector, &mut similarities);
                 Some(similarities)
             }
             _ => None,
@@ -333,18 +332,7 @@ impl Recall {
             query.fusion,
             k,
             ranked,
-            |best, similarities| {
-                let moved = vectors
-                    .as_ref()
-                    .zip(vector)
-                    .and_then(|(vectors, vector)| Some((vectors, vectors.feedback(vector, best)?)));
-                let Some((vectors, moved)) = moved else {
-                    return false;
-                };
-                vectors.similarities_into(&moved, similarities);
-                smooth(similarities);
-                true
-            },
+            |best, similarities| vectors.as_ref()?.feedback_into(vector?, best, similarities),
         );
         // The buffer kept for the next search.
         if let Some(similarities) = similarities {

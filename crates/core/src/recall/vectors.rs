@@ -143,6 +143,27 @@ impl DocVectors {
         );
     }
 
+    /// As [`DocVectors::similarities_into`], each then mixed with its neighbours'
+    /// (`hybrid::smooth`): what hybrid recall ranks on.
+    pub fn smoothed_into(&self, query: &[f32], out: &mut Vec<(u64, f32)>) {
+        self.similarities_into(query, out);
+        super::hybrid::smooth(out);
+    }
+
+    /// Feedback's similarities into `out` ([`DocVectors::smoothed_into`] of `query` moved
+    /// towards the best of `ranked`, [`DocVectors::feedback`]); `None`, `out` left as it was,
+    /// when none of them has a vector.
+    pub fn feedback_into(
+        &self,
+        query: &[f32],
+        ranked: &[super::hybrid::Scored],
+        out: &mut Vec<(u64, f32)>,
+    ) -> Option<()> {
+        let moved = self.feedback(query, ranked)?;
+        self.smoothed_into(&moved, out);
+        Some(())
+    }
+
     /// `query` moved towards the vectors of the best of `ranked` (best first;
     /// `hybrid::feedback`): `None` when none of them has a vector.
     pub fn feedback(&self, query: &[f32], ranked: &[super::hybrid::Scored]) -> Option<Vec<f32>> {
