@@ -16,6 +16,11 @@ RUN scripts/fetch-model.sh /model
 # Build stage: the release binary. Cargo's registry and the target directory live in BuildKit
 # cache mounts, so a rebuild after a source change does not download or recompile dependencies.
 FROM rust:1.95-slim-bookworm AS builder
+# jemalloc, the default allocator, is built from its C sources by tikv-jemalloc-sys, with make,
+# which the slim image lacks (its options come from .cargo/config.toml, copied below).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends make=4.3-4.1 \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \

@@ -4,26 +4,30 @@
 //! allocator returns the freed pages: the memory guard (`memory_guard.rs`) shrinks the caches
 //! under pressure and then calls [`release`]. Chosen at build time by a Cargo feature:
 //!
-//! - `jemalloc`: jemalloc (`tikv-jemallocator`) with background threads that purge freed
-//!   pages after `dirty_decay_ms` (set in `.cargo/config.toml`); [`release`] purges at once.
+//! - `jemalloc` (the default): jemalloc (`tikv-jemallocator`) with two arenas and background
+//!   threads that purge freed pages after `dirty_decay_ms` (set in `.cargo/config.toml`);
+//!   [`release`] purges at once.
+//! - `glibc-trim` (on Linux with glibc, elsewhere it does nothing): glibc's malloc with
+//!   [`GLIBC_ARENAS`] arena and a fixed [`GLIBC_MMAP_THRESHOLD`] ([`configure`]), and
+//!   `malloc_trim(0)` as [`release`].
 //! - `mimalloc`: mimalloc, which returns freed pages on its own after a short delay.
-//! - `glibc-trim` (the default; on Linux with glibc, elsewhere it does nothing): glibc's
-//!   malloc with [`GLIBC_ARENAS`] arena and a fixed [`GLIBC_MMAP_THRESHOLD`] ([`configure`]),
-//!   and `malloc_trim(0)` as [`release`].
 //! - none (`--no-default-features`): glibc's malloc as it comes, and [`release`] does nothing.
 //!
-//! Chosen with the soak (`loadbench --soak --budget-mib 128 --duration 90`, 16 clients over
-//! 20,000 conversations, the release binary of each; README, "Sizing the sidecar"): idle RSS
-//! 59–60 MiB with glibc, 77.6 MiB with jemalloc, 100.7 MiB with mimalloc; under the load, with
-//! glibc's default arenas (up to 8 per core, each keeping what it freed) memory was on for
-//! 0.03% of the requests after the first minute and stayed off after the traffic; with the
-//! trim and two arenas for 24.7%, with one for 66.3% (85.2% from 5 s after the burst), and back
-//! on for every request after 5 s of quiet. Per-thread caches (glibc's tcache) serve most small
-//! allocations without the arena's lock, but not all: measured again with the static embedder
-//! on (README, "Performance"), jemalloc served read-only memory requests with 2.19× less CPU
-//! (glibc's threads wait on the one arena's lock), yet idled 14 MiB higher and got memory for
-//! 0.33% of the soak's requests at the default budget against glibc's 86.6%. Memory held is
-//! what a sidecar is refused on, so glibc stays; the memory path should allocate less.
+//! Chosen with the soak and the request cost beside nginx (README, "Sizing the sidecar" and
+//! "Performance"), the three measured again on 2026-11-27 once the heap that grew under the
+//! soak had been found elsewhere (49901ee). glibc's one arena is a lock every thread takes for
+//! what its small per-thread cache does not hold: under 64 connections about a third of a
+//! read-only memory request's CPU was threads parking on it and waking each other. jemalloc
+//! (a cache per thread, arenas locked per size class) served read-only memory requests with
+//! 1.94× less CPU and 1.96× the throughput, stored ones with 1.48× less CPU, pass-through
+//! level. It idles 2–4 MiB higher (44.9 against 42.9 MiB, static embedder, sled; 21 MiB more
+//! before sled's histograms were made zeroed, `Cargo.toml`) and peaked higher under the soak
+//! (117 against 103 MiB at 128 MiB with Redis), under the high-water mark: the 150 s soaks
+//! passed at 128 MiB with Redis and at the default budget with sled, 100.00% of the requests
+//! after the first minute with memory. Two
+//! arenas rather than jemalloc's four per CPU peaked 2 MiB lower at the same CPU. mimalloc as
+//! it comes idled at 170 MiB and failed the soak at the default budget (memory for 0.01% of
+//! the requests); with eager commit and the purge delay off it idles at 63 MiB (not soaked).
 
 #[cfg(all(feature = "jemalloc", target_os = "linux"))]
 #[global_allocator]
@@ -64,8 +68,8 @@ pub struct Held {
     pub free: u64,
 }
 
-/// The allocator's own figures, where it gives them (glibc with `glibc-trim`); `None` else.
-/// Walks the allocator's free lists under its lock: for a scrape, not a request.
+/// The allocator's own figures, where it gives them (jemalloc; glibc with `glibc-trim`);
+/// `None` else. For a scrape, not a request: glibc walks its free lists under its lock.
 pub fn held() -> Option<Held> {
     imp::held()
 }
@@ -78,8 +82,18 @@ mod imp {
 
     pub fn configure() {}
 
+    /// jemalloc's own counts (built with its statistics): `stats.allocated` in use, and the
+    /// rest of `stats.resident` (its metadata, pages partly used, freed pages not yet purged)
+    /// free. Read after `epoch` is advanced, which refreshes them.
     pub fn held() -> Option<super::Held> {
-        None
+        use tikv_jemalloc_ctl::{epoch, stats};
+        epoch::advance().ok()?;
+        let in_use = stats::allocated::read().ok()? as u64;
+        let resident = stats::resident::read().ok()? as u64;
+        Some(super::Held {
+            in_use,
+            free: resident.saturating_sub(in_use),
+        })
     }
 
     // Writing a control is `unsafe` in tikv-jemalloc-ctl because the value's type must be
@@ -139,27 +153,6 @@ mod imp {
             libc::malloc_trim(0);
         }
     }
-
-    /// With glibc, what a live allocation takes shows in `in_use`, and freeing it lowers it.
-    #[cfg(test)]
-    #[test]
-    fn a_live_allocation_counts_as_in_use() {
-        configure();
-        let before = held().unwrap();
-        // Past the mmap threshold: a block of its own, counted at once whatever the arenas do.
-        let block = std::hint::black_box(vec![7u8; 4 << 20]);
-        let during = held().unwrap();
-        assert!(
-            during.in_use >= before.in_use + (4 << 20) - (64 << 10),
-            "{before:?} {during:?}"
-        );
-        drop(block);
-        let after = held().unwrap();
-        assert!(
-            after.in_use + (4 << 20) <= during.in_use + (64 << 10),
-            "{during:?} {after:?}"
-        );
-    }
 }
 
 /// Any other allocator (mimalloc returns pages on its own; the system's as it comes): nothing
@@ -178,5 +171,46 @@ mod imp {
     pub fn release() {}
     pub fn held() -> Option<super::Held> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The options `.cargo/config.toml` sets are the ones built in (a build that missed the
+    /// file would run jemalloc's eight arenas per two CPUs and purge after ten seconds).
+    #[cfg(all(feature = "jemalloc", target_os = "linux"))]
+    #[test]
+    fn jemalloc_runs_with_the_configured_options() {
+        use tikv_jemalloc_ctl::opt;
+        assert_eq!(opt::narenas::read().unwrap(), 2);
+        assert!(opt::background_thread::read().unwrap());
+    }
+
+    /// With an allocator that gives its figures (the default build's jemalloc, or glibc with
+    /// `glibc-trim`), what a live allocation takes shows in `in_use`, and freeing it lowers it.
+    #[test]
+    fn a_live_allocation_counts_as_in_use() {
+        super::configure();
+        #[cfg(all(feature = "jemalloc", target_os = "linux"))]
+        assert!(
+            super::held().is_some(),
+            "jemalloc gives its figures (built with its statistics)"
+        );
+        let Some(before) = super::held() else {
+            return;
+        };
+        // Past the mmap threshold and jemalloc's thread caches: counted at once.
+        let block = std::hint::black_box(vec![7u8; 4 << 20]);
+        let during = super::held().unwrap();
+        assert!(
+            during.in_use >= before.in_use + (4 << 20) - (64 << 10),
+            "{before:?} {during:?}"
+        );
+        drop(block);
+        let after = super::held().unwrap();
+        assert!(
+            after.in_use + (4 << 20) <= during.in_use + (64 << 10),
+            "{during:?} {after:?}"
+        );
     }
 }

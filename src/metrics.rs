@@ -692,7 +692,7 @@ impl AdmissionMetrics {
         );
         registry.register_with_unit(
             "allocator",
-            "What the allocator holds, by state: in_use (handed out to memproxy) and free (kept for later: RSS that is neither memproxy's nor given back). With glibc's malloc (the default build) only",
+            "What the allocator holds, by state: in_use (handed out to memproxy) and free (kept for later: RSS that is neither memproxy's nor given back). With jemalloc (the default build) or glibc's malloc (`glibc-trim`)",
             Unit::Bytes,
             metrics.allocator.clone(),
         );

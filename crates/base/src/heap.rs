@@ -5,8 +5,9 @@
 //! many small allocations (a posting list per term, three strings per key) that is half as much
 //! again. Measured with the soak (`loadbench --soak`, 10,000 conversations): the state and
 //! recall caches, weighed by requested bytes, took 1.5 times their configured size in RSS.
-//! These functions count what the allocator hands out instead: glibc's by default, jemalloc's
-//! size classes when memproxy is built with it (the `jemalloc` feature, `src/allocator.rs`).
+//! These functions count what the allocator hands out instead: jemalloc's size classes when
+//! memproxy is built with it (its `jemalloc` feature, the default: `src/allocator.rs`), glibc's
+//! chunks otherwise.
 
 use std::mem::size_of;
 
