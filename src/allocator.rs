@@ -4,9 +4,9 @@
 //! allocator returns the freed pages: the memory guard (`memory_guard.rs`) shrinks the caches
 //! under pressure and then calls [`release`]. Chosen at build time by a Cargo feature:
 //!
-//! - `jemalloc` (the default): jemalloc (`tikv-jemallocator`) with two arenas and background
-//!   threads that purge freed pages after `dirty_decay_ms` (set in `.cargo/config.toml`);
-//!   [`release`] purges at once.
+//! - `jemalloc` (the default): jemalloc (`tikv-jemallocator`) with one arena, small thread
+//!   caches and background threads that purge freed pages after `dirty_decay_ms` (its options
+//!   in `.cargo/config.toml`); [`release`] purges at once.
 //! - `glibc-trim` (on Linux with glibc, elsewhere it does nothing): glibc's malloc with
 //!   [`GLIBC_ARENAS`] arena and a fixed [`GLIBC_MMAP_THRESHOLD`] ([`configure`]), and
 //!   `malloc_trim(0)` as [`release`].
@@ -17,17 +17,15 @@
 //! "Performance"), the three measured again on 2026-11-27 once the heap that grew under the
 //! soak had been found elsewhere (49901ee). glibc's one arena is a lock every thread takes for
 //! what its small per-thread cache does not hold: under 64 connections about a third of a
-//! read-only memory request's CPU was threads parking on it and waking each other. jemalloc
-//! (a cache per thread, arenas locked per size class) served read-only memory requests with
-//! 1.94× less CPU and 1.96× the throughput, stored ones with 1.48× less CPU, pass-through
-//! level. It idles 2–4 MiB higher (44.9 against 42.9 MiB, static embedder, sled; 21 MiB more
-//! before sled's histograms were made zeroed, `Cargo.toml`) and peaked higher under the soak
-//! (117 against 103 MiB at 128 MiB with Redis), under the high-water mark: the 150 s soaks
-//! passed at 128 MiB with Redis and at the default budget with sled, 100.00% of the requests
-//! after the first minute with memory. Two
-//! arenas rather than jemalloc's four per CPU peaked 2 MiB lower at the same CPU. mimalloc as
-//! it comes idled at 170 MiB and failed the soak at the default budget (memory for 0.01% of
-//! the requests); with eager commit and the purge delay off it idles at 63 MiB (not soaked).
+//! read-only memory request's CPU was threads parking on it and waking each other. jemalloc as
+//! configured served read-only memory requests with 1.86× less CPU (1.88× the throughput),
+//! stored ones with 1.37× less (1.36×), pass-through with a little more (32 against 30 µs a
+//! request). It holds a little more than glibc under the soak at the default budget with sled
+//! (131 against about 127 MiB at 240,000 requests); with two arenas and jemalloc's own thread
+//! caches it was 157, with two arenas and small caches 142. It idles 2–4 MiB higher (44.9 against 42.9 MiB, static embedder,
+//! sled, once sled's histograms were made zeroed: `Cargo.toml`). mimalloc as it comes idled at
+//! 170 MiB and failed the soak at the default budget (memory for 0.01% of the requests); with
+//! eager commit and the purge delay off it idles at 63 MiB (not soaked).
 
 #[cfg(all(feature = "jemalloc", target_os = "linux"))]
 #[global_allocator]
@@ -177,13 +175,14 @@ mod imp {
 #[cfg(test)]
 mod tests {
     /// The options `.cargo/config.toml` sets are the ones built in (a build that missed the
-    /// file would run jemalloc's eight arenas per two CPUs and purge after ten seconds).
+    /// file would run four arenas per CPU, larger thread caches, and purge after ten seconds).
     #[cfg(all(feature = "jemalloc", target_os = "linux"))]
     #[test]
     fn jemalloc_runs_with_the_configured_options() {
         use tikv_jemalloc_ctl::opt;
-        assert_eq!(opt::narenas::read().unwrap(), 2);
+        assert_eq!(opt::narenas::read().unwrap(), 1);
         assert!(opt::background_thread::read().unwrap());
+        assert_eq!(opt::tcache_max::read().unwrap(), 4096);
     }
 
     /// With an allocator that gives its figures (the default build's jemalloc, or glibc with
