@@ -22,10 +22,11 @@
 //! stored ones with 1.37× less (1.36×), pass-through with a little more (32 against 30 µs a
 //! request). It holds a little more than glibc under the soak at the default budget with sled
 //! (131 against about 127 MiB at 240,000 requests); with two arenas and jemalloc's own thread
-//! caches it was 157, with two arenas and small caches 142. It idles 2–4 MiB higher (44.9 against 42.9 MiB, static embedder,
-//! sled, once sled's histograms were made zeroed: `Cargo.toml`). mimalloc as it comes idled at
-//! 170 MiB and failed the soak at the default budget (memory for 0.01% of the requests); with
-//! eager commit and the purge delay off it idles at 63 MiB (not soaked).
+//! caches it was 157, with two arenas and small caches 142. It idles 2–4 MiB higher (44.9
+//! against 42.9 MiB, static embedder, sled, once sled's histograms were made zeroed:
+//! `Cargo.toml`). mimalloc as it comes idled at 170 MiB and failed the soak at the default
+//! budget (memory for 0.01% of the requests); with eager commit and the purge delay off it
+//! idles at 63 MiB (not soaked).
 
 #[cfg(all(feature = "jemalloc", target_os = "linux"))]
 #[global_allocator]
