@@ -26,7 +26,7 @@
 
 pub mod render;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -65,31 +65,87 @@ pub const REPLAYED_HEADERS: &[&str] = &[
 /// settings, the outcome (measured on receipts of small prompts, rounded up).
 const FIXED_BYTES: usize = 2048;
 
-/// What the index takes per receipt besides its id: a slot in its conversation's list and a
-/// share of the map's table and key (rounded up).
+/// What the bookkeeping takes per receipt besides its id: a slot in the map, in the order
+/// kept and in its conversation's list, and a share of their tables (rounded up).
 const INDEX_BYTES: usize = 64;
 
-/// The ids of the kept receipts, by conversation: what a delete drops.
-type Index = Arc<Mutex<HashMap<ConversationKey, Vec<String>>>>;
-
-/// The receipts of this process (cloned cheaply: the clones share the cache).
+/// The receipts of this process (cloned cheaply: the clones share what is kept).
 #[derive(Clone)]
 pub struct Receipts {
-    cache: Option<moka::sync::Cache<String, Arc<Receipt>>>,
-    /// Every kept receipt's id under its conversation: added before the receipt is cached,
-    /// removed by the cache's eviction listener whenever it goes (expired, pushed out,
-    /// dropped). Never locked while the cache is called, as the listener locks it.
-    index: Index,
+    kept: Option<Arc<Mutex<Kept>>>,
     retention: Duration,
     /// `receipts.max_bytes`, and the limit the memory guard holds the receipts to now
     /// ([`Shrink`]).
     limits: Arc<Limit>,
 }
 
+/// The kept receipts: by id, in the order kept (which is the order they go in, oldest first:
+/// past the size or the retention), and by conversation (what a delete drops). One lock, held
+/// only for a few map operations: a receipt is kept once per exchange and read rarely.
+#[derive(Default)]
+struct Kept {
+    by_id: HashMap<String, (Instant, Arc<Receipt>)>,
+    /// Ids oldest first; one forgotten (its conversation deleted) is skipped when it comes up.
+    order: VecDeque<String>,
+    by_conversation: HashMap<ConversationKey, VecDeque<Arc<Receipt>>>,
+    bytes: u64,
+}
+
+impl Kept {
+    /// Lets go of the oldest receipt; false when none is left.
+    fn pop_oldest(&mut self) -> bool {
+        let Some(id) = self.order.pop_front() else {
+            return false;
+        };
+        if let Some((_, receipt)) = self.by_id.remove(&id) {
+            self.bytes = self.bytes.saturating_sub(receipt.weight as u64);
+            if let Some(list) = self.by_conversation.get_mut(&receipt.key) {
+                // The oldest overall is its conversation's oldest: nearly always the first.
+                if let Some(at) = list.iter().position(|kept| Arc::ptr_eq(kept, &receipt)) {
+                    list.remove(at);
+                }
+                if list.is_empty() {
+                    self.by_conversation.remove(&receipt.key);
+                }
+            }
+        }
+        true
+    }
+
+    /// Lets go of the receipts kept longer than `retention`.
+    fn expire(&mut self, retention: Duration, now: Instant) {
+        while let Some(id) = self.order.front() {
+            match self.by_id.get(id) {
+                Some((at, _)) if now.duration_since(*at) < retention => break,
+                _ => {
+                    self.pop_oldest();
+                }
+            }
+        }
+    }
+
+    /// Lets go of the oldest receipts until they weigh at most `target` bytes; returns the
+    /// bytes let go of.
+    fn evict_to(&mut self, target: u64) -> u64 {
+        let before = self.bytes;
+        while self.bytes > target && self.pop_oldest() {}
+        before - self.bytes
+    }
+
+    /// Drops the receipts in `list` (their conversation is deleted).
+    fn forget(&mut self, list: VecDeque<Arc<Receipt>>) {
+        for receipt in list {
+            if self.by_id.remove(&receipt.id).is_some() {
+                self.bytes = self.bytes.saturating_sub(receipt.weight as u64);
+            }
+        }
+    }
+}
+
 impl std::fmt::Debug for Receipts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Receipts")
-            .field("enabled", &self.cache.is_some())
+            .field("enabled", &self.kept.is_some())
             .field("retention", &self.retention)
             .finish_non_exhaustive()
     }
@@ -97,27 +153,9 @@ impl std::fmt::Debug for Receipts {
 
 impl Receipts {
     pub fn new(config: &ReceiptsConfig) -> Receipts {
-        let index = Index::default();
-        let listened = Arc::clone(&index);
-        let cache = config.enabled.then(|| {
-            moka::sync::Cache::builder()
-                .max_capacity(config.max_bytes.max(1))
-                .time_to_live(config.retention)
-                // The newest receipts are the ones asked for: past the size, the least
-                // recently used goes (not a frequency guess that could refuse a new one).
-                .eviction_policy(moka::policy::EvictionPolicy::lru())
-                .weigher(|_id: &String, receipt: &Arc<Receipt>| {
-                    u32::try_from(receipt.weight).unwrap_or(u32::MAX)
-                })
-                .eviction_listener(move |id: Arc<String>, receipt: Arc<Receipt>, _| {
-                    unindex(&listened, &receipt.key, &id);
-                })
-                .build()
-        });
         let capacity = if config.enabled { config.max_bytes } else { 0 };
         Receipts {
-            cache,
-            index,
+            kept: config.enabled.then(Arc::default),
             retention: config.retention,
             limits: Arc::new(Limit::new(capacity)),
         }
@@ -125,82 +163,93 @@ impl Receipts {
 
     /// True when receipts are kept.
     pub fn enabled(&self) -> bool {
-        self.cache.is_some()
+        self.kept.is_some()
     }
 
-    /// Keeps a receipt; it can be read until the retention passes, newer ones push it out, or
-    /// its conversation is deleted.
+    fn kept(&self) -> Option<std::sync::MutexGuard<'_, Kept>> {
+        let mut kept = lock(self.kept.as_ref()?);
+        kept.expire(self.retention, Instant::now());
+        Some(kept)
+    }
+
+    /// Keeps a receipt; it can be read until the retention passes, newer ones push it out
+    /// (the oldest go first past the size, or the lower limit the memory guard holds the
+    /// receipts to), or its conversation is deleted.
     pub fn insert(&self, receipt: Arc<Receipt>) {
-        if let Some(cache) = &self.cache {
-            // Indexed first: the listener that takes it out again may run as soon as the
-            // receipt is in the cache.
-            lock(&self.index)
-                .entry(receipt.key.clone())
-                .or_default()
-                .push(receipt.id.clone());
-            cache.insert(receipt.id.clone(), receipt);
+        let Some(mut kept) = self.kept() else {
+            return;
+        };
+        let weight = receipt.weight as u64;
+        if weight > self.limit() {
+            return;
         }
+        kept.bytes += weight;
+        kept.order.push_back(receipt.id.clone());
+        kept.by_conversation
+            .entry(receipt.key.clone())
+            .or_default()
+            .push_back(Arc::clone(&receipt));
+        kept.by_id
+            .insert(receipt.id.clone(), (Instant::now(), receipt));
+        let limit = self.limit();
+        kept.evict_to(limit);
     }
 
     /// The receipt `id`, while it is kept.
     pub fn get(&self, id: &str) -> Option<Arc<Receipt>> {
-        self.cache.as_ref()?.get(id)
+        let kept = self.kept()?;
+        kept.by_id.get(id).map(|(_, receipt)| Arc::clone(receipt))
     }
 
     /// The kept receipts of the conversation `key`, newest first, at most `limit`.
     pub fn of_conversation(&self, key: &ConversationKey, limit: usize) -> Vec<Arc<Receipt>> {
-        let Some(cache) = &self.cache else {
+        let Some(kept) = self.kept() else {
             return Vec::new();
         };
-        // Copied out first: the cache is never called with the index locked.
-        let ids = lock(&self.index).get(key).cloned().unwrap_or_default();
-        let mut kept: Vec<Arc<Receipt>> = ids.iter().rev().filter_map(|id| cache.get(id)).collect();
-        kept.sort_by_key(|receipt| std::cmp::Reverse(receipt.created_ms));
-        kept.truncate(limit);
-        kept
+        let mut found: Vec<Arc<Receipt>> = kept
+            .by_conversation
+            .get(key)
+            .map(|list| list.iter().rev().cloned().collect())
+            .unwrap_or_default();
+        drop(kept);
+        found.sort_by_key(|receipt| std::cmp::Reverse(receipt.created_ms));
+        found.truncate(limit);
+        found
     }
 
     /// Drops the receipts of the conversation `key` (deleted): from now on they are unknown.
     pub fn forget_conversation(&self, key: &ConversationKey) {
-        let ids = lock(&self.index).remove(key).unwrap_or_default();
-        self.invalidate(ids);
+        if let Some(mut kept) = self.kept() {
+            let list = kept.by_conversation.remove(key).unwrap_or_default();
+            kept.forget(list);
+        }
     }
 
     /// Drops the receipts of every conversation of `tenant` (deleted).
     pub fn forget_tenant(&self, tenant: &TenantId) {
-        let mut ids = Vec::new();
-        lock(&self.index).retain(|key, kept| {
-            let gone = key.tenant == *tenant;
-            if gone {
-                ids.append(kept);
-            }
-            !gone
-        });
-        self.invalidate(ids);
-    }
-
-    fn invalidate(&self, ids: Vec<String>) {
-        if let Some(cache) = &self.cache {
-            for id in ids {
-                cache.invalidate(&id);
+        if let Some(mut kept) = self.kept() {
+            let mut lists = Vec::new();
+            kept.by_conversation.retain(|key, list| {
+                let gone = key.tenant == *tenant;
+                if gone {
+                    lists.push(std::mem::take(list));
+                }
+                !gone
+            });
+            for list in lists {
+                kept.forget(list);
             }
         }
     }
 
-    /// Bytes the kept receipts take (their weights), after pending evictions.
+    /// Bytes the kept receipts take (their weights).
     pub fn weighted_size(&self) -> u64 {
-        self.cache.as_ref().map_or(0, |cache| {
-            cache.run_pending_tasks();
-            cache.weighted_size()
-        })
+        self.kept().map_or(0, |kept| kept.bytes)
     }
 
     /// Receipts kept now.
     pub fn len(&self) -> u64 {
-        self.cache.as_ref().map_or(0, |cache| {
-            cache.run_pending_tasks();
-            cache.entry_count()
-        })
+        self.kept().map_or(0, |kept| kept.by_id.len() as u64)
     }
 
     /// True when none is kept.
@@ -380,26 +429,7 @@ impl Shrink for Receipts {
     }
 
     fn evict_to(&self, target: u64) -> u64 {
-        let Some(cache) = &self.cache else {
-            return 0;
-        };
-        let size = self.weighted_size();
-        if size <= target {
-            return 0;
-        }
-        let mut kept: Vec<Arc<Receipt>> = cache.iter().map(|(_, receipt)| receipt).collect();
-        kept.sort_unstable_by_key(|receipt| receipt.created_ms);
-        let mut freed = 0u64;
-        for receipt in kept {
-            if size.saturating_sub(freed) <= target {
-                break;
-            }
-            if cache.remove(&receipt.id).is_some() {
-                freed += receipt.weight as u64;
-            }
-        }
-        cache.run_pending_tasks();
-        freed
+        self.kept().map_or(0, |mut kept| kept.evict_to(target))
     }
 }
 
@@ -552,17 +582,6 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Takes the receipt `id` of `key` out of the index (it left the cache).
-fn unindex(index: &Mutex<HashMap<ConversationKey, Vec<String>>>, key: &ConversationKey, id: &str) {
-    let mut index = lock(index);
-    if let Some(ids) = index.get_mut(key) {
-        ids.retain(|kept| kept != id);
-        if ids.is_empty() {
-            index.remove(key);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -606,7 +625,8 @@ mod tests {
     }
 
     fn indexed(receipts: &Receipts) -> usize {
-        lock(&receipts.index).values().map(Vec::len).sum()
+        let kept = lock(receipts.kept.as_ref().unwrap());
+        kept.by_conversation.values().map(VecDeque::len).sum()
     }
 
     #[test]
@@ -637,6 +657,49 @@ mod tests {
         let kept = receipts.len();
         assert!(kept <= 2, "{kept}");
         assert_eq!(indexed(&receipts) as u64, kept);
+    }
+
+    #[test]
+    fn the_oldest_go_first_past_the_size_the_limit_or_the_retention() {
+        let weight = receipt_of("sk-a", "c").weight() as u64;
+        let receipts = receipts(16 * weight);
+        let all: Vec<_> = (0..16)
+            .map(|i| receipt_of("sk-a", &format!("c{}", i % 3)))
+            .collect();
+        for receipt in &all {
+            receipts.insert(Arc::clone(receipt));
+        }
+        assert_eq!(receipts.len(), 16);
+        assert_eq!(receipts.weighted_size(), 16 * weight);
+        // The memory guard holds them to three: the thirteen oldest go, now and on insert.
+        assert_eq!(receipts.limit_to(3 * weight), 13 * weight);
+        assert!(all[..13].iter().all(|r| receipts.get(&r.id).is_none()));
+        assert!(all[13..].iter().all(|r| receipts.get(&r.id).is_some()));
+        let newer = receipt_of("sk-a", "c0");
+        receipts.insert(Arc::clone(&newer));
+        assert_eq!(receipts.len(), 3);
+        assert!(receipts.get(&all[13].id).is_none() && receipts.get(&newer.id).is_some());
+        assert_eq!(indexed(&receipts), 3);
+        let listed = receipts.of_conversation(&newer.key, 10);
+        assert!(
+            listed.iter().any(|r| Arc::ptr_eq(r, &newer)),
+            "listed with its conversation"
+        );
+
+        let brief = Receipts::new(&ReceiptsConfig {
+            enabled: true,
+            retention: Duration::from_millis(20),
+            max_bytes: 1 << 20,
+        });
+        let old = receipt_of("sk-a", "c");
+        brief.insert(Arc::clone(&old));
+        assert!(brief.get(&old.id).is_some());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(brief.get(&old.id).is_none(), "past the retention");
+        assert_eq!(
+            (brief.len(), brief.weighted_size(), indexed(&brief)),
+            (0, 0, 0)
+        );
     }
 
     #[test]

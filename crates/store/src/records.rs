@@ -198,6 +198,22 @@ pub fn transcript_line(message: &StoredMessage) -> String {
         .ok()
         .and_then(|t| t.format(&Rfc3339).ok())
         .unwrap_or_else(|| "unknown time".to_string());
+    // Most stored messages are plain text with nothing else to show: read just that, borrowed
+    // where it has no escapes, instead of a map of every field (this runs for every recalled
+    // turn of every request).
+    if let Ok(plain) = serde_json::from_str::<Plain<'_>>(message.message.get())
+        && plain.tool_calls.is_none()
+        && plain.tool_call_id.is_none()
+        && plain.name.is_none()
+        && message.role != Role::Tool
+    {
+        let text = plain.content.unwrap_or_default();
+        return format!(
+            "[earlier turn #{} at {at}] {}: {text}",
+            message.turn,
+            message.role.as_str()
+        );
+    }
     let object: Map<String, Value> =
         serde_json::from_str(message.message.get()).unwrap_or_default();
     let mut text = match object.get("content") {
@@ -247,6 +263,20 @@ pub fn transcript_line(message: &StoredMessage) -> String {
         },
     };
     format!("[earlier turn #{} at {at}] {who}: {text}", message.turn)
+}
+
+/// A stored message whose content is a string (or absent), for [`transcript_line`]: any other
+/// content (a list of parts) fails to read as this and takes the general way.
+#[derive(Deserialize)]
+struct Plain<'a> {
+    #[serde(borrow, default)]
+    content: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    tool_calls: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tool_call_id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    name: Option<&'a RawValue>,
 }
 
 /// What the request path needs of one stored message, kept in memory per conversation.
@@ -528,6 +558,72 @@ impl SummaryRecord {
             format!("{range} heuristic")
         } else {
             range
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(role: Role, json: &str) -> StoredMessage {
+        StoredMessage {
+            turn: 7,
+            role,
+            origin: Origin::Client,
+            at_ms: 1_700_000_000_000,
+            tokens: 1,
+            fingerprint: 0,
+            message: RawValue::from_string(json.to_string()).unwrap(),
+        }
+    }
+
+    #[test]
+    fn transcript_lines_read_plain_and_structured_messages_alike() {
+        let at = "[earlier turn #7 at 2023-11-14T22:13:20Z]";
+        let cases = [
+            (
+                Role::User,
+                r#"{"role":"user","content":"I drive a silver Volvo."}"#,
+                "user: I drive a silver Volvo.",
+            ),
+            (
+                Role::User,
+                r#"{"role":"user","content":"a \"quoted\" line\nand a second"}"#,
+                "user: a \"quoted\" line\nand a second",
+            ),
+            (
+                Role::Assistant,
+                r#"{"role":"assistant","content":null}"#,
+                "assistant: ",
+            ),
+            (
+                Role::User,
+                r#"{"role":"user","name":"ann","content":"hello"}"#,
+                "user (ann): hello",
+            ),
+            (
+                Role::User,
+                r#"{"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"x"}}]}"#,
+                "user: look [1 non-text part(s)]",
+            ),
+            (
+                Role::Assistant,
+                r#"{"role":"assistant","content":"","tool_calls":[{"id":"c1","type":"function","function":{"name":"get","arguments":"{}"}}]}"#,
+                "assistant: [called get({})]",
+            ),
+            (
+                Role::Tool,
+                r#"{"role":"tool","tool_call_id":"c1","content":"42"}"#,
+                "tool result for c1: 42",
+            ),
+        ];
+        for (role, json, want) in cases {
+            assert_eq!(
+                transcript_line(&stored(role, json)),
+                format!("{at} {want}"),
+                "{json}"
+            );
         }
     }
 }

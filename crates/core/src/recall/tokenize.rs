@@ -7,7 +7,7 @@
 //! Japanese have no spaces between words, so their runs become overlapping character bigrams
 //! (and single characters for one-character runs), the usual way to search them with BM25.
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use bm25::{DefaultTokenizer, Language, Tokenizer};
 
@@ -232,12 +232,149 @@ fn emit(run: &str, script: Script, latin: Option<Lang>, out: &mut Vec<String>) {
     let tokenizer = match (script, latin) {
         (Script::Cjk, _) => return cjk_terms(run, out),
         (_, None) | (Script::Other | Script::Neutral, _) => plain_tokenizer(),
+        (Script::Latin, Some(lang)) if run.is_ascii() => return ascii_terms(run, lang, out),
         (Script::Latin, Some(lang)) => tokenizer_for(lang),
         (Script::Cyrillic, Some(_)) => tokenizer_for(Lang::Russian),
         (Script::Greek, Some(_)) => tokenizer_for(Lang::Greek),
         (Script::Arabic, Some(_)) => tokenizer_for(Lang::Arabic),
     };
     out.extend(tokenizer.tokenize(run));
+}
+
+/// The terms of an ASCII run, as the `bm25` tokenizer for `lang` makes them (the same words,
+/// checked against it by a property test below), without its cost per word: a word's term
+/// (its stem, or none for a stopword) is looked up in [`TERMS`] and made by the tokenizer only
+/// the first time. Stored messages and questions repeat their words, and the tokenizer's
+/// Unicode segmentation, stopword set and stemmer were most of what indexing a message took.
+fn ascii_terms(run: &str, lang: Lang, out: &mut Vec<String>) {
+    let mut lower = String::new();
+    for word in ascii_words(run) {
+        lower.clear();
+        lower.extend(word.bytes().map(|b| char::from(b.to_ascii_lowercase())));
+        TERMS.push(lang, &lower, out);
+    }
+}
+
+/// What the word-boundary rules of Unicode's UAX #29 (as the `unicode-segmentation` crate
+/// applies them for `bm25`) make of ASCII text: the words that hold a letter or a digit.
+/// Letters, digits and `_` join; `.` `'` `:` join letters on both sides (`e.g`, `can't`);
+/// `.` `'` `,` `;` join digits on both sides (`3.14`, `1,000`).
+fn ascii_words(text: &str) -> impl Iterator<Item = &str> {
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Class {
+        Letter,
+        Digit,
+        Underscore,
+        /// `:` (MidLetter).
+        MidLetter,
+        /// `.` and `'` (MidNumLet, Single_Quote).
+        MidNumLet,
+        /// `,` and `;` (MidNum).
+        MidNum,
+        Other,
+    }
+    fn class(b: u8) -> Class {
+        match b {
+            b'a'..=b'z' | b'A'..=b'Z' => Class::Letter,
+            b'0'..=b'9' => Class::Digit,
+            b'_' => Class::Underscore,
+            b':' => Class::MidLetter,
+            b'.' | b'\'' => Class::MidNumLet,
+            b',' | b';' => Class::MidNum,
+            _ => Class::Other,
+        }
+    }
+    let bytes = text.as_bytes();
+    let at = |i: usize| bytes.get(i).map_or(Class::Other, |b| class(*b));
+    // No boundary between bytes i - 1 and i.
+    let joined = move |i: usize| {
+        use Class::*;
+        let (before, prev, cur, next) = (
+            if i >= 2 { at(i - 2) } else { Other },
+            at(i - 1),
+            at(i),
+            at(i + 1),
+        );
+        let mid_letter = |c| matches!(c, MidLetter | MidNumLet);
+        let mid_num = |c| matches!(c, MidNum | MidNumLet);
+        match (prev, cur) {
+            (Letter | Digit, Letter | Digit) => true,
+            (Letter | Digit | Underscore, Underscore) | (Underscore, Letter | Digit) => true,
+            (Letter, c) if mid_letter(c) => next == Letter,
+            (p, Letter) if mid_letter(p) => before == Letter,
+            (Digit, c) if mid_num(c) => next == Digit,
+            (p, Digit) if mid_num(p) => before == Digit,
+            _ => false,
+        }
+    };
+    let mut start = 0;
+    let mut i = 1;
+    std::iter::from_fn(move || {
+        while start < bytes.len() {
+            while i < bytes.len() && joined(i) {
+                i += 1;
+            }
+            let word = &text[start..i];
+            start = i;
+            i += 1;
+            if word.bytes().any(|b| b.is_ascii_alphanumeric()) {
+                return Some(word);
+            }
+        }
+        None
+    })
+}
+
+/// Each word's term, by language: the `bm25` tokenizer's output for the word alone, kept once
+/// made. Sixteen shards a language under their own locks, each emptied when it reaches its
+/// size (under 1 MiB a language in use when full).
+static TERMS: Terms = Terms {
+    shards: [const { [const { Mutex::new(None) }; TERM_SHARDS] }; LANGS.len()],
+};
+
+const TERM_SHARDS: usize = 16;
+const TERMS_PER_SHARD: usize = 1024;
+
+/// Words to their term (`None`: a stopword).
+type TermShard = std::collections::HashMap<Box<str>, Option<Box<str>>>;
+
+struct Terms {
+    shards: [[Mutex<Option<TermShard>>; TERM_SHARDS]; LANGS.len()],
+}
+
+impl Terms {
+    /// Adds the term of `word` (ASCII, lower case) in `lang` to `out`: none for a stopword.
+    fn push(&self, lang: Lang, word: &str, out: &mut Vec<String>) {
+        use std::hash::BuildHasher;
+        static SEED: std::sync::LazyLock<std::hash::RandomState> =
+            std::sync::LazyLock::new(std::hash::RandomState::new);
+        let by_lang = &self.shards[LANGS.iter().position(|(_, l)| *l == lang).unwrap_or(3)];
+        let shard = &by_lang[(SEED.hash_one(word) as usize) % TERM_SHARDS];
+        if let Some(found) = lock(shard).as_ref().and_then(|map| map.get(word)) {
+            out.extend(found.as_deref().map(str::to_string));
+            return;
+        }
+        let mut made = tokenizer_for(lang).tokenize(word);
+        if made.len() > 1 {
+            // Not one word after all (never seen): the tokenizer's terms, not kept.
+            out.append(&mut made);
+            return;
+        }
+        let term = made.pop();
+        let mut shard = lock(shard);
+        let map = shard.get_or_insert_with(TermShard::new);
+        if map.len() >= TERMS_PER_SHARD {
+            map.clear();
+        }
+        map.insert(Box::from(word), term.as_deref().map(Box::from));
+        out.extend(term);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Overlapping bigrams of each run of CJK characters; a lone character stands for itself.
@@ -272,6 +409,63 @@ fn cjk_terms(run: &str, out: &mut Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the `bm25` tokenizer alone makes of a run (the way before [`ascii_terms`]).
+    fn by_bm25(run: &str, lang: Lang) -> Vec<String> {
+        tokenizer_for(lang).tokenize(run)
+    }
+
+    #[test]
+    fn ascii_words_split_as_unicode_does() {
+        let cases = [
+            "e.g. can't 3.14 1,000 a:b a..b x_y _ __ _a a_ v1.2 1;2 a;b a,b 'quoted' x.1 1.x",
+            "Don't stop: the U.S.A. had 12,500.75 units; ids AC-99812 and foo__bar__ ok...",
+            "  	
+ leading and trailing  ",
+            "",
+            "...,;:'_",
+        ];
+        for case in cases {
+            for lang in [Lang::English, Lang::German, Lang::French] {
+                let mut fast = Vec::new();
+                ascii_terms(case, lang, &mut fast);
+                assert_eq!(fast, by_bm25(case, lang), "{case:?} in {lang:?}");
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn ascii_terms_are_the_bm25_tokenizers(
+            text in r#"[a-zA-Z0-9_.:',; "!?()/\n-]{0,60}"#,
+            words in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    "the", "running", "runners", "I", "can't", "U.S.", "3.14", "1,000", "a:b",
+                    "e.g.", "_x", "x_", "it's", "Volvo", "automobile", "don't", "12th", "ok",
+                ]),
+                0..12,
+            ),
+            joiners in proptest::collection::vec(
+                proptest::sample::select(vec![" ", ".", "'", ",", ":", ";", "_", "-", "", "  "]),
+                12,
+            ),
+        ) {
+            let mut built = text.clone();
+            for (word, joiner) in words.iter().zip(&joiners) {
+                built.push_str(joiner);
+                built.push_str(word);
+            }
+            for case in [&text, &built] {
+                let mut fast = Vec::new();
+                ascii_terms(case, Lang::English, &mut fast);
+                proptest::prop_assert_eq!(&fast, &by_bm25(case, Lang::English), "{:?}", case);
+                // A second time, from what was kept.
+                let mut again = Vec::new();
+                ascii_terms(case, Lang::English, &mut again);
+                proptest::prop_assert_eq!(&again, &fast);
+            }
+        }
+    }
 
     #[test]
     fn english_is_stemmed_and_stopwords_dropped() {
