@@ -34,9 +34,11 @@
 # PERF_CALL_GRAPH="--call-graph dwarf,8192" for stacks through code without frame pointers
 # (build with CARGO_PROFILE_RELEASE_STRIP=none, in a target dir of its own, to see names).
 # Needs: nginx, wrk, curl, python3 (apt-get install nginx wrk curl python3); a release build
-# (`cargo build --release`). Every address is on 127.0.0.1; every load loop ends after DURATION.
-# Run as root, the measured processes get `nice -n -15` (elsewhere they run at the usual
-# priority).
+# (`cargo build --release`); the embedding model where memproxy looks for it
+# (`scripts/fetch-model.sh`, then `memproxy model distill`), else the memory rows recall by
+# words alone and the script warns. Every address is on 127.0.0.1; every load loop ends after
+# DURATION. Run as root, the measured processes get `nice -n -15` (elsewhere they run at the
+# usual priority).
 set -euo pipefail
 
 rounds=5
@@ -65,7 +67,7 @@ while [ $# -gt 0 ]; do
         --budget) budget=$2; shift 2 ;;
         --extra) extra=$2; shift 2 ;;
         --baseline-extra) baseline_extra=$2; shift 2 ;;
-        -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
         *) echo "perf.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -177,7 +179,16 @@ EOF
     pid_of[$1]=$!
     pids+=($!)
     for _ in $(seq 100); do
-        curl -fs "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && return 0
+        if ready=$(curl -fs "http://127.0.0.1:$port/readyz" 2>/dev/null); then
+            # A binary that found no model recalls by words alone: the memory rows would not
+            # measure the default (a fresh checkout needs scripts/fetch-model.sh and
+            # `memproxy model distill`).
+            case "$ready" in
+                *'"embedder_reason"'*)
+                    echo "perf.sh: warning: memproxy $1 recalls by words alone: $ready" >&2 ;;
+            esac
+            return 0
+        fi
         sleep 0.1
     done
     echo "perf.sh: memproxy $1 did not start:" >&2; cat "$dir/$1/log" >&2; exit 1
