@@ -67,7 +67,7 @@ while [ $# -gt 0 ]; do
         --budget) budget=$2; shift 2 ;;
         --extra) extra=$2; shift 2 ;;
         --baseline-extra) baseline_extra=$2; shift 2 ;;
-        -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
         *) echo "perf.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
