@@ -27,7 +27,7 @@
 pub mod render;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -84,9 +84,10 @@ pub struct Receipts {
 /// only for a few map operations: a receipt is kept once per exchange and read rarely.
 #[derive(Default)]
 struct Kept {
-    by_id: HashMap<String, (Instant, Arc<Receipt>)>,
-    /// Ids oldest first; one forgotten (its conversation deleted) is skipped when it comes up.
-    order: VecDeque<String>,
+    by_id: HashMap<String, Arc<Receipt>>,
+    /// Oldest first, not holding them: one forgotten (its conversation deleted) is gone, or no
+    /// longer in `by_id`, when it comes up.
+    order: VecDeque<Weak<Receipt>>,
     by_conversation: HashMap<ConversationKey, VecDeque<Arc<Receipt>>>,
     bytes: u64,
 }
@@ -94,10 +95,10 @@ struct Kept {
 impl Kept {
     /// Lets go of the oldest receipt; false when none is left.
     fn pop_oldest(&mut self) -> bool {
-        let Some(id) = self.order.pop_front() else {
+        let Some(oldest) = self.order.pop_front() else {
             return false;
         };
-        if let Some((_, receipt)) = self.by_id.remove(&id) {
+        if let Some(receipt) = oldest.upgrade().and_then(|r| self.by_id.remove(&r.id)) {
             self.bytes = self.bytes.saturating_sub(receipt.weight as u64);
             if let Some(list) = self.by_conversation.get_mut(&receipt.key) {
                 // The oldest overall is its conversation's oldest: nearly always the first.
@@ -112,11 +113,17 @@ impl Kept {
         true
     }
 
-    /// Lets go of the receipts kept longer than `retention`.
+    /// Lets go of the receipts made longer than `retention` ago (and of forgotten ones ahead
+    /// of the oldest kept).
     fn expire(&mut self, retention: Duration, now: Instant) {
-        while let Some(id) = self.order.front() {
-            match self.by_id.get(id) {
-                Some((at, _)) if now.duration_since(*at) < retention => break,
+        while let Some(oldest) = self.order.front() {
+            match oldest.upgrade() {
+                Some(r)
+                    if self.by_id.contains_key(&r.id)
+                        && now.duration_since(r.started) < retention =>
+                {
+                    break;
+                }
                 _ => {
                     self.pop_oldest();
                 }
@@ -179,26 +186,24 @@ impl Receipts {
         let Some(mut kept) = self.kept() else {
             return;
         };
-        let weight = receipt.weight as u64;
-        if weight > self.limit() {
+        let (weight, limit) = (receipt.weight as u64, self.limit());
+        if weight > limit {
             return;
         }
         kept.bytes += weight;
-        kept.order.push_back(receipt.id.clone());
+        kept.order.push_back(Arc::downgrade(&receipt));
         kept.by_conversation
             .entry(receipt.key.clone())
             .or_default()
             .push_back(Arc::clone(&receipt));
-        kept.by_id
-            .insert(receipt.id.clone(), (Instant::now(), receipt));
-        let limit = self.limit();
+        kept.by_id.insert(receipt.id.clone(), receipt);
         kept.evict_to(limit);
     }
 
     /// The receipt `id`, while it is kept.
     pub fn get(&self, id: &str) -> Option<Arc<Receipt>> {
         let kept = self.kept()?;
-        kept.by_id.get(id).map(|(_, receipt)| Arc::clone(receipt))
+        kept.by_id.get(id).cloned()
     }
 
     /// The kept receipts of the conversation `key`, newest first, at most `limit`.

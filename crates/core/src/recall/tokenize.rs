@@ -181,9 +181,9 @@ fn bm25_language(lang: Lang) -> Language {
 /// The `bm25` tokenizer for a language, built once per process (stopword sets and stemmers
 /// are not cheap to make).
 fn tokenizer_for(lang: Lang) -> &'static DefaultTokenizer {
-    static TOKENIZERS: [OnceLock<DefaultTokenizer>; 16] = [const { OnceLock::new() }; 16];
-    let index = LANGS.iter().position(|(_, l)| *l == lang).unwrap_or(3);
-    TOKENIZERS[index].get_or_init(|| {
+    static TOKENIZERS: [OnceLock<DefaultTokenizer>; LANGS.len()] =
+        [const { OnceLock::new() }; LANGS.len()];
+    TOKENIZERS[lang_index(lang)].get_or_init(|| {
         DefaultTokenizer::builder()
             .language_mode(bm25_language(lang))
             .normalization(false)
@@ -191,6 +191,11 @@ fn tokenizer_for(lang: Lang) -> &'static DefaultTokenizer {
             .stopwords(true)
             .build()
     })
+}
+
+/// Where `lang` is in [`LANGS`] (each has its place).
+fn lang_index(lang: Lang) -> usize {
+    LANGS.iter().position(|(_, l)| *l == lang).unwrap_or(3)
 }
 
 /// A tokenizer with no stemming or stopwords.
@@ -348,7 +353,7 @@ impl Terms {
         use std::hash::BuildHasher;
         static SEED: std::sync::LazyLock<std::hash::RandomState> =
             std::sync::LazyLock::new(std::hash::RandomState::new);
-        let by_lang = &self.shards[LANGS.iter().position(|(_, l)| *l == lang).unwrap_or(3)];
+        let by_lang = &self.shards[lang_index(lang)];
         let shard = &by_lang[(SEED.hash_one(word) as usize) % TERM_SHARDS];
         if let Some(found) = lock(shard).as_ref().and_then(|map| map.get(word)) {
             out.extend(found.as_deref().map(str::to_string));
@@ -420,8 +425,7 @@ mod tests {
         let cases = [
             "e.g. can't 3.14 1,000 a:b a..b x_y _ __ _a a_ v1.2 1;2 a;b a,b 'quoted' x.1 1.x",
             "Don't stop: the U.S.A. had 12,500.75 units; ids AC-99812 and foo__bar__ ok...",
-            "  	
- leading and trailing  ",
+            "  \t\n leading and trailing  ",
             "",
             "...,;:'_",
         ];
