@@ -196,6 +196,7 @@ fn fixture(runtime: &tokio::runtime::Runtime, n: usize) -> Fixture {
                 tokens: tokens::count_message(None, &m.text()),
                 fingerprint: m.fingerprint,
                 message: m.raw.clone(),
+                exchange: None,
             })
             .collect();
         state

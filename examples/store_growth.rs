@@ -30,7 +30,9 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use memproxy::identity::{ConversationKey, TenantId};
 use memproxy::message::Role;
-use memproxy::store::{Change, Durability, Origin, Store, StoreOptions, StoredMessage};
+use memproxy::store::{
+    Change, Durability, LedgerTotals, Origin, Store, StoreOptions, StoredMessage,
+};
 use serde_json::value::RawValue;
 
 #[derive(Debug, Parser)]
@@ -55,6 +57,10 @@ struct Args {
     /// does (the default static embedder's: 256; 0: none).
     #[arg(long, default_value_t = 0)]
     vector_dims: usize,
+    /// Commit each exchange with its token ledger, as the proxy does (the conversation's
+    /// totals, and the exchange's own figures).
+    #[arg(long)]
+    ledger: bool,
 }
 
 fn rss_kib() -> u64 {
@@ -85,6 +91,7 @@ fn message(role: Role, text: String) -> Result<StoredMessage, String> {
             serde_json::json!({"role": role_name, "content": text}).to_string(),
         )
         .map_err(|e| e.to_string())?,
+        exchange: None,
     })
 }
 
@@ -142,6 +149,12 @@ async fn main() -> Result<(), String> {
                 &mut conversation,
                 Change {
                     add: vec![message(Role::User, user)?, message(Role::Assistant, reply)?],
+                    tokens_forwarded: if args.ledger { 900 + turn } else { 0 },
+                    ledger: LedgerTotals {
+                        exchanges: u64::from(args.ledger),
+                        history_tokens: if args.ledger { 60 * (turn + 1) } else { 0 },
+                        ..LedgerTotals::default()
+                    },
                     ..Change::default()
                 },
             )

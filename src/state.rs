@@ -118,8 +118,7 @@ impl AppState {
         // sled's memory grows with what it stores; Redis keeps it in another process.
         let stored_messages = memory.as_ref().ok().filter(|m| !m.store.shared()).map(|m| {
             let store = Arc::clone(&m.store);
-            Box::new(move || crate::config::messages_on_disk(store.size_on_disk()))
-                as crate::memory_guard::StoredMessages
+            Box::new(move || store.stored_messages()) as crate::memory_guard::StoredMessages
         });
         memory_guard.watch(caches, stored_messages);
         AppState {

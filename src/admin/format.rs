@@ -15,8 +15,8 @@ use crate::identity::ConversationKey;
 use crate::message::{Message, Role};
 use crate::settings::format_iso8601_duration;
 use crate::store::{
-    BranchRecord, ConversationMeta, ConversationSummary, Deleted, ExchangePoint, LedgerTotals,
-    Origin, StoredBranch, StoredMessage, TtlRecord,
+    BranchRecord, ConversationMeta, ConversationSummary, Deleted, ExchangeFigures, ExchangePoint,
+    LedgerTotals, Origin, StoredBranch, StoredMessage, TtlRecord,
 };
 
 /// The `format` of an export.
@@ -82,6 +82,35 @@ pub struct ExportMessage {
     pub content: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Box<RawValue>>,
+    /// On a reply that ended a stored exchange: the exchange's token figures (the stats'
+    /// cost chart).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exchange: Option<ExportExchange>,
+}
+
+/// An exchange's token figures in an export ([`ExchangeFigures`], by name).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct ExportExchange {
+    pub forwarded_tokens: u64,
+    pub history_tokens: u64,
+    #[serde(default)]
+    pub cached_tokens: u64,
+}
+
+impl From<ExchangeFigures> for ExportExchange {
+    fn from(f: ExchangeFigures) -> ExportExchange {
+        ExportExchange {
+            forwarded_tokens: f.forwarded_tokens.into(),
+            history_tokens: f.history_tokens.into(),
+            cached_tokens: f.cached_tokens.into(),
+        }
+    }
+}
+
+impl From<ExportExchange> for ExchangeFigures {
+    fn from(e: ExportExchange) -> ExchangeFigures {
+        ExchangeFigures::new(e.forwarded_tokens, e.history_tokens, e.cached_tokens)
+    }
 }
 
 /// One exported summary: its number and the record as stored.
@@ -109,6 +138,7 @@ impl ExportMessage {
             tokens: Some(message.tokens),
             content: None,
             message: Some(message.message.clone()),
+            exchange: message.exchange.map(ExportExchange::from),
         }
     }
 
@@ -156,6 +186,7 @@ impl ExportMessage {
             tokens,
             fingerprint: parsed.fingerprint,
             message: parsed.raw,
+            exchange: self.exchange.map(ExchangeFigures::from),
         })
     }
 }

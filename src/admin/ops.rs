@@ -14,7 +14,7 @@ use crate::error::ApiError;
 use crate::identity::hex;
 use crate::identity::{ConversationKey, TenantId, is_valid_id};
 use crate::settings::MemorySettings;
-use crate::store::{Scope, Store, StoreError};
+use crate::store::{ExchangePoint, Scope, Store, StoreError};
 
 /// An admin error: a JSON body `{"error":{"message","type","param","code"}}` and a status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -316,7 +316,10 @@ pub fn stats(
         "used_percent": budget.map_or(Value::Null, |b| percent(active_tokens + latest_summary_tokens, b)),
     });
     value["ledger"] = format::ledger(meta.ledger.exchanges, meta.tokens_forwarded, &meta.ledger);
-    value["exchanges"] = meta.recent.iter().map(format::exchange_point).collect();
+    value["exchanges"] = ExchangePoint::newest(&meta.recent, &messages)
+        .iter()
+        .map(format::exchange_point)
+        .collect();
     value["next_summary"] = json!({
         "enabled": settings.compression_enabled,
         "threshold_tokens": settings.compression_threshold_tokens,

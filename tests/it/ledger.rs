@@ -210,6 +210,12 @@ async fn stats_survive_a_restart(storage: &str) {
         .json();
     assert_eq!(copied["ledger"]["exchanges"], 3);
     assert_eq!(copied["ledger"]["cached_tokens"], 15);
+    // So do each exchange's figures (the stats' cost chart), on the same replies.
+    let original = admin(&proxy, "GET", &format!("{path}/stats"), "")
+        .await
+        .json();
+    assert_eq!(original["exchanges"].as_array().unwrap().len(), 3);
+    assert_eq!(copied["exchanges"], original["exchanges"]);
 }
 
 #[tokio::test]

@@ -50,6 +50,7 @@ fn stored_history(n: usize) -> Vec<StoredMessage> {
             tokens: 3,
             fingerprint: i as u64 + 1,
             message: RawValue::from_string(m.to_string()).unwrap(),
+            exchange: None,
         })
         .collect()
 }

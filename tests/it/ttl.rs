@@ -312,6 +312,7 @@ async fn the_sweeper_waits_for_its_interval_on_a_paused_clock() {
             r#"{"role":"user","content":"paused secret"}"#.into(),
         )
         .unwrap(),
+        exchange: None,
     };
     let hint = ImportMeta {
         last_activity_ms: Some(state.memory().unwrap().clock.now_ms()),

@@ -37,6 +37,7 @@ fn message(turn: u64, text: &str) -> StoredMessage {
             serde_json::json!({"role": "user", "content": text}).to_string(),
         )
         .unwrap(),
+        exchange: None,
     }
 }
 

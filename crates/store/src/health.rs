@@ -20,6 +20,7 @@
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::records::ConversationMeta;
@@ -172,8 +173,10 @@ impl Store {
         let well_formed: HashSet<u64> = files.iter().filter(|f| f.1).map(|f| f.0).collect();
         let mut live = HashSet::new();
         let mut damaged = BTreeSet::new();
+        let mut messages = 0;
         self.for_each_conversation(|key, meta| {
             live.insert(meta.id);
+            messages += meta.message_count;
             if !well_formed.contains(&meta.id) && self.needs_key(key, meta)? {
                 damaged.insert(meta.id);
             }
@@ -195,6 +198,7 @@ impl Store {
                 "conversations whose key file is missing or malformed cannot be read: requests on them go without memory; run `memproxy store check`"
             );
         }
+        self.stored_messages.store(messages, Ordering::Relaxed);
         *lock(&self.health.damaged) = damaged;
         let mut removed = 0;
         for (id, _) in files.into_iter().filter(|f| !live.contains(&f.0)) {

@@ -69,10 +69,10 @@ pub use flush::FlushError;
 pub use health::RETRY_AFTER;
 pub use owners::OwnerHandle;
 pub use records::{
-    BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ExchangePoint, ImportMeta,
-    Imported, LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey, OwnerKind, OwnerMeta,
-    OwnerRecord, StoredBranch, StoredMessage, SummaryRecord, TtlRecord, tokens_between,
-    transcript_line,
+    BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ExchangeFigures,
+    ExchangePoint, ImportMeta, Imported, LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey,
+    OwnerKind, OwnerMeta, OwnerRecord, StoredBranch, StoredMessage, SummaryRecord, TtlRecord,
+    tokens_between, transcript_line,
 };
 pub use redis_engine::{RedisEngine, RedisOptions, is_redis_url};
 pub use sled_engine::SledEngine;
@@ -384,6 +384,10 @@ pub struct Store {
     /// Lookups in `cache`, and those that missed (for metrics).
     cache_lookups: AtomicU64,
     cache_misses: AtomicU64,
+    /// Messages on the main lines of the conversations stored: counted at open (`health.rs`),
+    /// then kept by each write and delete. What sled's own memory grows with
+    /// (`memory_budget.rs`); not counted for a shared engine, whose memory is elsewhere.
+    stored_messages: AtomicU64,
 }
 
 impl std::fmt::Debug for Store {
@@ -480,6 +484,7 @@ impl Store {
             health: health::Health::default(),
             cache_lookups: AtomicU64::new(0),
             cache_misses: AtomicU64::new(0),
+            stored_messages: AtomicU64::new(0),
         };
         store.check_on_open()?;
         Ok(store)
@@ -687,16 +692,16 @@ impl Store {
         meta.tokens_forwarded += change.tokens_forwarded;
         meta.ledger.add(&change.ledger);
         if change.ledger.exchanges > 0
-            && let Some(reply) = change.add.last()
+            && let Some(reply) = change.add.last_mut()
         {
-            meta.keep_exchange(ExchangePoint {
-                turn: reply.turn,
-                at_ms: now,
-                forwarded_tokens: change.tokens_forwarded,
-                history_tokens: change.ledger.history_tokens,
-                cached_tokens: change.ledger.cached_tokens,
-            });
+            reply.exchange = Some(ExchangeFigures::new(
+                change.tokens_forwarded,
+                change.ledger.history_tokens,
+                change.ledger.cached_tokens,
+            ));
         }
+        // A record written before keeps its newest exchanges' figures in itself; they go now.
+        meta.recent = Vec::new();
 
         let response_ids = response_ids_of(&change.add);
         let mut created_key = false;
@@ -706,8 +711,7 @@ impl Store {
             seal::seal_messages(&key, &mut change.add)?;
         }
         let version = self.write_sealed(
-            &conversation.key,
-            &conversation.version,
+            conversation,
             Write {
                 meta: &meta,
                 remove_turns: &remove_turns,
@@ -832,6 +836,27 @@ impl Store {
     pub fn size_on_disk(&self) -> u64 {
         self.engine.size_bytes()
     }
+
+    /// Messages on the main lines of the conversations stored (0 with a shared engine).
+    pub fn stored_messages(&self) -> u64 {
+        self.stored_messages.load(Ordering::Relaxed)
+    }
+
+    /// Counts a write that took the conversation from `before` messages to `after`, or a
+    /// delete (`after` 0).
+    fn count_messages(&self, before: u64, after: u64) {
+        if after >= before {
+            self.stored_messages
+                .fetch_add(after - before, Ordering::Relaxed);
+        } else {
+            let gone = before - after;
+            let _ = self
+                .stored_messages
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_sub(gone))
+                });
+        }
+    }
 }
 
 /// The bytes of the files under `dir`, its sub-folders included (0 for what cannot be read):
@@ -942,6 +967,7 @@ pub(crate) mod tests {
                 serde_json::json!({"role": role.as_str(), "content": text}).to_string(),
             )
             .unwrap(),
+            exchange: None,
         }
     }
 
@@ -993,6 +1019,99 @@ pub(crate) mod tests {
                 .entries
                 .is_empty()
         );
+    }
+
+    #[tokio::test]
+    async fn the_record_stays_small_however_many_exchanges_each_reply_keeping_its_own_figures() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(dir.path());
+            let handle = store.conversation(&key("c")).unwrap();
+            let mut record_sizes = Vec::new();
+            for i in 1..=150u64 {
+                let mut conv = lock(&handle);
+                let change = Change {
+                    tokens_forwarded: i,
+                    ledger: LedgerTotals {
+                        exchanges: 1,
+                        history_tokens: 10 * i,
+                        cached_tokens: i % 3,
+                        background_tokens: 0,
+                    },
+                    branch_from_turn: None,
+                    remove_turns: vec![],
+                    add: vec![message(Role::User, "q"), message(Role::Assistant, "a")],
+                };
+                store.commit(&mut conv, change).unwrap();
+                record_sizes.push(conv.version.token().unwrap().len());
+            }
+            // The record is rewritten with every exchange: its size does not grow with their
+            // number (only with the digits of its totals).
+            assert!(
+                record_sizes[149] <= record_sizes[0] + 24,
+                "{} then {}",
+                record_sizes[0],
+                record_sizes[149]
+            );
+            store.sync().await.unwrap();
+            store.close().await.unwrap();
+        }
+        let store = open(dir.path());
+        let meta = store.meta(&key("c")).unwrap().unwrap();
+        assert!(meta.recent.is_empty());
+        assert_eq!(meta.ledger.exchanges, 150);
+        let messages = store.all_messages(&key("c"), &meta).unwrap();
+        let points = ExchangePoint::newest(&meta.recent, &messages);
+        assert_eq!(points.len(), records::RECENT_EXCHANGES);
+        // The newest hundred, oldest first, each on its reply's turn with its own figures.
+        for (point, i) in points.iter().zip(51..=150u64) {
+            assert_eq!(point.turn, 2 * i);
+            assert_eq!(point.forwarded_tokens, i);
+            assert_eq!(point.history_tokens, 10 * i);
+            assert_eq!(point.cached_tokens, i % 3);
+        }
+        // Only the reply that ends an exchange carries figures.
+        assert!(
+            messages
+                .iter()
+                .all(|m| m.exchange.is_some() == (m.turn % 2 == 0))
+        );
+    }
+
+    #[tokio::test]
+    async fn stored_messages_are_counted_at_open_and_by_each_write_and_delete() {
+        let exchange = |store: &Store, name: &str, remove_turns: Vec<u64>| {
+            let handle = store.conversation(&key(name)).unwrap();
+            let mut conv = lock(&handle);
+            let change = Change {
+                remove_turns,
+                add: vec![message(Role::User, "q"), message(Role::Assistant, "a")],
+                ..Change::default()
+            };
+            store.commit(&mut conv, change).unwrap();
+        };
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(dir.path());
+            assert_eq!(store.stored_messages(), 0);
+            for _ in 0..3 {
+                exchange(&store, "a", vec![]);
+            }
+            exchange(&store, "b", vec![]);
+            assert_eq!(store.stored_messages(), 8);
+            // A write that removes turns (a trim, a replaced reply) counts them out.
+            exchange(&store, "a", vec![1, 2, 3]);
+            assert_eq!(store.stored_messages(), 7);
+            store.sync().await.unwrap();
+            store.close().await.unwrap();
+        }
+        let store = open(dir.path());
+        assert_eq!(store.stored_messages(), 7);
+        store.delete_conversation(&key("a")).unwrap().unwrap();
+        assert_eq!(store.stored_messages(), 2);
+        // A conversation started again under the same key counts from nothing.
+        exchange(&store, "a", vec![]);
+        assert_eq!(store.stored_messages(), 4);
     }
 
     #[tokio::test]

@@ -44,18 +44,22 @@ pub struct ConversationMeta {
     /// The token ledger of the stored exchanges (beside `tokens_forwarded`).
     #[serde(default)]
     pub ledger: LedgerTotals,
-    /// The newest stored exchanges' figures, oldest first, at most [`RECENT_EXCHANGES`]: what
-    /// the console's cost chart draws (the totals above cover every exchange).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Read from records written before each exchange's figures moved onto its reply
+    /// ([`StoredMessage::exchange`]): that record's newest exchanges' figures, oldest first.
+    /// Never written: the record, read and written with every exchange, stays small, and
+    /// these go at the conversation's next write.
+    #[serde(default, skip_serializing)]
     pub recent: Vec<ExchangePoint>,
 }
 
-/// How many exchanges' figures a conversation's record keeps ([`ConversationMeta::recent`]):
-/// bounded, as the record is read and written with every exchange (about 3 KiB at most).
+/// How many exchanges' figures a conversation's stats show (the console's cost chart): the
+/// newest.
 pub const RECENT_EXCHANGES: usize = 100;
 
-/// One stored exchange's token figures, kept in its conversation's record. Serialized as a
-/// compact array `[turn, at_ms, forwarded, history, cached]`, as the record holds a hundred.
+/// One stored exchange's token figures with its reply's turn and time, as a conversation's
+/// stats show them (the figures themselves are kept on the reply: [`ExchangeFigures`]).
+/// Serialized as a compact array `[turn, at_ms, forwarded, history, cached]`, as records
+/// written before kept a hundred of them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(from = "[u64; 5]", into = "[u64; 5]")]
 pub struct ExchangePoint {
@@ -80,6 +84,80 @@ impl From<[u64; 5]> for ExchangePoint {
             history_tokens,
             cached_tokens,
         }
+    }
+}
+
+impl ExchangePoint {
+    /// The point of the exchange `message` ends, if it is a reply that ended one.
+    pub fn of(message: &StoredMessage) -> Option<ExchangePoint> {
+        let figures = message.exchange?;
+        Some(ExchangePoint {
+            turn: message.turn,
+            at_ms: message.at_ms,
+            forwarded_tokens: figures.forwarded_tokens.into(),
+            history_tokens: figures.history_tokens.into(),
+            cached_tokens: figures.cached_tokens.into(),
+        })
+    }
+
+    /// The newest [`RECENT_EXCHANGES`] points of a conversation, oldest first: those of
+    /// `messages` (its stored messages, in turn order) and, for turns before them, those a
+    /// record written before kept (`legacy`).
+    pub fn newest(legacy: &[ExchangePoint], messages: &[StoredMessage]) -> Vec<ExchangePoint> {
+        let from_messages: Vec<ExchangePoint> = messages.iter().filter_map(Self::of).collect();
+        let first = from_messages.first().map_or(u64::MAX, |p| p.turn);
+        let mut points: Vec<ExchangePoint> = legacy
+            .iter()
+            .filter(|p| p.turn < first)
+            .copied()
+            .chain(from_messages)
+            .collect();
+        let excess = points.len().saturating_sub(RECENT_EXCHANGES);
+        points.drain(..excess);
+        points
+    }
+}
+
+/// The token figures of the exchange a reply ends, kept on the reply
+/// ([`StoredMessage::exchange`]). Serialized as a compact array
+/// `[forwarded, history, cached]`. Held as `u32` (one prompt's tokens; larger figures are
+/// kept as `u32::MAX`), so a message held in memory grows by 16 bytes, not 32.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "[u64; 3]", into = "[u64; 3]")]
+pub struct ExchangeFigures {
+    /// Tokens of the prompt forwarded.
+    pub forwarded_tokens: u32,
+    /// Tokens the client's history would have taken (the request without memproxy).
+    pub history_tokens: u32,
+    /// Of the prompt forwarded, the tokens the upstream reported read from its cache.
+    pub cached_tokens: u32,
+}
+
+impl ExchangeFigures {
+    /// The figures of an exchange, each held as at most `u32::MAX`.
+    pub fn new(forwarded_tokens: u64, history_tokens: u64, cached_tokens: u64) -> Self {
+        let held = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+        ExchangeFigures {
+            forwarded_tokens: held(forwarded_tokens),
+            history_tokens: held(history_tokens),
+            cached_tokens: held(cached_tokens),
+        }
+    }
+}
+
+impl From<[u64; 3]> for ExchangeFigures {
+    fn from([forwarded, history, cached]: [u64; 3]) -> Self {
+        ExchangeFigures::new(forwarded, history, cached)
+    }
+}
+
+impl From<ExchangeFigures> for [u64; 3] {
+    fn from(figures: ExchangeFigures) -> [u64; 3] {
+        [
+            figures.forwarded_tokens.into(),
+            figures.history_tokens.into(),
+            figures.cached_tokens.into(),
+        ]
     }
 }
 
@@ -141,15 +219,6 @@ impl ConversationMeta {
             recent: Vec::new(),
         }
     }
-
-    /// Keeps an exchange's figures, the oldest going past [`RECENT_EXCHANGES`].
-    pub fn keep_exchange(&mut self, point: ExchangePoint) {
-        if self.recent.len() >= RECENT_EXCHANGES {
-            let excess = self.recent.len() + 1 - RECENT_EXCHANGES;
-            self.recent.drain(..excess);
-        }
-        self.recent.push(point);
-    }
 }
 
 /// One stored message.
@@ -165,6 +234,9 @@ pub struct StoredMessage {
     pub fingerprint: u64,
     /// The message object as sent (or, for a reply, as rebuilt from the response).
     pub message: Box<RawValue>,
+    /// On the reply that ends a stored exchange: the exchange's token figures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exchange: Option<ExchangeFigures>,
 }
 
 /// A closed branch's record: where it left the main line, and when.
@@ -566,6 +638,32 @@ impl SummaryRecord {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_record_written_before_keeps_its_figures_until_its_next_write() {
+        let old = r#"{"id":3,"next_turn":9,"message_count":8,"total_tokens":40,
+            "created_ms":1,"last_activity_ms":2,"recent":[[2,1,5,50,0],[4,1,6,60,1],[6,1,7,70,2]]}"#;
+        let meta: ConversationMeta = serde_json::from_str(old).unwrap();
+        assert_eq!(meta.recent.len(), 3);
+        assert_eq!(meta.recent[1].history_tokens, 60);
+        // Written again, the record no longer holds them.
+        let written = serde_json::to_string(&meta).unwrap();
+        assert!(!written.contains("recent"), "{written}");
+        // The stats show them for the turns before the first reply that keeps its own.
+        let mut reply = stored(Role::Assistant, r#"{"role":"assistant","content":"a"}"#);
+        reply.turn = 6;
+        reply.exchange = Some(ExchangeFigures::new(8, 80, 3));
+        let points = ExchangePoint::newest(&meta.recent, std::slice::from_ref(&reply));
+        let turns: Vec<u64> = points.iter().map(|p| p.turn).collect();
+        assert_eq!(turns, [2, 4, 6]);
+        assert_eq!(points[2].forwarded_tokens, 8);
+        assert_eq!(points[2].at_ms, reply.at_ms);
+        // A reply's figures are a compact array; a message without them carries no field.
+        let encoded = serde_json::to_string(&reply).unwrap();
+        assert!(encoded.ends_with(r#""exchange":[8,80,3]}"#), "{encoded}");
+        reply.exchange = None;
+        assert!(!serde_json::to_string(&reply).unwrap().contains("exchange"));
+    }
+
     fn stored(role: Role, json: &str) -> StoredMessage {
         StoredMessage {
             turn: 7,
@@ -575,6 +673,7 @@ mod tests {
             tokens: 1,
             fingerprint: 0,
             message: RawValue::from_string(json.to_string()).unwrap(),
+            exchange: None,
         }
     }
 

@@ -31,7 +31,7 @@ use serde_json::value::RawValue;
 use super::engine::{Version, Write};
 use super::keys::Key;
 use super::records::StoredMessage;
-use super::{Store, StoreError};
+use super::{Conversation, Store, StoreError};
 use memproxy_base::identity::ConversationKey;
 
 /// What every sealed value starts with.
@@ -223,20 +223,25 @@ impl Store {
         self.keys.get_or_create(conversation, id)
     }
 
-    /// Writes `write` to the conversation `key` against `expected`. When the write is refused
-    /// as stale and `new_key` names the id of a conversation that this write was to create,
-    /// with a key made for it, the key goes too: the id was this writer's alone and nothing
-    /// sealed with it was stored.
+    /// Writes `write` to `conversation` against the version it holds, and counts the
+    /// messages it adds or removes. When the write is refused as stale and `new_key` names the
+    /// id of a conversation that this write was to create, with a key made for it, the key
+    /// goes too: the id was this writer's alone and nothing sealed with it was stored.
     pub(super) fn write_sealed(
         &self,
-        key: &ConversationKey,
-        expected: &Version,
+        conversation: &Conversation,
         write: Write<'_>,
         new_key: Option<u64>,
     ) -> Result<Version, StoreError> {
-        let written = self.engine.write(key, expected, write);
-        if let (Err(StoreError::Stale), Some(id)) = (&written, new_key) {
-            self.drop_unused_key(key, id);
+        let key = &conversation.key;
+        let written = self.engine.write(key, &conversation.version, write);
+        match (&written, new_key) {
+            (Ok(_), _) => self.count_messages(
+                conversation.meta.as_ref().map_or(0, |m| m.message_count),
+                write.meta.message_count,
+            ),
+            (Err(StoreError::Stale), Some(id)) => self.drop_unused_key(key, id),
+            _ => {}
         }
         written
     }

@@ -57,6 +57,9 @@ impl Store {
             let mut conversation = lock(&handle);
             let id = self.engine.meta(key)?.map(|meta| meta.id);
             let result = self.engine.delete(key, cutoff_ms);
+            if let Ok(Some(deleted)) = &result {
+                self.count_messages(deleted.messages as u64, 0);
+            }
             let erased = match (&result, id) {
                 (Ok(Some(_)), Some(id)) => {
                     self.forget_damage(id);
@@ -284,8 +287,7 @@ impl Store {
             }
         }
         self.write_sealed(
-            &conversation.key,
-            &conversation.version,
+            conversation,
             Write {
                 meta,
                 remove_turns: &[],
@@ -346,6 +348,7 @@ mod tests {
                 serde_json::json!({"role": "user", "content": text}).to_string(),
             )
             .unwrap(),
+            exchange: None,
         }
     }
 

@@ -205,6 +205,7 @@ mod tests {
                 json!({"role": role.as_str(), "content": text}).to_string(),
             )
             .unwrap(),
+            exchange: None,
         }
     }
 

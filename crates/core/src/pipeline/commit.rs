@@ -440,6 +440,7 @@ fn stored_message(message: &Message, origin: Origin, tokens: u32, at_ms: i64) ->
         tokens,
         fingerprint: message.fingerprint,
         message: message.raw.clone(),
+        exchange: None,
     }
 }
 

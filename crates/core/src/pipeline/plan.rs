@@ -500,6 +500,7 @@ fn windowed(
                 },
                 fingerprint: m.fingerprint,
                 message: m.raw.clone(),
+                exchange: None,
             })
             .collect();
     }

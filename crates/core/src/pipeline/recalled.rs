@@ -232,6 +232,7 @@ mod tests {
             tokens: 5,
             fingerprint: 0,
             message: RawValue::from_string(message.to_string()).unwrap(),
+            exchange: None,
         }
     }
 

@@ -568,6 +568,7 @@ mod tests {
                     serde_json::json!({"role": "user", "content": text}).to_string(),
                 )
                 .unwrap(),
+                exchange: None,
             })
             .collect();
         let handle = store.conversation(&key).unwrap();

@@ -168,6 +168,7 @@ mod tests {
             tokens: 10,
             fingerprint: 0,
             message: RawValue::from_string(message.to_string()).unwrap(),
+            exchange: None,
         }
     }
 

@@ -473,6 +473,7 @@ mod tests {
                     r#"{{"role":"user","content":"fact {i}"}}"#
                 ))
                 .unwrap(),
+                exchange: None,
             })
             .collect();
         let handle = store.conversation(&key).unwrap();
