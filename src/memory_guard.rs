@@ -131,6 +131,7 @@ impl MemoryGuard {
                 stored_messages: Mutex::default(),
                 pretended_messages: AtomicU64::new(NOT_PRETENDING),
                 overdraft: AtomicU64::new(0),
+                messages: AtomicU64::new(0),
                 resident: Arc::clone(&resident),
                 reserved: Arc::clone(&reserved),
                 caches: Mutex::default(),
@@ -379,7 +380,7 @@ pub enum PressureState {
     AtFloors = 2,
 }
 
-/// Tells about how many messages the store holds (from its size on disk).
+/// Tells how many messages the store holds (`Store::stored_messages`: counted, not guessed).
 pub type StoredMessages = Box<dyn Fn() -> u64 + Send + Sync>;
 
 /// The caches the guard shrinks under pressure, and what it did.
@@ -391,6 +392,8 @@ pub struct Relief {
     pretended_messages: AtomicU64,
     /// What the store needs beyond its reserve, taken from the caches' sizes (last tick).
     overdraft: AtomicU64,
+    /// The messages the store held at the last tick (0 with Redis).
+    messages: AtomicU64,
     resident: Arc<Resident>,
     /// The guard's reservations of the requests in flight ([`MemoryGuard::admit`]).
     reserved: Arc<AtomicU64>,
@@ -424,6 +427,12 @@ impl Relief {
         self.overdraft.load(Ordering::Relaxed)
     }
 
+    /// The messages the store held as of the last tick (0 with Redis, whose memory is not
+    /// this process's).
+    pub fn store_messages(&self) -> u64 {
+        self.messages.load(Ordering::Relaxed)
+    }
+
     /// The store's share of the budget as of the last tick: its reserve, grown with what is
     /// stored (0 with Redis).
     pub fn store_share(&self) -> u64 {
@@ -445,6 +454,7 @@ impl Relief {
         } else {
             pretended
         };
+        self.messages.store(messages, Ordering::Relaxed);
         let overdraft = self.budget.store_overdraft(messages);
         let before = self.overdraft.swap(overdraft, Ordering::Relaxed);
         if overdraft > 0 && before == 0 {

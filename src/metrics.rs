@@ -605,6 +605,7 @@ struct AdmissionMetrics {
     pressure: Gauge,
     shrinks: Counter,
     store_share: Gauge,
+    store_messages: Gauge,
     allocator: Family<AllocatorLabels, Gauge>,
     cache_bytes: Family<CacheLabels, Gauge>,
     cache_limit: Family<CacheLabels, Gauge>,
@@ -623,6 +624,7 @@ impl AdmissionMetrics {
             pressure: Gauge::default(),
             shrinks: Counter::default(),
             store_share: Gauge::default(),
+            store_messages: Gauge::default(),
             allocator: Family::default(),
             cache_bytes: Family::default(),
             cache_limit: Family::default(),
@@ -638,6 +640,11 @@ impl AdmissionMetrics {
             "The storage engine's share of the memory budget: its reserve, grown with what it stores (sled's memory past its page cache grows about 64 bytes per stored message); what it needs past the reserve the caches give up (0 with Redis)",
             Unit::Bytes,
             metrics.store_share.clone(),
+        );
+        registry.register(
+            "store_messages",
+            "Messages on the main lines of the conversations the store holds, counted (what the store's share grows with; 0 with Redis)",
+            metrics.store_messages.clone(),
         );
         registry.register(
             "memory_shrinks",
@@ -890,6 +897,9 @@ impl Metrics {
         let relief = guard.relief();
         self.admission.pressure.set(relief.state() as i64);
         self.admission.store_share.set(gauge(relief.store_share()));
+        self.admission
+            .store_messages
+            .set(gauge(relief.store_messages()));
         catch_up(&self.admission.shrinks, relief.shrinks());
         for cache in relief.caches() {
             let labels = CacheLabels {

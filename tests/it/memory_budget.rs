@@ -277,6 +277,26 @@ async fn nearing_the_mark_the_caches_give_memory_back_least_recently_used_first_
 }
 
 #[tokio::test]
+async fn the_store_s_share_grows_with_the_messages_it_counts() {
+    let Started { proxy, .. } = Harness::new().config(BUDGET).start().await;
+    proxy.state.memory_guard.pretend_resident(Some(64 * MIB));
+    assert_eq!(metric(&proxy, "memproxy_store_messages").await, 0.0);
+    for (conversation, text) in [("c1", "one"), ("c1", "two"), ("c2", "three")] {
+        let answer = chat(&proxy, conversation, &body(&[user(text)]), &[]).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+    // Each exchange stored its question and its reply.
+    metric_until(&proxy, "memproxy_store_messages", |v| v == 6.0).await;
+    let share = metric(&proxy, "memproxy_store_memory_share_bytes").await;
+    assert_eq!(
+        share,
+        proxy.state.memory_guard.budget().engine_reserve as f64,
+        "six messages fit the reserve"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
 async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
     let Started { proxy, .. } = Harness::new().config(BUDGET).start().await;
     let guard = &proxy.state.memory_guard;

@@ -49,7 +49,8 @@ pub const STORE_BASE_BYTES: u64 = 11 * MIB;
 
 /// What a stored message takes on sled's disk, about (same measurement: 586.5 MiB at a million
 /// messages, 615 bytes each; rounded down, so a store's messages are not undercounted): how
-/// [`messages_on_disk`] tells a store's messages from its size.
+/// [`messages_on_disk`] tells a store's messages from its size, where the store cannot be
+/// opened to count them (`check-config`, beside a running memproxy that holds its lock).
 pub const STORE_DISK_BYTES_PER_MESSAGE: u64 = 600;
 
 /// What sled takes in memory beyond its page cache for a store of `messages` messages.
