@@ -845,6 +845,10 @@ impl Store {
     /// Counts a write that took the conversation from `before` messages to `after`, or a
     /// delete (`after` 0).
     fn count_messages(&self, before: u64, after: u64) {
+        if self.shared.is_some() {
+            // Other replicas write too: a count of this one's writes would mean nothing.
+            return;
+        }
         if after >= before {
             self.stored_messages
                 .fetch_add(after - before, Ordering::Relaxed);
