@@ -845,7 +845,7 @@ impl Store {
     /// Counts a write that took the conversation from `before` messages to `after`, or a
     /// delete (`after` 0).
     fn count_messages(&self, before: u64, after: u64) {
-        if self.shared.is_some() {
+        if self.shared() {
             // Other replicas write too: a count of this one's writes would mean nothing.
             return;
         }
