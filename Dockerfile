@@ -18,8 +18,9 @@ RUN scripts/fetch-model.sh /model
 FROM rust:1.95-slim-bookworm AS builder
 # jemalloc, the default allocator, is built from its C sources by tikv-jemalloc-sys, with make,
 # which the slim image lacks (its options come from .cargo/config.toml, copied below).
+# wordnet-base: WordNet's database, the corpus the static table is learned from (below).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make=4.3-4.1 \
+    && apt-get install -y --no-install-recommends make=4.3-4.1 wordnet-base=1:3.0-37 \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -28,10 +29,11 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked --bin memproxy \
     && install -m 0755 target/release/memproxy /usr/local/bin/memproxy
-# The static table distilled from the model by the binary just built (about half a minute), so
-# the image starts with it instead of distilling at run time.
+# The static table learned from the model and WordNet by the binary just built (a few minutes),
+# so the image starts with the default embedder's table; memproxy would otherwise fall back to
+# distilling the plainer table at run time.
 COPY --from=model /model /model
-RUN /usr/local/bin/memproxy model distill --model-dir /model --out /model/static-256.bin
+RUN /usr/local/bin/memproxy model learn --model-dir /model --wordnet /usr/share/wordnet
 
 # Runtime stage: the binary, CA certificates for HTTPS upstreams, and a non-root user.
 FROM debian:bookworm-slim

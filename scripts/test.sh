@@ -36,6 +36,10 @@ command -v redis-server >/dev/null 2>&1 || APT_PACKAGES+=(redis-server)
 { command -v node && command -v npm; } >/dev/null 2>&1 || APT_PACKAGES+=(nodejs npm)
 [[ -x /usr/bin/chromium ]] || APT_PACKAGES+=(chromium)
 [[ -x /usr/bin/chromedriver ]] || APT_PACKAGES+=(chromium-driver)
+# WordNet's database, the corpus the default static table is learned from (`memproxy model
+# learn`, below); pinned, since the table depends on its text.
+WORDNET_BASE_VERSION=1:3.0-37
+[[ -f /usr/share/wordnet/data.noun ]] || APT_PACKAGES+=("wordnet-base=$WORDNET_BASE_VERSION")
 if ((${#APT_PACKAGES[@]})); then
     step "apt-get install ${APT_PACKAGES[*]}"
     SUDO=()
@@ -77,6 +81,11 @@ cargo build --bins --examples
 # models/ matches.
 step "memproxy model embed (the static table into models/ when missing)"
 cargo run -q --bin memproxy -- model embed --static "warm the table" >/dev/null
+
+# The learned static table (the default embedder's; crates/embed's tests and tests/it's recall
+# by meaning read it): a few minutes on two cores, once; nothing is done when it is there.
+step "memproxy model learn (the learned static table into models/ when missing)"
+cargo run -q --bin memproxy -- model learn
 
 # Unit and integration tests (lib, bins, and the one integration test binary, tests/it/).
 # Benchmarks and examples are compiled by the clippy step above and run on their own (README:

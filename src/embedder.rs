@@ -1,5 +1,6 @@
 //! The embedder `[embedding]` names, made at start: the in-process ones of `memproxy-embed`
-//! (the model's files found, the static table distilled once and kept), or the upstream's
+//! (the model's files found, the learned static table read, or the distilled one made once and
+//! kept), or the upstream's
 //! OpenAI-compatible `/v1/embeddings` ([`UpstreamEmbedder`]). One that cannot be made leaves
 //! recall by words alone, with the reason in the log and `/readyz`: never a failed start.
 //!
@@ -17,6 +18,7 @@ use crate::config::{Config, EmbedderKind};
 use crate::embedding::Embedder;
 use crate::upstream::Upstream;
 use memproxy_base::model::Credentials;
+use memproxy_embed::learn;
 use memproxy_embed::table::Distillation;
 use memproxy_embed::vector::normalize;
 use memproxy_embed::{Contextual, Embed, EmbedError, ModelFiles, Static};
@@ -46,8 +48,8 @@ pub fn load(config: &Config, upstream: &Upstream) -> Embedder {
 
 /// The in-process embedders: the model's files found (`embedding.model_dir`, then the usual
 /// places, `memproxy_embed::ModelFiles::locate`); the static table read from its file
-/// (`embedding.table`, else beside the model), or distilled once and written there (or, when
-/// that directory is read-only, into the data directory).
+/// (`embedding.table`, else the learned one beside the model), or the distilled one distilled
+/// once and written there (or, when that directory is read-only, into the data directory).
 fn in_process(config: &Config) -> Embedder {
     let settings = &config.embedding;
     let files = match ModelFiles::locate(settings.model_dir.as_deref()) {
@@ -75,11 +77,23 @@ fn in_process(config: &Config) -> Embedder {
     }
 }
 
-/// The static table, from its file or distilled once.
+/// The static table: the learned one (`memproxy model learn`, beside the model or at
+/// `embedding.table`), else the distilled one from its file or distilled once. Without the
+/// learned table recall by meaning still works, a little less well, and the log says how to
+/// make it.
 fn static_table(config: &Config, files: &ModelFiles) -> Result<Static, EmbedError> {
     let distillation = Distillation::default();
     if let Some(path) = &config.embedding.table {
-        return Static::load_or_distill(files, path);
+        return learn::load_learned(files, path).or_else(|_| Static::load_or_distill(files, path));
+    }
+    let learned = learn::learned_path(files);
+    match learn::load_learned(files, &learned) {
+        Ok(table) => return Ok(table),
+        Err(err) => tracing::warn!(
+            reason = %err,
+            "the learned static table is missing: recall by meaning uses the distilled table, \
+             which recalls less; `memproxy model learn` makes it (needs Debian's wordnet-base)"
+        ),
     }
     let beside = Static::default_cache_path(files, &distillation);
     if let Ok(table) = Static::load(files, &beside, &distillation) {

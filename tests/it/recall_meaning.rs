@@ -191,12 +191,14 @@ async fn facts_found(proxy: &Proxy, mock: &MockUpstream, extra: &[(&str, &str)])
 }
 
 /// Replays the facts and the filler with `embedder`, then asks each fact's question by words
-/// alone and by words and meaning: (facts found by words, facts found by both).
-async fn paraphrase_run(embedder: &str) -> (usize, usize) {
+/// alone and by words and meaning: (facts found by words, facts found by both, the vector
+/// space `/readyz` names).
+async fn paraphrase_run(embedder: &str) -> (usize, usize, String) {
     let config = EMBEDDING.replace("\"static\"", &format!("\"{embedder}\""));
     let Started { mock, proxy, .. } = Harness::new().config(&config).start().await;
     let ready: Value = send("GET", &proxy.url("/readyz"), &[], "").await.json();
     assert_eq!(ready["recall"], "hybrid", "{ready}");
+    let space = ready["embedder"].as_str().unwrap_or_default().to_string();
     for (fact, _) in FACTS {
         chat(&proxy, "facts", &body(&[user(fact)]), &[]).await;
     }
@@ -232,21 +234,28 @@ async fn paraphrase_run(embedder: &str) -> (usize, usize) {
         asked("false").await.header("x-memory-recall"),
         "lexical; reason=setting"
     );
-    (lexical, hybrid)
+    (lexical, hybrid, space)
 }
 
-/// The default embedder, a static table: a word-piece lookup per text, about 0.02 ms.
+/// The default embedder, a static table: a word-piece lookup per text, about 0.02 ms. The
+/// learned table (`memproxy model learn`, which `scripts/test.sh` runs first) found 20 of 30
+/// when it was made the default; the distilled table it replaced, 15.
 #[tokio::test]
 async fn facts_asked_about_in_other_words_are_recalled_by_the_static_table() {
-    let (lexical, hybrid) = paraphrase_run("static").await;
+    let (lexical, hybrid, space) = paraphrase_run("static").await;
+    assert!(
+        space.contains("learned"),
+        "the static embedder is {space:?}, not the learned table: make it with \
+         `cargo run --bin memproxy -- model learn` (needs Debian's wordnet-base)"
+    );
     assert!(lexical <= 3, "words alone found {lexical} of 30");
-    assert!(hybrid >= 15, "words and meaning found {hybrid} of 30");
+    assert!(hybrid >= 18, "words and meaning found {hybrid} of 30");
 }
 
 /// The full model (`embedder = "contextual"`): better vectors, milliseconds per text.
 #[tokio::test]
 async fn facts_asked_about_in_other_words_are_recalled_by_the_full_model() {
-    let (lexical, hybrid) = paraphrase_run("contextual").await;
+    let (lexical, hybrid, _) = paraphrase_run("contextual").await;
     assert!(lexical <= 3, "words alone found {lexical} of 30");
     assert!(hybrid >= 20, "words and meaning found {hybrid} of 30");
 }

@@ -26,6 +26,7 @@
 pub mod bert;
 pub mod contextual;
 pub mod files;
+pub mod learn;
 pub mod pca;
 mod products;
 pub mod table;

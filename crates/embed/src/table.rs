@@ -231,11 +231,22 @@ impl Static {
         path: &Path,
         distillation: &Distillation,
     ) -> Result<Self, EmbedError> {
+        Self::load_as(files, path, &distillation.id(), distillation.dims)
+    }
+
+    /// The table in `path`, refused unless its header names the space `id`, `dims` wide, made
+    /// from these model files (for tables not distilled, such as the learned one).
+    pub(crate) fn load_as(
+        files: &ModelFiles,
+        path: &Path,
+        id: &str,
+        dims: usize,
+    ) -> Result<Self, EmbedError> {
         let pieces = WordPieces::load(files)?;
         let bytes = std::fs::read(path).map_err(|err| {
             EmbedError::Unavailable(format!("cannot read {}: {err}", path.display()))
         })?;
-        let header = Header::expected(files, &pieces, distillation)?;
+        let header = Header::expected(files, &pieces, id, dims)?;
         let body = header.check(&bytes).map_err(|why| {
             EmbedError::Unavailable(format!("{} is not this table: {why}", path.display()))
         })?;
@@ -249,6 +260,16 @@ impl Static {
             dims: header.dims,
             id: header.id,
         })
+    }
+
+    /// A table of `rows` (`vocab × dims`, each already weighted) in the space `id`.
+    pub(crate) fn from_rows(pieces: WordPieces, rows: &[f32], dims: usize, id: String) -> Self {
+        Self {
+            pieces,
+            table: Rows::quantised(rows, dims),
+            dims,
+            id,
+        }
     }
 
     /// Writes the table to `path` (a sibling file first, then renamed over it, so a reader
@@ -345,6 +366,21 @@ impl TokenRows {
             rows,
             kinds,
         })
+    }
+
+    /// The word pieces the rows are for.
+    pub(crate) fn pieces(&self) -> &WordPieces {
+        &self.pieces
+    }
+
+    /// Each vocabulary entry's mean-pooled output, by id.
+    pub(crate) fn rows(&self) -> &[Vec<f32>] {
+        &self.rows
+    }
+
+    /// Whether the entry `id` is special (`[CLS]`, `[unused…]` …): never part of a text's sum.
+    pub(crate) fn is_special(&self, id: usize) -> bool {
+        self.kinds.get(id).is_none_or(|kind| *kind == Kind::Special)
     }
 
     /// The table of `distillation`: rows projected, weighted, special entries zero.
@@ -450,12 +486,13 @@ impl Header {
     fn expected(
         files: &ModelFiles,
         pieces: &WordPieces,
-        distillation: &Distillation,
+        id: &str,
+        dims: usize,
     ) -> Result<Self, EmbedError> {
         Ok(Self {
-            id: distillation.id(),
+            id: id.to_owned(),
             vocab: pieces.vocab_size(),
-            dims: distillation.dims,
+            dims,
             sources: source_sizes(files)?,
         })
     }

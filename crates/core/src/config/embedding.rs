@@ -55,8 +55,8 @@ pub struct EmbeddingConfig {
     pub embedder: EmbedderKind,
     /// Where the model's files are (`None`: searched for, `memproxy_embed::ModelFiles`).
     pub model_dir: Option<PathBuf>,
-    /// The distilled static table's file (`None`: beside the model, else in the data
-    /// directory).
+    /// The static table's file, learned or distilled (`None`: the learned one beside the
+    /// model, else the distilled one beside it or in the data directory).
     pub table: Option<PathBuf>,
     /// The provider's embedding model (`upstream` only).
     pub upstream_model: String,
