@@ -84,7 +84,7 @@ fn in_process(config: &Config) -> Embedder {
 fn static_table(config: &Config, files: &ModelFiles) -> Result<Static, EmbedError> {
     let distillation = Distillation::default();
     if let Some(path) = &config.embedding.table {
-        return learn::load_learned(files, path).or_else(|_| Static::load_or_distill(files, path));
+        return learn::load_static(files, path);
     }
     let learned = learn::learned_path(files);
     match learn::load_learned(files, &learned) {

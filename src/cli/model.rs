@@ -159,8 +159,7 @@ fn embed(args: &EmbedArgs) -> Result<(), EmbedError> {
         Box::new(Contextual::load(&files, args.threads)?)
     } else {
         Box::new(match &args.table {
-            Some(path) => learn::load_learned(&files, path)
-                .or_else(|_| Static::load_or_distill(&files, path))?,
+            Some(path) => learn::load_static(&files, path)?,
             None => learn::load_learned(&files, &learn::learned_path(&files)).or_else(|_| {
                 let path = Static::default_cache_path(&files, &Distillation::default());
                 Static::load_or_distill(&files, &path)

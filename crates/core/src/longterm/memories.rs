@@ -942,6 +942,9 @@ pub fn render(chosen: &[Chosen]) -> Option<Box<RawValue>> {
 mod tests {
     use super::*;
 
+    use crate::recall::hybrid::Fusion;
+    use memproxy_base::identity::TenantId;
+
     #[test]
     fn memories_naming_different_things_are_never_merged_by_meaning() {
         assert!(names_differ(
@@ -964,8 +967,6 @@ mod tests {
             "The user drives a car"
         ));
     }
-    use crate::recall::hybrid::Fusion;
-    use memproxy_base::identity::TenantId;
 
     fn origin() -> CandidateSource {
         CandidateSource {
