@@ -23,12 +23,16 @@
 #
 # Usage: scripts/perf.sh [--rounds N] [--duration S] [--connections C] [--baseline BINARY]
 #                        [--binary BINARY] [--log LEVEL] [--budget SIZE] [--keep] [--record DIR]
-#                        [--extra FILE] [--baseline-extra FILE]
+#                        [--extra FILE] [--baseline-extra FILE] [--floor BINARY]
 # --budget SIZE: memproxy's server.memory_budget (default: its default, 192MiB).
 # --extra FILE: TOML added to each memproxy's config (any section but [server], [upstream] and
 # [storage], which the script writes), e.g. `[embedding]\nembedder = "off"`;
 # --baseline-extra FILE: the same for the baseline binary only (default: --extra's), so two
 # settings of one binary can be compared in one run (--baseline the same binary).
+# --floor BINARY: also measure the floor under the pass-through row, the bare hyper proxy of
+# `examples/hyper_floor.rs` (`cargo build --release --example hyper_floor`), as two rows:
+# `floor` (one multi-thread runtime of 2 workers, as memproxy) and `floorpt` (2 single-thread
+# runtimes, a listener each on one port, nothing crossing threads).
 # --record DIR: each memproxy row of the first round is also sampled with `perf record -g`
 # (Debian's linux-perf) into DIR/ROW.data, for `perf report -i DIR/ROW.data`; set
 # PERF_CALL_GRAPH="--call-graph dwarf,8192" for stacks through code without frame pointers
@@ -53,6 +57,7 @@ record=""
 budget=""
 extra=""
 baseline_extra=""
+floor=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --rounds) rounds=$2; shift 2 ;;
@@ -67,7 +72,8 @@ while [ $# -gt 0 ]; do
         --budget) budget=$2; shift 2 ;;
         --extra) extra=$2; shift 2 ;;
         --baseline-extra) baseline_extra=$2; shift 2 ;;
-        -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+        --floor) floor=$2; shift 2 ;;
+        -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
         *) echo "perf.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -76,6 +82,7 @@ for tool in nginx wrk curl python3; do
 done
 [ -x "$binary" ] || { echo "perf.sh: no binary at $binary (cargo build --release)" >&2; exit 2; }
 [ -z "$baseline" ] || [ -x "$baseline" ] || { echo "perf.sh: no baseline binary at $baseline" >&2; exit 2; }
+[ -z "$floor" ] || [ -x "$floor" ] || { echo "perf.sh: no floor binary at $floor (cargo build --release --example hyper_floor)" >&2; exit 2; }
 conversations=64
 messages=200
 
@@ -208,6 +215,26 @@ if [ -n "$baseline" ]; then
     extra_of[base]=${baseline_extra:-$extra}
 fi
 for name in "${binaries[@]}"; do start_memproxy "$name"; done
+floors=()
+if [ -n "$floor" ]; then
+    for kind in floor floorpt; do
+        port_of[$kind]=$(free_port)
+        runtime=multi
+        [ "$kind" = floorpt ] && runtime=per-thread
+        "${nice_cmd[@]}" "$floor" --listen "127.0.0.1:${port_of[$kind]}" \
+            --upstream "127.0.0.1:$upstream_port" --runtime "$runtime" --threads 2 \
+            >"$dir/$kind.log" 2>&1 &
+        pid_of[$kind]=$!
+        pids+=($!)
+        floors+=("$kind")
+    done
+    for kind in "${floors[@]}"; do
+        for _ in $(seq 50); do
+            curl -s -o /dev/null "http://127.0.0.1:${port_of[$kind]}/" && break
+            sleep 0.1
+        done
+    done
+fi
 
 # The pre-filled conversations: 199 alternating messages (the reply makes 200), words drawn
 # with a fixed seed from loadbench's word list, different in each conversation.
@@ -298,7 +325,7 @@ measure() { # port conversations prefix persist [binary] [record] → req/s and 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 wait_recording() { for job in $(jobs -p); do wait "$job" 2>/dev/null || true; done; }
 
-rows=(direct nginx)
+rows=(direct nginx "${floors[@]}")
 for name in "${binaries[@]}"; do rows+=("pass-$name" "mem-ro-$name" "mem-store-$name"); done
 results="$dir/results.tsv"
 : >"$results"
@@ -328,6 +355,7 @@ for round in $(seq "$rounds"); do
         case "$row" in
             direct) got=$(measure "$upstream_port" 0 - -) ;;
             nginx) got=$(measure "$nginx_port" 0 - -) ;;
+            floor|floorpt) got=$(measure "${port_of[$row]}" 0 - - "$row" "$rec") ;;
             pass-*) got=$(measure "${port_of[$who]}" 0 - - "$who" "$rec") ;;
             mem-ro-*) got=$(measure "${port_of[$who]}" "$conversations" ro- false "$who" "$rec") ;;
             mem-store-*) got=$(measure "${port_of[$who]}" "$conversations" "st$round-" true "$who" "$rec") ;;
@@ -356,10 +384,10 @@ for name in "${binaries[@]}"; do
               print line }'
 done
 
-python3 - "$results" "${binaries[@]}" <<'EOF'
+python3 - "$results" "${#floors[@]}" "${binaries[@]}" <<'EOF'
 import statistics, sys
 from collections import defaultdict
-path, binaries = sys.argv[1], sys.argv[2:]
+path, floors, binaries = sys.argv[1], ["floor", "floorpt"][: int(sys.argv[2])], sys.argv[3:]
 by_round = defaultdict(dict)
 cpu = defaultdict(dict)
 for line in open(path):
@@ -372,15 +400,19 @@ def spread(values):
 def ratio(a, b):
     return [x[a] / x[b] for x in by_round.values() if x.get(b)]
 print("\nreq/s, median (min–max) over the rounds:")
-for row in ["direct", "nginx"] + [r for b in binaries for r in (f"pass-{b}", f"mem-ro-{b}", f"mem-store-{b}")]:
+for row in ["direct", "nginx"] + floors + [r for b in binaries for r in (f"pass-{b}", f"mem-ro-{b}", f"mem-store-{b}")]:
     values = [x[row] for x in by_round.values()]
     us = [x[row] for x in cpu.values() if row in x]
-    used = f"   memproxy CPU µs/request {statistics.median(us):6.0f} ({min(us):.0f}–{max(us):.0f})" if us else ""
+    used = f"   {'floor' if row in floors else 'memproxy'} CPU µs/request {statistics.median(us):6.0f} ({min(us):.0f}–{max(us):.0f})" if us else ""
     print(f"  {row:16} {statistics.median(values):9.0f} ({min(values):.0f}–{max(values):.0f}){used}")
 print("\nratios, pair by pair within a round: median (min–max)")
 print(f"  nginx / direct               {spread(ratio('nginx', 'direct'))}")
+for f in floors:
+    print(f"  {f} / nginx{' ' * (19 - len(f))}{spread(ratio(f, 'nginx'))}")
 for b in binaries:
     print(f"  [{b}] pass / nginx          {spread(ratio(f'pass-{b}', 'nginx'))}")
+    if floors:
+        print(f"  [{b}] pass / floor          {spread(ratio(f'pass-{b}', 'floor'))}")
     print(f"  [{b}] mem-ro / pass         {spread(ratio(f'mem-ro-{b}', f'pass-{b}'))}")
     print(f"  [{b}] mem-store / pass      {spread(ratio(f'mem-store-{b}', f'pass-{b}'))}")
 if "base" in binaries:
