@@ -24,11 +24,15 @@
 # Usage: scripts/perf.sh [--rounds N] [--duration S] [--connections C] [--baseline BINARY]
 #                        [--binary BINARY] [--log LEVEL] [--budget SIZE] [--keep] [--record DIR]
 #                        [--extra FILE] [--baseline-extra FILE] [--floor BINARY]
+#                        [--runtime SHAPE] [--baseline-runtime SHAPE]
 # --budget SIZE: memproxy's server.memory_budget (default: its default, 192MiB).
 # --extra FILE: TOML added to each memproxy's config (any section but [server], [upstream] and
 # [storage], which the script writes), e.g. `[embedding]\nembedder = "off"`;
 # --baseline-extra FILE: the same for the baseline binary only (default: --extra's), so two
 # settings of one binary can be compared in one run (--baseline the same binary).
+# --runtime SHAPE: memproxy's server.runtime ("shared", the default, or "per-thread");
+# --baseline-runtime SHAPE: the same for the baseline (default: --runtime's), so the two shapes
+# of one binary can be compared in one run (--baseline the same binary).
 # --floor BINARY: also measure the floor under the pass-through row, the bare hyper proxy of
 # `examples/hyper_floor.rs` (`cargo build --release --example hyper_floor`), as two rows:
 # `floor` (one multi-thread runtime of 2 workers, as memproxy) and `floorpt` (2 single-thread
@@ -58,6 +62,8 @@ budget=""
 extra=""
 baseline_extra=""
 floor=""
+runtime=""
+baseline_runtime=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --rounds) rounds=$2; shift 2 ;;
@@ -73,7 +79,9 @@ while [ $# -gt 0 ]; do
         --extra) extra=$2; shift 2 ;;
         --baseline-extra) baseline_extra=$2; shift 2 ;;
         --floor) floor=$2; shift 2 ;;
-        -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+        --runtime) runtime=$2; shift 2 ;;
+        --baseline-runtime) baseline_runtime=$2; shift 2 ;;
+        -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
         *) echo "perf.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -156,7 +164,7 @@ done
 
 # memproxy: one process per binary, each with its own data directory, started anew at each
 # round (so every round starts from the same caches and resident memory).
-declare -A port_of pid_of binary_of extra_of
+declare -A port_of pid_of binary_of extra_of runtime_of
 budget_line=""
 [ -z "$budget" ] || budget_line="memory_budget = \"$budget\""
 start_memproxy() { # name
@@ -167,6 +175,7 @@ start_memproxy() { # name
 listen = "127.0.0.1:$port"
 shutdown_grace = "PT5S"
 $budget_line
+${runtime_of[$1]:+runtime = \"${runtime_of[$1]}\"}
 
 [upstream]
 base_url = "http://127.0.0.1:$upstream_port/v1"
@@ -208,21 +217,23 @@ binaries=(new)
 port_of[new]=$proxy_port
 binary_of[new]=$binary
 extra_of[new]=$extra
+runtime_of[new]=$runtime
 if [ -n "$baseline" ]; then
     binaries+=(base)
     port_of[base]=$(free_port)
     binary_of[base]=$baseline
     extra_of[base]=${baseline_extra:-$extra}
+    runtime_of[base]=${baseline_runtime:-$runtime}
 fi
 for name in "${binaries[@]}"; do start_memproxy "$name"; done
 floors=()
 if [ -n "$floor" ]; then
     for kind in floor floorpt; do
         port_of[$kind]=$(free_port)
-        runtime=multi
-        [ "$kind" = floorpt ] && runtime=per-thread
+        floor_runtime=multi
+        [ "$kind" = floorpt ] && floor_runtime=per-thread
         "${nice_cmd[@]}" "$floor" --listen "127.0.0.1:${port_of[$kind]}" \
-            --upstream "127.0.0.1:$upstream_port" --runtime "$runtime" --threads 2 \
+            --upstream "127.0.0.1:$upstream_port" --runtime "$floor_runtime" --threads 2 \
             >"$dir/$kind.log" 2>&1 &
         pid_of[$kind]=$!
         pids+=($!)

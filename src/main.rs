@@ -23,7 +23,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let runtime = match server::runtime(config.worker_threads) {
+    let runtime = match server::runtime(config.worker_threads, config.runtime) {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("memproxy: cannot start the runtime: {err}");
@@ -67,6 +67,28 @@ async fn serve(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if state.config.runtime == config::RuntimeShape::PerThread {
+        let threads = server::serving_threads(state.config.worker_threads);
+        let listeners = match server::bind_per_thread(listen, threads) {
+            Ok(listeners) => listeners,
+            Err(err) => {
+                tracing::error!(error = %err, %listen, "cannot listen");
+                return ExitCode::FAILURE;
+            }
+        };
+        let addr = listeners
+            .first()
+            .and_then(|l| l.local_addr().ok())
+            .unwrap_or(listen);
+        tracing::info!(%addr, %upstream, threads, "memproxy listening, a runtime per thread");
+        return match server::run_per_thread(listeners, state, server::shutdown_signal()).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                tracing::error!(error = %err, "shutdown failed to flush the store");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let listener = match TcpListener::bind(listen).await {
         Ok(listener) => listener,
         Err(err) => {

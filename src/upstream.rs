@@ -108,9 +108,31 @@ pub enum UpstreamSetupError {
     BadBaseUrl,
 }
 
+type PooledClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+
+thread_local! {
+    /// Set on a thread of `server.runtime = "per-thread"`: its requests go over upstream
+    /// connections of its own (a connection's task runs on the runtime that opened it, so a
+    /// pool shared by the threads would hand a request to another thread's connection).
+    static OWN_POOLS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// This thread's pools, one per [`Upstream`] (by its `id`), made on first use.
+    static POOLS: std::cell::RefCell<Vec<(usize, PooledClient)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Makes this thread's upstream requests use connection pools of its own (the per-thread
+/// runtime's serving threads, `server/mod.rs`).
+pub fn own_pools_on_this_thread() {
+    OWN_POOLS.set(true);
+}
+
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpsConnector<HttpConnector>, ProxyBody>,
+    client: PooledClient,
+    /// The connector, for the pools of per-thread runtimes' threads.
+    https: HttpsConnector<HttpConnector>,
+    /// Names this upstream (and its clones) among a thread's pools.
+    id: Arc<()>,
     /// `scheme://authority` of the base URL.
     origin: String,
     /// The base URL's path without a trailing slash (`/v1`).
@@ -129,6 +151,14 @@ impl std::fmt::Debug for Upstream {
             .field("base_path", &self.base_path)
             .finish_non_exhaustive()
     }
+}
+
+/// A pool of upstream connections over `https` (which also speaks plain HTTP).
+fn pooled_client(https: HttpsConnector<HttpConnector>) -> PooledClient {
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(256)
+        .build(https)
 }
 
 impl Upstream {
@@ -156,10 +186,7 @@ impl Upstream {
             .enable_http1()
             .enable_http2()
             .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(256)
-            .build(https);
+        let client = pooled_client(https.clone());
 
         let key = match &config.api_key {
             None => None,
@@ -181,6 +208,8 @@ impl Upstream {
         }
         Ok(Upstream {
             client,
+            https,
+            id: Arc::new(()),
             origin,
             base_path: base.path().to_string(),
             key,
@@ -280,7 +309,21 @@ impl Upstream {
 
     /// Sends a request, waiting at most the configured timeout for the response head.
     async fn send(&self, request: Request<ProxyBody>) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout(self.timeout, self.client.request(request)).await {
+        let sent = if OWN_POOLS.get() {
+            let id = Arc::as_ptr(&self.id) as usize;
+            POOLS.with_borrow_mut(|pools| match pools.iter().find(|(of, _)| *of == id) {
+                Some((_, client)) => client.request(request),
+                None => {
+                    let client = pooled_client(self.https.clone());
+                    let sent = client.request(request);
+                    pools.push((id, client));
+                    sent
+                }
+            })
+        } else {
+            self.client.request(request)
+        };
+        match tokio::time::timeout(self.timeout, sent).await {
             Err(_) => Err(UpstreamError::Timeout {
                 seconds: self.timeout.as_secs(),
             }),

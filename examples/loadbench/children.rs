@@ -115,7 +115,7 @@ pub fn serve_proxy(config_path: &Path) -> ExitCode {
         }
     };
     // The runtime the memproxy binary builds from the same config.
-    let runtime = match memproxy::server::runtime(config.worker_threads) {
+    let runtime = match memproxy::server::runtime(config.worker_threads, config.runtime) {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("loadbench proxy: cannot start the runtime: {err}");
@@ -130,6 +130,33 @@ pub fn serve_proxy(config_path: &Path) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        if state.config.runtime == memproxy::config::RuntimeShape::PerThread {
+            let threads = memproxy::server::serving_threads(state.config.worker_threads);
+            let listeners = match memproxy::server::bind_per_thread(
+                std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                threads,
+            ) {
+                Ok(listeners) => listeners,
+                Err(err) => {
+                    eprintln!("loadbench proxy: cannot listen: {err}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let port = listeners
+                .first()
+                .and_then(|l| l.local_addr().ok())
+                .map_or(0, |a| a.port());
+            if port == 0 || !announce_port(port) {
+                return ExitCode::FAILURE;
+            }
+            return match memproxy::server::run_per_thread(listeners, state, parent_gone()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(err) => {
+                    eprintln!("loadbench proxy: shutdown failed to flush the store: {err}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
             Ok(listener) => listener,
             Err(err) => {

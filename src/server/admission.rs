@@ -43,6 +43,7 @@ pub enum Admit {
 }
 
 /// The slots of `server.max_connections`, and of the refusals running.
+#[derive(Clone)]
 pub struct Admission {
     max_connections: usize,
     slots: Arc<Semaphore>,

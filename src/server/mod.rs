@@ -18,6 +18,10 @@
 //! 4. let background summary jobs finish, up to the grace period, or cancel them;
 //! 5. flush and close the store, last, once no task can write to it.
 //!
+//! With `server.runtime = "per-thread"` ([`run_per_thread`]) each serving thread runs its own
+//! accept loop, connections and drain on a single-thread runtime; the steps are the same, each
+//! thread taking 1. and 3. for its own connections.
+//!
 //! The drain is a `watch` channel each connection task listens to, not hyper-util's
 //! `GracefulShutdown`: a connection's task also shuts it down gracefully when it goes idle,
 //! which needs the connection itself, not a watcher wrapped around it.
@@ -28,22 +32,37 @@ mod connection;
 use std::future::Future;
 use std::sync::Arc;
 
+use std::net::SocketAddr;
+
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use self::admission::{Admission, Admit};
-use crate::config::Config;
+use crate::config::{Config, RuntimeShape};
 use crate::state::AppState;
 use crate::store::StoreError;
 
-/// The tokio runtime: `server.worker_threads` threads, or one per CPU.
-pub fn runtime(worker_threads: Option<usize>) -> std::io::Result<tokio::runtime::Runtime> {
+/// The runtime `main` runs in: with the shared shape `server.worker_threads` threads, or one
+/// per CPU; with a runtime per thread it holds the background work alone (the summary and
+/// embedding workers, the memory guard, the sweeper, signals) on one worker, and the threads
+/// serving requests are [`run_per_thread`]'s.
+pub fn runtime(
+    worker_threads: Option<usize>,
+    shape: RuntimeShape,
+) -> std::io::Result<tokio::runtime::Runtime> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = worker_threads {
-        builder.worker_threads(threads);
+    match shape {
+        RuntimeShape::Shared => {
+            if let Some(threads) = worker_threads {
+                builder.worker_threads(threads);
+            }
+        }
+        RuntimeShape::PerThread => {
+            builder.worker_threads(1);
+        }
     }
     builder.enable_all().build()
 }
@@ -68,18 +87,62 @@ pub async fn run(
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), StoreError> {
+    let background = Background::start(&state);
+    let admission = Admission::new(state.config.max_connections);
+    let connections = accept(listener, &state, admission, shutdown).await;
+    // 1. The listener is dropped. 2. Stop deleting idle conversations.
+    background.stop().await;
+    // 3. Drain.
+    drain(connections, &state).await;
+    // 4. and 5.
+    finish(&state).await
+}
+
+/// The background work of a serving process besides the memory core's own workers: the TTL
+/// sweeper, and the tokenizer's load.
+struct Background {
+    sweeper: Option<crate::ttl::Sweeper>,
+    warming: tokio::task::JoinHandle<()>,
+}
+
+impl Background {
+    fn start(state: &Arc<AppState>) -> Background {
+        let sweeper = state.start_sweeper();
+        // The tokenizer loads now, not on the first request; `/readyz` says ready once it
+        // has. Building it frees what it was built from (tiktoken-rs's encoding, about 40
+        // MiB): give those pages back at once.
+        let warming = tokio::task::spawn_blocking(|| {
+            crate::tokens::warm();
+            crate::allocator::release();
+        });
+        Background { sweeper, warming }
+    }
+
+    /// Stops the sweeper (a pass in progress finishes) and lets the tokenizer's load end.
+    async fn stop(self) {
+        if let Some(sweeper) = self.sweeper {
+            sweeper.stop().await;
+        }
+        let _ = self.warming.await;
+    }
+}
+
+/// The connections being served, and the channel that tells them to shut down.
+struct Connections {
+    tasks: JoinSet<()>,
+    stop: watch::Sender<bool>,
+}
+
+/// Accepts and serves connections until `shutdown` completes; the listener is dropped on return.
+async fn accept(
+    listener: TcpListener,
+    state: &Arc<AppState>,
+    mut admission: Admission,
+    shutdown: impl Future<Output = ()>,
+) -> Connections {
     let builder = http_builder(&state.config);
-    let mut admission = Admission::new(state.config.max_connections);
     let (stop, stopping) = watch::channel(false);
     let mut connections: JoinSet<()> = JoinSet::new();
-    let sweeper = state.start_sweeper();
-    // The tokenizer loads now, not on the first request; `/readyz` says ready once it has.
-    // Building it frees what it was built from (tiktoken-rs's encoding, about 40 MiB): give
-    // those pages back at once.
-    let warming = tokio::task::spawn_blocking(|| {
-        crate::tokens::warm();
-        crate::allocator::release();
-    });
     tokio::pin!(shutdown);
 
     loop {
@@ -102,7 +165,7 @@ pub async fn run(
                 while connections.try_join_next().is_some() {}
                 match admission.admit() {
                     Admit::Serve(slot) => {
-                        let state = Arc::clone(&state);
+                        let state = Arc::clone(state);
                         connections.spawn(connection::serve(&builder, stream, state, stopping.clone(), slot));
                     }
                     Admit::Refuse(refusal) => {
@@ -116,15 +179,19 @@ pub async fn run(
             () = &mut shutdown => break,
         }
     }
-
-    // 1. Stop accepting.
-    drop(listener);
-    // 2. Stop deleting idle conversations (and let the tokenizer's load end).
-    if let Some(sweeper) = sweeper {
-        sweeper.stop().await;
+    Connections {
+        tasks: connections,
+        stop,
     }
-    let _ = warming.await;
-    // 3. Drain within the grace period: connections finish what they are serving and close.
+}
+
+/// Drains within the grace period: connections finish what they are serving and close; those
+/// still open then are cut (their open streams are not stored).
+async fn drain(connections: Connections, state: &AppState) {
+    let Connections {
+        tasks: mut connections,
+        stop,
+    } = connections;
     let grace = state.config.shutdown_grace;
     tracing::info!(
         grace_s = grace.as_secs(),
@@ -143,12 +210,125 @@ pub async fn run(
         connections.abort_all();
         while connections.join_next().await.is_some() {}
     }
-    // 4. and 5. Let summary jobs in flight finish (or cancel them), then flush the store last.
+}
+
+/// 4. and 5.: lets summary jobs in flight finish (or cancels them), then flushes the store last.
+async fn finish(state: &AppState) -> Result<(), StoreError> {
     if let Some(memory) = state.memory() {
-        memory.shutdown(grace).await?;
+        memory.shutdown(state.config.shutdown_grace).await?;
         tracing::info!("store flushed; bye");
     }
     Ok(())
+}
+
+/// How many threads serve requests with a runtime per thread: `server.worker_threads`, or one
+/// per CPU the process may use.
+pub fn serving_threads(worker_threads: Option<usize>) -> usize {
+    worker_threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+    })
+}
+
+/// Listeners for [`run_per_thread`]: `threads` sockets on one address (`SO_REUSEPORT`; the
+/// kernel spreads new connections over them), the port of the first taken by the others when
+/// `addr` names port 0. Bound and listening on return, so a refused bind is an error here.
+pub fn bind_per_thread(
+    addr: SocketAddr,
+    threads: usize,
+) -> std::io::Result<Vec<std::net::TcpListener>> {
+    let mut listeners: Vec<std::net::TcpListener> = Vec::with_capacity(threads);
+    let mut at = addr;
+    for _ in 0..threads.max(1) {
+        let socket = if at.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(true)?;
+        socket.bind(at)?;
+        let listener = socket.listen(1024)?;
+        at = listener.local_addr()?;
+        listeners.push(listener.into_std()?);
+    }
+    Ok(listeners)
+}
+
+/// Serves with a runtime per thread (`server.runtime = "per-thread"`): each listener on a thread
+/// of its own with a single-thread runtime, which accepts, serves and drains its connections
+/// and keeps its own upstream connections (`upstream::own_pools_on_this_thread`), so nothing of
+/// a request crosses threads but its plan and commit (the blocking pool, as with the shared
+/// runtime). The connection cap (`server.max_connections`) is one for all threads. The
+/// background work stays on the runtime this is called from. Shutdown as [`run`]'s: each thread
+/// stops accepting, the sweeper stops, every thread drains within the grace period, then the
+/// store is flushed, last.
+pub async fn run_per_thread(
+    listeners: Vec<std::net::TcpListener>,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), StoreError> {
+    let background = Background::start(&state);
+    let admission = Admission::new(state.config.max_connections);
+    let (stop_accepting, accepting) = watch::channel(false);
+    let (may_drain, draining) = watch::channel(false);
+    let mut threads = Vec::with_capacity(listeners.len());
+    for (n, listener) in listeners.into_iter().enumerate() {
+        let state = Arc::clone(&state);
+        let admission = admission.clone();
+        let mut accepting = accepting.clone();
+        let mut draining = draining.clone();
+        let (accepted_done, accepted) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("memproxy-srv-{n}"))
+            .spawn(move || {
+                crate::upstream::own_pools_on_this_thread();
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(err) => {
+                        tracing::error!(error = %err, "cannot start a serving thread's runtime");
+                        return;
+                    }
+                };
+                runtime.block_on(async move {
+                    let listener = match TcpListener::from_std(listener) {
+                        Ok(listener) => listener,
+                        Err(err) => {
+                            tracing::error!(error = %err, "a serving thread cannot take its listener");
+                            return;
+                        }
+                    };
+                    let stopped = async move {
+                        let _ = accepting.wait_for(|stop| *stop).await;
+                    };
+                    let connections = accept(listener, &state, admission, stopped).await;
+                    let _ = accepted_done.send(());
+                    let _ = draining.wait_for(|go| *go).await;
+                    drain(connections, &state).await;
+                });
+            });
+        match thread {
+            Ok(thread) => threads.push((thread, accepted)),
+            Err(err) => tracing::error!(error = %err, "cannot start a serving thread"),
+        }
+    }
+    shutdown.await;
+    // 1. Every thread stops accepting.
+    let _ = stop_accepting.send(true);
+    for (_, accepted) in &mut threads {
+        let _ = accepted.await;
+    }
+    // 2. Stop deleting idle conversations.
+    background.stop().await;
+    // 3. Every thread drains within the grace period.
+    let _ = may_drain.send(true);
+    for (thread, _) in threads {
+        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+    }
+    // 4. and 5.
+    finish(&state).await
 }
 
 /// Completes on SIGTERM or SIGINT: the shutdown future `main` passes to [`run`].

@@ -50,6 +50,7 @@ mod recall;
 mod recall_meaning;
 mod receipts;
 mod redis;
+mod runtime;
 mod shutdown;
 mod store_damage;
 mod streaming;

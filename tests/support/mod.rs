@@ -71,6 +71,16 @@ pub fn test_grace(extra_toml: &str) -> &'static str {
     }
 }
 
+/// The runtime shape of the tests' proxies unless `extra_toml` sets one:
+/// `MEMPROXY_TEST_RUNTIME=per-thread` runs every proxy of the suite with a runtime per thread
+/// (`server.runtime`), the default the shared one.
+pub fn test_runtime(extra_toml: &str) -> String {
+    match std::env::var("MEMPROXY_TEST_RUNTIME") {
+        Ok(shape) if !extra_toml.contains("runtime =") => format!("runtime = \"{shape}\"\n"),
+        _ => String::new(),
+    }
+}
+
 /// The tests' config: `mock` as the upstream (with `upstream_toml` added to `[upstream]`), data
 /// under `data_dir`, then `extra_toml`. The template ends inside `[server]`, so bare keys at the
 /// start of `extra_toml` are server settings.
@@ -107,11 +117,12 @@ pub fn config_toml(
     extra_toml: &str,
 ) -> String {
     format!(
-        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\n{}{}{extra_toml}{}",
+        "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\n{}{}{}{extra_toml}{}",
         mock.base_url(),
         data_dir.display(),
         test_grace(extra_toml),
         test_budget(extra_toml),
+        test_runtime(extra_toml),
         test_embedding(extra_toml)
     )
 }
@@ -182,18 +193,33 @@ impl Proxy {
     }
 
     /// Serves `state` (built by the test, e.g. over a store of its own engine).
+    /// With `server.runtime = "per-thread"`, a runtime per thread (`server.worker_threads` of
+    /// them, two by default) beside the test's own runtime, which keeps the background work.
     pub async fn start_state(state: Arc<AppState>) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let server_state = Arc::clone(&state);
-        let task = tokio::spawn(async move {
-            server::run(listener, server_state, async {
-                let _ = stopped.await;
-            })
-            .await
-            .unwrap();
-        });
+        let stopped = async {
+            let _ = stopped.await;
+        };
+        let (addr, task) = if state.config.runtime == memproxy::config::RuntimeShape::PerThread {
+            let threads = state.config.worker_threads.unwrap_or(2);
+            let listeners =
+                server::bind_per_thread("127.0.0.1:0".parse().unwrap(), threads).unwrap();
+            let addr = listeners[0].local_addr().unwrap();
+            let task = tokio::spawn(async move {
+                server::run_per_thread(listeners, server_state, stopped)
+                    .await
+                    .unwrap();
+            });
+            (addr, task)
+        } else {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let task = tokio::spawn(async move {
+                server::run(listener, server_state, stopped).await.unwrap();
+            });
+            (addr, task)
+        };
         Proxy {
             addr,
             state,

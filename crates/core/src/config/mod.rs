@@ -64,7 +64,7 @@ pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{
     DEFAULT_BODY_LIMIT_BYTES, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET,
-    DEFAULT_RESPONSE_LIMIT_BYTES, DEFAULT_SHUTDOWN_GRACE, LogFormat,
+    DEFAULT_RESPONSE_LIMIT_BYTES, DEFAULT_SHUTDOWN_GRACE, LogFormat, RuntimeShape,
 };
 pub use storage::{
     Backend, DEFAULT_DATA_DIR, DEFAULT_FLUSH_INTERVAL, DEFAULT_REDIS_KEY_PREFIX, Durability,
@@ -92,6 +92,8 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// Threads serving requests; `None`: one per CPU the process may use.
     pub worker_threads: Option<usize>,
+    /// How those threads are arranged (`server.runtime`).
+    pub runtime: RuntimeShape,
     /// Time to send a whole request head (from the connection's start, or from the first byte
     /// of a later request); then the connection is closed.
     pub header_read_timeout: Duration,
@@ -279,6 +281,7 @@ fn check(
         response_limit_bytes: server.response_limit_bytes,
         shutdown_grace: server.shutdown_grace,
         worker_threads: server.worker_threads,
+        runtime: server.runtime,
         header_read_timeout: server.header_read_timeout,
         body_read_timeout: server.body_read_timeout,
         idle_timeout: server.idle_timeout,

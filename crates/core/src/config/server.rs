@@ -43,6 +43,7 @@ pub(super) struct RawServer {
     response_limit_bytes: Option<u64>,
     shutdown_grace: Option<String>,
     worker_threads: Option<u64>,
+    runtime: Option<String>,
     header_read_timeout: Option<String>,
     body_read_timeout: Option<String>,
     idle_timeout: Option<String>,
@@ -63,12 +64,25 @@ pub(super) struct Server {
     pub response_limit_bytes: usize,
     pub shutdown_grace: Duration,
     pub worker_threads: Option<usize>,
+    pub runtime: RuntimeShape,
     pub header_read_timeout: Duration,
     pub body_read_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_connections: usize,
     /// `memory_budget` in bytes, checked against the caches in `memory_budget.rs`.
     pub memory_budget: u64,
+}
+
+/// How the threads serving requests are arranged (`server.runtime`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RuntimeShape {
+    /// One tokio runtime whose `worker_threads` workers share every connection (work-stealing).
+    #[default]
+    Shared,
+    /// `worker_threads` single-thread runtimes, each accepting on the port itself
+    /// (`SO_REUSEPORT`) and keeping its own upstream connections, so a request is served on
+    /// the thread that accepted it; background work runs on a runtime of its own.
+    PerThread,
 }
 
 /// Checks `[server]`; `listen` (from a flag or the environment) wins over the file.
@@ -112,6 +126,16 @@ pub(super) fn check_server(
             None
         }
     };
+    let runtime = match raw.runtime.as_deref() {
+        None | Some("shared") => RuntimeShape::Shared,
+        Some("per-thread") => RuntimeShape::PerThread,
+        Some(other) => {
+            problems.push(format!(
+                "server.runtime: {other:?} is not a runtime shape (\"shared\" or \"per-thread\")"
+            ));
+            RuntimeShape::Shared
+        }
+    };
     let mut max_connections = at_least_one(
         "server.max_connections",
         raw.max_connections,
@@ -130,6 +154,7 @@ pub(super) fn check_server(
         response_limit_bytes,
         shutdown_grace,
         worker_threads,
+        runtime,
         header_read_timeout: nonzero_duration(
             "server.header_read_timeout",
             raw.header_read_timeout,
