@@ -31,11 +31,10 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::TcpListener;
 
-// memproxy's global allocator (jemalloc with its options), so the floor allocates as memproxy
-// does.
-use memproxy as _;
+// Linked for memproxy's global allocator (jemalloc with its options), so the floor allocates
+// as memproxy does, and for its per-thread binding (`server::bind_per_thread`).
 
 type Body = UnsyncBoxBody<bytes::Bytes, hyper::Error>;
 type Upstream = Client<HttpConnector, Body>;
@@ -67,20 +66,6 @@ fn client() -> Upstream {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new()).build(connector)
-}
-
-fn listener(addr: SocketAddr, reuse_port: bool) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    if reuse_port {
-        socket.set_reuseport(true)?;
-    }
-    socket.bind(addr)?;
-    socket.listen(1024)
 }
 
 async fn serve(listener: TcpListener, upstream: SocketAddr, client: Upstream) {
@@ -133,35 +118,37 @@ fn main() -> std::io::Result<()> {
                 .enable_all()
                 .build()?;
             runtime.block_on(async {
-                let listener = listener(args.listen, false)?;
+                let listener = TcpListener::bind(args.listen).await?;
                 println!("listening on {}", listener.local_addr()?);
                 serve(listener, args.upstream, client()).await;
                 Ok(())
             })
         }
         RuntimeKind::PerThread => {
-            let mut threads = Vec::new();
-            let (ready, bound) = std::sync::mpsc::channel();
-            for _ in 0..args.threads {
-                let (listen, upstream, ready) = (args.listen, args.upstream, ready.clone());
-                threads.push(std::thread::spawn(move || {
-                    let runtime = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()?;
-                    runtime.block_on(async move {
-                        let listener = listener(listen, true);
-                        let _ = ready.send(listener.as_ref().map(|_| ()).map_err(|e| e.kind()));
-                        serve(listener?, upstream, client()).await;
-                        Ok::<_, std::io::Error>(())
+            // memproxy's own binding for its runtime per thread: one port, a listener each
+            // (made within a runtime, and taken off it for the threads' own).
+            let listeners = tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .build()?
+                .block_on(async { memproxy::server::bind_per_thread(args.listen, args.threads) })?;
+            if let Some(first) = listeners.first() {
+                println!("listening on {}", first.local_addr()?);
+            }
+            let threads: Vec<_> = listeners
+                .into_iter()
+                .map(|listener| {
+                    let upstream = args.upstream;
+                    std::thread::spawn(move || {
+                        tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()?
+                            .block_on(async move {
+                                serve(TcpListener::from_std(listener)?, upstream, client()).await;
+                                Ok::<_, std::io::Error>(())
+                            })
                     })
-                }));
-            }
-            for _ in 0..args.threads {
-                if let Ok(Err(kind)) = bound.recv() {
-                    return Err(kind.into());
-                }
-            }
-            println!("listening on {}", args.listen);
+                })
+                .collect();
             for thread in threads {
                 let _ = thread.join();
             }

@@ -7,7 +7,6 @@ use memproxy::cli::{Cli, Command};
 use memproxy::config::{self, Config, LogFormat};
 use memproxy::server;
 use memproxy::state::AppState;
-use tokio::net::TcpListener;
 
 fn main() -> ExitCode {
     memproxy::allocator::configure();
@@ -67,38 +66,16 @@ async fn serve(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if state.config.runtime == config::RuntimeShape::PerThread {
-        let threads = server::serving_threads(state.config.worker_threads);
-        let listeners = match server::bind_per_thread(listen, threads) {
-            Ok(listeners) => listeners,
-            Err(err) => {
-                tracing::error!(error = %err, %listen, "cannot listen");
-                return ExitCode::FAILURE;
-            }
-        };
-        let addr = listeners
-            .first()
-            .and_then(|l| l.local_addr().ok())
-            .unwrap_or(listen);
-        tracing::info!(%addr, %upstream, threads, "memproxy listening, a runtime per thread");
-        return match server::run_per_thread(listeners, state, server::shutdown_signal()).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(err) => {
-                tracing::error!(error = %err, "shutdown failed to flush the store");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    let listener = match TcpListener::bind(listen).await {
-        Ok(listener) => listener,
+    let listeners = match server::Listeners::bind(&state.config, listen).await {
+        Ok(listeners) => listeners,
         Err(err) => {
             tracing::error!(error = %err, %listen, "cannot listen");
             return ExitCode::FAILURE;
         }
     };
-    let addr = listener.local_addr().map_or(listen, |a| a);
-    tracing::info!(%addr, %upstream, "memproxy listening");
-    match server::run(listener, state, server::shutdown_signal()).await {
+    let addr = listeners.local_addr().map_or(listen, |a| a);
+    tracing::info!(%addr, %upstream, runtime = ?state.config.runtime, "memproxy listening");
+    match listeners.serve(state, server::shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             tracing::error!(error = %err, "shutdown failed to flush the store");

@@ -130,41 +130,15 @@ pub fn serve_proxy(config_path: &Path) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        if state.config.runtime == memproxy::config::RuntimeShape::PerThread {
-            let threads = memproxy::server::serving_threads(state.config.worker_threads);
-            let listeners = match memproxy::server::bind_per_thread(
-                std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-                threads,
-            ) {
-                Ok(listeners) => listeners,
-                Err(err) => {
-                    eprintln!("loadbench proxy: cannot listen: {err}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            let port = listeners
-                .first()
-                .and_then(|l| l.local_addr().ok())
-                .map_or(0, |a| a.port());
-            if port == 0 || !announce_port(port) {
-                return ExitCode::FAILURE;
-            }
-            return match memproxy::server::run_per_thread(listeners, state, parent_gone()).await {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(err) => {
-                    eprintln!("loadbench proxy: shutdown failed to flush the store: {err}");
-                    ExitCode::FAILURE
-                }
-            };
-        }
-        let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
-            Ok(listener) => listener,
+        let local = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let listeners = match memproxy::server::Listeners::bind(&state.config, local).await {
+            Ok(listeners) => listeners,
             Err(err) => {
                 eprintln!("loadbench proxy: cannot listen: {err}");
                 return ExitCode::FAILURE;
             }
         };
-        let port = match listener.local_addr() {
+        let port = match listeners.local_addr() {
             Ok(addr) => addr.port(),
             Err(err) => {
                 eprintln!("loadbench proxy: no local address: {err}");
@@ -174,7 +148,7 @@ pub fn serve_proxy(config_path: &Path) -> ExitCode {
         if !announce_port(port) {
             return ExitCode::FAILURE;
         }
-        match memproxy::server::run(listener, state, parent_gone()).await {
+        match listeners.serve(state, parent_gone()).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("loadbench proxy: shutdown failed to flush the store: {err}");

@@ -221,9 +221,53 @@ async fn finish(state: &AppState) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Where memproxy listens, bound for its runtime shape (`server.runtime`): one listener for the
+/// shared runtime, one per serving thread (all on one port) for a runtime per thread. `main`,
+/// the tests and the benchmarks bind and serve through it, whatever the shape.
+pub enum Listeners {
+    Shared(TcpListener),
+    PerThread(Vec<std::net::TcpListener>),
+}
+
+impl Listeners {
+    /// Binds `addr` (port 0: a free port) as `config.runtime` needs.
+    pub async fn bind(config: &Config, addr: SocketAddr) -> std::io::Result<Listeners> {
+        Ok(match config.runtime {
+            RuntimeShape::Shared => Listeners::Shared(TcpListener::bind(addr).await?),
+            RuntimeShape::PerThread => Listeners::PerThread(bind_per_thread(
+                addr,
+                serving_threads(config.worker_threads),
+            )?),
+        })
+    }
+
+    /// The address bound (every per-thread listener has the same).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        match self {
+            Listeners::Shared(listener) => listener.local_addr(),
+            Listeners::PerThread(listeners) => listeners
+                .first()
+                .ok_or_else(|| std::io::Error::other("no listener"))?
+                .local_addr(),
+        }
+    }
+
+    /// Serves until `shutdown` completes, then drains and flushes ([`run`], [`run_per_thread`]).
+    pub async fn serve(
+        self,
+        state: Arc<AppState>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), StoreError> {
+        match self {
+            Listeners::Shared(listener) => run(listener, state, shutdown).await,
+            Listeners::PerThread(listeners) => run_per_thread(listeners, state, shutdown).await,
+        }
+    }
+}
+
 /// How many threads serve requests with a runtime per thread: `server.worker_threads`, or one
 /// per CPU the process may use.
-pub fn serving_threads(worker_threads: Option<usize>) -> usize {
+fn serving_threads(worker_threads: Option<usize>) -> usize {
     worker_threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     })
@@ -232,6 +276,8 @@ pub fn serving_threads(worker_threads: Option<usize>) -> usize {
 /// Listeners for [`run_per_thread`]: `threads` sockets on one address (`SO_REUSEPORT`; the
 /// kernel spreads new connections over them), the port of the first taken by the others when
 /// `addr` names port 0. Bound and listening on return, so a refused bind is an error here.
+/// Called within a tokio runtime (`TcpSocket::listen` registers with its reactor; `into_std`
+/// takes each listener off it again, for the serving thread's own runtime).
 pub fn bind_per_thread(
     addr: SocketAddr,
     threads: usize,
@@ -262,7 +308,7 @@ pub fn bind_per_thread(
 /// background work stays on the runtime this is called from. Shutdown as [`run`]'s: each thread
 /// stops accepting, the sweeper stops, every thread drains within the grace period, then the
 /// store is flushed, last.
-pub async fn run_per_thread(
+async fn run_per_thread(
     listeners: Vec<std::net::TcpListener>,
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()>,

@@ -10,6 +10,7 @@ use crate::support::*;
 
 /// The serving threads of a runtime per thread alive in this process (nextest runs each test in
 /// its own), by their names.
+#[cfg(target_os = "linux")]
 fn serving_threads() -> usize {
     std::fs::read_dir("/proc/self/task")
         .unwrap()
@@ -21,9 +22,7 @@ fn serving_threads() -> usize {
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn a_runtime_per_thread_serves_memory_and_pass_through_and_drains_on_stop() {
-    let Started {
-        dir, proxy, mock, ..
-    } = Harness::new()
+    let Started { dir, proxy, .. } = Harness::new()
         .config("runtime = \"per-thread\"\nworker_threads = 3\nshutdown_grace = \"PT10S\"\n")
         .start()
         .await;
@@ -122,20 +121,11 @@ async fn a_runtime_per_thread_serves_memory_and_pass_through_and_drains_on_stop(
     assert_eq!(serving_threads(), 0, "every serving thread ended");
 
     // What was acknowledged is in the store, opened again as a restart would.
-    let store = memproxy::store::Store::open(
-        dir.path(),
-        memproxy::store::StoreOptions {
-            durability: memproxy::store::Durability::Commit,
-            page_cache_bytes: 1 << 20,
-            state_cache_bytes: 1 << 20,
-        },
-    )
-    .unwrap();
+    let store = reopen(dir.path());
     for c in 0..8 {
         assert_eq!(stored_in(&store, Some(TOKEN), &format!("pt-{c}")).len(), 4);
     }
     assert_eq!(stored_in(&store, Some(TOKEN), "pt-stream").len(), 2);
-    drop(mock);
 }
 
 #[test]

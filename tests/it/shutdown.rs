@@ -5,7 +5,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use memproxy::store::{Durability, Store, StoreOptions};
 use serde_json::json;
 
 use crate::support::mock_upstream::MockOptions;
@@ -23,16 +22,6 @@ async fn open_stream(proxy: &Proxy, conversation: &str) -> hyper::body::Incoming
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["x-memory-status"], "stored");
     response.into_body()
-}
-
-/// The store of a stopped proxy, opened again as a restart would.
-fn reopen(dir: &std::path::Path) -> Store {
-    let options = StoreOptions {
-        durability: Durability::Commit,
-        page_cache_bytes: 1 << 20,
-        state_cache_bytes: 1 << 20,
-    };
-    Store::open(dir, options).unwrap()
 }
 
 #[tokio::test]

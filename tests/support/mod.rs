@@ -27,9 +27,8 @@ use memproxy::config::{self, Config};
 use memproxy::identity::{ConversationKey, TenantId};
 use memproxy::server;
 use memproxy::state::AppState;
-use memproxy::store::{Store, StoredMessage, lock};
+use memproxy::store::{Durability, Store, StoreOptions, StoredMessage, lock};
 use serde_json::{Value, json};
-use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -193,33 +192,21 @@ impl Proxy {
     }
 
     /// Serves `state` (built by the test, e.g. over a store of its own engine).
-    /// With `server.runtime = "per-thread"`, a runtime per thread (`server.worker_threads` of
-    /// them, two by default) beside the test's own runtime, which keeps the background work.
+    /// With `server.runtime = "per-thread"`, a runtime per serving thread beside the test's own
+    /// runtime, which keeps the background work.
     pub async fn start_state(state: Arc<AppState>) -> Proxy {
         let (stop, stopped) = oneshot::channel::<()>();
         let server_state = Arc::clone(&state);
         let stopped = async {
             let _ = stopped.await;
         };
-        let (addr, task) = if state.config.runtime == memproxy::config::RuntimeShape::PerThread {
-            let threads = state.config.worker_threads.unwrap_or(2);
-            let listeners =
-                server::bind_per_thread("127.0.0.1:0".parse().unwrap(), threads).unwrap();
-            let addr = listeners[0].local_addr().unwrap();
-            let task = tokio::spawn(async move {
-                server::run_per_thread(listeners, server_state, stopped)
-                    .await
-                    .unwrap();
-            });
-            (addr, task)
-        } else {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = listener.local_addr().unwrap();
-            let task = tokio::spawn(async move {
-                server::run(listener, server_state, stopped).await.unwrap();
-            });
-            (addr, task)
-        };
+        let listeners = server::Listeners::bind(&state.config, "127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let addr = listeners.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            listeners.serve(server_state, stopped).await.unwrap();
+        });
         Proxy {
             addr,
             state,
@@ -275,6 +262,16 @@ pub fn key_for(token: Option<&str>, agent: &str, conversation: &str) -> Conversa
         agent: agent.into(),
         conversation: conversation.into(),
     }
+}
+
+/// The store of a stopped proxy, opened again as a restart would.
+pub fn reopen(dir: &Path) -> Store {
+    let options = StoreOptions {
+        durability: Durability::Commit,
+        page_cache_bytes: 1 << 20,
+        state_cache_bytes: 1 << 20,
+    };
+    Store::open(dir, options).unwrap()
 }
 
 pub fn stored_in(store: &Store, token: Option<&str>, conversation: &str) -> Vec<StoredMessage> {
