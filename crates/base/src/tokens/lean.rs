@@ -33,6 +33,8 @@ pub struct Lean {
     specials: Vec<(String, Rank)>,
     /// The pattern that splits text into pieces.
     pattern: Regex,
+    /// The pattern is `o200k_base`'s: text that is all ASCII is split by [`ascii_pieces`].
+    o200k: bool,
 }
 
 impl std::fmt::Debug for Lean {
@@ -94,6 +96,7 @@ impl Lean {
             slots: vec![0; size],
             specials,
             pattern: Regex::new(pattern)?,
+            o200k: pattern == tiktoken_rs::O200K_BASE_PAT_STR,
         };
         for rank in 0..ranks {
             let token = lean.token(rank);
@@ -195,6 +198,11 @@ impl Lean {
     /// tiktoken's ordinary encoding of `text` (no special tokens in it).
     fn ordinary(&self, text: &str, emit: &mut impl FnMut(Rank)) {
         if text.is_empty() {
+            return;
+        }
+        if self.o200k && text.is_ascii() {
+            let bytes = text.as_bytes();
+            ascii_pieces(bytes, |from, to| self.piece(&bytes[from..to], emit));
             return;
         }
         PATTERN.with(|cell| {
@@ -382,6 +390,105 @@ struct State {
     next_end: usize,
     next_rank: Rank,
     cur_rank: Rank,
+}
+
+/// `o200k_base`'s pattern (`tiktoken_rs::O200K_BASE_PAT_STR`) over text that is all ASCII,
+/// without the regular expression: calls `piece(start, end)` for each match, in order, exactly
+/// as `fancy_regex`'s leftmost-first search of the pattern finds them. In ASCII the pattern's
+/// classes are plain: letters are `A-Z` (upper) and `a-z` (lower), numbers `0-9`, `\s` is
+/// `\t \n \x0b \x0c \r` and space. Its alternatives, tried in order at each position:
+///
+/// 1. `[^\r\n\p{L}\p{N}]?[upper]*[lower]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?`
+/// 2. `[^\r\n\p{L}\p{N}]?[upper]+[lower]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?`
+/// 3. `\p{N}{1,3}`
+/// 4. ` ?[^\s\p{L}\p{N}]+[\r\n/]*`
+/// 5. `\s*[\r\n]+`
+/// 6. `\s+(?!\S)`
+/// 7. `\s+`
+///
+/// Backtracking changes none of them in ASCII: upper and lower letters are apart, so 1 and 2
+/// are greedy runs; 5 ends after the last `\r` or `\n` of the whitespace run; 6 is the run
+/// less its last character unless the run ends the text.
+fn ascii_pieces(text: &[u8], mut piece: impl FnMut(usize, usize)) {
+    let upper = |b: u8| b.is_ascii_uppercase();
+    let lower = |b: u8| b.is_ascii_lowercase();
+    let space = |b: u8| matches!(b, b'\t' | b'\n' | 0x0b | 0x0c | b'\r' | b' ');
+    let newline = |b: u8| b == b'\r' || b == b'\n';
+    // `[^\r\n\p{L}\p{N}]`: the prefix of the letter alternatives.
+    let prefix = |b: u8| !newline(b) && !b.is_ascii_alphanumeric();
+    let len = text.len();
+    let at = |i: usize| text.get(i).copied();
+    let run = |from: usize, class: &dyn Fn(u8) -> bool| {
+        let mut i = from;
+        while i < len && class(text[i]) {
+            i += 1;
+        }
+        i
+    };
+    // `(?i:'s|'t|'re|'ve|'m|'ll|'d)?` at `i`: where the match ends.
+    let contraction = |i: usize| {
+        if at(i) != Some(b'\'') {
+            return i;
+        }
+        match at(i + 1).map(|b| b.to_ascii_lowercase()) {
+            Some(b's' | b't' | b'm' | b'd') => i + 2,
+            Some(b'r') if at(i + 2).map(|b| b.to_ascii_lowercase()) == Some(b'e') => i + 3,
+            Some(b'v') if at(i + 2).map(|b| b.to_ascii_lowercase()) == Some(b'e') => i + 3,
+            Some(b'l') if at(i + 2).map(|b| b.to_ascii_lowercase()) == Some(b'l') => i + 3,
+            _ => i,
+        }
+    };
+    let mut start = 0;
+    while start < len {
+        let b = text[start];
+        // 1 and 2: an optional prefix, then letters.
+        let letters = if prefix(b) && at(start + 1).is_some_and(|c| c.is_ascii_alphabetic()) {
+            start + 1
+        } else {
+            start
+        };
+        if at(letters).is_some_and(|c| c.is_ascii_alphabetic()) {
+            let uppers = run(letters, &upper);
+            let lowers = run(uppers, &lower);
+            // 1 needs a lower letter after the upper ones; 2 takes the upper ones and any lower.
+            let end = contraction(lowers);
+            piece(start, end);
+            start = end;
+            continue;
+        }
+        // 3: up to three digits.
+        if b.is_ascii_digit() {
+            let mut end = start + 1;
+            while end < len && end - start < 3 && text[end].is_ascii_digit() {
+                end += 1;
+            }
+            piece(start, end);
+            start = end;
+            continue;
+        }
+        // 4: an optional space, then what is neither space, letter nor digit, then any `\r`,
+        // `\n` and `/`.
+        let symbol = |c: u8| !space(c) && !c.is_ascii_alphanumeric();
+        let symbols = if b == b' ' { start + 1 } else { start };
+        if at(symbols).is_some_and(symbol) {
+            let end = run(run(symbols, &symbol), &|c: u8| newline(c) || c == b'/');
+            piece(start, end);
+            start = end;
+            continue;
+        }
+        // 5, 6, 7: a run of whitespace.
+        let end = run(start, &space);
+        if let Some(last) = (start..end).rev().find(|&i| newline(text[i])) {
+            piece(start, last + 1);
+            start = last + 1;
+        } else if end == len || end - start == 1 {
+            piece(start, end);
+            start = end;
+        } else {
+            piece(start, end - 1);
+            start = end - 1;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -600,6 +707,54 @@ mod tests {
             for line in text.lines() {
                 assert_same(line);
             }
+        }
+    }
+
+    /// The pieces the pattern finds in `text`, as `fancy_regex` finds them.
+    fn pattern_pieces(text: &str) -> Vec<(usize, usize)> {
+        lean()
+            .pattern
+            .find_iter(text)
+            .map(|m| {
+                let m = m.unwrap();
+                (m.start(), m.end())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ascii_text_is_split_as_the_pattern_splits_it() {
+        // An alphabet weighted to what the pattern treats apart: both cases, the contractions'
+        // letters after an apostrophe, digits, every kind of ASCII whitespace, `/` and other
+        // symbols; then any ASCII byte.
+        const ALPHABET: &[u8] =
+            b"aAbZzsStTrReEvVmMlLdD''''0123456789    \t\t\n\n\r\x0b\x0c//.,!-_(){}";
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for case in 0..20_000 {
+            let len = (next() % 48) as usize;
+            let text: String = (0..len)
+                .map(|_| {
+                    if case % 4 == 3 {
+                        char::from((next() % 128) as u8)
+                    } else {
+                        char::from(ALPHABET[(next() % ALPHABET.len() as u64) as usize])
+                    }
+                })
+                .collect();
+            let mut pieces = Vec::new();
+            ascii_pieces(text.as_bytes(), |from, to| pieces.push((from, to)));
+            assert_eq!(pieces, pattern_pieces(&text), "{text:?}");
+        }
+        for fragment in FRAGMENTS.iter().filter(|f| f.is_ascii()) {
+            let mut pieces = Vec::new();
+            ascii_pieces(fragment.as_bytes(), |from, to| pieces.push((from, to)));
+            assert_eq!(pieces, pattern_pieces(fragment), "{fragment:?}");
         }
     }
 
