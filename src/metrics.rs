@@ -186,6 +186,11 @@ impl Refusal {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PlaceLabels {
+    place: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
 }
@@ -271,16 +276,28 @@ struct TrafficMetrics {
     added_time: Histogram,
     stages: Family<StageLabels, Histogram, fn() -> Histogram>,
     retrieved_turns: Histogram,
+    /// Plans made on the request's own thread, and on the blocking pool (`plans{place}`).
+    plans_here: Counter,
+    plans_pooled: Counter,
 }
 
 impl TrafficMetrics {
     fn register(registry: &mut Registry) -> TrafficMetrics {
+        let plans = Family::<PlaceLabels, Counter>::default();
+        registry.register(
+            "plans",
+            "Memory plans made, by place: `request` (on the request's own thread: a small request that stores nothing, of a short cached conversation nobody else holds) or `pool` (the blocking pool)",
+            plans.clone(),
+        );
+        let place = |place| plans.get_or_create(&PlaceLabels { place }).clone();
         let metrics = TrafficMetrics {
             requests: Family::default(),
             upstream_latency: latency_buckets(),
             added_time: added_buckets(),
             stages: Family::new_with_constructor(added_buckets),
             retrieved_turns: Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 10.0, 15.0, 20.0]),
+            plans_here: place("request"),
+            plans_pooled: place("pool"),
         };
         registry.register(
             "requests",
@@ -785,6 +802,15 @@ impl Metrics {
     /// Records the time one stage took.
     pub fn observe_stage(&self, stage: Stage, elapsed: Duration) {
         self.stage(stage).observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts a plan made, on the blocking pool or on the request's own thread.
+    pub fn planned(&self, on_the_pool: bool) {
+        if on_the_pool {
+            self.traffic.plans_pooled.inc();
+        } else {
+            self.traffic.plans_here.inc();
+        }
     }
 
     /// Records a planned prompt: how many older turns were recalled, the tokens forwarded and

@@ -184,7 +184,7 @@ async fn metrics_parse_and_move_as_requests_flow() {
     }
     let allowed = [
         "route", "status", "stage", "cache", "result", "le", "action", "reason", "agent", "task",
-        "state",
+        "state", "place",
     ];
     for sample in &after.samples {
         let labels = format!("{:?}", sample.labels);
@@ -402,5 +402,87 @@ async fn extractions_are_counted_with_what_they_did_to_the_memories() {
     assert_eq!(
         value(&after, "memproxy_extractions_total", &[("result", "done")]),
         2.0
+    );
+}
+
+/// A small request that stores nothing (`X-Memory-Persist: false`) of a short conversation
+/// memproxy has cached and nobody else holds is planned on the request's own thread
+/// (`memproxy_plans_total{place="request"}`); a conversation not cached yet, a stored exchange,
+/// a body over 16 KiB and a user's long-term memory are planned on the blocking pool
+/// (`place="pool"`). The prompt is the same either way: it holds what was stored.
+#[tokio::test]
+async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() {
+    let Started { proxy, mock, .. } = Harness::new().start().await;
+    let plans = |scrape: &Scrape| {
+        let at = |place| value(scrape, "memproxy_plans_total", &[("place", place)]);
+        (at("pool"), at("request"))
+    };
+    let read_only = [("x-memory-persist", "false")];
+    let (before, _) = scrape(&proxy).await;
+    assert_eq!(plans(&before), (0.0, 0.0));
+
+    // Not cached yet: loaded and planned on the pool.
+    let answer = chat(
+        &proxy,
+        "near",
+        &body(&[user("My sister lives in Porto.")]),
+        &[],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    assert_eq!(plans(&scrape(&proxy).await.0), (1.0, 0.0));
+
+    // Cached now, but stored: on the pool.
+    let answer = chat(&proxy, "near", &body(&[user("I live in Lisbon.")]), &[]).await;
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    assert_eq!(plans(&scrape(&proxy).await.0), (2.0, 0.0));
+
+    // Cached, small, stores nothing: planned where it arrived, with the stored turns in its
+    // prompt.
+    let question = body(&[user("Where does my sister live?")]);
+    let answer = chat(&proxy, "near", &question, &read_only).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(plans(&scrape(&proxy).await.0), (2.0, 1.0));
+    let forwarded = serde_json::to_string(&mock.last_messages()).unwrap();
+    assert!(
+        forwarded.contains("My sister lives in Porto."),
+        "{forwarded}"
+    );
+    assert!(forwarded.contains("I live in Lisbon."), "{forwarded}");
+    assert!(
+        forwarded.contains("Where does my sister live?"),
+        "{forwarded}"
+    );
+
+    // A body over 16 KiB: on the pool.
+    let long = format!(
+        "{} What was the city?",
+        "Some filler words here. ".repeat(800)
+    );
+    let answer = chat(&proxy, "near", &body(&[user(&long)]), &read_only).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(plans(&scrape(&proxy).await.0), (3.0, 1.0));
+
+    // A user's long-term memory takes part: on the pool.
+    let as_ana = [("x-memory-persist", "false"), ("x-memory-user-id", "ana")];
+    let answer = chat(&proxy, "near", &body(&[user("And my brother?")]), &as_ana).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(plans(&scrape(&proxy).await.0), (4.0, 1.0));
+    let forwarded = serde_json::to_string(&mock.last_messages()).unwrap();
+    assert!(
+        forwarded.contains("My sister lives in Porto."),
+        "{forwarded}"
+    );
+
+    // Small, cached, stores nothing again: where it arrived; nothing of the read-only requests
+    // was stored.
+    let answer = chat(&proxy, "near", &body(&[user("Thanks.")]), &read_only).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(plans(&scrape(&proxy).await.0), (4.0, 2.0));
+    let forwarded = serde_json::to_string(&mock.last_messages()).unwrap();
+    assert!(
+        !forwarded.contains("Where does my sister live?"),
+        "{forwarded}"
     );
 }

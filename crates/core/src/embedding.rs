@@ -340,6 +340,13 @@ impl Embedding {
         self.embedder.as_ref().ok()
     }
 
+    /// True when the embedder is a model worth a thread of its own (`Embed::worth_a_thread`):
+    /// a plan then waits for its query vector from that thread.
+    pub fn worth_a_thread(&self) -> bool {
+        self.embedder()
+            .is_some_and(|embedder| embedder.worth_a_thread())
+    }
+
     /// Why the configured embedder is unavailable, if it is.
     pub fn unavailable(&self) -> Option<&str> {
         self.unavailable.as_deref()

@@ -503,6 +503,14 @@ impl Store {
         Ok(self.cache.get_or_insert_with(key.clone(), || handle))
     }
 
+    /// `key`'s conversation when it is cached; never loads it. A hit counts as a lookup; a
+    /// miss does not (the caller goes on to [`Store::conversation`], which counts it).
+    pub fn cached(&self, key: &ConversationKey) -> Option<Handle> {
+        let handle = self.cache.get(key)?;
+        self.cache_lookups.fetch_add(1, Ordering::Relaxed);
+        Some(handle)
+    }
+
     fn load(&self, key: &ConversationKey) -> Result<Conversation, StoreError> {
         let loaded = self.unreachable_is_down(self.engine.load(key))?;
         Ok(Conversation::from_loaded(key.clone(), loaded))

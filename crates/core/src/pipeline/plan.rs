@@ -144,10 +144,129 @@ pub fn plan(
     // may never reach the disk. It is retried here, once a retry is due.
     memory.writable()?;
     let user = long_term_user(memory, key, user, settings, limits);
-    let mut timings = Timings::default();
     let started = Instant::now();
     let handle = memory.store.conversation(key)?;
-    let mut conversation = lock(&handle);
+    let to = To {
+        memory,
+        key,
+        user,
+        settings,
+        limits,
+    };
+    plan_under(&to, &handle, lock(&handle), started, model, messages)
+}
+
+/// A conversation whose plan can be made on the calling thread, a runtime's worker, without
+/// waiting or blocking there: it is cached, nobody holds it, it is not long
+/// ([`PLAN_NOW_MAX_ENTRIES`]), and nothing the plan does waits for another thread or the
+/// network (the store is this process's own, so there is no catch-up with other replicas; the
+/// embedder is not a model worth a thread of its own, whose answer recall would wait for; no
+/// user's long-term memory, read from the store, takes part). And the request's exchange is
+/// not stored (`X-Memory-Persist: false`): a stored one is committed on the pool as soon as
+/// its answer is read, under the same lock, and planning those where they arrived made them
+/// slower (`scripts/perf.sh`'s stored row: ×0.59 all of them, ×0.83–1.02 those found free).
+/// Any other plan is made on the blocking pool ([`plan`]).
+#[derive(Debug)]
+pub struct Free(memproxy_store::Handle);
+
+impl Free {
+    /// `key`'s conversation, when its plan can be made now.
+    pub fn now(
+        memory: &Memory,
+        key: &ConversationKey,
+        user: Option<&str>,
+        settings: &MemorySettings,
+    ) -> Option<Free> {
+        if settings.persist
+            || memory.store.shared()
+            || memory.store.write_failure().is_some()
+            || memory.embedding.worth_a_thread()
+            || (user.is_some() && settings.long_term_enabled)
+        {
+            return None;
+        }
+        let handle = memory.store.cached(key)?;
+        let free = handle
+            .try_lock()
+            .is_ok_and(|conversation| conversation.entries.len() <= PLAN_NOW_MAX_ENTRIES);
+        free.then_some(Free(handle))
+    }
+}
+
+/// A conversation of at most this many stored messages is planned where the request is
+/// ([`Free`]): its recall searches few enough turns to take less than a millisecond.
+const PLAN_NOW_MAX_ENTRIES: usize = 1_000;
+
+/// [`plan`] of a conversation found [`Free`]. Its lock is taken without waiting, or, when a
+/// request on another thread took it meanwhile, the plan is not made here: `Err` gives the
+/// messages back, for [`plan`] on the blocking pool.
+pub fn plan_free(
+    memory: &Memory,
+    key: &ConversationKey,
+    settings: &MemorySettings,
+    limits: RequestLimits,
+    model: Option<String>,
+    messages: Vec<Message>,
+    free: Free,
+) -> Result<Result<Plan, PlanError>, Unplanned> {
+    let started = Instant::now();
+    let Free(handle) = free;
+    let conversation = match handle.try_lock() {
+        Ok(held) => held,
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return Err((model, messages)),
+    };
+    // Writes failing since: the retry that `plan` makes reopens the store, not work for here.
+    if memory.store.write_failure().is_some() {
+        drop(conversation);
+        return Err((model, messages));
+    }
+    let to = To {
+        memory,
+        key,
+        user: None,
+        settings,
+        limits,
+    };
+    Ok(plan_under(
+        &to,
+        &handle,
+        conversation,
+        started,
+        model,
+        messages,
+    ))
+}
+
+/// The request's model and messages, given back by [`plan_free`] for [`plan`].
+pub type Unplanned = (Option<String>, Vec<Message>);
+
+/// Whose plan it is and under what settings.
+struct To<'a> {
+    memory: &'a Memory,
+    key: &'a ConversationKey,
+    user: Option<OwnerKey>,
+    settings: &'a MemorySettings,
+    limits: RequestLimits,
+}
+
+/// The stages, with the conversation's lock held.
+fn plan_under(
+    to: &To<'_>,
+    handle: &memproxy_store::Handle,
+    mut conversation: std::sync::MutexGuard<'_, memproxy_store::Conversation>,
+    started: Instant,
+    model: Option<String>,
+    messages: Vec<Message>,
+) -> Result<Plan, PlanError> {
+    let To {
+        memory,
+        key,
+        ref user,
+        settings,
+        limits,
+    } = *to;
+    let mut timings = Timings::default();
     // Another replica sharing the store may have written since this one cached it.
     catch_up(memory, key, &mut conversation)?;
     // The question's embedding starts before reconcile, from what the request most likely
@@ -214,7 +333,7 @@ pub fn plan(
         long_term,
         budget,
     };
-    let mut plan = assembled(&on, &handle, staged);
+    let mut plan = assembled(&on, handle, staged);
     drop(conversation);
     timings.assemble = started.elapsed();
     plan.timings = timings;
