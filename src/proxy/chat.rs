@@ -399,14 +399,15 @@ async fn parse_and_plan(
         && let Some(free) = plan::Free::now(memory, &to.key, to.user.as_deref(), &to.settings)
     {
         let now = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let (request, model, messages) = match parsed(to.api, &to.settings, bytes) {
+            let (request, messages) = match parsed(to.api, &to.settings, bytes) {
                 Ok(Ok(parsed)) => parsed,
                 Ok(Err(side)) => return Ok(Ok(Parsed::SideCall(side))),
                 Err(err) => return Ok(Err(err)),
             };
+            let model = request.model.clone();
             match plan::plan_free(memory, &to.key, &to.settings, limits, model, messages, free) {
                 Ok(planned) => Ok(Ok(Parsed::Planned(request, Box::new(planned)))),
-                Err((model, messages)) => Err(Box::new((request, model, messages))),
+                Err(messages) => Err(Box::new((request, messages))),
             }
         }));
         match now {
@@ -424,7 +425,7 @@ async fn parse_and_plan(
     let (memory, key, settings) = (Arc::clone(memory), to.key.clone(), to.settings.clone());
     let (user, api, bytes) = (to.user.clone(), to.api, bytes.clone());
     let pooled = tokio::task::spawn_blocking(move || {
-        let (request, model, messages) = match unplanned {
+        let (request, messages) = match unplanned {
             Some(parsed) => parsed,
             None => match parsed(api, &settings, &bytes)? {
                 Ok(parsed) => parsed,
@@ -437,7 +438,7 @@ async fn parse_and_plan(
             user.as_deref(),
             &settings,
             limits,
-            model,
+            request.model.clone(),
             messages,
         );
         Ok(Parsed::Planned(request, Box::new(planned)))
@@ -450,8 +451,8 @@ async fn parse_and_plan(
     pooled
 }
 
-/// A request parsed, its model and its messages (taken out of it, for the plan).
-type ToBePlanned = (ApiRequest, Option<String>, Vec<crate::message::Message>);
+/// A request parsed and its messages (taken out of it, for the plan).
+type ToBePlanned = (ApiRequest, Vec<crate::message::Message>);
 
 /// The request parsed, for the plan; `Err`: a side call, forwarded as sent, unless
 /// `store_side_calls`.
@@ -467,8 +468,7 @@ fn parsed(
         return Ok(Err(side));
     }
     let messages = std::mem::take(&mut request.messages);
-    let model = request.model.clone();
-    Ok(Ok((request, model, messages)))
+    Ok(Ok((request, messages)))
 }
 
 /// What a panic said, for the log.

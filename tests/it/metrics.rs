@@ -418,6 +418,7 @@ async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() 
         (at("pool"), at("request"))
     };
     let read_only = [("x-memory-persist", "false")];
+    let last_prompt = || serde_json::to_string(&mock.last_messages()).unwrap();
     let (before, _) = scrape(&proxy).await;
     assert_eq!(plans(&before), (0.0, 0.0));
 
@@ -444,7 +445,7 @@ async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() 
     let answer = chat(&proxy, "near", &question, &read_only).await;
     assert_eq!(answer.status, 200);
     assert_eq!(plans(&scrape(&proxy).await.0), (2.0, 1.0));
-    let forwarded = serde_json::to_string(&mock.last_messages()).unwrap();
+    let forwarded = last_prompt();
     assert!(
         forwarded.contains("My sister lives in Porto."),
         "{forwarded}"
@@ -469,7 +470,7 @@ async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() 
     let answer = chat(&proxy, "near", &body(&[user("And my brother?")]), &as_ana).await;
     assert_eq!(answer.status, 200);
     assert_eq!(plans(&scrape(&proxy).await.0), (4.0, 1.0));
-    let forwarded = serde_json::to_string(&mock.last_messages()).unwrap();
+    let forwarded = last_prompt();
     assert!(
         forwarded.contains("My sister lives in Porto."),
         "{forwarded}"
@@ -480,7 +481,7 @@ async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() 
     let answer = chat(&proxy, "near", &body(&[user("Thanks.")]), &read_only).await;
     assert_eq!(answer.status, 200);
     assert_eq!(plans(&scrape(&proxy).await.0), (4.0, 2.0));
-    let forwarded = serde_json::to_string(&mock.last_messages()).unwrap();
+    let forwarded = last_prompt();
     assert!(
         !forwarded.contains("Where does my sister live?"),
         "{forwarded}"

@@ -629,14 +629,19 @@ mod tests {
     ];
 
     /// A small deterministic generator (xorshift), so a failure names its seed.
-    fn texts(seed: u64, count: usize) -> Vec<String> {
+    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
         let mut state = seed | 1;
-        let mut next = move || {
+        move || {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
             state
-        };
+        }
+    }
+
+    /// Texts of every kind, from `seed`.
+    fn texts(seed: u64, count: usize) -> Vec<String> {
+        let mut next = xorshift(seed);
         (0..count)
             .map(|_| {
                 let parts = 1 + next() % 24;
@@ -658,7 +663,7 @@ mod tests {
                         }
                     } else {
                         text.push_str(FRAGMENTS[(next() % FRAGMENTS.len() as u64) as usize]);
-                        if next() % 3 == 0 {
+                        if next().is_multiple_of(3) {
                             text.push(' ');
                         }
                     }
@@ -729,13 +734,7 @@ mod tests {
         // symbols; then any ASCII byte.
         const ALPHABET: &[u8] =
             b"aAbZzsStTrReEvVmMlLdD''''0123456789    \t\t\n\n\r\x0b\x0c//.,!-_(){}";
-        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         for case in 0..20_000 {
             let len = (next() % 48) as usize;
             let text: String = (0..len)

@@ -179,7 +179,6 @@ impl Free {
     ) -> Option<Free> {
         if settings.persist
             || memory.store.shared()
-            || memory.store.write_failure().is_some()
             || memory.embedding.worth_a_thread()
             || (user.is_some() && settings.long_term_enabled)
         {
@@ -197,9 +196,10 @@ impl Free {
 /// ([`Free`]): its recall searches few enough turns to take less than a millisecond.
 const PLAN_NOW_MAX_ENTRIES: usize = 1_000;
 
-/// [`plan`] of a conversation found [`Free`]. Its lock is taken without waiting, or, when a
-/// request on another thread took it meanwhile, the plan is not made here: `Err` gives the
-/// messages back, for [`plan`] on the blocking pool.
+/// [`plan`] of a conversation found [`Free`]. Its lock is taken without waiting; when a
+/// request on another thread took it meanwhile, or the store's writes are failing (`plan`
+/// retries them, which reopens the store: not work for here), the plan is not made here:
+/// `Err` gives the messages back, for [`plan`] on the blocking pool.
 pub fn plan_free(
     memory: &Memory,
     key: &ConversationKey,
@@ -208,18 +208,16 @@ pub fn plan_free(
     model: Option<String>,
     messages: Vec<Message>,
     free: Free,
-) -> Result<Result<Plan, PlanError>, Unplanned> {
+) -> Result<Result<Plan, PlanError>, Vec<Message>> {
     let started = Instant::now();
     let Free(handle) = free;
     let conversation = match handle.try_lock() {
         Ok(held) => held,
         Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => return Err((model, messages)),
+        Err(std::sync::TryLockError::WouldBlock) => return Err(messages),
     };
-    // Writes failing since: the retry that `plan` makes reopens the store, not work for here.
     if memory.store.write_failure().is_some() {
-        drop(conversation);
-        return Err((model, messages));
+        return Err(messages);
     }
     let to = To {
         memory,
@@ -237,9 +235,6 @@ pub fn plan_free(
         messages,
     ))
 }
-
-/// The request's model and messages, given back by [`plan_free`] for [`plan`].
-pub type Unplanned = (Option<String>, Vec<Message>);
 
 /// Whose plan it is and under what settings.
 struct To<'a> {
