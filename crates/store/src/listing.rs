@@ -31,7 +31,9 @@ impl Store {
         key: &ConversationKey,
         meta: &ConversationMeta,
     ) -> Result<Vec<StoredMessage>, StoreError> {
-        let mut messages = self.engine.range(key, meta.id, 0, u64::MAX)?;
+        // Below `next_turn`: past it lie only writes the record never took.
+        let last = meta.next_turn.saturating_sub(1);
+        let mut messages = self.engine.range(key, meta.id, 0, last)?;
         self.open_messages(key, meta.id, &mut messages)?;
         Ok(messages)
     }
@@ -45,9 +47,8 @@ impl Store {
         let Some(meta) = &conversation.meta else {
             return Ok(Vec::new());
         };
-        let mut messages = self
-            .engine
-            .range(&conversation.key, meta.id, from, u64::MAX)?;
+        let last = meta.next_turn.saturating_sub(1);
+        let mut messages = self.engine.range(&conversation.key, meta.id, from, last)?;
         self.open_messages(&conversation.key, meta.id, &mut messages)?;
         Ok(messages)
     }

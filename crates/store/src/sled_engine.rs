@@ -22,7 +22,11 @@
 //!   `owner_records`.
 //!
 //! Every conditional write is one sled transaction over the trees it touches that first checks
-//! the conversation's record.
+//! the conversation's record, but one: a write that only appends messages (the common commit)
+//! writes them past the record's `next_turn` and then swaps the record (`SledEngine::append`),
+//! as sled rolls its log buffer to disk twice for every transaction. So the `messages` tree may
+//! hold turns from `next_turn` on that are not the conversation's (a swap that failed, or a
+//! crash before it): every reader stops below `next_turn`.
 //!
 //! # Failures
 //!
@@ -294,6 +298,119 @@ impl SledEngine {
     }
 }
 
+impl SledEngine {
+    /// A write that only adds messages at turns the conversation never held (an exchange
+    /// appended, the common commit), without a transaction: sled rolls its log buffer twice
+    /// for every transaction, a write and a `sync_file_range` each on its IO threads, where
+    /// single-key writes only fill the buffer that the next flush writes.
+    ///
+    /// The messages (and the Responses ids) are written first, at turns from the record's
+    /// `next_turn` on, which no reader takes for the conversation's (`load` reads below
+    /// `next_turn`, the listings up to it); then the record is swapped for the new one when it
+    /// is still `expected`: that swap is the commit. sled recovers a prefix of its log, so a
+    /// crash keeps the record only with the messages written before it.
+    ///
+    /// A message is only written where there is none: a turn already there (a write that
+    /// came first, or one left by a crash) sends the write to the transaction (`None`), which
+    /// checks the record and overwrites. When the swap finds the record stale, what this call
+    /// wrote is removed, each value only while it is still this call's (a transaction may have
+    /// written that turn since).
+    fn append(
+        t: &Trees,
+        key: &ConversationKey,
+        expected: &Version,
+        write: Write<'_>,
+    ) -> Result<Option<Version>, StoreError> {
+        let id = write.meta.id;
+        let meta_bytes = encode(write.meta)?;
+        let added = write
+            .add
+            .iter()
+            .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let undo = |written: &[([u8; 16], Vec<u8>)]| -> Result<(), StoreError> {
+            for (k, v) in written {
+                // Not ours any more: a transaction wrote the turn since.
+                let _ = t
+                    .messages
+                    .compare_and_swap(k, Some(v.as_slice()), None::<&[u8]>)?;
+            }
+            Ok(())
+        };
+        for (n, (k, v)) in added.iter().enumerate() {
+            let put = t
+                .messages
+                .compare_and_swap(k, None::<&[u8]>, Some(v.as_slice()))?;
+            if put.is_err() {
+                undo(&added[..n])?;
+                return Ok(None);
+            }
+        }
+        let responses: Vec<(Vec<u8>, Vec<u8>)> = write
+            .response_ids
+            .iter()
+            .map(|r| {
+                (
+                    response_key(&key.tenant, r),
+                    conversation_response_key(id, r),
+                )
+            })
+            .collect();
+        let key_bytes = key.to_bytes();
+        let response_value = [&id.to_be_bytes()[..], &key_bytes].concat();
+        for (by_id, by_conversation) in &responses {
+            t.responses
+                .insert(by_id.as_slice(), response_value.as_slice())?;
+            t.conversation_responses
+                .insert(by_conversation.as_slice(), &[][..])?;
+        }
+        let swapped = t.conversations.compare_and_swap(
+            key_bytes.as_slice(),
+            expected.token(),
+            Some(meta_bytes.as_slice()),
+        )?;
+        if swapped.is_ok() {
+            return Ok(Some(Version::of(meta_bytes)));
+        }
+        // Stale: nothing written here is the conversation's. The Responses ids go first, as
+        // they name the conversation; the messages lie past its `next_turn` meanwhile.
+        for (by_id, by_conversation) in &responses {
+            t.responses.remove(by_id.as_slice())?;
+            t.conversation_responses
+                .remove(by_conversation.as_slice())?;
+        }
+        undo(&added)?;
+        Err(StoreError::Stale)
+    }
+}
+
+/// True when `write` only adds messages, every one at a turn the stored record (`expected`)
+/// has not reached, under the same id: [`SledEngine::append`] can write it.
+fn appends_only(expected: &Version, write: &Write<'_>) -> Result<bool, StoreError> {
+    let plain = write.remove_turns.is_empty()
+        && write.summaries.is_empty()
+        && write.remove_summaries.is_empty()
+        && write.branches.is_empty()
+        && !write.add.is_empty();
+    if !plain {
+        return Ok(false);
+    }
+    let first_free = match expected.token() {
+        None => 0,
+        Some(bytes) => {
+            let stored: ConversationMeta = decode(bytes)?;
+            if stored.id != write.meta.id {
+                return Ok(false);
+            }
+            stored.next_turn
+        }
+    };
+    Ok(write
+        .add
+        .iter()
+        .all(|m| m.turn >= first_free && m.turn < write.meta.next_turn))
+}
+
 impl Engine for SledEngine {
     fn name(&self) -> &'static str {
         "sled"
@@ -306,7 +423,10 @@ impl Engine for SledEngine {
         };
         let meta: ConversationMeta = decode(&stored)?;
         let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
-        for item in t.messages.scan_prefix(meta.id.to_be_bytes()) {
+        // Turns from `next_turn` on are not the conversation's: an append the record never
+        // took (`SledEngine::append`).
+        let live = message_key(meta.id, 0)..message_key(meta.id, meta.next_turn);
+        for item in t.messages.range(live) {
             let (_, value) = item?;
             let message: StoredMessage = decode(&value)?;
             let before = entries.last().map_or(0, |e| e.cum_tokens);
@@ -375,6 +495,11 @@ impl Engine for SledEngine {
         write: Write<'_>,
     ) -> Result<Version, StoreError> {
         let t = self.trees()?;
+        if appends_only(expected, &write)?
+            && let Some(version) = Self::append(&t, key, expected, write)?
+        {
+            return Ok(version);
+        }
         let key_of = key;
         let key = key.to_bytes();
         let id = write.meta.id;
@@ -1114,6 +1239,175 @@ mod tests {
         let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
         assert_eq!(engine.ttl(&k).unwrap().unwrap().ttl_ms, Some(1));
         assert!(!partial.exists());
+    }
+
+    fn stored(turn: u64, text: &str) -> StoredMessage {
+        let mut message = crate::tests::message(memproxy_base::message::Role::User, text);
+        message.turn = turn;
+        message
+    }
+
+    fn record(id: u64, next_turn: u64, count: u64) -> ConversationMeta {
+        let mut meta = ConversationMeta::new(id, 1_000);
+        meta.next_turn = next_turn;
+        meta.message_count = count;
+        meta
+    }
+
+    fn adding<'a>(meta: &'a ConversationMeta, add: &'a [StoredMessage]) -> Write<'a> {
+        Write {
+            meta,
+            remove_turns: &[],
+            add,
+            summaries: &[],
+            remove_summaries: &[],
+            branches: &[],
+            response_ids: &[],
+        }
+    }
+
+    /// The turns and texts the `messages` tree holds for `id`, whatever the record says.
+    fn raw_turns(engine: &SledEngine, id: u64) -> Vec<(u64, String)> {
+        let t = engine.trees().unwrap();
+        t.messages
+            .scan_prefix(id.to_be_bytes())
+            .map(|item| {
+                let message: StoredMessage = decode(&item.unwrap().1).unwrap();
+                (message.turn, message.message.get().to_string())
+            })
+            .collect()
+    }
+
+    fn texts(loaded: &Loaded, engine: &SledEngine, k: &ConversationKey) -> Vec<u64> {
+        let id = loaded.meta.as_ref().unwrap().id;
+        let turns: Vec<u64> = loaded.entries.iter().map(|e| e.turn).collect();
+        assert_eq!(engine.messages(k, id, &turns).unwrap().len(), turns.len());
+        turns
+    }
+
+    #[test]
+    fn which_writes_append_without_a_transaction() {
+        let old = Version::of(encode(&record(7, 3, 2)).unwrap());
+        let next = record(7, 5, 4);
+        let two = [stored(3, "a"), stored(4, "b")];
+        assert!(appends_only(&old, &adding(&next, &two)).unwrap());
+        assert!(appends_only(&Version::absent(), &adding(&next, &two)).unwrap());
+        // A turn the record has reached, a turn past the new record, another life's record.
+        assert!(!appends_only(&old, &adding(&next, &[stored(2, "a")])).unwrap());
+        assert!(!appends_only(&old, &adding(&next, &[stored(5, "a")])).unwrap());
+        let other_life = Version::of(encode(&record(6, 3, 2)).unwrap());
+        assert!(!appends_only(&other_life, &adding(&next, &two)).unwrap());
+        // Anything but adding goes through the transaction.
+        assert!(!appends_only(&old, &adding(&next, &[])).unwrap());
+        let trim = Write {
+            remove_turns: &[1],
+            ..adding(&next, &two)
+        };
+        assert!(!appends_only(&old, &trim).unwrap());
+        let summary = Write {
+            summaries: &[(1, b"{}")],
+            ..adding(&next, &two)
+        };
+        assert!(!appends_only(&old, &summary).unwrap());
+        let unsummarized = Write {
+            remove_summaries: &[1],
+            ..adding(&next, &two)
+        };
+        assert!(!appends_only(&old, &unsummarized).unwrap());
+    }
+
+    #[test]
+    fn a_stale_append_leaves_nothing_behind_and_takes_nothing_of_the_winner() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+        let k = crate::tests::key("c");
+        let id = engine.new_id().unwrap();
+        let v1 = engine
+            .write(
+                &k,
+                &Version::absent(),
+                adding(&record(id, 3, 2), &[stored(1, "m1"), stored(2, "m2")]),
+            )
+            .unwrap();
+        let v2 = engine
+            .write(&k, &v1, adding(&record(id, 4, 3), &[stored(3, "won")]))
+            .unwrap();
+        // A writer that planned on v1 appends turns 3 and 4, with a Responses id.
+        let late = [stored(3, "lost"), stored(4, "lost too")];
+        let stale = engine.write(
+            &k,
+            &v1,
+            Write {
+                response_ids: &["resp_late".to_string()],
+                ..adding(&record(id, 5, 4), &late)
+            },
+        );
+        assert!(matches!(stale, Err(StoreError::Stale)), "{stale:?}");
+        let raw = raw_turns(&engine, id);
+        assert_eq!(raw.iter().map(|(t, _)| *t).collect::<Vec<_>>(), [1, 2, 3]);
+        assert!(raw[2].1.contains("won"), "{raw:?}");
+        assert_eq!(
+            engine
+                .response_conversation(&k.tenant, "resp_late")
+                .unwrap(),
+            None
+        );
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(loaded.version, v2);
+        assert_eq!(texts(&loaded, &engine, &k), [1, 2, 3]);
+        // Without a race, the Responses id of an append is found again.
+        let v3 = engine
+            .write(
+                &k,
+                &v2,
+                Write {
+                    response_ids: &["resp_4".to_string()],
+                    ..adding(&record(id, 5, 4), &[stored(4, "m4")])
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            engine.response_conversation(&k.tenant, "resp_4").unwrap(),
+            Some(k.clone())
+        );
+        assert_eq!(engine.load(&k).unwrap().version, v3);
+    }
+
+    #[test]
+    fn what_a_crash_left_past_the_record_is_never_read_and_is_written_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+        let k = crate::tests::key("c");
+        let id = engine.new_id().unwrap();
+        let v1 = engine
+            .write(
+                &k,
+                &Version::absent(),
+                adding(&record(id, 3, 2), &[stored(1, "m1"), stored(2, "m2")]),
+            )
+            .unwrap();
+        // An append whose record never came: its messages lie past `next_turn`.
+        let t = engine.trees().unwrap();
+        for turn in [3, 5] {
+            let value = encode(&stored(turn, "left")).unwrap();
+            t.messages.insert(message_key(id, turn), value).unwrap();
+        }
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(texts(&loaded, &engine, &k), [1, 2]);
+        // The next append finds turn 3 taken and goes through the transaction, which writes
+        // over it.
+        let v2 = engine
+            .write(&k, &v1, adding(&record(id, 4, 3), &[stored(3, "m3")]))
+            .unwrap();
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(loaded.version, v2);
+        assert_eq!(texts(&loaded, &engine, &k), [1, 2, 3]);
+        let raw = raw_turns(&engine, id);
+        assert!(raw[2].1.contains("m3"), "{raw:?}");
+        // Turn 5 is still past the record, and still not read.
+        assert_eq!(raw.len(), 4);
+        let page = engine.range(&k, id, 0, 3).unwrap();
+        assert_eq!(page.len(), 3);
     }
 
     #[test]
