@@ -1285,6 +1285,22 @@ mod tests {
         turns
     }
 
+    /// A conversation of turns 1 and 2 in a new engine in `dir`: the engine, its key, id and
+    /// version.
+    fn two_turns(dir: &Path) -> (SledEngine, ConversationKey, u64, Version) {
+        let engine = SledEngine::open(dir, 1 << 20, None).unwrap();
+        let k = crate::tests::key("c");
+        let id = engine.new_id().unwrap();
+        let v1 = engine
+            .write(
+                &k,
+                &Version::absent(),
+                adding(&record(id, 3, 2), &[stored(1, "m1"), stored(2, "m2")]),
+            )
+            .unwrap();
+        (engine, k, id, v1)
+    }
+
     #[test]
     fn which_writes_append_without_a_transaction() {
         let old = Version::of(encode(&record(7, 3, 2)).unwrap());
@@ -1319,16 +1335,7 @@ mod tests {
     #[test]
     fn a_stale_append_leaves_nothing_behind_and_takes_nothing_of_the_winner() {
         let dir = tempfile::tempdir().unwrap();
-        let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
-        let k = crate::tests::key("c");
-        let id = engine.new_id().unwrap();
-        let v1 = engine
-            .write(
-                &k,
-                &Version::absent(),
-                adding(&record(id, 3, 2), &[stored(1, "m1"), stored(2, "m2")]),
-            )
-            .unwrap();
+        let (engine, k, id, v1) = two_turns(dir.path());
         let v2 = engine
             .write(&k, &v1, adding(&record(id, 4, 3), &[stored(3, "won")]))
             .unwrap();
@@ -1376,16 +1383,7 @@ mod tests {
     #[test]
     fn what_a_crash_left_past_the_record_is_never_read_and_is_written_over() {
         let dir = tempfile::tempdir().unwrap();
-        let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
-        let k = crate::tests::key("c");
-        let id = engine.new_id().unwrap();
-        let v1 = engine
-            .write(
-                &k,
-                &Version::absent(),
-                adding(&record(id, 3, 2), &[stored(1, "m1"), stored(2, "m2")]),
-            )
-            .unwrap();
+        let (engine, k, id, v1) = two_turns(dir.path());
         // An append whose record never came: its messages lie past `next_turn`.
         let t = engine.trees().unwrap();
         for turn in [3, 5] {
