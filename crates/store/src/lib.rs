@@ -292,6 +292,13 @@ pub struct Change {
 }
 
 /// The Responses API ids of the replies among `messages` (before they are sealed).
+/// The turn of the first of `entries` whose index is not in `removed` (sorted).
+fn first_kept(entries: &[Entry], removed: &[usize]) -> Option<u64> {
+    (0..entries.len())
+        .find(|i| removed.binary_search(i).is_err())
+        .map(|i| entries[i].turn)
+}
+
 pub(crate) fn response_ids_of(messages: &[StoredMessage]) -> Vec<String> {
     messages
         .iter()
@@ -695,6 +702,10 @@ impl Store {
             .sum();
         let added_tokens: u64 = change.add.iter().map(|m| u64::from(m.tokens)).sum();
         meta.message_count = (conversation.entries.len() - removed.len() + change.add.len()) as u64;
+        removed.sort_unstable();
+        meta.first_turn = first_kept(&conversation.entries, &removed)
+            .or(change.add.first().map(|m| m.turn))
+            .unwrap_or(meta.next_turn);
         meta.total_tokens = meta.total_tokens - removed_tokens + added_tokens;
         meta.last_activity_ms = now;
         meta.tokens_forwarded += change.tokens_forwarded;
@@ -732,7 +743,6 @@ impl Store {
             (created_key && conversation.meta.is_none()).then_some(meta.id),
         )?;
 
-        removed.sort_unstable();
         for i in removed.into_iter().rev() {
             conversation.entries.remove(i);
         }
@@ -1031,6 +1041,52 @@ pub(crate) mod tests {
                 .entries
                 .is_empty()
         );
+    }
+
+    #[tokio::test]
+    async fn the_record_names_its_first_turn_through_trims_replies_replaced_and_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let exchange = |remove_turns: Vec<u64>| Change {
+            tokens_forwarded: 0,
+            ledger: LedgerTotals::default(),
+            branch_from_turn: None,
+            remove_turns,
+            add: vec![message(Role::User, "q"), message(Role::Assistant, "a")],
+        };
+        let first_and_turns = |conv: &Conversation| {
+            let turns: Vec<u64> = conv.entries.iter().map(|e| e.turn).collect();
+            (conv.meta.as_ref().unwrap().first_turn, turns)
+        };
+        {
+            let store = open(dir.path());
+            let handle = store.conversation(&key("c")).unwrap();
+            {
+                let mut conv = lock(&handle);
+                store.commit(&mut conv, exchange(vec![])).unwrap();
+                assert_eq!(first_and_turns(&conv), (1, vec![1, 2]));
+                store.commit(&mut conv, exchange(vec![])).unwrap();
+                // The oldest round trimmed as the next is added.
+                store.commit(&mut conv, exchange(vec![1, 2])).unwrap();
+                assert_eq!(first_and_turns(&conv), (3, vec![3, 4, 5, 6]));
+                // The last reply replaced: the first turn stays.
+                store.commit(&mut conv, exchange(vec![6])).unwrap();
+                assert_eq!(first_and_turns(&conv), (3, vec![3, 4, 5, 7, 8]));
+                // Everything removed but the new exchange.
+                store
+                    .commit(&mut conv, exchange(vec![3, 4, 5, 7, 8]))
+                    .unwrap();
+                assert_eq!(first_and_turns(&conv), (9, vec![9, 10]));
+            }
+            store.sync().await.unwrap();
+            store.close().await.unwrap();
+        }
+        let store = open(dir.path());
+        let handle = store.conversation(&key("c")).unwrap();
+        let conv = lock(&handle);
+        assert_eq!(first_and_turns(&conv), (9, vec![9, 10]));
+        let meta = conv.meta.clone().unwrap();
+        let all = store.all_messages(&key("c"), &meta).unwrap();
+        assert_eq!(all.iter().map(|m| m.turn).collect::<Vec<_>>(), [9, 10]);
     }
 
     #[tokio::test]

@@ -31,9 +31,9 @@ impl Store {
         key: &ConversationKey,
         meta: &ConversationMeta,
     ) -> Result<Vec<StoredMessage>, StoreError> {
-        // Below `next_turn`: past it lie only writes the record never took.
+        // The record's turns: outside them lie only writes it never took.
         let last = meta.next_turn.saturating_sub(1);
-        let mut messages = self.engine.range(key, meta.id, 0, last)?;
+        let mut messages = self.engine.range(key, meta.id, meta.first_turn, last)?;
         self.open_messages(key, meta.id, &mut messages)?;
         Ok(messages)
     }
@@ -48,6 +48,7 @@ impl Store {
             return Ok(Vec::new());
         };
         let last = meta.next_turn.saturating_sub(1);
+        let from = from.max(meta.first_turn);
         let mut messages = self.engine.range(&conversation.key, meta.id, from, last)?;
         self.open_messages(&conversation.key, meta.id, &mut messages)?;
         Ok(messages)

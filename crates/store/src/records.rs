@@ -31,6 +31,12 @@ pub struct ConversationMeta {
     pub id: u64,
     /// The turn number the next stored message gets; turn numbers only grow.
     pub next_turn: u64,
+    /// The oldest turn the conversation holds (0 in records written before it was kept, and
+    /// in those of a conversation imported with its turns). An engine may hold messages below
+    /// it or from `next_turn` on that are not the conversation's (sled: a write cut short,
+    /// `sled_engine.rs::SledEngine::append`); readers take turns in `first_turn..next_turn`.
+    #[serde(default)]
+    pub first_turn: u64,
     pub message_count: u64,
     pub total_tokens: u64,
     pub created_ms: i64,
@@ -209,6 +215,7 @@ impl ConversationMeta {
         ConversationMeta {
             id,
             next_turn: 1,
+            first_turn: 0,
             message_count: 0,
             total_tokens: 0,
             created_ms: now,

@@ -602,7 +602,7 @@ fn salvage_messages(
     meta: &ConversationMeta,
     check: &KeyCheck,
 ) -> KeptMessages {
-    let read = reader.messages(meta.id, meta.next_turn);
+    let read = reader.messages(meta.id, meta.first_turn, meta.next_turn);
     let mut last_bad = read.last_unreadable;
     let mut kept = Vec::with_capacity(read.read.len());
     let mut sealed_lost = 0;

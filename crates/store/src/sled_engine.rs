@@ -22,11 +22,12 @@
 //!   `owner_records`.
 //!
 //! Every conditional write is one sled transaction over the trees it touches that first checks
-//! the conversation's record, but one: a write that only appends messages (the common commit)
-//! writes them past the record's `next_turn` and then swaps the record (`SledEngine::append`),
-//! as sled rolls its log buffer to disk twice for every transaction. So the `messages` tree may
-//! hold turns from `next_turn` on that are not the conversation's (a swap that failed, or a
-//! crash before it): every reader stops below `next_turn`.
+//! the conversation's record, but one: a write that appends messages and trims the oldest (the
+//! common commit) writes the new ones past the record's `next_turn`, swaps the record, and then
+//! removes what fell below its `first_turn` (`SledEngine::append`), as sled rolls its log
+//! buffer to disk twice for every transaction. So the `messages` tree may hold turns outside
+//! `first_turn..next_turn` that are not the conversation's (a swap that failed, a crash before
+//! or after it): every reader takes that range only.
 //!
 //! # Failures
 //!
@@ -299,16 +300,19 @@ impl SledEngine {
 }
 
 impl SledEngine {
-    /// A write that only adds messages at turns the conversation never held (an exchange
-    /// appended, the common commit), without a transaction: sled rolls its log buffer twice
-    /// for every transaction, a write and a `sync_file_range` each on its IO threads, where
-    /// single-key writes only fill the buffer that the next flush writes.
+    /// A write that adds messages at turns the conversation never held and removes only
+    /// turns below the new record's `first_turn` (an exchange appended, the oldest trimmed:
+    /// the common commit), without a transaction: sled rolls its log buffer twice for every
+    /// transaction, a write and a `sync_file_range` each on its IO threads, where single-key
+    /// writes only fill the buffer that the next flush writes.
     ///
     /// The messages (and the Responses ids) are written first, at turns from the record's
-    /// `next_turn` on, which no reader takes for the conversation's (`load` reads below
-    /// `next_turn`, the listings up to it); then the record is swapped for the new one when it
-    /// is still `expected`: that swap is the commit. sled recovers a prefix of its log, so a
-    /// crash keeps the record only with the messages written before it.
+    /// `next_turn` on, which no reader takes for the conversation's (readers take
+    /// `first_turn..next_turn`); then the record is swapped for the new one when it is still
+    /// `expected`: that swap is the commit. sled recovers a prefix of its log, so a crash keeps
+    /// the record only with the messages written before it. Then every message (and vector)
+    /// below the new `first_turn` is removed: the turns trimmed, and any a crash left there
+    /// before.
     ///
     /// A message is only written where there is none: a turn already there (a write that
     /// came first, or one left by a crash) sends the write to the transaction (`None`), which
@@ -370,6 +374,15 @@ impl SledEngine {
             Some(meta_bytes.as_slice()),
         )?;
         if swapped.is_ok() {
+            if !write.remove_turns.is_empty() {
+                let below = message_key(id, 0)..message_key(id, write.meta.first_turn);
+                for tree in [&t.messages, &t.vectors] {
+                    let keys = tree.range(below.clone()).keys();
+                    for k in keys.collect::<Result<Vec<_>, _>>()? {
+                        tree.remove(k)?;
+                    }
+                }
+            }
             return Ok(Some(Version::of(meta_bytes)));
         }
         // Stale: nothing written here is the conversation's. The Responses ids go first, as
@@ -384,10 +397,14 @@ impl SledEngine {
     }
 }
 
-/// True when `write` only adds messages, every one at a turn the stored record (`expected`)
-/// has not reached, under the same id: [`SledEngine::append`] can write it.
+/// True when `write` adds messages, every one at a turn the stored record (`expected`) has
+/// not reached, under the same id, and removes only turns below its new record's
+/// `first_turn`: [`SledEngine::append`] can write it.
 fn appends_only(expected: &Version, write: &Write<'_>) -> Result<bool, StoreError> {
-    let plain = write.remove_turns.is_empty()
+    let plain = write
+        .remove_turns
+        .iter()
+        .all(|turn| *turn < write.meta.first_turn)
         && write.summaries.is_empty()
         && write.remove_summaries.is_empty()
         && write.branches.is_empty()
@@ -423,9 +440,9 @@ impl Engine for SledEngine {
         };
         let meta: ConversationMeta = decode(&stored)?;
         let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
-        // Turns from `next_turn` on are not the conversation's: an append the record never
-        // took (`SledEngine::append`).
-        let live = message_key(meta.id, 0)..message_key(meta.id, meta.next_turn);
+        // Turns outside `first_turn..next_turn` are not the conversation's: an append the
+        // record never took, a trim cut short (`SledEngine::append`).
+        let live = message_key(meta.id, meta.first_turn)..message_key(meta.id, meta.next_turn);
         for item in t.messages.range(live) {
             let (_, value) = item?;
             let message: StoredMessage = decode(&value)?;
@@ -1202,6 +1219,7 @@ fn open_locked(config: &sled::Config) -> Result<sled::Db, sled::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::Vectors;
 
     fn snapshots(dir: &Path) -> Vec<String> {
         std::fs::read_dir(dir)
@@ -1330,6 +1348,86 @@ mod tests {
             ..adding(&next, &two)
         };
         assert!(!appends_only(&old, &unsummarized).unwrap());
+        // A trim of turns below the new record's first turn appends; one that removes a turn
+        // the record still holds does not.
+        let trimmed = ConversationMeta {
+            first_turn: 2,
+            ..record(7, 5, 3)
+        };
+        let trim = Write {
+            remove_turns: &[1],
+            ..adding(&trimmed, &two)
+        };
+        assert!(appends_only(&old, &trim).unwrap());
+        let replaced = Write {
+            remove_turns: &[1, 2],
+            ..adding(&trimmed, &two)
+        };
+        assert!(!appends_only(&old, &replaced).unwrap());
+    }
+
+    #[test]
+    fn a_trim_goes_after_the_record_and_takes_what_a_crash_left_below_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (engine, k, id, v1) = two_turns(dir.path());
+        let v2 = engine
+            .write(
+                &k,
+                &v1,
+                adding(&record(id, 5, 4), &[stored(3, "m3"), stored(4, "m4")]),
+            )
+            .unwrap();
+        let vector = |turn: u64| (turn, format!("v{turn}").into_bytes());
+        let put = engine
+            .put_vectors(&k, id, &[vector(1), vector(2), vector(3)])
+            .unwrap();
+        assert_eq!(put, Some(3));
+        // Turns 1 and 2 trimmed with turn 5 added: the record now starts at turn 3.
+        let trimmed = ConversationMeta {
+            first_turn: 3,
+            ..record(id, 6, 3)
+        };
+        let five = [stored(5, "m5")];
+        let trim = Write {
+            remove_turns: &[1, 2],
+            ..adding(&trimmed, &five)
+        };
+        assert!(appends_only(&v2, &trim).unwrap());
+        let v3 = engine.write(&k, &v2, trim).unwrap();
+        let raw = |engine: &SledEngine| -> Vec<u64> {
+            raw_turns(engine, id).iter().map(|(t, _)| *t).collect()
+        };
+        assert_eq!(raw(&engine), [3, 4, 5]);
+        let vectors: Vec<u64> = engine
+            .vectors(&k, id)
+            .unwrap()
+            .iter()
+            .map(|v| v.0)
+            .collect();
+        assert_eq!(vectors, [3]);
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(loaded.version, v3);
+        assert_eq!(texts(&loaded, &engine, &k), [3, 4, 5]);
+        // A trim a crash cut short: turn 2 is back on disk, below the record's first turn,
+        // and never read.
+        let t = engine.trees().unwrap();
+        let left = encode(&stored(2, "left")).unwrap();
+        t.messages.insert(message_key(id, 2), left).unwrap();
+        assert_eq!(texts(&engine.load(&k).unwrap(), &engine, &k), [3, 4, 5]);
+        assert_eq!(engine.range(&k, id, 3, 5).unwrap().len(), 3);
+        // The next trim takes it along.
+        let trimmed = ConversationMeta {
+            first_turn: 4,
+            ..record(id, 7, 3)
+        };
+        let six = [stored(6, "m6")];
+        let trim = Write {
+            remove_turns: &[3],
+            ..adding(&trimmed, &six)
+        };
+        engine.write(&k, &v3, trim).unwrap();
+        assert_eq!(raw(&engine), [4, 5, 6]);
+        assert!(engine.vectors(&k, id).unwrap().is_empty());
     }
 
     #[test]

@@ -163,8 +163,8 @@ impl SalvageReader {
         }
     }
 
-    /// The messages of conversation `id` (turns below `next_turn`) that can be read.
-    pub fn messages(&self, id: u64, next_turn: u64) -> Messages {
+    /// The messages of conversation `id` (turns in `first_turn..next_turn`) that can be read.
+    pub fn messages(&self, id: u64, first_turn: u64, next_turn: u64) -> Messages {
         let tree = &self.trees.messages;
         let mut out = Messages::default();
         let keep =
@@ -175,7 +175,7 @@ impl SalvageReader {
                     out.last_unreadable = Some(turn);
                 }
             };
-        let mut from = 0u64;
+        let mut from = first_turn;
         'scan: while from < next_turn {
             let mut failed = false;
             for item in tree.range(message_key(id, from)..message_key(id, next_turn)) {
