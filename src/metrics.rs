@@ -480,6 +480,7 @@ struct StoreMetrics {
     recall_cache_bytes: Gauge,
     cache_lookups: Family<CacheLabels, Counter>,
     cache_misses: Family<CacheLabels, Counter>,
+    flushes: Counter,
 }
 
 impl StoreMetrics {
@@ -491,7 +492,13 @@ impl StoreMetrics {
             recall_cache_bytes: Gauge::default(),
             cache_lookups: Family::default(),
             cache_misses: Family::default(),
+            flushes: Counter::default(),
         };
+        registry.register(
+            "store_flushes",
+            "Group flushes of the store to disk, each making every commit before it durable (sled with durability \"commit\")",
+            metrics.flushes.clone(),
+        );
         registry.register_with_unit(
             "store_size",
             "Size of the store on disk",
@@ -963,6 +970,7 @@ impl Metrics {
         let up = store.write_failure().is_none() && store.damaged_conversations() == 0;
         self.store.up.set(i64::from(up));
         self.store.size.set(gauge(store.size_on_disk()));
+        catch_up(&self.store.flushes, store.flushes());
         self.store
             .cached_conversations
             .set(gauge(store.cached_conversations()));

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
@@ -36,12 +37,22 @@ impl FlushError {
     }
 }
 
+/// The least time from one flush's start to the next's. Under a steady stream of commits the
+/// flushes would follow each other at once, each making one or two commits durable: every flush
+/// is a log write and a `sync_file_range` on sled's IO threads, which wake all of them. A
+/// flush asked for within this time of the last one's start waits for the rest of it, and so
+/// takes along every commit that came meanwhile; one asked for after a quiet moment starts at
+/// once.
+const FLUSH_GAP: Duration = Duration::from_millis(2);
+
 /// Hands out flush tickets and runs the flushing task.
 #[derive(Debug)]
 pub struct GroupFlusher {
     requested: AtomicU64,
     wake: Notify,
     done: watch::Sender<(u64, Option<FlushError>)>,
+    /// Flushes started.
+    flushes: AtomicU64,
 }
 
 impl GroupFlusher {
@@ -53,11 +64,21 @@ impl GroupFlusher {
             requested: AtomicU64::new(0),
             wake: Notify::new(),
             done,
+            flushes: AtomicU64::new(0),
         });
         let task_flusher = Arc::clone(&flusher);
         let task = tokio::spawn(async move {
+            let mut last_start: Option<Instant> = None;
             loop {
                 task_flusher.wake.notified().await;
+                if let Some(last) = last_start {
+                    let since = last.elapsed();
+                    if since < FLUSH_GAP {
+                        tokio::time::sleep(FLUSH_GAP - since).await;
+                    }
+                }
+                last_start = Some(Instant::now());
+                task_flusher.flushes.fetch_add(1, Ordering::Relaxed);
                 // Every ticket up to `target` was taken after its writes were applied, so one
                 // flush starting now makes all of them durable.
                 let target = task_flusher.requested.load(Ordering::Acquire);
@@ -72,6 +93,11 @@ impl GroupFlusher {
             }
         });
         (flusher, task)
+    }
+
+    /// How many flushes have started.
+    pub fn flushes(&self) -> u64 {
+        self.flushes.load(Ordering::Relaxed)
     }
 
     /// Waits until everything written before this call is on disk.
@@ -113,6 +139,40 @@ mod tests {
         for join in joins {
             join.await.unwrap().unwrap();
         }
+        task.abort();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn flushes_asked_for_back_to_back_are_spaced_and_each_takes_many_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine: Arc<dyn Engine> =
+            Arc::new(crate::SledEngine::open(dir.path(), 1 << 20, None).unwrap());
+        let (flusher, task) = GroupFlusher::start(Arc::clone(&engine));
+        let started = Instant::now();
+        let mut writers = Vec::new();
+        for _ in 0..8 {
+            let flusher = Arc::clone(&flusher);
+            let engine = Arc::clone(&engine);
+            writers.push(tokio::spawn(async move {
+                for _ in 0..25 {
+                    engine.new_id().unwrap();
+                    flusher.sync().await.unwrap();
+                }
+            }));
+        }
+        for writer in writers {
+            writer.await.unwrap();
+        }
+        let elapsed = started.elapsed();
+        let flushes = flusher.flushes();
+        // Each flush starts at least FLUSH_GAP after the one before.
+        let most = elapsed.as_micros() / FLUSH_GAP.as_micros() + 1;
+        assert!(
+            u128::from(flushes) <= most,
+            "{flushes} flushes in {elapsed:?}"
+        );
+        // 200 syncs, eight at a time: they share flushes.
+        assert!(flushes < 200 / 2, "{flushes} flushes for 200 syncs");
         task.abort();
     }
 }

@@ -855,6 +855,11 @@ impl Store {
         self.engine.size_bytes()
     }
 
+    /// Group flushes started (0 with a shared engine or interval durability: no flush waits).
+    pub fn flushes(&self) -> u64 {
+        self.flusher.as_ref().map_or(0, |f| f.flushes())
+    }
+
     /// Messages on the main lines of the conversations stored (0 with a shared engine).
     pub fn stored_messages(&self) -> u64 {
         self.stored_messages.load(Ordering::Relaxed)

@@ -1,8 +1,9 @@
 //! Vectors in the sled engine (the [`Vectors`] part of the contract, `engine.rs`): the
 //! `vectors` tree keyed like `messages` (conversation id, turn) and the `owner_vectors` tree
-//! keyed like `owner_records` (owner key bytes `\0` space, id). A put is one transaction that
-//! checks the conversation's (owner's) record and each message (record) it describes; what
-//! removes a message or a record removes its vector in its own transaction
+//! keyed like `owner_records` (owner key bytes `\0` space, id). A conversation's put checks
+//! its record and writes each vector beside its message without a transaction (see
+//! `put_vectors`); an owner's is one transaction that checks the owner's record and each record
+//! it describes. What removes a message or a record removes its vector with it or after it
 //! (`sled_engine.rs`).
 
 use sled::Transactional;
@@ -22,25 +23,38 @@ impl Vectors for SledEngine {
     ) -> Result<Option<usize>, StoreError> {
         let t = self.trees()?;
         let key_bytes = key.to_bytes();
-        let result =
-            (&t.conversations, &t.messages, &t.vectors).transaction(|(convs, msgs, vecs)| {
-                let current = convs
-                    .get(&key_bytes)?
-                    .and_then(|bytes| serde_json::from_slice::<ConversationMeta>(&bytes).ok());
-                if current.map(|m| m.id) != Some(id) {
-                    return Ok(None);
-                }
-                let mut written = 0;
-                for (turn, value) in vectors {
-                    let k = message_key(id, *turn);
-                    if msgs.get(&k[..])?.is_some() {
-                        vecs.insert(&k[..], value.as_slice())?;
-                        written += 1;
-                    }
-                }
-                Ok(Some(written))
-            });
-        done_or_count(result)
+        let same_life = || -> Result<bool, StoreError> {
+            let current = t
+                .conversations
+                .get(&key_bytes)?
+                .and_then(|bytes| serde_json::from_slice::<ConversationMeta>(&bytes).ok());
+            Ok(current.is_some_and(|m| m.id == id))
+        };
+        if !same_life()? {
+            return Ok(None);
+        }
+        // Single-key writes, not a transaction (each of which rolls sled's log buffer to
+        // disk): each vector is written beside its message as read before, and taken back when
+        // the message is no longer that one afterwards. Whatever removes a message removes its
+        // vector after it, so a vector written before a removal goes with it, and one written
+        // after finds its message gone.
+        let mut written = 0;
+        for (turn, value) in vectors {
+            let k = message_key(id, *turn);
+            let Some(message) = t.messages.get(k)? else {
+                continue;
+            };
+            t.vectors.insert(k, value.as_slice())?;
+            if t.messages.get(k)?.as_ref() == Some(&message) {
+                written += 1;
+            } else {
+                t.vectors.remove(k)?;
+            }
+        }
+        if !same_life()? {
+            return Ok(None);
+        }
+        Ok(Some(written))
     }
 
     fn vectors(
