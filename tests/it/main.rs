@@ -34,6 +34,7 @@ mod cli;
 mod client_timeouts;
 mod compression;
 mod console;
+mod crash;
 mod disk_full;
 mod erasure;
 mod forwarding;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::support;
+use crate::support::child::{ChildProxy, ask};
 use crate::support::mock_upstream::{MockUpstream, Reply};
 use crate::support::redis_server::RedisServer;
 use crate::support::*;
@@ -337,101 +338,23 @@ async fn conversation_and_tenant_deletes_leave_no_key_in_redis() {
 }
 
 /// The real binary as a replica (a child process, so it can be killed with SIGKILL), on
-/// `redis` with the tests' key prefix, listening on a free port.
-struct Replica {
-    child: std::process::Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Replica {
-    fn start(mock: &MockUpstream, redis: &RedisServer) -> Replica {
-        let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let config = dir.path().join("memproxy.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_key_prefix = \"mp:\"\n[server]\nlisten = \"127.0.0.1:{port}\"\nmemory_budget = \"1GiB\"\n",
-                mock.base_url(),
-                dir.path().join("data").display(),
-                redis.url()
-            ),
-        )
-        .unwrap();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_memproxy"))
-            .current_dir(dir.path())
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .arg("--config")
-            .arg(&config)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        Replica {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            _dir: dir,
-        }
-    }
-
-    async fn ready(&self) {
-        let url = format!("{}/readyz", self.url);
-        wait_for("the replica to be ready", async || {
-            try_send("GET", &url, &[], String::new())
-                .await
-                .is_some_and(|a| a.status == 200)
-        })
-        .await;
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Sends one question to `base` in `conversation` (newest-only habit); true when the
-/// exchange was acknowledged as stored.
-async fn ask(base: &str, conversation: &str, question: &str) -> bool {
-    let headers = [
-        ("authorization", "Bearer sk-test-one"),
-        ("content-type", "application/json"),
-        ("x-memory-conversation-id", conversation),
-    ];
-    let body = body(&[user(question)]).to_string();
-    // A replica killed mid-request is a connection error: not acknowledged.
-    let url = format!("{base}/v1/chat/completions");
-    let sent = tokio::time::timeout(
-        Duration::from_secs(5),
-        try_send("POST", &url, &headers, body),
-    )
-    .await;
-    match sent {
-        Ok(Some(answer)) => {
-            answer.status == 200
-                && answer
-                    .headers
-                    .get("x-memory-status")
-                    .is_some_and(|v| v == "stored")
-        }
-        _ => false,
-    }
+/// `redis` with the tests' key prefix.
+fn replica(dir: &std::path::Path, mock: &MockUpstream, redis: &RedisServer) -> ChildProxy {
+    let toml = format!(
+        "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\nbackend = \"redis\"\nredis_url = \"{}\"\nredis_key_prefix = \"mp:\"\n",
+        mock.base_url(),
+        dir.join("data").display(),
+        redis.url()
+    );
+    ChildProxy::start(dir, &toml)
 }
 
 #[tokio::test]
 async fn every_exchange_a_killed_replica_acknowledged_is_readable_through_the_other() {
     let mock = MockUpstream::start().await.unwrap();
     let redis = RedisServer::start();
-    let mut killed = Replica::start(&mock, &redis);
+    let killed_dir = tempfile::tempdir().unwrap();
+    let mut killed = replica(killed_dir.path(), &mock, &redis);
     killed.ready().await;
     let dir = tempfile::tempdir().unwrap();
     let other = Proxy::start_redis(&mock, dir.path(), &redis.url(), "").await;
@@ -459,8 +382,7 @@ async fn every_exchange_a_killed_replica_acknowledged_is_readable_through_the_ot
     }
     tokio::time::sleep(Duration::from_millis(700)).await;
     // kill -9 in the middle of the burst.
-    killed.child.kill().unwrap();
-    killed.child.wait().unwrap();
+    killed.kill();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
 
     let mut total = 0;
@@ -484,31 +406,6 @@ async fn every_exchange_a_killed_replica_acknowledged_is_readable_through_the_ot
         total > 8,
         "the burst reached the replica: {total} exchanges"
     );
-}
-
-/// Sends `body` to `url`; `None` when the connection failed (a killed replica).
-async fn try_send(
-    method: &str,
-    url: &str,
-    headers: &[(&str, &str)],
-    body: String,
-) -> Option<Answer> {
-    use http_body_util::BodyExt;
-    let mut request = http::Request::builder().method(method).uri(url);
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let request = request
-        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-        .unwrap();
-    let response = client().request(request).await.ok()?;
-    let (parts, body) = response.into_parts();
-    let body = body.collect().await.ok()?.to_bytes();
-    Some(Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body,
-    })
 }
 
 #[tokio::test]

@@ -6,6 +6,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod admin;
+pub mod child;
 pub mod cli;
 pub mod harness;
 pub mod mock_upstream;
