@@ -69,6 +69,18 @@ pub struct Index {
     total_len: u64,
     /// Score accumulator, reused across queries; only touched slots are reset.
     scratch: Vec<f32>,
+    /// What [`Index::heap_bytes`] would otherwise walk every term and document for, kept as
+    /// they change (the recall cache weighs an index at every commit): the heap of each term's
+    /// postings, of each document's own terms, and of the terms' keys.
+    inner_heap: InnerHeap,
+}
+
+/// The heap of the vectors and strings an [`Index`] holds per term and per document.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct InnerHeap {
+    postings: usize,
+    own: usize,
+    keys: usize,
 }
 
 impl Index {
@@ -121,14 +133,19 @@ impl Index {
         }
         let mut len = 0;
         for (t, weight) in weights {
-            self.postings[t as usize].push(Posting {
+            let postings = &mut self.postings[t as usize];
+            let before = postings.capacity();
+            postings.push(Posting {
                 doc: doc_index as u32,
                 weight,
             });
+            self.inner_heap.postings +=
+                heap::vec::<Posting>(postings.capacity()) - heap::vec::<Posting>(before);
             self.df[t as usize] += 1;
             len += weight;
         }
         self.total_len += u64::from(len);
+        self.inner_heap.own += heap::vec::<u32>(own.capacity());
         self.docs.push(Doc { turn, len, own });
     }
 
@@ -157,8 +174,10 @@ impl Index {
 
     fn ensure_term(&mut self, term: String) -> u32 {
         let next = self.postings.len() as u32;
+        let key_heap = heap::string(term.capacity());
         let id = *self.term_ids.entry(term).or_insert(next);
         if id == next {
+            self.inner_heap.keys += key_heap;
             self.postings.push(Vec::new());
             self.df.push(0);
         }
@@ -177,6 +196,7 @@ impl Index {
             match (add, at) {
                 (true, Ok(p)) => postings[p].weight += w,
                 (true, Err(p)) => {
+                    let before = postings.capacity();
                     postings.insert(
                         p,
                         Posting {
@@ -184,6 +204,8 @@ impl Index {
                             weight: w,
                         },
                     );
+                    self.inner_heap.postings +=
+                        heap::vec::<Posting>(postings.capacity()) - heap::vec::<Posting>(before);
                     self.df[t as usize] += 1;
                 }
                 (false, Ok(p)) => {
@@ -220,6 +242,7 @@ impl Index {
             }
         }
         let Some(doc) = self.docs.pop() else { return };
+        self.inner_heap.own -= heap::vec::<u32>(doc.own.capacity());
         self.total_len -= u64::from(doc.len);
         for (distance, weight) in NEIGHBOURS.into_iter().enumerate() {
             let Some(previous) = removed.checked_sub(distance + 1) else {
@@ -243,6 +266,7 @@ impl Index {
                 }
             }
             let doc = std::mem::take(&mut self.docs[index]);
+            self.inner_heap.own -= heap::vec::<u32>(doc.own.capacity());
             self.total_len -= u64::from(doc.len);
             self.first_live += 1;
             // Keep the turn so documents stay searchable by turn.
@@ -282,6 +306,7 @@ impl Index {
         self.df.shrink_to_fit();
         self.docs.shrink_to_fit();
         self.term_ids.shrink_to_fit();
+        self.inner_heap = self.inner_heap_walked();
     }
 
     /// Whether `turn` is a live document (documents are in turn order).
@@ -435,33 +460,46 @@ impl Index {
     }
 
     /// Heap bytes held, as the allocator hands them out (`heap.rs`), for the cache's weigher
-    /// and the memory report.
+    /// and the memory report. Constant time: the per-term and per-document parts are kept as
+    /// they change.
     pub fn heap_bytes(&self) -> usize {
-        let postings: usize = heap::vec::<Vec<Posting>>(self.postings.capacity())
-            + self
+        let InnerHeap {
+            postings,
+            own,
+            keys,
+        } = self.inner_heap;
+        heap::vec::<Vec<Posting>>(self.postings.capacity())
+            + postings
+            + heap::vec::<Doc>(self.docs.capacity())
+            + own
+            + heap::hash_table(
+                self.term_ids.capacity(),
+                std::mem::size_of::<(String, u32)>(),
+            )
+            + keys
+            + heap::vec::<u32>(self.df.capacity())
+            + heap::vec::<f32>(self.scratch.capacity())
+    }
+
+    /// The per-term and per-document parts of [`Index::heap_bytes`], walked.
+    fn inner_heap_walked(&self) -> InnerHeap {
+        InnerHeap {
+            postings: self
                 .postings
                 .iter()
                 .map(|p| heap::vec::<Posting>(p.capacity()))
-                .sum::<usize>();
-        let docs: usize = heap::vec::<Doc>(self.docs.capacity())
-            + self
+                .sum(),
+            own: self
                 .docs
                 .iter()
                 .map(|d| heap::vec::<u32>(d.own.capacity()))
-                .sum::<usize>();
-        let terms: usize = heap::hash_table(
-            self.term_ids.capacity(),
-            std::mem::size_of::<(String, u32)>(),
-        ) + self
-            .term_ids
-            .keys()
-            .map(|k| heap::string(k.capacity()))
-            .sum::<usize>();
-        postings
-            + docs
-            + terms
-            + heap::vec::<u32>(self.df.capacity())
-            + heap::vec::<f32>(self.scratch.capacity())
+                .sum(),
+            keys: self
+                .term_ids
+                .keys()
+                .map(|k| heap::string(k.capacity()))
+                .sum(),
+        }
     }
 
     /// A canonical description of the live index, independent of history: for tests that check
@@ -643,6 +681,10 @@ mod tests {
             }
             prop_assert_eq!(index.canonical(), fresh.canonical());
             prop_assert_eq!(index.total_len, fresh.total_len);
+            // The heap kept as the index changed is the heap walked.
+            prop_assert_eq!(index.inner_heap, index.inner_heap_walked());
+            index.shrink_to_fit();
+            prop_assert_eq!(index.inner_heap, index.inner_heap_walked());
             let query: Vec<String> = vec!["w1".into(), "w3".into(), "w7".into()];
             let a = index.search(&query, u64::MAX, 5);
             let b = fresh.search(&query, u64::MAX, 5);
