@@ -291,7 +291,6 @@ pub struct Change {
     pub branch_from_turn: Option<u64>,
 }
 
-/// The Responses API ids of the replies among `messages` (before they are sealed).
 /// The turn of the first of `entries` whose index is not in `removed` (sorted).
 fn first_kept(entries: &[Entry], removed: &[usize]) -> Option<u64> {
     (0..entries.len())
@@ -299,6 +298,7 @@ fn first_kept(entries: &[Entry], removed: &[usize]) -> Option<u64> {
         .map(|i| entries[i].turn)
 }
 
+/// The Responses API ids of the replies among `messages` (before they are sealed).
 pub(crate) fn response_ids_of(messages: &[StoredMessage]) -> Vec<String> {
     messages
         .iter()

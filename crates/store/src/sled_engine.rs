@@ -1296,7 +1296,8 @@ mod tests {
             .collect()
     }
 
-    fn texts(loaded: &Loaded, engine: &SledEngine, k: &ConversationKey) -> Vec<u64> {
+    /// The turns `loaded` holds, each read back by turn.
+    fn live_turns(loaded: &Loaded, engine: &SledEngine, k: &ConversationKey) -> Vec<u64> {
         let id = loaded.meta.as_ref().unwrap().id;
         let turns: Vec<u64> = loaded.entries.iter().map(|e| e.turn).collect();
         assert_eq!(engine.messages(k, id, &turns).unwrap().len(), turns.len());
@@ -1407,13 +1408,16 @@ mod tests {
         assert_eq!(vectors, [3]);
         let loaded = engine.load(&k).unwrap();
         assert_eq!(loaded.version, v3);
-        assert_eq!(texts(&loaded, &engine, &k), [3, 4, 5]);
+        assert_eq!(live_turns(&loaded, &engine, &k), [3, 4, 5]);
         // A trim a crash cut short: turn 2 is back on disk, below the record's first turn,
         // and never read.
         let t = engine.trees().unwrap();
         let left = encode(&stored(2, "left")).unwrap();
         t.messages.insert(message_key(id, 2), left).unwrap();
-        assert_eq!(texts(&engine.load(&k).unwrap(), &engine, &k), [3, 4, 5]);
+        assert_eq!(
+            live_turns(&engine.load(&k).unwrap(), &engine, &k),
+            [3, 4, 5]
+        );
         assert_eq!(engine.range(&k, id, 3, 5).unwrap().len(), 3);
         // The next trim takes it along.
         let trimmed = ConversationMeta {
@@ -1459,7 +1463,7 @@ mod tests {
         );
         let loaded = engine.load(&k).unwrap();
         assert_eq!(loaded.version, v2);
-        assert_eq!(texts(&loaded, &engine, &k), [1, 2, 3]);
+        assert_eq!(live_turns(&loaded, &engine, &k), [1, 2, 3]);
         // Without a race, the Responses id of an append is found again.
         let v3 = engine
             .write(
@@ -1489,7 +1493,7 @@ mod tests {
             t.messages.insert(message_key(id, turn), value).unwrap();
         }
         let loaded = engine.load(&k).unwrap();
-        assert_eq!(texts(&loaded, &engine, &k), [1, 2]);
+        assert_eq!(live_turns(&loaded, &engine, &k), [1, 2]);
         // The next append finds turn 3 taken and goes through the transaction, which writes
         // over it.
         let v2 = engine
@@ -1497,7 +1501,7 @@ mod tests {
             .unwrap();
         let loaded = engine.load(&k).unwrap();
         assert_eq!(loaded.version, v2);
-        assert_eq!(texts(&loaded, &engine, &k), [1, 2, 3]);
+        assert_eq!(live_turns(&loaded, &engine, &k), [1, 2, 3]);
         let raw = raw_turns(&engine, id);
         assert!(raw[2].1.contains("m3"), "{raw:?}");
         // Turn 5 is still past the record, and still not read.
