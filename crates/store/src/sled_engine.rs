@@ -321,17 +321,12 @@ impl SledEngine {
     /// written that turn since).
     fn append(
         t: &Trees,
-        key: &ConversationKey,
         expected: &Version,
         write: Write<'_>,
+        rows: &Rows,
     ) -> Result<Option<Version>, StoreError> {
         let id = write.meta.id;
-        let meta_bytes = encode(write.meta)?;
-        let added = write
-            .add
-            .iter()
-            .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
-            .collect::<Result<Vec<_>, StoreError>>()?;
+        let added = &rows.added;
         let undo = |written: &[([u8; 16], Vec<u8>)]| -> Result<(), StoreError> {
             for (k, v) in written {
                 // Not ours any more: a transaction wrote the turn since.
@@ -350,28 +345,16 @@ impl SledEngine {
                 return Ok(None);
             }
         }
-        let responses: Vec<(Vec<u8>, Vec<u8>)> = write
-            .response_ids
-            .iter()
-            .map(|r| {
-                (
-                    response_key(&key.tenant, r),
-                    conversation_response_key(id, r),
-                )
-            })
-            .collect();
-        let key_bytes = key.to_bytes();
-        let response_value = [&id.to_be_bytes()[..], &key_bytes].concat();
-        for (by_id, by_conversation) in &responses {
+        for (by_id, by_conversation) in &rows.responses {
             t.responses
-                .insert(by_id.as_slice(), response_value.as_slice())?;
+                .insert(by_id.as_slice(), rows.response_value.as_slice())?;
             t.conversation_responses
                 .insert(by_conversation.as_slice(), &[][..])?;
         }
         let swapped = t.conversations.compare_and_swap(
-            key_bytes.as_slice(),
+            rows.key.as_slice(),
             expected.token(),
-            Some(meta_bytes.as_slice()),
+            Some(rows.meta.as_slice()),
         )?;
         if swapped.is_ok() {
             if !write.remove_turns.is_empty() {
@@ -383,17 +366,57 @@ impl SledEngine {
                     }
                 }
             }
-            return Ok(Some(Version::of(meta_bytes)));
+            return Ok(Some(Version::of(rows.meta.clone())));
         }
         // Stale: nothing written here is the conversation's. The Responses ids go first, as
         // they name the conversation; the messages lie past its `next_turn` meanwhile.
-        for (by_id, by_conversation) in &responses {
+        for (by_id, by_conversation) in &rows.responses {
             t.responses.remove(by_id.as_slice())?;
             t.conversation_responses
                 .remove(by_conversation.as_slice())?;
         }
-        undo(&added)?;
+        undo(added)?;
         Err(StoreError::Stale)
+    }
+}
+
+/// A write's rows as stored, encoded once for whichever path writes them.
+struct Rows {
+    /// The conversation's key bytes and its new record.
+    key: Vec<u8>,
+    meta: Vec<u8>,
+    /// The messages added, by their keys.
+    added: Vec<([u8; 16], Vec<u8>)>,
+    /// Each Responses id's two rows (`responses`, `conversation_responses`) and the value of
+    /// the first.
+    responses: Vec<(Vec<u8>, Vec<u8>)>,
+    response_value: Vec<u8>,
+}
+
+impl Rows {
+    fn of(key: &ConversationKey, write: &Write<'_>) -> Result<Rows, StoreError> {
+        let id = write.meta.id;
+        let key_bytes = key.to_bytes();
+        Ok(Rows {
+            meta: encode(write.meta)?,
+            added: write
+                .add
+                .iter()
+                .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
+                .collect::<Result<_, StoreError>>()?,
+            responses: write
+                .response_ids
+                .iter()
+                .map(|r| {
+                    (
+                        response_key(&key.tenant, r),
+                        conversation_response_key(id, r),
+                    )
+                })
+                .collect(),
+            response_value: [&id.to_be_bytes()[..], &key_bytes].concat(),
+            key: key_bytes,
+        })
     }
 }
 
@@ -512,32 +535,21 @@ impl Engine for SledEngine {
         write: Write<'_>,
     ) -> Result<Version, StoreError> {
         let t = self.trees()?;
+        let rows = Rows::of(key, &write)?;
         if appends_only(expected, &write)?
-            && let Some(version) = Self::append(&t, key, expected, write)?
+            && let Some(version) = Self::append(&t, expected, write, &rows)?
         {
             return Ok(version);
         }
-        let key_of = key;
-        let key = key.to_bytes();
         let id = write.meta.id;
-        let meta_bytes = encode(write.meta)?;
-        let added = write
-            .add
-            .iter()
-            .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
-            .collect::<Result<Vec<_>, StoreError>>()?;
         let branch_rows = branch_rows(id, write.branches)?;
-        let responses: Vec<(Vec<u8>, Vec<u8>)> = write
-            .response_ids
-            .iter()
-            .map(|r| {
-                (
-                    response_key(&key_of.tenant, r),
-                    conversation_response_key(id, r),
-                )
-            })
-            .collect();
-        let response_value = [&id.to_be_bytes()[..], &key].concat();
+        let Rows {
+            key,
+            meta: meta_bytes,
+            added,
+            responses,
+            response_value,
+        } = rows;
         let expected = expected.token();
         let result = (
             &t.conversations,
