@@ -35,6 +35,10 @@ pub struct Args {
     /// memproxy's `server.worker_threads` (0: one per CPU, as by default).
     #[arg(long, default_value_t = 0)]
     pub proxy_threads: usize,
+    /// memproxy's `server.runtime`: `shared` or `per-thread` (default: not set, so memproxy's
+    /// default), for the benchmark and the soak alike.
+    #[arg(long, value_parser = ["shared", "per-thread"])]
+    pub runtime: Option<String>,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -83,8 +83,12 @@ pub async fn bench(args: Args) -> Result<(), String> {
         args.proxy_threads,
         // `--budget-mib`: the benchmark's memproxy at another budget (the 10,000-message rows
         // need more than the default's room).
-        args.budget_mib
-            .map_or_else(String::new, |mib| format!("memory_budget = \"{mib}MiB\"\n")),
+        format!(
+            "{}{}",
+            args.budget_mib
+                .map_or_else(String::new, |mib| format!("memory_budget = \"{mib}MiB\"\n")),
+            runtime_line(&args)
+        ),
         mock.port,
         mock.port,
         toml::Value::String(data_dir.display().to_string())
@@ -529,4 +533,11 @@ pub async fn new_conversations(ctx: &Arc<Ctx>, batch: &str, count: usize) -> u64
         errors += task.await.unwrap_or(1);
     }
     errors
+}
+
+/// `server.runtime` as `--runtime` asks (nothing without it: memproxy's default).
+pub fn runtime_line(args: &Args) -> String {
+    args.runtime
+        .as_deref()
+        .map_or_else(String::new, |shape| format!("runtime = \"{shape}\"\n"))
 }

@@ -509,6 +509,7 @@ fn config(args: &Args, redis_url: Option<&str>) -> Result<String, String> {
     if let Some(budget) = args.budget_mib {
         text.push_str(&format!("memory_budget = \"{budget}MiB\"\n"));
     }
+    text.push_str(&crate::bench::runtime_line(args));
     text.push_str(
         "\n[memory]\nrecent_n = 6\nrelevance_enabled = true\ncompression_enabled = true\ncompression_threshold_tokens = 200\ncompression_interval = \"PT0S\"\n",
     );
