@@ -30,7 +30,7 @@
 # [storage], which the script writes), e.g. `[embedding]\nembedder = "off"`;
 # --baseline-extra FILE: the same for the baseline binary only (default: --extra's), so two
 # settings of one binary can be compared in one run (--baseline the same binary).
-# --runtime SHAPE: memproxy's server.runtime ("shared", the default, or "per-thread");
+# --runtime SHAPE: memproxy's server.runtime ("per-thread", the default on Linux, or "shared");
 # --baseline-runtime SHAPE: the same for the baseline (default: --runtime's), so the two shapes
 # of one binary can be compared in one run (--baseline the same binary).
 # --floor BINARY: also measure the floor under the pass-through row, the bare hyper proxy of

@@ -110,6 +110,17 @@ else
     MEMPROXY_TEST_BACKEND=redis cargo test --test it -- admin:: console:: ttl:: metrics:: longterm:: longterm_meaning:: recall_meaning:: mcp::
 fi
 
+# The request path's suites once more with the shared runtime (`server.runtime = "shared"`, the
+# default off Linux; the suite above runs the default, a runtime per thread on Linux): the
+# modules `apis`, `streaming`, `forwarding`, `shutdown`, `client_timeouts`, `upstream_timeouts`,
+# `agents`, `memory_budget` and `runtime`.
+step "the request path's suites with the shared runtime"
+if cargo nextest --version >/dev/null 2>&1; then
+    MEMPROXY_TEST_RUNTIME=shared cargo nextest run --test it -E 'test(/^(apis|streaming|forwarding|shutdown|client_timeouts|upstream_timeouts|agents|memory_budget|runtime)::/)'
+else
+    MEMPROXY_TEST_RUNTIME=shared cargo test --test it -- apis:: streaming:: forwarding:: shutdown:: client_timeouts:: upstream_timeouts:: agents:: memory_budget:: runtime::
+fi
+
 # Bounded fuzzing: the property tests of the three parsers a client's bytes reach (SSE, the
 # request body, the X-Memory-* headers) run again with 16 times their usual cases.
 FUZZ_FILTER='test(arbitrary_bodies_are_parsed_or_refused_with_a_param) | test(any_split_gives_the_same_events) | test(never_panics_on_arbitrary_bytes) | test(arbitrary_bytes_never_panic) | test(arbitrary_json_is_parsed_or_refused_with_a_param) | test(arbitrary_memory_headers_are_accepted_or_named)'

@@ -79,16 +79,14 @@ pub async fn bench(args: Args) -> Result<(), String> {
     let mut mock = ChildProc::mock(dir.path())?;
     let data_dir = dir.path().join("data");
     let config_text = format!(
-        "[server]\nbody_limit_bytes = 268435456\nshutdown_grace = \"PT5S\"\nworker_threads = {}\n{}\n[upstream]\nbase_url = \"http://127.0.0.1:{}/v1\"\nconnect_timeout = \"PT2S\"\ntimeout = \"PT120S\"\n\n[upstream.anthropic]\nbase_url = \"http://127.0.0.1:{}\"\n\n[storage]\ndata_dir = {}\n\n[memory]\nmax_messages = 20000\n\n[limits]\nmax_new_messages = 20000\nmax_new_tokens = 10000000\n",
+        "[server]\nbody_limit_bytes = 268435456\nshutdown_grace = \"PT5S\"\nworker_threads = {}\n{}{}\n[upstream]\nbase_url = \"http://127.0.0.1:{}/v1\"\nconnect_timeout = \"PT2S\"\ntimeout = \"PT120S\"\n\n[upstream.anthropic]\nbase_url = \"http://127.0.0.1:{}\"\n\n[storage]\ndata_dir = {}\n\n[memory]\nmax_messages = 20000\n\n[limits]\nmax_new_messages = 20000\nmax_new_tokens = 10000000\n",
         args.proxy_threads,
         // `--budget-mib`: the benchmark's memproxy at another budget (the 10,000-message rows
         // need more than the default's room).
-        format!(
-            "{}{}",
-            args.budget_mib
-                .map_or_else(String::new, |mib| format!("memory_budget = \"{mib}MiB\"\n")),
-            runtime_line(&args)
-        ),
+        args.budget_mib
+            .map_or_else(String::new, |mib| format!("memory_budget = \"{mib}MiB\"\n")),
+        // `--runtime`: the benchmark's memproxy in either runtime shape.
+        runtime_line(&args),
         mock.port,
         mock.port,
         toml::Value::String(data_dir.display().to_string())

@@ -1,5 +1,6 @@
-//! `server.runtime = "per-thread"`: single-thread runtimes, each accepting on the port itself,
-//! serve pass-through, memory (JSON and streamed) and drain on stop as the shared runtime does.
+//! `server.runtime`: single-thread runtimes, each accepting on the port itself (`"per-thread"`,
+//! the default on Linux), and one runtime whose workers share every connection (`"shared"`)
+//! serve pass-through, memory (JSON and streamed) and drain on stop alike.
 
 use std::time::Duration;
 
@@ -22,18 +23,43 @@ fn serving_threads() -> usize {
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn a_runtime_per_thread_serves_memory_and_pass_through_and_drains_on_stop() {
+    serves_memory_and_pass_through_and_drains("per-thread", 3).await;
+}
+
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_shared_runtime_serves_memory_and_pass_through_and_drains_on_stop() {
+    serves_memory_and_pass_through_and_drains("shared", 0).await;
+}
+
+#[test]
+fn the_default_shape_is_a_runtime_per_thread_on_linux_and_shared_elsewhere() {
+    let config = memproxy::config::from_toml("", &|_| None).unwrap();
+    let expected = if cfg!(target_os = "linux") {
+        memproxy::config::RuntimeShape::PerThread
+    } else {
+        memproxy::config::RuntimeShape::Shared
+    };
+    assert_eq!(config.runtime, expected);
+}
+
+/// Three serving threads in `shape`, `threads` of them named as a runtime per thread's.
+#[cfg(target_os = "linux")]
+async fn serves_memory_and_pass_through_and_drains(shape: &str, threads: usize) {
     let Started { dir, proxy, .. } = Harness::new()
-        .config("runtime = \"per-thread\"\nworker_threads = 3\nshutdown_grace = \"PT10S\"\n")
+        .config(&format!(
+            "runtime = \"{shape}\"\nworker_threads = 3\nshutdown_grace = \"PT10S\"\n"
+        ))
         .start()
         .await;
     // The threads start once the server's task runs.
     for _ in 0..100 {
-        if serving_threads() == 3 {
+        if serving_threads() == threads {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(serving_threads(), 3);
+    assert_eq!(serving_threads(), threads);
 
     // Pass-through from 24 clients at once, each on a connection of its own (the kernel spreads
     // them over the three listeners).
@@ -117,7 +143,7 @@ async fn a_runtime_per_thread_serves_memory_and_pass_through_and_drains_on_stop(
 
     tokio::time::timeout(Duration::from_secs(30), proxy.stop())
         .await
-        .expect("the per-thread runtimes drain and the store flushes within the grace period");
+        .expect("the runtimes drain and the store flushes within the grace period");
     assert_eq!(serving_threads(), 0, "every serving thread ended");
 
     // What was acknowledged is in the store, opened again as a restart would.

@@ -522,6 +522,8 @@ mod tests {
             )
         );
         assert!(text.contains("\nmemory_budget = \"192MiB\"\n"));
+        assert_eq!(config.runtime, RuntimeShape::default());
+        assert!(text.contains("\n# runtime = \"per-thread\"\n"));
         assert!(config.receipts.enabled);
         assert_eq!(config.receipts.retention, DEFAULT_RECEIPT_RETENTION);
         assert_eq!(config.compression.max_tokens_per_day, None);

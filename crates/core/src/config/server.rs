@@ -73,16 +73,28 @@ pub(super) struct Server {
     pub memory_budget: u64,
 }
 
-/// How the threads serving requests are arranged (`server.runtime`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How the threads serving requests are arranged (`server.runtime`). The default is
+/// [`RuntimeShape::PerThread`] on Linux, where `SO_REUSEPORT` spreads new connections over the
+/// threads' listeners, and [`RuntimeShape::Shared`] elsewhere (macOS and the BSDs give every
+/// connection to one of the sockets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RuntimeShape {
     /// One tokio runtime whose `worker_threads` workers share every connection (work-stealing).
-    #[default]
     Shared,
     /// `worker_threads` single-thread runtimes, each accepting on the port itself
     /// (`SO_REUSEPORT`) and keeping its own upstream connections, so a request is served on
     /// the thread that accepted it; background work runs on a runtime of its own.
     PerThread,
+}
+
+impl Default for RuntimeShape {
+    fn default() -> RuntimeShape {
+        if cfg!(target_os = "linux") {
+            RuntimeShape::PerThread
+        } else {
+            RuntimeShape::Shared
+        }
+    }
 }
 
 /// Checks `[server]`; `listen` (from a flag or the environment) wins over the file.
@@ -127,7 +139,8 @@ pub(super) fn check_server(
         }
     };
     let runtime = match raw.runtime.as_deref() {
-        None | Some("shared") => RuntimeShape::Shared,
+        None => RuntimeShape::default(),
+        Some("shared") => RuntimeShape::Shared,
         Some("per-thread") => RuntimeShape::PerThread,
         Some(other) => {
             problems.push(format!(
