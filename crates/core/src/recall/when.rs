@@ -9,6 +9,8 @@
 //! A date without a year is the latest one not after today; a month or weekday alone needs a
 //! preposition ("in May", "on Monday"), so "may" and "march" as words are not dates.
 
+use std::borrow::Cow;
+
 use time::{Date, Duration, Month, OffsetDateTime, Weekday};
 
 /// Days after a period in which a turn still tells of it.
@@ -74,8 +76,8 @@ pub fn period(text: &str, now_ms: i64) -> Option<Period> {
 }
 
 /// The text's words, lower case: letters and digits runs, ordinals' suffixes dropped
-/// ("13th" → "13"), ISO dates kept whole.
-fn words(text: &str) -> Vec<String> {
+/// ("13th" → "13"), ISO dates kept whole. A word already in lower case is borrowed.
+fn words(text: &str) -> Vec<Cow<'_, str>> {
     let mut out = Vec::new();
     for raw in text.split(|c: char| !(c.is_alphanumeric() || c == '-')) {
         let raw = raw.trim_matches('-');
@@ -83,16 +85,20 @@ fn words(text: &str) -> Vec<String> {
             continue;
         }
         if iso(raw).is_some() {
-            out.push(raw.to_string());
+            out.push(Cow::Borrowed(raw));
             continue;
         }
         for part in raw.split('-').filter(|p| !p.is_empty()) {
-            let lower = part.to_lowercase();
+            let lower = if part.chars().all(lower_already) {
+                Cow::Borrowed(part)
+            } else {
+                Cow::Owned(part.to_lowercase())
+            };
             let digits = lower.chars().take_while(char::is_ascii_digit).count();
             if digits > 0 && digits < lower.len() {
                 let (number, suffix) = lower.split_at(digits);
                 if matches!(suffix, "st" | "nd" | "rd" | "th") {
-                    out.push(number.to_string());
+                    out.push(Cow::Owned(number.to_string()));
                     continue;
                 }
             }
@@ -100,6 +106,15 @@ fn words(text: &str) -> Vec<String> {
         }
     }
     out
+}
+
+/// Whether `c` is its own lower case (one char, itself).
+fn lower_already(c: char) -> bool {
+    if c.is_ascii() {
+        return !c.is_ascii_uppercase();
+    }
+    let mut lower = c.to_lowercase();
+    lower.next() == Some(c) && lower.next().is_none()
 }
 
 fn iso(word: &str) -> Option<Date> {
@@ -261,9 +276,9 @@ fn week_of(date: Date) -> Period {
 }
 
 /// Reads a date starting at `words[i]`: the period and how many words it took.
-fn read_at(words: &[String], i: usize, today: Date) -> Option<(Period, usize)> {
-    let word = |k: usize| words.get(i + k).map(String::as_str).unwrap_or("");
-    let before = if i > 0 { words[i - 1].as_str() } else { "" };
+fn read_at(words: &[Cow<'_, str>], i: usize, today: Date) -> Option<(Period, usize)> {
+    let word = |k: usize| words.get(i + k).map_or("", |w| w.as_ref());
+    let before = if i > 0 { words[i - 1].as_ref() } else { "" };
     let w0 = word(0);
     if let Some(date) = iso(w0) {
         return Some((Period::day(date), 1));
@@ -420,6 +435,38 @@ mod tests {
 
     fn span(text: &str) -> Option<(Date, Date)> {
         period(text, NOW).map(|p| (p.first, p.last))
+    }
+
+    #[test]
+    fn words_are_lower_case_whether_borrowed_or_made() {
+        let text = "On the 13TH of October, ÉTÉ 2023-10-13 ǅemal ß straße İstanbul mid-July 2nd";
+        let read = words(text);
+        let got: Vec<&str> = read.iter().map(|w| w.as_ref()).collect();
+        assert_eq!(
+            got,
+            [
+                "on",
+                "the",
+                "13",
+                "of",
+                "october",
+                "été",
+                "2023-10-13",
+                "ǆemal",
+                "ß",
+                "straße",
+                "i̇stanbul",
+                "mid",
+                "july",
+                "2"
+            ]
+        );
+        // Borrowed exactly when the text's word is its own lower case.
+        let borrowed: Vec<bool> = words("July july 2nd été ÉTÉ")
+            .iter()
+            .map(|w| matches!(w, Cow::Borrowed(_)))
+            .collect();
+        assert_eq!(borrowed, [false, true, false, true, false]);
     }
 
     #[test]
