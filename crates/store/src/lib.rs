@@ -239,14 +239,37 @@ impl Opened {
     /// Keeps `message` (of conversation `id`), dropping the least recently used past the
     /// allowance.
     fn keep(&mut self, id: u64, message: &StoredMessage) {
+        if self.fits(id, message) {
+            self.hold(message.clone());
+        }
+    }
+
+    /// [`Opened::keep`] for a message of one's own.
+    fn keep_owned(&mut self, id: u64, message: StoredMessage) {
+        if self.fits(id, &message) {
+            self.hold(message);
+        }
+    }
+
+    /// Whether `message` (of conversation `id`) is light enough to keep; holding a message of
+    /// another conversation id lets go of what was held.
+    fn fits(&mut self, id: u64, message: &StoredMessage) -> bool {
         if self.id != id {
             self.clear();
             self.id = id;
         }
-        let weight = Opened::weight(message);
-        if weight > self.allowance / 4 {
-            return;
-        }
+        self.light_enough(message)
+    }
+
+    /// Whether `message` weighs little enough for the allowance to hold.
+    fn light_enough(&self, message: &StoredMessage) -> bool {
+        Opened::weight(message) <= self.allowance / 4
+    }
+
+    /// Holds `message` as the most recently used, in place of its turn's older body, letting
+    /// go of the least recently used past the allowance.
+    fn hold(&mut self, message: StoredMessage) {
+        let weight = Opened::weight(&message);
         if let Some(i) = self.messages.iter().position(|m| m.turn == message.turn) {
             let old = self.messages.remove(i);
             self.bytes -= Opened::weight(&old);
@@ -256,7 +279,7 @@ impl Opened {
             self.bytes -= Opened::weight(&old);
         }
         self.bytes += weight;
-        self.messages.push(message.clone());
+        self.messages.push(message);
     }
 }
 
@@ -723,6 +746,17 @@ impl Store {
         meta.recent = Vec::new();
 
         let response_ids = response_ids_of(&change.add);
+        // The added bodies as they are before sealing: kept opened once the write succeeds, so
+        // the next plan's window reads them without the engine, a decode and a decryption.
+        let plain: Vec<StoredMessage> = {
+            let opened = conversation.opened_lock();
+            change
+                .add
+                .iter()
+                .filter(|message| opened.light_enough(message))
+                .cloned()
+                .collect()
+        };
         let mut created_key = false;
         if !change.add.is_empty() {
             let (key, created) = self.sealing_key(&conversation.key, meta.id)?;
@@ -749,6 +783,12 @@ impl Store {
         for message in &change.add {
             let before = conversation.entries.last().map_or(0, |e| e.cum_tokens);
             conversation.entries.push(Entry::new(message, before));
+        }
+        {
+            let mut opened = conversation.opened_lock();
+            for message in plain {
+                opened.keep_owned(meta.id, message);
+            }
         }
         conversation.meta = Some(meta);
         conversation.version = version;
@@ -1250,6 +1290,52 @@ pub(crate) mod tests {
         opened.keep(7, &fresh[0]);
         assert!(opened.take(8, 1, fresh[0].fingerprint).is_none());
         assert!(opened.take(7, 1, fresh[0].fingerprint).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_commit_keeps_what_it_added_opened_as_the_engine_gives_it_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let handle = store.conversation(&key("c")).unwrap();
+        let first = Change {
+            add: vec![message(Role::User, "one"), message(Role::Assistant, "two")],
+            ..Change::default()
+        };
+        store.commit(&mut lock(&handle), first).unwrap();
+        // Not weighed yet: no allowance, nothing held.
+        assert!(lock(&handle).opened_lock().messages.is_empty());
+        store.touch(&key("c"), &handle);
+        let mut second = Change {
+            add: vec![
+                message(Role::User, &"z".repeat(Opened::MAX_ALLOWANCE)),
+                message(Role::User, "three"),
+                message(Role::Assistant, "four"),
+            ],
+            ..Change::default()
+        };
+        second.ledger.exchanges = 1;
+        second.tokens_forwarded = 9;
+        store.commit(&mut lock(&handle), second).unwrap();
+        let conv = lock(&handle);
+        let held: Vec<StoredMessage> = conv.opened_lock().messages.clone();
+        // The two light ones, with their turns (the reply with its exchange's figures); the
+        // heavy one is not held.
+        assert_eq!(held.iter().map(|m| m.turn).collect::<Vec<_>>(), [4, 5]);
+        assert!(held[1].exchange.is_some());
+        drop(conv);
+        drop(handle);
+        store.close().await.unwrap();
+        drop(store);
+        // What the engine gives back for those turns, read by a store opened afresh.
+        let store = open(dir.path());
+        let handle = store.conversation(&key("c")).unwrap();
+        let conv = lock(&handle);
+        let read = store.messages(&conv, [4, 5]).unwrap();
+        let json = |m: &StoredMessage| serde_json::to_string(m).unwrap();
+        assert_eq!(
+            held.iter().map(json).collect::<Vec<_>>(),
+            read.iter().map(json).collect::<Vec<_>>()
+        );
     }
 
     #[test]
