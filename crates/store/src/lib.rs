@@ -1316,13 +1316,11 @@ pub(crate) mod tests {
         second.ledger.exchanges = 1;
         second.tokens_forwarded = 9;
         store.commit(&mut lock(&handle), second).unwrap();
-        let conv = lock(&handle);
-        let held: Vec<StoredMessage> = conv.opened_lock().messages.clone();
+        let held: Vec<StoredMessage> = lock(&handle).opened_lock().messages.clone();
         // The two light ones, with their turns (the reply with its exchange's figures); the
         // heavy one is not held.
         assert_eq!(held.iter().map(|m| m.turn).collect::<Vec<_>>(), [4, 5]);
         assert!(held[1].exchange.is_some());
-        drop(conv);
         drop(handle);
         store.close().await.unwrap();
         drop(store);
