@@ -239,26 +239,26 @@ impl Opened {
     /// Keeps `message` (of conversation `id`), dropping the least recently used past the
     /// allowance.
     fn keep(&mut self, id: u64, message: &StoredMessage) {
-        if self.fits(id, message) {
+        self.hold_for(id);
+        if self.light_enough(message) {
             self.hold(message.clone());
         }
     }
 
     /// [`Opened::keep`] for a message of one's own.
     fn keep_owned(&mut self, id: u64, message: StoredMessage) {
-        if self.fits(id, &message) {
+        self.hold_for(id);
+        if self.light_enough(&message) {
             self.hold(message);
         }
     }
 
-    /// Whether `message` (of conversation `id`) is light enough to keep; holding a message of
-    /// another conversation id lets go of what was held.
-    fn fits(&mut self, id: u64, message: &StoredMessage) -> bool {
+    /// Holds bodies of conversation `id` from now on: those of another id are let go.
+    fn hold_for(&mut self, id: u64) {
         if self.id != id {
             self.clear();
             self.id = id;
         }
-        self.light_enough(message)
     }
 
     /// Whether `message` weighs little enough for the allowance to hold.
