@@ -182,18 +182,22 @@ impl Conversation {
     }
 }
 
-/// The message bodies a cached conversation last read and opened, most recently used last:
-/// each request reads its window (and its recalled turns) again, and reading one from the
+/// The message bodies a cached conversation last read and opened, each with when it was last
+/// used: each request reads its window (and its recalled turns) again, and reading one from the
 /// engine means a lookup, a base64 decode and a decryption, about a tenth of a read-only
 /// request's CPU. Held for one conversation id (cleared when it changes) and checked against
 /// the entry's fingerprint on each use, so a body is never taken for another message. It holds
 /// at most the allowance the state cache's weigher granted when it last weighed the
 /// conversation ([`Conversation::weigh`]), so a conversation never holds more than it is
-/// counted for.
+/// counted for; past it the least recently used go first. A use marks the body in place (its
+/// `used` tick), so no body moves when it is read.
 #[derive(Debug, Default)]
 struct Opened {
     id: u64,
     messages: Vec<StoredMessage>,
+    /// When each of `messages` was last used (same index): a tick of `clock`.
+    used: Vec<u64>,
+    clock: u64,
     bytes: usize,
     allowance: usize,
 }
@@ -205,6 +209,7 @@ impl Opened {
 
     fn clear(&mut self) {
         self.messages.clear();
+        self.used.clear();
         self.bytes = 0;
     }
 
@@ -212,13 +217,32 @@ impl Opened {
     fn grant(&mut self, allowance: usize) {
         self.allowance = allowance;
         while self.bytes > allowance && !self.messages.is_empty() {
-            let old = self.messages.remove(0);
-            self.bytes -= Opened::weight(&old);
+            self.let_go_of_least_used();
         }
     }
 
     fn weight(message: &StoredMessage) -> usize {
         heap::string(message.message.get().len()) + std::mem::size_of::<StoredMessage>()
+    }
+
+    /// The next tick of the use clock.
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Lets go of the body used longest ago (there is one).
+    fn let_go_of_least_used(&mut self) {
+        let Some(i) = (0..self.used.len()).min_by_key(|&i| self.used[i]) else {
+            return;
+        };
+        self.let_go_of(i);
+    }
+
+    fn let_go_of(&mut self, i: usize) {
+        let old = self.messages.swap_remove(i);
+        self.used.swap_remove(i);
+        self.bytes -= Opened::weight(&old);
     }
 
     /// The body of `turn` when it is held for conversation `id` with `fingerprint`; marked as
@@ -231,9 +255,8 @@ impl Opened {
             .messages
             .iter()
             .position(|m| m.turn == turn && m.fingerprint == fingerprint)?;
-        let message = self.messages.remove(i);
-        self.messages.push(message.clone());
-        Some(message)
+        self.used[i] = self.tick();
+        Some(self.messages[i].clone())
     }
 
     /// Keeps `message` (of conversation `id`), dropping the least recently used past the
@@ -271,15 +294,23 @@ impl Opened {
     fn hold(&mut self, message: StoredMessage) {
         let weight = Opened::weight(&message);
         if let Some(i) = self.messages.iter().position(|m| m.turn == message.turn) {
-            let old = self.messages.remove(i);
-            self.bytes -= Opened::weight(&old);
+            self.let_go_of(i);
         }
         while self.bytes + weight > self.allowance && !self.messages.is_empty() {
-            let old = self.messages.remove(0);
-            self.bytes -= Opened::weight(&old);
+            self.let_go_of_least_used();
         }
         self.bytes += weight;
         self.messages.push(message);
+        let now = self.tick();
+        self.used.push(now);
+    }
+
+    /// The turns held, least recently used first.
+    #[cfg(test)]
+    fn turns_by_use(&self) -> Vec<u64> {
+        let mut order: Vec<usize> = (0..self.messages.len()).collect();
+        order.sort_by_key(|&i| self.used[i]);
+        order.into_iter().map(|i| self.messages[i].turn).collect()
     }
 }
 
@@ -1370,7 +1401,8 @@ pub(crate) mod tests {
         // A smaller grant lets the least recently used go at once.
         opened.grant(2_000);
         assert!(opened.bytes <= 2_000 && !opened.messages.is_empty());
-        assert_eq!(opened.messages.last().map(|m| m.turn), Some(1));
+        assert_eq!(opened.turns_by_use().last(), Some(&1));
+        assert_eq!(opened.used.len(), opened.messages.len());
     }
 
     #[test]
