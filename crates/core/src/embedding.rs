@@ -117,6 +117,9 @@ struct Job {
     conversation_id: u64,
     texts: Vec<(u64, String)>,
     archive: Vec<RecordsJob>,
+    /// Vectors already made, by text (recall's query): a message of one of these texts takes
+    /// it instead of being embedded.
+    known: Vec<(String, Vec<f32>)>,
 }
 
 /// The turns a commit copied into the user's archive, to embed with the commit's messages
@@ -406,13 +409,15 @@ impl Embedding {
     /// Queues the embedding of a commit's new messages `(turn, search text)` and of the turns
     /// it copied into the user's archive (one job: an archived turn whose text is one of the
     /// messages' takes that message's vector); a full queue drops the job (counted) and the
-    /// conversation and the user are owed a catch-up.
+    /// conversation and the user are owed a catch-up. `known` is a vector this embedder made
+    /// already, with its text (recall's query): a message of exactly that text takes it.
     pub fn after_commit(
         &self,
         key: &ConversationKey,
         conversation_id: u64,
         texts: &[(u64, String)],
         archived: Option<Archived>,
+        known: Option<&(String, Vec<f32>)>,
     ) {
         if self.embedder.is_err() {
             return;
@@ -432,11 +437,17 @@ impl Embedding {
             }
             return;
         }
+        let known = known
+            .filter(|(text, _)| texts.iter().any(|(_, t)| t == text))
+            .cloned()
+            .into_iter()
+            .collect();
         self.enqueue(Work::Messages(Job {
             key: key.clone(),
             conversation_id,
             texts: texts.to_vec(),
             archive,
+            known,
         }));
     }
 
@@ -626,6 +637,7 @@ fn run_batch(
                     let (into, jobs) = &mut merged[*slot.get()];
                     into.texts.extend(job.texts);
                     into.archive.extend(job.archive);
+                    into.known.extend(job.known);
                     *jobs += 1;
                 }
                 Entry::Vacant(slot) => {
@@ -701,6 +713,7 @@ fn missing_vectors(
         conversation_id: id,
         texts,
         archive: Vec::new(),
+        known: Vec::new(),
     };
     Ok((Some(job), present))
 }
@@ -736,20 +749,38 @@ fn owner_missing_vectors(
     Ok((made, present))
 }
 
-/// Embeds `job`'s texts (without the conversation's lock), then, under it, stores the vectors
-/// of the turns still stored and hands them to the recall index. The number stored.
+/// Embeds `job`'s texts (without the conversation's lock; a text of `job.known` takes the vector
+/// made of it already), then, under it, stores the vectors of the turns still stored and hands
+/// them to the recall index. The number stored.
 fn embed_and_store(
     embedder: &dyn Embed,
     store: &Store,
     recall: &Recall,
     job: Job,
 ) -> Result<usize, EmbedJobError> {
-    let texts: Vec<&str> = job.texts.iter().map(|(_, text)| text.as_str()).collect();
+    let known_of = |text: &str| {
+        job.known
+            .iter()
+            .find(|(known, _)| known == text)
+            .map(|(_, vector)| vector)
+    };
+    let unknown: Vec<&str> = job
+        .texts
+        .iter()
+        .map(|(_, text)| text.as_str())
+        .filter(|text| known_of(text).is_none())
+        .collect();
+    let mut made = embed_all(embedder, &unknown)?.into_iter();
     let vectors: Vec<(u64, Vec<f32>)> = job
         .texts
         .iter()
-        .map(|(turn, _)| *turn)
-        .zip(embed_all(embedder, &texts)?)
+        .map(|(turn, text)| {
+            let vector = match known_of(text) {
+                Some(vector) => vector.clone(),
+                None => made.next().unwrap_or_default(),
+            };
+            (*turn, vector)
+        })
         .collect();
     let mut stored = store_vectors(
         store,
@@ -760,9 +791,10 @@ fn embed_and_store(
         &vectors,
     )?;
     // The archived copies of these turns take their vectors.
-    let known: HashMap<&str, &Vec<f32>> = texts
+    let known: HashMap<&str, &Vec<f32>> = job
+        .texts
         .iter()
-        .copied()
+        .map(|(_, text)| text.as_str())
         .zip(vectors.iter().map(|(_, vector)| vector))
         .collect();
     for archive in job.archive {
@@ -964,7 +996,98 @@ mod tests {
             conversation_id: 1,
             texts: vec![(0, "text".into())],
             archive: Vec::new(),
+            known: Vec::new(),
         })
+    }
+
+    /// Embeds each text as `[its length, 1]`, and keeps the texts it was given.
+    #[derive(Debug, Default)]
+    struct Told(Mutex<Vec<String>>);
+
+    impl Embed for Told {
+        fn id(&self) -> &str {
+            "told/2"
+        }
+        fn dims(&self) -> usize {
+            2
+        }
+        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, memproxy_embed::EmbedError> {
+            let mut told = self.0.lock().unwrap();
+            told.extend(texts.iter().map(|t| t.to_string()));
+            Ok(texts.iter().map(|t| vec![t.len() as f32, 1.0]).collect())
+        }
+    }
+
+    #[test]
+    fn a_message_of_the_known_text_takes_its_vector_and_only_the_others_are_embedded() {
+        use memproxy_base::message::Role;
+        use memproxy_store::{Change, Durability, Origin, StoreOptions, StoredMessage};
+        let dir = tempfile::tempdir().unwrap();
+        let options = StoreOptions {
+            durability: Durability::Interval(std::time::Duration::from_secs(1)),
+            page_cache_bytes: 1 << 20,
+            state_cache_bytes: 1 << 20,
+        };
+        let store = Store::open(dir.path(), options).unwrap();
+        let key = ConversationKey {
+            tenant: TenantId::from_token(Some("t")),
+            agent: "a".into(),
+            conversation: "c".into(),
+        };
+        let texts = ["where did I park", "on level two", "where did I park"];
+        let add = texts
+            .iter()
+            .enumerate()
+            .map(|(i, text)| StoredMessage {
+                turn: 0,
+                role: [Role::User, Role::Assistant][i % 2],
+                origin: Origin::Client,
+                at_ms: 1_000,
+                tokens: 5,
+                fingerprint: i as u64 + 1,
+                message: serde_json::value::RawValue::from_string(
+                    serde_json::json!({"role": "user", "content": text}).to_string(),
+                )
+                .unwrap(),
+                exchange: None,
+            })
+            .collect();
+        let handle = store.conversation(&key).unwrap();
+        let (id, turns) = {
+            let mut held = lock(&handle);
+            let change = Change {
+                add,
+                ..Change::default()
+            };
+            store.commit(&mut held, change).unwrap();
+            let turns: Vec<u64> = held.entries.iter().map(|e| e.turn).collect();
+            (held.meta.as_ref().unwrap().id, turns)
+        };
+        let recall = Recall::new(1 << 20, Some(("told/2".to_string(), 2)));
+        let embedder = Told::default();
+        let job = Job {
+            key: key.clone(),
+            conversation_id: id,
+            texts: turns.iter().copied().zip(texts.map(String::from)).collect(),
+            archive: Vec::new(),
+            known: vec![("where did I park".into(), vec![0.0, 1.0])],
+        };
+        assert_eq!(embed_and_store(&embedder, &store, &recall, job).unwrap(), 3);
+        assert_eq!(*embedder.0.lock().unwrap(), ["on level two"]);
+        let held = lock(&handle);
+        // As stored (quantised to 8 bits, so nearly).
+        let stored = store.vectors(&held, "told/2").unwrap();
+        let expected = [
+            (turns[0], [0.0, 1.0]),
+            (turns[1], [12.0, 1.0]),
+            (turns[2], [0.0, 1.0]),
+        ];
+        assert_eq!(stored.len(), expected.len());
+        for ((turn, vector), (want_turn, want)) in stored.iter().zip(expected) {
+            assert_eq!(*turn, want_turn);
+            let off = vector.iter().zip(want).map(|(a, b)| (a - b).abs());
+            assert!(off.fold(0.0, f32::max) < 0.1, "{stored:?}");
+        }
     }
 
     fn records(user: &str) -> Work {

@@ -143,6 +143,9 @@ pub struct Exchange {
     pub extraction: Option<ExtractionCall>,
     /// Memories the prompt used whose last access is to be refreshed (their decay restarts).
     pub refresh_memories: Vec<(OwnerKey, MemoryRecord)>,
+    /// Recall's query and the vector made of it: a stored turn of that same searchable text
+    /// takes this vector instead of being embedded again in the background.
+    pub query_vector: Option<(String, Vec<f32>)>,
 }
 
 impl Exchange {
@@ -328,7 +331,7 @@ impl Exchange {
         let id = conversation.meta.as_ref().map_or(0, |m| m.id);
         memory
             .embedding
-            .after_commit(&self.key, id, &added, archived);
+            .after_commit(&self.key, id, &added, archived, self.query_vector.as_ref());
         Ok(Written::Exchange)
     }
 

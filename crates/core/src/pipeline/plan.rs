@@ -1188,6 +1188,7 @@ fn assembled(on: &Planning<'_>, handle: &memproxy_store::Handle, staged: Staged)
         }),
         extraction: None,
         refresh_memories: memories_to_refresh(on, &chosen),
+        query_vector: recall.query.zip(recall.vector),
     };
     let planned_count = exchange.planned_count(entries);
     let stored_count = entries.len();
