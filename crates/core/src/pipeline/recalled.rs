@@ -212,8 +212,14 @@ pub fn render(turns: &[RecalledTurn]) -> Option<Box<RawValue>> {
         content.push('\n');
         content.push_str(&turn.line);
     }
-    let message = serde_json::json!({"role": "system", "content": content});
-    RawValue::from_string(message.to_string()).ok()
+    // Written directly, the content escaped as a JSON string, in the bytes a `Value` of it
+    // printed (keys in order), without making one.
+    let content = serde_json::to_string(&content).ok()?;
+    let mut message = String::with_capacity(content.len() + 30);
+    message.push_str(r#"{"content":"#);
+    message.push_str(&content);
+    message.push_str(r#","role":"system"}"#);
+    RawValue::from_string(message).ok()
 }
 
 #[cfg(test)]
@@ -372,5 +378,20 @@ mod tests {
         assert!(content.starts_with(RECALL_MARKER));
         assert!(content.ends_with("\ntwo\nnine"));
         assert!(render(&[]).is_none());
+        // The bytes are those of the message as a `Value` prints it, whatever a line holds.
+        let mut odd = turns.clone();
+        odd[0].line = "a \"quote\", a \\ and a\ttab, é, \u{1} and </script>".into();
+        let rendered = render(&odd).unwrap();
+        let content: Value = serde_json::from_str(rendered.get()).unwrap();
+        assert!(
+            content["content"]
+                .as_str()
+                .unwrap()
+                .contains("é, \u{1} and")
+        );
+        assert_eq!(
+            rendered.get(),
+            serde_json::json!({"role": "system", "content": content["content"]}).to_string()
+        );
     }
 }

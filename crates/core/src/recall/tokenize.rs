@@ -254,10 +254,23 @@ fn emit(run: &str, script: Script, latin: Option<Lang>, out: &mut Vec<String>) {
 fn ascii_terms(run: &str, lang: Lang, out: &mut Vec<String>) {
     let mut lower = String::new();
     for word in ascii_words(run) {
+        // A number is its own term in every language (no stopword or stem is made of digits):
+        // made here, not kept in `TERMS`, where the one-off numbers of questions and ids would
+        // push out the words that repeat.
+        if is_number(word) {
+            out.push(word.to_string());
+            continue;
+        }
         lower.clear();
         lower.extend(word.bytes().map(|b| char::from(b.to_ascii_lowercase())));
         TERMS.push(lang, &lower, out);
     }
+}
+
+/// A word of [`ascii_words`] made of digits alone. (Not `1,000` or `3.14`: some languages'
+/// stemmers drop the marks between the digits.)
+fn is_number(word: &str) -> bool {
+    !word.is_empty() && word.bytes().all(|b| b.is_ascii_digit())
 }
 
 /// What the word-boundary rules of Unicode's UAX #29 (as the `unicode-segmentation` crate
@@ -436,6 +449,19 @@ mod tests {
                 assert_eq!(fast, by_bm25(case, lang), "{case:?} in {lang:?}");
             }
         }
+    }
+
+    #[test]
+    fn numbers_are_their_own_terms_in_every_language() {
+        let text = "7 42 0 007 3.14 1,000 2'500 10;20 12th 0.5. 99812 v2 x9 1_000 1234567890123";
+        for (_, lang) in LANGS {
+            let mut fast = Vec::new();
+            ascii_terms(text, *lang, &mut fast);
+            assert_eq!(fast, by_bm25(text, *lang), "{lang:?}");
+            assert!(fast.contains(&"99812".to_string()), "{lang:?}: {fast:?}");
+        }
+        assert!(is_number("7") && is_number("007"));
+        assert!(!is_number("1,000") && !is_number("12th") && !is_number(""));
     }
 
     proptest::proptest! {
