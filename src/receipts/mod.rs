@@ -118,12 +118,10 @@ impl Kept {
     fn expire(&mut self, retention: Duration, now: Instant) {
         while let Some(oldest) = self.order.front() {
             match oldest.upgrade() {
-                Some(r)
-                    if self.by_id.contains_key(&r.id)
-                        && now.duration_since(r.started) < retention =>
-                {
-                    break;
-                }
+                // Within its retention, and kept. (One forgotten while its conversation was
+                // deleted is gone when nothing else holds it, and otherwise goes when it comes
+                // up here past its retention.)
+                Some(r) if now.duration_since(r.started) < retention => break,
                 _ => {
                     self.pop_oldest();
                 }
@@ -192,10 +190,14 @@ impl Receipts {
         }
         kept.bytes += weight;
         kept.order.push_back(Arc::downgrade(&receipt));
-        kept.by_conversation
-            .entry(receipt.key.clone())
-            .or_default()
-            .push_back(Arc::clone(&receipt));
+        // The key is cloned only for a conversation not in the map yet.
+        match kept.by_conversation.get_mut(&receipt.key) {
+            Some(list) => list.push_back(Arc::clone(&receipt)),
+            None => {
+                let list = VecDeque::from([Arc::clone(&receipt)]);
+                kept.by_conversation.insert(receipt.key.clone(), list);
+            }
+        }
         kept.by_id.insert(receipt.id.clone(), receipt);
         kept.evict_to(limit);
     }
@@ -263,15 +265,13 @@ impl Receipts {
     }
 }
 
-/// A new receipt id: `rcpt_` and 128 random bits from the system's CSPRNG, so an id cannot
-/// be guessed from another.
+/// A new receipt id: `rcpt_` and 128 random bits from a CSPRNG, so an id cannot be guessed
+/// from another: the thread's own (`rand`'s ChaCha12, seeded and reseeded from the system's),
+/// not a system call for every request.
 pub fn new_id() -> String {
-    use ring::rand::SecureRandom;
+    use rand::Rng;
     let mut bytes = [0u8; 16];
-    if ring::rand::SystemRandom::new().fill(&mut bytes).is_err() {
-        // The system's generator failed: no receipt id is better than a guessable one.
-        return String::new();
-    }
+    rand::rng().fill(&mut bytes);
     format!("rcpt_{}", hex(&bytes))
 }
 
