@@ -758,30 +758,14 @@ fn embed_and_store(
     recall: &Recall,
     job: Job,
 ) -> Result<usize, EmbedJobError> {
-    let known_of = |text: &str| {
+    let texts: Vec<&str> = job.texts.iter().map(|(_, text)| text.as_str()).collect();
+    let made = embed_unless_known(embedder, &texts, |text| {
         job.known
             .iter()
             .find(|(known, _)| known == text)
             .map(|(_, vector)| vector)
-    };
-    let unknown: Vec<&str> = job
-        .texts
-        .iter()
-        .map(|(_, text)| text.as_str())
-        .filter(|text| known_of(text).is_none())
-        .collect();
-    let mut made = embed_all(embedder, &unknown)?.into_iter();
-    let vectors: Vec<(u64, Vec<f32>)> = job
-        .texts
-        .iter()
-        .map(|(turn, text)| {
-            let vector = match known_of(text) {
-                Some(vector) => vector.clone(),
-                None => made.next().unwrap_or_default(),
-            };
-            (*turn, vector)
-        })
-        .collect();
+    })?;
+    let vectors: Vec<(u64, Vec<f32>)> = job.texts.iter().map(|(turn, _)| *turn).zip(made).collect();
     let mut stored = store_vectors(
         store,
         recall,
@@ -791,16 +775,37 @@ fn embed_and_store(
         &vectors,
     )?;
     // The archived copies of these turns take their vectors.
-    let known: HashMap<&str, &Vec<f32>> = job
-        .texts
+    let known: HashMap<&str, &Vec<f32>> = texts
         .iter()
-        .map(|(_, text)| text.as_str())
+        .copied()
         .zip(vectors.iter().map(|(_, vector)| vector))
         .collect();
     for archive in job.archive {
         stored += embed_records(embedder, store, archive, &known)?;
     }
     Ok(stored)
+}
+
+/// The vectors of `texts`, in order: a text `known` gives a vector for takes it, the others are
+/// embedded ([`embed_all`]).
+fn embed_unless_known<'k>(
+    embedder: &dyn Embed,
+    texts: &[&str],
+    known: impl Fn(&str) -> Option<&'k Vec<f32>>,
+) -> Result<Vec<Vec<f32>>, EmbedJobError> {
+    let unknown: Vec<&str> = texts
+        .iter()
+        .copied()
+        .filter(|text| known(text).is_none())
+        .collect();
+    let mut made = embed_all(embedder, &unknown)?.into_iter();
+    Ok(texts
+        .iter()
+        .map(|text| match known(text) {
+            Some(vector) => vector.clone(),
+            None => made.next().unwrap_or_default(),
+        })
+        .collect())
 }
 
 /// Embeds `texts` in batches of [`BATCH`].
@@ -837,20 +842,13 @@ fn embed_records(
     if texts.is_empty() {
         return Ok(0);
     }
-    let unknown: Vec<&str> = texts
-        .iter()
-        .map(|(_, _, t)| t.as_str())
-        .filter(|t| !known.contains_key(t))
+    let of: Vec<&str> = texts.iter().map(|(_, _, t)| t.as_str()).collect();
+    let made = embed_unless_known(embedder, &of, |text| known.get(text).copied())?;
+    let vectors: Vec<RecordVector> = texts
+        .into_iter()
+        .zip(made)
+        .map(|((space, id, _), vector)| (space, id, vector))
         .collect();
-    let mut made = embed_all(embedder, &unknown)?.into_iter();
-    let mut vectors: Vec<RecordVector> = Vec::with_capacity(texts.len());
-    for (space, id, text) in texts {
-        let vector = match known.get(text.as_str()) {
-            Some(vector) => (*vector).clone(),
-            None => made.next().unwrap_or_default(),
-        };
-        vectors.push((space, id, vector));
-    }
     let stored = store.put_owner_vectors(&handle, embedder.id(), &vectors)?;
     if let Some(told) = job.stored {
         told(&vectors);
