@@ -69,6 +69,12 @@ pub struct Index {
     total_len: u64,
     /// Score accumulator, reused across queries; only touched slots are reset.
     scratch: Vec<f32>,
+    /// Each document's BM25 length norm, `K1 * (1 - B + B * dl / avgdl)`, made at the first
+    /// query after a change and kept until the next (empty: to be made): a query then costs
+    /// one division per posting, not two, and a conversation read again and again (the same
+    /// statistics every time) makes them once. The same expression as per posting, so the
+    /// scores are the same to the bit.
+    norms: Vec<f32>,
     /// What [`Index::heap_bytes`] would otherwise walk every term and document for, kept as
     /// they change (the recall cache weighs an index at every commit): the heap of each term's
     /// postings, of each document's own terms, and of the terms' keys.
@@ -113,6 +119,7 @@ impl Index {
 
     /// Appends a message (its terms, in order) as the newest document.
     pub fn push(&mut self, turn: u64, terms: Vec<String>) {
+        self.norms.clear();
         let own: Vec<u32> = terms.into_iter().map(|t| self.ensure_term(t)).collect();
         let doc_index = self.docs.len();
         let mut weights: HashMap<u32, u32> = HashMap::with_capacity(own.len() * 2);
@@ -230,6 +237,7 @@ impl Index {
 
     /// Removes the newest document (a reply replaced by a retry).
     pub fn pop(&mut self) {
+        self.norms.clear();
         if self.is_empty() {
             return;
         }
@@ -257,6 +265,7 @@ impl Index {
 
     /// Removes the `count` oldest documents (trimmed rounds).
     pub fn drop_front(&mut self, count: usize) {
+        self.norms.clear();
         for _ in 0..count.min(self.len()) {
             let index = self.first_live;
             // Its postings stay (a search starts past them) until the next compaction.
@@ -286,6 +295,7 @@ impl Index {
 
     /// Drops trimmed documents and their postings for good.
     fn compact(&mut self) {
+        self.norms.clear();
         let first = self.first_live as u32;
         self.docs.drain(..self.first_live);
         self.first_live = 0;
@@ -407,6 +417,13 @@ impl Index {
         query_terms.sort_unstable();
         query_terms.dedup();
 
+        if self.norms.len() != self.docs.len() {
+            self.norms.clear();
+            self.norms.extend(self.docs.iter().map(|d| {
+                let dl = d.len as f32 / OWN as f32;
+                K1 * (1.0 - B + B * dl / avgdl)
+            }));
+        }
         let mut touched: Vec<u32> = Vec::new();
         for t in query_terms {
             let df = self.df[t as usize] as f32;
@@ -425,8 +442,7 @@ impl Index {
                     continue;
                 }
                 let tf = p.weight as f32 / OWN as f32;
-                let dl = self.docs[doc].len as f32 / OWN as f32;
-                let score = idf * tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * dl / avgdl));
+                let score = idf * tf * (K1 + 1.0) / (tf + self.norms[doc]);
                 if self.scratch[doc] == 0.0 {
                     touched.push(p.doc);
                 }
@@ -479,6 +495,7 @@ impl Index {
             + keys
             + heap::vec::<u32>(self.df.capacity())
             + heap::vec::<f32>(self.scratch.capacity())
+            + heap::vec::<f32>(self.norms.capacity())
     }
 
     /// The per-term and per-document parts of [`Index::heap_bytes`], walked.
@@ -634,11 +651,60 @@ mod tests {
         assert!(same(scores(index.search(&query, u64::MAX, 5))));
     }
 
+    /// A one-term query's scores are BM25's formula over the index's statistics as they are
+    /// now, to the bit, after every kind of change, each made right after a search (which
+    /// keeps the documents' length norms until the next change).
+    #[test]
+    fn scores_are_the_formula_over_the_statistics_of_now_after_every_change() {
+        let expected = |index: &Index, term: &str| -> Vec<Hit> {
+            let n = index.len();
+            let avgdl = index.total_len as f32 / n as f32 / OWN as f32;
+            let t = index.term_ids[term];
+            let df = index.df[t as usize] as f32;
+            let idf = (1.0 + (n as f32 - df + 0.5) / (df + 0.5)).ln();
+            index.postings[t as usize]
+                .iter()
+                .filter(|p| p.doc as usize >= index.first_live)
+                .map(|p| {
+                    let tf = p.weight as f32 / OWN as f32;
+                    let dl = index.docs[p.doc as usize].len as f32 / OWN as f32;
+                    Hit {
+                        turn: index.docs[p.doc as usize].turn,
+                        score: idf * tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * dl / avgdl)),
+                    }
+                })
+                .collect()
+        };
+        let mut index = Index::new();
+        let check = |index: &mut Index, step: &str| {
+            let got = index.search(&words("alpha"), u64::MAX, usize::MAX);
+            let want = expected(index, "alpha");
+            assert_eq!(got, want, "after {step}");
+        };
+        for turn in 1..=6u64 {
+            index.push(turn, words(&"alpha beta ".repeat(turn as usize)));
+        }
+        check(&mut index, "pushes");
+        index.push(
+            7,
+            words("alpha gamma gamma gamma gamma gamma gamma gamma gamma"),
+        );
+        check(&mut index, "a long document");
+        index.drop_front(2);
+        check(&mut index, "a trim");
+        index.pop();
+        check(&mut index, "a pop");
+        index.push(8, words("alpha"));
+        check(&mut index, "a short document");
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Push(Vec<u8>),
         Pop,
         DropFront(usize),
+        /// A search between changes: what it keeps must not outlive the next change.
+        Search(u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -646,6 +712,7 @@ mod tests {
             4 => proptest::collection::vec(0u8..12, 0..6).prop_map(Op::Push),
             1 => Just(Op::Pop),
             1 => (0usize..3).prop_map(Op::DropFront),
+            1 => (0u8..12).prop_map(Op::Search),
         ]
     }
 
@@ -672,6 +739,9 @@ mod tests {
                     Op::DropFront(n) => {
                         index.drop_front(n);
                         kept.drain(..n.min(kept.len()));
+                    }
+                    Op::Search(w) => {
+                        index.search(&[format!("w{w}")], u64::MAX, 3);
                     }
                 }
             }
