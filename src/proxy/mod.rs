@@ -31,26 +31,28 @@ use crate::store::StoreError;
 use crate::upstream::{Forward, UpstreamBody};
 use crate::wire::Api;
 use bytes::Bytes;
+use http::HeaderName;
 use http::request::Parts;
 
-pub const STATUS_HEADER: &str = "x-memory-status";
-pub const TURNS_HEADER: &str = "x-memory-turns";
-pub const CONVERSATION_ID_HEADER: &str = "x-memory-conversation-id";
-pub const RETRIEVED_HEADER: &str = "x-memory-retrieved";
-pub const RETRIEVED_TURNS_HEADER: &str = "x-memory-retrieved-turns";
+pub const STATUS_HEADER: HeaderName = HeaderName::from_static("x-memory-status");
+pub const TURNS_HEADER: HeaderName = HeaderName::from_static("x-memory-turns");
+pub const CONVERSATION_ID_HEADER: HeaderName = HeaderName::from_static("x-memory-conversation-id");
+pub const RETRIEVED_HEADER: HeaderName = HeaderName::from_static("x-memory-retrieved");
+pub const RETRIEVED_TURNS_HEADER: HeaderName = HeaderName::from_static("x-memory-retrieved-turns");
 /// Memories about the user in the prompt (long-term memory), when there are any.
-pub const MEMORIES_HEADER: &str = "x-memory-memories";
+pub const MEMORIES_HEADER: HeaderName = HeaderName::from_static("x-memory-memories");
 /// Turns recalled from the user's other conversations (long-term memory), when there are any.
-pub const RETRIEVED_ELSEWHERE_HEADER: &str = "x-memory-retrieved-elsewhere";
+pub const RETRIEVED_ELSEWHERE_HEADER: HeaderName =
+    HeaderName::from_static("x-memory-retrieved-elsewhere");
 /// How recall searched: `hybrid` (words and meaning) or `lexical; reason=…` (words alone:
 /// `setting`, `no-embedder`, `embedder-unavailable`, `query-embedding-failed`, `no-vectors`).
-pub const RECALL_HEADER: &str = "x-memory-recall";
-pub const PROMPT_TOKENS_HEADER: &str = "x-memory-prompt-tokens";
+pub const RECALL_HEADER: HeaderName = HeaderName::from_static("x-memory-recall");
+pub const PROMPT_TOKENS_HEADER: HeaderName = HeaderName::from_static("x-memory-prompt-tokens");
 /// Tokens the request would have sent without memproxy (the token ledger).
-pub const HISTORY_TOKENS_HEADER: &str = "x-memory-history-tokens";
-pub const BUDGET_HEADER: &str = "x-memory-budget";
-pub const SUMMARY_HEADER: &str = "x-memory-summary";
-pub const REASON_HEADER: &str = "x-memory-reason";
+pub const HISTORY_TOKENS_HEADER: HeaderName = HeaderName::from_static("x-memory-history-tokens");
+pub const BUDGET_HEADER: HeaderName = HeaderName::from_static("x-memory-budget");
+pub const SUMMARY_HEADER: HeaderName = HeaderName::from_static("x-memory-summary");
+pub const REASON_HEADER: HeaderName = HeaderName::from_static("x-memory-reason");
 
 /// What happened to memory on a request, sent as `X-Memory-Status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

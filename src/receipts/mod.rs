@@ -47,7 +47,7 @@ use crate::wire::Api;
 use crate::wire::usage::Usage;
 
 /// The response header that names an exchange's receipt.
-pub const RECEIPT_HEADER: &str = "x-memory-receipt";
+pub const RECEIPT_HEADER: http::HeaderName = http::HeaderName::from_static("x-memory-receipt");
 
 /// Request headers a receipt keeps for its replay: what shapes the upstream's answer, never a
 /// credential.
