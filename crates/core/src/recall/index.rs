@@ -89,6 +89,25 @@ struct InnerHeap {
     keys: usize,
 }
 
+/// Each distinct term of `terms` with how often it occurs, by term.
+fn counts(terms: &[u32]) -> Vec<(u32, u32)> {
+    summed(terms.iter().map(|&t| (t, 1)).collect())
+}
+
+/// `(term, weight)` pairs with one pair per term, its weights summed, by term: a sort and a
+/// merge, cheaper than a hash map for the few dozen terms of a message and its neighbours.
+fn summed(mut pairs: Vec<(u32, u32)>) -> Vec<(u32, u32)> {
+    pairs.sort_unstable_by_key(|&(t, _)| t);
+    pairs.dedup_by(|next, kept| {
+        let same = next.0 == kept.0;
+        if same {
+            kept.1 += next.1;
+        }
+        same
+    });
+    pairs
+}
+
 impl Index {
     pub fn new() -> Index {
         Index::default()
@@ -121,11 +140,9 @@ impl Index {
     pub fn push(&mut self, turn: u64, terms: Vec<String>) {
         self.norms.clear();
         let own: Vec<u32> = terms.into_iter().map(|t| self.ensure_term(t)).collect();
+        let own_counts = counts(&own);
         let doc_index = self.docs.len();
-        let mut weights: HashMap<u32, u32> = HashMap::with_capacity(own.len() * 2);
-        for &t in &own {
-            *weights.entry(t).or_default() += OWN;
-        }
+        let mut weights: Vec<(u32, u32)> = own_counts.iter().map(|&(t, n)| (t, n * OWN)).collect();
         for (distance, weight) in NEIGHBOURS.into_iter().enumerate() {
             let Some(previous) = doc_index.checked_sub(distance + 1) else {
                 break;
@@ -133,13 +150,11 @@ impl Index {
             if previous < self.first_live || weight == 0 {
                 break;
             }
-            for &t in &self.docs[previous].own {
-                *weights.entry(t).or_default() += weight;
-            }
-            self.adjust(previous, &own, weight, true);
+            weights.extend(self.docs[previous].own.iter().map(|&t| (t, weight)));
+            self.adjust(previous, &own_counts, weight, true);
         }
         let mut len = 0;
-        for (t, weight) in weights {
+        for (t, weight) in summed(weights) {
             let postings = &mut self.postings[t as usize];
             let before = postings.capacity();
             postings.push(Posting {
@@ -192,11 +207,8 @@ impl Index {
     }
 
     /// Adds (or removes) a neighbour's terms, at neighbour weight, to document `doc`.
-    fn adjust(&mut self, doc: usize, neighbour_terms: &[u32], weight: u32, add: bool) {
-        let mut delta: HashMap<u32, u32> = HashMap::with_capacity(neighbour_terms.len());
-        for &t in neighbour_terms {
-            *delta.entry(t).or_default() += weight;
-        }
+    fn adjust(&mut self, doc: usize, neighbour_counts: &[(u32, u32)], weight: u32, add: bool) {
+        let delta = neighbour_counts.iter().map(|&(t, n)| (t, n * weight));
         for (t, w) in delta {
             let postings = &mut self.postings[t as usize];
             let at = postings.binary_search_by_key(&(doc as u32), |p| p.doc);
@@ -251,6 +263,7 @@ impl Index {
         }
         let Some(doc) = self.docs.pop() else { return };
         self.inner_heap.own -= heap::vec::<u32>(doc.own.capacity());
+        let own_counts = counts(&doc.own);
         self.total_len -= u64::from(doc.len);
         for (distance, weight) in NEIGHBOURS.into_iter().enumerate() {
             let Some(previous) = removed.checked_sub(distance + 1) else {
@@ -259,7 +272,7 @@ impl Index {
             if previous < self.first_live || weight == 0 {
                 break;
             }
-            self.adjust(previous, &doc.own, weight, false);
+            self.adjust(previous, &own_counts, weight, false);
         }
     }
 
@@ -276,6 +289,7 @@ impl Index {
             }
             let doc = std::mem::take(&mut self.docs[index]);
             self.inner_heap.own -= heap::vec::<u32>(doc.own.capacity());
+            let own_counts = counts(&doc.own);
             self.total_len -= u64::from(doc.len);
             self.first_live += 1;
             // Keep the turn so documents stay searchable by turn.
@@ -285,7 +299,7 @@ impl Index {
                 if next >= self.docs.len() || weight == 0 {
                     break;
                 }
-                self.adjust(next, &doc.own, weight, false);
+                self.adjust(next, &own_counts, weight, false);
             }
         }
         if self.first_live > 64 && self.first_live > self.len() {
@@ -594,6 +608,35 @@ mod tests {
             let b = fresh.search(&words("w4"), 400, 5);
             assert_eq!(a, b, "scores left behind by {query}");
         }
+    }
+
+    /// A document's weights are its own terms at [`OWN`] each occurrence and its neighbours'
+    /// at theirs, summed per term; taking the neighbour back leaves the own alone.
+    #[test]
+    fn a_document_weighs_its_own_terms_and_its_neighbours_summed_per_term() {
+        let mut index = Index::new();
+        index.push(1, words("a a b"));
+        index.push(2, words("b c"));
+        index.push(3, words("c"));
+        let pairs = |v: &[(&str, u32)]| -> Vec<(String, u32)> {
+            v.iter().map(|&(t, w)| (t.to_string(), w)).collect()
+        };
+        assert_eq!(
+            index.canonical(),
+            vec![
+                (1, 39, pairs(&[("a", 16), ("b", 14), ("c", 9)])),
+                (2, 40, pairs(&[("a", 12), ("b", 14), ("c", 14)])),
+                (3, 29, pairs(&[("a", 6), ("b", 9), ("c", 14)])),
+            ]
+        );
+        index.pop();
+        assert_eq!(
+            index.canonical(),
+            vec![
+                (1, 36, pairs(&[("a", 16), ("b", 14), ("c", 6)])),
+                (2, 34, pairs(&[("a", 12), ("b", 14), ("c", 8)])),
+            ]
+        );
     }
 
     #[test]
