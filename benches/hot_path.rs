@@ -293,6 +293,22 @@ fn benches(c: &mut Criterion, runtime: &tokio::runtime::Runtime) {
     }
     group.finish();
 
+    // Adding a stored message to its conversation's index (its own terms, its neighbours'):
+    // what every commit does, here 1,000 messages in a row.
+    let texts: Vec<Vec<String>> = conversation(1_000, 3)
+        .iter()
+        .map(|m| terms(&m.text(), Some(Lang::English)))
+        .collect();
+    c.bench_function("recall_index_push_1000", |b| {
+        b.iter(|| {
+            let mut index = Index::new();
+            for (i, t) in texts.iter().enumerate() {
+                index.push(i as u64 + 1, t.clone());
+            }
+            black_box(index.len())
+        })
+    });
+
     let mut group = c.benchmark_group("plan");
     for n in [1_000usize, 10_000] {
         let f = fixture(runtime, n);
