@@ -29,6 +29,9 @@
 // A command-line report: its output is the point.
 #![allow(clippy::print_stdout)]
 
+#[path = "support/rss.rs"]
+mod rss;
+
 use std::time::Instant;
 
 use clap::Parser;
@@ -59,17 +62,6 @@ struct Args {
     every: u64,
 }
 
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 fn main() -> Result<(), String> {
     let args = Args::parse();
     let per_key = args.per_key.max(1);
@@ -82,7 +74,7 @@ fn main() -> Result<(), String> {
         .open()
         .map_err(|e| e.to_string())?;
     let tree = db.open_tree("messages").map_err(|e| e.to_string())?;
-    let opened = rss_kib();
+    let opened = rss::rss_kib();
     println!(
         "sled_layout: {per_key} message(s) of {} bytes per key; {} conversations; page cache {} MiB; opened {} MiB",
         args.value_bytes,
@@ -109,7 +101,7 @@ fn main() -> Result<(), String> {
         tree.insert(key, value).map_err(|e| e.to_string())?;
         if (i + 1) % every == 0 {
             let messages = (i + 1) * per_key;
-            let rss = rss_kib();
+            let rss = rss::rss_kib();
             let grown = rss.saturating_sub(previous.1) as f64 * 1024.0;
             println!(
                 "| {messages} | {} | {:.1} | {:.1} | {:.0} |",

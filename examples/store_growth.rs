@@ -24,6 +24,9 @@
 // A command-line report: its output is the point.
 #![allow(clippy::print_stdout)]
 
+#[path = "support/rss.rs"]
+mod rss;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,17 +66,6 @@ struct Args {
     ledger: bool,
 }
 
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 fn message(role: Role, text: String) -> Result<StoredMessage, String> {
     let role_name = if role == Role::User {
         "user"
@@ -101,7 +93,7 @@ async fn main() -> Result<(), String> {
     let split = memproxy::config::split_memory_budget(memproxy::config::DEFAULT_MEMORY_BUDGET);
     let page_cache = args.page_cache_mib.map_or(split.store_cache, |m| m << 20);
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let idle = rss_kib();
+    let idle = rss::rss_kib();
     let store = Arc::new(
         Store::open(
             dir.path(),
@@ -113,7 +105,7 @@ async fn main() -> Result<(), String> {
         )
         .map_err(|e| e.to_string())?,
     );
-    let opened = rss_kib();
+    let opened = rss::rss_kib();
     println!(
         "store_growth: sled page cache {} MiB; {} conversations; vectors of {} dimensions; RSS before opening {} MiB, opened {} MiB",
         page_cache >> 20,
@@ -181,7 +173,7 @@ async fn main() -> Result<(), String> {
         stored += 2;
         exchange += 1;
         if stored.is_multiple_of(args.every) {
-            let rss = rss_kib();
+            let rss = rss::rss_kib();
             let over = rss.saturating_sub(opened);
             println!(
                 "| {stored} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |",
