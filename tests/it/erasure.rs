@@ -39,17 +39,42 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 }
 
 /// The forms `text` could take in a file: as sent (JSON escaping leaves these markers as
-/// they are), and in base64 at each of the three alignments (its middle, which does not
-/// depend on the bytes around it).
+/// they are), and in base64 at each of the three alignments: the characters that do not
+/// depend on the bytes around it. At the first alignment the text starts a group of four, so
+/// only the last group is left out; at the other two the first group holds a byte before the
+/// text too. (Leaving the first group out at every alignment made a 9-letter marker's first
+/// form 4 characters long, which the base64 of sealed values held by chance now and then.)
 fn forms(text: &str) -> Vec<Vec<u8>> {
     let mut forms = vec![text.as_bytes().to_vec()];
     for offset in 0..3 {
         let mut bytes = vec![0u8; offset];
         bytes.extend_from_slice(text.as_bytes());
         let encoded = STANDARD.encode(&bytes);
-        forms.push(encoded.as_bytes()[4..encoded.len() - 4].to_vec());
+        let first = if offset == 0 { 0 } else { 4 };
+        forms.push(encoded.as_bytes()[first..encoded.len() - 4].to_vec());
     }
     forms
+}
+
+/// Wherever a marker lies in a base64 value, one of its forms is in the encoding; and no form
+/// of a 9-letter marker is short enough for random base64 to hold it by chance.
+#[test]
+fn a_marker_in_base64_is_found_at_every_alignment_by_forms_of_eight_characters_or_more() {
+    let text = "dingo9e7b";
+    let forms = forms(text);
+    assert!(forms.iter().all(|f| f.len() >= 8), "{forms:?}");
+    for before in 0..6usize {
+        for after in 0..4usize {
+            let mut bytes: Vec<u8> = (0..before).map(|i| (i * 37 + 11) as u8).collect();
+            bytes.extend_from_slice(text.as_bytes());
+            bytes.extend((0..after).map(|i| (i * 53 + 7) as u8));
+            let encoded = STANDARD.encode(&bytes);
+            assert!(
+                forms[1..].iter().any(|f| contains(encoded.as_bytes(), f)),
+                "{before} bytes before, {after} after: {encoded}"
+            );
+        }
+    }
 }
 
 /// The files under `dir` that hold `text` in any of its forms.
