@@ -118,9 +118,9 @@ impl Kept {
     fn expire(&mut self, retention: Duration, now: Instant) {
         while let Some(oldest) = self.order.front() {
             match oldest.upgrade() {
-                // Within its retention, and kept. (One forgotten while its conversation was
-                // deleted is gone when nothing else holds it, and otherwise goes when it comes
-                // up here past its retention.)
+                // Within its retention: it and all after it stay. (Its id is not looked up: one
+                // forgotten while its conversation was deleted is gone when nothing else holds
+                // it, and otherwise goes when it comes up here past its retention.)
                 Some(r) if now.duration_since(r.started) < retention => break,
                 _ => {
                     self.pop_oldest();

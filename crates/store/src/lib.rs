@@ -194,12 +194,17 @@ impl Conversation {
 #[derive(Debug, Default)]
 struct Opened {
     id: u64,
-    messages: Vec<StoredMessage>,
-    /// When each of `messages` was last used (same index): a tick of `clock`.
-    used: Vec<u64>,
+    messages: Vec<Held>,
     clock: u64,
     bytes: usize,
     allowance: usize,
+}
+
+/// A body [`Opened`] holds, with when it was last used: a tick of its clock.
+#[derive(Debug)]
+struct Held {
+    message: StoredMessage,
+    used: u64,
 }
 
 impl Opened {
@@ -209,7 +214,6 @@ impl Opened {
 
     fn clear(&mut self) {
         self.messages.clear();
-        self.used.clear();
         self.bytes = 0;
     }
 
@@ -233,7 +237,7 @@ impl Opened {
 
     /// Lets go of the body used longest ago (there is one).
     fn let_go_of_least_used(&mut self) {
-        let Some(i) = (0..self.used.len()).min_by_key(|&i| self.used[i]) else {
+        let Some(i) = (0..self.messages.len()).min_by_key(|&i| self.messages[i].used) else {
             return;
         };
         self.let_go_of(i);
@@ -241,8 +245,7 @@ impl Opened {
 
     fn let_go_of(&mut self, i: usize) {
         let old = self.messages.swap_remove(i);
-        self.used.swap_remove(i);
-        self.bytes -= Opened::weight(&old);
+        self.bytes -= Opened::weight(&old.message);
     }
 
     /// The body of `turn` when it is held for conversation `id` with `fingerprint`; marked as
@@ -254,9 +257,9 @@ impl Opened {
         let i = self
             .messages
             .iter()
-            .position(|m| m.turn == turn && m.fingerprint == fingerprint)?;
-        self.used[i] = self.tick();
-        Some(self.messages[i].clone())
+            .position(|h| h.message.turn == turn && h.message.fingerprint == fingerprint)?;
+        self.messages[i].used = self.tick();
+        Some(self.messages[i].message.clone())
     }
 
     /// Keeps `message` (of conversation `id`), dropping the least recently used past the
@@ -293,24 +296,27 @@ impl Opened {
     /// go of the least recently used past the allowance.
     fn hold(&mut self, message: StoredMessage) {
         let weight = Opened::weight(&message);
-        if let Some(i) = self.messages.iter().position(|m| m.turn == message.turn) {
+        if let Some(i) = self
+            .messages
+            .iter()
+            .position(|h| h.message.turn == message.turn)
+        {
             self.let_go_of(i);
         }
         while self.bytes + weight > self.allowance && !self.messages.is_empty() {
             self.let_go_of_least_used();
         }
         self.bytes += weight;
-        self.messages.push(message);
-        let now = self.tick();
-        self.used.push(now);
+        let used = self.tick();
+        self.messages.push(Held { message, used });
     }
 
     /// The turns held, least recently used first.
     #[cfg(test)]
     fn turns_by_use(&self) -> Vec<u64> {
-        let mut order: Vec<usize> = (0..self.messages.len()).collect();
-        order.sort_by_key(|&i| self.used[i]);
-        order.into_iter().map(|i| self.messages[i].turn).collect()
+        let mut order: Vec<&Held> = self.messages.iter().collect();
+        order.sort_by_key(|h| h.used);
+        order.into_iter().map(|h| h.message.turn).collect()
     }
 }
 
@@ -1291,13 +1297,13 @@ pub(crate) mod tests {
         // Held: a second read takes turn 1 from what was opened (marked here), and turn 2,
         // never read, from the engine, in the order asked.
         let marked = RawValue::from_string(r#"{"role":"user","content":"held"}"#.into()).unwrap();
-        for m in conv
+        for h in conv
             .opened_lock()
             .messages
             .iter_mut()
-            .filter(|m| m.turn == 1)
+            .filter(|h| h.message.turn == 1)
         {
-            m.message = marked.clone();
+            h.message.message = marked.clone();
         }
         let again: Vec<String> = store
             .messages(&conv, [2, 1])
@@ -1347,7 +1353,12 @@ pub(crate) mod tests {
         second.ledger.exchanges = 1;
         second.tokens_forwarded = 9;
         store.commit(&mut lock(&handle), second).unwrap();
-        let held: Vec<StoredMessage> = lock(&handle).opened_lock().messages.clone();
+        let held: Vec<StoredMessage> = lock(&handle)
+            .opened_lock()
+            .messages
+            .iter()
+            .map(|h| h.message.clone())
+            .collect();
         // The two light ones, with their turns (the reply with its exchange's figures); the
         // heavy one is not held.
         assert_eq!(held.iter().map(|m| m.turn).collect::<Vec<_>>(), [4, 5]);
@@ -1384,14 +1395,18 @@ pub(crate) mod tests {
                 opened.bytes
             );
         }
-        let held: Vec<u64> = opened.messages.iter().map(|m| m.turn).collect();
+        let held: Vec<u64> = opened.messages.iter().map(|h| h.message.turn).collect();
         assert!(
             held.contains(&100) && held.contains(&1) && !held.contains(&2),
             "{held:?}"
         );
         assert_eq!(
             opened.bytes,
-            opened.messages.iter().map(Opened::weight).sum::<usize>()
+            opened
+                .messages
+                .iter()
+                .map(|h| Opened::weight(&h.message))
+                .sum::<usize>()
         );
         // A body over a quarter of the allowance is not kept.
         let mut big = message(Role::User, &"y".repeat(Opened::MAX_ALLOWANCE));
@@ -1402,7 +1417,6 @@ pub(crate) mod tests {
         opened.grant(2_000);
         assert!(opened.bytes <= 2_000 && !opened.messages.is_empty());
         assert_eq!(opened.turns_by_use().last(), Some(&1));
-        assert_eq!(opened.used.len(), opened.messages.len());
     }
 
     #[test]

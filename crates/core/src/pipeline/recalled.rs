@@ -212,14 +212,18 @@ pub fn render(turns: &[RecalledTurn]) -> Option<Box<RawValue>> {
         content.push('\n');
         content.push_str(&turn.line);
     }
-    // Written directly, the content escaped as a JSON string, in the bytes a `Value` of it
-    // printed (keys in order), without making one.
-    let content = serde_json::to_string(&content).ok()?;
-    let mut message = String::with_capacity(content.len() + 30);
-    message.push_str(r#"{"content":"#);
-    message.push_str(&content);
-    message.push_str(r#","role":"system"}"#);
-    RawValue::from_string(message).ok()
+    // Serialized straight into the raw value (no `Value` made, and what serde_json wrote is
+    // not parsed again to check it), in the bytes a `Value` of it printed: keys in order.
+    #[derive(serde::Serialize)]
+    struct System<'a> {
+        content: &'a str,
+        role: &'static str,
+    }
+    serde_json::value::to_raw_value(&System {
+        content: &content,
+        role: "system",
+    })
+    .ok()
 }
 
 #[cfg(test)]
