@@ -1213,6 +1213,16 @@ contract_tests!(sled_engine, super::sled);
 contract_tests!(owners: sled_engine_owners, super::sled);
 contract_tests!(vectors: sled_engine_vectors, super::sled);
 
+fn fjall() -> (Box<dyn Engine>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = super::FjallEngine::open(dir.path(), 1 << 20, None).unwrap();
+    (Box::new(engine), dir)
+}
+
+contract_tests!(fjall_engine, super::fjall);
+contract_tests!(owners: fjall_engine_owners, super::fjall);
+contract_tests!(vectors: fjall_engine_vectors, super::fjall);
+
 #[path = "../../../tests/support/redis_server.rs"]
 pub(crate) mod redis_server;
 

@@ -33,9 +33,11 @@
 mod branches;
 mod clock;
 mod engine;
+mod fjall_engine;
 mod flush;
 mod health;
 mod keys;
+mod layout;
 mod listing;
 mod owners;
 mod records;
@@ -65,6 +67,7 @@ pub use engine::{
     Engine, Loaded, Owners, Page, Refresh, Scope, SealedVector, SharedEngine, Vectors, Version,
     Write,
 };
+pub use fjall_engine::FjallEngine;
 pub use flush::FlushError;
 pub use health::RETRY_AFTER;
 pub use owners::OwnerHandle;

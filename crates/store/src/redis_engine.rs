@@ -72,11 +72,11 @@ use sha2::{Digest, Sha256};
 
 use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Refresh, Scope, SharedEngine, Version, Write};
+use super::layout::{assemble_branches, branch_rows, decode, encode};
 use super::records::{
     ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
     StoredMessage, TtlRecord,
 };
-use super::sled_engine::{assemble_branches, branch_rows, decode, encode};
 use memproxy_base::identity::{ConversationKey, TenantId};
 
 // Owners' records (long-term memory): their keys, scripts and methods.

@@ -28,8 +28,8 @@ use redis::Script;
 
 use super::super::StoreError;
 use super::super::engine::Page;
+use super::super::layout::{decode, encode};
 use super::super::records::{OwnerKey, OwnerMeta, OwnerRecord};
-use super::super::sled_engine::{decode, encode};
 use super::{Keys, MAX_ATTEMPTS, RedisEngine, lex_after};
 
 /// KEYS: owner, the encryption key made for this id. ARGV: owner key bytes, id, meta JSON.

@@ -51,14 +51,18 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-use serde::{Deserialize, Serialize};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 
 use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Scope, Version, Write};
+use super::layout::{
+    BRANCH_RECORD, Rows, assemble_branches, branch_key_parts, branch_rows,
+    conversation_response_key, decode, encode, message_key, owner_prefix, owner_record_key,
+    response_key,
+};
 use super::records::{
-    BranchRecord, ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
+    ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
     StoredMessage, TtlRecord,
 };
 use memproxy_base::identity::{ConversationKey, TenantId};
@@ -136,80 +140,6 @@ impl From<sled::Error> for StoreError {
     }
 }
 
-/// The `responses` tree's key of `tenant`'s `response_id`.
-fn response_key(tenant: &TenantId, response_id: &str) -> Vec<u8> {
-    [tenant.as_str().as_bytes(), b"\0", response_id.as_bytes()].concat()
-}
-
-/// The `conversation_responses` tree's key of conversation `id`'s `response_id`.
-fn conversation_response_key(id: u64, response_id: &str) -> Vec<u8> {
-    [&id.to_be_bytes()[..], response_id.as_bytes()].concat()
-}
-
-pub(super) fn message_key(id: u64, turn: u64) -> [u8; 16] {
-    let mut key = [0u8; 16];
-    key[..8].copy_from_slice(&id.to_be_bytes());
-    key[8..].copy_from_slice(&turn.to_be_bytes());
-    key
-}
-
-/// The parts of a closed branch, in key order.
-const BRANCH_RECORD: u8 = 0;
-const BRANCH_MESSAGE: u8 = 1;
-const BRANCH_SUMMARY: u8 = 2;
-
-fn branch_key(id: u64, number: u64, part: u8, n: u64) -> [u8; 25] {
-    let mut key = [0u8; 25];
-    key[..8].copy_from_slice(&id.to_be_bytes());
-    key[8..16].copy_from_slice(&number.to_be_bytes());
-    key[16] = part;
-    key[17..].copy_from_slice(&n.to_be_bytes());
-    key
-}
-
-/// The (branch number, part, n) of a `branches` key.
-fn branch_key_parts(key: &[u8]) -> Option<(u64, u8, u64)> {
-    let number = u64::from_be_bytes(key.get(8..16)?.try_into().ok()?);
-    let n = u64::from_be_bytes(key.get(17..25)?.try_into().ok()?);
-    Some((number, *key.get(16)?, n))
-}
-
-/// A `branches` key and its encoded value.
-type BranchRow = ([u8; 25], Vec<u8>);
-
-/// The rows of `branches` (encoded) for the `branches` tree of conversation `id`.
-pub(super) fn branch_rows(
-    id: u64,
-    branches: &[StoredBranch],
-) -> Result<Vec<BranchRow>, StoreError> {
-    let mut rows = Vec::new();
-    for branch in branches {
-        let number = branch.record.number;
-        rows.push((
-            branch_key(id, number, BRANCH_RECORD, 0),
-            encode(&branch.record)?,
-        ));
-        for message in &branch.messages {
-            rows.push((
-                branch_key(id, number, BRANCH_MESSAGE, message.turn),
-                encode(message)?,
-            ));
-        }
-        for (n, record) in &branch.summaries {
-            rows.push((branch_key(id, number, BRANCH_SUMMARY, *n), record.clone()));
-        }
-    }
-    Ok(rows)
-}
-
-pub(super) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
-    serde_json::to_vec(value).map_err(|err| StoreError::Corrupt(err.to_string()))
-}
-
-pub(super) fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
-    serde_json::from_slice(bytes).map_err(|err| StoreError::Corrupt(err.to_string()))
-}
-
 /// The result of a transaction that answers `false` rather than aborting.
 fn done_or_false(result: Result<bool, TransactionError<()>>) -> Result<bool, StoreError> {
     match result {
@@ -240,20 +170,6 @@ fn keys_after(tree: &sled::Tree, after: Option<&[u8]>) -> sled::Iter {
         }
         None => tree.iter(),
     }
-}
-
-/// The prefix of every record of `owner` in `owner_records`; with `space`, of that space.
-fn owner_prefix(owner: &OwnerKey, space: Option<u8>) -> Vec<u8> {
-    let mut prefix = owner.to_bytes();
-    prefix.push(0);
-    prefix.extend(space);
-    prefix
-}
-
-fn owner_record_key(owner: &OwnerKey, space: u8, id: &[u8]) -> Vec<u8> {
-    let mut key = owner_prefix(owner, Some(space));
-    key.extend_from_slice(id);
-    key
 }
 
 impl SledEngine {
@@ -377,46 +293,6 @@ impl SledEngine {
         }
         undo(added)?;
         Err(StoreError::Stale)
-    }
-}
-
-/// A write's rows as stored, encoded once for whichever path writes them.
-struct Rows {
-    /// The conversation's key bytes and its new record.
-    key: Vec<u8>,
-    meta: Vec<u8>,
-    /// The messages added, by their keys.
-    added: Vec<([u8; 16], Vec<u8>)>,
-    /// Each Responses id's two rows (`responses`, `conversation_responses`) and the value of
-    /// the first.
-    responses: Vec<(Vec<u8>, Vec<u8>)>,
-    response_value: Vec<u8>,
-}
-
-impl Rows {
-    fn of(key: &ConversationKey, write: &Write<'_>) -> Result<Rows, StoreError> {
-        let id = write.meta.id;
-        let key_bytes = key.to_bytes();
-        Ok(Rows {
-            meta: encode(write.meta)?,
-            added: write
-                .add
-                .iter()
-                .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
-                .collect::<Result<_, StoreError>>()?,
-            responses: write
-                .response_ids
-                .iter()
-                .map(|r| {
-                    (
-                        response_key(&key.tenant, r),
-                        conversation_response_key(id, r),
-                    )
-                })
-                .collect(),
-            response_value: [&id.to_be_bytes()[..], &key_bytes].concat(),
-            key: key_bytes,
-        })
     }
 }
 
@@ -1135,44 +1011,6 @@ pub(super) fn read_branches(tree: &sled::Tree, id: u64) -> Result<Vec<StoredBran
         tree.scan_prefix(id.to_be_bytes())
             .map(|item| item.map_err(StoreError::from)),
     )
-}
-
-/// The closed branches in `rows` (`branches` keys and values, in key order).
-pub(super) fn assemble_branches<K: AsRef<[u8]>, V: AsRef<[u8]>>(
-    rows: impl Iterator<Item = Result<(K, V), StoreError>>,
-) -> Result<Vec<StoredBranch>, StoreError> {
-    let mut out: Vec<StoredBranch> = Vec::new();
-    for item in rows {
-        let (key, value) = item?;
-        let (key, value) = (key.as_ref(), value.as_ref());
-        let (number, part, n) = branch_key_parts(key)
-            .ok_or_else(|| StoreError::Corrupt("a branch key is too short".into()))?;
-        if part == BRANCH_RECORD {
-            out.push(StoredBranch {
-                record: decode::<BranchRecord>(value)?,
-                messages: Vec::new(),
-                summaries: Vec::new(),
-            });
-            continue;
-        }
-        // A branch's record sorts before its parts.
-        let branch = out
-            .last_mut()
-            .filter(|b| b.record.number == number)
-            .ok_or_else(|| {
-                StoreError::Corrupt(format!("branch {number} has parts but no record"))
-            })?;
-        match part {
-            BRANCH_MESSAGE => branch.messages.push(decode(value)?),
-            BRANCH_SUMMARY => branch.summaries.push((n, value.to_vec())),
-            other => {
-                return Err(StoreError::Corrupt(format!(
-                    "branch {number} has an unknown part {other}"
-                )));
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// Opens the database in `dir` and its trees: partial snapshots removed first (see the module

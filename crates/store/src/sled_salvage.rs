@@ -18,8 +18,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::StoreError;
+use super::layout::{decode, message_key};
 use super::records::{ConversationMeta, OwnerMeta, StoredBranch, StoredMessage, TtlRecord};
-use super::sled_engine::{Trees, decode, message_key, open_trees, read_branches};
+use super::sled_engine::{Trees, open_trees, read_branches};
 use memproxy_base::identity::ConversationKey;
 
 /// Turns read one by one, at most, for one conversation once its scan failed.

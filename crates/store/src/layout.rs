@@ -1,0 +1,176 @@
+//! The key layout and record encoding the embedded engines share (`sled_engine.rs`,
+//! `fjall_engine.rs`): which key each record has in which tree (the trees are listed in
+//! `sled_engine.rs`'s documentation), how records are encoded (JSON), and a write's rows.
+
+use serde::{Deserialize, Serialize};
+
+use super::StoreError;
+use super::engine::Write;
+use super::records::{BranchRecord, OwnerKey, StoredBranch};
+use memproxy_base::identity::{ConversationKey, TenantId};
+
+/// The `responses` tree's key of `tenant`'s `response_id`.
+pub(super) fn response_key(tenant: &TenantId, response_id: &str) -> Vec<u8> {
+    [tenant.as_str().as_bytes(), b"\0", response_id.as_bytes()].concat()
+}
+
+/// The `conversation_responses` tree's key of conversation `id`'s `response_id`.
+pub(super) fn conversation_response_key(id: u64, response_id: &str) -> Vec<u8> {
+    [&id.to_be_bytes()[..], response_id.as_bytes()].concat()
+}
+
+pub(super) fn message_key(id: u64, turn: u64) -> [u8; 16] {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&id.to_be_bytes());
+    key[8..].copy_from_slice(&turn.to_be_bytes());
+    key
+}
+
+/// The parts of a closed branch, in key order.
+pub(super) const BRANCH_RECORD: u8 = 0;
+pub(super) const BRANCH_MESSAGE: u8 = 1;
+pub(super) const BRANCH_SUMMARY: u8 = 2;
+
+pub(super) fn branch_key(id: u64, number: u64, part: u8, n: u64) -> [u8; 25] {
+    let mut key = [0u8; 25];
+    key[..8].copy_from_slice(&id.to_be_bytes());
+    key[8..16].copy_from_slice(&number.to_be_bytes());
+    key[16] = part;
+    key[17..].copy_from_slice(&n.to_be_bytes());
+    key
+}
+
+/// The (branch number, part, n) of a `branches` key.
+pub(super) fn branch_key_parts(key: &[u8]) -> Option<(u64, u8, u64)> {
+    let number = u64::from_be_bytes(key.get(8..16)?.try_into().ok()?);
+    let n = u64::from_be_bytes(key.get(17..25)?.try_into().ok()?);
+    Some((number, *key.get(16)?, n))
+}
+
+/// A `branches` key and its encoded value.
+pub(super) type BranchRow = ([u8; 25], Vec<u8>);
+
+/// The rows of `branches` (encoded) for the `branches` tree of conversation `id`.
+pub(super) fn branch_rows(
+    id: u64,
+    branches: &[StoredBranch],
+) -> Result<Vec<BranchRow>, StoreError> {
+    let mut rows = Vec::new();
+    for branch in branches {
+        let number = branch.record.number;
+        rows.push((
+            branch_key(id, number, BRANCH_RECORD, 0),
+            encode(&branch.record)?,
+        ));
+        for message in &branch.messages {
+            rows.push((
+                branch_key(id, number, BRANCH_MESSAGE, message.turn),
+                encode(message)?,
+            ));
+        }
+        for (n, record) in &branch.summaries {
+            rows.push((branch_key(id, number, BRANCH_SUMMARY, *n), record.clone()));
+        }
+    }
+    Ok(rows)
+}
+
+pub(super) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, StoreError> {
+    serde_json::to_vec(value).map_err(|err| StoreError::Corrupt(err.to_string()))
+}
+
+pub(super) fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|err| StoreError::Corrupt(err.to_string()))
+}
+
+/// The prefix of every record of `owner` in `owner_records`; with `space`, of that space.
+pub(super) fn owner_prefix(owner: &OwnerKey, space: Option<u8>) -> Vec<u8> {
+    let mut prefix = owner.to_bytes();
+    prefix.push(0);
+    prefix.extend(space);
+    prefix
+}
+
+pub(super) fn owner_record_key(owner: &OwnerKey, space: u8, id: &[u8]) -> Vec<u8> {
+    let mut key = owner_prefix(owner, Some(space));
+    key.extend_from_slice(id);
+    key
+}
+
+/// A write's rows as stored, encoded once for whichever path writes them.
+pub(super) struct Rows {
+    /// The conversation's key bytes and its new record.
+    pub(super) key: Vec<u8>,
+    pub(super) meta: Vec<u8>,
+    /// The messages added, by their keys.
+    pub(super) added: Vec<([u8; 16], Vec<u8>)>,
+    /// Each Responses id's two rows (`responses`, `conversation_responses`) and the value of
+    /// the first.
+    pub(super) responses: Vec<(Vec<u8>, Vec<u8>)>,
+    pub(super) response_value: Vec<u8>,
+}
+
+impl Rows {
+    pub(super) fn of(key: &ConversationKey, write: &Write<'_>) -> Result<Rows, StoreError> {
+        let id = write.meta.id;
+        let key_bytes = key.to_bytes();
+        Ok(Rows {
+            meta: encode(write.meta)?,
+            added: write
+                .add
+                .iter()
+                .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
+                .collect::<Result<_, StoreError>>()?,
+            responses: write
+                .response_ids
+                .iter()
+                .map(|r| {
+                    (
+                        response_key(&key.tenant, r),
+                        conversation_response_key(id, r),
+                    )
+                })
+                .collect(),
+            response_value: [&id.to_be_bytes()[..], &key_bytes].concat(),
+            key: key_bytes,
+        })
+    }
+}
+
+/// The closed branches in `rows` (`branches` keys and values, in key order).
+pub(super) fn assemble_branches<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    rows: impl Iterator<Item = Result<(K, V), StoreError>>,
+) -> Result<Vec<StoredBranch>, StoreError> {
+    let mut out: Vec<StoredBranch> = Vec::new();
+    for item in rows {
+        let (key, value) = item?;
+        let (key, value) = (key.as_ref(), value.as_ref());
+        let (number, part, n) = branch_key_parts(key)
+            .ok_or_else(|| StoreError::Corrupt("a branch key is too short".into()))?;
+        if part == BRANCH_RECORD {
+            out.push(StoredBranch {
+                record: decode::<BranchRecord>(value)?,
+                messages: Vec::new(),
+                summaries: Vec::new(),
+            });
+            continue;
+        }
+        // A branch's record sorts before its parts.
+        let branch = out
+            .last_mut()
+            .filter(|b| b.record.number == number)
+            .ok_or_else(|| {
+                StoreError::Corrupt(format!("branch {number} has parts but no record"))
+            })?;
+        match part {
+            BRANCH_MESSAGE => branch.messages.push(decode(value)?),
+            BRANCH_SUMMARY => branch.summaries.push((n, value.to_vec())),
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "branch {number} has an unknown part {other}"
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
