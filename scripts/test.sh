@@ -110,6 +110,19 @@ else
     MEMPROXY_TEST_BACKEND=redis cargo test --test it -- admin:: console:: ttl:: metrics:: longterm:: longterm_meaning:: recall_meaning:: mcp::
 fi
 
+# The integration suites once more with memory in fjall (`storage.backend = "fjall"`: every
+# test proxy's config, `tests/support/mod.rs::config_toml`), but those bound to sled by what they
+# test (its files, its damage and repair, the store's share of the budget that grows with sled's
+# messages) or that start memproxy as a child process with a config of their own (the CLI,
+# runtimes, shutdown, crash: the crash suite runs fjall itself).
+step "the integration suites with memory in fjall"
+fjall_skip='architecture|cli|runtime|store_damage|shutdown|memory_budget|crash'
+if cargo nextest --version >/dev/null 2>&1; then
+    MEMPROXY_TEST_BACKEND=fjall cargo nextest run --test it -E "not test(/^(${fjall_skip})::/) and not test(=compression::shutdown_waits_for_a_summary_in_flight)"
+else
+    MEMPROXY_TEST_BACKEND=fjall cargo test --test it -- --skip architecture:: --skip cli:: --skip runtime:: --skip store_damage:: --skip shutdown:: --skip memory_budget:: --skip crash:: --skip compression::shutdown_waits_for_a_summary_in_flight
+fi
+
 # The request path's suites once more with the shared runtime (`server.runtime = "shared"`, the
 # default off Linux; the suite above runs the default, a runtime per thread on Linux): the
 # modules `apis`, `streaming`, `forwarding`, `shutdown`, `client_timeouts`, `upstream_timeouts`,

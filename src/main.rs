@@ -198,6 +198,12 @@ fn check_config(config: &Config) -> ExitCode {
             println!("storage = sled in {}", config.data_dir.display());
             print_store_needs(config);
         }
+        memproxy::config::Backend::Fjall => {
+            println!(
+                "storage = fjall in {}: its memory is its block cache (the store cache above), memtables of at most as much again, and a filter and index per table file, whatever it stores",
+                config.data_dir.display()
+            );
+        }
         memproxy::config::Backend::Redis(redis) => {
             // The URL may hold a password: only where it points is printed.
             let scheme = if redis.url.0.starts_with("rediss://") {

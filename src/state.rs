@@ -115,8 +115,10 @@ impl AppState {
         let memory_guard = MemoryGuard::new(config.memory_budget);
         let mut caches = memory.as_ref().map(|m| m.caches()).unwrap_or_default();
         caches.push(Arc::new(receipts.clone()));
-        // sled's memory grows with what it stores; Redis keeps it in another process.
-        let stored_messages = memory.as_ref().ok().filter(|m| !m.store.shared()).map(|m| {
+        // sled's memory grows with what it stores; fjall's caches bound its own, and Redis
+        // keeps it in another process.
+        let sled = matches!(config.backend, Backend::Sled);
+        let stored_messages = memory.as_ref().ok().filter(|_| sled).map(|m| {
             let store = Arc::clone(&m.store);
             Box::new(move || store.stored_messages()) as crate::memory_guard::StoredMessages
         });
@@ -228,7 +230,11 @@ fn open_store(config: &Config) -> Result<Arc<Store>, StoreUnavailable> {
     }
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|err| unavailable(format!("cannot create the data directory: {err}")))?;
-    Store::open(&config.data_dir, memory::store_options(config))
+    let opened = match config.backend {
+        Backend::Fjall => Store::open_fjall(&config.data_dir, memory::store_options(config)),
+        _ => Store::open(&config.data_dir, memory::store_options(config)),
+    };
+    opened
         .map(Arc::new)
         .map_err(|err| unavailable(format!("the store could not be opened: {err}")))
 }

@@ -6,7 +6,7 @@
 //! message, to run while a server holds the data directory.
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Subcommand;
@@ -15,8 +15,8 @@ use serde_json::{Value, json};
 use super::ops::{self, AdminError, ListQuery, parse_address};
 use super::tenant_of;
 use super::users;
-use crate::config::Config;
-use crate::store::{Durability, Store, StoreError, StoreOptions};
+use crate::config::{Backend, Config};
+use crate::store::{Durability, Embedded, Store, StoreError, StoreOptions};
 
 /// `memproxy conversations ...`.
 #[derive(Debug, Subcommand)]
@@ -174,8 +174,13 @@ fn exit_code(result: Result<(), OfflineError>) -> ExitCode {
     }
 }
 
-fn open(dir: &Path) -> Result<Store, OfflineError> {
-    if !dir.join("store").exists() {
+fn open(config: &Config) -> Result<Store, OfflineError> {
+    let dir = config.data_dir.as_path();
+    let engine = match config.backend {
+        Backend::Fjall => Embedded::Fjall,
+        _ => Embedded::Sled,
+    };
+    if !dir.join(engine.folder()).exists() {
         return Err(OfflineError::NoDataDir(dir.display().to_string()));
     }
     let options = StoreOptions {
@@ -184,7 +189,11 @@ fn open(dir: &Path) -> Result<Store, OfflineError> {
         state_cache_bytes: 16 * 1024 * 1024,
     };
     let dir_name = dir.display().to_string();
-    Store::open(dir, options).map_err(|source| match &source {
+    let opened = match engine {
+        Embedded::Fjall => Store::open_fjall(dir, options),
+        Embedded::Sled => Store::open(dir, options),
+    };
+    opened.map_err(|source| match &source {
         StoreError::Disk(err) if err.to_string().contains("could not acquire lock") => {
             OfflineError::Locked {
                 dir: dir_name,
@@ -209,7 +218,7 @@ async fn run_inner(
     config: &Config,
     command: impl FnOnce(&Store) -> Result<(), OfflineError>,
 ) -> Result<(), OfflineError> {
-    let store = open(&config.data_dir)?;
+    let store = open(config)?;
     let result = command(&store);
     // Flush whatever was written, whatever happened.
     store.close().await?;

@@ -6,7 +6,6 @@
 
 use serde_json::{Value, json};
 
-use crate::config::Backend;
 use crate::memory_guard;
 use crate::state::AppState;
 
@@ -27,10 +26,7 @@ pub async fn status(state: &AppState) -> Value {
     };
     json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "storage": match state.config.backend {
-            Backend::Sled => "sled",
-            Backend::Redis(_) => "redis",
-        },
+        "storage": state.config.backend.name(),
         "store": {"available": available, "reason": reason},
         "memory": memory,
         "memory_guard": {

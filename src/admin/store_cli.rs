@@ -1,5 +1,5 @@
-//! The offline CLI's `memproxy store check` and `memproxy store repair --into NEW_DIR`, on the
-//! data directory of a stopped memproxy. The work is `store/salvage.rs`'s; this prints the
+//! The offline CLI's `memproxy store check` and `memproxy store repair --into NEW_DIR [--engine
+//! fjall]`, on the data directory of a stopped memproxy (a sled store). The work is `store/salvage.rs`'s; this prints the
 //! report and chooses the exit code.
 
 use std::io::Write;
@@ -8,7 +8,8 @@ use std::process::ExitCode;
 
 use clap::Subcommand;
 
-use crate::config::Config;
+use crate::config::{Backend, Config};
+use crate::store::Embedded;
 use crate::store::salvage::{self, Report, SalvageError};
 
 /// `memproxy store ...`.
@@ -30,12 +31,23 @@ pub enum StoreCommand {
         /// The new data directory (must not exist, or be empty). Start memproxy on it after.
         #[arg(long, value_name = "NEW_DIR")]
         into: PathBuf,
+        /// The engine the new store is written with: "sled", or "fjall" to move the store to
+        /// fjall (then start memproxy with storage.backend = "fjall").
+        #[arg(long, value_name = "ENGINE", default_value = "sled", value_parser = ["sled", "fjall"])]
+        engine: String,
     },
 }
 
 /// Runs one command; the report goes to standard output, errors to standard error.
 pub fn run(config: &Config, command: StoreCommand) -> ExitCode {
     let data_dir = &config.data_dir;
+    if !matches!(config.backend, Backend::Sled) {
+        let _ = writeln!(
+            std::io::stderr(),
+            "memproxy: `memproxy store check` and `repair` read a sled store (storage.backend = \"sled\"); fjall checks its own files as it opens them, and Redis keeps its own"
+        );
+        return ExitCode::from(2);
+    }
     let (result, title, repaired) = match command {
         StoreCommand::Check { scratch } => {
             let scratch = scratch
@@ -47,13 +59,19 @@ pub fn run(config: &Config, command: StoreCommand) -> ExitCode {
                 false,
             )
         }
-        StoreCommand::Repair { into } => {
+        StoreCommand::Repair { into, engine } => {
+            let engine = if engine == "fjall" {
+                Embedded::Fjall
+            } else {
+                Embedded::Sled
+            };
             let title = format!(
-                "memproxy store repair: {} into {}",
+                "memproxy store repair: {} into {} ({})",
                 data_dir.display(),
-                into.display()
+                into.display(),
+                engine.name()
             );
-            (salvage::repair(data_dir, &into), title, true)
+            (salvage::repair(data_dir, &into, engine), title, true)
         }
     };
     match result {

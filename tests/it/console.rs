@@ -116,7 +116,11 @@ async fn status_names_the_engine_and_says_memory_is_on() {
     let status = admin(&proxy, "GET", "/admin/v1/status", "").await;
     assert_eq!(status.status, 200);
     let status = status.json();
-    let engine = if redis.is_some() { "redis" } else { "sled" };
+    let engine = match (&redis, std::env::var("MEMPROXY_TEST_BACKEND").as_deref()) {
+        (Some(_), _) => "redis",
+        (None, Ok("fjall")) => "fjall",
+        (None, _) => "sled",
+    };
     assert_eq!(status["storage"], engine);
     assert_eq!(status["store"], json!({"available": true, "reason": null}));
     assert_eq!(status["memory"], "on");

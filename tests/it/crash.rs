@@ -1,6 +1,8 @@
-//! What a kill -9 leaves of the sled store: every exchange acknowledged as stored is there
-//! after it, whole and in order, while the appends, the trims and the vectors are written
-//! without sled's transactions (`crates/store/src/sled_engine.rs::SledEngine::append`).
+//! What a kill -9 leaves of an embedded store: every exchange acknowledged as stored is there
+//! after it, whole and in order. With sled, the appends, the trims and the vectors are written
+//! without sled's transactions (`crates/store/src/sled_engine.rs::SledEngine::append`); with
+//! fjall, each write is one transaction into its journal
+//! (`crates/store/src/fjall_engine.rs`).
 
 use std::time::Duration;
 
@@ -21,11 +23,22 @@ fn question(client: usize, n: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_exchange_acknowledged_before_a_kill_is_stored_whole_after_it() {
+    kill_and_read("sled").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_exchange_acknowledged_before_a_kill_is_stored_whole_after_it_with_fjall() {
+    kill_and_read("fjall").await;
+}
+
+/// Kills a memproxy storing with `backend` three times while eight clients converse, then
+/// reads what is stored.
+async fn kill_and_read(backend: &str) {
     let mock = MockUpstream::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let toml = format!(
-        "[upstream]\nbase_url = \"{}\"\n[storage]\ndata_dir = \"{}\"\n[memory]\nmax_messages = {MAX_MESSAGES}\n",
+        "[upstream]\nbase_url = \"{}\"\n[storage]\nbackend = \"{backend}\"\ndata_dir = \"{}\"\n[memory]\nmax_messages = {MAX_MESSAGES}\n",
         mock.base_url(),
         data.display()
     );
@@ -68,7 +81,9 @@ async fn every_exchange_acknowledged_before_a_kill_is_stored_whole_after_it() {
     }
 
     // Read with memproxy in this process, on the same data directory.
-    let proxy = Proxy::start(&mock, &data, "").await;
+    let storage = format!("backend = \"{backend}\"\n");
+    let proxy = Proxy::start_config(test_config_with_storage(&mock, &data, "", &storage, "")).await;
+    assert_eq!(proxy.state.config.backend.name(), backend);
     let mut total = 0;
     for (c, acked) in acknowledged.iter().enumerate() {
         total += acked.len();

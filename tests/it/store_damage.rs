@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Value, json};
 
 use crate::support::admin::*;
-use crate::support::cli::{memproxy, stdout};
+use crate::support::cli::{memproxy, memproxy_on, stdout};
 use crate::support::mock_upstream::MockUpstream;
 use crate::support::*;
 
@@ -253,6 +253,19 @@ const SUMMARIES: &str = "[memory]\nrecent_n = 4\ncompression_threshold_tokens = 
 
 #[tokio::test]
 async fn a_repair_of_a_whole_store_keeps_everything() {
+    repair_whole_into("sled").await;
+}
+
+/// How a sled store moves to fjall: a repair into a fjall store keeps everything, as into
+/// sled; a proxy on fjall pointed at the sled directory refuses to start its memory empty.
+#[tokio::test]
+async fn a_repair_into_fjall_moves_a_sled_store_and_fjall_never_starts_empty_beside_sled() {
+    repair_whole_into("fjall").await;
+}
+
+/// Writes a store with summaries, TTLs and a closed branch, repairs it into a new directory
+/// with `engine`, and compares.
+async fn repair_whole_into(engine: &str) {
     let Started {
         mock, dir, proxy, ..
     } = Harness::new().config(SUMMARIES).start().await;
@@ -280,10 +293,20 @@ async fn a_repair_of_a_whole_store_keeps_everything() {
     let into = dir.path().join("repaired");
     let repaired = memproxy(
         dir.path(),
-        &["store", "repair", "--into", into.to_str().unwrap()],
+        &[
+            "store",
+            "repair",
+            "--into",
+            into.to_str().unwrap(),
+            "--engine",
+            engine,
+        ],
     );
     assert!(repaired.status.success(), "{}", stdout(&repaired));
     assert!(stdout(&repaired).contains("everything was salvaged"));
+    assert!(stdout(&repaired).contains(&format!("({engine})")));
+    let folder = if engine == "fjall" { "fjall" } else { "store" };
+    assert!(into.join(folder).is_dir());
 
     // Messages, turn numbers, times, token counts, summaries and TTLs, as they were.
     for conversation in ["long", "short"] {
@@ -297,7 +320,16 @@ async fn a_repair_of_a_whole_store_keeps_everything() {
             );
             serde_json::from_slice(&output.stdout).unwrap()
         };
-        let (old, new) = (show(dir.path()), show(&into));
+        let show_on = |dir: &Path| -> Value {
+            let output = memproxy_on(dir, engine, &["conversations", "show", &address]);
+            assert!(
+                output.status.success(),
+                "{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            serde_json::from_slice(&output.stdout).unwrap()
+        };
+        let (old, new) = (show(dir.path()), show_on(&into));
         assert_eq!(old, new, "{conversation}");
         assert!(new["ttl"].is_string(), "{new}");
         if conversation == "long" {
@@ -312,14 +344,40 @@ async fn a_repair_of_a_whole_store_keeps_everything() {
     let files = snapshot(&into);
     assert!(files.keys().any(|p| p.starts_with(into.join("keys"))));
     for (path, bytes) in &files {
-        if path.starts_with(into.join("store")) {
+        if path.starts_with(into.join(folder)) {
             assert!(!bytes.windows(12).any(|w| w == b"blue lantern"), "{path:?}");
         }
     }
     assert!(files.keys().any(|p| p.starts_with(into.join("workspaces"))));
 
     // And a fresh proxy goes on from there.
-    let proxy = Proxy::start(&mock, &into, SUMMARIES).await;
+    let storage = format!("backend = \"{engine}\"\n");
+    if engine == "fjall" {
+        // Not on the sled directory: it would start empty beside the conversations there.
+        let beside = Proxy::start_config(test_config_with_storage(
+            &mock,
+            dir.path(),
+            "",
+            &storage,
+            "",
+        ))
+        .await;
+        let ready = send("GET", &beside.url("/readyz"), &[], "").await;
+        assert_eq!(ready.status, 503);
+        let reason = ready.json()["reason"].as_str().unwrap().to_string();
+        assert!(reason.contains("holds a sled store"), "{reason}");
+        assert!(reason.contains("--engine fjall"), "{reason}");
+        assert_served_without_memory(&beside, &mock, "short", "store-unavailable").await;
+        beside.stop().await;
+        assert!(
+            !dir.path().join("fjall").exists(),
+            "nothing written beside it"
+        );
+    }
+    let proxy = Proxy::start_config(test_config_with_storage(
+        &mock, &into, "", &storage, SUMMARIES,
+    ))
+    .await;
     let answer = chat(&proxy, "short", &body(&[user("short question 3")]), &[]).await;
     assert_eq!(answer.header("x-memory-status"), "stored");
     assert_eq!(answer.header("x-memory-turns"), "6");

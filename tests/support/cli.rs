@@ -7,12 +7,22 @@ use std::process::{Command, Output, Stdio};
 /// Runs `memproxy --data-dir DIR ARGS...` in an empty working directory, with no MEMPROXY_*
 /// variables from the environment.
 pub fn memproxy(data_dir: &Path, args: &[&str]) -> Output {
+    memproxy_on(data_dir, "sled", args)
+}
+
+/// [`memproxy`] on a store of the engine `backend` (`storage.backend`, in a config file of its
+/// own).
+pub fn memproxy_on(data_dir: &Path, backend: &str, args: &[&str]) -> Output {
     let cwd = tempfile::tempdir().unwrap();
+    let config = cwd.path().join("memproxy.toml");
+    std::fs::write(&config, format!("[storage]\nbackend = \"{backend}\"\n")).unwrap();
     let mut command = Command::new(env!("CARGO_BIN_EXE_memproxy"));
     command
         .current_dir(cwd.path())
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .arg("--config")
+        .arg(&config)
         .arg("--data-dir")
         .arg(data_dir)
         .args(args)

@@ -110,8 +110,9 @@ impl Harness {
     /// The admin API on, with [`ADMIN_TOKEN`] (given as `MEMPROXY_ADMIN_TOKEN` through the
     /// config's environment function, never the real environment). Unless [`Harness::storage`]
     /// says where memory is, `MEMPROXY_TEST_BACKEND=redis` in the test run's environment puts
-    /// it in a redis-server of its own instead of sled (`scripts/test.sh` runs the admin, TTL,
-    /// metrics and long-term suites so a second time).
+    /// it in a redis-server of its own instead of sled (and `MEMPROXY_TEST_BACKEND=fjall` every
+    /// test proxy's in fjall: `super::config_toml`); `scripts/test.sh` runs the admin, TTL,
+    /// metrics and long-term suites so a second and a third time.
     pub fn admin(self) -> Harness {
         Harness {
             admin: true,

@@ -106,9 +106,10 @@ pub fn test_config_with_storage(
 }
 
 /// The tests' config as text: `mock` as the upstream (with `upstream_toml` added to
-/// `[upstream]`), data under `data_dir` (with `storage_toml` added to `[storage]`), then
-/// `extra_toml`. The template ends inside `[server]`, so bare keys at the start of `extra_toml`
-/// are server settings.
+/// `[upstream]`), data under `data_dir` (with `storage_toml` added to `[storage]`; when it is
+/// empty and the test run's environment has `MEMPROXY_TEST_BACKEND=fjall`, the store is
+/// fjall's), then `extra_toml`. The template ends inside `[server]`, so bare keys at the start
+/// of `extra_toml` are server settings.
 pub fn config_toml(
     mock: &MockUpstream,
     data_dir: &Path,
@@ -116,6 +117,13 @@ pub fn config_toml(
     storage_toml: &str,
     extra_toml: &str,
 ) -> String {
+    let storage_toml = if storage_toml.is_empty()
+        && std::env::var("MEMPROXY_TEST_BACKEND").as_deref() == Ok("fjall")
+    {
+        "backend = \"fjall\"\n"
+    } else {
+        storage_toml
+    };
     format!(
         "[upstream]\nbase_url = \"{}\"\ntimeout = \"PT5S\"\nconnect_timeout = \"PT2S\"\n{upstream_toml}\n[storage]\ndata_dir = \"{}\"\n{storage_toml}[server]\n{}{}{}{extra_toml}{}",
         mock.base_url(),

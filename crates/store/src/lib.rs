@@ -4,8 +4,10 @@
 //!
 //! - `engine.rs` — the storage contract every engine keeps (read it first), one trait per
 //!   capability ([`Engine`], [`Owners`], [`SharedEngine`]);
-//! - `sled_engine.rs` — the embedded engine; `redis_engine.rs`, `redis_owners.rs` — the
-//!   engine shared by replicas (conversations, and owners' records) in a Redis server;
+//! - `sled_engine.rs` — the embedded engine (the default); `fjall_engine.rs` — the embedded
+//!   engine whose memory its caches bound (`storage.backend = "fjall"`); `layout.rs` — the
+//!   keys and record encoding both keep; `redis_engine.rs`, `redis_owners.rs` — the engine
+//!   shared by replicas (conversations, and owners' records) in a Redis server;
 //! - `records.rs` — what is stored (records, messages, summaries, TTL);
 //! - this file — the request path: handles, load, read, commit, durability;
 //! - `summaries.rs`, `branches.rs`, `ttl.rs`, `listing.rs`, `transfer.rs` — summary records
@@ -18,7 +20,8 @@
 //!   a key per owner like conversations;
 //! - `vectors.rs` — vectors of stored messages and of owners' records (recall by meaning):
 //!   their quantised, sealed format, written only for what is stored and gone with it;
-//!   `sled_vectors.rs`, `redis_vectors.rs` — how each engine keeps them;
+//!   `sled_vectors.rs`, `redis_vectors.rs` — how sled and Redis keep them (fjall's are in
+//!   `fjall_engine.rs`);
 //! - `clock.rs` — the one clock every timestamp is read from ([`Clock`]; tests move it);
 //! - `health.rs` — the check at open, failures to write and their retry (readiness);
 //! - `salvage.rs`, `sled_salvage.rs` — reading a damaged data directory and writing what can
@@ -400,6 +403,16 @@ pub enum StoreError {
     /// The engine is closed: reopening it after a failure did not succeed (yet).
     #[error("the store is closed after a failure to write")]
     Closed,
+    /// The data directory holds the other embedded engine's store, which this one would not
+    /// read: starting empty beside it would hide every conversation stored there.
+    #[error(
+        "the data directory holds a {found} store (its folder `{folder}`) and storage.backend is \"{wanted}\": set storage.backend = \"{found}\", or copy the store with `memproxy store repair --into NEW_DIR --engine {wanted}`"
+    )]
+    OtherEngine {
+        found: &'static str,
+        folder: &'static str,
+        wanted: &'static str,
+    },
     /// Writes failed earlier and the store has not recovered yet (see [`Store::writable`]).
     #[error("the store cannot write ({0}); memory is off until it can")]
     Unwritable(String),
@@ -425,6 +438,53 @@ impl StoreError {
             _ => false,
         }
     }
+}
+
+/// The embedded engines, each in its own folder of the data directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Embedded {
+    /// sled, in `store/` (the default).
+    Sled,
+    /// fjall, in `fjall/`.
+    Fjall,
+}
+
+impl Embedded {
+    /// The engine's name (`storage.backend`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Embedded::Sled => "sled",
+            Embedded::Fjall => "fjall",
+        }
+    }
+
+    /// The folder of the data directory the engine keeps its files in.
+    pub fn folder(self) -> &'static str {
+        match self {
+            Embedded::Sled => "store",
+            Embedded::Fjall => "fjall",
+        }
+    }
+
+    fn other(self) -> Embedded {
+        match self {
+            Embedded::Sled => Embedded::Fjall,
+            Embedded::Fjall => Embedded::Sled,
+        }
+    }
+}
+
+/// Fails when `dir` holds the other embedded engine's store and not `wanted`'s.
+fn refuse_other_engine(dir: &Path, wanted: Embedded) -> Result<(), StoreError> {
+    let other = wanted.other();
+    if dir.join(other.folder()).is_dir() && !dir.join(wanted.folder()).exists() {
+        return Err(StoreError::OtherEngine {
+            found: other.name(),
+            folder: other.folder(),
+            wanted: wanted.name(),
+        });
+    }
+    Ok(())
 }
 
 /// Cached conversation handles.
@@ -484,7 +544,28 @@ impl Store {
             Durability::Commit => None,
             Durability::Interval(every) => Some(every),
         };
-        let engine = SledEngine::open(&dir.join("store"), options.page_cache_bytes, flush_every)?;
+        refuse_other_engine(dir, Embedded::Sled)?;
+        let engine = SledEngine::open(
+            &dir.join(Embedded::Sled.folder()),
+            options.page_cache_bytes,
+            flush_every,
+        )?;
+        Store::with_engine(Backing::Own(Arc::new(engine)), dir, options)
+    }
+
+    /// Opens (or creates) the fjall store under `dir` (`dir/fjall`, `fjall_engine.rs`): its block
+    /// cache is `options.page_cache_bytes`. Must be called inside a tokio runtime.
+    pub fn open_fjall(dir: &Path, options: StoreOptions) -> Result<Store, StoreError> {
+        refuse_other_engine(dir, Embedded::Fjall)?;
+        let flush_every = match options.durability {
+            Durability::Commit => None,
+            Durability::Interval(every) => Some(every),
+        };
+        let engine = FjallEngine::open(
+            &dir.join(Embedded::Fjall.folder()),
+            options.page_cache_bytes,
+            flush_every,
+        )?;
         Store::with_engine(Backing::Own(Arc::new(engine)), dir, options)
     }
 

@@ -1,5 +1,7 @@
 //! Salvage: reading what can still be read of a damaged data directory (`memproxy store
-//! check`), and writing it into a fresh one (`memproxy store repair --into NEW_DIR`).
+//! check`), and writing it into a fresh one (`memproxy store repair --into NEW_DIR`, with
+//! `--engine fjall` into a fjall store: how a sled store moves to fjall). What is read is a
+//! sled store.
 //!
 //! Neither ever writes to the damaged directory. The engine's files are copied aside first
 //! (into the scratch directory, or into `NEW_DIR`), while holding the lock a running memproxy
@@ -43,14 +45,14 @@ use std::path::{Path, PathBuf};
 
 use serde_json::value::RawValue;
 
-use super::engine::{Engine, Owners, Version, Write};
+use super::engine::{Engine, Version, Write};
 use super::keys::{self, KEY_LEN, KeyFiles};
 use super::records::{
     ConversationMeta, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch, StoredMessage, TtlRecord,
 };
 use super::seal::{open_message, open_summary, sealed_message, sealed_record};
 use super::sled_salvage::SalvageReader;
-use super::{SledEngine, StoreError, legacy_workspace_dir, workspace_dir};
+use super::{Embedded, FjallEngine, SledEngine, StoreError, legacy_workspace_dir, workspace_dir};
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::Role;
 
@@ -201,9 +203,10 @@ pub fn check(data_dir: &Path, scratch: &Path) -> Result<Report, SalvageError> {
     result
 }
 
-/// Salvages what can be read of `data_dir` into the new data directory `into`, which must not
-/// exist or be empty.
-pub fn repair(data_dir: &Path, into: &Path) -> Result<Report, SalvageError> {
+/// Salvages what can be read of `data_dir` (a sled store) into the new data directory `into`,
+/// which must not exist or be empty, with the engine `engine`: fjall's is how a sled store
+/// moves to fjall.
+pub fn repair(data_dir: &Path, into: &Path, engine: Embedded) -> Result<Report, SalvageError> {
     match std::fs::read_dir(into) {
         Ok(mut entries) => {
             if entries.next().is_some() {
@@ -215,7 +218,7 @@ pub fn repair(data_dir: &Path, into: &Path) -> Result<Report, SalvageError> {
     }
     std::fs::create_dir_all(into)?;
     let copy = Copy::make(data_dir, &into.join(".damaged-copy"))?;
-    let writer = Writer::open(into)?;
+    let writer = Writer::open(into, engine)?;
     let result = read(
         data_dir,
         &copy.store,
@@ -730,14 +733,19 @@ fn salvage_ttl(
 
 /// The fresh store a repair writes.
 struct Writer {
-    engine: SledEngine,
+    engine: Box<dyn Engine>,
     keys: KeyFiles,
 }
 
 impl Writer {
-    fn open(into: &Path) -> Result<Writer, StoreError> {
+    fn open(into: &Path, engine: Embedded) -> Result<Writer, StoreError> {
+        let dir = into.join(engine.folder());
+        let engine: Box<dyn Engine> = match engine {
+            Embedded::Sled => Box::new(SledEngine::open(&dir, 16 << 20, None)?),
+            Embedded::Fjall => Box::new(FjallEngine::open(&dir, 16 << 20, None)?),
+        };
         Ok(Writer {
-            engine: SledEngine::open(&into.join("store"), 16 << 20, None)?,
+            engine,
             keys: KeyFiles::open(into.join("keys"))?,
         })
     }
@@ -860,7 +868,7 @@ mod tests {
                 .any(|p| p.contains("key file is missing"))
         );
         let into = dir.path().join("repaired");
-        let repaired = repair(&data, &into).unwrap();
+        let repaired = repair(&data, &into, Embedded::Sled).unwrap();
         assert_eq!(repaired.owner_records, report.owner_records);
         let store = Store::open(&into, options()).unwrap();
         let handle = store.owner(&ana, false).unwrap().unwrap();
@@ -933,7 +941,7 @@ mod tests {
             if report.messages.kept > 0 && report.messages.lost() > 0 {
                 partial += 1;
             }
-            let repaired = repair(&damaged, &into).unwrap();
+            let repaired = repair(&damaged, &into, Embedded::Sled).unwrap();
             assert_eq!(repaired.messages, report.messages, "{text}");
             let again = check(&into, &dir.path().join("scratch")).unwrap();
             assert!(!again.damaged(), "{}", again.render(false));
@@ -963,7 +971,7 @@ mod tests {
         }
         assert!(partial > 0, "no damage that sled reads around");
         assert!(matches!(
-            repair(&damaged, &into),
+            repair(&damaged, &into, Embedded::Sled),
             Err(SalvageError::NotEmpty(_))
         ));
     }

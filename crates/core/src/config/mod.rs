@@ -231,7 +231,7 @@ fn check(
         &mut problems,
     );
     let engine = match storage.backend {
-        storage::Backend::Sled => memory_budget::StoreResidence::Embedded,
+        storage::Backend::Sled | storage::Backend::Fjall => memory_budget::StoreResidence::Embedded,
         storage::Backend::Redis(_) => memory_budget::StoreResidence::Remote,
     };
     let embedding = embedding::check_embedding(raw.embedding, &mut problems);

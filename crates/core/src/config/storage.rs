@@ -23,8 +23,22 @@ pub const DEFAULT_REDIS_WAIT_TIMEOUT: Duration = Duration::from_secs(1);
 pub enum Backend {
     /// sled in `{data_dir}/store`, this process's alone (the default).
     Sled,
+    /// fjall in `{data_dir}/fjall`, this process's alone: its memory bounded by its caches
+    /// (`store::FjallEngine`).
+    Fjall,
     /// A Redis server shared by every replica.
     Redis(RedisConfig),
+}
+
+impl Backend {
+    /// The engine's name, as `storage.backend` takes it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Sled => "sled",
+            Backend::Fjall => "fjall",
+            Backend::Redis(_) => "redis",
+        }
+    }
 }
 
 /// `storage.redis_*`, checked.
@@ -168,19 +182,21 @@ fn check_backend(
             raw.redis_wait_timeout.is_some(),
         ),
     ];
-    match raw.backend.as_deref().unwrap_or("sled") {
-        "sled" => {
-            for (key, set) in redis_keys {
-                if set {
-                    problems.push(format!("{key}: only used with storage.backend = \"redis\""));
-                }
+    let embedded = |backend: Backend, problems: &mut Vec<String>| {
+        for (key, set) in redis_keys {
+            if set {
+                problems.push(format!("{key}: only used with storage.backend = \"redis\""));
             }
-            Backend::Sled
         }
+        backend
+    };
+    match raw.backend.as_deref().unwrap_or("sled") {
+        "sled" => embedded(Backend::Sled, problems),
+        "fjall" => embedded(Backend::Fjall, problems),
         "redis" => Backend::Redis(check_redis(raw, env, problems)),
         other => {
             problems.push(format!(
-                "storage.backend: `{other}` must be \"sled\" or \"redis\""
+                "storage.backend: `{other}` must be \"sled\", \"fjall\" or \"redis\""
             ));
             Backend::Sled
         }
@@ -298,6 +314,23 @@ mod tests {
         assert_eq!(
             found,
             ["storage.redis_pool_size: only used with storage.backend = \"redis\""]
+        );
+    }
+
+    #[test]
+    fn fjall_is_chosen_by_name_and_takes_no_redis_keys() {
+        let config = from_toml("[storage]\nbackend = \"fjall\"\n", &no_env).unwrap();
+        assert_eq!(config.backend, Backend::Fjall);
+        let found =
+            problems("[storage]\nbackend = \"fjall\"\nredis_url = \"redis://127.0.0.1:1\"\n");
+        assert_eq!(
+            found,
+            ["storage.redis_url: only used with storage.backend = \"redis\""]
+        );
+        let found = problems("[storage]\nbackend = \"rocks\"\n");
+        assert_eq!(
+            found,
+            ["storage.backend: `rocks` must be \"sled\", \"fjall\" or \"redis\""]
         );
     }
 
