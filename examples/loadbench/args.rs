@@ -71,6 +71,9 @@ pub struct Args {
     /// Soak: memory in a redis-server the soak starts (on a free 127.0.0.1 port).
     #[arg(long)]
     pub redis: bool,
+    /// Soak: memory in fjall (`storage.backend = "fjall"`) instead of sled.
+    #[arg(long, conflicts_with = "redis")]
+    pub fjall: bool,
     /// `server.memory_budget` in MiB (default: not set, so memproxy's default); the soak fails
     /// if RSS ever exceeds it plus 64 MiB.
     #[arg(long)]

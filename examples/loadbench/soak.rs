@@ -19,7 +19,7 @@
 //! the high-water mark: they must be refused memory (`degraded`) while they last, and the
 //! ordinary requests must get memory again within 5 s after. After the traffic and `--rest`
 //! seconds of quiet, 20 new requests must all get memory. With `--redis`, memory is in a
-//! redis-server the soak starts.
+//! redis-server the soak starts; with `--fjall`, in fjall.
 //!
 //! It fails when, besides the RSS and memproxy's life, fewer than 99% of the ordinary requests
 //! after the first minute got memory (stored), when a burst request got memory, when memory
@@ -517,6 +517,8 @@ fn config(args: &Args, redis_url: Option<&str>) -> Result<String, String> {
         text.push_str(&format!(
             "\n[storage]\nbackend = \"redis\"\nredis_url = \"{url}\"\nredis_pool_size = 64\n"
         ));
+    } else if args.fjall {
+        text.push_str("\n[storage]\nbackend = \"fjall\"\n");
     }
     if let Some(path) = &args.proxy_config {
         let extra = std::fs::read_to_string(path)
