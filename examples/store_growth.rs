@@ -1,5 +1,6 @@
 //! What the embedded store costs in resident memory as it grows: sled's page table and write
-//! buffers grow with what is stored, past its page cache. This commits exchanges (a user
+//! buffers grow with what is stored, past its page cache (`--engine fjall`: fjall's, which its
+//! caches bound). This commits exchanges (a user
 //! message and a reply, the sizes of the soak's) through `Store::commit`, round-robin over
 //! `--conversations`, with sled's page cache at the default budget's share and the
 //! conversation state cache at 64 KiB (so it is not what is measured), and prints the RSS
@@ -41,7 +42,7 @@ use serde_json::value::RawValue;
 #[derive(Debug, Parser)]
 #[command(
     name = "store_growth",
-    about = "sled's resident memory per stored message"
+    about = "an embedded engine's resident memory per stored message"
 )]
 struct Args {
     /// Messages to store in all.
@@ -60,6 +61,9 @@ struct Args {
     /// does (the default static embedder's: 256; 0: none).
     #[arg(long, default_value_t = 0)]
     vector_dims: usize,
+    /// The embedded engine: `sled` (the default) or `fjall`.
+    #[arg(long, default_value = "sled", value_parser = ["sled", "fjall"])]
+    engine: String,
     /// Commit each exchange with its token ledger, as the proxy does (the conversation's
     /// totals, and the exchange's own figures).
     #[arg(long)]
@@ -94,28 +98,31 @@ async fn main() -> Result<(), String> {
     let page_cache = args.page_cache_mib.map_or(split.store_cache, |m| m << 20);
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let idle = rss::rss_kib();
-    let store = Arc::new(
-        Store::open(
-            dir.path(),
-            StoreOptions {
-                durability: Durability::Interval(Duration::from_secs(1)),
-                page_cache_bytes: page_cache,
-                state_cache_bytes: 64 << 10,
-            },
-        )
-        .map_err(|e| e.to_string())?,
-    );
+    let options = StoreOptions {
+        durability: Durability::Interval(Duration::from_secs(1)),
+        page_cache_bytes: page_cache,
+        state_cache_bytes: 64 << 10,
+    };
+    let opened = if args.engine == "fjall" {
+        Store::open_fjall(dir.path(), options)
+    } else {
+        Store::open(dir.path(), options)
+    };
+    let store = Arc::new(opened.map_err(|e| e.to_string())?);
     let opened = rss::rss_kib();
     println!(
-        "store_growth: sled page cache {} MiB; {} conversations; vectors of {} dimensions; RSS before opening {} MiB, opened {} MiB",
+        "store_growth: {} with a page (block) cache of {} MiB; {} conversations; vectors of {} dimensions; RSS before opening {} MiB, opened {} MiB",
+        args.engine,
         page_cache >> 20,
         args.conversations,
         args.vector_dims,
         idle / 1024,
         opened / 1024
     );
-    println!("| messages | RSS MiB | over opened MiB | bytes per message | on disk MiB | s |");
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| messages | RSS MiB | over opened MiB | bytes per message | heap in use MiB | on disk MiB | s |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
     let tenant = TenantId::from_token(Some("sk-growth"));
     let started = Instant::now();
     let mut stored = 0u64;
@@ -175,11 +182,13 @@ async fn main() -> Result<(), String> {
         if stored.is_multiple_of(args.every) {
             let rss = rss::rss_kib();
             let over = rss.saturating_sub(opened);
+            let in_use = memproxy::allocator::held().map_or(0, |h| h.in_use);
             println!(
-                "| {stored} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |",
+                "| {stored} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} | {:.0} |",
                 rss as f64 / 1024.0,
                 over as f64 / 1024.0,
                 over as f64 * 1024.0 / stored as f64,
+                in_use as f64 / (1 << 20) as f64,
                 store.size_on_disk() as f64 / (1 << 20) as f64,
                 started.elapsed().as_secs_f64()
             );

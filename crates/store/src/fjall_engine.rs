@@ -52,11 +52,35 @@ const ID_BLOCK: u64 = 1024;
 /// The `ids` partition's key of the first id not yet reserved.
 const NEXT_ID: &[u8] = b"next";
 
-/// All memtables together, at most (fjall then flushes the largest to a table file).
-const WRITE_BUFFER_BYTES: u64 = 16 << 20;
+/// All memtables together take at most as much as the block cache (fjall then flushes the
+/// largest to a table file), within these bounds: the budget gives the store's memory beyond
+/// its cache twice the cache's share (`memory_budget.rs`).
+const WRITE_BUFFER_BYTES: std::ops::RangeInclusive<u64> = (2 << 20)..=(64 << 20);
 
-/// One partition's memtable, at most.
-const MEMTABLE_BYTES: u32 = 4 << 20;
+/// One partition's memtable takes at most a quarter of the write buffer, and no less than this.
+const MIN_MEMTABLE_BYTES: u64 = 1 << 20;
+
+/// A table file's blocks (data and index), against fjall's 4 KiB: what fjall keeps in memory
+/// of its files grows with their blocks (the first two levels' indexes whole, a filter and the
+/// top of the index for the others), and memproxy reads mostly whole conversations, a range of
+/// consecutive keys. With 4 KiB blocks the heap grew by about 19 bytes a stored message (42.5
+/// MiB at half a million, 89.4 at three million, `store_growth --engine fjall --ledger
+/// --vector-dims 256`); with 32 KiB it stayed between 36.6 and 44.3 MiB to four million.
+const BLOCK_BYTES: u32 = 32 << 10;
+
+/// The partitions that grow with the messages stored and are read mostly by range or prefix
+/// (a conversation's messages, vectors, summaries, branches): no filter, whose 10 bits a key
+/// would grow with them and speed up only point reads of keys that are not there. With filters
+/// off for these the heap stayed between 32.0 and 38.4 MiB to 2.5 million messages (the same
+/// measurement as [`BLOCK_BYTES`]'s). The others keep fjall's.
+const UNFILTERED: [&str; 6] = [
+    "messages",
+    "vectors",
+    "summaries",
+    "branches",
+    "conversation_responses",
+    "owner_vectors",
+];
 
 /// How long [`FjallEngine::open`] waits for a previous holder of the folder's lock (a store
 /// closed a moment ago in this process, whose last call still holds it).
@@ -202,16 +226,25 @@ impl Parts {
     ) -> Result<Parts, StoreError> {
         let lock = take_lock(dir)?;
         let fsync_ms = flush_every.map(|d| d.as_millis().clamp(1, u128::from(u16::MAX)) as u16);
+        let write_buffer =
+            cache_bytes.clamp(*WRITE_BUFFER_BYTES.start(), *WRITE_BUFFER_BYTES.end());
+        let memtable =
+            u32::try_from((write_buffer / 4).max(MIN_MEMTABLE_BYTES)).unwrap_or(u32::MAX);
         let keyspace = fjall::Config::new(dir)
             .cache_size(cache_bytes)
-            .max_write_buffer_size(WRITE_BUFFER_BYTES)
+            .max_write_buffer_size(write_buffer)
             .fsync_ms(fsync_ms)
             .open_transactional()?;
         let partition = |name: &str| {
-            keyspace.open_partition(
-                name,
-                PartitionCreateOptions::default().max_memtable_size(MEMTABLE_BYTES),
-            )
+            let options = PartitionCreateOptions::default()
+                .max_memtable_size(memtable)
+                .block_size(BLOCK_BYTES);
+            let options = if UNFILTERED.contains(&name) {
+                options.bloom_filter_bits(None)
+            } else {
+                options
+            };
+            keyspace.open_partition(name, options)
         };
         Ok(Parts {
             conversations: partition("conversations")?,
@@ -260,9 +293,9 @@ impl Parts {
 }
 
 impl FjallEngine {
-    /// Opens (or creates) the keyspace in `dir`. `cache_bytes` is fjall's block cache;
-    /// `flush_every` how often fjall syncs its journal by itself (`None`: only explicit
-    /// flushes).
+    /// Opens (or creates) the keyspace in `dir`. `cache_bytes` is fjall's block cache, and its
+    /// memtables' limit too (within [`WRITE_BUFFER_BYTES`]); `flush_every` how often fjall syncs
+    /// its journal by itself (`None`: only explicit flushes).
     pub fn open(
         dir: &Path,
         cache_bytes: u64,
