@@ -661,13 +661,13 @@ impl AdmissionMetrics {
         );
         registry.register_with_unit(
             "store_memory_share",
-            "The storage engine's share of the memory budget: its reserve, grown with what it stores (sled's memory past its page cache grows about 56 bytes per stored message, `STORE_BYTES_PER_MESSAGE`); what it needs past the reserve the caches give up (0 with Redis)",
+            "The storage engine's share of the memory budget: its reserve, grown with what it stores (sled's memory past its page cache grows about 56 bytes per stored message, `STORE_BYTES_PER_MESSAGE`); what it needs past the reserve the caches give up (0 with Redis; with fjall, whose caches bound its memory, the reserve)",
             Unit::Bytes,
             metrics.store_share.clone(),
         );
         registry.register(
             "store_messages",
-            "Messages on the main lines of the conversations the store holds, counted (what the store's share grows with; 0 with Redis)",
+            "Messages on the main lines of the conversations the store holds, counted (what sled's share grows with; 0 with Redis and with fjall, whose share does not grow)",
             metrics.store_messages.clone(),
         );
         registry.register(

@@ -1,6 +1,6 @@
 //! The offline CLI's `memproxy store check` and `memproxy store repair --into NEW_DIR [--engine
-//! fjall]`, on the data directory of a stopped memproxy (a sled store). The work is `store/salvage.rs`'s; this prints the
-//! report and chooses the exit code.
+//! fjall]`, on the data directory of a stopped memproxy (a sled store). The work is
+//! `store/salvage.rs`'s; this prints the report and chooses the exit code.
 
 use std::io::Write;
 use std::path::PathBuf;

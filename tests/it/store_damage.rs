@@ -353,6 +353,11 @@ async fn repair_whole_into(engine: &str) {
     // And a fresh proxy goes on from there.
     let storage = format!("backend = \"{engine}\"\n");
     if engine == "fjall" {
+        // check and repair read sled stores, and say so.
+        let checked = memproxy_on(&into, "fjall", &["store", "check"]);
+        assert_eq!(checked.status.code(), Some(2));
+        let said = String::from_utf8_lossy(&checked.stderr);
+        assert!(said.contains("read a sled store"), "{said}");
         // Not on the sled directory: it would start empty beside the conversations there.
         let beside = Proxy::start_config(test_config_with_storage(
             &mock,
