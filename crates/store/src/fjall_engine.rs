@@ -2,8 +2,9 @@
 //! directory's `fjall/` folder, chosen with `storage.backend = "fjall"`. sled stays the
 //! default; why a sidecar that stores millions of messages may want this one instead: sled
 //! keeps a list of log places for every page it ever wrote, in memory, so its memory grows
-//! with the keys stored (README, "Memory"), where fjall keeps its tables on disk and, in
-//! memory, its block cache, its memtables and a filter and an index per table file.
+//! with the keys stored (README, "The fjall engine"), where fjall keeps its tables on disk and,
+//! in memory, its block cache, its memtables, and per table file an index and (where it helps)
+//! a filter.
 //!
 //! - **Layout.** The same trees as the sled engine (fjall's partitions) with the same keys and
 //!   values (`layout.rs`; the list is in `sled_engine.rs`), and one more, `ids`, holding the
@@ -19,8 +20,9 @@
 //!   At open, fjall replays the journal past its tables; a torn end of it is dropped.
 //! - **Ids** are reserved in blocks of [`ID_BLOCK`], each block made durable before an id of it
 //!   is handed out: a crash skips the rest of a block and never hands an id out twice.
-//! - **Failures.** A journal that cannot be written or synced poisons fjall's keyspace: every
-//!   later write fails until [`Engine::reopen`] opens it again from the disk.
+//! - **Failures.** A write that fails on the disk returns [`StoreError::Disk`]; a journal that
+//!   cannot be synced poisons fjall's keyspace, and every later write fails until
+//!   [`Engine::reopen`] opens it again from the disk.
 //! - **One process.** fjall takes no lock of its own; the engine holds an exclusive lock on
 //!   `memproxy.lock` in its folder while open, so a second process on the same data directory
 //!   gets an error rather than two writers on one journal.
