@@ -39,8 +39,8 @@ use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Scope, SealedVector, Vectors, Version, Write};
 use super::layout::{
     BRANCH_RECORD, Rows, assemble_branches, branch_key_parts, branch_rows,
-    conversation_response_key, decode, encode, message_key, owner_prefix, owner_record_key,
-    response_key,
+    conversation_response_key, conversations_page, decode, encode, listing_start, message_key,
+    owner_prefix, owner_record_key, owners_page, response_key, ttl_page,
 };
 use super::records::{
     ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
@@ -147,6 +147,11 @@ impl From<fjall::Error> for StoreError {
             other => StoreError::Engine(Box::new(other)),
         }
     }
+}
+
+/// A row of a fjall walk, its error as the store's.
+fn fjall_row(item: fjall::Result<fjall::KvPair>) -> Result<fjall::KvPair, StoreError> {
+    item.map_err(StoreError::from)
 }
 
 /// A key's value as a vector of bytes.
@@ -608,19 +613,10 @@ impl Engine for FjallEngine {
     ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
         let p = self.parts()?;
         let snapshot = p.keyspace.read_tx();
-        let mut out = Vec::new();
-        let mut last: Option<Vec<u8>> = None;
-        for item in snapshot.range(&p.ttl, after_bounds(after)) {
-            if out.len() == limit {
-                return Ok((out, last));
-            }
-            let (key, value) = item?;
-            last = Some(key.to_vec());
-            if let Some(key) = ConversationKey::from_bytes(&key) {
-                out.push((key, decode(&value)?));
-            }
-        }
-        Ok((out, None))
+        ttl_page(
+            snapshot.range(&p.ttl, after_bounds(after)).map(fjall_row),
+            limit,
+        )
     }
 
     fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError> {
@@ -645,50 +641,10 @@ impl Engine for FjallEngine {
         max_scan: usize,
     ) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError> {
         let p = self.parts()?;
-        // A tenant (and agent) is a key prefix: the walk starts there and ends past it.
-        let mut prefix = Vec::new();
-        if let Some(tenant) = scope.tenant {
-            prefix.extend_from_slice(tenant.as_str().as_bytes());
-            prefix.push(0);
-            if let Some(agent) = scope.agent {
-                prefix.extend_from_slice(agent.as_bytes());
-                prefix.push(0);
-            }
-        }
-        let start = match after {
-            Some(after) if after >= prefix.as_slice() => Bound::Excluded(after.to_vec()),
-            _ => Bound::Included(prefix.clone()),
-        };
+        let (prefix, start) = listing_start(scope, after);
         let snapshot = p.keyspace.read_tx();
-        let mut out = Vec::new();
-        let mut last: Option<Vec<u8>> = None;
-        let walk = snapshot.range(&p.conversations, (start, Bound::<Vec<u8>>::Unbounded));
-        for (scanned, item) in walk.enumerate() {
-            let (key_bytes, value) = item?;
-            if !key_bytes.starts_with(&prefix) {
-                break;
-            }
-            // A filter that matches little must not walk the whole store in one call: the
-            // page ends early, with a cursor to go on from.
-            if scanned == max_scan {
-                return Ok((out, last));
-            }
-            let Some(key) = ConversationKey::from_bytes(&key_bytes) else {
-                last = Some(key_bytes.to_vec());
-                continue;
-            };
-            if !scope.covers(&key) {
-                last = Some(key_bytes.to_vec());
-                continue;
-            }
-            if out.len() == limit {
-                let cursor = out.last().map(|(k, _): &(ConversationKey, _)| k.to_bytes());
-                return Ok((out, cursor));
-            }
-            last = Some(key_bytes.to_vec());
-            out.push((key, decode(&value)?));
-        }
-        Ok((out, None))
+        let rows = snapshot.range(&p.conversations, start..).map(fjall_row);
+        conversations_page(rows, scope, &prefix, limit, max_scan)
     }
 
     fn flush(&self) -> Result<(), StoreError> {
@@ -912,19 +868,12 @@ impl Owners for FjallEngine {
     ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
         let p = self.parts()?;
         let snapshot = p.keyspace.read_tx();
-        let mut out = Vec::new();
-        let mut last: Option<Vec<u8>> = None;
-        for item in snapshot.range(&p.owners, after_bounds(after)) {
-            if out.len() == limit {
-                return Ok((out, last));
-            }
-            let (key, value) = item?;
-            last = Some(key.to_vec());
-            let owner = OwnerKey::from_bytes(&key)
-                .ok_or_else(|| StoreError::Corrupt("an owner key is malformed".into()))?;
-            out.push((owner, decode(&value)?));
-        }
-        Ok((out, None))
+        owners_page(
+            snapshot
+                .range(&p.owners, after_bounds(after))
+                .map(fjall_row),
+            limit,
+        )
     }
 }
 

@@ -5,8 +5,10 @@
 use serde::{Deserialize, Serialize};
 
 use super::StoreError;
-use super::engine::Write;
-use super::records::{BranchRecord, OwnerKey, StoredBranch};
+use super::engine::{Page, Scope, Write};
+use super::records::{
+    BranchRecord, ConversationMeta, OwnerKey, OwnerMeta, StoredBranch, TtlRecord,
+};
 use memproxy_base::identity::{ConversationKey, TenantId};
 
 /// The `responses` tree's key of `tenant`'s `response_id`.
@@ -173,4 +175,113 @@ pub(super) fn assemble_branches<K: AsRef<[u8]>, V: AsRef<[u8]>>(
         }
     }
     Ok(out)
+}
+
+/// Where a listing of `scope` walks the `conversations` tree: the key prefix every
+/// conversation in it shares (a tenant, and an agent, are key prefixes), and the first key to
+/// read, past the cursor `after` (the walk ends past the prefix).
+pub(super) fn listing_start(scope: Scope<'_>, after: Option<&[u8]>) -> (Vec<u8>, Vec<u8>) {
+    let mut prefix = Vec::new();
+    if let Some(tenant) = scope.tenant {
+        prefix.extend_from_slice(tenant.as_str().as_bytes());
+        prefix.push(0);
+        if let Some(agent) = scope.agent {
+            prefix.extend_from_slice(agent.as_bytes());
+            prefix.push(0);
+        }
+    }
+    let start = match after {
+        Some(after) if after >= prefix.as_slice() => {
+            let mut start = after.to_vec();
+            start.push(0);
+            start
+        }
+        _ => prefix.clone(),
+    };
+    (prefix, start)
+}
+
+/// A page of a listing ([`Engine::list`](super::engine::Engine::list)) from `rows`: the
+/// `conversations` records from [`listing_start`]'s key on, in key order.
+pub(super) fn conversations_page<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    rows: impl Iterator<Item = Result<(K, V), StoreError>>,
+    scope: Scope<'_>,
+    prefix: &[u8],
+    limit: usize,
+    max_scan: usize,
+) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError> {
+    let mut out = Vec::new();
+    let mut last: Option<Vec<u8>> = None;
+    for (scanned, item) in rows.enumerate() {
+        let (key_bytes, value) = item?;
+        let key_bytes = key_bytes.as_ref();
+        if !key_bytes.starts_with(prefix) {
+            break;
+        }
+        // A filter that matches little must not walk the whole store in one call: the page
+        // ends early, with a cursor to go on from.
+        if scanned == max_scan {
+            return Ok((out, last));
+        }
+        let Some(key) = ConversationKey::from_bytes(key_bytes) else {
+            last = Some(key_bytes.to_vec());
+            continue;
+        };
+        if !scope.covers(&key) {
+            last = Some(key_bytes.to_vec());
+            continue;
+        }
+        if out.len() == limit {
+            let cursor = out.last().map(|(k, _): &(ConversationKey, _)| k.to_bytes());
+            return Ok((out, cursor));
+        }
+        last = Some(key_bytes.to_vec());
+        out.push((key, decode(value.as_ref())?));
+    }
+    Ok((out, None))
+}
+
+/// A page of up to `limit` records from `rows` (the keys after a cursor, in key order), each
+/// made by `make` from its key and value (`None`: skipped, the cursor moving past it).
+fn page_after<K: AsRef<[u8]>, V: AsRef<[u8]>, T>(
+    rows: impl Iterator<Item = Result<(K, V), StoreError>>,
+    limit: usize,
+    mut make: impl FnMut(&[u8], &[u8]) -> Result<Option<T>, StoreError>,
+) -> Result<Page<T>, StoreError> {
+    let mut out = Vec::new();
+    let mut last: Option<Vec<u8>> = None;
+    for item in rows {
+        if out.len() == limit {
+            return Ok((out, last));
+        }
+        let (key, value) = item?;
+        last = Some(key.as_ref().to_vec());
+        out.extend(make(key.as_ref(), value.as_ref())?);
+    }
+    Ok((out, None))
+}
+
+/// A page of TTL records from `rows` (the `ttl` tree after a cursor); keys that name no
+/// conversation are skipped.
+pub(super) fn ttl_page<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    rows: impl Iterator<Item = Result<(K, V), StoreError>>,
+    limit: usize,
+) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
+    page_after(rows, limit, |key, value| {
+        ConversationKey::from_bytes(key)
+            .map(|key| Ok((key, decode(value)?)))
+            .transpose()
+    })
+}
+
+/// A page of owners from `rows` (the `owners` tree after a cursor).
+pub(super) fn owners_page<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    rows: impl Iterator<Item = Result<(K, V), StoreError>>,
+    limit: usize,
+) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
+    page_after(rows, limit, |key, value| {
+        let owner = OwnerKey::from_bytes(key)
+            .ok_or_else(|| StoreError::Corrupt("an owner key is malformed".into()))?;
+        Ok(Some((owner, decode(value)?)))
+    })
 }

@@ -58,8 +58,8 @@ use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Scope, Version, Write};
 use super::layout::{
     BRANCH_RECORD, Rows, assemble_branches, branch_key_parts, branch_rows,
-    conversation_response_key, decode, encode, message_key, owner_prefix, owner_record_key,
-    response_key,
+    conversation_response_key, conversations_page, decode, encode, listing_start, message_key,
+    owner_prefix, owner_record_key, owners_page, response_key, ttl_page,
 };
 use super::records::{
     ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
@@ -158,6 +158,13 @@ fn done_or_count(
         Err(TransactionError::Abort(())) => Ok(None),
         Err(TransactionError::Storage(err)) => Err(err.into()),
     }
+}
+
+/// A row of a sled walk, its error as the store's.
+fn sled_row(
+    item: sled::Result<(sled::IVec, sled::IVec)>,
+) -> Result<(sled::IVec, sled::IVec), StoreError> {
+    item.map_err(StoreError::from)
 }
 
 /// The entries of `tree` whose keys come after `after` (all of them without one).
@@ -667,19 +674,7 @@ impl Engine for SledEngine {
         limit: usize,
     ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
         let t = self.trees()?;
-        let mut out = Vec::new();
-        let mut last: Option<Vec<u8>> = None;
-        for item in keys_after(&t.ttl, after) {
-            if out.len() == limit {
-                return Ok((out, last));
-            }
-            let (key, value) = item?;
-            last = Some(key.to_vec());
-            if let Some(key) = ConversationKey::from_bytes(&key) {
-                out.push((key, decode(&value)?));
-            }
-        }
-        Ok((out, None))
+        ttl_page(keys_after(&t.ttl, after).map(sled_row), limit)
     }
 
     fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError> {
@@ -702,52 +697,9 @@ impl Engine for SledEngine {
         max_scan: usize,
     ) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError> {
         let t = self.trees()?;
-        // A tenant (and agent) is a key prefix: the walk starts there and ends past it.
-        let mut prefix = Vec::new();
-        if let Some(tenant) = scope.tenant {
-            prefix.extend_from_slice(tenant.as_str().as_bytes());
-            prefix.push(0);
-            if let Some(agent) = scope.agent {
-                prefix.extend_from_slice(agent.as_bytes());
-                prefix.push(0);
-            }
-        }
-        let start: Vec<u8> = match after {
-            Some(after) if after >= prefix.as_slice() => {
-                let mut start = after.to_vec();
-                start.push(0);
-                start
-            }
-            _ => prefix.clone(),
-        };
-        let mut out = Vec::new();
-        let mut last: Option<Vec<u8>> = None;
-        for (scanned, item) in t.conversations.range(start..).enumerate() {
-            let (key_bytes, value) = item?;
-            if !key_bytes.starts_with(&prefix) {
-                break;
-            }
-            // A filter that matches little must not walk the whole store in one call: the
-            // page ends early, with a cursor to go on from.
-            if scanned == max_scan {
-                return Ok((out, last));
-            }
-            let Some(key) = ConversationKey::from_bytes(&key_bytes) else {
-                last = Some(key_bytes.to_vec());
-                continue;
-            };
-            if !scope.covers(&key) {
-                last = Some(key_bytes.to_vec());
-                continue;
-            }
-            if out.len() == limit {
-                let cursor = out.last().map(|(k, _): &(ConversationKey, _)| k.to_bytes());
-                return Ok((out, cursor));
-            }
-            last = Some(key_bytes.to_vec());
-            out.push((key, decode(&value)?));
-        }
-        Ok((out, None))
+        let (prefix, start) = listing_start(scope, after);
+        let rows = t.conversations.range(start..).map(sled_row);
+        conversations_page(rows, scope, &prefix, limit, max_scan)
     }
 
     fn flush(&self) -> Result<(), StoreError> {
@@ -989,19 +941,7 @@ impl Owners for SledEngine {
         limit: usize,
     ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
         let t = self.trees()?;
-        let mut out = Vec::new();
-        let mut last: Option<Vec<u8>> = None;
-        for item in keys_after(&t.owners, after) {
-            if out.len() == limit {
-                return Ok((out, last));
-            }
-            let (key, value) = item?;
-            last = Some(key.to_vec());
-            let owner = OwnerKey::from_bytes(&key)
-                .ok_or_else(|| StoreError::Corrupt("an owner key is malformed".into()))?;
-            out.push((owner, decode(&value)?));
-        }
-        Ok((out, None))
+        owners_page(keys_after(&t.owners, after).map(sled_row), limit)
     }
 }
 
