@@ -102,6 +102,16 @@ pub enum Durability {
     Interval(Duration),
 }
 
+impl Durability {
+    /// How often an embedded engine flushes on its own (`None`: only when asked).
+    fn engine_flush_every(self) -> Option<Duration> {
+        match self {
+            Durability::Commit => None,
+            Durability::Interval(every) => Some(every),
+        }
+    }
+}
+
 /// How the store is set up.
 #[derive(Debug, Clone, Copy)]
 pub struct StoreOptions {
@@ -406,12 +416,14 @@ pub enum StoreError {
     /// The data directory holds the other embedded engine's store, which this one would not
     /// read: starting empty beside it would hide every conversation stored there.
     #[error(
-        "the data directory holds a {found} store (its folder `{folder}`) and storage.backend is \"{wanted}\": set storage.backend = \"{found}\", or copy the store with `memproxy store repair --into NEW_DIR --engine {wanted}`"
+        "the data directory holds a {found} store (its folder `{folder}`) and storage.backend is \"{wanted}\": set storage.backend = \"{found}\"{way}"
     )]
     OtherEngine {
         found: &'static str,
         folder: &'static str,
         wanted: &'static str,
+        /// How the store moves, where it can (a sled store to fjall).
+        way: &'static str,
     },
     /// Writes failed earlier and the store has not recovered yet (see [`Store::writable`]).
     #[error("the store cannot write ({0}); memory is off until it can")]
@@ -482,6 +494,12 @@ fn refuse_other_engine(dir: &Path, wanted: Embedded) -> Result<(), StoreError> {
             found: other.name(),
             folder: other.folder(),
             wanted: wanted.name(),
+            way: match other {
+                Embedded::Sled => {
+                    ", or move the store to fjall with `memproxy store repair --into NEW_DIR --engine fjall`"
+                }
+                Embedded::Fjall => "",
+            },
         });
     }
     Ok(())
@@ -540,15 +558,11 @@ impl Store {
     /// Opens (or creates) the embedded store under `dir` (`dir/store`). Must be called inside
     /// a tokio runtime: the group flusher runs as a task.
     pub fn open(dir: &Path, options: StoreOptions) -> Result<Store, StoreError> {
-        let flush_every = match options.durability {
-            Durability::Commit => None,
-            Durability::Interval(every) => Some(every),
-        };
         refuse_other_engine(dir, Embedded::Sled)?;
         let engine = SledEngine::open(
             &dir.join(Embedded::Sled.folder()),
             options.page_cache_bytes,
-            flush_every,
+            options.durability.engine_flush_every(),
         )?;
         Store::with_engine(Backing::Own(Arc::new(engine)), dir, options)
     }
@@ -557,14 +571,10 @@ impl Store {
     /// cache is `options.page_cache_bytes`. Must be called inside a tokio runtime.
     pub fn open_fjall(dir: &Path, options: StoreOptions) -> Result<Store, StoreError> {
         refuse_other_engine(dir, Embedded::Fjall)?;
-        let flush_every = match options.durability {
-            Durability::Commit => None,
-            Durability::Interval(every) => Some(every),
-        };
         let engine = FjallEngine::open(
             &dir.join(Embedded::Fjall.folder()),
             options.page_cache_bytes,
-            flush_every,
+            options.durability.engine_flush_every(),
         )?;
         Store::with_engine(Backing::Own(Arc::new(engine)), dir, options)
     }
@@ -1169,6 +1179,35 @@ pub(crate) mod tests {
 
     fn open(dir: &Path) -> Store {
         Store::open(dir, options()).unwrap()
+    }
+
+    #[test]
+    fn neither_embedded_engine_opens_beside_the_others_store() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("fjall")).unwrap();
+        let refused = Store::open(dir.path(), options()).unwrap_err().to_string();
+        assert!(refused.contains("holds a fjall store"), "{refused}");
+        assert!(refused.contains("storage.backend = \"fjall\""), "{refused}");
+        assert!(
+            !refused.contains("repair"),
+            "no way back from fjall: {refused}"
+        );
+        assert!(
+            !dir.path().join("store").exists(),
+            "nothing written beside it"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("store")).unwrap();
+        let refused = Store::open_fjall(dir.path(), options())
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("holds a sled store"), "{refused}");
+        assert!(refused.contains("--engine fjall"), "{refused}");
+        assert!(
+            !dir.path().join("fjall").exists(),
+            "nothing written beside it"
+        );
     }
 
     #[tokio::test]
