@@ -1,6 +1,7 @@
 //! The key layout and record encoding the embedded engines share (`sled_engine.rs`,
 //! `fjall_engine.rs`): which key each record has in which tree (the trees are listed in
-//! `sled_engine.rs`'s documentation), how records are encoded (JSON), and a write's rows.
+//! `sled_engine.rs`'s documentation), how records are encoded (JSON), a write's rows, and the
+//! listing and the pages of TTL records and owners over rows in key order.
 
 use serde::{Deserialize, Serialize};
 
