@@ -6,8 +6,8 @@
 //!   capability ([`Engine`], [`Owners`], [`SharedEngine`]);
 //! - `sled_engine.rs` — the embedded engine (the default); `fjall_engine.rs` — the embedded
 //!   engine whose memory its caches bound (`storage.backend = "fjall"`); `layout.rs` — the
-//!   keys, record encoding and paging both keep; `redis_engine.rs`, `redis_owners.rs` — the engine
-//!   shared by replicas (conversations, and owners' records) in a Redis server;
+//!   keys, record encoding and paging both keep; `redis_engine.rs`, `redis_owners.rs` — the
+//!   engine shared by replicas (conversations, and owners' records) in a Redis server;
 //! - `records.rs` — what is stored (records, messages, summaries, TTL);
 //! - this file — the request path: handles, load, read, commit, durability;
 //! - `summaries.rs`, `branches.rs`, `ttl.rs`, `listing.rs`, `transfer.rs` — summary records
