@@ -39,12 +39,13 @@ use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Scope, SealedVector, Vectors, Version, Write};
 use super::layout::{
     BRANCH_RECORD, Rows, assemble_branches, branch_key_parts, branch_rows,
-    conversation_response_key, conversations_page, decode, encode, listing_start, message_key,
-    owner_prefix, owner_record_key, owners_page, response_key, ttl_page,
+    conversation_response_key, conversations_page, decode, encode, listing_start, live_keys,
+    loaded, message_key, owner_prefix, owner_record_key, owners_page, response_key, ttl_page,
+    turn_of,
 };
 use super::records::{
-    ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
-    StoredMessage, TtlRecord,
+    ConversationMeta, Deleted, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch, StoredMessage,
+    TtlRecord,
 };
 use memproxy_base::identity::{ConversationKey, TenantId};
 
@@ -159,13 +160,6 @@ fn bytes(value: fjall::Slice) -> Vec<u8> {
     value.to_vec()
 }
 
-/// The u64 at bytes 8..16 of a key (a turn, a summary's number).
-fn second_u64(key: &[u8]) -> Option<u64> {
-    key.get(8..16)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map(u64::from_be_bytes)
-}
-
 /// The bounds of every key after `after` (every key without one).
 fn after_bounds(after: Option<&[u8]>) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
     match after {
@@ -184,6 +178,18 @@ fn conversation_id(
     Ok(tx
         .get(conversations, key_bytes)?
         .and_then(|bytes| serde_json::from_slice::<ConversationMeta>(&bytes).ok())
+        .map(|m| m.id))
+}
+
+/// The id of `owner`'s record as `tx` reads it, decoded leniently as [`conversation_id`].
+fn owner_id(
+    tx: &WriteTransaction,
+    owners: &TxPartitionHandle,
+    owner: &OwnerKey,
+) -> Result<Option<u64>, StoreError> {
+    Ok(tx
+        .get(owners, owner.to_bytes())?
+        .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok())
         .map(|m| m.id))
 }
 
@@ -358,19 +364,12 @@ impl Engine for FjallEngine {
             return Ok(Loaded::default());
         };
         let meta: ConversationMeta = decode(&stored)?;
-        let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
-        let live = message_key(meta.id, meta.first_turn)..message_key(meta.id, meta.next_turn);
-        for item in snapshot.range(&p.messages, live) {
-            let (_, value) = item?;
-            let message: StoredMessage = decode(&value)?;
-            let before = entries.last().map_or(0, |e| e.cum_tokens);
-            entries.push(Entry::new(&message, before));
-        }
-        Ok(Loaded {
-            meta: Some(meta),
-            version: Version::of(stored.to_vec()),
-            entries,
-        })
+        let rows = snapshot.range(&p.messages, live_keys(&meta));
+        loaded(
+            meta,
+            stored.to_vec(),
+            rows.map(|row| fjall_row(row).map(|(_, v)| v)),
+        )
     }
 
     fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError> {
@@ -554,7 +553,7 @@ impl Engine for FjallEngine {
             .prefix(&p.summaries, id.to_be_bytes())
             .map(|item| {
                 let (key, value) = item?;
-                Ok((second_u64(&key).unwrap_or(0), bytes(value)))
+                Ok((turn_of(&key).unwrap_or(0), bytes(value)))
             })
             .collect()
     }
@@ -777,10 +776,7 @@ impl Owners for FjallEngine {
     ) -> Result<bool, StoreError> {
         let p = self.parts()?;
         let mut tx = p.keyspace.write_tx();
-        let current = tx
-            .get(&p.owners, owner.to_bytes())?
-            .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok());
-        if current.map(|m| m.id) != Some(id) {
+        if owner_id(&tx, &p.owners, owner)? != Some(id) {
             tx.rollback();
             return Ok(false);
         }
@@ -913,7 +909,7 @@ impl Vectors for FjallEngine {
             .prefix(&p.vectors, id.to_be_bytes())
             .map(|item| {
                 let (key, value) = item?;
-                let turn = second_u64(&key)
+                let turn = turn_of(&key)
                     .ok_or_else(|| StoreError::Corrupt("a vector key is malformed".into()))?;
                 Ok((turn, bytes(value)))
             })
@@ -928,10 +924,7 @@ impl Vectors for FjallEngine {
     ) -> Result<Option<usize>, StoreError> {
         let p = self.parts()?;
         let mut tx = p.keyspace.write_tx();
-        let current = tx
-            .get(&p.owners, owner.to_bytes())?
-            .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok());
-        if current.map(|m| m.id) != Some(id) {
+        if owner_id(&tx, &p.owners, owner)? != Some(id) {
             tx.rollback();
             return Ok(None);
         }

@@ -6,9 +6,10 @@
 use serde::{Deserialize, Serialize};
 
 use super::StoreError;
-use super::engine::{Page, Scope, Write};
+use super::engine::{Loaded, Page, Scope, Version, Write};
 use super::records::{
-    BranchRecord, ConversationMeta, OwnerKey, OwnerMeta, StoredBranch, TtlRecord,
+    BranchRecord, ConversationMeta, Entry, OwnerKey, OwnerMeta, StoredBranch, StoredMessage,
+    TtlRecord,
 };
 use memproxy_base::identity::{ConversationKey, TenantId};
 
@@ -27,6 +28,40 @@ pub(super) fn message_key(id: u64, turn: u64) -> [u8; 16] {
     key[..8].copy_from_slice(&id.to_be_bytes());
     key[8..].copy_from_slice(&turn.to_be_bytes());
     key
+}
+
+/// The second half of a [`message_key`]: a turn, or a summary's number (`None` for a key too
+/// short to hold one).
+pub(super) fn turn_of(key: &[u8]) -> Option<u64> {
+    key.get(8..16)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_be_bytes)
+}
+
+/// A conversation as loaded: its record `meta` (decoded from `stored`) and the values of its
+/// live turns, `first_turn..next_turn`, in turn order (the engine reads that key range:
+/// turns outside it are not the conversation's).
+pub(super) fn loaded<V: AsRef<[u8]>>(
+    meta: ConversationMeta,
+    stored: Vec<u8>,
+    values: impl Iterator<Item = Result<V, StoreError>>,
+) -> Result<Loaded, StoreError> {
+    let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
+    for value in values {
+        let message: StoredMessage = decode(value?.as_ref())?;
+        let before = entries.last().map_or(0, |e| e.cum_tokens);
+        entries.push(Entry::new(&message, before));
+    }
+    Ok(Loaded {
+        meta: Some(meta),
+        version: Version::of(stored),
+        entries,
+    })
+}
+
+/// The keys of the live turns of the conversation `meta` records.
+pub(super) fn live_keys(meta: &ConversationMeta) -> std::ops::Range<[u8; 16]> {
+    message_key(meta.id, meta.first_turn)..message_key(meta.id, meta.next_turn)
 }
 
 /// The parts of a closed branch, in key order.

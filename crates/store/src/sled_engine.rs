@@ -58,12 +58,13 @@ use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Scope, Version, Write};
 use super::layout::{
     BRANCH_RECORD, Rows, assemble_branches, branch_key_parts, branch_rows,
-    conversation_response_key, conversations_page, decode, encode, listing_start, message_key,
-    owner_prefix, owner_record_key, owners_page, response_key, ttl_page,
+    conversation_response_key, conversations_page, decode, encode, listing_start, live_keys,
+    loaded, message_key, owner_prefix, owner_record_key, owners_page, response_key, ttl_page,
+    turn_of,
 };
 use super::records::{
-    ConversationMeta, Deleted, Entry, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch,
-    StoredMessage, TtlRecord,
+    ConversationMeta, Deleted, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch, StoredMessage,
+    TtlRecord,
 };
 use memproxy_base::identity::{ConversationKey, TenantId};
 
@@ -345,21 +346,14 @@ impl Engine for SledEngine {
             return Ok(Loaded::default());
         };
         let meta: ConversationMeta = decode(&stored)?;
-        let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
         // Turns outside `first_turn..next_turn` are not the conversation's: an append the
         // record never took, a trim cut short (`SledEngine::append`).
-        let live = message_key(meta.id, meta.first_turn)..message_key(meta.id, meta.next_turn);
-        for item in t.messages.range(live) {
-            let (_, value) = item?;
-            let message: StoredMessage = decode(&value)?;
-            let before = entries.last().map_or(0, |e| e.cum_tokens);
-            entries.push(Entry::new(&message, before));
-        }
-        Ok(Loaded {
-            meta: Some(meta),
-            version: Version::of(stored.to_vec()),
-            entries,
-        })
+        let values = t.messages.range(live_keys(&meta)).values();
+        loaded(
+            meta,
+            stored.to_vec(),
+            values.map(|v| v.map_err(StoreError::from)),
+        )
     }
 
     fn meta(&self, key: &ConversationKey) -> Result<Option<ConversationMeta>, StoreError> {
@@ -608,11 +602,7 @@ impl Engine for SledEngine {
         let mut out = Vec::new();
         for item in t.summaries.scan_prefix(id.to_be_bytes()) {
             let (key, value) = item?;
-            let number = key
-                .get(8..16)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map_or(0, u64::from_be_bytes);
-            out.push((number, value.to_vec()));
+            out.push((turn_of(&key).unwrap_or(0), value.to_vec()));
         }
         Ok(out)
     }

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::StoreError;
-use super::layout::{decode, message_key};
+use super::layout::{decode, message_key, turn_of};
 use super::records::{ConversationMeta, OwnerMeta, StoredBranch, StoredMessage, TtlRecord};
 use super::sled_engine::{Trees, open_trees, read_branches};
 use memproxy_base::identity::ConversationKey;
@@ -184,7 +184,7 @@ impl SalvageReader {
                     failed = true;
                     break;
                 };
-                let turn = turn_of(&key);
+                let turn = turn_of(&key).unwrap_or(0);
                 keep(&mut out, turn, &value);
                 from = turn.saturating_add(1);
             }
@@ -223,7 +223,7 @@ impl SalvageReader {
         for item in tree.scan_prefix(id.to_be_bytes()) {
             match item {
                 Ok((key, value)) => {
-                    read.insert(turn_of(&key), value.to_vec());
+                    read.insert(turn_of(&key).unwrap_or(0), value.to_vec());
                 }
                 Err(_) => {
                     failed = true;
@@ -291,11 +291,4 @@ impl SalvageReader {
             complete: all.complete,
         }
     }
-}
-
-/// The second half of a `message_key`: a turn, or a summary number.
-fn turn_of(key: &[u8]) -> u64 {
-    key.get(8..16)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_be_bytes)
 }

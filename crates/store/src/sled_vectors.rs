@@ -11,7 +11,7 @@ use sled::Transactional;
 use super::super::StoreError;
 use super::super::engine::{SealedVector, Vectors};
 use super::super::records::{ConversationMeta, OwnerKey, OwnerMeta};
-use super::{SledEngine, done_or_count, message_key, owner_prefix, owner_record_key};
+use super::{SledEngine, done_or_count, message_key, owner_prefix, owner_record_key, turn_of};
 use memproxy_base::identity::ConversationKey;
 
 impl Vectors for SledEngine {
@@ -66,10 +66,7 @@ impl Vectors for SledEngine {
         let mut out = Vec::new();
         for item in t.vectors.scan_prefix(id.to_be_bytes()) {
             let (key, value) = item?;
-            let turn = key
-                .get(8..16)
-                .and_then(|b| <[u8; 8]>::try_from(b).ok())
-                .map(u64::from_be_bytes)
+            let turn = turn_of(&key)
                 .ok_or_else(|| StoreError::Corrupt("a vector key is malformed".into()))?;
             out.push((turn, value.to_vec()));
         }
