@@ -35,7 +35,7 @@ use clap::Parser;
 use memproxy::identity::{ConversationKey, TenantId};
 use memproxy::message::Role;
 use memproxy::store::{
-    Change, Durability, LedgerTotals, Origin, Store, StoreOptions, StoredMessage,
+    Change, Durability, Embedded, LedgerTotals, Origin, Store, StoreOptions, StoredMessage,
 };
 use serde_json::value::RawValue;
 
@@ -103,12 +103,9 @@ async fn main() -> Result<(), String> {
         page_cache_bytes: page_cache,
         state_cache_bytes: 64 << 10,
     };
-    let opened = if args.engine == "fjall" {
-        Store::open_fjall(dir.path(), options)
-    } else {
-        Store::open(dir.path(), options)
-    };
-    let store = Arc::new(opened.map_err(|e| e.to_string())?);
+    let engine = Embedded::named(&args.engine).unwrap_or(Embedded::Sled);
+    let store =
+        Arc::new(Store::open_embedded(dir.path(), engine, options).map_err(|e| e.to_string())?);
     let opened = rss::rss_kib();
     println!(
         "store_growth: {} with a page (block) cache of {} MiB; {} conversations; vectors of {} dimensions; RSS before opening {} MiB, opened {} MiB",

@@ -11,7 +11,7 @@ use crate::memory_guard::MemoryGuard;
 use crate::metrics::Metrics;
 use crate::models::Models;
 use crate::receipts::Receipts;
-use crate::store::{Clock, Store};
+use crate::store::{Clock, Embedded, Store};
 use crate::ttl::Sweeper;
 use crate::upstream::{Upstream, UpstreamSetupError};
 use crate::wire::Api;
@@ -230,11 +230,8 @@ fn open_store(config: &Config) -> Result<Arc<Store>, StoreUnavailable> {
     }
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|err| unavailable(format!("cannot create the data directory: {err}")))?;
-    let opened = match config.backend {
-        Backend::Fjall => Store::open_fjall(&config.data_dir, memory::store_options(config)),
-        _ => Store::open(&config.data_dir, memory::store_options(config)),
-    };
-    opened
+    let engine = config.backend.embedded().unwrap_or(Embedded::Sled);
+    Store::open_embedded(&config.data_dir, engine, memory::store_options(config))
         .map(Arc::new)
         .map_err(|err| unavailable(format!("the store could not be opened: {err}")))
 }

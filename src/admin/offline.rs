@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use super::ops::{self, AdminError, ListQuery, parse_address};
 use super::tenant_of;
 use super::users;
-use crate::config::{Backend, Config};
+use crate::config::Config;
 use crate::store::{Durability, Embedded, Store, StoreError, StoreOptions};
 
 /// `memproxy conversations ...`.
@@ -176,10 +176,7 @@ fn exit_code(result: Result<(), OfflineError>) -> ExitCode {
 
 fn open(config: &Config) -> Result<Store, OfflineError> {
     let dir = config.data_dir.as_path();
-    let engine = match config.backend {
-        Backend::Fjall => Embedded::Fjall,
-        _ => Embedded::Sled,
-    };
+    let engine = config.backend.embedded().unwrap_or(Embedded::Sled);
     if !dir.join(engine.folder()).exists() {
         return Err(OfflineError::NoDataDir(dir.display().to_string()));
     }
@@ -189,11 +186,7 @@ fn open(config: &Config) -> Result<Store, OfflineError> {
         state_cache_bytes: 16 * 1024 * 1024,
     };
     let dir_name = dir.display().to_string();
-    let opened = match engine {
-        Embedded::Fjall => Store::open_fjall(dir, options),
-        Embedded::Sled => Store::open(dir, options),
-    };
-    opened.map_err(|source| match &source {
+    Store::open_embedded(dir, engine, options).map_err(|source| match &source {
         StoreError::Disk(err) if err.to_string().contains("could not acquire lock") => {
             OfflineError::Locked {
                 dir: dir_name,

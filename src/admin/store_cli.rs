@@ -60,11 +60,7 @@ pub fn run(config: &Config, command: StoreCommand) -> ExitCode {
             )
         }
         StoreCommand::Repair { into, engine } => {
-            let engine = if engine == "fjall" {
-                Embedded::Fjall
-            } else {
-                Embedded::Sled
-            };
+            let engine = Embedded::named(&engine).unwrap_or(Embedded::Sled);
             let title = format!(
                 "memproxy store repair: {} into {} ({})",
                 data_dir.display(),

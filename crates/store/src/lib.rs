@@ -478,6 +478,28 @@ impl Embedded {
         }
     }
 
+    /// The engine `storage.backend` names `name`, if embedded.
+    pub fn named(name: &str) -> Option<Embedded> {
+        [Embedded::Sled, Embedded::Fjall]
+            .into_iter()
+            .find(|e| e.name() == name)
+    }
+
+    /// Opens (or creates) the engine's files in its folder of the data directory `dir`, with
+    /// a cache of `cache_bytes`, flushing on its own every `flush_every` (`None`: when asked).
+    pub fn open_engine(
+        self,
+        dir: &Path,
+        cache_bytes: u64,
+        flush_every: Option<Duration>,
+    ) -> Result<Arc<dyn Engine>, StoreError> {
+        let dir = dir.join(self.folder());
+        Ok(match self {
+            Embedded::Sled => Arc::new(SledEngine::open(&dir, cache_bytes, flush_every)?),
+            Embedded::Fjall => Arc::new(FjallEngine::open(&dir, cache_bytes, flush_every)?),
+        })
+    }
+
     fn other(self) -> Embedded {
         match self {
             Embedded::Sled => Embedded::Fjall,
@@ -555,28 +577,27 @@ pub fn lock(handle: &Handle) -> MutexGuard<'_, Conversation> {
 }
 
 impl Store {
-    /// Opens (or creates) the embedded store under `dir` (`dir/store`). Must be called inside
-    /// a tokio runtime: the group flusher runs as a task.
+    /// Opens (or creates) the sled store under `dir` (`dir/store`): [`Store::open_embedded`]
+    /// with sled, the default.
     pub fn open(dir: &Path, options: StoreOptions) -> Result<Store, StoreError> {
-        refuse_other_engine(dir, Embedded::Sled)?;
-        let engine = SledEngine::open(
-            &dir.join(Embedded::Sled.folder()),
-            options.page_cache_bytes,
-            options.durability.engine_flush_every(),
-        )?;
-        Store::with_engine(Backing::Own(Arc::new(engine)), dir, options)
+        Store::open_embedded(dir, Embedded::Sled, options)
     }
 
-    /// Opens (or creates) the fjall store under `dir` (`dir/fjall`, `fjall_engine.rs`): its block
-    /// cache is `options.page_cache_bytes`. Must be called inside a tokio runtime.
-    pub fn open_fjall(dir: &Path, options: StoreOptions) -> Result<Store, StoreError> {
-        refuse_other_engine(dir, Embedded::Fjall)?;
-        let engine = FjallEngine::open(
-            &dir.join(Embedded::Fjall.folder()),
+    /// Opens (or creates) the store of the embedded `engine` under `dir` (in its folder, with
+    /// `options.page_cache_bytes` as its cache), unless `dir` holds the other engine's store.
+    /// Must be called inside a tokio runtime: the group flusher runs as a task.
+    pub fn open_embedded(
+        dir: &Path,
+        engine: Embedded,
+        options: StoreOptions,
+    ) -> Result<Store, StoreError> {
+        refuse_other_engine(dir, engine)?;
+        let opened = engine.open_engine(
+            dir,
             options.page_cache_bytes,
             options.durability.engine_flush_every(),
         )?;
-        Store::with_engine(Backing::Own(Arc::new(engine)), dir, options)
+        Store::with_engine(Backing::Own(opened), dir, options)
     }
 
     /// The store over a Redis server shared with other replicas (`redis_engine.rs`). Opens
@@ -1199,7 +1220,7 @@ pub(crate) mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("store")).unwrap();
-        let refused = Store::open_fjall(dir.path(), options())
+        let refused = Store::open_embedded(dir.path(), Embedded::Fjall, options())
             .unwrap_err()
             .to_string();
         assert!(refused.contains("holds a sled store"), "{refused}");

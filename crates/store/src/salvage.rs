@@ -42,6 +42,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::value::RawValue;
 
@@ -52,7 +53,7 @@ use super::records::{
 };
 use super::seal::{open_message, open_summary, sealed_message, sealed_record};
 use super::sled_salvage::SalvageReader;
-use super::{Embedded, FjallEngine, SledEngine, StoreError, legacy_workspace_dir, workspace_dir};
+use super::{Embedded, StoreError, legacy_workspace_dir, workspace_dir};
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::Role;
 
@@ -733,19 +734,14 @@ fn salvage_ttl(
 
 /// The fresh store a repair writes.
 struct Writer {
-    engine: Box<dyn Engine>,
+    engine: Arc<dyn Engine>,
     keys: KeyFiles,
 }
 
 impl Writer {
     fn open(into: &Path, engine: Embedded) -> Result<Writer, StoreError> {
-        let dir = into.join(engine.folder());
-        let engine: Box<dyn Engine> = match engine {
-            Embedded::Sled => Box::new(SledEngine::open(&dir, 16 << 20, None)?),
-            Embedded::Fjall => Box::new(FjallEngine::open(&dir, 16 << 20, None)?),
-        };
         Ok(Writer {
-            engine,
+            engine: engine.open_engine(into, 16 << 20, None)?,
             keys: KeyFiles::open(into.join("keys"))?,
         })
     }

@@ -31,6 +31,11 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// The embedded engine, for sled and fjall (`None` for Redis).
+    pub fn embedded(&self) -> Option<memproxy_store::Embedded> {
+        memproxy_store::Embedded::named(self.name())
+    }
+
     /// The engine's name, as `storage.backend` takes it.
     pub fn name(&self) -> &'static str {
         match self {
