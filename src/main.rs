@@ -22,7 +22,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let runtime = match server::runtime(config.worker_threads, config.runtime) {
+    let runtime = match server::runtime(&config) {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("memproxy: cannot start the runtime: {err}");
@@ -160,6 +160,17 @@ fn check_config(config: &Config) -> ExitCode {
         iso(config.header_read_timeout),
         iso(config.body_read_timeout),
         iso(config.idle_timeout)
+    );
+    println!(
+        "threads = {} serving ({}), at most {} for blocking work (the store's calls, the embedder)",
+        config
+            .worker_threads
+            .map_or_else(|| "one per CPU".to_string(), |n| n.to_string()),
+        match config.runtime {
+            memproxy::config::RuntimeShape::Shared => "one shared runtime",
+            memproxy::config::RuntimeShape::PerThread => "a runtime per thread",
+        },
+        config.blocking_threads
     );
     println!("upstream = {}", config.upstream.base_url);
     println!(

@@ -115,7 +115,7 @@ pub fn serve_proxy(config_path: &Path) -> ExitCode {
         }
     };
     // The runtime the memproxy binary builds from the same config.
-    let runtime = match memproxy::server::runtime(config.worker_threads, config.runtime) {
+    let runtime = match memproxy::server::runtime(&config) {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("loadbench proxy: cannot start the runtime: {err}");

@@ -23,8 +23,7 @@ impl Served {
         let (ready, started) = std::sync::mpsc::channel();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server = std::thread::spawn(move || {
-            let runtime =
-                memproxy::server::runtime(None, memproxy::config::RuntimeShape::Shared).unwrap();
+            let runtime = memproxy::server::runtime(&config).unwrap();
             runtime.block_on(async move {
                 let state = AppState::build(config).unwrap();
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

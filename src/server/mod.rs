@@ -48,15 +48,13 @@ use crate::store::StoreError;
 /// The runtime `main` runs in: with the shared shape `server.worker_threads` threads, or one
 /// per CPU; with a runtime per thread it holds the background work alone (the summary and
 /// embedding workers, the memory guard, the sweeper, signals) on one worker, and the threads
-/// serving requests are [`run_per_thread`]'s.
-pub fn runtime(
-    worker_threads: Option<usize>,
-    shape: RuntimeShape,
-) -> std::io::Result<tokio::runtime::Runtime> {
+/// serving requests are [`run_per_thread`]'s. Its blocking pool holds at most
+/// `config.blocking_threads` threads.
+pub fn runtime(config: &Config) -> std::io::Result<tokio::runtime::Runtime> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    match shape {
+    match config.runtime {
         RuntimeShape::Shared => {
-            if let Some(threads) = worker_threads {
+            if let Some(threads) = config.worker_threads {
                 builder.worker_threads(threads);
             }
         }
@@ -64,7 +62,10 @@ pub fn runtime(
             builder.worker_threads(1);
         }
     }
-    builder.enable_all().build()
+    builder
+        .max_blocking_threads(config.blocking_threads)
+        .enable_all()
+        .build()
 }
 
 /// The HTTP/1.1 + h2c connection builder. hyper's own HTTP/1.1 head timeout stays off: it
@@ -318,6 +319,12 @@ async fn run_per_thread(
     let (stop_accepting, accepting) = watch::channel(false);
     let (may_drain, draining) = watch::channel(false);
     let mut threads = Vec::with_capacity(listeners.len());
+    // The serving threads' runtimes share `blocking_threads` between them.
+    let blocking_threads = state
+        .config
+        .blocking_threads
+        .div_ceil(listeners.len().max(1))
+        .max(2);
     for (n, listener) in listeners.into_iter().enumerate() {
         let state = Arc::clone(&state);
         let admission = admission.clone();
@@ -329,6 +336,7 @@ async fn run_per_thread(
             .spawn(move || {
                 crate::upstream::own_pools_on_this_thread();
                 let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .max_blocking_threads(blocking_threads)
                     .enable_all()
                     .build()
                 {

@@ -62,9 +62,10 @@ pub use memory_budget::{
 };
 pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{
-    DEFAULT_BODY_LIMIT_BYTES, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN, DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET,
-    DEFAULT_RESPONSE_LIMIT_BYTES, DEFAULT_SHUTDOWN_GRACE, LogFormat, RuntimeShape,
+    BLOCKING_THREADS_PAST_POOL, DEFAULT_BLOCKING_THREADS, DEFAULT_BODY_LIMIT_BYTES,
+    DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN,
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET, DEFAULT_RESPONSE_LIMIT_BYTES,
+    DEFAULT_SHUTDOWN_GRACE, LogFormat, RuntimeShape,
 };
 pub use storage::{
     Backend, DEFAULT_DATA_DIR, DEFAULT_FLUSH_INTERVAL, DEFAULT_REDIS_KEY_PREFIX, Durability,
@@ -92,6 +93,9 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// Threads serving requests; `None`: one per CPU the process may use.
     pub worker_threads: Option<usize>,
+    /// Threads for blocking work, the store's calls above all (`server.blocking_threads`, or
+    /// chosen with the store): tokio's blocking pool in each runtime holds at most these.
+    pub blocking_threads: usize,
     /// How those threads are arranged (`server.runtime`).
     pub runtime: RuntimeShape,
     /// Time to send a whole request head (from the connection's start, or from the first byte
@@ -281,6 +285,12 @@ fn check(
         response_limit_bytes: server.response_limit_bytes,
         shutdown_grace: server.shutdown_grace,
         worker_threads: server.worker_threads,
+        blocking_threads: server
+            .blocking_threads
+            .unwrap_or_else(|| match &storage.backend {
+                Backend::Redis(redis) => redis.pool_size + server::BLOCKING_THREADS_PAST_POOL,
+                Backend::Sled | Backend::Fjall => server::DEFAULT_BLOCKING_THREADS,
+            }),
         runtime: server.runtime,
         header_read_timeout: server.header_read_timeout,
         body_read_timeout: server.body_read_timeout,
@@ -329,6 +339,33 @@ mod tests {
             assert!(all.contains(needle), "missing {needle} in:\n{all}");
         }
         err
+    }
+
+    #[test]
+    fn blocking_threads_follow_the_store_unless_set() {
+        let threads = |text: &str| from_toml(text, &no_env).unwrap().blocking_threads;
+        assert_eq!(threads(""), DEFAULT_BLOCKING_THREADS);
+        assert_eq!(
+            threads("[storage]\nbackend = \"fjall\"\n"),
+            DEFAULT_BLOCKING_THREADS
+        );
+        let redis = "[storage]\nbackend = \"redis\"\nredis_url = \"redis://127.0.0.1:1\"\n";
+        assert_eq!(
+            threads(&format!("{redis}redis_pool_size = 40\n")),
+            40 + BLOCKING_THREADS_PAST_POOL
+        );
+        assert_eq!(
+            threads(&format!("[server]\nblocking_threads = 3\n{redis}")),
+            3
+        );
+        assert_eq!(
+            threads("[server]\nblocking_threads = 0\n"),
+            DEFAULT_BLOCKING_THREADS
+        );
+        assert_refused(
+            "[server]\nblocking_threads = 5000\n",
+            &["server.blocking_threads: 5000 is too many"],
+        );
     }
 
     #[test]
