@@ -3,10 +3,10 @@
 //! default; why a sidecar that stores millions of messages may want this one instead: sled
 //! keeps a list of log places for every page it ever wrote, in memory, so its memory grows
 //! with the keys stored (README, "The fjall engine"), where fjall keeps its tables on disk and,
-//! in memory, its block cache, its memtables, and per table file an index and (where it helps)
-//! a filter.
+//! in memory, its block cache, its memtables, and the indexes and filters of its newest
+//! tables (deeper levels' go through the block cache).
 //!
-//! - **Layout.** The same trees as the sled engine (fjall's partitions) with the same keys and
+//! - **Layout.** The same trees as the sled engine (fjall's keyspaces) with the same keys and
 //!   values (`layout.rs`; the list is in `sled_engine.rs`), and one more, `ids`, holding the
 //!   next conversation id.
 //! - **Writes.** Every write is one fjall write transaction. fjall runs them one at a time and
@@ -15,17 +15,24 @@
 //!   delete's scan and its removal. Reads of more than one record (a load, a page) read one
 //!   snapshot, so a reader never sees half a write.
 //! - **Durability.** A commit goes to fjall's journal and into the OS's buffers before it is
-//!   acknowledged: it survives this process being killed. [`Engine::flush`] syncs the journal
-//!   to the disk (`persist(SyncAll)`); with `flush_every`, fjall syncs it that often by itself.
-//!   At open, fjall replays the journal past its tables; a torn end of it is dropped.
+//!   acknowledged (`PersistMode::Buffer`): it survives this process being killed.
+//!   [`Engine::flush`] syncs the journal to the disk (`persist(SyncAll)`); with `flush_every`,
+//!   a thread of the engine's syncs it that often too. At open, fjall replays the journal past
+//!   its tables; a torn end of it is dropped.
 //! - **Ids** are reserved in blocks of [`ID_BLOCK`], each block made durable before an id of it
 //!   is handed out: a crash skips the rest of a block and never hands an id out twice.
 //! - **Failures.** A write that fails on the disk returns [`StoreError::Disk`]; a journal that
 //!   cannot be synced poisons fjall's keyspace, and every later write fails until
 //!   [`Engine::reopen`] opens it again from the disk.
-//! - **One process.** fjall takes no lock of its own; the engine holds an exclusive lock on
-//!   `memproxy.lock` in its folder while open, so a second process on the same data directory
-//!   gets an error rather than two writers on one journal.
+//! - **One process.** The engine holds an exclusive lock on `memproxy.lock` in its folder
+//!   while open (fjall 3 takes one of its own too), so a second process on the same data
+//!   directory gets an error rather than two writers on one journal.
+//! - **fjall 3.** fjall 2, which the first version of this engine used, kept in its block cache
+//!   the hash of every block it had evicted, up to 500,000 of them (about 35 MB), so its memory
+//!   grew for as long as the store was read (11.3 MB beside a 5 MiB cache after ten minutes of
+//!   the soak at 128 MiB, in jemalloc's heap profile). fjall 3 keeps 5,000 at most. It cannot
+//!   read fjall 2's files: such a folder is refused ([`StoreError::Engine`]) with a message
+//!   that says so.
 
 use std::fs::File;
 use std::ops::Bound;
@@ -33,7 +40,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use fjall::{PartitionCreateOptions, PersistMode, TxKeyspace, TxPartitionHandle, WriteTransaction};
+use fjall::config::{BlockSizePolicy, FilterPolicy};
+use fjall::{
+    KeyspaceCreateOptions, PersistMode, Readable, SingleWriterTxDatabase as Database,
+    SingleWriterTxKeyspace as Keyspace, SingleWriterWriteTx as WriteTx,
+};
 
 use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Scope, SealedVector, Vectors, Version, Write};
@@ -52,16 +63,14 @@ use memproxy_base::identity::{ConversationKey, TenantId};
 /// Conversation ids reserved at a time (one durable write each).
 const ID_BLOCK: u64 = 1024;
 
-/// The `ids` partition's key of the first id not yet reserved.
+/// The `ids` keyspace's key of the first id not yet reserved.
 const NEXT_ID: &[u8] = b"next";
 
-/// All memtables together take at most as much as the block cache (fjall then flushes the
-/// largest to a table file), within these bounds: the budget gives the store's memory beyond
-/// its cache twice the cache's share (`memory_budget.rs`).
-const WRITE_BUFFER_BYTES: std::ops::RangeInclusive<u64> = (2 << 20)..=(64 << 20);
-
-/// One partition's memtable takes at most a quarter of the write buffer, and no less than this.
-const MIN_MEMTABLE_BYTES: u64 = 1 << 20;
+/// Each keyspace's memtable is written to a table file once it holds an eighth of the store's
+/// share of the budget, within these bounds: a handful of keyspaces take writes at once (the
+/// messages, their vectors, summaries, the conversations' records), and the budget gives the
+/// store's memory beyond its block cache twice that share (`memory_budget.rs`).
+const MEMTABLE_BYTES: std::ops::RangeInclusive<u64> = (1 << 20)..=(16 << 20);
 
 /// A table file's blocks (data and index), against fjall's 4 KiB: what fjall keeps in memory
 /// of its files grows with their blocks (the first two levels' indexes whole, a filter and the
@@ -71,7 +80,7 @@ const MIN_MEMTABLE_BYTES: u64 = 1 << 20;
 /// --vector-dims 256`); with 32 KiB it stayed between 36.6 and 44.3 MiB to four million.
 const BLOCK_BYTES: u32 = 32 << 10;
 
-/// The partitions that grow with the messages stored and are read mostly by range or prefix
+/// The keyspaces that grow with the messages stored and are read mostly by range or prefix
 /// (a conversation's messages, vectors, summaries, branches): no filter, whose 10 bits a key
 /// would grow with them and speed up only point reads of keys that are not there. With filters
 /// off for these the heap stayed between 32.0 and 38.4 MiB to 2.5 million messages (the same
@@ -100,21 +109,24 @@ pub struct FjallEngine {
     ids: Mutex<(u64, u64)>,
 }
 
-/// An open keyspace and its partitions.
+/// An open database and its keyspaces.
 struct Parts {
-    keyspace: TxKeyspace,
-    conversations: TxPartitionHandle,
-    messages: TxPartitionHandle,
-    summaries: TxPartitionHandle,
-    branches: TxPartitionHandle,
-    ttl: TxPartitionHandle,
-    responses: TxPartitionHandle,
-    conversation_responses: TxPartitionHandle,
-    owners: TxPartitionHandle,
-    owner_records: TxPartitionHandle,
-    vectors: TxPartitionHandle,
-    owner_vectors: TxPartitionHandle,
-    ids: TxPartitionHandle,
+    /// Syncs the journal every `flush_every`, when set; first, so it stops before the rest
+    /// closes.
+    _syncer: Option<Syncer>,
+    db: Database,
+    conversations: Keyspace,
+    messages: Keyspace,
+    summaries: Keyspace,
+    branches: Keyspace,
+    ttl: Keyspace,
+    responses: Keyspace,
+    conversation_responses: Keyspace,
+    owners: Keyspace,
+    owner_records: Keyspace,
+    vectors: Keyspace,
+    owner_vectors: Keyspace,
+    ids: Keyspace,
     /// Held while open: the folder's lock.
     _lock: File,
 }
@@ -135,14 +147,29 @@ impl From<fjall::Error> for StoreError {
             fjall::Error::Poisoned => StoreError::Disk(std::io::Error::other(
                 "fjall stopped writing after a failure to write its files",
             )),
+            fjall::Error::InvalidVersion(_)
+            | fjall::Error::Storage(fjall::LsmError::InvalidVersion(_)) => StoreError::Engine(
+                format!(
+                    "the fjall folder is in a format this memproxy does not read ({err}): the \
+                     first fjall engine (before fjall 3) wrote fjall 2's files; move the folder \
+                     aside to start empty, or convert it with fjall's migrate-v2-v3 tool"
+                )
+                .into(),
+            ),
             fjall::Error::Storage(
-                fjall::LsmError::InvalidChecksum(_)
-                | fjall::LsmError::Decode(_)
+                fjall::LsmError::ChecksumMismatch { .. }
                 | fjall::LsmError::Decompress(_)
+                | fjall::LsmError::InvalidTag(_)
+                | fjall::LsmError::InvalidTrailer
+                | fjall::LsmError::InvalidHeader(_)
+                | fjall::LsmError::Utf8(_)
                 | fjall::LsmError::Unrecoverable,
             )
             | fjall::Error::JournalRecovery(_)
-            | fjall::Error::Decode(_) => {
+            | fjall::Error::Decompress(_)
+            | fjall::Error::InvalidTrailer
+            | fjall::Error::InvalidTag(_)
+            | fjall::Error::Unrecoverable => {
                 StoreError::Damaged(format!("fjall found its files damaged: {err}"))
             }
             other => StoreError::Engine(Box::new(other)),
@@ -151,8 +178,8 @@ impl From<fjall::Error> for StoreError {
 }
 
 /// A row of a fjall walk, its error as the store's.
-fn fjall_row(item: fjall::Result<fjall::KvPair>) -> Result<fjall::KvPair, StoreError> {
-    item.map_err(StoreError::from)
+fn fjall_row(item: fjall::Guard) -> Result<fjall::KvPair, StoreError> {
+    item.into_inner().map_err(StoreError::from)
 }
 
 /// A key's value as a vector of bytes.
@@ -171,8 +198,8 @@ fn after_bounds(after: Option<&[u8]>) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
 /// The record of the conversation at `key_bytes` as `tx` reads it, decoded leniently: an
 /// unreadable record has no id.
 fn conversation_id(
-    tx: &WriteTransaction,
-    conversations: &TxPartitionHandle,
+    tx: &WriteTx,
+    conversations: &Keyspace,
     key_bytes: &[u8],
 ) -> Result<Option<u64>, StoreError> {
     Ok(tx
@@ -182,26 +209,60 @@ fn conversation_id(
 }
 
 /// The id of `owner`'s record as `tx` reads it, decoded leniently as [`conversation_id`].
-fn owner_id(
-    tx: &WriteTransaction,
-    owners: &TxPartitionHandle,
-    owner: &OwnerKey,
-) -> Result<Option<u64>, StoreError> {
+fn owner_id(tx: &WriteTx, owners: &Keyspace, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
     Ok(tx
         .get(owners, owner.to_bytes())?
         .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok())
         .map(|m| m.id))
 }
 
-/// The keys under `prefix` in `partition`, as `tx` reads them.
+/// The keys under `prefix` in `keyspace`, as `tx` reads them.
 fn keys_under(
-    tx: &WriteTransaction,
-    partition: &TxPartitionHandle,
+    tx: &WriteTx,
+    keyspace: &Keyspace,
     prefix: &[u8],
 ) -> Result<Vec<fjall::Slice>, StoreError> {
-    tx.prefix(partition, prefix)
-        .map(|item| item.map(|(k, _)| k).map_err(StoreError::from))
+    tx.prefix(keyspace, prefix)
+        .map(|item| item.key().map_err(StoreError::from))
         .collect()
+}
+
+/// A thread that syncs the journal to the disk at an interval (fjall 3 has no such setting of
+/// its own); it stops, and is joined, when dropped.
+struct Syncer {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Syncer {
+    fn start(db: Database, every: Duration) -> Syncer {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("memproxy-fjall-sync".to_string())
+            .spawn(move || {
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(every)
+                {
+                    if let Err(err) = db.persist(PersistMode::SyncAll) {
+                        tracing::warn!(error = %err, "fjall could not sync its journal");
+                    }
+                }
+            })
+            .ok();
+        Syncer {
+            stop: Some(stop),
+            thread,
+        }
+    }
+}
+
+impl Drop for Syncer {
+    fn drop(&mut self) {
+        self.stop.take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// Opens the folder's lock file and takes it, waiting [`LOCK_WAIT`] at most.
@@ -238,47 +299,47 @@ impl Parts {
         flush_every: Option<Duration>,
     ) -> Result<Parts, StoreError> {
         let lock = take_lock(dir)?;
-        let fsync_ms = flush_every.map(|d| d.as_millis().clamp(1, u128::from(u16::MAX)) as u16);
-        let write_buffer =
-            cache_bytes.clamp(*WRITE_BUFFER_BYTES.start(), *WRITE_BUFFER_BYTES.end());
-        let memtable =
-            u32::try_from((write_buffer / 4).max(MIN_MEMTABLE_BYTES)).unwrap_or(u32::MAX);
-        let keyspace = fjall::Config::new(dir)
-            .cache_size(cache_bytes)
-            .max_write_buffer_size(write_buffer)
-            .fsync_ms(fsync_ms)
-            .open_transactional()?;
-        let partition = |name: &str| {
-            let options = PartitionCreateOptions::default()
-                .max_memtable_size(memtable)
-                .block_size(BLOCK_BYTES);
-            let options = if UNFILTERED.contains(&name) {
-                options.bloom_filter_bits(None)
-            } else {
-                options
-            };
-            keyspace.open_partition(name, options)
+        let memtable = (cache_bytes / 8).clamp(*MEMTABLE_BYTES.start(), *MEMTABLE_BYTES.end());
+        let db = Database::builder(dir).cache_size(cache_bytes).open()?;
+        let keyspace = |name: &str| {
+            db.keyspace(name, || {
+                let options = KeyspaceCreateOptions::default()
+                    .max_memtable_size(memtable)
+                    .data_block_size_policy(BlockSizePolicy::all(BLOCK_BYTES));
+                if UNFILTERED.contains(&name) {
+                    options.filter_policy(FilterPolicy::disabled())
+                } else {
+                    options
+                }
+            })
         };
         Ok(Parts {
-            conversations: partition("conversations")?,
-            messages: partition("messages")?,
-            summaries: partition("summaries")?,
-            branches: partition("branches")?,
-            ttl: partition("ttl")?,
-            responses: partition("responses")?,
-            conversation_responses: partition("conversation_responses")?,
-            owners: partition("owners")?,
-            owner_records: partition("owner_records")?,
-            vectors: partition("vectors")?,
-            owner_vectors: partition("owner_vectors")?,
-            ids: partition("ids")?,
-            keyspace,
+            _syncer: flush_every.map(|every| Syncer::start(db.clone(), every)),
+            conversations: keyspace("conversations")?,
+            messages: keyspace("messages")?,
+            summaries: keyspace("summaries")?,
+            branches: keyspace("branches")?,
+            ttl: keyspace("ttl")?,
+            responses: keyspace("responses")?,
+            conversation_responses: keyspace("conversation_responses")?,
+            owners: keyspace("owners")?,
+            owner_records: keyspace("owner_records")?,
+            vectors: keyspace("vectors")?,
+            owner_vectors: keyspace("owner_vectors")?,
+            ids: keyspace("ids")?,
+            db,
             _lock: lock,
         })
     }
 
-    /// Every partition, for whole-store walks.
-    fn all(&self) -> [&TxPartitionHandle; 12] {
+    /// A write transaction whose commit reaches the journal file (the OS's buffers) before it
+    /// returns, so it survives this process being killed.
+    fn write_tx(&self) -> WriteTx<'_> {
+        self.db.write_tx().durability(Some(PersistMode::Buffer))
+    }
+
+    /// Every keyspace, for whole-store walks.
+    fn all(&self) -> [&Keyspace; 12] {
         [
             &self.conversations,
             &self.messages,
@@ -306,9 +367,10 @@ impl Parts {
 }
 
 impl FjallEngine {
-    /// Opens (or creates) the keyspace in `dir`. `cache_bytes` is fjall's block cache, and its
-    /// memtables' limit too (within [`WRITE_BUFFER_BYTES`]); `flush_every` how often fjall syncs
-    /// its journal by itself (`None`: only explicit flushes).
+    /// Opens (or creates) the database in `dir`. `cache_bytes` is the store's share of the
+    /// budget: fjall's block cache, and an eighth of it each keyspace's memtable (within
+    /// [`MEMTABLE_BYTES`]); `flush_every` how often the journal is synced to the disk besides
+    /// the explicit flushes (`None`: only those).
     pub fn open(
         dir: &Path,
         cache_bytes: u64,
@@ -334,17 +396,17 @@ impl FjallEngine {
             .ok_or(StoreError::Closed)
     }
 
-    /// Removes every key under `prefix` in each of `partitions`, in `tx`; the number removed
+    /// Removes every key under `prefix` in each of `keyspaces`, in `tx`; the number removed
     /// from each.
     fn remove_prefixes<const N: usize>(
-        tx: &mut WriteTransaction,
-        partitions: [&TxPartitionHandle; N],
+        tx: &mut WriteTx,
+        keyspaces: [&Keyspace; N],
         prefix: &[u8],
     ) -> Result<[usize; N], StoreError> {
         let mut counts = [0; N];
-        for (partition, count) in partitions.into_iter().zip(counts.iter_mut()) {
-            for key in keys_under(tx, partition, prefix)? {
-                tx.remove(partition, key);
+        for (keyspace, count) in keyspaces.into_iter().zip(counts.iter_mut()) {
+            for key in keys_under(tx, keyspace, prefix)? {
+                tx.remove(keyspace, key);
                 *count += 1;
             }
         }
@@ -359,7 +421,7 @@ impl Engine for FjallEngine {
 
     fn load(&self, key: &ConversationKey) -> Result<Loaded, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         let Some(stored) = snapshot.get(&p.conversations, key.to_bytes())? else {
             return Ok(Loaded::default());
         };
@@ -387,7 +449,7 @@ impl Engine for FjallEngine {
         turns: &[u64],
     ) -> Result<Vec<StoredMessage>, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         turns
             .iter()
             .map(|&turn| {
@@ -410,10 +472,10 @@ impl Engine for FjallEngine {
         if from > to {
             return Ok(Vec::new());
         }
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         snapshot
             .range(&p.messages, message_key(id, from)..=message_key(id, to))
-            .map(|item| decode(&item?.1))
+            .map(|item| decode(&fjall_row(item)?.1))
             .collect()
     }
 
@@ -428,7 +490,7 @@ impl Engine for FjallEngine {
             // A reopen may have found a later block (none is handed out twice either way).
             let start = (*next).max(p.reserved()?);
             let new_end = start + ID_BLOCK;
-            let mut tx = p.keyspace.write_tx().durability(Some(PersistMode::SyncAll));
+            let mut tx = p.write_tx().durability(Some(PersistMode::SyncAll));
             tx.insert(&p.ids, NEXT_ID, new_end.to_be_bytes());
             tx.commit()?;
             *next = start;
@@ -449,7 +511,7 @@ impl Engine for FjallEngine {
         let rows = Rows::of(key, &write)?;
         let id = write.meta.id;
         let branch_rows = branch_rows(id, write.branches)?;
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         if tx.get(&p.conversations, &rows.key)?.as_deref() != expected.token() {
             tx.rollback();
             return Err(StoreError::Stale);
@@ -496,7 +558,7 @@ impl Engine for FjallEngine {
     ) -> Result<Option<Deleted>, StoreError> {
         let p = self.parts()?;
         let key_bytes = key.to_bytes();
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         let Some(stored_meta) = tx.get(&p.conversations, &key_bytes)? else {
             tx.remove(&p.ttl, key_bytes.as_slice());
             tx.commit()?;
@@ -534,11 +596,11 @@ impl Engine for FjallEngine {
 
     fn branches(&self, _key: &ConversationKey, id: u64) -> Result<Vec<StoredBranch>, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         assemble_branches(
             snapshot
                 .prefix(&p.branches, id.to_be_bytes())
-                .map(|item| item.map_err(StoreError::from)),
+                .map(fjall_row),
         )
     }
 
@@ -548,11 +610,11 @@ impl Engine for FjallEngine {
         id: u64,
     ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         snapshot
             .prefix(&p.summaries, id.to_be_bytes())
             .map(|item| {
-                let (key, value) = item?;
+                let (key, value) = fjall_row(item)?;
                 Ok((turn_of(&key).unwrap_or(0), bytes(value)))
             })
             .collect()
@@ -564,10 +626,10 @@ impl Engine for FjallEngine {
         id: u64,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         match snapshot.prefix(&p.summaries, id.to_be_bytes()).next_back() {
             None => Ok(None),
-            Some(item) => Ok(Some(bytes(item?.1))),
+            Some(item) => Ok(Some(bytes(item.value()?))),
         }
     }
 
@@ -579,7 +641,7 @@ impl Engine for FjallEngine {
         record: &[u8],
     ) -> Result<bool, StoreError> {
         let p = self.parts()?;
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         if conversation_id(&tx, &p.conversations, &key.to_bytes())? != Some(id) {
             tx.rollback();
             return Ok(false);
@@ -599,7 +661,7 @@ impl Engine for FjallEngine {
 
     fn put_ttl(&self, key: &ConversationKey, record: &TtlRecord) -> Result<(), StoreError> {
         let p = self.parts()?;
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         tx.insert(&p.ttl, key.to_bytes(), encode(record)?);
         tx.commit()?;
         Ok(())
@@ -611,7 +673,7 @@ impl Engine for FjallEngine {
         limit: usize,
     ) -> Result<Page<(ConversationKey, TtlRecord)>, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         ttl_page(
             snapshot.range(&p.ttl, after_bounds(after)).map(fjall_row),
             limit,
@@ -621,7 +683,7 @@ impl Engine for FjallEngine {
     fn drop_orphan_ttl(&self, key: &ConversationKey) -> Result<bool, StoreError> {
         let p = self.parts()?;
         let key_bytes = key.to_bytes();
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         if tx.get(&p.conversations, &key_bytes)?.is_some() || tx.get(&p.ttl, &key_bytes)?.is_none()
         {
             tx.rollback();
@@ -641,14 +703,14 @@ impl Engine for FjallEngine {
     ) -> Result<Page<(ConversationKey, ConversationMeta)>, StoreError> {
         let p = self.parts()?;
         let (prefix, start) = listing_start(scope, after);
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         let rows = snapshot.range(&p.conversations, start..).map(fjall_row);
         conversations_page(rows, scope, &prefix, limit, max_scan)
     }
 
     fn flush(&self) -> Result<(), StoreError> {
         let p = self.parts()?;
-        p.keyspace.persist(PersistMode::SyncAll)?;
+        p.db.persist(PersistMode::SyncAll)?;
         Ok(())
     }
 
@@ -678,7 +740,7 @@ impl Engine for FjallEngine {
     }
 
     fn size_bytes(&self) -> u64 {
-        self.parts().map_or(0, |p| p.keyspace.disk_space())
+        self.parts().map_or(0, |p| p.db.disk_space().unwrap_or(0))
     }
 
     fn response_conversation(
@@ -687,7 +749,7 @@ impl Engine for FjallEngine {
         response_id: &str,
     ) -> Result<Option<ConversationKey>, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         let Some(value) = snapshot.get(&p.responses, response_key(tenant, response_id))? else {
             return Ok(None);
         };
@@ -711,7 +773,7 @@ impl Engine for FjallEngine {
 
     fn forget_response(&self, tenant: &TenantId, response_id: &str) -> Result<bool, StoreError> {
         let p = self.parts()?;
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         let Some(value) = tx.take(&p.responses, response_key(tenant, response_id))? else {
             tx.rollback();
             return Ok(false);
@@ -732,10 +794,10 @@ impl Engine for FjallEngine {
             return Ok(true);
         }
         let found = |bytes: &[u8]| bytes.windows(needle.len()).any(|w| w == needle);
-        let snapshot = p.keyspace.read_tx();
-        for partition in p.all() {
-            for item in snapshot.iter(partition) {
-                let (key, value) = item?;
+        let snapshot = p.db.read_tx();
+        for keyspace in p.all() {
+            for item in snapshot.iter(keyspace) {
+                let (key, value) = fjall_row(item)?;
                 if found(&key) || found(&value) {
                     return Ok(true);
                 }
@@ -757,7 +819,7 @@ impl Owners for FjallEngine {
     fn create_owner(&self, owner: &OwnerKey, meta: OwnerMeta) -> Result<OwnerMeta, StoreError> {
         let p = self.parts()?;
         let owner_bytes = owner.to_bytes();
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         if let Some(current) = tx.get(&p.owners, &owner_bytes)? {
             tx.rollback();
             return decode(&current);
@@ -775,7 +837,7 @@ impl Owners for FjallEngine {
         remove: &[(u8, Vec<u8>)],
     ) -> Result<bool, StoreError> {
         let p = self.parts()?;
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         if owner_id(&tx, &p.owners, owner)? != Some(id) {
             tx.rollback();
             return Ok(false);
@@ -821,10 +883,10 @@ impl Owners for FjallEngine {
             Some(after) => Bound::Excluded([prefix.as_slice(), after].concat()),
             None => Bound::Included(prefix.clone()),
         };
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         let mut out = Vec::new();
         for item in snapshot.range(&p.owner_records, (start, Bound::<Vec<u8>>::Unbounded)) {
-            let (key, value) = item?;
+            let (key, value) = fjall_row(item)?;
             let Some(id) = key.strip_prefix(prefix.as_slice()) else {
                 return Ok((out, None));
             };
@@ -844,7 +906,7 @@ impl Owners for FjallEngine {
     fn delete_owner(&self, owner: &OwnerKey) -> Result<Option<u64>, StoreError> {
         let p = self.parts()?;
         let owner_bytes = owner.to_bytes();
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         let removed = tx
             .take(&p.owners, owner_bytes)?
             .and_then(|bytes| serde_json::from_slice::<OwnerMeta>(&bytes).ok());
@@ -863,7 +925,7 @@ impl Owners for FjallEngine {
         limit: usize,
     ) -> Result<Page<(OwnerKey, OwnerMeta)>, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         owners_page(
             snapshot
                 .range(&p.owners, after_bounds(after))
@@ -881,7 +943,7 @@ impl Vectors for FjallEngine {
         vectors: &[(u64, Vec<u8>)],
     ) -> Result<Option<usize>, StoreError> {
         let p = self.parts()?;
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         if conversation_id(&tx, &p.conversations, &key.to_bytes())? != Some(id) {
             tx.rollback();
             return Ok(None);
@@ -904,11 +966,11 @@ impl Vectors for FjallEngine {
         id: u64,
     ) -> Result<Vec<SealedVector<u64>>, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         snapshot
             .prefix(&p.vectors, id.to_be_bytes())
             .map(|item| {
-                let (key, value) = item?;
+                let (key, value) = fjall_row(item)?;
                 let turn = turn_of(&key)
                     .ok_or_else(|| StoreError::Corrupt("a vector key is malformed".into()))?;
                 Ok((turn, bytes(value)))
@@ -923,7 +985,7 @@ impl Vectors for FjallEngine {
         vectors: &[(u8, Vec<u8>, Vec<u8>)],
     ) -> Result<Option<usize>, StoreError> {
         let p = self.parts()?;
-        let mut tx = p.keyspace.write_tx();
+        let mut tx = p.write_tx();
         if owner_id(&tx, &p.owners, owner)? != Some(id) {
             tx.rollback();
             return Ok(None);
@@ -947,11 +1009,11 @@ impl Vectors for FjallEngine {
     ) -> Result<Vec<SealedVector<Vec<u8>>>, StoreError> {
         let p = self.parts()?;
         let prefix = owner_prefix(owner, Some(space));
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         snapshot
             .prefix(&p.owner_vectors, &prefix)
             .map(|item| {
-                let (key, value) = item?;
+                let (key, value) = fjall_row(item)?;
                 let id = key.get(prefix.len()..).unwrap_or_default();
                 Ok((id.to_vec(), bytes(value)))
             })
@@ -960,11 +1022,11 @@ impl Vectors for FjallEngine {
 
     fn vector_count(&self) -> Result<u64, StoreError> {
         let p = self.parts()?;
-        let snapshot = p.keyspace.read_tx();
+        let snapshot = p.db.read_tx();
         let mut count = 0;
-        for partition in [&p.vectors, &p.owner_vectors] {
-            for key in snapshot.keys(partition) {
-                key?;
+        for keyspace in [&p.vectors, &p.owner_vectors] {
+            for item in snapshot.iter(keyspace) {
+                item.key()?;
                 count += 1;
             }
         }
@@ -979,7 +1041,9 @@ mod tests {
     #[test]
     fn a_second_open_of_the_same_folder_is_refused_while_the_first_holds_it() {
         let dir = tempfile::tempdir().unwrap();
-        let first = FjallEngine::open(dir.path(), 1 << 20, None).unwrap();
+        // With a syncing thread, which must let go of the database when the engine is dropped.
+        let first = FjallEngine::open(dir.path(), 1 << 20, Some(Duration::from_millis(5))).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
         let second = FjallEngine::open(dir.path(), 1 << 20, None).unwrap_err();
         assert!(
             second.to_string().contains("could not acquire lock"),
@@ -987,6 +1051,23 @@ mod tests {
         );
         drop(first);
         FjallEngine::open(dir.path(), 1 << 20, None).unwrap();
+    }
+
+    #[test]
+    fn a_folder_in_fjall_2s_format_is_refused_with_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        // fjall 2's format marker: "FJL" and the version.
+        std::fs::write(dir.path().join("version"), b"FJL\x02").unwrap();
+        let err = FjallEngine::open(dir.path(), 1 << 20, None).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, StoreError::Engine(_)), "{err:?}");
+        assert!(text.contains("fjall 2's files"), "{text}");
+        assert!(text.contains("migrate-v2-v3"), "{text}");
+        // Nothing was written over it.
+        assert_eq!(
+            std::fs::read(dir.path().join("version")).unwrap(),
+            b"FJL\x02"
+        );
     }
 
     #[test]
