@@ -191,9 +191,13 @@ fn check_config(config: &Config) -> ExitCode {
     let budget = &config.memory_budget;
     let mib = |bytes: u64| bytes >> 20;
     println!(
-        "memory budget = {} MiB: state cache {} MiB, sled page cache {} MiB, recall cache {} MiB, the storage engine beyond its cache {} MiB, receipts {} MiB, the process itself about {} MiB, the embedder {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
+        "memory budget = {} MiB: state cache {} MiB, {} {} MiB, recall cache {} MiB, the storage engine beyond its cache {} MiB, receipts {} MiB, the process itself about {} MiB, the embedder {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
         mib(budget.total),
         mib(budget.state_cache),
+        match config.backend {
+            memproxy::config::Backend::Fjall => "fjall block cache",
+            _ => "sled page cache",
+        },
         mib(budget.store_cache),
         mib(budget.recall_cache),
         mib(budget.engine_reserve),
@@ -211,7 +215,7 @@ fn check_config(config: &Config) -> ExitCode {
         }
         memproxy::config::Backend::Fjall => {
             println!(
-                "storage = fjall in {}: its memory is its block cache (the store cache above), memtables of at most as much again, and a filter and index per table file, whatever it stores",
+                "storage = fjall in {}: its memory is its block cache (above), a memtable per keyspace of an eighth of that (1 to 16 MiB), and the indexes and filters of its newest tables, whatever it stores",
                 config.data_dir.display()
             );
         }
