@@ -140,26 +140,18 @@ pub(super) fn check_server(
         DEFAULT_SHUTDOWN_GRACE,
         problems,
     );
-    let worker_threads = match raw.worker_threads {
-        None | Some(0) => None,
-        Some(n @ 1..=1024) => Some(n as usize),
-        Some(n) => {
-            problems.push(format!(
-                "server.worker_threads: {n} is too many (0 = one per CPU, at most 1024)"
-            ));
-            None
-        }
-    };
-    let blocking_threads = match raw.blocking_threads {
-        None | Some(0) => None,
-        Some(n @ 1..=1024) => Some(n as usize),
-        Some(n) => {
-            problems.push(format!(
-                "server.blocking_threads: {n} is too many (0 = chosen with the store, at most 1024)"
-            ));
-            None
-        }
-    };
+    let worker_threads = thread_count(
+        "server.worker_threads",
+        raw.worker_threads,
+        "one per CPU",
+        problems,
+    );
+    let blocking_threads = thread_count(
+        "server.blocking_threads",
+        raw.blocking_threads,
+        "chosen with the store",
+        problems,
+    );
     let runtime = match raw.runtime.as_deref() {
         None => RuntimeShape::default(),
         Some("shared") => RuntimeShape::Shared,
@@ -212,6 +204,24 @@ pub(super) fn check_server(
         max_connections,
         memory_budget: size("server.memory_budget", raw.memory_budget, problems)
             .unwrap_or(DEFAULT_MEMORY_BUDGET),
+    }
+}
+
+/// A count of threads from 1 to 1024; `None` when unset or 0 (which means `zero`), or when
+/// too many (a problem).
+fn thread_count(
+    key: &str,
+    raw: Option<u64>,
+    zero: &str,
+    problems: &mut Vec<String>,
+) -> Option<usize> {
+    match raw {
+        None | Some(0) => None,
+        Some(n @ 1..=1024) => Some(n as usize),
+        Some(n) => {
+            problems.push(format!("{key}: {n} is too many (0 = {zero}, at most 1024)"));
+            None
+        }
     }
 }
 
