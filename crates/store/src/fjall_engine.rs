@@ -72,19 +72,21 @@ const NEXT_ID: &[u8] = b"next";
 /// store's memory beyond its block cache twice that share (`memory_budget.rs`).
 const MEMTABLE_BYTES: std::ops::RangeInclusive<u64> = (1 << 20)..=(16 << 20);
 
-/// A table file's blocks (data and index), against fjall's 4 KiB: what fjall keeps in memory
-/// of its files grows with their blocks (the first two levels' indexes whole, a filter and the
-/// top of the index for the others), and memproxy reads mostly whole conversations, a range of
-/// consecutive keys. With 4 KiB blocks the heap grew by about 19 bytes a stored message (42.5
-/// MiB at half a million, 89.4 at three million, `store_growth --engine fjall --ledger
-/// --vector-dims 256`); with 32 KiB it stayed between 36.6 and 44.3 MiB to four million.
+/// A table file's data blocks, against fjall's 4 KiB: memproxy reads mostly whole
+/// conversations (a range of consecutive keys), and what fjall keeps in memory of its files
+/// grows with their blocks. Chosen with fjall 2, whose every table's index stayed in memory:
+/// with 4 KiB blocks its heap grew by about 19 bytes a stored message (42.5 MiB at half a
+/// million, 89.4 at three million, `store_growth --engine fjall --ledger --vector-dims 256`),
+/// with 32 KiB it stayed between 36.6 and 44.3 MiB to four million. fjall 3 keeps only its
+/// newest tables' indexes in memory; as opened here its heap stayed between 27.9 and 33.1 MiB
+/// to three million (README, "The fjall engine"; 4 KiB not measured with it).
 const BLOCK_BYTES: u32 = 32 << 10;
 
 /// The keyspaces that grow with the messages stored and are read mostly by range or prefix
-/// (a conversation's messages, vectors, summaries, branches): no filter, whose 10 bits a key
-/// would grow with them and speed up only point reads of keys that are not there. With filters
-/// off for these the heap stayed between 32.0 and 38.4 MiB to 2.5 million messages (the same
-/// measurement as [`BLOCK_BYTES`]'s). The others keep fjall's.
+/// (a conversation's messages, vectors, summaries, branches): no filter, whose bits a key would
+/// grow with them and speed up only point reads of keys that are not there. With fjall 2 and
+/// filters off for these the heap stayed between 32.0 and 38.4 MiB to 2.5 million messages (the
+/// same measurement as [`BLOCK_BYTES`]'s). The others keep fjall's.
 const UNFILTERED: [&str; 6] = [
     "messages",
     "vectors",
@@ -247,6 +249,9 @@ impl Syncer {
                         tracing::warn!(error = %err, "fjall could not sync its journal");
                     }
                 }
+            })
+            .inspect_err(|err| {
+                tracing::warn!(error = %err, "no thread to sync fjall's journal: only explicit flushes will");
             })
             .ok();
         Syncer {
