@@ -1,7 +1,7 @@
 //! The command line: the flags, and the modes and scenarios they select.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Parser;
 
@@ -78,9 +78,10 @@ pub struct Args {
     /// if RSS ever exceeds it plus 64 MiB.
     #[arg(long)]
     pub budget_mib: Option<u64>,
-    /// A TOML file added to the generated config: for the soak (diagnostics: cache sizes, say)
-    /// and for a benchmark run (`[receipts]\nenabled = false` to compare); any section but
-    /// `[server]`, `[upstream]`, `[storage]` and `[memory]`, which they write.
+    /// A TOML file merged into the generated config: for the soak (diagnostics: cache sizes,
+    /// say) and for a benchmark run (`[receipts]\nenabled = false` to compare, or
+    /// `[server]\nblocking_threads = 32`); its keys replace the generated ones of the same name
+    /// (`with_extra`).
     #[arg(long)]
     pub proxy_config: Option<PathBuf>,
     /// Internal: serve memproxy with this config file, print `port N`, serve until stdin closes.
@@ -131,4 +132,61 @@ pub fn select_scenarios(args: &Args) -> Result<Vec<Scenario>, String> {
         .filter(|s| wanted.contains(s.name))
         .copied()
         .collect())
+}
+
+/// The generated config with `--proxy-config`'s TOML merged in: a table of both is merged key by
+/// key, any other value of the extra file's replaces the generated one. So the file can set a key
+/// of a section the run writes (`[server] blocking_threads`) without repeating the table, which
+/// TOML refuses.
+pub fn with_extra(generated: &str, extra_path: Option<&Path>) -> Result<String, String> {
+    let Some(path) = extra_path else {
+        return Ok(generated.to_string());
+    };
+    let extra = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut base: toml::Table = generated
+        .parse()
+        .map_err(|e| format!("the generated config: {e}"))?;
+    let extra: toml::Table = extra
+        .parse()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    merge(&mut base, extra);
+    Ok(base.to_string())
+}
+
+fn merge(into: &mut toml::Table, from: toml::Table) {
+    for (key, value) in from {
+        match (into.get_mut(&key), value) {
+            (Some(toml::Value::Table(inner)), toml::Value::Table(more)) => merge(inner, more),
+            (_, value) => {
+                into.insert(key, value);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_extra_file_merges_into_the_generated_tables() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("extra.toml");
+        std::fs::write(
+            &path,
+            "[server]\nblocking_threads = 32\n[receipts]\nenabled = false\n",
+        )
+        .unwrap();
+        let merged = with_extra(
+            "[server]\nshutdown_grace = \"PT10S\"\nblocking_threads = 8\n",
+            Some(&path),
+        )
+        .unwrap();
+        let table: toml::Table = merged.parse().unwrap();
+        assert_eq!(table["server"]["blocking_threads"].as_integer(), Some(32));
+        assert_eq!(table["server"]["shutdown_grace"].as_str(), Some("PT10S"));
+        assert_eq!(table["receipts"]["enabled"].as_bool(), Some(false));
+        assert_eq!(with_extra("a = 1\n", None).unwrap(), "a = 1\n");
+    }
 }

@@ -91,15 +91,8 @@ pub async fn bench(args: Args) -> Result<(), String> {
         mock.port,
         toml::Value::String(data_dir.display().to_string())
     );
-    // `--proxy-config FILE` adds sections (`[receipts] enabled = false`, say) to compare runs.
-    let config_text = match &args.proxy_config {
-        None => config_text,
-        Some(path) => {
-            let extra = std::fs::read_to_string(path)
-                .map_err(|e| format!("reading {}: {e}", path.display()))?;
-            format!("{config_text}\n{extra}")
-        }
-    };
+    // `--proxy-config FILE` merged in (`[receipts] enabled = false`, say) to compare runs.
+    let config_text = crate::args::with_extra(&config_text, args.proxy_config.as_deref())?;
     let config_path = dir.path().join("memproxy.toml");
     std::fs::write(&config_path, &config_text).map_err(|e| format!("writing the config: {e}"))?;
     let mut proxy = ChildProc::spawn(

@@ -520,13 +520,7 @@ fn config(args: &Args, redis_url: Option<&str>) -> Result<String, String> {
     } else if args.fjall {
         text.push_str("\n[storage]\nbackend = \"fjall\"\n");
     }
-    if let Some(path) = &args.proxy_config {
-        let extra = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        text.push('\n');
-        text.push_str(&extra);
-    }
-    Ok(text)
+    crate::args::with_extra(&text, args.proxy_config.as_deref())
 }
 
 /// A port nobody listens on now (the child binds it a moment later).
