@@ -279,6 +279,10 @@ struct TrafficMetrics {
     /// Plans made on the request's own thread, and on the blocking pool (`plans{place}`).
     plans_here: Counter,
     plans_pooled: Counter,
+    /// Exchanges written where the answer arrived, and on the blocking pool
+    /// (`commits{place}`).
+    commits_here: Counter,
+    commits_pooled: Counter,
 }
 
 impl TrafficMetrics {
@@ -286,10 +290,17 @@ impl TrafficMetrics {
         let plans = Family::<PlaceLabels, Counter>::default();
         registry.register(
             "plans",
-            "Memory plans made, by place: `request` (on the request's own thread: a small request that stores nothing, of a short cached conversation nobody else holds) or `pool` (the blocking pool)",
+            "Memory plans made, by place: `request` (on the request's own thread: a small request of a short cached conversation nobody else holds) or `pool` (the blocking pool)",
             plans.clone(),
         );
         let place = |place| plans.get_or_create(&PlaceLabels { place }).clone();
+        let commits = Family::<PlaceLabels, Counter>::default();
+        registry.register(
+            "commits",
+            "Exchanges stored, by where they were written: `request` (on the request's own thread: a small exchange of a conversation nobody else holds, in a store of this process's own, with no user's long-term memory) or `pool` (the blocking pool)",
+            commits.clone(),
+        );
+        let commit_place = |place| commits.get_or_create(&PlaceLabels { place }).clone();
         let metrics = TrafficMetrics {
             requests: Family::default(),
             upstream_latency: latency_buckets(),
@@ -298,6 +309,8 @@ impl TrafficMetrics {
             retrieved_turns: Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 10.0, 15.0, 20.0]),
             plans_here: place("request"),
             plans_pooled: place("pool"),
+            commits_here: commit_place("request"),
+            commits_pooled: commit_place("pool"),
         };
         registry.register(
             "requests",
@@ -817,6 +830,15 @@ impl Metrics {
             self.traffic.plans_pooled.inc();
         } else {
             self.traffic.plans_here.inc();
+        }
+    }
+
+    /// Counts an exchange stored, on the blocking pool or on the request's own thread.
+    pub fn committed(&self, here: bool) {
+        if here {
+            self.traffic.commits_here.inc();
+        } else {
+            self.traffic.commits_pooled.inc();
         }
     }
 

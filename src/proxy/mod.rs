@@ -199,11 +199,12 @@ pub async fn commit(
     };
     let started = std::time::Instant::now();
     match exchange.commit(std::sync::Arc::clone(memory), reply).await {
-        Ok(count) => {
+        Ok(committed) => {
             state
                 .metrics
                 .observe_stage(Stage::Commit, started.elapsed());
-            Ok(count)
+            state.metrics.committed(committed.here);
+            Ok(committed.messages)
         }
         Err(err) => {
             state.metrics.commit_failed(kind);

@@ -405,11 +405,11 @@ async fn extractions_are_counted_with_what_they_did_to_the_memories() {
     );
 }
 
-/// A small request that stores nothing (`X-Memory-Persist: false`) of a short conversation
-/// memproxy has cached and nobody else holds is planned on the request's own thread
-/// (`memproxy_plans_total{place="request"}`); a conversation not cached yet, a stored exchange,
-/// a body over 16 KiB and a user's long-term memory are planned on the blocking pool
-/// (`place="pool"`). The prompt is the same either way: it holds what was stored.
+/// A small request of a short conversation memproxy has cached and nobody else holds is planned
+/// on the request's own thread (`memproxy_plans_total{place="request"}`), whether its exchange
+/// is stored or not; a conversation not cached yet, a body over 16 KiB and a user's long-term
+/// memory are planned on the blocking pool (`place="pool"`). The prompt is the same either
+/// way: it holds what was stored.
 #[tokio::test]
 async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() {
     let Started { proxy, mock, .. } = Harness::new().start().await;
@@ -434,17 +434,17 @@ async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() 
     assert_eq!(answer.header("x-memory-status"), "stored");
     assert_eq!(plans(&scrape(&proxy).await.0), (1.0, 0.0));
 
-    // Cached now, but stored: on the pool.
+    // Cached now, and stored: where it arrived.
     let answer = chat(&proxy, "near", &body(&[user("I live in Lisbon.")]), &[]).await;
     assert_eq!(answer.header("x-memory-status"), "stored");
-    assert_eq!(plans(&scrape(&proxy).await.0), (2.0, 0.0));
+    assert_eq!(plans(&scrape(&proxy).await.0), (1.0, 1.0));
 
     // Cached, small, stores nothing: planned where it arrived, with the stored turns in its
     // prompt.
     let question = body(&[user("Where does my sister live?")]);
     let answer = chat(&proxy, "near", &question, &read_only).await;
     assert_eq!(answer.status, 200);
-    assert_eq!(plans(&scrape(&proxy).await.0), (2.0, 1.0));
+    assert_eq!(plans(&scrape(&proxy).await.0), (1.0, 2.0));
     let forwarded = last_prompt();
     assert!(
         forwarded.contains("My sister lives in Porto."),
@@ -463,13 +463,13 @@ async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() 
     );
     let answer = chat(&proxy, "near", &body(&[user(&long)]), &read_only).await;
     assert_eq!(answer.status, 200);
-    assert_eq!(plans(&scrape(&proxy).await.0), (3.0, 1.0));
+    assert_eq!(plans(&scrape(&proxy).await.0), (2.0, 2.0));
 
     // A user's long-term memory takes part: on the pool.
     let as_ana = [("x-memory-persist", "false"), ("x-memory-user-id", "ana")];
     let answer = chat(&proxy, "near", &body(&[user("And my brother?")]), &as_ana).await;
     assert_eq!(answer.status, 200);
-    assert_eq!(plans(&scrape(&proxy).await.0), (4.0, 1.0));
+    assert_eq!(plans(&scrape(&proxy).await.0), (3.0, 2.0));
     let forwarded = last_prompt();
     assert!(
         forwarded.contains("My sister lives in Porto."),
@@ -480,10 +480,73 @@ async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() 
     // was stored.
     let answer = chat(&proxy, "near", &body(&[user("Thanks.")]), &read_only).await;
     assert_eq!(answer.status, 200);
-    assert_eq!(plans(&scrape(&proxy).await.0), (4.0, 2.0));
+    assert_eq!(plans(&scrape(&proxy).await.0), (3.0, 3.0));
     let forwarded = last_prompt();
     assert!(
         !forwarded.contains("Where does my sister live?"),
         "{forwarded}"
     );
+}
+
+/// A small exchange of a conversation nobody else holds, in a store of this process's own, is
+/// written where its answer arrived (`memproxy_commits_total{place="request"}`), JSON and
+/// streamed alike; one over 16 KiB and one copied into a user's long-term memory are written
+/// on the blocking pool (`place="pool"`). Every one of them is stored: the next prompt holds
+/// them all.
+#[tokio::test]
+async fn small_exchanges_are_stored_where_their_answer_arrives() {
+    let Started { proxy, mock, .. } = Harness::new().start().await;
+    let commits = |scrape: &Scrape| {
+        let at = |place| value(scrape, "memproxy_commits_total", &[("place", place)]);
+        (at("pool"), at("request"))
+    };
+    assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 0.0));
+
+    let answer = chat(
+        &proxy,
+        "here",
+        &body(&[user("My sister lives in Porto.")]),
+        &[],
+    )
+    .await;
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 1.0));
+
+    let mut streamed = body(&[user("My brother lives in Faro.")]);
+    streamed["stream"] = json!(true);
+    let answer = chat(&proxy, "here", &streamed, &[]).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 2.0));
+
+    let long = format!(
+        "{} I live in Lisbon.",
+        "Some filler words here. ".repeat(800)
+    );
+    let answer = chat(&proxy, "here", &body(&[user(&long)]), &[]).await;
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    assert_eq!(commits(&scrape(&proxy).await.0), (1.0, 2.0));
+
+    let as_ana = [("x-memory-user-id", "ana")];
+    let answer = chat(&proxy, "here", &body(&[user("My cat is Tom.")]), &as_ana).await;
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    assert_eq!(commits(&scrape(&proxy).await.0), (2.0, 2.0));
+
+    let answer = chat(
+        &proxy,
+        "here",
+        &body(&[user("Where do they all live?")]),
+        &[("x-memory-persist", "false")],
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let forwarded = serde_json::to_string(&mock.last_messages()).unwrap();
+    for said in [
+        "My sister lives in Porto.",
+        "My brother lives in Faro.",
+        "I live in Lisbon.",
+        "My cat is Tom.",
+    ] {
+        assert!(forwarded.contains(said), "{said}: {forwarded}");
+    }
+    assert_eq!(commits(&scrape(&proxy).await.0), (2.0, 2.0));
 }

@@ -13,7 +13,7 @@
 //! exchange: the stored messages past the shared run leave the main line, kept as a closed
 //! branch with the summaries that reach them.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde_json::value::RawValue;
@@ -62,6 +62,35 @@ struct ReadyToStore {
     reply: StoredMessage,
     reply_search: String,
 }
+
+/// A commit done: the messages the conversation holds afterwards, and whether it was written
+/// where the answer arrived (else on the blocking pool).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Committed {
+    pub messages: usize,
+    pub here: bool,
+}
+
+/// Where a commit's writes run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// Where the answer arrived, a runtime's thread: one try, no back-off.
+    Here,
+    /// The blocking pool: every try a commit may take.
+    Pool,
+}
+
+/// An exchange given back for the pool: its reply as it came, or already made ready.
+enum Pending {
+    Raw(Box<RawValue>),
+    Ready(ReadyToStore),
+}
+
+/// The most bytes of text (the reply as it came, and the new messages' searchable text) a
+/// commit written where the answer arrived may hold ([`Exchange::write_here`]): its parse,
+/// sealing and index update stay within tens of microseconds. The same bound as the body of a
+/// plan made where it arrives (the edge's `PLAN_NOW_MAX_BODY`).
+const WRITE_HERE_MAX_BYTES: usize = 16 * 1024;
 
 /// What one write of a commit did.
 enum Written {
@@ -149,30 +178,95 @@ pub struct Exchange {
 }
 
 impl Exchange {
-    /// Stores the new messages and `reply` and remembers the request's TTL (on the blocking
-    /// pool: the store's I/O and the wait for the conversation's lock never hold a runtime
-    /// thread), then waits for durability.
-    /// Returns the number of messages the conversation holds afterwards.
+    /// Stores the new messages and `reply` and remembers the request's TTL, then waits for
+    /// durability. Where the answer arrived when the exchange may be written there
+    /// ([`Exchange::write_here`]); else on the blocking pool, so the store's I/O and the wait
+    /// for the conversation's lock never hold a runtime thread.
     pub async fn commit(
         self,
         memory: Arc<Memory>,
         reply: Box<RawValue>,
-    ) -> Result<usize, StoreError> {
+    ) -> Result<Committed, StoreError> {
         let store = Arc::clone(&memory.store);
-        let count = tokio::task::spawn_blocking(move || self.write(&memory, reply))
+        let committed = match self.write_here(&memory, reply) {
+            Ok(written) => Committed {
+                messages: written?,
+                here: true,
+            },
+            Err(pending) => tokio::task::spawn_blocking(move || {
+                let ready = match pending {
+                    Pending::Raw(reply) => self.ready_to_store(reply, memory.clock.now_ms())?,
+                    Pending::Ready(ready) => ready,
+                };
+                self.write(&memory, &ready).map(|messages| Committed {
+                    messages,
+                    here: false,
+                })
+            })
             .await
-            .map_err(|err| StoreError::Engine(Box::new(err)))??;
+            .map_err(|err| StoreError::Engine(Box::new(err)))??,
+        };
         store.sync().await?;
-        Ok(count)
+        Ok(committed)
+    }
+
+    /// The commit made on the calling thread, a runtime's worker, when nothing in it waits or
+    /// blocks there (as a plan may be, `plan::Free`): the store is this process's own and
+    /// its writes succeed, the conversation's lock is free, the exchange is small
+    /// ([`WRITE_HERE_MAX_BYTES`]), and no user's long-term memory is written. Its one write
+    /// goes into the engine's memory and log buffer (durability follows in the group flush,
+    /// awaited). A stored exchange then takes one hop to the blocking pool (its plan) instead
+    /// of two. Anything else, and a write that finds the conversation changed or a long trim
+    /// to batch, gives the exchange back (`Err`, nothing written) for the pool.
+    fn write_here(
+        &self,
+        memory: &Memory,
+        reply: Box<RawValue>,
+    ) -> Result<Result<usize, StoreError>, Pending> {
+        let bytes = reply.get().len() + self.new_texts.iter().map(String::len).sum::<usize>();
+        if bytes > WRITE_HERE_MAX_BYTES
+            || memory.store.shared()
+            || self.user.is_some()
+            || !self.refresh_memories.is_empty()
+            || memory.store.write_failure().is_some()
+        {
+            return Err(Pending::Raw(reply));
+        }
+        let ready = match self.ready_to_store(reply, memory.clock.now_ms()) {
+            Ok(ready) => ready,
+            Err(err) => return Ok(Err(err)),
+        };
+        let conversation = match self.handle.try_lock() {
+            Ok(held) => held,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(Pending::Ready(ready)),
+        };
+        match self.write_under(memory, &ready, conversation, Place::Here) {
+            Some(written) => Ok(written),
+            None => Err(Pending::Ready(ready)),
+        }
+    }
+
+    /// The commit's writes on the blocking pool, under the conversation's lock.
+    fn write(&self, memory: &Memory, ready: &ReadyToStore) -> Result<usize, StoreError> {
+        let conversation = lock(&self.handle);
+        // On the pool every write is tried until it is done or fails.
+        self.write_under(memory, ready, conversation, Place::Pool)
+            .unwrap_or(Err(StoreError::Stale))
     }
 
     /// The commit's writes, under the conversation's lock: trims past [`TRIM_BATCH`] messages
     /// go first in batches of their own (each an atomic write of whole old messages), then the
-    /// exchange and what is left to trim, in one atomic write.
-    fn write(&self, memory: &Memory, reply: Box<RawValue>) -> Result<usize, StoreError> {
+    /// exchange and what is left to trim, in one atomic write. `None` (only [`Place::Here`]):
+    /// nothing was written, the pool is to try.
+    fn write_under(
+        &self,
+        memory: &Memory,
+        ready: &ReadyToStore,
+        mut conversation: MutexGuard<'_, Conversation>,
+        place: Place,
+    ) -> Option<Result<usize, StoreError>> {
         let store = &memory.store;
-        let ready = self.ready_to_store(reply, memory.clock.now_ms())?;
-        let mut conversation = lock(&self.handle);
         let mut attempt = 0;
         // Stored messages this commit's own trim batches removed from the front.
         let mut batched = 0;
@@ -183,9 +277,12 @@ impl Exchange {
             // A long trim (a conversation far over `max_messages`) goes in batches, so no
             // one write grows with it.
             let written = if planned.trimmed > TRIM_BATCH {
+                if place == Place::Here {
+                    return None;
+                }
                 self.write_trim_batch(memory, &mut conversation)
             } else {
-                self.write_exchange(memory, &mut conversation, alignment, planned, &ready)
+                self.write_exchange(memory, &mut conversation, alignment, planned, ready)
             };
             match written {
                 Ok(Written::TrimBatch(count)) => {
@@ -193,11 +290,15 @@ impl Exchange {
                     attempt = 0;
                 }
                 Ok(Written::Exchange) => break,
+                // The back-off sleeps: not on a runtime's thread.
+                Err(StoreError::Stale) if place == Place::Here => return None,
                 Err(StoreError::Stale) if attempt < MAX_ATTEMPTS => {
                     back_off(memory, attempt);
-                    reread(memory, &self.key, &mut conversation)?;
+                    if let Err(err) = reread(memory, &self.key, &mut conversation) {
+                        return Some(Err(err));
+                    }
                 }
-                Err(err) => return Err(err),
+                Err(err) => return Some(Err(err)),
             }
         }
         if !self.refresh_memories.is_empty() {
@@ -211,7 +312,7 @@ impl Exchange {
         let count = conversation.entries.len();
         drop(conversation);
         store.touch(&self.key, &self.handle);
-        Ok(count)
+        Some(Ok(count))
     }
 
     /// The request's new messages and `reply` as they are stored, with the reply's

@@ -161,11 +161,12 @@ pub fn plan(
 /// ([`PLAN_NOW_MAX_ENTRIES`]), and nothing the plan does waits for another thread or the
 /// network (the store is this process's own, so there is no catch-up with other replicas; the
 /// embedder is not a model worth a thread of its own, whose answer recall would wait for; no
-/// user's long-term memory, read from the store, takes part). And the request's exchange is
-/// not stored (`X-Memory-Persist: false`): a stored one is committed on the pool as soon as
-/// its answer is read, under the same lock, and planning those where they arrived made them
-/// slower (`scripts/perf.sh`'s stored row: ×0.59 all of them, ×0.83–1.02 those found free).
-/// Any other plan is made on the blocking pool ([`plan`]).
+/// user's long-term memory, read from the store, takes part). A stored exchange qualifies
+/// too: its commit is written where its answer arrives when small
+/// (`commit.rs::Exchange::write_here`), so it holds the lock for tens of microseconds, not
+/// across a hop to the pool (before that, planning stored exchanges here made them slower:
+/// `scripts/perf.sh`'s stored row ×0.59). Any other plan is made on the blocking pool
+/// ([`plan`]).
 #[derive(Debug)]
 pub struct Free(memproxy_store::Handle);
 
@@ -177,8 +178,7 @@ impl Free {
         user: Option<&str>,
         settings: &MemorySettings,
     ) -> Option<Free> {
-        if settings.persist
-            || memory.store.shared()
+        if memory.store.shared()
             || memory.embedding.worth_a_thread()
             || (user.is_some() && settings.long_term_enabled)
         {
