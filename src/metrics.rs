@@ -277,40 +277,58 @@ struct TrafficMetrics {
     stages: Family<StageLabels, Histogram, fn() -> Histogram>,
     retrieved_turns: Histogram,
     /// Plans made on the request's own thread, and on the blocking pool (`plans{place}`).
-    plans_here: Counter,
-    plans_pooled: Counter,
+    plans: Places,
     /// Exchanges written where the answer arrived, and on the blocking pool
     /// (`commits{place}`).
-    commits_here: Counter,
-    commits_pooled: Counter,
+    commits: Places,
+}
+
+/// A counter by `place`: work done on the request's own thread, or on the blocking pool.
+struct Places {
+    here: Counter,
+    pooled: Counter,
+}
+
+impl Places {
+    fn register(registry: &mut Registry, name: &str, help: &str) -> Places {
+        let family = Family::<PlaceLabels, Counter>::default();
+        registry.register(name, help, family.clone());
+        let place = |place| family.get_or_create(&PlaceLabels { place }).clone();
+        Places {
+            here: place("request"),
+            pooled: place("pool"),
+        }
+    }
+
+    fn count(&self, here: bool) {
+        if here {
+            self.here.inc();
+        } else {
+            self.pooled.inc();
+        }
+    }
 }
 
 impl TrafficMetrics {
     fn register(registry: &mut Registry) -> TrafficMetrics {
-        let plans = Family::<PlaceLabels, Counter>::default();
-        registry.register(
+        let plans = Places::register(
+            registry,
             "plans",
             "Memory plans made, by place: `request` (on the request's own thread: a small request of a short cached conversation nobody else holds) or `pool` (the blocking pool)",
-            plans.clone(),
         );
-        let place = |place| plans.get_or_create(&PlaceLabels { place }).clone();
-        let commits = Family::<PlaceLabels, Counter>::default();
-        registry.register(
+        let commits = Places::register(
+            registry,
             "commits",
             "Exchanges stored, by where they were written: `request` (on the request's own thread: a small exchange of a conversation nobody else holds, in a store of this process's own, with no user's long-term memory) or `pool` (the blocking pool)",
-            commits.clone(),
         );
-        let commit_place = |place| commits.get_or_create(&PlaceLabels { place }).clone();
         let metrics = TrafficMetrics {
             requests: Family::default(),
             upstream_latency: latency_buckets(),
             added_time: added_buckets(),
             stages: Family::new_with_constructor(added_buckets),
             retrieved_turns: Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 10.0, 15.0, 20.0]),
-            plans_here: place("request"),
-            plans_pooled: place("pool"),
-            commits_here: commit_place("request"),
-            commits_pooled: commit_place("pool"),
+            plans,
+            commits,
         };
         registry.register(
             "requests",
@@ -826,20 +844,12 @@ impl Metrics {
 
     /// Counts a plan made, on the blocking pool or on the request's own thread.
     pub fn planned(&self, on_the_pool: bool) {
-        if on_the_pool {
-            self.traffic.plans_pooled.inc();
-        } else {
-            self.traffic.plans_here.inc();
-        }
+        self.traffic.plans.count(!on_the_pool);
     }
 
     /// Counts an exchange stored, on the blocking pool or on the request's own thread.
     pub fn committed(&self, here: bool) {
-        if here {
-            self.traffic.commits_here.inc();
-        } else {
-            self.traffic.commits_pooled.inc();
-        }
+        self.traffic.commits.count(here);
     }
 
     /// Records a planned prompt: how many older turns were recalled, the tokens forwarded and
