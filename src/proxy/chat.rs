@@ -473,12 +473,7 @@ fn parsed(
 
 /// What a panic said, for the log.
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    let said = panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("no message");
-    format!("planning panicked: {said}")
+    format!("planning panicked: {}", crate::pipeline::panic_said(panic))
 }
 
 /// Long-term memory: a due extraction gets the request's credentials, copied only then; it is

@@ -188,12 +188,23 @@ impl Exchange {
         reply: Box<RawValue>,
     ) -> Result<Committed, StoreError> {
         let store = Arc::clone(&memory.store);
-        let committed = match self.write_here(&memory, reply) {
-            Ok(written) => Committed {
+        // A panic here fails the commit as one on the pool would (its task's error), not the
+        // request's task: the answer still goes out, degraded.
+        let here = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.write_here(&memory, reply)
+        }));
+        let committed = match here {
+            Err(panic) => {
+                let said = super::panic_said(panic.as_ref());
+                return Err(StoreError::Engine(
+                    format!("the commit panicked: {said}").into(),
+                ));
+            }
+            Ok(Ok(written)) => Committed {
                 messages: written?,
                 here: true,
             },
-            Err(pending) => tokio::task::spawn_blocking(move || {
+            Ok(Err(pending)) => tokio::task::spawn_blocking(move || {
                 let ready = match pending {
                     Pending::Raw(reply) => self.ready_to_store(reply, memory.clock.now_ms())?,
                     Pending::Ready(ready) => ready,

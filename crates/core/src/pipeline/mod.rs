@@ -25,3 +25,35 @@ pub mod recalled;
 pub mod reconcile;
 pub mod summarized;
 pub mod window;
+
+/// What a panic caught in the pipeline said (a plan or a commit made where its request
+/// arrived, under `catch_unwind`), for the error that stands in for it.
+pub fn panic_said(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::panic_said;
+
+    #[test]
+    fn a_caught_panic_says_its_message_or_that_it_had_none() {
+        let caught = |f: fn()| std::panic::catch_unwind(f).unwrap_err();
+        assert_eq!(
+            panic_said(caught(|| panic!("a static message")).as_ref()),
+            "a static message"
+        );
+        assert_eq!(
+            panic_said(caught(|| panic!("made {}", 2)).as_ref()),
+            "made 2"
+        );
+        assert_eq!(
+            panic_said(caught(|| std::panic::panic_any(7)).as_ref()),
+            "no message"
+        );
+    }
+}
