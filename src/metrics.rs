@@ -842,12 +842,12 @@ impl Metrics {
         self.stage(stage).observe(elapsed.as_secs_f64());
     }
 
-    /// Counts a plan made, on the blocking pool or on the request's own thread.
-    pub fn planned(&self, on_the_pool: bool) {
-        self.traffic.plans.count(!on_the_pool);
+    /// Counts a plan made, on the request's own thread (`here`) or on the blocking pool.
+    pub fn planned(&self, here: bool) {
+        self.traffic.plans.count(here);
     }
 
-    /// Counts an exchange stored, on the blocking pool or on the request's own thread.
+    /// Counts an exchange stored, on the request's own thread (`here`) or on the blocking pool.
     pub fn committed(&self, here: bool) {
         self.traffic.commits.count(here);
     }

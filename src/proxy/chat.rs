@@ -413,7 +413,7 @@ async fn parse_and_plan(
         match now {
             Ok(Ok(done)) => {
                 if matches!(done, Ok(Parsed::Planned(..))) {
-                    state.metrics.planned(false);
+                    state.metrics.planned(true);
                 }
                 return Ok(done);
             }
@@ -446,7 +446,7 @@ async fn parse_and_plan(
     .await
     .map_err(|err| err.to_string());
     if matches!(pooled, Ok(Ok(Parsed::Planned(..)))) {
-        state.metrics.planned(true);
+        state.metrics.planned(false);
     }
     pooled
 }

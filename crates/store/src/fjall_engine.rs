@@ -30,9 +30,9 @@
 //! - **fjall 3.** fjall 2, which the first version of this engine used, kept in its block cache
 //!   the hash of every block it had evicted, up to 500,000 of them (some 35 MB by the entries'
 //!   layout), so its memory grew for as long as the store was read (11.3 MB beside a 5 MiB
-//!   cache after ten minutes of the soak at 128 MiB, in jemalloc's heap profile). fjall 3 keeps 5,000 at most. It cannot
-//!   read fjall 2's files: such a folder is refused ([`StoreError::Engine`]) with a message
-//!   that says so.
+//!   cache after ten minutes of the soak at 128 MiB, in jemalloc's heap profile). fjall 3
+//!   keeps 5,000 at most. It cannot read fjall 2's files: such a folder is refused
+//!   ([`StoreError::Engine`]) with a message that says so.
 
 use std::fs::File;
 use std::ops::Bound;
