@@ -190,17 +190,27 @@ fn check_config(config: &Config) -> ExitCode {
     );
     let budget = &config.memory_budget;
     let mib = |bytes: u64| bytes >> 20;
+    // The engine's two parts when it runs in this process; Redis keeps the store elsewhere.
+    let engine = match config.backend {
+        memproxy::config::Backend::Sled => Some("sled page cache"),
+        memproxy::config::Backend::Fjall => Some("fjall block cache"),
+        memproxy::config::Backend::Redis(_) => None,
+    }
+    .map_or_else(
+        || "no storage engine in the process (Redis)".to_string(),
+        |cache| {
+            format!(
+                "{cache} {} MiB, the storage engine beyond its cache {} MiB",
+                mib(budget.store_cache),
+                mib(budget.engine_reserve)
+            )
+        },
+    );
     println!(
-        "memory budget = {} MiB: state cache {} MiB, {} {} MiB, recall cache {} MiB, the storage engine beyond its cache {} MiB, receipts {} MiB, the process itself about {} MiB, the embedder {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
+        "memory budget = {} MiB: state cache {} MiB, {engine}, recall cache {} MiB, receipts {} MiB, the process itself about {} MiB, the embedder {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
         mib(budget.total),
         mib(budget.state_cache),
-        match config.backend {
-            memproxy::config::Backend::Fjall => "fjall block cache",
-            _ => "sled page cache",
-        },
-        mib(budget.store_cache),
         mib(budget.recall_cache),
-        mib(budget.engine_reserve),
         mib(budget.receipts),
         mib(memproxy::config::PROCESS_BASE),
         mib(budget.embedder),

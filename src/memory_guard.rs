@@ -132,6 +132,7 @@ impl MemoryGuard {
                 pretended_messages: AtomicU64::new(NOT_PRETENDING),
                 overdraft: AtomicU64::new(0),
                 messages: AtomicU64::new(0),
+                store_grows: AtomicBool::new(true),
                 resident: Arc::clone(&resident),
                 reserved: Arc::clone(&reserved),
                 caches: Mutex::default(),
@@ -159,12 +160,18 @@ impl MemoryGuard {
     /// [`RELIEF_EVERY`] until this guard is dropped. Where the RSS cannot be read, the caches
     /// keep their sizes and no thread starts.
     ///
-    /// `stored_messages` (sled only) tells about how many messages the store holds: sled's
-    /// memory grows with them past the budget's reserve, and what it needs beyond is taken
-    /// from the caches' sizes ([`MemoryBudget::store_overdraft`]).
-    pub fn watch(&self, caches: Vec<Arc<dyn Shrink>>, stored_messages: Option<StoredMessages>) {
+    /// `stored` (an embedded engine's) tells about how many messages the store holds: with
+    /// sled, whose memory grows with them past the budget's reserve, what it needs beyond is
+    /// taken from the caches' sizes ([`MemoryBudget::store_overdraft`]); with fjall they are
+    /// only counted.
+    pub fn watch(&self, caches: Vec<Arc<dyn Shrink>>, stored: Option<Stored>) {
         *lock(&self.relief.caches) = caches;
-        *lock(&self.relief.stored_messages) = stored_messages;
+        if let Some(stored) = stored {
+            self.relief
+                .store_grows
+                .store(stored.grows, Ordering::Relaxed);
+            *lock(&self.relief.stored_messages) = Some(stored.count);
+        }
         if read_resident().is_none() {
             return;
         }
@@ -383,6 +390,14 @@ pub enum PressureState {
 /// Tells how many messages the store holds (`Store::stored_messages`: counted, not guessed).
 pub type StoredMessages = Box<dyn Fn() -> u64 + Send + Sync>;
 
+/// An embedded store as the guard watches it ([`MemoryGuard::watch`]).
+pub struct Stored {
+    pub count: StoredMessages,
+    /// The engine's memory grows with what it stores past the budget's reserve (sled; fjall's
+    /// caches bound its own).
+    pub grows: bool,
+}
+
 /// The caches the guard shrinks under pressure, and what it did.
 pub struct Relief {
     budget: MemoryBudget,
@@ -394,6 +409,9 @@ pub struct Relief {
     overdraft: AtomicU64,
     /// The messages the store held at the last tick (0 with Redis).
     messages: AtomicU64,
+    /// Whether the store's share grows with them ([`Stored::grows`]; tests that pretend a
+    /// count without a store: yes).
+    store_grows: AtomicBool,
     resident: Arc<Resident>,
     /// The guard's reservations of the requests in flight ([`MemoryGuard::admit`]).
     reserved: Arc<AtomicU64>,
@@ -428,7 +446,7 @@ impl Relief {
     }
 
     /// The messages the store held as of the last tick (0 with Redis, whose memory is not
-    /// this process's).
+    /// this process's and whose writes other replicas share).
     pub fn store_messages(&self) -> u64 {
         self.messages.load(Ordering::Relaxed)
     }
@@ -455,7 +473,11 @@ impl Relief {
             pretended
         };
         self.messages.store(messages, Ordering::Relaxed);
-        let overdraft = self.budget.store_overdraft(messages);
+        let overdraft = if self.store_grows.load(Ordering::Relaxed) {
+            self.budget.store_overdraft(messages)
+        } else {
+            0
+        };
         let before = self.overdraft.swap(overdraft, Ordering::Relaxed);
         if overdraft > 0 && before == 0 {
             tracing::warn!(

@@ -698,7 +698,7 @@ impl AdmissionMetrics {
         );
         registry.register(
             "store_messages",
-            "Messages on the main lines of the conversations the store holds, counted (what sled's share grows with; 0 with Redis and with fjall, whose share does not grow)",
+            "Messages on the main lines of the conversations the store holds, counted (what sled's share grows with; fjall's share does not grow with them; 0 with Redis, which every replica writes)",
             metrics.store_messages.clone(),
         );
         registry.register(

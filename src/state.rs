@@ -115,14 +115,17 @@ impl AppState {
         let memory_guard = MemoryGuard::new(config.memory_budget);
         let mut caches = memory.as_ref().map(|m| m.caches()).unwrap_or_default();
         caches.push(Arc::new(receipts.clone()));
-        // sled's memory grows with what it stores; fjall's caches bound its own, and Redis
-        // keeps it in another process.
-        let sled = matches!(config.backend, Backend::Sled);
-        let stored_messages = memory.as_ref().ok().filter(|_| sled).map(|m| {
+        // An embedded store's messages are counted; sled's memory grows with them, fjall's
+        // caches bound its own. Redis keeps it in another process, written by every replica.
+        let embedded = !matches!(config.backend, Backend::Redis(_));
+        let stored = memory.as_ref().ok().filter(|_| embedded).map(|m| {
             let store = Arc::clone(&m.store);
-            Box::new(move || store.stored_messages()) as crate::memory_guard::StoredMessages
+            crate::memory_guard::Stored {
+                count: Box::new(move || store.stored_messages()),
+                grows: matches!(config.backend, Backend::Sled),
+            }
         });
-        memory_guard.watch(caches, stored_messages);
+        memory_guard.watch(caches, stored);
         AppState {
             memory_guard,
             receipts,

@@ -165,6 +165,31 @@ fn check_config_prints_the_effective_settings_per_agent() {
         "{text}"
     );
 
+    assert!(
+        text.contains(
+            "sled page cache 13 MiB, the storage engine beyond its cache 27 MiB, recall cache"
+        ),
+        "{text}"
+    );
+
+    // With Redis no engine runs in the process: no cache or reserve of one is named.
+    std::fs::write(
+        &config,
+        "[storage]\nbackend = \"redis\"\nredis_url = \"redis://127.0.0.1:1\"\n",
+    )
+    .unwrap();
+    let redis = memproxy(
+        dir.path(),
+        &["--config", config.to_str().unwrap(), "check-config"],
+    );
+    assert!(redis.status.success());
+    let text = String::from_utf8(redis.stdout).unwrap();
+    assert!(
+        text.contains("no storage engine in the process (Redis), recall cache"),
+        "{text}"
+    );
+    assert!(!text.contains("sled"), "{text}");
+
     std::fs::write(&config, "[memory]\nttl = \"sometimes\"\n").unwrap();
     let bad = memproxy(
         dir.path(),

@@ -297,6 +297,32 @@ async fn the_store_s_share_grows_with_the_messages_it_counts() {
 }
 
 #[tokio::test]
+async fn fjall_s_messages_are_counted_and_its_share_stays_its_reserve() {
+    let Started { proxy, .. } = Harness::new()
+        .storage("backend = \"fjall\"\n")
+        .config(BUDGET)
+        .start()
+        .await;
+    let guard = &proxy.state.memory_guard;
+    guard.pretend_resident(Some(64 * MIB));
+    for (conversation, text) in [("c1", "one"), ("c2", "two")] {
+        let answer = chat(&proxy, conversation, &body(&[user(text)]), &[]).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+    metric_until(&proxy, "memproxy_store_messages", |v| v == 4.0).await;
+    // Its caches bound its memory: as many messages as would take sled past its reserve
+    // leave fjall's share where it was.
+    let reserve = guard.budget().engine_reserve as f64;
+    guard.pretend_stored_messages(Some(300_000));
+    metric_until(&proxy, "memproxy_store_messages", |v| v == 300_000.0).await;
+    assert_eq!(
+        metric(&proxy, "memproxy_store_memory_share_bytes").await,
+        reserve
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
 async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
     let Started { proxy, .. } = Harness::new().config(BUDGET).start().await;
     let guard = &proxy.state.memory_guard;
