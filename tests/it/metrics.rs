@@ -6,6 +6,7 @@ use prometheus_parse::{Scrape, Value};
 use serde_json::json;
 
 use crate::support::admin::*;
+use crate::support::mock_upstream::Reply;
 use crate::support::*;
 
 async fn scrape(proxy: &Proxy) -> (Scrape, String) {
@@ -549,4 +550,71 @@ async fn small_exchanges_are_stored_where_their_answer_arrives() {
         assert!(forwarded.contains(said), "{said}: {forwarded}");
     }
     assert_eq!(commits(&scrape(&proxy).await.0), (2.0, 2.0));
+}
+
+/// An answer that arrives while its conversation is held (here by the test; in use, by a
+/// request planning it) is not waited for on the runtime's thread: its commit goes to the
+/// blocking pool, which waits for the lock, and the exchange is stored all the same, before the
+/// answer ends.
+#[tokio::test]
+async fn an_answer_whose_conversation_is_held_is_stored_from_the_pool() {
+    let Started { proxy, mock, .. } = Harness::new().start().await;
+    let proxy = std::sync::Arc::new(proxy);
+    let commits = |scrape: &Scrape| {
+        let at = |place| value(scrape, "memproxy_commits_total", &[("place", place)]);
+        (at("pool"), at("request"))
+    };
+    let first = chat(
+        &proxy,
+        "held",
+        &body(&[user("My sister lives in Porto.")]),
+        &[],
+    )
+    .await;
+    assert_eq!(first.header("x-memory-status"), "stored");
+    assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 1.0));
+
+    mock.push(Reply::Delay(
+        std::time::Duration::from_millis(200),
+        Box::new(Reply::Auto),
+    ));
+    let asking = std::sync::Arc::clone(&proxy);
+    let request = tokio::spawn(async move {
+        let answer = chat(
+            &asking,
+            "held",
+            &body(&[user("My brother lives in Faro.")]),
+            &[],
+        )
+        .await;
+        (answer, std::time::Instant::now())
+    });
+    // Planned and forwarded (the plan needs the lock too): the answer is 200 ms away.
+    for _ in 0..500 {
+        if mock.chat_requests().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(mock.chat_requests().len(), 2);
+    let handle = proxy.store().cached(&key(Some(TOKEN), "held")).unwrap();
+    let (locked, told) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        let held = handle.lock().unwrap();
+        locked.send(()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        drop(held);
+        std::time::Instant::now()
+    });
+    told.recv().unwrap();
+    let (answer, ended) = request.await.unwrap();
+    let released = holder.join().unwrap();
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    assert!(
+        ended > released,
+        "the answer ended after its commit, after the lock"
+    );
+    assert_eq!(commits(&scrape(&proxy).await.0), (1.0, 1.0));
+    let stored = proxy.stored(Some(TOKEN), "held");
+    assert_eq!(stored.len(), 4, "{stored:?}");
 }

@@ -89,6 +89,22 @@ struct InnerHeap {
     keys: usize,
 }
 
+/// Where document `doc`'s posting is in `postings` (by document), or where it would go, as
+/// `binary_search` says: the last few first, since the documents a push or a pop adjusts are
+/// the newest (a search of the whole list would read a cache line at each of its steps).
+fn locate(postings: &[Posting], doc: u32) -> Result<usize, usize> {
+    let n = postings.len();
+    for at in (n.saturating_sub(4)..n).rev() {
+        match postings[at].doc.cmp(&doc) {
+            std::cmp::Ordering::Equal => return Ok(at),
+            std::cmp::Ordering::Less => return Err(at + 1),
+            std::cmp::Ordering::Greater => {}
+        }
+    }
+    let before = n.saturating_sub(4);
+    postings[..before].binary_search_by_key(&doc, |p| p.doc)
+}
+
 /// Each distinct term of `terms` with how often it occurs, by term.
 fn counts(terms: &[u32]) -> Vec<(u32, u32)> {
     summed(terms.iter().map(|&t| (t, 1)).collect())
@@ -211,7 +227,7 @@ impl Index {
         let delta = neighbour_counts.iter().map(|&(t, n)| (t, n * weight));
         for (t, w) in delta {
             let postings = &mut self.postings[t as usize];
-            let at = postings.binary_search_by_key(&(doc as u32), |p| p.doc);
+            let at = locate(postings, doc as u32);
             match (add, at) {
                 (true, Ok(p)) => postings[p].weight += w,
                 (true, Err(p)) => {
@@ -697,6 +713,23 @@ mod tests {
     /// A one-term query's scores are BM25's formula over the index's statistics as they are
     /// now, to the bit, after every kind of change, each made right after a search (which
     /// keeps the documents' length norms until the next change).
+    #[test]
+    fn a_posting_is_located_as_a_binary_search_finds_it() {
+        let postings: Vec<Posting> = [1u32, 3, 4, 7, 9, 12, 15]
+            .iter()
+            .map(|&doc| Posting { doc, weight: 1 })
+            .collect();
+        for n in 0..=postings.len() {
+            for doc in 0..17 {
+                assert_eq!(
+                    locate(&postings[..n], doc),
+                    postings[..n].binary_search_by_key(&doc, |p| p.doc),
+                    "doc {doc} in the first {n}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn scores_are_the_formula_over_the_statistics_of_now_after_every_change() {
         let expected = |index: &Index, term: &str| -> Vec<Hit> {
