@@ -494,13 +494,15 @@ async fn small_requests_of_cached_conversations_are_planned_where_they_arrive() 
 /// streamed alike; one over 16 KiB and one copied into a user's long-term memory are written
 /// on the blocking pool (`place="pool"`). Every one of them is stored: the next prompt holds
 /// them all.
+/// `memproxy_commits_total` by place: (on the pool, where the answer arrived).
+fn commits(scrape: &Scrape) -> (f64, f64) {
+    let at = |place| value(scrape, "memproxy_commits_total", &[("place", place)]);
+    (at("pool"), at("request"))
+}
+
 #[tokio::test]
 async fn small_exchanges_are_stored_where_their_answer_arrives() {
     let Started { proxy, mock, .. } = Harness::new().start().await;
-    let commits = |scrape: &Scrape| {
-        let at = |place| value(scrape, "memproxy_commits_total", &[("place", place)]);
-        (at("pool"), at("request"))
-    };
     assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 0.0));
 
     let answer = chat(
@@ -560,10 +562,6 @@ async fn small_exchanges_are_stored_where_their_answer_arrives() {
 async fn an_answer_whose_conversation_is_held_is_stored_from_the_pool() {
     let Started { proxy, mock, .. } = Harness::new().start().await;
     let proxy = std::sync::Arc::new(proxy);
-    let commits = |scrape: &Scrape| {
-        let at = |place| value(scrape, "memproxy_commits_total", &[("place", place)]);
-        (at("pool"), at("request"))
-    };
     let first = chat(
         &proxy,
         "held",
