@@ -616,3 +616,75 @@ async fn an_answer_whose_conversation_is_held_is_stored_from_the_pool() {
     let stored = proxy.stored(Some(TOKEN), "held");
     assert_eq!(stored.len(), 4, "{stored:?}");
 }
+
+/// An answer whose conversation changed in the store behind the handle its request planned
+/// with (the handle evicted from the cache under memory pressure, and another request's
+/// exchange committed through a new one meanwhile) finds its write stale where it arrived:
+/// nothing is written there, and the pool reads the conversation again and stores the
+/// exchange after the other.
+#[tokio::test]
+async fn an_answer_whose_conversation_changed_behind_it_is_stored_from_the_pool() {
+    let Started { proxy, mock, .. } = Harness::new().start().await;
+    let proxy = std::sync::Arc::new(proxy);
+    let first = chat(
+        &proxy,
+        "moved",
+        &body(&[user("My sister lives in Porto.")]),
+        &[],
+    )
+    .await;
+    assert_eq!(first.header("x-memory-status"), "stored");
+    assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 1.0));
+
+    mock.push(Reply::Delay(
+        std::time::Duration::from_millis(300),
+        Box::new(Reply::Auto),
+    ));
+    let asking = std::sync::Arc::clone(&proxy);
+    let slow = tokio::spawn(async move {
+        chat(
+            &asking,
+            "moved",
+            &body(&[user("My brother lives in Faro.")]),
+            &[],
+        )
+        .await
+    });
+    for _ in 0..500 {
+        if mock.chat_requests().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(mock.chat_requests().len(), 2);
+    // The conversations' cache emptied, as the memory guard does under pressure; the next
+    // request loads the conversation afresh and commits through that.
+    let state = proxy
+        .state
+        .memory_guard
+        .relief()
+        .caches()
+        .into_iter()
+        .find(|cache| cache.name() == "state")
+        .unwrap();
+    state.evict_to(0);
+    let fast = chat(&proxy, "moved", &body(&[user("My cat is Tom.")]), &[]).await;
+    assert_eq!(fast.header("x-memory-status"), "stored");
+    assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 2.0));
+
+    let slow = slow.await.unwrap();
+    assert_eq!(slow.header("x-memory-status"), "stored");
+    assert_eq!(commits(&scrape(&proxy).await.0), (1.0, 2.0));
+    let stored = summarize(&proxy.stored(Some(TOKEN), "moved"));
+    let asked: Vec<&String> = stored.iter().filter(|m| m.starts_with("user:")).collect();
+    assert_eq!(
+        asked,
+        [
+            "user:My sister lives in Porto.",
+            "user:My cat is Tom.",
+            "user:My brother lives in Faro."
+        ],
+        "each exchange once, the late one after the other: {stored:?}"
+    );
+    assert_eq!(stored.len(), 6, "{stored:?}");
+}
