@@ -24,12 +24,17 @@
 # Usage: scripts/perf.sh [--rounds N] [--duration S] [--connections C] [--baseline BINARY]
 #                        [--binary BINARY] [--log LEVEL] [--budget SIZE] [--keep] [--record DIR]
 #                        [--extra FILE] [--baseline-extra FILE] [--floor BINARY]
+#                        [--storage FILE] [--baseline-storage FILE]
 #                        [--runtime SHAPE] [--baseline-runtime SHAPE]
 # --budget SIZE: memproxy's server.memory_budget (default: its default, 192MiB).
 # --extra FILE: TOML added to each memproxy's config (any section but [server], [upstream] and
 # [storage], which the script writes), e.g. `[embedding]\nembedder = "off"`;
 # --baseline-extra FILE: the same for the baseline binary only (default: --extra's), so two
 # settings of one binary can be compared in one run (--baseline the same binary).
+# --storage FILE: lines added to the [storage] section the script writes for memproxy, e.g.
+# `backend = "fjall"` or `durability = "interval"`; --baseline-storage FILE: the same for the
+# baseline binary only (default: --storage's), so two engines or durabilities of one binary
+# can be compared in one run.
 # --runtime SHAPE: memproxy's server.runtime ("per-thread", the default on Linux, or "shared");
 # --baseline-runtime SHAPE: the same for the baseline (default: --runtime's), so the two shapes
 # of one binary can be compared in one run (--baseline the same binary).
@@ -61,6 +66,8 @@ record=""
 budget=""
 extra=""
 baseline_extra=""
+storage=""
+baseline_storage=""
 floor=""
 runtime=""
 baseline_runtime=""
@@ -78,10 +85,12 @@ while [ $# -gt 0 ]; do
         --budget) budget=$2; shift 2 ;;
         --extra) extra=$2; shift 2 ;;
         --baseline-extra) baseline_extra=$2; shift 2 ;;
+        --storage) storage=$2; shift 2 ;;
+        --baseline-storage) baseline_storage=$2; shift 2 ;;
         --floor) floor=$2; shift 2 ;;
         --runtime) runtime=$2; shift 2 ;;
         --baseline-runtime) baseline_runtime=$2; shift 2 ;;
-        -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,54p' "$0"; exit 0 ;;
         *) echo "perf.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -164,7 +173,7 @@ done
 
 # memproxy: one process per binary, each with its own data directory, started anew at each
 # round (so every round starts from the same caches and resident memory).
-declare -A port_of pid_of binary_of extra_of runtime_of
+declare -A port_of pid_of binary_of extra_of storage_of runtime_of
 budget_line=""
 [ -z "$budget" ] || budget_line="memory_budget = \"$budget\""
 start_memproxy() { # name
@@ -186,6 +195,7 @@ base_url = "http://127.0.0.1:$upstream_port"
 
 [storage]
 data_dir = "$dir/$1/data"
+$(if [ -n "${storage_of[$1]}" ]; then cat "${storage_of[$1]}"; fi)
 EOF
     if [ -n "${extra_of[$1]}" ]; then
         cat "${extra_of[$1]}" >>"$dir/$1/memproxy.toml"
@@ -217,12 +227,14 @@ binaries=(new)
 port_of[new]=$proxy_port
 binary_of[new]=$binary
 extra_of[new]=$extra
+storage_of[new]=$storage
 runtime_of[new]=$runtime
 if [ -n "$baseline" ]; then
     binaries+=(base)
     port_of[base]=$(free_port)
     binary_of[base]=$baseline
     extra_of[base]=${baseline_extra:-$extra}
+    storage_of[base]=${baseline_storage:-$storage}
     runtime_of[base]=${baseline_runtime:-$runtime}
 fi
 for name in "${binaries[@]}"; do start_memproxy "$name"; done
