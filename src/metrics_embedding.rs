@@ -21,6 +21,7 @@ pub(crate) struct EmbeddingMetrics {
     query_failures: Counter,
     query_seconds: Counter<f64>,
     vectors_stored: Counter,
+    vectors_in_commit: Counter,
     jobs_dropped: Counter,
     jobs_failed: Counter,
     caught_up: Counter,
@@ -39,6 +40,7 @@ impl EmbeddingMetrics {
             query_failures: Counter::default(),
             query_seconds: Counter::default(),
             vectors_stored: Counter::default(),
+            vectors_in_commit: Counter::default(),
             jobs_dropped: Counter::default(),
             jobs_failed: Counter::default(),
             caught_up: Counter::default(),
@@ -84,8 +86,13 @@ impl EmbeddingMetrics {
             ),
             (
                 "embedding_vectors_stored",
-                "Stored messages given a vector by the background job",
+                "Stored messages given a vector: in their commit (embedding_vectors_in_commit, with an embedder cheap enough to run there) or by the background job",
                 &metrics.vectors_stored,
+            ),
+            (
+                "embedding_vectors_in_commit",
+                "Of embedding_vectors_stored, the vectors made in a stored exchange's commit and written with its messages (the static table's)",
+                &metrics.vectors_in_commit,
             ),
             (
                 "embedding_jobs_dropped",
@@ -129,6 +136,7 @@ impl EmbeddingMetrics {
         catch_up(&self.query_halves_helped, load(&c.query_halves_helped));
         catch_up(&self.query_failures, load(&c.query_failures));
         catch_up(&self.vectors_stored, load(&c.vectors_stored));
+        catch_up(&self.vectors_in_commit, load(&c.vectors_in_commit));
         catch_up(&self.jobs_dropped, load(&c.jobs_dropped));
         catch_up(&self.jobs_failed, load(&c.jobs_failed));
         catch_up(&self.caught_up, load(&c.caught_up));

@@ -173,6 +173,57 @@ pub(crate) async fn embedded(proxy: &Proxy) {
     panic!("the background embedding jobs did not finish within a minute");
 }
 
+/// With the static table, a stored exchange's vectors are made in its commit and written with
+/// its messages: in the store and in the recall index by the time the answer ends, with no
+/// background job; the next question finds the reply by meaning at once.
+#[tokio::test]
+async fn the_static_table_s_vectors_are_written_with_their_exchange() {
+    let Started { mock, proxy, .. } = Harness::new().config(EMBEDDING).start().await;
+    let memory = std::sync::Arc::clone(proxy.state.memory().expect("memory"));
+    let (space, _) = memory.embedding.space().expect("the static table");
+    let space = space.to_string();
+    for (i, (fact, _)) in FACTS.iter().take(12).enumerate() {
+        let answer = chat(&proxy, "inline", &body(&[user(fact)]), &[]).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+        let handle = proxy
+            .store()
+            .conversation(&key(Some(TOKEN), "inline"))
+            .unwrap();
+        let conversation = handle.lock().unwrap();
+        let vectors = proxy.store().vectors(&conversation, &space).unwrap();
+        assert_eq!(
+            vectors.len(),
+            2 * (i + 1),
+            "every stored turn has its vector"
+        );
+        let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
+        let with: Vec<u64> = vectors.iter().map(|(turn, _)| *turn).collect();
+        assert_eq!(with, turns);
+    }
+    let c = &memory.embedding.counters;
+    let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(load(&c.jobs_queued), 0, "no background job");
+    assert_eq!(load(&c.vectors_in_commit), 24);
+    assert_eq!(load(&c.vectors_stored), 24);
+    let metrics = send("GET", &proxy.url("/metrics"), &[], "").await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        metrics.contains("memproxy_embedding_vectors_in_commit_total 24"),
+        "{metrics}"
+    );
+    // The first fact is older than the window of 10: found by its meaning as soon as stored.
+    let (fact, question) = FACTS[0];
+    let answer = chat(
+        &proxy,
+        "inline",
+        &body(&[user(question)]),
+        &[("x-memory-persist", "false")],
+    )
+    .await;
+    assert_eq!(answer.header("x-memory-recall"), "hybrid");
+    assert!(recalled(&mock).contains(fact), "{}", recalled(&mock));
+}
+
 const EMBEDDING: &str = "[memory]\nrecent_n = 10\nrelevance_top_k = 5\ncompression_enabled = false\nmax_messages = 10000\n[embedding]\nembedder = \"static\"\n";
 
 /// Facts found by each question's recall, as (found, of 30).

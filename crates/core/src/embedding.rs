@@ -94,6 +94,9 @@ pub struct EmbeddingCounters {
     pub query_halves_helped: AtomicU64,
     /// Stored messages given a vector.
     pub vectors_stored: AtomicU64,
+    /// Of those, the vectors a commit made and wrote with its messages
+    /// ([`Embedding::in_commit`]).
+    pub vectors_in_commit: AtomicU64,
     /// Background jobs dropped (queue full): their conversation or owner is owed a catch-up
     /// ([`Owed`]), which makes the missing vectors once the queue has room.
     pub jobs_dropped: AtomicU64,
@@ -449,6 +452,39 @@ impl Embedding {
             archive,
             known,
         }));
+    }
+
+    /// The vectors of a commit's added messages `texts`, in order, with their space: made on
+    /// the committing thread when the embedder costs less there than the hand-over to the
+    /// background worker and the separate write after it (a table's additions, not
+    /// [`Embed::worth_a_thread`]), for the commit to write with the messages. `None` with
+    /// another embedder or none, or when embedding fails (the worker then makes them after the
+    /// commit, as for any other). A text of `known` (recall's query vector) takes it.
+    pub fn in_commit(
+        &self,
+        texts: &[String],
+        known: Option<&(String, Vec<f32>)>,
+    ) -> Option<(String, Vec<Vec<f32>>)> {
+        let embedder = self.embedder.as_ref().ok()?;
+        if embedder.worth_a_thread() || texts.is_empty() {
+            return None;
+        }
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let made = embed_unless_known(embedder.as_ref(), &refs, |text| {
+            known.filter(|(k, _)| k == text).map(|(_, vector)| vector)
+        })
+        .ok()?;
+        let whole = made.len() == texts.len() && made.iter().all(|v| v.len() == embedder.dims());
+        whole.then(|| (embedder.id().to_string(), made))
+    }
+
+    /// Counts the vectors a commit wrote with its messages ([`Embedding::in_commit`]) among
+    /// those stored.
+    pub fn stored_in_commit(&self, count: usize) {
+        let c = &self.counters;
+        c.vectors_stored.fetch_add(count as u64, Ordering::Relaxed);
+        c.vectors_in_commit
+            .fetch_add(count as u64, Ordering::Relaxed);
     }
 
     /// Queues the embedding of an owner's records (archived turns, memories); `stored` is

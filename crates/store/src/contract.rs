@@ -61,6 +61,7 @@ fn create(engine: &dyn Engine, key: &ConversationKey, n: u64) -> (u64, Version) 
                 meta: &meta(id, n + 1, n),
                 remove_turns: &[],
                 add: &messages,
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[],
@@ -93,6 +94,7 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
             meta: &meta(id, 3, 2),
             remove_turns: &[],
             add: &[message(1, "other")],
+            vectors: &[],
             summaries: &[],
             remove_summaries: &[],
             branches: &[],
@@ -108,6 +110,7 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
                 meta: &meta(id, 4, 3),
                 remove_turns: &[],
                 add: &[message(3, "m3")],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[],
@@ -124,6 +127,7 @@ pub fn a_write_is_checked_against_the_version(engine: &dyn Engine) {
             meta: &meta(id, 5, 2),
             remove_turns: &[1, 2],
             add: &[message(4, "lost")],
+            vectors: &[],
             summaries: &[(1, b"{}")],
             remove_summaries: &[],
             branches: &[],
@@ -153,6 +157,7 @@ pub fn a_write_removes_adds_and_counts_atomically(engine: &dyn Engine) {
                 meta: &meta(id, 6, 3),
                 remove_turns: &[1, 2],
                 add: &[message(5, "m5")],
+                vectors: &[],
                 summaries: &[(1, br#"{"n":1}"#)],
                 remove_summaries: &[],
                 branches: &[],
@@ -367,6 +372,7 @@ pub fn the_ledger_is_kept_in_the_record(engine: &dyn Engine) {
                 meta: &record,
                 remove_turns: &[],
                 add: &[message(2, "reply")],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[],
@@ -407,6 +413,7 @@ pub fn response_ids_follow_their_conversation(engine: &dyn Engine) {
                 meta: &meta(id, 3, 2),
                 remove_turns: &[],
                 add: std::slice::from_ref(&reply),
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[],
@@ -477,6 +484,7 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
                 meta: &meta(id, 7, 6),
                 remove_turns: &[],
                 add: &[],
+                vectors: &[],
                 summaries: &[(1, br#"{"to_turn":2}"#), (2, br#"{"to_turn":5}"#)],
                 remove_summaries: &[],
                 branches: &[],
@@ -498,6 +506,7 @@ pub fn a_branch_closes_with_its_write(engine: &dyn Engine) {
                 meta: &meta(id, 8, 4),
                 remove_turns: &[4, 5, 6],
                 add: &[message(7, "m7")],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[2],
                 branches: std::slice::from_ref(&closed),
@@ -577,6 +586,7 @@ fn a_stale_write_closes_nothing(engine: &dyn Engine, k: &ConversationKey, id: u6
             meta: &meta(id, 9, 2),
             remove_turns: &[2, 3],
             add: &[],
+            vectors: &[],
             summaries: &[],
             remove_summaries: &[1],
             branches: &[branch(2, 1, &[2, 3], "lost")],
@@ -607,6 +617,7 @@ fn a_second_branch_follows_the_first(
                 meta: &meta(id, 9, 4),
                 remove_turns: &[7],
                 add: &[message(8, "m8")],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: std::slice::from_ref(&second),
@@ -638,6 +649,7 @@ pub fn a_delete_leaves_no_branch(engine: &dyn Engine) {
                 meta: &meta(id, 4, 2),
                 remove_turns: &[2],
                 add: &[message(3, "m3")],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[closed],
@@ -655,6 +667,7 @@ pub fn a_delete_leaves_no_branch(engine: &dyn Engine) {
                 meta: &meta(kept_id, 3, 1),
                 remove_turns: &[2],
                 add: &[],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[branch(1, 1, &[2], "kept-branch")],
@@ -954,6 +967,7 @@ pub fn a_write_removes_the_vectors_of_the_turns_it_removes(engine: &dyn Engine) 
                 meta: &meta(id, 8, 4),
                 remove_turns: &[1, 2, 6],
                 add: &[message(7, "m7")],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[],
@@ -975,6 +989,7 @@ pub fn a_write_removes_the_vectors_of_the_turns_it_removes(engine: &dyn Engine) 
                 meta: &meta(id, 9, 2),
                 remove_turns: &[4, 5, 7],
                 add: &[message(8, "m8")],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[branch(1, 3, &[4, 5, 7], "branch")],
@@ -997,6 +1012,7 @@ pub fn a_write_removes_the_vectors_of_the_turns_it_removes(engine: &dyn Engine) 
             meta: &meta(id, 9, 1),
             remove_turns: &[3],
             add: &[],
+            vectors: &[],
             summaries: &[],
             remove_summaries: &[],
             branches: &[],
@@ -1017,6 +1033,7 @@ pub fn a_write_removes_the_vectors_of_the_turns_it_removes(engine: &dyn Engine) 
                 meta: &meta(id, 9, 2),
                 remove_turns: &[],
                 add: &[message(8, "m8 again")],
+                vectors: &[],
                 summaries: &[],
                 remove_summaries: &[],
                 branches: &[],
@@ -1025,6 +1042,68 @@ pub fn a_write_removes_the_vectors_of_the_turns_it_removes(engine: &dyn Engine) 
         )
         .unwrap();
     assert_eq!(vector_texts(engine, &k, id), [(3, "v3".into())]);
+}
+
+pub fn vectors_given_with_a_write_are_written_with_its_messages(engine: &dyn Engine) {
+    let k = key("t", "a", "c");
+    let (id, v1) = create(engine, &k, 2);
+    fn write<'a>(
+        meta: &'a ConversationMeta,
+        remove_turns: &'a [u64],
+        add: &'a [StoredMessage],
+        vectors: &'a [(u64, Vec<u8>)],
+    ) -> Write<'a> {
+        Write {
+            meta,
+            remove_turns,
+            add,
+            vectors,
+            summaries: &[],
+            remove_summaries: &[],
+            branches: &[],
+            response_ids: &[],
+        }
+    }
+    // An exchange appended with the vector of its reply (its question has none).
+    let (m3, m4) = (message(3, "m3"), message(4, "m4"));
+    let v2 = engine
+        .write(
+            &k,
+            &v1,
+            write(&meta(id, 5, 4), &[], &[m3, m4], &values(&[4], "e")),
+        )
+        .unwrap();
+    assert_eq!(vector_texts(engine, &k, id), [(4, "e4".into())]);
+    assert_eq!(engine.vector_count().unwrap(), 1);
+    // A stale write's vectors are not written, nor left behind.
+    let stale = engine.write(
+        &k,
+        &v1,
+        write(
+            &meta(id, 6, 5),
+            &[],
+            &[message(5, "m5")],
+            &values(&[5], "s"),
+        ),
+    );
+    assert!(matches!(stale, Err(StoreError::Stale)));
+    assert_eq!(vector_texts(engine, &k, id), [(4, "e4".into())]);
+    assert_eq!(engine.vector_count().unwrap(), 1);
+    // A turn written again, with a trim in the same write, takes the vector given with it.
+    engine
+        .write(
+            &k,
+            &v2,
+            write(
+                &meta(id, 5, 3),
+                &[1],
+                &[message(4, "m4 again")],
+                &values(&[4], "f"),
+            ),
+        )
+        .unwrap();
+    assert_eq!(vector_texts(engine, &k, id), [(4, "f4".into())]);
+    assert_eq!(engine.vector_count().unwrap(), 1);
 }
 
 pub fn a_delete_removes_every_vector_of_the_conversation(engine: &dyn Engine) {
@@ -1186,6 +1265,7 @@ macro_rules! contract_tests {
             contract_tests!(@each $make;
                 vectors_are_kept_for_stored_turns_only_and_read_by_turn,
                 a_write_removes_the_vectors_of_the_turns_it_removes,
+                vectors_given_with_a_write_are_written_with_its_messages,
                 a_delete_removes_every_vector_of_the_conversation,
                 owner_vectors_go_with_their_records_and_their_owner
             );

@@ -137,6 +137,10 @@ pub struct Write<'a> {
     pub remove_turns: &'a [u64],
     /// Messages to add, with their turns assigned.
     pub add: &'a [StoredMessage],
+    /// Sealed vectors of some of the added messages, by turn ([`Vectors::put_vectors`]'s
+    /// values), written with them: atomically with them, and replacing what a turn written
+    /// again had.
+    pub vectors: &'a [(u64, Vec<u8>)],
     /// Summary records to add, by number.
     pub summaries: &'a [(u64, &'a [u8])],
     /// Summary records to delete, by number (those a closed branch takes along).

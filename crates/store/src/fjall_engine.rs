@@ -530,6 +530,9 @@ impl Engine for FjallEngine {
             tx.insert(&p.messages, *k, v.as_slice());
             tx.remove(&p.vectors, *k);
         }
+        for (turn, value) in write.vectors {
+            tx.insert(&p.vectors, message_key(id, *turn), value.as_slice());
+        }
         for number in write.remove_summaries {
             tx.remove(&p.summaries, message_key(id, *number));
         }

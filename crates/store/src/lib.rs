@@ -365,6 +365,18 @@ pub struct Change {
     /// Closes a branch: the stored messages from this turn on leave the main line, and are
     /// kept as a closed branch with the summaries that reach them, in the same write.
     pub branch_from_turn: Option<u64>,
+    /// Vectors of some of the added messages, sealed as [`Store::put_vectors`] seals them and
+    /// written with them in the same write.
+    pub vectors: Option<AddedVectors>,
+}
+
+/// Vectors of a [`Change`]'s added messages, of one embedder's space.
+#[derive(Debug, Default)]
+pub struct AddedVectors {
+    /// The space (`Embed::id`), as [`Store::put_vectors`] takes it.
+    pub space: String,
+    /// `(index in Change::add, vector)`.
+    pub of: Vec<(usize, Vec<f32>)>,
 }
 
 /// The turn of the first of `entries` whose index is not in `removed` (sorted).
@@ -910,9 +922,13 @@ impl Store {
                 .collect()
         };
         let mut created_key = false;
+        let mut vectors: Vec<(u64, Vec<u8>)> = Vec::new();
         if !change.add.is_empty() {
             let (key, created) = self.sealing_key(&conversation.key, meta.id)?;
             created_key = created;
+            if let Some(added) = change.vectors.take() {
+                vectors = vectors::seal_added(&key, &added, &change.add)?;
+            }
             seal::seal_messages(&key, &mut change.add)?;
         }
         let version = self.write_sealed(
@@ -921,6 +937,7 @@ impl Store {
                 meta: &meta,
                 remove_turns: &remove_turns,
                 add: &change.add,
+                vectors: &vectors,
                 summaries: &[],
                 remove_summaries: &remove_summaries,
                 branches: &branches,
@@ -1243,6 +1260,7 @@ pub(crate) mod tests {
                     tokens_forwarded: 0,
                     ledger: LedgerTotals::default(),
                     branch_from_turn: None,
+                    vectors: None,
                     remove_turns: vec![],
                     add: vec![message(Role::User, "a"), message(Role::Assistant, "bb")],
                 };
@@ -1276,6 +1294,7 @@ pub(crate) mod tests {
             tokens_forwarded: 0,
             ledger: LedgerTotals::default(),
             branch_from_turn: None,
+            vectors: None,
             remove_turns,
             add: vec![message(Role::User, "q"), message(Role::Assistant, "a")],
         };
@@ -1335,6 +1354,7 @@ pub(crate) mod tests {
                     branch_from_turn: None,
                     remove_turns: vec![],
                     add: vec![message(Role::User, "q"), message(Role::Assistant, "a")],
+                    vectors: None,
                 };
                 store.commit(&mut conv, change).unwrap();
                 record_sizes.push(conv.version.token().unwrap().len());
@@ -1618,6 +1638,7 @@ pub(crate) mod tests {
                     tokens_forwarded: 0,
                     ledger: LedgerTotals::default(),
                     branch_from_turn: None,
+                    vectors: None,
                 },
             )
             .unwrap();
@@ -1630,6 +1651,7 @@ pub(crate) mod tests {
                     tokens_forwarded: 0,
                     ledger: LedgerTotals::default(),
                     branch_from_turn: None,
+                    vectors: None,
                 },
             )
             .unwrap_err();
@@ -1646,6 +1668,7 @@ pub(crate) mod tests {
                     tokens_forwarded: 0,
                     ledger: LedgerTotals::default(),
                     branch_from_turn: None,
+                    vectors: None,
                 },
             )
             .unwrap();

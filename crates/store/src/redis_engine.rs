@@ -207,8 +207,9 @@ pub const EXPIRY_GRACE_MS: u64 = 60_000;
 
 /// KEYS: conv, m, s, b, k, ttl, r, v. ARGV: expected version ('' = absent), key bytes, meta
 /// JSON, id, last activity, then counted lists: turns to remove, (turn, member) to add, summary
-/// numbers to remove, (number, member) to add, (field, value) branch rows, response ids. A turn
-/// removed or written again loses its vector. Returns the new version, or false when stale.
+/// numbers to remove, (number, member) to add, (field, value) branch rows, response ids,
+/// (turn, value) vectors of added turns. A turn removed or written again loses its vector (and
+/// takes the one given with it). Returns the new version, or false when stale.
 const WRITE: &str = r"
 local v = redis.call('HGET', KEYS[1], 'ver')
 if (v or '') ~= ARGV[1] then return false end
@@ -235,6 +236,8 @@ n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]); i = i + 2 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('SADD', KEYS[7], ARGV[i]); i = i + 1 end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[8], ARGV[i], ARGV[i + 1]); i = i + 2 end
 local count = 1
 if v then
   local old = redis.call('HGET', KEYS[1], 'id')
@@ -838,6 +841,10 @@ impl Engine for RedisEngine {
         invocation.arg(write.response_ids.len());
         for response_id in write.response_ids {
             invocation.arg(response_id);
+        }
+        invocation.arg(write.vectors.len());
+        for (turn, value) in write.vectors {
+            invocation.arg(turn).arg(value.as_slice());
         }
         let mut c = self.connection()?;
         let version: Option<Vec<u8>> = invocation.invoke(&mut *c)?;

@@ -766,6 +766,7 @@ impl Writer {
                 meta: &meta,
                 remove_turns: &[],
                 add: &salvaged.messages,
+                vectors: &[],
                 summaries: &summaries,
                 remove_summaries: &[],
                 branches: &salvaged.branches,

@@ -464,6 +464,7 @@ mod tests {
                     meta: &meta,
                     remove_turns: &[],
                     add: &[old],
+                    vectors: &[],
                     summaries: &[(1, &record)],
                     remove_summaries: &[],
                     branches: &[],

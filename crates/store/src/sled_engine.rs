@@ -269,6 +269,11 @@ impl SledEngine {
                 return Ok(None);
             }
         }
+        // The added messages' vectors, beside them (a turn past the stored `next_turn`: no
+        // reader takes it before the record below says it is there).
+        for (turn, value) in write.vectors {
+            t.vectors.insert(message_key(id, *turn), value.as_slice())?;
+        }
         for (by_id, by_conversation) in &rows.responses {
             t.responses
                 .insert(by_id.as_slice(), rows.response_value.as_slice())?;
@@ -298,6 +303,14 @@ impl SledEngine {
             t.responses.remove(by_id.as_slice())?;
             t.conversation_responses
                 .remove(by_conversation.as_slice())?;
+        }
+        for (turn, value) in write.vectors {
+            // Not ours any more either when a transaction wrote the turn's vector since.
+            let _ = t.vectors.compare_and_swap(
+                message_key(id, *turn),
+                Some(value.as_slice()),
+                None::<&[u8]>,
+            )?;
         }
         undo(added)?;
         Err(StoreError::Stale)
@@ -450,6 +463,9 @@ impl Engine for SledEngine {
                     for (k, v) in &added {
                         msgs.insert(&k[..], v.as_slice())?;
                         vecs.remove(&k[..])?;
+                    }
+                    for (turn, value) in write.vectors {
+                        vecs.insert(&message_key(id, *turn)[..], value.as_slice())?;
                     }
                     for number in write.remove_summaries {
                         sums.remove(&message_key(id, *number)[..])?;
@@ -1057,6 +1073,7 @@ mod tests {
             meta,
             remove_turns: &[],
             add,
+            vectors: &[],
             summaries: &[],
             remove_summaries: &[],
             branches: &[],

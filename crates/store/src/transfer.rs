@@ -292,6 +292,7 @@ impl Store {
                 meta,
                 remove_turns: &[],
                 add: &added,
+                vectors: &[],
                 summaries: &summary_rows,
                 remove_summaries: &[],
                 branches: &sealed_branches,

@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use super::keys::Key;
 use super::owners::OwnerHandle;
 use super::seal::{self, Kind, SEALED_PREFIX};
-use super::{Conversation, Store, StoreError};
+use super::{Conversation, Store, StoreError, StoredMessage};
 
 /// An owner's record's vector as the store reads it: the record id and the embedding.
 pub type RecordVector = (Vec<u8>, Vec<f32>);
@@ -106,6 +106,27 @@ fn decode(tag: &[u8; TAG_LEN], bytes: &[u8]) -> Result<Option<Vec<f32>>, StoreEr
 
 /// `vector` of the space tagged `tag`, sealed with `key` as an engine stores it; `None` when it
 /// cannot be quantised (empty, or a value that is not finite).
+/// The vectors of a change's added messages (`added.of`: by index in `add`, whose turns are
+/// assigned), sealed with the conversation's `key` as [`Store::put_vectors`] seals them, by
+/// turn; a vector that cannot be quantised is left out, as there.
+pub(crate) fn seal_added(
+    key: &Key,
+    added: &crate::AddedVectors,
+    add: &[StoredMessage],
+) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+    let tag = space_tag(&added.space);
+    let mut sealed = Vec::with_capacity(added.of.len());
+    for (index, vector) in &added.of {
+        let Some(message) = add.get(*index) else {
+            continue;
+        };
+        if let Some(value) = seal_vector(key, &tag, vector)? {
+            sealed.push((message.turn, value));
+        }
+    }
+    Ok(sealed)
+}
+
 fn seal_vector(
     key: &Key,
     tag: &[u8; TAG_LEN],

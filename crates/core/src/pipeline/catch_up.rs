@@ -40,7 +40,7 @@ pub fn catch_up(
             let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
             memory
                 .recall
-                .apply(key, Some(before.unwrap_or(1)), &[], &texts, after);
+                .apply(key, Some(before.unwrap_or(1)), &[], &texts, &[], after);
         }
     }
     Ok(())

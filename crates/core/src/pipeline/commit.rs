@@ -29,7 +29,8 @@ use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::{HasRole, Message, Role};
 use memproxy_base::tokens;
 use memproxy_store::{
-    Change, Conversation, Entry, LedgerTotals, Origin, OwnerKey, StoreError, StoredMessage, lock,
+    AddedVectors, Change, Conversation, Entry, LedgerTotals, Origin, OwnerKey, StoreError,
+    StoredMessage, lock,
 };
 
 /// How often a commit re-plans against a conversation that keeps changing under it. In one
@@ -380,7 +381,9 @@ impl Exchange {
         };
         memory.store.commit(conversation, trim)?;
         let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
-        memory.recall.apply(&self.key, current, &batch, &[], after);
+        memory
+            .recall
+            .apply(&self.key, current, &batch, &[], &[], after);
         Ok(Written::TrimBatch(batch.len()))
     }
 
@@ -406,6 +409,16 @@ impl Exchange {
         let still_new = self.still_new(alignment, &self.new_texts);
         let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
         added_texts.push(ready.reply_search.clone());
+        // With an embedder cheap enough to run here (a table's additions), the added
+        // messages' vectors are made now and written with them, so the next request finds
+        // them by meaning; else they are made in the background after the commit.
+        let made = memory
+            .embedding
+            .in_commit(&added_texts, self.query_vector.as_ref());
+        change.vectors = made.as_ref().map(|(space, vectors)| AddedVectors {
+            space: space.clone(),
+            of: vectors.iter().cloned().enumerate().collect(),
+        });
         if let Err(err) = store.commit(conversation, change) {
             memory.ledger.give_back(&self.key, background);
             return Err(err);
@@ -426,10 +439,22 @@ impl Exchange {
             .map(|e| e.turn)
             .zip(added_texts)
             .collect();
+        let vectors: Vec<(u64, Vec<f32>)> = match made {
+            Some((_, vectors)) => {
+                memory.embedding.stored_in_commit(vectors.len());
+                added.iter().map(|(turn, _)| *turn).zip(vectors).collect()
+            }
+            None => Vec::new(),
+        };
         let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
-        memory
-            .recall
-            .apply(&self.key, current, &leaving.removed, &added, after);
+        memory.recall.apply(
+            &self.key,
+            current,
+            &leaving.removed,
+            &added,
+            &vectors,
+            after,
+        );
         let archived = self.user.as_ref().and_then(|user| {
             let extraction = self
                 .extraction_rule
@@ -438,12 +463,13 @@ impl Exchange {
                 .longterm
                 .after_commit(store, user, conversation, &leaving.unsaid, extraction)
         });
-        // Their vectors, and the archived copies', are made in the background, off this
-        // request's path.
+        // Their vectors when not made above, and the archived copies', are made in the
+        // background, off this request's path.
         let id = conversation.meta.as_ref().map_or(0, |m| m.id);
+        let unmade: &[(u64, String)] = if vectors.is_empty() { &added } else { &[] };
         memory
             .embedding
-            .after_commit(&self.key, id, &added, archived, self.query_vector.as_ref());
+            .after_commit(&self.key, id, unmade, archived, self.query_vector.as_ref());
         Ok(Written::Exchange)
     }
 
@@ -497,6 +523,7 @@ impl Exchange {
                     background_tokens: 0,
                 },
                 branch_from_turn,
+                vectors: None,
             },
             trimmed,
             dropped_new,

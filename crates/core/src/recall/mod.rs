@@ -380,15 +380,16 @@ impl Recall {
     }
 
     /// Brings a cached index up to date with a commit, under the conversation's lock:
-    /// `removed` turns were deleted, `added` (turn, text) appended, and the conversation's
-    /// `next_turn` went from `before` to `after`. An index that was not in step is dropped and
-    /// rebuilt on its next search.
+    /// `removed` turns were deleted, `added` (turn, text) appended with the `vectors` the
+    /// commit wrote for some of them, and the conversation's `next_turn` went from `before` to
+    /// `after`. An index that was not in step is dropped and rebuilt on its next search.
     pub fn apply(
         &self,
         key: &ConversationKey,
         before: Option<u64>,
         removed: &[u64],
         added: &[(u64, String)],
+        vectors: &[(u64, Vec<f32>)],
         after: u64,
     ) {
         let Some(handle) = self.cache.get(key) else {
@@ -427,6 +428,11 @@ impl Recall {
             for (turn, text) in added {
                 let terms = index.terms(text);
                 index.index.push(*turn, terms);
+            }
+            if let Some(held) = index.vectors.as_mut() {
+                for (turn, vector) in vectors {
+                    held.insert(*turn, vector);
+                }
             }
             index.synced_next_turn = after;
         }
