@@ -1,7 +1,9 @@
 //! Vectors for recall by meaning: the configured embedder (`memproxy-embed`, or the upstream's
-//! `/v1/embeddings` from the edge), the new message's embedding on the request path, and the
-//! background jobs that embed each commit's new messages and owners' records (long-term
-//! memory's archived turns and memories, queued by `crate::longterm`) and store their vectors.
+//! `/v1/embeddings` from the edge), the new message's embedding on the request path, a stored
+//! exchange's vectors made in its commit with the static table ([`Embedding::in_commit`]), and
+//! the background jobs that embed each commit's new messages otherwise and owners' records
+//! (long-term memory's archived turns and memories, queued by `crate::longterm`) and store
+//! their vectors.
 //!
 //! Nothing here fails a chat request: without an embedder, or when an embedding fails, recall
 //! goes on by words alone and the request's `X-Memory-Recall` says why.

@@ -227,7 +227,8 @@ impl Exchange {
     /// its writes succeed, the conversation's lock is free, the exchange is small
     /// ([`WRITE_HERE_MAX_BYTES`]), and no user's long-term memory is written. Its one write
     /// goes into the engine's memory and log buffer (durability follows in the group flush,
-    /// awaited). A stored exchange then takes one hop to the blocking pool (its plan) instead
+    /// awaited); with the static table the exchange's vectors are made here too, a table's
+    /// additions over at most those bytes ([`Embedding::in_commit`](crate::embedding::Embedding::in_commit)). A stored exchange then takes one hop to the blocking pool (its plan) instead
     /// of two. Anything else, and a write that finds the conversation changed or a long trim
     /// to batch, gives the exchange back (`Err`, nothing written) for the pool.
     fn write_here(
@@ -441,7 +442,12 @@ impl Exchange {
             .collect();
         let vectors: Vec<(u64, Vec<f32>)> = match made {
             Some((_, vectors)) => {
-                memory.embedding.stored_in_commit(vectors.len());
+                // A text with nothing to embed has a vector of zeros, which is not stored.
+                let stored = vectors
+                    .iter()
+                    .filter(|v| v.iter().any(|x| *x != 0.0))
+                    .count();
+                memory.embedding.stored_in_commit(stored);
                 added.iter().map(|(turn, _)| *turn).zip(vectors).collect()
             }
             None => Vec::new(),

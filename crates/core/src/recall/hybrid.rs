@@ -12,8 +12,8 @@
 //!   answer describe each other; images and short replies carry their context), as BM25's
 //!   documents carry their neighbours' words;
 //! - fused = `lexical_weight` × lexical + (1 − `lexical_weight`) × semantic. A turn without a
-//!   vector yet (made after its commit, off the request path) is fused from its words alone,
-//!   at the lexical weight;
+//!   vector yet (a model's or the provider's, made after its commit off the request path) is
+//!   fused from its words alone, at the lexical weight;
 //! - with vectors and `relevance_feedback`, the fusion runs twice: the second time with the
 //!   query's vector moved towards the vectors of the first's best turns ([`feedback`]);
 //! - a question that names a period ("in July 2022", "last week": `when.rs`) adds

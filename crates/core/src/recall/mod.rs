@@ -7,7 +7,7 @@
 //!
 //! - `index.rs` — BM25 over the messages' words (`tokenize.rs` makes the terms);
 //! - `vectors.rs` — with an embedder, the messages' vectors, loaded from the store with the
-//!   index and added as background jobs make them;
+//!   index and added as commits (the static table's) or background jobs make them;
 //! - `hybrid.rs` — words and meaning fused into one score, and the relevance floor;
 //! - `when.rs` — the period a question names ("in July 2022", "last week"): the turns stored
 //!   in it are favoured;

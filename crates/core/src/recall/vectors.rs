@@ -3,8 +3,9 @@
 //! 1,000 messages at 256 dimensions costs about 260 KB of cache (and 16 KB more for the
 //! similarities' buffer its index keeps, `recall/mod.rs`).
 //!
-//! Vectors arrive after their messages (they are made off the request path), so some turns
-//! may have none yet: those are found by their words only.
+//! With a model or the provider's embeddings, vectors arrive after their messages (they are
+//! made off the request path), so some turns may have none yet: those are found by their words
+//! only. The static table's come with their messages (made in the commit).
 
 use memproxy_base::heap;
 
