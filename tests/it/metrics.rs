@@ -554,6 +554,51 @@ async fn small_exchanges_are_stored_where_their_answer_arrives() {
     assert_eq!(commits(&scrape(&proxy).await.0), (2.0, 2.0));
 }
 
+/// One exchange stored in `conversation` where its answer arrived, then a second one planned
+/// and forwarded whose answer the mock holds back `delay_ms`: its task (with when its answer
+/// ended), once the mock has the request.
+async fn a_late_second_exchange(
+    proxy: &std::sync::Arc<Proxy>,
+    mock: &crate::support::mock_upstream::MockUpstream,
+    conversation: &'static str,
+    delay_ms: u64,
+) -> tokio::task::JoinHandle<(Answer, std::time::Instant)> {
+    let first = chat(
+        proxy,
+        conversation,
+        &body(&[user("My sister lives in Porto.")]),
+        &[],
+    )
+    .await;
+    assert_eq!(first.header("x-memory-status"), "stored");
+    assert_eq!(commits(&scrape(proxy).await.0), (0.0, 1.0));
+
+    mock.push(Reply::Delay(
+        std::time::Duration::from_millis(delay_ms),
+        Box::new(Reply::Auto),
+    ));
+    let asking = std::sync::Arc::clone(proxy);
+    let late = tokio::spawn(async move {
+        let answer = chat(
+            &asking,
+            conversation,
+            &body(&[user("My brother lives in Faro.")]),
+            &[],
+        )
+        .await;
+        (answer, std::time::Instant::now())
+    });
+    // Planned and forwarded (the plan needs the conversation's lock too).
+    for _ in 0..500 {
+        if mock.chat_requests().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(mock.chat_requests().len(), 2);
+    late
+}
+
 /// An answer that arrives while its conversation is held (here by the test; in use, by a
 /// request planning it) is not waited for on the runtime's thread: its commit goes to the
 /// blocking pool, which waits for the lock, and the exchange is stored all the same, before the
@@ -562,39 +607,8 @@ async fn small_exchanges_are_stored_where_their_answer_arrives() {
 async fn an_answer_whose_conversation_is_held_is_stored_from_the_pool() {
     let Started { proxy, mock, .. } = Harness::new().start().await;
     let proxy = std::sync::Arc::new(proxy);
-    let first = chat(
-        &proxy,
-        "held",
-        &body(&[user("My sister lives in Porto.")]),
-        &[],
-    )
-    .await;
-    assert_eq!(first.header("x-memory-status"), "stored");
-    assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 1.0));
-
-    mock.push(Reply::Delay(
-        std::time::Duration::from_millis(200),
-        Box::new(Reply::Auto),
-    ));
-    let asking = std::sync::Arc::clone(&proxy);
-    let request = tokio::spawn(async move {
-        let answer = chat(
-            &asking,
-            "held",
-            &body(&[user("My brother lives in Faro.")]),
-            &[],
-        )
-        .await;
-        (answer, std::time::Instant::now())
-    });
-    // Planned and forwarded (the plan needs the lock too): the answer is 200 ms away.
-    for _ in 0..500 {
-        if mock.chat_requests().len() == 2 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert_eq!(mock.chat_requests().len(), 2);
+    // The answer is 200 ms away.
+    let request = a_late_second_exchange(&proxy, &mock, "held", 200).await;
     let handle = proxy.store().cached(&key(Some(TOKEN), "held")).unwrap();
     let (locked, told) = std::sync::mpsc::channel();
     let holder = std::thread::spawn(move || {
@@ -626,37 +640,7 @@ async fn an_answer_whose_conversation_is_held_is_stored_from_the_pool() {
 async fn an_answer_whose_conversation_changed_behind_it_is_stored_from_the_pool() {
     let Started { proxy, mock, .. } = Harness::new().start().await;
     let proxy = std::sync::Arc::new(proxy);
-    let first = chat(
-        &proxy,
-        "moved",
-        &body(&[user("My sister lives in Porto.")]),
-        &[],
-    )
-    .await;
-    assert_eq!(first.header("x-memory-status"), "stored");
-    assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 1.0));
-
-    mock.push(Reply::Delay(
-        std::time::Duration::from_millis(300),
-        Box::new(Reply::Auto),
-    ));
-    let asking = std::sync::Arc::clone(&proxy);
-    let slow = tokio::spawn(async move {
-        chat(
-            &asking,
-            "moved",
-            &body(&[user("My brother lives in Faro.")]),
-            &[],
-        )
-        .await
-    });
-    for _ in 0..500 {
-        if mock.chat_requests().len() == 2 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    assert_eq!(mock.chat_requests().len(), 2);
+    let slow = a_late_second_exchange(&proxy, &mock, "moved", 300).await;
     // The conversations' cache emptied, as the memory guard does under pressure; the next
     // request loads the conversation afresh and commits through that.
     let state = proxy
@@ -672,7 +656,7 @@ async fn an_answer_whose_conversation_changed_behind_it_is_stored_from_the_pool(
     assert_eq!(fast.header("x-memory-status"), "stored");
     assert_eq!(commits(&scrape(&proxy).await.0), (0.0, 2.0));
 
-    let slow = slow.await.unwrap();
+    let (slow, _) = slow.await.unwrap();
     assert_eq!(slow.header("x-memory-status"), "stored");
     assert_eq!(commits(&scrape(&proxy).await.0), (1.0, 2.0));
     let stored = summarize(&proxy.stored(Some(TOKEN), "moved"));

@@ -375,8 +375,8 @@ pub struct Change {
 pub struct AddedVectors {
     /// The space (`Embed::id`), as [`Store::put_vectors`] takes it.
     pub space: String,
-    /// `(index in Change::add, vector)`.
-    pub of: Vec<(usize, Vec<f32>)>,
+    /// One per message of `Change::add`, in its order.
+    pub of: Vec<Vec<f32>>,
 }
 
 /// The turn of the first of `entries` whose index is not in `removed` (sorted).

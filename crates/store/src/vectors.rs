@@ -106,9 +106,9 @@ fn decode(tag: &[u8; TAG_LEN], bytes: &[u8]) -> Result<Option<Vec<f32>>, StoreEr
 
 /// `vector` of the space tagged `tag`, sealed with `key` as an engine stores it; `None` when it
 /// cannot be quantised (empty, or a value that is not finite).
-/// The vectors of a change's added messages (`added.of`: by index in `add`, whose turns are
-/// assigned), sealed with the conversation's `key` as [`Store::put_vectors`] seals them, by
-/// turn; a vector that cannot be quantised is left out, as there.
+/// The vectors of a change's added messages (`added.of`: one per message of `add`, whose turns
+/// are assigned), sealed with the conversation's `key` as [`Store::put_vectors`] seals them,
+/// by turn; a vector that cannot be quantised is left out, as there.
 pub(crate) fn seal_added(
     key: &Key,
     added: &crate::AddedVectors,
@@ -116,10 +116,7 @@ pub(crate) fn seal_added(
 ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
     let tag = space_tag(&added.space);
     let mut sealed = Vec::with_capacity(added.of.len());
-    for (index, vector) in &added.of {
-        let Some(message) = add.get(*index) else {
-            continue;
-        };
+    for (message, vector) in add.iter().zip(&added.of) {
         if let Some(value) = seal_vector(key, &tag, vector)? {
             sealed.push((message.turn, value));
         }

@@ -418,7 +418,7 @@ impl Exchange {
             .in_commit(&added_texts, self.query_vector.as_ref());
         change.vectors = made.as_ref().map(|(space, vectors)| AddedVectors {
             space: space.clone(),
-            of: vectors.iter().cloned().enumerate().collect(),
+            of: vectors.clone(),
         });
         if let Err(err) = store.commit(conversation, change) {
             memory.ledger.give_back(&self.key, background);
