@@ -62,6 +62,11 @@ pub struct Index {
     postings: Vec<Vec<Posting>>,
     /// Live documents holding each term.
     df: Vec<u32>,
+    /// Each term's postings of trimmed documents, at the front of its list until the next
+    /// compaction: where its live postings start, so neither a search nor a trim looks for
+    /// that place (a binary search of the list, a cache miss at each step in an index not
+    /// read since the last request).
+    dead: Vec<u32>,
     docs: Vec<Doc>,
     /// Documents before this one were trimmed away.
     first_live: usize,
@@ -90,19 +95,33 @@ struct InnerHeap {
 }
 
 /// Where document `doc`'s posting is in `postings` (by document), or where it would go, as
-/// `binary_search` says: the last few first, since the documents a push or a pop adjusts are
-/// the newest (a search of the whole list would read a cache line at each of its steps).
-fn locate(postings: &[Posting], doc: u32) -> Result<usize, usize> {
+/// `binary_search` says, given that none before `live` (the term's dead postings) is of `doc`
+/// or after it: the last few first, since the documents a push or a pop adjusts are the
+/// newest, then the first few live ones, which a trim adjusts (a search of the whole list
+/// would read a cache line at each of its steps).
+fn locate(postings: &[Posting], doc: u32, live: usize) -> Result<usize, usize> {
+    use std::cmp::Ordering;
     let n = postings.len();
-    for at in (n.saturating_sub(4)..n).rev() {
+    let tail = n.saturating_sub(4).max(live);
+    for at in (tail..n).rev() {
         match postings[at].doc.cmp(&doc) {
-            std::cmp::Ordering::Equal => return Ok(at),
-            std::cmp::Ordering::Less => return Err(at + 1),
-            std::cmp::Ordering::Greater => {}
+            Ordering::Equal => return Ok(at),
+            Ordering::Less => return Err(at + 1),
+            Ordering::Greater => {}
         }
     }
-    let before = n.saturating_sub(4);
-    postings[..before].binary_search_by_key(&doc, |p| p.doc)
+    let head_end = (live + 4).min(tail);
+    for (at, posting) in postings.iter().enumerate().take(head_end).skip(live) {
+        match posting.doc.cmp(&doc) {
+            Ordering::Equal => return Ok(at),
+            Ordering::Greater => return Err(at),
+            Ordering::Less => {}
+        }
+    }
+    postings[head_end..tail]
+        .binary_search_by_key(&doc, |p| p.doc)
+        .map(|at| at + head_end)
+        .map_err(|at| at + head_end)
 }
 
 /// Each distinct term of `terms` with how often it occurs, by term.
@@ -203,13 +222,6 @@ impl Index {
         terms
     }
 
-    /// Where document `doc`'s posting of term `t` is.
-    fn posting_of(&self, t: u32, doc: usize) -> Option<usize> {
-        self.postings[t as usize]
-            .binary_search_by_key(&(doc as u32), |p| p.doc)
-            .ok()
-    }
-
     fn ensure_term(&mut self, term: String) -> u32 {
         let next = self.postings.len() as u32;
         let key_heap = heap::string(term.capacity());
@@ -218,6 +230,7 @@ impl Index {
             self.inner_heap.keys += key_heap;
             self.postings.push(Vec::new());
             self.df.push(0);
+            self.dead.push(0);
         }
         id
     }
@@ -227,7 +240,7 @@ impl Index {
         let delta = neighbour_counts.iter().map(|&(t, n)| (t, n * weight));
         for (t, w) in delta {
             let postings = &mut self.postings[t as usize];
-            let at = locate(postings, doc as u32);
+            let at = locate(postings, doc as u32, self.dead[t as usize] as usize);
             match (add, at) {
                 (true, Ok(p)) => postings[p].weight += w,
                 (true, Err(p)) => {
@@ -297,10 +310,17 @@ impl Index {
         self.norms.clear();
         for _ in 0..count.min(self.len()) {
             let index = self.first_live;
-            // Its postings stay (a search starts past them) until the next compaction.
+            // Its postings stay (a search starts past them) until the next compaction. Each is
+            // its term's first live one, if the term is in it.
             for t in self.candidate_terms(index) {
-                if self.posting_of(t, index).is_some() {
-                    self.df[t as usize] -= 1;
+                let t = t as usize;
+                let first = self.dead[t] as usize;
+                if self.postings[t]
+                    .get(first)
+                    .is_some_and(|p| p.doc as usize == index)
+                {
+                    self.df[t] -= 1;
+                    self.dead[t] += 1;
                 }
             }
             let doc = std::mem::take(&mut self.docs[index]);
@@ -329,8 +349,10 @@ impl Index {
         let first = self.first_live as u32;
         self.docs.drain(..self.first_live);
         self.first_live = 0;
-        for postings in &mut self.postings {
-            postings.retain(|p| p.doc >= first);
+        for (postings, dead) in self.postings.iter_mut().zip(&mut self.dead) {
+            postings.drain(..*dead as usize);
+            *dead = 0;
+            debug_assert!(postings.iter().all(|p| p.doc >= first));
             for p in postings.iter_mut() {
                 p.doc -= first;
             }
@@ -344,6 +366,7 @@ impl Index {
         }
         self.postings.shrink_to_fit();
         self.df.shrink_to_fit();
+        self.dead.shrink_to_fit();
         self.docs.shrink_to_fit();
         self.term_ids.shrink_to_fit();
         self.inner_heap = self.inner_heap_walked();
@@ -462,8 +485,7 @@ impl Index {
             }
             let idf = (1.0 + (n as f32 - df + 0.5) / (df + 0.5)).ln();
             let postings = &self.postings[t as usize];
-            let start = postings.partition_point(|p| (p.doc as usize) < self.first_live);
-            for p in &postings[start..] {
+            for p in &postings[self.dead[t as usize] as usize..] {
                 let doc = p.doc as usize;
                 if doc >= end {
                     break;
@@ -524,6 +546,7 @@ impl Index {
             )
             + keys
             + heap::vec::<u32>(self.df.capacity())
+            + heap::vec::<u32>(self.dead.capacity())
             + heap::vec::<f32>(self.scratch.capacity())
             + heap::vec::<f32>(self.norms.capacity())
     }
@@ -710,26 +733,29 @@ mod tests {
         assert!(same(scores(index.search(&query, u64::MAX, 5))));
     }
 
-    /// A one-term query's scores are BM25's formula over the index's statistics as they are
-    /// now, to the bit, after every kind of change, each made right after a search (which
-    /// keeps the documents' length norms until the next change).
+    /// Wherever the list's live postings start, a document after the dead ones is located
+    /// (at the tail, at the head or between) as a binary search of the whole list finds it.
     #[test]
     fn a_posting_is_located_as_a_binary_search_finds_it() {
-        let postings: Vec<Posting> = [1u32, 3, 4, 7, 9, 12, 15]
-            .iter()
-            .map(|&doc| Posting { doc, weight: 1 })
-            .collect();
+        let docs = [1u32, 3, 4, 7, 9, 12, 15, 16, 20, 22, 23, 27, 30, 31];
+        let postings: Vec<Posting> = docs.iter().map(|&doc| Posting { doc, weight: 1 }).collect();
         for n in 0..=postings.len() {
-            for doc in 0..17 {
-                assert_eq!(
-                    locate(&postings[..n], doc),
-                    postings[..n].binary_search_by_key(&doc, |p| p.doc),
-                    "doc {doc} in the first {n}"
-                );
+            for live in 0..=n {
+                let after_dead = live.checked_sub(1).map_or(0, |d| docs[d] + 1);
+                for doc in after_dead..33 {
+                    assert_eq!(
+                        locate(&postings[..n], doc, live),
+                        postings[..n].binary_search_by_key(&doc, |p| p.doc),
+                        "doc {doc} in the first {n}, live from {live}"
+                    );
+                }
             }
         }
     }
 
+    /// A one-term query's scores are BM25's formula over the index's statistics as they are
+    /// now, to the bit, after every kind of change, each made right after a search (which
+    /// keeps the documents' length norms until the next change).
     #[test]
     fn scores_are_the_formula_over_the_statistics_of_now_after_every_change() {
         let expected = |index: &Index, term: &str| -> Vec<Hit> {
@@ -820,6 +846,11 @@ mod tests {
                         index.search(&[format!("w{w}")], u64::MAX, 3);
                     }
                 }
+            }
+            // Each term's dead postings are those of trimmed documents, at the front.
+            for (postings, &dead) in index.postings.iter().zip(&index.dead) {
+                let trimmed = postings.partition_point(|p| (p.doc as usize) < index.first_live);
+                prop_assert_eq!(dead as usize, trimmed);
             }
             let mut fresh = Index::new();
             for (turn, terms) in &kept {

@@ -17,6 +17,11 @@ pub struct DocVectors {
     /// `dims` bytes per turn, in the order of `turns`.
     values: Vec<i8>,
     scales: Vec<f32>,
+    /// The rows before this one are of turns trimmed from the front, left in place until they
+    /// are as many as the live ones: a trim then moves nothing (moving every vector down at
+    /// each trimmed round was a quarter of a megabyte at 1,000 turns, the default
+    /// `max_messages`).
+    first: usize,
 }
 
 /// Quantises `vector` as the store does (`memproxy_store::quantise`): its bytes and the scale
@@ -41,11 +46,22 @@ impl DocVectors {
     }
 
     pub fn len(&self) -> usize {
-        self.turns.len()
+        self.turns.len() - self.first
     }
 
     pub fn is_empty(&self) -> bool {
-        self.turns.is_empty()
+        self.len() == 0
+    }
+
+    /// Drops the trimmed rows for good.
+    fn compact(&mut self) {
+        if self.first == 0 {
+            return;
+        }
+        self.turns.drain(..self.first);
+        self.scales.drain(..self.first);
+        self.values.drain(..self.first * self.dims);
+        self.first = 0;
     }
 
     /// Sets `turn`'s vector (a vector of another length is ignored). Vectors of dimension 0
@@ -59,7 +75,11 @@ impl DocVectors {
             return;
         }
         let (bytes, scale) = quantise(vector);
-        match self.turns.binary_search(&turn) {
+        let found = self.turns[self.first..]
+            .binary_search(&turn)
+            .map(|at| at + self.first)
+            .map_err(|at| at + self.first);
+        match found {
             Ok(at) => {
                 self.values[at * self.dims..(at + 1) * self.dims].copy_from_slice(&bytes);
                 self.scales[at] = scale;
@@ -78,11 +98,23 @@ impl DocVectors {
         }
     }
 
-    /// Drops the vectors of `turns`.
+    /// Drops the vectors of `turns`. The oldest (trimmed rounds) are only passed over.
     pub fn remove(&mut self, turns: &[u64]) {
-        if turns.is_empty() || self.turns.is_empty() {
+        if turns.is_empty() || self.is_empty() {
             return;
         }
+        let oldest = self.turns[self.first..]
+            .iter()
+            .take_while(|turn| turns.contains(turn))
+            .count();
+        self.first += oldest;
+        if self.first > 64 && self.first > self.len() {
+            self.compact();
+        }
+        if oldest == turns.len() {
+            return;
+        }
+        self.compact();
         let dims = self.dims;
         let mut keep = 0;
         for i in 0..self.turns.len() {
@@ -104,13 +136,17 @@ impl DocVectors {
 
     /// Keeps only the vectors of turns `keep` accepts.
     pub fn retain(&mut self, keep: impl Fn(u64) -> bool) {
-        let gone: Vec<u64> = self.turns.iter().copied().filter(|&t| !keep(t)).collect();
+        let gone: Vec<u64> = self.turns[self.first..]
+            .iter()
+            .copied()
+            .filter(|&t| !keep(t))
+            .collect();
         self.remove(&gone);
     }
 
     /// The turns that have a vector.
     pub fn turns(&self) -> &[u64] {
-        &self.turns
+        &self.turns[self.first..]
     }
 
     /// The cosine similarity of `query` (unit length) with every vector, by turn ascending.
@@ -133,13 +169,13 @@ impl DocVectors {
             return;
         }
         let (query, query_scale) = quantise(query);
-        let mut dots = Vec::with_capacity(self.turns.len());
-        memproxy_embed::vector::dots_i8(&self.values, &query, &mut dots);
+        let mut dots = Vec::with_capacity(self.len());
+        memproxy_embed::vector::dots_i8(&self.values[self.first * self.dims..], &query, &mut dots);
         out.extend(
-            self.turns
+            self.turns[self.first..]
                 .iter()
                 .zip(dots)
-                .zip(&self.scales)
+                .zip(&self.scales[self.first..])
                 .map(|((&turn, dot), &scale)| (turn, dot as f32 * scale * query_scale)),
         );
     }
@@ -178,7 +214,7 @@ impl DocVectors {
 
     /// The vector of `turn`, as held (int8, scaled back).
     pub fn row(&self, turn: u64) -> Option<Vec<f32>> {
-        let at = self.turns.binary_search(&turn).ok()?;
+        let at = self.turns[self.first..].binary_search(&turn).ok()? + self.first;
         let scale = self.scales[at];
         Some(
             self.values[at * self.dims..(at + 1) * self.dims]
@@ -196,6 +232,7 @@ impl DocVectors {
     }
 
     pub fn shrink_to_fit(&mut self) {
+        self.compact();
         self.turns.shrink_to_fit();
         self.values.shrink_to_fit();
         self.scales.shrink_to_fit();
@@ -251,5 +288,78 @@ mod tests {
         // Another length is not this space's.
         vectors.insert(9, &[1.0, 0.0, 0.0]);
         assert_eq!(vectors.turns(), &[4]);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u64),
+        /// The `n` oldest removed (trimmed rounds), with the newest `k` (a replaced reply).
+        Trim(usize, usize),
+        Remove(Vec<u64>),
+        Retain(u64),
+        Shrink,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0u64..400).prop_map(Op::Insert),
+            3 => (0usize..40, 0usize..2).prop_map(|(n, k)| Op::Trim(n, k)),
+            1 => proptest::collection::vec(0u64..400, 0..4).prop_map(Op::Remove),
+            1 => (0u64..400).prop_map(Op::Retain),
+            1 => Just(Op::Shrink),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever is inserted and removed, in whatever order, the vectors held are those of
+        /// a map by turn that saw the same: the rows trimmed from the front and left in place
+        /// are never seen.
+        #[test]
+        fn the_vectors_held_are_those_of_a_map_by_turn(ops in proptest::collection::vec(op(), 0..120)) {
+            use std::collections::BTreeMap;
+            let vector = |turn: u64| unit(&[1.0 + turn as f32, (turn % 7) as f32, 3.0]);
+            let mut vectors = DocVectors::new(3);
+            let mut map: BTreeMap<u64, Vec<f32>> = BTreeMap::new();
+            for op in ops {
+                match op {
+                    Op::Insert(turn) => {
+                        vectors.insert(turn, &vector(turn));
+                        map.insert(turn, vector(turn));
+                    }
+                    Op::Trim(n, k) => {
+                        let turns: Vec<u64> = map.keys().copied().collect();
+                        let mut gone: Vec<u64> = turns.iter().take(n).copied().collect();
+                        gone.extend(turns.iter().rev().take(k));
+                        gone.sort_unstable();
+                        gone.dedup();
+                        vectors.remove(&gone);
+                        map.retain(|t, _| !gone.contains(t));
+                    }
+                    Op::Remove(gone) => {
+                        vectors.remove(&gone);
+                        map.retain(|t, _| !gone.contains(t));
+                    }
+                    Op::Retain(from) => {
+                        vectors.retain(|t| t >= from);
+                        map.retain(|&t, _| t >= from);
+                    }
+                    Op::Shrink => vectors.shrink_to_fit(),
+                }
+                let turns: Vec<u64> = map.keys().copied().collect();
+                proptest::prop_assert_eq!(vectors.turns(), &turns[..]);
+                proptest::prop_assert_eq!(vectors.len(), map.len());
+            }
+            let query = unit(&[0.2, 1.0, 0.5]);
+            let sims = vectors.similarities(&query);
+            proptest::prop_assert_eq!(sims.len(), map.len());
+            for ((turn, sim), (mapped, v)) in sims.iter().zip(&map) {
+                proptest::prop_assert_eq!(turn, mapped);
+                let exact: f32 = query.iter().zip(v).map(|(a, b)| a * b).sum();
+                proptest::prop_assert!((sim - exact).abs() < 0.02, "{} vs {}", sim, exact);
+                let row = vectors.row(*turn).unwrap();
+                proptest::prop_assert!(row.iter().zip(v).all(|(a, b)| (a - b).abs() < 0.02));
+            }
+        }
     }
 }
