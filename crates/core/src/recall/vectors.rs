@@ -18,9 +18,10 @@ pub struct DocVectors {
     values: Vec<i8>,
     scales: Vec<f32>,
     /// The rows before this one are of turns trimmed from the front, left in place until they
-    /// are as many as the live ones: a trim then moves nothing (moving every vector down at
-    /// each trimmed round was a quarter of a megabyte at 1,000 turns, the default
-    /// `max_messages`).
+    /// are an eighth of the live ones, or until a new row would need more room than the
+    /// vectors have: a trim then moves nothing (moving every vector down at each trimmed round
+    /// was a quarter of a megabyte at 1,000 turns, the default `max_messages`), and trimmed
+    /// rows never make the vectors grow.
     first: usize,
 }
 
@@ -75,6 +76,9 @@ impl DocVectors {
             return;
         }
         let (bytes, scale) = quantise(vector);
+        if self.first > 0 && self.values.len() + self.dims > self.values.capacity() {
+            self.compact();
+        }
         let found = self.turns[self.first..]
             .binary_search(&turn)
             .map(|at| at + self.first)
@@ -108,7 +112,7 @@ impl DocVectors {
             .take_while(|turn| turns.contains(turn))
             .count();
         self.first += oldest;
-        if self.first > 64 && self.first > self.len() {
+        if self.first > 16 && self.first * 8 > self.len() {
             self.compact();
         }
         if oldest == turns.len() {
@@ -288,6 +292,27 @@ mod tests {
         // Another length is not this space's.
         vectors.insert(9, &[1.0, 0.0, 0.0]);
         assert_eq!(vectors.turns(), &[4]);
+    }
+
+    /// A conversation at its `max_messages`: each round trimmed from the front and a new one
+    /// added. The trimmed rows wait in the room the vectors had; they never make them grow.
+    #[test]
+    fn trimmed_rows_never_make_the_vectors_grow() {
+        let mut vectors = DocVectors::new(4);
+        for turn in 0..100 {
+            vectors.insert(turn, &unit(&[1.0, turn as f32, 0.5, 2.0]));
+        }
+        vectors.shrink_to_fit();
+        let held = vectors.heap_bytes();
+        for turn in (100..1100).step_by(2) {
+            let oldest: Vec<u64> = vectors.turns()[..2].to_vec();
+            vectors.remove(&oldest);
+            vectors.insert(turn, &unit(&[1.0, turn as f32, 0.5, 2.0]));
+            vectors.insert(turn + 1, &unit(&[2.0, turn as f32, 0.5, 1.0]));
+            assert_eq!(vectors.len(), 100);
+            assert!(vectors.heap_bytes() <= held, "at turn {turn}");
+        }
+        assert_eq!(vectors.turns().first(), Some(&1000));
     }
 
     #[derive(Debug, Clone)]
