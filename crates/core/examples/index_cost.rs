@@ -109,9 +109,7 @@ fn main() {
                 if trim > 0 && index.len() > trim {
                     let over = index.len() - trim;
                     if dims > 0 {
-                        let first = index.first_turn().unwrap_or(0);
                         let gone: Vec<u64> = vectors.turns().iter().copied().take(over).collect();
-                        debug_assert_eq!(gone.first().copied(), Some(first));
                         vectors.remove(&gone);
                     }
                     index.drop_front(over);

@@ -288,18 +288,16 @@ impl SledEngine {
         if swapped.is_ok() {
             if !write.remove_turns.is_empty() {
                 // The trimmed turns by their keys; then whatever else is left below the new
-                // first turn (a crash here before), found by one step of a range: sled's
-                // iterator copies a node at each step.
+                // first turn (a crash here before): the range is then empty, one step of
+                // sled's iterator, which copies a node at each step.
                 let below = message_key(id, 0)..message_key(id, write.meta.first_turn);
                 for tree in [&t.messages, &t.vectors] {
                     for turn in write.remove_turns {
                         tree.remove(message_key(id, *turn))?;
                     }
-                    if tree.range(below.clone()).keys().next().is_some() {
-                        let keys = tree.range(below.clone()).keys();
-                        for k in keys.collect::<Result<Vec<_>, _>>()? {
-                            tree.remove(k)?;
-                        }
+                    let keys = tree.range(below.clone()).keys();
+                    for k in keys.collect::<Result<Vec<_>, _>>()? {
+                        tree.remove(k)?;
                     }
                 }
             }

@@ -104,8 +104,6 @@ fn decode(tag: &[u8; TAG_LEN], bytes: &[u8]) -> Result<Option<Vec<f32>>, StoreEr
     Ok(Some(dequantise(f32::from_le_bytes(scale), &quantised)))
 }
 
-/// `vector` of the space tagged `tag`, sealed with `key` as an engine stores it; `None` when it
-/// cannot be quantised (empty, or a value that is not finite).
 /// The vectors of a change's added messages (`added.of`: one per message of `add`, whose turns
 /// are assigned), sealed with the conversation's `key` as [`Store::put_vectors`] seals them,
 /// by turn; a vector that cannot be quantised is left out, as there.
@@ -124,6 +122,8 @@ pub(crate) fn seal_added(
     Ok(sealed)
 }
 
+/// `vector` of the space tagged `tag`, sealed with `key` as an engine stores it; `None` when it
+/// cannot be quantised (empty, or a value that is not finite).
 fn seal_vector(
     key: &Key,
     tag: &[u8; TAG_LEN],
