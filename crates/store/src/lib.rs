@@ -134,6 +134,8 @@ pub struct Conversation {
     pub entries: Vec<Entry>,
     /// The message bodies last read and opened ([`Store::messages`]).
     opened: Mutex<Opened>,
+    /// The newest summary record last opened ([`Store::newest_summary`]).
+    summary: Mutex<Option<Box<summaries::HeldSummary>>>,
 }
 
 impl Conversation {
@@ -144,6 +146,7 @@ impl Conversation {
             version: loaded.version,
             entries: loaded.entries,
             opened: Mutex::default(),
+            summary: Mutex::default(),
         }
     }
 
@@ -157,6 +160,10 @@ impl Conversation {
                 .meta
                 .as_ref()
                 .map_or(0, |meta| heap::vec::<ExchangePoint>(meta.recent.capacity()))
+            + self
+                .summary
+                .try_lock()
+                .map_or(0, |held| held.as_ref().map_or(0, |h| h.heap_bytes()))
     }
 
     /// Weighs the conversation for the state cache, granting [`Opened`] its allowance for
@@ -181,6 +188,10 @@ impl Conversation {
         self.version = Version::absent();
         self.entries.clear();
         self.opened_lock().clear();
+        *self
+            .summary
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 
     fn opened_lock(&self) -> MutexGuard<'_, Opened> {

@@ -119,6 +119,30 @@ pub(super) fn sealed_record(bytes: &[u8]) -> Option<&str> {
     std::str::from_utf8(bytes.strip_prefix(SEALED_PREFIX.as_bytes())?).ok()
 }
 
+/// What tells one sealed value from every other without keeping it: its length, its nonce
+/// and its tag (the last base64 characters, which hold the tag's 16 bytes whatever the
+/// length). A value sealed again gets a new random nonce, and other contents under the same
+/// key and nonce would need another tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SealedId {
+    len: usize,
+    nonce: [u8; 16],
+    tag: [u8; 24],
+}
+
+impl SealedId {
+    /// `None` for a value not sealed, which is then always opened.
+    pub(super) fn of(bytes: &[u8]) -> Option<SealedId> {
+        let sealed = sealed_record(bytes)?.as_bytes();
+        let len = sealed.len();
+        Some(SealedId {
+            len,
+            nonce: sealed.get(..16)?.try_into().ok()?,
+            tag: sealed.get(len.checked_sub(24)?..)?.try_into().ok()?,
+        })
+    }
+}
+
 /// Seals the body of each of `messages` with `key`.
 pub fn seal_messages(key: &LessSafeKey, messages: &mut [StoredMessage]) -> Result<(), StoreError> {
     for message in messages {
@@ -440,6 +464,75 @@ mod tests {
             "{err}"
         );
         assert!(!err.to_string().contains("lost text"));
+    }
+
+    #[tokio::test]
+    async fn the_newest_summary_is_opened_once_per_stored_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let id = commit(&store, "c", &["one", "two"]);
+        let handle = store.conversation(&conversation("c")).unwrap();
+        let conv = lock(&handle);
+        assert_eq!(store.newest_summary(&conv).unwrap(), None);
+        assert!(store.save_summary(&conv, id, &summary(1, "first")).unwrap());
+        let before = conv.own_heap_bytes();
+        assert_eq!(store.newest_summary(&conv).unwrap().unwrap().text, "first");
+        assert!(conv.own_heap_bytes() > before, "the held record is weighed");
+        // What is held is what is given while the stored value is the same…
+        let held = |text: &str| {
+            let mut held = conv.summary.lock().unwrap();
+            held.as_mut().unwrap().record_mut().text = text.to_string();
+        };
+        held("held");
+        assert_eq!(store.newest_summary(&conv).unwrap().unwrap().text, "held");
+        // …and not once another is stored: a newer summary, or the same one sealed again.
+        assert!(
+            store
+                .save_summary(&conv, id, &summary(2, "second"))
+                .unwrap()
+        );
+        assert_eq!(store.newest_summary(&conv).unwrap().unwrap().text, "second");
+        held("held");
+        assert!(
+            store
+                .save_summary(&conv, id, &summary(2, "second"))
+                .unwrap()
+        );
+        assert_eq!(store.newest_summary(&conv).unwrap().unwrap().text, "second");
+        assert_eq!(
+            store.newest_summary(&conv).unwrap(),
+            store.latest_summary(&conv.key, id).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_sealed_value_is_told_from_others_by_its_nonce_and_tag() {
+        let record = b"{\"number\":1,\"text\":\"a summary\"}".to_vec();
+        let one = seal_summary(&key(3), &record).unwrap();
+        let again = seal_summary(&key(3), &record).unwrap();
+        assert_eq!(SealedId::of(&one), SealedId::of(&one.clone()));
+        assert_ne!(SealedId::of(&one), SealedId::of(&again));
+        // A value that is not sealed has no id: it is always opened.
+        assert_eq!(SealedId::of(&record), None);
+        assert_eq!(SealedId::of(b"sealed:v1:short"), None);
+        // Each of the tag's bytes is in the id, whatever the length's remainder by 3.
+        for extra in 0..3 {
+            let mut longer = record.clone();
+            longer.extend(std::iter::repeat_n(b' ', extra));
+            let sealed = seal_summary(&key(3), &longer).unwrap();
+            let raw = BASE64.decode(sealed_record(&sealed).unwrap()).unwrap();
+            for at in raw.len() - TAG_LEN..raw.len() {
+                let mut changed = raw.clone();
+                changed[at] ^= 1;
+                let changed = format!("{SEALED_PREFIX}{}", BASE64.encode(&changed));
+                assert_ne!(
+                    SealedId::of(&sealed),
+                    SealedId::of(changed.as_bytes()),
+                    "length {}, byte {at}",
+                    raw.len()
+                );
+            }
+        }
     }
 
     #[tokio::test]

@@ -283,11 +283,10 @@ fn plan_under(
     // The new message's embedding on another thread, confirmed (or started) now: the window,
     // the summary and the words' search run meanwhile (`recalled` takes it).
     let ahead = embed_ahead(&on, &request, early);
-    let latest_summary = match &conversation.meta {
-        Some(meta) if settings.compression_enabled => {
-            memory.store.latest_summary(&conversation.key, meta.id)?
-        }
-        _ => None,
+    let latest_summary = if settings.compression_enabled {
+        memory.store.newest_summary(&conversation)?
+    } else {
+        None
     };
     // What precedes the window: the instructions and the summary.
     let head =
