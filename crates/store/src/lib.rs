@@ -980,9 +980,9 @@ impl Store {
     /// newer handle, loaded before this commit and so missing it: that one is dropped, and the
     /// next request reads the conversation again (an old handle never replaces a newer one).
     pub fn touch(&self, key: &ConversationKey, handle: &Handle) {
-        match self.cache.get(key) {
-            Some(current) if Arc::ptr_eq(&current, handle) => {
-                self.cache.insert(key.clone(), Arc::clone(handle));
+        match self.cache.get_held(key) {
+            Some(current) if Arc::ptr_eq(current.value(), handle) => {
+                self.cache.reweigh(key.clone(), current);
             }
             Some(_) => self.cache.invalidate(key),
             None => {}

@@ -353,11 +353,11 @@ impl Recall {
         conversation_id: u64,
         vectors: &[(u64, Vec<f32>)],
     ) {
-        let Some(handle) = self.cache.get(key) else {
+        let Some(held) = self.cache.get_held(key) else {
             return;
         };
         {
-            let mut index = lock(&handle);
+            let mut index = lock(held.value());
             if index.conversation_id != Some(conversation_id) {
                 return;
             }
@@ -375,8 +375,8 @@ impl Recall {
                 }
             }
         }
-        // Re-insert so the cache weighs the grown index.
-        self.cache.insert(key.clone(), handle);
+        // So the cache counts what the grown index weighs.
+        self.cache.reweigh(key.clone(), held);
     }
 
     /// Brings a cached index up to date with a commit, under the conversation's lock:
@@ -392,11 +392,11 @@ impl Recall {
         vectors: &[(u64, Vec<f32>)],
         after: u64,
     ) {
-        let Some(handle) = self.cache.get(key) else {
+        let Some(held) = self.cache.get_held(key) else {
             return;
         };
         {
-            let mut index = lock(&handle);
+            let mut index = lock(held.value());
             if Some(index.synced_next_turn) != before {
                 drop(index);
                 self.cache.invalidate(key);
@@ -436,8 +436,8 @@ impl Recall {
             }
             index.synced_next_turn = after;
         }
-        // Re-insert so the cache weighs the grown index.
-        self.cache.insert(key.clone(), handle);
+        // So the cache counts what the index weighs now.
+        self.cache.reweigh(key.clone(), held);
     }
 
     /// Searches and the ones that had to build an index: (lookups, misses).
