@@ -202,10 +202,30 @@ impl Conversation {
 
     /// The stored fingerprint of `turn`, if the conversation holds it.
     fn fingerprint(&self, turn: u64) -> Option<u64> {
-        self.entries
-            .binary_search_by_key(&turn, |e| e.turn)
-            .ok()
-            .map(|i| self.entries[i].fingerprint)
+        self.position(turn).map(|i| self.entries[i].fingerprint)
+    }
+
+    /// Where `turn` is in `entries`, if the conversation holds it. Turns are numbered one
+    /// after another and leave from the front (trims) and the end (a replaced reply, a closed
+    /// branch), so a turn is nearly always where its distance from the first or the last
+    /// entry puts it: those two places are looked at before a binary search (whose steps
+    /// are a cache miss each over a long conversation's entries).
+    pub fn position(&self, turn: u64) -> Option<usize> {
+        let entries = &self.entries;
+        let first = entries.first()?.turn;
+        let last = entries.last()?.turn;
+        let from_first = turn.checked_sub(first);
+        let from_last = last
+            .checked_sub(turn)
+            .and_then(|back| (entries.len() as u64 - 1).checked_sub(back));
+        for guess in [from_last, from_first].into_iter().flatten() {
+            if let Ok(guess) = usize::try_from(guess)
+                && entries.get(guess).is_some_and(|e| e.turn == turn)
+            {
+                return Some(guess);
+            }
+        }
+        entries.binary_search_by_key(&turn, |e| e.turn).ok()
     }
 }
 
@@ -884,15 +904,9 @@ impl Store {
             meta.branches = closing.branch.record.number;
             branches.push(closing.branch);
         }
-        // Entries are in turn order: each removed turn is found by binary search.
         let mut removed: Vec<usize> = remove_turns
             .iter()
-            .filter_map(|turn| {
-                conversation
-                    .entries
-                    .binary_search_by_key(turn, |e| e.turn)
-                    .ok()
-            })
+            .filter_map(|turn| conversation.position(*turn))
             .collect();
         let removed_tokens: u64 = removed
             .iter()
@@ -1190,6 +1204,41 @@ pub(crate) mod tests {
                     "the store crate's lib.rs does not name {name}"
                 );
             }
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever gaps the turns have, a turn's position is the binary search's.
+        #[test]
+        fn a_turns_position_is_the_binary_searchs(
+            first in 0u64..4,
+            steps in proptest::collection::vec(1u64..4, 0..40),
+        ) {
+            let mut turns = vec![first];
+            for step in steps {
+                turns.push(turns.last().unwrap() + step);
+            }
+            let entries: Vec<Entry> = turns
+                .iter()
+                .map(|&turn| {
+                    let mut m = message(Role::User, "x");
+                    m.turn = turn;
+                    Entry::new(&m, 0)
+                })
+                .collect();
+            let conversation = Conversation::from_loaded(
+                key("c"),
+                Loaded { entries, ..Loaded::default() },
+            );
+            for turn in 0..turns.last().unwrap() + 3 {
+                proptest::prop_assert_eq!(
+                    conversation.position(turn),
+                    turns.binary_search(&turn).ok(),
+                    "turn {}", turn
+                );
+            }
+            let empty = Conversation::from_loaded(key("c"), Loaded::default());
+            proptest::prop_assert_eq!(empty.position(first), None);
         }
     }
 

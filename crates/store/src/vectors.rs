@@ -175,12 +175,7 @@ impl Store {
         let Some(meta) = &conversation.meta else {
             return Ok(0);
         };
-        let held = |turn: &u64| {
-            conversation
-                .entries
-                .binary_search_by_key(turn, |e| e.turn)
-                .is_ok()
-        };
+        let held = |turn: &u64| conversation.position(*turn).is_some();
         let wanted: Vec<&(u64, Vec<f32>)> = vectors.iter().filter(|(t, _)| held(t)).collect();
         if wanted.is_empty() {
             return Ok(0);
@@ -230,11 +225,7 @@ impl Store {
         let tag = space_tag(space);
         let mut out = Vec::with_capacity(stored.len());
         for (turn, value) in stored {
-            if conversation
-                .entries
-                .binary_search_by_key(&turn, |e| e.turn)
-                .is_err()
-            {
+            if conversation.position(turn).is_none() {
                 continue;
             }
             if let Some(vector) = open_vector(&key, &tag, &value)? {
