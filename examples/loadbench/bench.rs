@@ -15,7 +15,9 @@ use crate::args::{Args, parse_modes, select_scenarios};
 use crate::children::ChildProc;
 use crate::client::{Api, Ctx, HttpClient, REQUEST_TIMEOUT, Spec, chat_request, send, small_body};
 use crate::load::{MAX_IN_FLIGHT, Mode, run_closed, run_open};
-use crate::machine::{clock_ticks_per_second, load_average, machine_line, source_state, status_kb};
+use crate::machine::{
+    clock_ticks_per_second, load_average, machine_line, run_dir, source_state, status_kb,
+};
 use crate::redis_server::RedisServer;
 use crate::report::{RunResult, fmt_us, mib, print_report, quantile, report_log, result_json};
 use crate::rng::Rng;
@@ -75,7 +77,7 @@ pub async fn bench(args: Args) -> Result<(), String> {
         MAX_IN_FLIGHT
     );
 
-    let dir = tempfile::tempdir().map_err(|e| format!("tempdir: {e}"))?;
+    let dir = run_dir("bench")?;
     let mut mock = ChildProc::mock(dir.path())?;
     let data_dir = dir.path().join("data");
     let config_text = format!(

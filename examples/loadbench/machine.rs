@@ -1,9 +1,39 @@
 //! What the benchmark reads of the machine and of its processes: RSS and CPU time from
-//! `/proc`, a description of the machine, the source's git state, the store's size on disk.
+//! `/proc`, a description of the machine, the source's git state, the store's size on disk;
+//! and the run's folder in the system's temporary directory.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
+
+/// The folder of this run (memproxy's data directory, its config and logs), removed when the
+/// run ends. A soak's data directory grows by gigabytes in half an hour, and a run killed
+/// outright (a session's end, SIGKILL) never removes its folder: folders that runs of `kind`
+/// left behind, their process gone, are removed first.
+pub fn run_dir(kind: &str) -> Result<tempfile::TempDir, String> {
+    let prefix = format!("loadbench-{kind}-");
+    let tmp = std::env::temp_dir();
+    if let Ok(entries) = std::fs::read_dir(&tmp) {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name
+                .to_str()
+                .and_then(|name| name.strip_prefix(&prefix))
+                .and_then(|rest| rest.split('-').next())
+                .and_then(|pid| pid.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    tempfile::Builder::new()
+        .prefix(&format!("{prefix}{}-", std::process::id()))
+        .tempdir()
+        .map_err(|e| format!("tempdir: {e}"))
+}
 
 /// A `kB` field of `/proc/PID/status` (`VmRSS`, `VmHWM`), in kB.
 pub fn status_kb(pid: u32, field: &str) -> Option<u64> {
@@ -157,4 +187,43 @@ pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "unknown".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runs_folder_takes_the_place_of_those_whose_process_is_gone() {
+        let tmp = std::env::temp_dir();
+        // Past any pid the kernel hands out: that run is gone.
+        let gone = tmp.join("loadbench-foldertest-4000000000-abc");
+        let alive = tmp.join(format!("loadbench-foldertest-{}-def", std::process::id()));
+        let other = tmp.join("loadbench-otherkind-4000000000-ghi");
+        for dir in [&gone, &alive, &other] {
+            std::fs::create_dir_all(dir.join("data")).unwrap();
+        }
+        let made = run_dir("foldertest").unwrap();
+        let name = made
+            .path()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        assert!(
+            name.starts_with(&format!("loadbench-foldertest-{}-", std::process::id())),
+            "{name}"
+        );
+        assert!(!gone.exists(), "a gone run's folder is removed");
+        assert!(alive.exists(), "a live run's folder is kept");
+        assert!(
+            other.exists(),
+            "another kind's folder is left to its own runs"
+        );
+        let path = made.path().to_path_buf();
+        drop(made);
+        assert!(!path.exists(), "the run's own folder goes when it ends");
+        std::fs::remove_dir_all(alive).unwrap();
+        std::fs::remove_dir_all(other).unwrap();
+    }
 }

@@ -46,7 +46,7 @@ use serde_json::{Value, json};
 use crate::args::Args;
 use crate::children::ChildProc;
 use crate::client::{HttpClient, REQUEST_TIMEOUT, send};
-use crate::machine::{load_average, machine_line, source_state, status_kb};
+use crate::machine::{load_average, machine_line, run_dir, source_state, status_kb};
 use crate::redis_server::RedisServer;
 use crate::report::{mib, report_log};
 use crate::rng::Rng;
@@ -195,7 +195,7 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
     println!("memproxy binary: {}", exe.display());
     println!("load average at start: {}", load_average());
 
-    let dir = tempfile::tempdir().map_err(|e| format!("tempdir: {e}"))?;
+    let dir = run_dir("soak")?;
     let mut mock = ChildProc::mock(dir.path())?;
     let redis = args.redis.then(RedisServer::start);
     let config_text = config(args, redis.as_ref().map(RedisServer::url).as_deref())?;
