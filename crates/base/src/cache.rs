@@ -86,10 +86,20 @@ struct Slot<V> {
 
 /// When a cached value was last used (milliseconds after the cache's start), and the weight
 /// the cache counts it at (what the weigher said when it was last put in).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Stamp {
     used: AtomicU64,
     counted: AtomicU32,
+}
+
+impl Stamp {
+    /// Used at `now`, not counted yet (the weigher counts it when the cache takes it).
+    fn new(now: u64) -> Arc<Stamp> {
+        Arc::new(Stamp {
+            used: AtomicU64::new(now),
+            counted: AtomicU32::new(0),
+        })
+    }
 }
 
 impl<V: Clone> Clone for Slot<V> {
@@ -188,9 +198,7 @@ where
 
     /// The cached value, marked as used now.
     pub fn get(&self, key: &K) -> Option<V> {
-        let slot = self.inner.get(key)?;
-        slot.stamp.used.store(self.now_ms(), Ordering::Relaxed);
-        Some(slot.value)
+        self.get_held(key).map(|held| held.value)
     }
 
     /// [`Cache::get`], with what [`Cache::reweigh`] needs once the value has changed.
@@ -224,10 +232,7 @@ where
 
     /// Caches `value` under `key` (replacing what was there), marked as used now.
     pub fn insert(&self, key: K, value: V) {
-        let stamp = Arc::new(Stamp {
-            used: AtomicU64::new(self.now_ms()),
-            counted: AtomicU32::new(0),
-        });
+        let stamp = Stamp::new(self.now_ms());
         self.inner.insert(key, Slot { value, stamp });
     }
 
@@ -240,10 +245,7 @@ where
             .entry(key)
             .or_insert_with(|| Slot {
                 value: make(),
-                stamp: Arc::new(Stamp {
-                    used: AtomicU64::new(now),
-                    counted: AtomicU32::new(0),
-                }),
+                stamp: Stamp::new(now),
             })
             .into_value();
         slot.stamp.used.store(now, Ordering::Relaxed);
