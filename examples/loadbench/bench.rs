@@ -62,7 +62,7 @@ pub async fn bench(args: Args) -> Result<(), String> {
     println!("memproxy load benchmark");
     println!("machine: {machine}");
     println!("command: {command}");
-    println!("source: {}", source_state());
+    println!("source: {}", source_state(None));
     println!("load average at start: {}", load_average());
     println!(
         "runs: {} s measured + {} s warm-up each; modes {}; open-loop rate {} req/s (max {} in flight); loopback only",

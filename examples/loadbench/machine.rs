@@ -119,9 +119,11 @@ pub fn machine_line() -> String {
     )
 }
 
-/// The git commit and uncommitted files of the crate, and whether `src/` changed after this
-/// binary was built (other work in progress would then not be what was measured).
-pub fn source_state() -> String {
+/// The git commit and uncommitted files of the crate, and whether `src/` changed after the
+/// measured binary was built (other work in progress would then not be what was measured):
+/// `binary`, or this one, which holds memproxy when it runs in process. A binary given by path
+/// may have been built from any commit: the line says the HEAD is the folder's, not its.
+pub fn source_state(binary: Option<&Path>) -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let git = |args: &[&str]| {
         Command::new("git")
@@ -159,8 +161,9 @@ pub fn source_state() -> String {
             .filter_map(|e| newest(&e.path()))
             .max()
     }
-    let built = std::env::current_exe()
-        .ok()
+    let built = binary
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::current_exe().ok())
         .and_then(|exe| std::fs::metadata(exe).ok()?.modified().ok());
     let freshness = match (newest(&root.join("src")), built) {
         (Some(src), Some(built)) => match src.duration_since(built) {
@@ -172,8 +175,13 @@ pub fn source_state() -> String {
         },
         _ => "build freshness unknown".to_string(),
     };
+    let whose = if binary.is_some() {
+        " (this folder's: a binary given by path is not known to be built from it)"
+    } else {
+        ""
+    };
     format!(
-        "git HEAD {head}; uncommitted: {}; {freshness}",
+        "git HEAD {head}{whose}; uncommitted: {}; {freshness}",
         if dirty.is_empty() {
             "none".to_string()
         } else {

@@ -51,6 +51,7 @@ use crate::redis_server::RedisServer;
 use crate::report::{mib, report_log};
 use crate::rng::Rng;
 use crate::text::sentence;
+use memproxy_embed::files::{MODEL_DIR_ENV, WORKSPACE_MODEL_DIR};
 
 /// memproxy's default `server.memory_budget`, in MiB (`DEFAULT_MEMORY_BUDGET` in the crate).
 pub const DEFAULT_BUDGET_MIB: u64 = memproxy::config::DEFAULT_MEMORY_BUDGET >> 20;
@@ -191,8 +192,15 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
         "command: {}",
         std::env::args().collect::<Vec<_>>().join(" ")
     );
-    println!("source: {}", source_state());
+    println!("source: {}", source_state(Some(&exe)));
     println!("memproxy binary: {}", exe.display());
+    let model_env = model_dir_env();
+    match &model_env {
+        Some((_, dir)) => println!("embedding model: {dir} (passed as {MODEL_DIR_ENV})"),
+        None => {
+            println!("embedding model: as memproxy finds it ({MODEL_DIR_ENV} or its own search)")
+        }
+    }
     println!("load average at start: {}", load_average());
 
     let dir = run_dir("soak")?;
@@ -219,7 +227,7 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
             data_dir.as_os_str(),
             "serve".as_ref(),
         ],
-        &[("RUST_LOG", "warn")],
+        &envs(model_env.as_ref()),
         &dir.path().join("memproxy.log"),
     )?;
     proxy.port = port;
@@ -230,7 +238,8 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
         .pool_max_idle_per_host(args.concurrency * 2)
         .pool_idle_timeout(Duration::from_secs(90))
         .build(connector);
-    wait_ready(&client, port, &mut proxy).await?;
+    let ready = wait_ready(&client, port, &mut proxy).await?;
+    println!("recall: {}", recall_line(&ready));
     let idle_kb = status_kb(proxy.pid, "VmRSS");
     println!(
         "memproxy pid {} on {listen}, idle RSS {} MiB; budget {budget_mib} MiB, limit {} MiB (budget + {ALLOWANCE_MIB})",
@@ -532,8 +541,52 @@ fn free_port() -> Result<u16, String> {
         .map_err(|e| format!("local_addr: {e}"))
 }
 
-/// Waits (at most 60 s) for `/readyz` to answer 200.
-async fn wait_ready(client: &HttpClient, port: u16, proxy: &mut ChildProc) -> Result<(), String> {
+/// The child's environment: memproxy's log level, and the model's directory when one is passed.
+fn envs<'a>(model: Option<&'a (&'static str, String)>) -> Vec<(&'static str, &'a str)> {
+    let mut envs = vec![("RUST_LOG", "warn")];
+    if let Some((name, dir)) = model {
+        envs.push((name, dir.as_str()));
+    }
+    envs
+}
+
+/// Where the model is, for memproxy's environment: `$MEMPROXY_MODEL_DIR` is left as it is when
+/// set; otherwise this workspace's `models/` when the files are there. memproxy looks in its
+/// working directory and in the workspace its binary was built in, so a binary copied elsewhere
+/// and run from another folder would find no model and recall by words alone, and the soak
+/// would not measure the default.
+fn model_dir_env() -> Option<(&'static str, String)> {
+    if std::env::var_os(MODEL_DIR_ENV).is_some() {
+        return None;
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(WORKSPACE_MODEL_DIR);
+    memproxy_embed::files::ModelFiles::at(&dir)
+        .ok()
+        .map(|files| (MODEL_DIR_ENV, files.dir().display().to_string()))
+}
+
+/// What `/readyz` says of recall: by meaning (and with what), or by words alone and why.
+fn recall_line(ready: &Value) -> String {
+    match (
+        ready["recall"].as_str(),
+        ready["embedder"].as_str(),
+        ready["embedder_reason"].as_str(),
+    ) {
+        (Some("hybrid"), Some(embedder), _) => format!("hybrid (by words and meaning, {embedder})"),
+        (Some(recall), _, Some(why)) => {
+            format!("WARNING: {recall}, by words alone (not the default): {why}")
+        }
+        (Some(recall), _, None) => recall.to_string(),
+        _ => format!("unknown (/readyz said {ready})"),
+    }
+}
+
+/// Waits (at most 60 s) for `/readyz` to answer 200; its JSON body.
+async fn wait_ready(
+    client: &HttpClient,
+    port: u16,
+    proxy: &mut ChildProc,
+) -> Result<Value, String> {
     let uri: Uri = format!("http://127.0.0.1:{port}/readyz")
         .parse()
         .map_err(|e| format!("readyz url: {e}"))?;
@@ -546,7 +599,7 @@ async fn wait_ready(client: &HttpClient, port: u16, proxy: &mut ChildProc) -> Re
             tokio::time::timeout(Duration::from_secs(2), send(client, request)).await
             && answer.status == 200
         {
-            return Ok(());
+            return Ok(serde_json::from_slice(&answer.body).unwrap_or(Value::Null));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -778,4 +831,24 @@ fn request(
         .header("x-memory-conversation-id", format!("soak-{conversation}"))
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| format!("building a request: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_recall_line_warns_when_memproxy_recalls_by_words_alone() {
+        let hybrid = json!({"recall": "hybrid", "embedder": "static-table"});
+        assert_eq!(
+            recall_line(&hybrid),
+            "hybrid (by words and meaning, static-table)"
+        );
+        let lexical = json!({"recall": "lexical", "embedder_reason": "no model files"});
+        let line = recall_line(&lexical);
+        assert!(line.starts_with("WARNING: lexical"), "{line}");
+        assert!(line.ends_with("no model files"), "{line}");
+        assert_eq!(recall_line(&json!({"recall": "lexical"})), "lexical");
+        assert!(recall_line(&Value::Null).starts_with("unknown"));
+    }
 }
