@@ -823,7 +823,28 @@ mod tests {
             }
             store.sync().await.unwrap();
             store.close().await.unwrap();
+            drop(store);
+            released(data).await;
         }
+    }
+
+    /// Waits (at most 10 s) until no handle of the closed store holds sled's lock on its `db`
+    /// file: sled's IO threads let go of it shortly after the last handle is dropped, and a
+    /// salvage (as memproxy's next start) finds the store in use until then.
+    async fn released(data: &Path) {
+        let db = data.join("store").join("db");
+        for _ in 0..1000 {
+            match std::fs::File::open(&db).map(|file| file.try_lock()) {
+                Ok(Err(std::fs::TryLockError::WouldBlock)) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                _ => return,
+            }
+        }
+        panic!(
+            "{} still locked 10 s after the store was closed",
+            db.display()
+        );
     }
 
     #[tokio::test]
@@ -878,6 +899,7 @@ mod tests {
         assert!(store.owner(&gone, false).unwrap().is_none());
         store.close().await.unwrap();
         drop(store);
+        released(&into).await;
         assert!(!check(&into, &dir.path().join("scratch")).unwrap().damaged());
     }
 
