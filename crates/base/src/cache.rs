@@ -132,7 +132,9 @@ const REWEIGH_SLACK: u32 = 16;
 
 /// A cache bounded in bytes by a weigher, that can be held under a lower limit ([`Shrink`]).
 pub struct Cache<K, V> {
-    inner: moka::sync::Cache<K, Slot<V>>,
+    /// Keys hashed with foldhash, seeded per process (moka's default, SipHash, was most of
+    /// hashing a conversation's key at each lookup).
+    inner: moka::sync::Cache<K, Slot<V>, foldhash::fast::RandomState>,
     name: &'static str,
     limits: Limit,
     weigher: Weigher<K, V>,
@@ -184,7 +186,7 @@ where
             builder = builder.eviction_policy(moka::policy::EvictionPolicy::lru());
         }
         Cache {
-            inner: builder.build(),
+            inner: builder.build_with_hasher(foldhash::fast::RandomState::default()),
             name,
             limits: Limit::new(capacity),
             weigher,

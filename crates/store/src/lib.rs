@@ -971,8 +971,17 @@ impl Store {
             (created_key && conversation.meta.is_none()).then_some(meta.id),
         )?;
 
-        for i in removed.into_iter().rev() {
-            conversation.entries.remove(i);
+        // A run of entries (a trim's, a replaced reply's) goes in one move: each `remove` at
+        // the front would move every entry after it.
+        match (removed.first(), removed.last()) {
+            (Some(&first), Some(&last)) if last - first + 1 == removed.len() => {
+                conversation.entries.drain(first..=last);
+            }
+            _ => {
+                for i in removed.into_iter().rev() {
+                    conversation.entries.remove(i);
+                }
+            }
         }
         for message in &change.add {
             let before = conversation.entries.last().map_or(0, |e| e.cum_tokens);

@@ -58,7 +58,7 @@ pub struct Hit {
 
 #[derive(Debug, Default)]
 pub struct Index {
-    term_ids: HashMap<String, u32>,
+    term_ids: HashMap<String, u32, foldhash::fast::RandomState>,
     postings: Vec<Vec<Posting>>,
     /// Live documents holding each term.
     df: Vec<u32>,
@@ -477,7 +477,8 @@ impl Index {
                 K1 * (1.0 - B + B * dl / avgdl)
             }));
         }
-        let mut touched: Vec<u32> = Vec::new();
+        // At most every live document before `end`: allocated once instead of grown.
+        let mut touched: Vec<u32> = Vec::with_capacity(end.saturating_sub(self.first_live));
         for t in query_terms {
             let df = self.df[t as usize] as f32;
             if df == 0.0 {

@@ -54,11 +54,34 @@ pub struct ConversationIndex {
     /// The similarities of a search's query with every vector, kept from one search to the
     /// next (weighed as if it held one per vector).
     similarities: Vec<(u64, f32)>,
+    /// The last search's query and its terms: a stored exchange's question is that query, and
+    /// its commit indexes it with these instead of reading the text again.
+    last_query: Option<(String, Vec<String>)>,
 }
 
 impl ConversationIndex {
     fn terms(&self, text: &str) -> Vec<String> {
         terms(text, self.latin)
+    }
+
+    /// The terms of `text`: the last query's when it is that text (taken), else read anew.
+    fn terms_of_added(&mut self, text: &str) -> Vec<String> {
+        match self.last_query.take() {
+            Some((query, terms)) if query == text => terms,
+            _ => self.terms(text),
+        }
+    }
+
+    /// Heap bytes of the last query kept.
+    fn last_query_heap(&self) -> usize {
+        self.last_query.as_ref().map_or(0, |(text, terms)| {
+            heap::string(text.capacity())
+                + heap::vec::<String>(terms.capacity())
+                + terms
+                    .iter()
+                    .map(|t| heap::string(t.capacity()))
+                    .sum::<usize>()
+        })
     }
 }
 
@@ -202,6 +225,7 @@ impl Recall {
                 // `try_lock`: a search may hold it; a guess until the next re-insert.
                 let index = index.try_lock().map_or(4096, |i| {
                     i.index.heap_bytes()
+                        + i.last_query_heap()
                         + i.vectors.as_ref().map_or(0, |v| {
                             v.heap_bytes()
                                 + heap::vec::<(u64, f32)>(i.similarities.capacity().max(v.len()))
@@ -338,6 +362,7 @@ impl Recall {
         if let Some(similarities) = similarities {
             *kept = similarities;
         }
+        guard.last_query = Some((query.text.to_string(), query_terms));
         Ok(Found {
             hits,
             under_floor,
@@ -426,9 +451,10 @@ impl Recall {
                 vectors.remove(&sorted);
             }
             for (turn, text) in added {
-                let terms = index.terms(text);
+                let terms = index.terms_of_added(text);
                 index.index.push(*turn, terms);
             }
+            index.last_query = None;
             if let Some(held) = index.vectors.as_mut() {
                 for (turn, vector) in vectors {
                     held.insert(*turn, vector);
@@ -529,6 +555,7 @@ fn build(
         index,
         vectors,
         similarities: Vec::new(),
+        last_query: None,
     })
 }
 
@@ -667,6 +694,55 @@ mod tests {
         assert_eq!(turns(&without), turns(&words));
         assert_eq!(scores(&without), scores(&words));
         assert!(!turns(&words).is_empty());
+    }
+
+    #[test]
+    fn a_commit_indexes_its_question_with_the_terms_the_search_read_and_any_other_text_anew() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, key) = conversation(dir.path(), &["the silver car is parked", "noted"]);
+        let recall = Recall::new(1 << 20, None);
+        let handle = store.conversation(&key).unwrap();
+        let held = lock(&handle);
+        let next = held.meta.as_ref().unwrap().next_turn;
+        let query = |text| Query {
+            text,
+            vector: QueryVector::None,
+            fusion: Fusion::default(),
+            when: None,
+        };
+        let question = "where is the silver car parked";
+        recall
+            .search(&store, &held, TextLanguage::Auto, query(question), next, 3)
+            .unwrap();
+        let index = recall.cache.get(&key).unwrap();
+        {
+            let mut index = super::lock(&index);
+            let (text, terms) = index.last_query.clone().unwrap();
+            assert_eq!((text.as_str(), &terms), (question, &index.terms(question)));
+            // Kept terms told apart from terms read anew: the question's are taken for its
+            // own text only.
+            index.last_query = Some((question.to_string(), vec!["kept".to_string()]));
+            assert_eq!(index.terms_of_added("a zebra"), index.terms("a zebra"));
+            assert!(index.last_query.is_none());
+            index.last_query = Some((question.to_string(), vec!["kept".to_string()]));
+            assert_eq!(index.terms_of_added(question), vec!["kept".to_string()]);
+            index.last_query = Some((question.to_string(), index.terms(question)));
+        }
+        let added = [
+            (next, question.to_string()),
+            (next + 1, "the zebra crossing".to_string()),
+        ];
+        recall.apply(&key, Some(next), &[], &added, &[], next + 2);
+        assert!(super::lock(&index).last_query.is_none());
+        // The applied index as it is (a search would build it again: the store was not
+        // written here).
+        let found = |text| {
+            let mut index = super::lock(&index);
+            let terms = index.terms(text);
+            let hits = index.index.search(&terms, u64::MAX, 5);
+            hits.iter().map(|h| h.turn).collect::<Vec<_>>()
+        };
+        assert!(found("silver parked").contains(&next));
     }
 
     #[test]

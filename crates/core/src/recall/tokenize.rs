@@ -354,7 +354,7 @@ const TERM_SHARDS: usize = 16;
 const TERMS_PER_SHARD: usize = 1024;
 
 /// Words to their term (`None`: a stopword).
-type TermShard = std::collections::HashMap<Box<str>, Option<Box<str>>>;
+type TermShard = std::collections::HashMap<Box<str>, Option<Box<str>>, foldhash::fast::RandomState>;
 
 struct Terms {
     shards: [[Mutex<Option<TermShard>>; TERM_SHARDS]; LANGS.len()],
@@ -364,8 +364,8 @@ impl Terms {
     /// Adds the term of `word` (ASCII, lower case) in `lang` to `out`: none for a stopword.
     fn push(&self, lang: Lang, word: &str, out: &mut Vec<String>) {
         use std::hash::BuildHasher;
-        static SEED: std::sync::LazyLock<std::hash::RandomState> =
-            std::sync::LazyLock::new(std::hash::RandomState::new);
+        static SEED: std::sync::LazyLock<foldhash::fast::RandomState> =
+            std::sync::LazyLock::new(foldhash::fast::RandomState::default);
         let by_lang = &self.shards[lang_index(lang)];
         let shard = &by_lang[(SEED.hash_one(word) as usize) % TERM_SHARDS];
         if let Some(found) = lock(shard).as_ref().and_then(|map| map.get(word)) {
@@ -380,7 +380,7 @@ impl Terms {
         }
         let term = made.pop();
         let mut shard = lock(shard);
-        let map = shard.get_or_insert_with(TermShard::new);
+        let map = shard.get_or_insert_with(TermShard::default);
         if map.len() >= TERMS_PER_SHARD {
             map.clear();
         }
