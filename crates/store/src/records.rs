@@ -8,7 +8,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::{HasRole, Role, text_of};
@@ -270,13 +269,39 @@ pub struct StoredBranch {
     pub summaries: Vec<(u64, Vec<u8>)>,
 }
 
+/// When a message was stored, to the second, as RFC 3339 writes it (`2026-11-22T10:15:00Z`), or
+/// `unknown time` outside the years 0–9999: what `time`'s `Rfc3339` format gives for a whole
+/// second, its digits written here directly (its formatting was a fifth of a recalled turn's
+/// line, and `format!`'s padding no cheaper).
+fn stored_at(at_ms: i64) -> String {
+    let mut out = String::with_capacity(20);
+    match OffsetDateTime::from_unix_timestamp(at_ms.div_euclid(1000)) {
+        Ok(t) if (0..=9999).contains(&t.year()) => {
+            let fields = [
+                (t.year().unsigned_abs(), 4, '-'),
+                (u32::from(u8::from(t.month())), 2, '-'),
+                (u32::from(t.day()), 2, 'T'),
+                (u32::from(t.hour()), 2, ':'),
+                (u32::from(t.minute()), 2, ':'),
+                (u32::from(t.second()), 2, 'Z'),
+            ];
+            for (value, width, then) in fields {
+                for place in (0..width).rev() {
+                    let digit = value / 10u32.pow(place) % 10;
+                    out.push(char::from(b'0' + digit as u8));
+                }
+                out.push(then);
+            }
+        }
+        _ => out.push_str("unknown time"),
+    }
+    out
+}
+
 /// A stored message as one line of a transcript (recalled turns, summary input):
 /// `[earlier turn #N at 2026-11-22T10:15:00Z] role: text`; tool calls and results as text.
 pub fn transcript_line(message: &StoredMessage) -> String {
-    let at = OffsetDateTime::from_unix_timestamp(message.at_ms.div_euclid(1000))
-        .ok()
-        .and_then(|t| t.format(&Rfc3339).ok())
-        .unwrap_or_else(|| "unknown time".to_string());
+    let at = stored_at(message.at_ms);
     // Most stored messages are plain text with nothing else to show: read just that, borrowed
     // where it has no escapes, instead of a map of every field (this runs for every recalled
     // turn of every request).
@@ -287,11 +312,16 @@ pub fn transcript_line(message: &StoredMessage) -> String {
         && message.role != Role::Tool
     {
         let text = plain.content.unwrap_or_default();
-        return format!(
-            "[earlier turn #{} at {at}] {}: {text}",
-            message.turn,
-            message.role.as_str()
-        );
+        let mut line = String::with_capacity(64 + text.len());
+        line.push_str("[earlier turn #");
+        line.push_str(&message.turn.to_string());
+        line.push_str(" at ");
+        line.push_str(&at);
+        line.push_str("] ");
+        line.push_str(message.role.as_str());
+        line.push_str(": ");
+        line.push_str(&text);
+        return line;
     }
     let object: Map<String, Value> =
         serde_json::from_str(message.message.get()).unwrap_or_default();
@@ -643,6 +673,41 @@ impl SummaryRecord {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_stored_time_is_written_as_rfc3339_writes_a_whole_second() {
+        use time::format_description::well_known::Rfc3339;
+        let by_time = |at_ms: i64| {
+            OffsetDateTime::from_unix_timestamp(at_ms.div_euclid(1000))
+                .ok()
+                .and_then(|t| t.format(&Rfc3339).ok())
+                .unwrap_or_else(|| "unknown time".to_string())
+        };
+        // Year 0 starts at -62,167,219,200 s; year 10,000 at 253,402,300,800 s.
+        let mut times = vec![
+            0,
+            -1,
+            999,
+            1_000,
+            1_764_000_000_123,
+            -62_167_219_200_000,
+            -62_167_219_200_001,
+            253_402_300_799_999,
+            253_402_300_800_000,
+            i64::MIN,
+            i64::MAX,
+        ];
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            times.push((x % 330_000_000_000_000) as i64 - 70_000_000_000_000);
+        }
+        for at_ms in times {
+            assert_eq!(stored_at(at_ms), by_time(at_ms), "{at_ms}");
+        }
+    }
+
     use super::*;
 
     #[test]
