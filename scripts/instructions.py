@@ -18,10 +18,15 @@ for the counted requests only). The upstream is a constant chat completion serve
 on 127.0.0.1. Instruction counts are not time (a cache miss costs no instruction, so a change to
 memory layout shows in perf.sh only), but they repeat from run to run within a fraction of a
 percent, and each row's count is split by function in its callgrind file
-(`callgrind_annotate DIR/ROW-NAME.out`) with `--keep`.
+(`callgrind_annotate DIR/ROW-NAME.out`) with `--keep`. With `--cache-sim`, callgrind also
+simulates the caches and the report adds the first-level and last-level data misses a request:
+a model of the machine's caches (valgrind's defaults, the host's sizes where it reads them), not
+the machine, but as repeatable as the instructions. Valgrind does not run AVX-512 or the SHA
+extensions: their fallbacks run instead (the vectors' products on AVX2, SHA-256 in software), so
+those costs are overstated here.
 
 Usage: scripts/instructions.py --binary NEW [--baseline OLD] [--conversations 8] [--messages 200]
-                               [--requests 100] [--warm 40] [--keep DIR]
+                               [--requests 100] [--warm 40] [--keep DIR] [--cache-sim]
 Needs: valgrind (Debian's `valgrind`: valgrind, callgrind_control), python3; release builds; the
 embedding model where memproxy looks for it (else the memory rows recall by words alone and the
 script warns). Every address is on 127.0.0.1; every loop is bounded.
@@ -124,7 +129,7 @@ def question(n):
 class Proxy:
     """One memproxy under callgrind, instrumentation off until asked."""
 
-    def __init__(self, name, binary, work, upstream_port):
+    def __init__(self, name, binary, work, upstream_port, cache_sim):
         self.name = name
         self.dir = work / name
         self.dir.mkdir()
@@ -154,6 +159,7 @@ data_dir = "{self.dir / 'data'}"
                 "valgrind",
                 "--tool=callgrind",
                 "--instr-atstart=no",
+                f"--cache-sim={'yes' if cache_sim else 'no'}",
                 f"--callgrind-out-file={self.dir / 'callgrind.out'}",
                 str(binary),
                 "--config",
@@ -228,10 +234,13 @@ data_dir = "{self.dir / 'data'}"
             new = [p for p in self.dir.glob("callgrind.out*") if p not in before]
             for path in new:
                 text = path.read_text(errors="replace")
-                totals = [l for l in text.splitlines() if l.startswith(("totals:", "summary:"))]
-                if totals:
+                lines = text.splitlines()
+                events = next((l.split()[1:] for l in lines if l.startswith("events:")), None)
+                totals = [l for l in lines if l.startswith(("totals:", "summary:"))]
+                if events and totals:
                     path.rename(self.dir / f"{row}.out")
-                    return int(totals[-1].split()[1])
+                    values = [int(v) for v in totals[-1].split()[1:]]
+                    return dict(zip(events, values + [0] * (len(events) - len(values))))
             time.sleep(0.2)
         sys.exit(f"instructions.py: no callgrind dump from {self.name} for {row}")
 
@@ -246,7 +255,7 @@ data_dir = "{self.dir / 'data'}"
 
 
 def measure(name, binary, work, upstream_port, args, seeds):
-    proxy = Proxy(name, binary, work, upstream_port)
+    proxy = Proxy(name, binary, work, upstream_port, args.cache_sim)
     try:
         for c, body in enumerate(seeds):
             proxy.chat(body, f"st-{c}", expect="stored")
@@ -278,9 +287,19 @@ def measure(name, binary, work, upstream_port, args, seeds):
         rows["mem-store"] = proxy.counted("mem-store", lambda: store(args.requests))
         rows["mem-ro"] = proxy.counted("mem-ro", lambda: read_only(args.requests))
         rows["pass"] = proxy.counted("pass", lambda: passed(args.requests))
-        return {row: total / args.requests for row, total in rows.items()}
+        return {
+            row: {event: total / args.requests for event, total in events.items()}
+            for row, events in rows.items()
+        }
     finally:
         proxy.stop()
+
+
+def value(events, key):
+    """An event of callgrind's, or a sum of its read and write kinds (`D1m`: D1mr + D1mw)."""
+    if key in events:
+        return events[key]
+    return events.get(key + "r", 0) + events.get(key + "w", 0)
 
 
 def main():
@@ -292,6 +311,12 @@ def main():
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--warm", type=int, default=40)
     parser.add_argument("--keep", type=Path, help="keep the callgrind files in this folder")
+    parser.add_argument(
+        "--cache-sim",
+        action="store_true",
+        help="also simulate the caches (callgrind's --cache-sim=yes): first-level and "
+        "last-level misses a request, reads and writes together",
+    )
     args = parser.parse_args()
     if not (1 <= args.conversations <= 1000 and 2 <= args.messages <= 5000):
         sys.exit("--conversations must be 1..=1000, --messages 2..=5000")
@@ -314,15 +339,21 @@ def main():
             "requests a row"
         )
         results = {}
+        shown = [("Ir", "instructions")]
+        if args.cache_sim:
+            shown += [("D1m", "L1 data misses"), ("DLm", "last-level data misses")]
         for name, binary in binaries:
             results[name] = measure(name, binary, work, upstream_port, args, seeds)
-            print(f"  {name} ({binary}):")
-            for row, per in results[name].items():
-                print(f"    {row:<10} {per:>12,.0f}")
+            print(f"  {name} ({binary}), a request:")
+            for row, events in results[name].items():
+                print(f"    {row:<10}" + "".join(
+                    f" {label} {value(events, key):>12,.0f}" for key, label in shown))
         if "base" in results:
             print("  new / base:")
             for row in results["new"]:
-                print(f"    {row:<10} {results['new'][row] / results['base'][row]:.4f}")
+                print(f"    {row:<10}" + "".join(
+                    f" {label} {value(results['new'][row], key) / max(value(results['base'][row], key), 1e-9):.4f}"
+                    for key, label in shown))
     finally:
         server.shutdown()
         if args.keep:
