@@ -27,6 +27,7 @@ those costs are overstated here.
 
 Usage: scripts/instructions.py --binary NEW [--baseline OLD] [--conversations 8] [--messages 200]
                                [--requests 100] [--warm 40] [--keep DIR] [--cache-sim]
+                               [--extra FILE] [--baseline-extra FILE]
 Needs: valgrind (Debian's `valgrind`: valgrind, callgrind_control), python3; release builds; the
 embedding model where memproxy looks for it (else the memory rows recall by words alone and the
 script warns). Every address is on 127.0.0.1; every loop is bounded.
@@ -129,7 +130,7 @@ def question(n):
 class Proxy:
     """One memproxy under callgrind, instrumentation off until asked."""
 
-    def __init__(self, name, binary, work, upstream_port, cache_sim):
+    def __init__(self, name, binary, work, upstream_port, cache_sim, extra):
         self.name = name
         self.dir = work / name
         self.dir.mkdir()
@@ -148,6 +149,7 @@ connect_timeout = "PT2S"
 [storage]
 data_dir = "{self.dir / 'data'}"
 """
+            + (extra.read_text() if extra else "")
         )
         env = dict(os.environ, RUST_LOG="warn")
         model = ROOT / "models/all-MiniLM-L6-v2"
@@ -254,8 +256,8 @@ data_dir = "{self.dir / 'data'}"
         self.log.close()
 
 
-def measure(name, binary, work, upstream_port, args, seeds):
-    proxy = Proxy(name, binary, work, upstream_port, args.cache_sim)
+def measure(name, binary, work, upstream_port, args, seeds, extra):
+    proxy = Proxy(name, binary, work, upstream_port, args.cache_sim, extra)
     try:
         for c, body in enumerate(seeds):
             proxy.chat(body, f"st-{c}", expect="stored")
@@ -312,6 +314,18 @@ def main():
     parser.add_argument("--warm", type=int, default=40)
     parser.add_argument("--keep", type=Path, help="keep the callgrind files in this folder")
     parser.add_argument(
+        "--extra",
+        type=Path,
+        help="TOML added to each memproxy's config after its [storage] section (another "
+        "section, or lines of [storage]), e.g. `[embedding]\\nembedder = \"off\"`",
+    )
+    parser.add_argument(
+        "--baseline-extra",
+        type=Path,
+        help="the same for the baseline only (default: --extra's), so two settings of one "
+        "binary can be compared (--baseline the same binary)",
+    )
+    parser.add_argument(
         "--cache-sim",
         action="store_true",
         help="also simulate the caches (callgrind's --cache-sim=yes): first-level and "
@@ -331,6 +345,7 @@ def main():
     upstream_port = server.server_address[1]
     seeds = seed_bodies(args.conversations, args.messages)
     binaries = [("new", args.binary)] + ([("base", args.baseline)] if args.baseline else [])
+    extras = {"new": args.extra, "base": args.baseline_extra or args.extra}
     work = Path(tempfile.mkdtemp(prefix="instructions-"))
     try:
         print(
@@ -343,8 +358,9 @@ def main():
         if args.cache_sim:
             shown += [("D1m", "L1 data misses"), ("DLm", "last-level data misses")]
         for name, binary in binaries:
-            results[name] = measure(name, binary, work, upstream_port, args, seeds)
-            print(f"  {name} ({binary}), a request:")
+            results[name] = measure(name, binary, work, upstream_port, args, seeds, extras[name])
+            setting = f", with {extras[name]}" if extras[name] else ""
+            print(f"  {name} ({binary}{setting}), a request:")
             for row, events in results[name].items():
                 print(f"    {row:<10}" + "".join(
                     f" {label} {value(events, key):>12,.0f}" for key, label in shown))
