@@ -673,6 +673,8 @@ impl SummaryRecord {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn a_stored_time_is_written_as_rfc3339_writes_a_whole_second() {
         use time::format_description::well_known::Rfc3339;
@@ -707,8 +709,6 @@ mod tests {
             assert_eq!(stored_at(at_ms), by_time(at_ms), "{at_ms}");
         }
     }
-
-    use super::*;
 
     #[test]
     fn a_record_written_before_keeps_its_figures_until_its_next_write() {
