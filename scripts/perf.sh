@@ -445,4 +445,14 @@ if "base" in binaries:
     for row in ("pass", "mem-ro", "mem-store"):
         pairs = [x[f"{row}-new"] / x[f"{row}-base"] for x in cpu.values() if x.get(f"{row}-base")]
         print(f"  {row:10} {spread(pairs)}")
+    # How far apart the rounds were: a step smaller than this is not told from the noise here.
+    widths = []
+    for row in ("pass", "mem-ro", "mem-store"):
+        pairs = ratio(f"{row}-new", f"{row}-base")
+        if len(pairs) > 1:
+            widths.append((max(pairs) - min(pairs)) / statistics.median(pairs))
+    if widths and max(widths) > 0.05:
+        print(f"note: the new / base ratios ranged over up to {100 * max(widths):.0f}% of their "
+              "median across rounds; a smaller step is better counted with "
+              "scripts/instructions.py (instructions, repeatable within about 0.3%)")
 EOF
