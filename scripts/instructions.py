@@ -37,7 +37,6 @@ import argparse
 import http.client
 import json
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -49,6 +48,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.dont_write_bytecode = True
+sys.path.insert(0, str(ROOT / "scripts"))
+import perf_seeds  # noqa: E402 (beside this script: perf.sh's conversations)
 ANSWER = json.dumps(
     {
         "id": "chatcmpl-perf",
@@ -91,25 +93,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def seed_bodies(conversations, messages):
-    """perf.sh's pre-filled conversations: MESSAGES - 1 alternating messages, fixed seed."""
-    words = (ROOT / "examples/loadbench/words.txt").read_text().split()
-    bodies = []
-    for c in range(conversations):
-        rng = random.Random(c)
-        listed = []
-        for i in range(messages - 1):
-            text = " ".join(rng.choice(words) for _ in range(rng.randint(16, 24)))
-            listed.append(
-                {
-                    "role": "user" if i % 2 == 0 else "assistant",
-                    "content": f"{text.capitalize()}. [conversation {c} #{i}]",
-                }
-            )
-        bodies.append(json.dumps({"model": "gpt-4o-mini", "messages": listed}).encode())
-    return bodies
 
 
 def question(n):
@@ -343,7 +326,7 @@ def main():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     upstream_port = server.server_address[1]
-    seeds = seed_bodies(args.conversations, args.messages)
+    seeds = perf_seeds.bodies(args.conversations, args.messages)
     binaries = [("new", args.binary)] + ([("base", args.baseline)] if args.baseline else [])
     extras = {"new": args.extra, "base": args.baseline_extra or args.extra}
     work = Path(tempfile.mkdtemp(prefix="instructions-"))

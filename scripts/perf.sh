@@ -260,21 +260,9 @@ if [ -n "$floor" ]; then
 fi
 
 # The pre-filled conversations: 199 alternating messages (the reply makes 200), words drawn
-# with a fixed seed from loadbench's word list, different in each conversation.
-python3 - "$dir" "$conversations" "$messages" "$(dirname "$0")/../examples/loadbench/words.txt" <<'EOF'
-import json, random, sys
-out, count, messages, words_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-words = open(words_path).read().split()
-for c in range(count):
-    rng = random.Random(c)
-    listed = []
-    for i in range(messages - 1):
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(16, 24)))
-        listed.append({"role": "user" if i % 2 == 0 else "assistant",
-                       "content": f"{text.capitalize()}. [conversation {c} #{i}]"})
-    with open(f"{out}/seed-{c}.json", "w") as f:
-        json.dump({"model": "gpt-4o-mini", "messages": listed}, f)
-EOF
+# with a fixed seed from loadbench's word list, different in each conversation
+# (`scripts/perf_seeds.py`, which `scripts/instructions.py` fills its conversations with too).
+python3 "$(dirname "$0")/perf_seeds.py" "$dir" "$conversations" "$messages"
 seed() { # binary-name prefix [expected status] [body]: one request per conversation
     local port=${port_of[$1]} expect=${3:-stored} body=${4:-}
     [ -n "$body" ] || body="@$dir/seed-{}.json"

@@ -196,7 +196,7 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
     println!("memproxy binary: {}", exe.display());
     let model_env = model_dir_env();
     match &model_env {
-        Some((_, dir)) => println!("embedding model: {dir} (passed as {MODEL_DIR_ENV})"),
+        Some(dir) => println!("embedding model: {dir} (passed as {MODEL_DIR_ENV})"),
         None => {
             println!("embedding model: as memproxy finds it ({MODEL_DIR_ENV} or its own search)")
         }
@@ -542,10 +542,10 @@ fn free_port() -> Result<u16, String> {
 }
 
 /// The child's environment: memproxy's log level, and the model's directory when one is passed.
-fn envs<'a>(model: Option<&'a (&'static str, String)>) -> Vec<(&'static str, &'a str)> {
+fn envs(model: Option<&String>) -> Vec<(&'static str, &str)> {
     let mut envs = vec![("RUST_LOG", "warn")];
-    if let Some((name, dir)) = model {
-        envs.push((name, dir.as_str()));
+    if let Some(dir) = model {
+        envs.push((MODEL_DIR_ENV, dir.as_str()));
     }
     envs
 }
@@ -555,14 +555,14 @@ fn envs<'a>(model: Option<&'a (&'static str, String)>) -> Vec<(&'static str, &'a
 /// working directory and in the workspace its binary was built in, so a binary copied elsewhere
 /// and run from another folder would find no model and recall by words alone, and the soak
 /// would not measure the default.
-fn model_dir_env() -> Option<(&'static str, String)> {
+fn model_dir_env() -> Option<String> {
     if std::env::var_os(MODEL_DIR_ENV).is_some() {
         return None;
     }
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(WORKSPACE_MODEL_DIR);
     memproxy_embed::files::ModelFiles::at(&dir)
         .ok()
-        .map(|files| (MODEL_DIR_ENV, files.dir().display().to_string()))
+        .map(|files| files.dir().display().to_string())
 }
 
 /// What `/readyz` says of recall: by meaning (and with what), or by words alone and why.

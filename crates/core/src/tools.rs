@@ -14,8 +14,6 @@
 use std::collections::HashSet;
 
 use serde::Serialize;
-use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 
 use crate::longterm::memories::{self, MemoryRecord};
 use crate::longterm::{archive, decay_of, extract};
@@ -33,12 +31,9 @@ use memproxy_store::{OwnerKey, OwnerKind, StoreError, StoredMessage, lock};
 /// most relevant to the query.
 pub const TURN_MAX_TOKENS: u32 = 400;
 
-/// UTC milliseconds as RFC 3339.
+/// UTC milliseconds as RFC 3339 (empty outside the years 0–9999).
 pub fn rfc3339(ms: i64) -> String {
-    OffsetDateTime::from_unix_timestamp(ms.div_euclid(1000))
-        .ok()
-        .and_then(|t| t.format(&Rfc3339).ok())
-        .unwrap_or_default()
+    memproxy_store::rfc3339_seconds(ms).unwrap_or_default()
 }
 
 /// A memory found, with its score and where it comes from.

@@ -78,7 +78,7 @@ pub use records::{
     BranchRecord, ConversationMeta, ConversationSummary, Deleted, Entry, ExchangeFigures,
     ExchangePoint, ImportMeta, Imported, LedgerTotals, MAX_CATCH_UP_CALLS, Origin, OwnerKey,
     OwnerKind, OwnerMeta, OwnerRecord, StoredBranch, StoredMessage, SummaryRecord, TtlRecord,
-    tokens_between, transcript_line,
+    rfc3339_seconds, tokens_between, transcript_line,
 };
 pub use redis_engine::{RedisEngine, RedisOptions, is_redis_url};
 pub use sled_engine::SledEngine;

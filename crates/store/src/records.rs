@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
+use std::fmt::Write as _;
 use time::OffsetDateTime;
 
 use memproxy_base::identity::ConversationKey;
@@ -269,39 +270,38 @@ pub struct StoredBranch {
     pub summaries: Vec<(u64, Vec<u8>)>,
 }
 
-/// When a message was stored, to the second, as RFC 3339 writes it (`2026-11-22T10:15:00Z`), or
-/// `unknown time` outside the years 0–9999: what `time`'s `Rfc3339` format gives for a whole
-/// second, its digits written here directly (its formatting was a fifth of a recalled turn's
-/// line, and `format!`'s padding no cheaper).
-fn stored_at(at_ms: i64) -> String {
-    let mut out = String::with_capacity(20);
-    match OffsetDateTime::from_unix_timestamp(at_ms.div_euclid(1000)) {
-        Ok(t) if (0..=9999).contains(&t.year()) => {
-            let fields = [
-                (t.year().unsigned_abs(), 4, '-'),
-                (u32::from(u8::from(t.month())), 2, '-'),
-                (u32::from(t.day()), 2, 'T'),
-                (u32::from(t.hour()), 2, ':'),
-                (u32::from(t.minute()), 2, ':'),
-                (u32::from(t.second()), 2, 'Z'),
-            ];
-            for (value, width, then) in fields {
-                for place in (0..width).rev() {
-                    let digit = value / 10u32.pow(place) % 10;
-                    out.push(char::from(b'0' + digit as u8));
-                }
-                out.push(then);
-            }
-        }
-        _ => out.push_str("unknown time"),
+/// UTC milliseconds to the second as RFC 3339 writes them (`2026-11-22T10:15:00Z`); `None`
+/// outside the years 0–9999: what `time`'s `Rfc3339` format gives for a whole second, its
+/// digits written here directly (its formatting was a fifth of a recalled turn's line, and
+/// `format!`'s padding no cheaper).
+pub fn rfc3339_seconds(at_ms: i64) -> Option<String> {
+    let t = OffsetDateTime::from_unix_timestamp(at_ms.div_euclid(1000)).ok()?;
+    if !(0..=9999).contains(&t.year()) {
+        return None;
     }
-    out
+    let mut out = String::with_capacity(20);
+    let fields = [
+        (t.year().unsigned_abs(), 4, '-'),
+        (u32::from(u8::from(t.month())), 2, '-'),
+        (u32::from(t.day()), 2, 'T'),
+        (u32::from(t.hour()), 2, ':'),
+        (u32::from(t.minute()), 2, ':'),
+        (u32::from(t.second()), 2, 'Z'),
+    ];
+    for (value, width, then) in fields {
+        for place in (0..width).rev() {
+            let digit = value / 10u32.pow(place) % 10;
+            out.push(char::from(b'0' + digit as u8));
+        }
+        out.push(then);
+    }
+    Some(out)
 }
 
 /// A stored message as one line of a transcript (recalled turns, summary input):
 /// `[earlier turn #N at 2026-11-22T10:15:00Z] role: text`; tool calls and results as text.
 pub fn transcript_line(message: &StoredMessage) -> String {
-    let at = stored_at(message.at_ms);
+    let at = rfc3339_seconds(message.at_ms).unwrap_or_else(|| "unknown time".to_string());
     // Most stored messages are plain text with nothing else to show: read just that, borrowed
     // where it has no escapes, instead of a map of every field (this runs for every recalled
     // turn of every request).
@@ -313,9 +313,7 @@ pub fn transcript_line(message: &StoredMessage) -> String {
     {
         let text = plain.content.unwrap_or_default();
         let mut line = String::with_capacity(64 + text.len());
-        line.push_str("[earlier turn #");
-        line.push_str(&message.turn.to_string());
-        line.push_str(" at ");
+        let _ = write!(line, "[earlier turn #{} at ", message.turn);
         line.push_str(&at);
         line.push_str("] ");
         line.push_str(message.role.as_str());
@@ -676,7 +674,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_stored_time_is_written_as_rfc3339_writes_a_whole_second() {
+    fn a_time_is_written_as_rfc3339_writes_a_whole_second() {
         use time::format_description::well_known::Rfc3339;
         let by_time = |at_ms: i64| {
             OffsetDateTime::from_unix_timestamp(at_ms.div_euclid(1000))
@@ -706,7 +704,8 @@ mod tests {
             times.push((x % 330_000_000_000_000) as i64 - 70_000_000_000_000);
         }
         for at_ms in times {
-            assert_eq!(stored_at(at_ms), by_time(at_ms), "{at_ms}");
+            let ours = rfc3339_seconds(at_ms).unwrap_or_else(|| "unknown time".to_string());
+            assert_eq!(ours, by_time(at_ms), "{at_ms}");
         }
     }
 
