@@ -57,7 +57,7 @@ impl Api {
             Api::Chat => json!({"model": "gpt-4o-mini", "messages": messages}),
             Api::Responses => json!({"model": "gpt-4o-mini", "input": messages, "store": false}),
             Api::Messages => {
-                json!({"model": "claude-sonnet-4-5", "max_tokens": 256, "messages": messages})
+                json!({"model": "claude-sonnet-4-6", "max_tokens": 256, "messages": messages})
             }
         };
         if stream {

@@ -31,6 +31,10 @@ from test_openai_sdk import (
     _stop,
 )
 
+# A model the pinned Anthropic SDK calls deprecated (it warns) is one the real API retires:
+# the tests name current models, and a warning of it fails them.
+pytestmark = pytest.mark.filterwarnings("error:The model .* is deprecated:DeprecationWarning")
+
 FACT = "the locker code is 4417"
 TURNS = 12
 HEADER = "X-Memory-Conversation-Id"
@@ -157,7 +161,7 @@ def test_anthropic_sdk_system_prompt_tool_round_and_stream(servers: Servers, cid
     history: list[dict[str, object]] = []
     for i in range(1, TURNS + 1):
         history.append({"role": "user", "content": _turn_text(i)})
-        raw = client.messages.with_raw_response.create(model="claude-sonnet-4-5", max_tokens=100, system="Be brief.", messages=history)  # type: ignore[arg-type]
+        raw = client.messages.with_raw_response.create(model="claude-sonnet-4-6", max_tokens=100, system="Be brief.", messages=history)  # type: ignore[arg-type]
         message = raw.parse()
         history.append({"role": "assistant", "content": message.content})
         assert raw.headers["x-memory-status"] == "stored"
@@ -176,24 +180,24 @@ def test_anthropic_sdk_system_prompt_tool_round_and_stream(servers: Servers, cid
     _mock(servers, "/_mock/script", {"tool_calls": [["toolu_e2e", "get_weather", '{"city": "Oslo"}']]})
     tools = [{"name": "get_weather", "description": "weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
     history.append({"role": "user", "content": "weather in Oslo?"})
-    message = client.messages.create(model="claude-sonnet-4-5", max_tokens=100, tools=tools, messages=history)  # type: ignore[arg-type]
+    message = client.messages.create(model="claude-sonnet-4-6", max_tokens=100, tools=tools, messages=history)  # type: ignore[arg-type]
     use = next(block for block in message.content if block.type == "tool_use")
     assert use.input == {"city": "Oslo"}
     history.append({"role": "assistant", "content": message.content})
     history.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "cold"}]})
-    message = client.messages.create(model="claude-sonnet-4-5", max_tokens=100, tools=tools, messages=history)  # type: ignore[arg-type]
+    message = client.messages.create(model="claude-sonnet-4-6", max_tokens=100, tools=tools, messages=history)  # type: ignore[arg-type]
     assert message.content[0].text == "reply to: tool said: cold"  # type: ignore[union-attr]
     history.append({"role": "assistant", "content": message.content})
 
     # Streaming.
     history.append({"role": "user", "content": "stream it"})
-    with client.messages.stream(model="claude-sonnet-4-5", max_tokens=100, messages=history) as stream:  # type: ignore[arg-type]
+    with client.messages.stream(model="claude-sonnet-4-6", max_tokens=100, messages=history) as stream:  # type: ignore[arg-type]
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == "reply to: stream it" == final.content[0].text  # type: ignore[union-attr]
     history.append({"role": "assistant", "content": final.content})
     history.append({"role": "user", "content": "count"})
-    raw = client.messages.with_raw_response.create(model="claude-sonnet-4-5", max_tokens=100, messages=history)  # type: ignore[arg-type]
+    raw = client.messages.with_raw_response.create(model="claude-sonnet-4-6", max_tokens=100, messages=history)  # type: ignore[arg-type]
     assert raw.headers["x-memory-turns"] == str(2 * TURNS + 2 + 2 + 2 + 2)
 
 

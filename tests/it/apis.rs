@@ -514,7 +514,7 @@ async fn anthropic_messages_keep_memory_and_go_to_the_anthropic_upstream() {
     let Started { mock, proxy, .. } = Harness::new().anthropic_to(&claude).start().await;
 
     for text in ["my dog is Rex", "I like tea", "what is my dog called?"] {
-        let request = json!({"model": "claude-sonnet-4", "max_tokens": 100, "system": "Be brief.", "messages": [{"role": "user", "content": text}]});
+        let request = json!({"model": "claude-sonnet-4-6", "max_tokens": 100, "system": "Be brief.", "messages": [{"role": "user", "content": text}]});
         let answer = messages(&proxy, "a1", &request).await;
         assert_eq!(answer.status, 200, "{:?}", answer.body);
         assert_eq!(answer.header("x-memory-status"), "stored");
