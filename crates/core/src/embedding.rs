@@ -1121,7 +1121,11 @@ mod tests {
         assert_eq!(stored.len(), expected.len());
         for ((turn, vector), (want_turn, want)) in stored.iter().zip(expected) {
             assert_eq!(*turn, want_turn);
-            let off = vector.iter().zip(want).map(|(a, b)| (a - b).abs());
+            let off = vector
+                .to_floats()
+                .into_iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs());
             assert!(off.fold(0.0, f32::max) < 0.1, "{stored:?}");
         }
     }

@@ -83,7 +83,7 @@ pub use records::{
 pub use redis_engine::{RedisEngine, RedisOptions, is_redis_url};
 pub use sled_engine::SledEngine;
 pub use transfer::already_stored;
-pub use vectors::{RecordVector, quantise};
+pub use vectors::{Quantised, RecordVector, quantise};
 
 use flush::GroupFlusher;
 use keys::{EngineKeys, KeyFiles, Keys};
@@ -406,8 +406,9 @@ pub struct Change {
 pub struct AddedVectors {
     /// The space (`Embed::id`), as [`Store::put_vectors`] takes it.
     pub space: String,
-    /// One per message of `Change::add`, in its order.
-    pub of: Vec<Vec<f32>>,
+    /// One per message of `Change::add`, in its order, quantised ([`quantise`]); `None` for
+    /// one that could not be (not stored).
+    pub of: Vec<Option<Quantised>>,
 }
 
 /// The turn of the first of `entries` whose index is not in `removed` (sorted).

@@ -50,20 +50,43 @@ fn space_tag(space: &str) -> [u8; TAG_LEN] {
     tag
 }
 
+/// A vector quantised ([`quantise`]): one int8 per component and the scale that gives the
+/// components back (`q × scale`). What the store seals and the recall indexes
+/// (`memproxy-core`'s `recall/vectors.rs`) hold: a vector made in a commit is quantised once
+/// for both, and one read back is not widened to floats on its way into an index.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quantised {
+    pub scale: f32,
+    pub values: Vec<i8>,
+}
+
+impl Quantised {
+    /// The components back as floats.
+    pub fn to_floats(&self) -> Vec<f32> {
+        self.values
+            .iter()
+            .map(|&q| f32::from(q) * self.scale)
+            .collect()
+    }
+}
+
 /// `vector` quantised: its scale and one int8 per component; `None` when it is empty or holds
 /// a value that is not finite. The one quantisation of vectors: the store's records and the
-/// recall indexes (`memproxy-core`'s `recall/vectors.rs`) hold the same bytes.
-pub fn quantise(vector: &[f32]) -> Option<(f32, Vec<i8>)> {
+/// recall indexes hold the same bytes.
+pub fn quantise(vector: &[f32]) -> Option<Quantised> {
     if vector.is_empty() || vector.iter().any(|x| !x.is_finite()) {
         return None;
     }
     let max = vector.iter().fold(0f32, |max, x| max.max(x.abs()));
     let scale = max / 127.0;
     if scale == 0.0 || !scale.is_finite() {
-        return Some((0.0, vec![0; vector.len()]));
+        return Some(Quantised {
+            scale: 0.0,
+            values: vec![0; vector.len()],
+        });
     }
-    let quantised = vector.iter().map(|x| round_to_step(x / scale)).collect();
-    Some((scale, quantised))
+    let values = vector.iter().map(|x| round_to_step(x / scale)).collect();
+    Some(Quantised { scale, values })
 }
 
 /// `y` (finite, within a little of ±127) rounded half away from zero, clamped to ±127: what
@@ -83,24 +106,18 @@ fn round_to_step(y: f32) -> i8 {
     rounded.clamp(-127, 127) as i8
 }
 
-/// A quantised vector read back.
-pub(crate) fn dequantise(scale: f32, quantised: &[i8]) -> Vec<f32> {
-    quantised.iter().map(|&q| f32::from(q) * scale).collect()
-}
-
-/// The plaintext of `vector` of the space tagged `tag`; `None` when it cannot be quantised.
-fn encode(tag: &[u8; TAG_LEN], vector: &[f32]) -> Option<Vec<u8>> {
-    let (scale, quantised) = quantise(vector)?;
-    let mut bytes = Vec::with_capacity(HEADER_LEN + quantised.len());
+/// The plaintext of `vector` of the space tagged `tag`.
+fn encode(tag: &[u8; TAG_LEN], vector: &Quantised) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(HEADER_LEN + vector.values.len());
     bytes.push(FORMAT);
     bytes.extend_from_slice(tag);
-    bytes.extend_from_slice(&scale.to_le_bytes());
-    bytes.extend(quantised.iter().map(|q| q.to_le_bytes()[0]));
-    Some(bytes)
+    bytes.extend_from_slice(&vector.scale.to_le_bytes());
+    bytes.extend(vector.values.iter().map(|q| q.to_le_bytes()[0]));
+    bytes
 }
 
 /// The vector in the plaintext `bytes` when it is of the space tagged `tag`.
-fn decode(tag: &[u8; TAG_LEN], bytes: &[u8]) -> Result<Option<Vec<f32>>, StoreError> {
+fn decode(tag: &[u8; TAG_LEN], bytes: &[u8]) -> Result<Option<Quantised>, StoreError> {
     let malformed = || StoreError::Corrupt("a stored vector is malformed".into());
     if bytes.len() <= HEADER_LEN || bytes[0] != FORMAT {
         return Err(malformed());
@@ -111,16 +128,19 @@ fn decode(tag: &[u8; TAG_LEN], bytes: &[u8]) -> Result<Option<Vec<f32>>, StoreEr
     let scale: [u8; 4] = bytes[1 + TAG_LEN..HEADER_LEN]
         .try_into()
         .map_err(|_| malformed())?;
-    let quantised: Vec<i8> = bytes[HEADER_LEN..]
+    let values: Vec<i8> = bytes[HEADER_LEN..]
         .iter()
         .map(|&b| i8::from_le_bytes([b]))
         .collect();
-    Ok(Some(dequantise(f32::from_le_bytes(scale), &quantised)))
+    Ok(Some(Quantised {
+        scale: f32::from_le_bytes(scale),
+        values,
+    }))
 }
 
 /// The vectors of a change's added messages (`added.of`: one per message of `add`, whose turns
 /// are assigned), sealed with the conversation's `key` as [`Store::put_vectors`] seals them,
-/// by turn; a vector that cannot be quantised is left out, as there.
+/// by turn; a vector that could not be quantised (`None`) is left out, as there.
 pub(crate) fn seal_added(
     key: &Key,
     added: &crate::AddedVectors,
@@ -129,8 +149,8 @@ pub(crate) fn seal_added(
     let tag = space_tag(&added.space);
     let mut sealed = Vec::with_capacity(added.of.len());
     for (message, vector) in add.iter().zip(&added.of) {
-        if let Some(value) = seal_vector(key, &tag, vector)? {
-            sealed.push((message.turn, value));
+        if let Some(vector) = vector {
+            sealed.push((message.turn, seal_quantised(key, &tag, vector)?));
         }
     }
     Ok(sealed)
@@ -143,10 +163,19 @@ fn seal_vector(
     tag: &[u8; TAG_LEN],
     vector: &[f32],
 ) -> Result<Option<Vec<u8>>, StoreError> {
-    match encode(tag, vector) {
-        Some(plain) => Ok(Some(seal::seal(key, Kind::Vector, &plain)?.into_bytes())),
+    match quantise(vector) {
+        Some(vector) => Ok(Some(seal_quantised(key, tag, &vector)?)),
         None => Ok(None),
     }
+}
+
+/// `vector` of the space tagged `tag`, sealed with `key` as an engine stores it.
+fn seal_quantised(
+    key: &Key,
+    tag: &[u8; TAG_LEN],
+    vector: &Quantised,
+) -> Result<Vec<u8>, StoreError> {
+    Ok(seal::seal(key, Kind::Vector, &encode(tag, vector))?.into_bytes())
 }
 
 /// The vector an engine stored as `stored`, opened with `key`, when it is of the space tagged
@@ -155,7 +184,7 @@ fn open_vector(
     key: &Key,
     tag: &[u8; TAG_LEN],
     stored: &[u8],
-) -> Result<Option<Vec<f32>>, StoreError> {
+) -> Result<Option<Quantised>, StoreError> {
     let sealed = std::str::from_utf8(stored)
         .ok()
         .and_then(|v| v.strip_prefix(SEALED_PREFIX))
@@ -217,14 +246,14 @@ impl Store {
         }
     }
 
-    /// The conversation's vectors of `space` (turn, embedding), by turn, for the turns the
-    /// caller's conversation holds: one engine read for the whole conversation (what building
-    /// its recall index asks for).
+    /// The conversation's vectors of `space` (turn, embedding as stored, quantised), by turn,
+    /// for the turns the caller's conversation holds: one engine read for the whole
+    /// conversation (what building its recall index asks for).
     pub fn vectors(
         &self,
         conversation: &Conversation,
         space: &str,
-    ) -> Result<Vec<(u64, Vec<f32>)>, StoreError> {
+    ) -> Result<Vec<(u64, Quantised)>, StoreError> {
         let Some(meta) = &conversation.meta else {
             return Ok(Vec::new());
         };
@@ -310,7 +339,7 @@ impl Store {
         let mut out = Vec::with_capacity(stored.len());
         for (id, value) in stored {
             if let Some(vector) = open_vector(&handle.key, &tag, &value)? {
-                out.push((id, vector));
+                out.push((id, vector.to_floats()));
             }
         }
         Ok(out)
@@ -406,9 +435,9 @@ mod tests {
     fn a_quantised_vector_reads_back_within_half_a_step_and_points_the_same_way() {
         for (seed, dims) in [(1, 256), (2, 384), (3, 768), (4, 3), (5, 1)] {
             let original = vector(seed, dims);
-            let (scale, quantised) = quantise(&original).unwrap();
-            assert_eq!(quantised.len(), dims);
-            let back = dequantise(scale, &quantised);
+            let quantised = quantise(&original).unwrap();
+            assert_eq!(quantised.values.len(), dims);
+            let back = quantised.to_floats();
             let max = original.iter().fold(0f32, |m, x| m.max(x.abs()));
             for (x, y) in original.iter().zip(&back) {
                 // Rounding: at most half a step (max / 254), plus float error.
@@ -418,10 +447,16 @@ mod tests {
             assert!(similarity >= 0.999, "{dims} dims: cosine {similarity}");
         }
         // The largest component is exact in magnitude, at ±127.
-        let (scale, quantised) = quantise(&[0.5, -1.0, 0.25]).unwrap();
-        assert_eq!(quantised, [64, -127, 32]);
-        assert!((scale - 1.0 / 127.0).abs() < 1e-9);
-        assert_eq!(quantise(&[0.0, 0.0]).unwrap(), (0.0, vec![0, 0]));
+        let quantised = quantise(&[0.5, -1.0, 0.25]).unwrap();
+        assert_eq!(quantised.values, [64, -127, 32]);
+        assert!((quantised.scale - 1.0 / 127.0).abs() < 1e-9);
+        assert_eq!(
+            quantise(&[0.0, 0.0]).unwrap(),
+            Quantised {
+                scale: 0.0,
+                values: vec![0, 0]
+            }
+        );
         assert!(quantise(&[]).is_none());
         assert!(quantise(&[1.0, f32::NAN]).is_none());
         assert!(quantise(&[f32::INFINITY]).is_none());
@@ -442,7 +477,8 @@ mod tests {
         assert_eq!(stored.len(), SEALED_PREFIX.len() + 396);
         assert!(stored.starts_with(SEALED_PREFIX.as_bytes()));
         let back = open_vector(&key(1), &space, &stored).unwrap().unwrap();
-        assert!(cosine(&original, &back) >= 0.999);
+        assert_eq!(back, quantise(&original).unwrap());
+        assert!(cosine(&original, &back.to_floats()) >= 0.999);
         assert!(open_vector(&key(2), &space, &stored).is_err());
         assert!(
             open_vector(&key(1), &space_tag("other/space"), &stored)
@@ -520,7 +556,7 @@ mod tests {
             let read = store.vectors(&conv, SPACE).unwrap();
             assert_eq!(read.iter().map(|(t, _)| *t).collect::<Vec<_>>(), [1, 2, 3]);
             for (turn, back) in &read {
-                assert!(cosine(&vector(*turn, 16), back) >= 0.999);
+                assert_eq!(*back, quantise(&vector(*turn, 16)).unwrap());
             }
             assert_eq!(store.turns_without_vectors(&conv, SPACE).unwrap(), [4]);
             // Empty, or not finite: not written, not counted.
@@ -532,9 +568,9 @@ mod tests {
             );
         }
         // Sealed: the engine holds no component's bytes in the clear.
-        let (scale, quantised) = quantise(&vector(2, 16)).unwrap();
-        let mut plain = scale.to_le_bytes().to_vec();
-        plain.extend(quantised.iter().map(|q| q.to_le_bytes()[0]));
+        let quantised = quantise(&vector(2, 16)).unwrap();
+        let mut plain = quantised.scale.to_le_bytes().to_vec();
+        plain.extend(quantised.values.iter().map(|q| q.to_le_bytes()[0]));
         assert!(!store.engine.any_trace_of(&plain).unwrap());
         // Another space replaces a turn's vector: each space reads only its own.
         assert_eq!(embed(store, "c", "other/space", &[2]), 1);

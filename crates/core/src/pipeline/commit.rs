@@ -29,8 +29,8 @@ use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::{HasRole, Message, Role};
 use memproxy_base::tokens;
 use memproxy_store::{
-    AddedVectors, Change, Conversation, Entry, LedgerTotals, Origin, OwnerKey, StoreError,
-    StoredMessage, lock,
+    AddedVectors, Change, Conversation, Entry, LedgerTotals, Origin, OwnerKey, Quantised,
+    StoreError, StoredMessage, lock,
 };
 
 /// How often a commit re-plans against a conversation that keeps changing under it. In one
@@ -416,9 +416,13 @@ impl Exchange {
         let made = memory
             .embedding
             .in_commit(&added_texts, self.query_vector.as_ref());
-        change.vectors = made.as_ref().map(|(space, vectors)| AddedVectors {
+        // Quantised once, for the store and the recall index alike.
+        let quantised: Vec<Option<Quantised>> = made.as_ref().map_or_else(Vec::new, |(_, v)| {
+            v.iter().map(|v| memproxy_store::quantise(v)).collect()
+        });
+        change.vectors = made.as_ref().map(|(space, _)| AddedVectors {
             space: space.clone(),
-            of: vectors.clone(),
+            of: quantised.clone(),
         });
         if let Err(err) = store.commit(conversation, change) {
             memory.ledger.give_back(&self.key, background);
@@ -440,15 +444,20 @@ impl Exchange {
             .map(|e| e.turn)
             .zip(added_texts)
             .collect();
-        let vectors: Vec<(u64, Vec<f32>)> = match made {
-            Some((_, vectors)) => {
+        let vectors: Vec<(u64, Quantised)> = match made {
+            Some((_, floats)) => {
                 // A text with nothing to embed has a vector of zeros, which is not stored.
-                let stored = vectors
+                let stored = floats
                     .iter()
                     .filter(|v| v.iter().any(|x| *x != 0.0))
                     .count();
                 memory.embedding.stored_in_commit(stored);
-                added.iter().map(|(turn, _)| *turn).zip(vectors).collect()
+                // One the store could not take (empty, not finite) is all zeros in the index.
+                let held = quantised
+                    .into_iter()
+                    .zip(&floats)
+                    .map(|(q, v)| q.unwrap_or_else(|| crate::recall::vectors::quantise(v)));
+                added.iter().map(|(turn, _)| *turn).zip(held).collect()
             }
             None => Vec::new(),
         };

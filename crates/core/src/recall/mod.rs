@@ -31,7 +31,7 @@ use memproxy_base::cache::{Cache, Policy, Shrink};
 use memproxy_base::heap;
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::search_text;
-use memproxy_store::{Conversation, Store, StoreError};
+use memproxy_store::{Conversation, Quantised, Store, StoreError};
 
 /// How much text `auto` language detection reads from the start of a conversation.
 const DETECTION_SAMPLE_CHARS: usize = 2000;
@@ -414,7 +414,7 @@ impl Recall {
         before: Option<u64>,
         removed: &[u64],
         added: &[(u64, String)],
-        vectors: &[(u64, Vec<f32>)],
+        vectors: &[(u64, Quantised)],
         after: u64,
     ) {
         let Some(held) = self.cache.get_held(key) else {
@@ -457,7 +457,7 @@ impl Recall {
             index.last_query = None;
             if let Some(held) = index.vectors.as_mut() {
                 for (turn, vector) in vectors {
-                    held.insert(*turn, vector);
+                    held.insert_quantised(*turn, vector);
                 }
             }
             index.synced_next_turn = after;
@@ -540,7 +540,7 @@ fn build(
         Some((space, dims)) => {
             let mut vectors = DocVectors::new(*dims);
             for (turn, vector) in store.vectors(conversation, space)? {
-                vectors.insert(turn, &vector);
+                vectors.insert_quantised(turn, &vector);
             }
             vectors.shrink_to_fit();
             Some(vectors)

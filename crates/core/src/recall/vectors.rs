@@ -8,6 +8,7 @@
 //! only. The static table's come with their messages (made in the commit).
 
 use memproxy_base::heap;
+use memproxy_store::Quantised;
 
 /// Vectors by turn, ascending.
 #[derive(Debug, Clone, Default)]
@@ -25,13 +26,13 @@ pub struct DocVectors {
     first: usize,
 }
 
-/// Quantises `vector` as the store does (`memproxy_store::quantise`): its bytes and the scale
-/// that gives them back; all zeros for one that cannot be (empty, or not finite).
-fn quantise(vector: &[f32]) -> (Vec<i8>, f32) {
-    match memproxy_store::quantise(vector) {
-        Some((scale, bytes)) => (bytes, scale),
-        None => (vec![0; vector.len()], 0.0),
-    }
+/// Quantises `vector` as the store does (`memproxy_store::quantise`); all zeros for one that
+/// cannot be (empty, or not finite).
+pub fn quantise(vector: &[f32]) -> Quantised {
+    memproxy_store::quantise(vector).unwrap_or_else(|| Quantised {
+        scale: 0.0,
+        values: vec![0; vector.len()],
+    })
 }
 
 impl DocVectors {
@@ -69,13 +70,19 @@ impl DocVectors {
     /// (an embedder that learns its width from its first answer, the provider's) take the
     /// first vector's.
     pub fn insert(&mut self, turn: u64, vector: &[f32]) {
+        self.insert_quantised(turn, &quantise(vector));
+    }
+
+    /// As [`DocVectors::insert`], a vector already quantised (the store's, or one quantised
+    /// once for the store and the index).
+    pub fn insert_quantised(&mut self, turn: u64, vector: &Quantised) {
         if self.dims == 0 && self.turns.is_empty() {
-            self.dims = vector.len();
+            self.dims = vector.values.len();
         }
-        if vector.len() != self.dims || self.dims == 0 {
+        if vector.values.len() != self.dims || self.dims == 0 {
             return;
         }
-        let (bytes, scale) = quantise(vector);
+        let (bytes, scale) = (&vector.values, vector.scale);
         if self.first > 0 && self.values.len() + self.dims > self.values.capacity() {
             self.compact();
         }
@@ -85,12 +92,12 @@ impl DocVectors {
             .map_err(|at| at + self.first);
         match found {
             Ok(at) => {
-                self.values[at * self.dims..(at + 1) * self.dims].copy_from_slice(&bytes);
+                self.values[at * self.dims..(at + 1) * self.dims].copy_from_slice(bytes);
                 self.scales[at] = scale;
             }
             Err(at) if at == self.turns.len() => {
                 self.turns.push(turn);
-                self.values.extend_from_slice(&bytes);
+                self.values.extend_from_slice(bytes);
                 self.scales.push(scale);
             }
             Err(at) => {
@@ -172,9 +179,14 @@ impl DocVectors {
         if query.len() != self.dims || self.dims == 0 {
             return;
         }
-        let (query, query_scale) = quantise(query);
+        let query = quantise(query);
+        let query_scale = query.scale;
         let mut dots = Vec::with_capacity(self.len());
-        memproxy_embed::vector::dots_i8(&self.values[self.first * self.dims..], &query, &mut dots);
+        memproxy_embed::vector::dots_i8(
+            &self.values[self.first * self.dims..],
+            &query.values,
+            &mut dots,
+        );
         out.extend(
             self.turns[self.first..]
                 .iter()
@@ -264,6 +276,34 @@ mod tests {
         assert!((sims[0].1 - 1.0).abs() < 0.01, "{sims:?}");
         let exact: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((sims[1].1 - exact).abs() < 0.01, "{sims:?} vs {exact}");
+    }
+
+    /// A vector quantised once (for the store and the index, or read back from the store) is
+    /// the row inserting its floats makes: the same bytes, the same similarities.
+    #[test]
+    fn a_vector_quantised_once_is_the_row_its_floats_make() {
+        let rows = [
+            unit(&[0.3, -0.2, 0.9, 0.1]),
+            unit(&[-0.5, 0.4, 0.1, 0.7]),
+            vec![0.0; 4],
+        ];
+        let mut from_floats = DocVectors::new(4);
+        let mut quantised = DocVectors::new(4);
+        for (turn, row) in (1..).zip(&rows) {
+            from_floats.insert(turn, row);
+            quantised.insert_quantised(turn, &memproxy_store::quantise(row).unwrap());
+        }
+        // Not quantisable (not finite): all zeros either way.
+        from_floats.insert(9, &[f32::NAN; 4]);
+        quantised.insert_quantised(9, &quantise(&[f32::NAN; 4]));
+        assert_eq!(from_floats.values, quantised.values);
+        assert_eq!(from_floats.scales, quantised.scales);
+        let query = unit(&[0.2, 0.1, 0.8, -0.3]);
+        assert_eq!(
+            from_floats.similarities(&query),
+            quantised.similarities(&query)
+        );
+        assert_eq!(quantised.turns(), &[1, 2, 3, 9]);
     }
 
     #[test]
