@@ -34,7 +34,7 @@ use crate::identity::ConversationKey;
 use crate::longterm::ExtractionCall;
 use crate::longterm::extract::HandOver;
 use crate::memory::Memory;
-use crate::memory_guard::{self, Pressure, Reservation};
+use crate::memory_guard::{Pressure, Reservation};
 use crate::metrics::{ReplyKind, Stage, UpstreamTime};
 use crate::model::Credentials;
 use crate::pipeline::commit::Exchange;
@@ -96,6 +96,8 @@ async fn admitted(
         Ok(before) => before,
         Err(err) => return Ending::refused(err, guard),
     };
+    // Planned: the planning's temporaries are freed; the prompt is held until it is sent.
+    guard.settle(before.body.len() as u64);
     let forwarded = forward(state, &mut before).await;
     after(state, before, forwarded, guard).await
 }
@@ -117,7 +119,7 @@ fn admit(state: &AppState, body: &Incoming) -> Result<Reservation, Unadmitted> {
     }
     state
         .memory_guard
-        .admit(memory_guard::estimate(announced))
+        .admit_request(announced)
         .map_err(Unadmitted::Pressure)
 }
 
@@ -311,6 +313,7 @@ async fn plan_memory(
     bytes: Bytes,
     guard: &mut AnswerGuard,
 ) -> Result<(Bytes, Course), ProxyError> {
+    guard.planning();
     let parsed = match parse_and_plan(state, memory, &to, &bytes).await {
         Ok(parsed) => parsed?,
         // A panic while planning (the storage engine can panic on damaged files) is a memory

@@ -332,6 +332,22 @@ impl AnswerGuard {
         }
     }
 
+    /// The request's planning starts: its reservation grows by the plan's part
+    /// ([`crate::memory_guard::Reservation::planning`]).
+    pub fn planning(&mut self) {
+        if let Some(reservation) = self.reservation.as_mut() {
+            reservation.planning();
+        }
+    }
+
+    /// The request's prompt of `prompt` bytes is about to be forwarded: its reservation keeps
+    /// that and its answer's part ([`crate::memory_guard::Reservation::settle`]).
+    pub fn settle(&mut self, prompt: u64) {
+        if let Some(reservation) = self.reservation.as_mut() {
+            reservation.settle(prompt);
+        }
+    }
+
     /// `response`, its body carrying the guard (as it is when the guard holds nothing).
     fn ride(self, response: Response<ProxyBody>) -> Response<ProxyBody> {
         if self.reservation.is_none() && self.summary.is_none() && self.hand_over.is_none() {
