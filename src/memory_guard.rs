@@ -10,8 +10,9 @@
 //!   admitted between two readings is counted before the RSS shows it.
 //! - **Staged**: a chat request is admitted on its whole estimate but reserves it as it takes
 //!   memory ([`MemoryGuard::admit_request`]): one copy of its body while it waits for its
-//!   body and for a thread to plan on; the rest from when its planning starts
-//!   ([`Reservation::planning`]); once its prompt is forwarded the planning's temporaries are
+//!   body and for a thread to plan on; the rest from when a thread starts its planning
+//!   ([`Reservation::plan_start`]: a runtime thread, or the blocking pool's once one takes
+//!   it, not while it is queued for one); once its prompt is forwarded the planning's temporaries are
 //!   freed, and it keeps [`ANSWER_BYTES`] and its forwarded prompt's size until its response
 //!   is done ([`Reservation::settle`]). Held whole from admission to the response's end, 64
 //!   clients' estimates (full-history bodies of tens of KiB, four times over, and the fixed
@@ -37,7 +38,7 @@
 //! Where `/proc` cannot be read (not Linux), only the cache sizes follow the budget: admission
 //! admits everything. Tests pretend a reading with [`MemoryGuard::pretend_resident`].
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -227,8 +228,8 @@ impl MemoryGuard {
 
     /// Admits a chat request with a body of `body_len` bytes on its whole [`estimate`], and
     /// reserves one copy of its body (what reading it takes): the rest (the other copies and
-    /// [`REQUEST_BASE_BYTES`]) is reserved when its planning starts
-    /// ([`Reservation::planning`]), which a thread each does at a time. A request waits for its
+    /// [`REQUEST_BASE_BYTES`]) is reserved when a thread starts its planning
+    /// ([`Reservation::plan_start`]). A request waits for its
     /// body and for a thread to plan on (under 64 clients on two cores most do, for most of
     /// their time) with only that reserved; whole, 64 such estimates alone (full-history
     /// bodies of tens of KiB, four times over) passed the room the caches at their floors left
@@ -239,7 +240,11 @@ impl MemoryGuard {
         let pending = reservation.bytes - held;
         self.in_flight.reserved.fetch_sub(pending, Ordering::AcqRel);
         reservation.bytes = held;
-        reservation.pending = pending;
+        reservation.plan = PlanStart(Some(Arc::new(PlanPart {
+            bytes: pending,
+            stage: AtomicU8::new(PlanPart::WAITING),
+            in_flight: Arc::clone(&self.in_flight),
+        })));
         Ok(reservation)
     }
 
@@ -262,7 +267,7 @@ impl MemoryGuard {
                 }
                 Ok(Reservation {
                     bytes: estimate,
-                    pending: 0,
+                    plan: PlanStart(None),
                     in_flight: Arc::clone(&self.in_flight),
                 })
             }
@@ -327,40 +332,99 @@ impl MemoryGuard {
 #[derive(Debug)]
 pub struct Reservation {
     bytes: u64,
-    /// Admitted on, reserved when planning starts ([`MemoryGuard::admit_request`]).
-    pending: u64,
+    /// Admitted on, reserved when its planning starts on a thread
+    /// ([`MemoryGuard::admit_request`]).
+    plan: PlanStart,
     in_flight: Arc<InFlight>,
 }
 
 impl Reservation {
-    /// The request's planning starts: the rest of its estimate is reserved (it was admitted
-    /// on it already: [`MemoryGuard::admit_request`]).
-    pub fn planning(&mut self) {
-        let pending = std::mem::take(&mut self.pending);
-        self.in_flight.reserved.fetch_add(pending, Ordering::AcqRel);
-        self.bytes = self.bytes.saturating_add(pending);
+    /// What starts the reservation of the planning's part, where the planning runs: on a
+    /// runtime thread, or in the blocking pool once a thread takes it (a request queued for
+    /// the pool has allocated nothing yet: under 64 clients most wait there, and each holding
+    /// its whole estimate refused memory with the RSS 15 MiB under the mark).
+    pub fn plan_start(&self) -> PlanStart {
+        self.plan.clone()
     }
 
     /// The request's prompt of `prompt` bytes is forwarded: its planning's temporaries are
-    /// freed, and it keeps the prompt and [`ANSWER_BYTES`] for its answer (never more than it
-    /// had, and nothing more is reserved at planning).
+    /// freed, and it keeps the prompt and [`ANSWER_BYTES`] for its answer, never more than it
+    /// held (a request whose planning never started keeps its body's copy at most), and its
+    /// planning's part, if it had not started, never starts.
     pub fn settle(&mut self, prompt: u64) {
-        self.pending = 0;
-        let keep = prompt.saturating_add(ANSWER_BYTES);
-        if self.bytes > keep {
-            self.in_flight
-                .reserved
-                .fetch_sub(self.bytes - keep, Ordering::AcqRel);
-            self.bytes = keep;
-        }
+        let held = self.bytes.saturating_add(self.plan.end());
+        let keep = held.min(prompt.saturating_add(ANSWER_BYTES));
+        self.in_flight
+            .reserved
+            .fetch_sub(held - keep, Ordering::AcqRel);
+        self.bytes = keep;
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.in_flight
-            .reserved
-            .fetch_sub(self.bytes, Ordering::AcqRel);
+        let held = self.bytes.saturating_add(self.plan.end());
+        self.in_flight.reserved.fetch_sub(held, Ordering::AcqRel);
+    }
+}
+
+/// The planning's part of a request's reservation ([`Reservation::plan_start`]): counted from
+/// [`PlanStart::now`] until the request settles or is dropped. Cheap to clone and `Send`, for
+/// the closure planning in the blocking pool, which may start after the request was dropped
+/// (a client gone): then it counts nothing.
+#[derive(Debug, Clone, Default)]
+pub struct PlanStart(Option<Arc<PlanPart>>);
+
+#[derive(Debug)]
+struct PlanPart {
+    bytes: u64,
+    /// [`PlanPart::WAITING`], [`PlanPart::COUNTED`] or [`PlanPart::ENDED`].
+    stage: AtomicU8,
+    in_flight: Arc<InFlight>,
+}
+
+impl PlanPart {
+    const WAITING: u8 = 0;
+    const COUNTED: u8 = 1;
+    const ENDED: u8 = 2;
+}
+
+impl PlanStart {
+    /// The planning starts: its part is reserved (the request was admitted on it already:
+    /// [`MemoryGuard::admit_request`]). Once only; nothing once the request settled or was
+    /// dropped.
+    pub fn now(&self) {
+        let Some(part) = &self.0 else {
+            return;
+        };
+        let started = part.stage.compare_exchange(
+            PlanPart::WAITING,
+            PlanPart::COUNTED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        if started.is_ok() {
+            let before = part
+                .in_flight
+                .reserved
+                .fetch_add(part.bytes, Ordering::AcqRel);
+            part.in_flight
+                .peak
+                .fetch_max(before.saturating_add(part.bytes), Ordering::AcqRel);
+        }
+    }
+
+    /// Ends the part: it never starts from now on. Its bytes if it had started (still
+    /// counted in the reservations: the caller takes them off), else 0.
+    fn end(&self) -> u64 {
+        match &self.0 {
+            Some(part)
+                if part.stage.swap(PlanPart::ENDED, Ordering::AcqRel) == PlanPart::COUNTED =>
+            {
+                part.bytes
+            }
+            _ => 0,
+        }
     }
 }
 
@@ -860,7 +924,7 @@ mod tests {
         let mut request = guard.admit_request(Some(body)).unwrap();
         // Waiting for its body and a thread: one copy of the body.
         assert_eq!(guard.reserved_bytes(), body);
-        request.planning();
+        request.plan_start().now();
         assert_eq!(guard.reserved_bytes(), estimate(Some(body)));
         request.settle(body);
         assert_eq!(guard.reserved_bytes(), body + ANSWER_BYTES);
@@ -868,12 +932,56 @@ mod tests {
         assert_eq!(guard.reserved_bytes(), 0);
         // Not announced: a megabyte assumed.
         guard.pretend_resident(Some(MIB));
-        let mut chunked = guard.admit_request(None).unwrap();
+        let chunked = guard.admit_request(None).unwrap();
         assert_eq!(guard.reserved_bytes(), UNKNOWN_BODY_BYTES);
-        chunked.planning();
-        chunked.planning();
+        let start = chunked.plan_start();
+        start.now();
+        start.now();
+        chunked.plan_start().now();
         assert_eq!(guard.reserved_bytes(), estimate(None));
         drop(chunked);
+        assert_eq!(guard.reserved_bytes(), 0);
+    }
+
+    #[test]
+    fn a_planning_part_counts_only_between_its_start_and_the_request_s_end() {
+        let guard = MemoryGuard::new(crate::config::split_memory_budget(192 * MIB));
+        guard.pretend_resident(Some(100 * MIB));
+        let body = 100 * 1024;
+        let plan_part = estimate(Some(body)) - body;
+        // Started on a pool's thread after the request was dropped (its client gone): nothing.
+        let gone = guard.admit_request(Some(body)).unwrap();
+        let late = gone.plan_start();
+        drop(gone);
+        late.now();
+        assert_eq!(guard.reserved_bytes(), 0);
+        // Never started (a side call, a failure before planning): its body's copy, settled.
+        let mut unplanned = guard.admit_request(Some(body)).unwrap();
+        let start = unplanned.plan_start();
+        unplanned.settle(body);
+        assert_eq!(guard.reserved_bytes(), body);
+        start.now();
+        assert_eq!(guard.reserved_bytes(), body, "settled: never starts");
+        drop(unplanned);
+        assert_eq!(guard.reserved_bytes(), 0);
+        // Started, then the request is dropped before its prompt went: all of it given back.
+        let planning = guard.admit_request(Some(body)).unwrap();
+        guard.in_flight.take_peak();
+        planning.plan_start().now();
+        assert_eq!(guard.reserved_bytes(), body + plan_part);
+        assert_eq!(
+            guard.in_flight.take_peak(),
+            body + plan_part,
+            "the relief sees the start"
+        );
+        drop(planning);
+        assert_eq!(guard.reserved_bytes(), 0);
+        // A prompt larger than the body: kept up to what was held.
+        let mut grown = guard.admit_request(Some(body)).unwrap();
+        grown.plan_start().now();
+        grown.settle(3 * body);
+        assert_eq!(guard.reserved_bytes(), 3 * body + ANSWER_BYTES);
+        drop(grown);
         assert_eq!(guard.reserved_bytes(), 0);
     }
 

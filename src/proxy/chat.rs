@@ -34,7 +34,7 @@ use crate::identity::ConversationKey;
 use crate::longterm::ExtractionCall;
 use crate::longterm::extract::HandOver;
 use crate::memory::Memory;
-use crate::memory_guard::{Pressure, Reservation};
+use crate::memory_guard::{PlanStart, Pressure, Reservation};
 use crate::metrics::{ReplyKind, Stage, UpstreamTime};
 use crate::model::Credentials;
 use crate::pipeline::commit::Exchange;
@@ -313,8 +313,7 @@ async fn plan_memory(
     bytes: Bytes,
     guard: &mut AnswerGuard,
 ) -> Result<(Bytes, Course), ProxyError> {
-    guard.planning();
-    let parsed = match parse_and_plan(state, memory, &to, &bytes).await {
+    let parsed = match parse_and_plan(state, memory, &to, &bytes, guard.plan_start()).await {
         Ok(parsed) => parsed?,
         // A panic while planning (the storage engine can panic on damaged files) is a memory
         // failure like any other: the client's own body goes upstream.
@@ -395,12 +394,14 @@ async fn parse_and_plan(
     memory: &Arc<Memory>,
     to: &ToPlan<'_>,
     bytes: &Bytes,
+    plan_start: PlanStart,
 ) -> Result<Result<Parsed, ProxyError>, String> {
     let limits = limits(state);
     let mut unplanned = None;
     if bytes.len() <= PLAN_NOW_MAX_BODY
         && let Some(free) = plan::Free::now(memory, &to.key, to.user.as_deref(), &to.settings)
     {
+        plan_start.now();
         let now = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let (request, messages) = match parsed(to.api, &to.settings, bytes) {
                 Ok(Ok(parsed)) => parsed,
@@ -428,6 +429,8 @@ async fn parse_and_plan(
     let (memory, key, settings) = (Arc::clone(memory), to.key.clone(), to.settings.clone());
     let (user, api, bytes) = (to.user.clone(), to.api, bytes.clone());
     let pooled = tokio::task::spawn_blocking(move || {
+        // Counted from when a thread takes it, not while it waits for one.
+        plan_start.now();
         let (request, messages) = match unplanned {
             Some(parsed) => parsed,
             None => match parsed(api, &settings, &bytes)? {

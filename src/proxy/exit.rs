@@ -20,7 +20,7 @@ use super::{
 use crate::body::{OnDrop, ProxyBody, boxed};
 use crate::error::ProxyError;
 use crate::longterm::extract::HandOver;
-use crate::memory_guard::{Pressure, Reservation};
+use crate::memory_guard::{PlanStart, Pressure, Reservation};
 use crate::metrics::Refusal;
 use crate::pipeline::plan::Report;
 use crate::receipts::{RECEIPT_HEADER, Receipt};
@@ -332,12 +332,13 @@ impl AnswerGuard {
         }
     }
 
-    /// The request's planning starts: its reservation grows by the plan's part
-    /// ([`crate::memory_guard::Reservation::planning`]).
-    pub fn planning(&mut self) {
-        if let Some(reservation) = self.reservation.as_mut() {
-            reservation.planning();
-        }
+    /// What starts the reservation of the plan's part where the planning runs
+    /// ([`crate::memory_guard::Reservation::plan_start`]); nothing without a reservation.
+    pub fn plan_start(&self) -> PlanStart {
+        self.reservation
+            .as_ref()
+            .map(Reservation::plan_start)
+            .unwrap_or_default()
     }
 
     /// The request's prompt of `prompt` bytes is about to be forwarded: its reservation keeps
