@@ -12,8 +12,8 @@
 //!   memory ([`MemoryGuard::admit_request`]): one copy of its body while it waits for its
 //!   body and for a thread to plan on; the rest from when a thread starts its planning
 //!   ([`Reservation::plan_start`]: a runtime thread, or the blocking pool's once one takes
-//!   it, not while it is queued for one); once its prompt is forwarded the planning's temporaries are
-//!   freed, and it keeps [`ANSWER_BYTES`] and its forwarded prompt's size until its response
+//!   it, not while it is queued for one); once its prompt is forwarded the planning's
+//!   temporaries are freed, and it keeps [`ANSWER_BYTES`] and its forwarded prompt's size until its response
 //!   is done ([`Reservation::settle`]). Held whole from admission to the response's end, 64
 //!   clients' estimates (full-history bodies of tens of KiB, four times over, and the fixed
 //!   part) kept memory off for 9% of the soak's ordinary requests at 128 MiB, the RSS 22 MiB
@@ -342,7 +342,7 @@ impl Reservation {
     /// What starts the reservation of the planning's part, where the planning runs: on a
     /// runtime thread, or in the blocking pool once a thread takes it (a request queued for
     /// the pool has allocated nothing yet: under 64 clients most wait there, and each holding
-    /// its whole estimate refused memory with the RSS 15 MiB under the mark).
+    /// its whole estimate refused memory with the RSS mostly 13–18 MiB under the mark).
     pub fn plan_start(&self) -> PlanStart {
         self.plan.clone()
     }
