@@ -73,11 +73,27 @@ pub fn held() -> Option<Held> {
     imp::held()
 }
 
+/// Starts counting the current thread's peak: from now on [`thread_peak`] says the most this
+/// thread held allocated at once, net of what it freed, above what it held now.
+pub fn thread_peak_reset() {
+    imp::thread_peak_reset();
+}
+
+/// The most the current thread held allocated at once since [`thread_peak_reset`] on it,
+/// above what it held then (what it freed of memory allocated before counts against it);
+/// `None` where the allocator does not count (only jemalloc does).
+pub fn thread_peak() -> Option<u64> {
+    imp::thread_peak()
+}
+
 /// jemalloc: nothing to set up (its options are built in); a purge of every arena.
 #[cfg(all(feature = "jemalloc", target_os = "linux"))]
 mod imp {
     /// `arena.<MALLCTL_ARENAS_ALL>.purge`: every arena's unused dirty pages back to the system.
     const PURGE_ALL: &[u8] = b"arena.4096.purge\0";
+    /// `thread.peak.reset`, a void control, and `thread.peak.read`, a `u64`.
+    const PEAK_RESET: &[u8] = b"thread.peak.reset\0";
+    const PEAK_READ: &[u8] = b"thread.peak.read\0";
 
     pub fn configure() {}
 
@@ -116,6 +132,27 @@ mod imp {
             tracing::debug!(errno = status, "jemalloc purge failed");
         }
     }
+
+    #[allow(unsafe_code)]
+    pub fn thread_peak_reset() {
+        // SAFETY: a NUL-terminated name of a void control, every pointer null (as `release`).
+        unsafe {
+            tikv_jemalloc_sys::mallctl(
+                PEAK_RESET.as_ptr().cast(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            );
+        }
+    }
+
+    #[allow(unsafe_code)]
+    pub fn thread_peak() -> Option<u64> {
+        // SAFETY: the name is NUL-terminated and the control's type is `uint64_t`, which
+        // `u64` is.
+        unsafe { tikv_jemalloc_ctl::raw::read::<u64>(PEAK_READ) }.ok()
+    }
 }
 
 /// glibc with `glibc-trim`: the arenas bounded, `malloc_trim` as the release.
@@ -127,6 +164,11 @@ mod imp {
     target_env = "gnu"
 ))]
 mod imp {
+    pub fn thread_peak_reset() {}
+    pub fn thread_peak() -> Option<u64> {
+        None
+    }
+
     // `mallopt` is a C function: calling it is `unsafe` in Rust; glibc documents
     // `M_ARENA_MAX` as settable at any time (it bounds arenas created from then on).
     #[allow(unsafe_code)]
@@ -180,6 +222,10 @@ mod imp {
 mod imp {
     pub fn configure() {}
     pub fn release() {}
+    pub fn thread_peak_reset() {}
+    pub fn thread_peak() -> Option<u64> {
+        None
+    }
     pub fn held() -> Option<super::Held> {
         None
     }
@@ -224,6 +270,26 @@ mod tests {
             after.in_use + (4 << 20) <= during.in_use + (64 << 10),
             "{during:?} {after:?}"
         );
+    }
+
+    /// A thread's peak counts what it held at most since the reset, freed or not, net of what
+    /// it freed of what it held before.
+    #[cfg(all(feature = "jemalloc", target_os = "linux"))]
+    #[test]
+    fn a_thread_s_peak_counts_from_its_reset() {
+        let before = std::hint::black_box(vec![3u8; 4 << 20]);
+        super::thread_peak_reset();
+        let block = std::hint::black_box(vec![7u8; 2 << 20]);
+        drop(block);
+        let peak = super::thread_peak().unwrap();
+        assert!((2 << 20..(2 << 20) + (64 << 10)).contains(&peak), "{peak}");
+        // What was held before the reset and freed after counts against what follows.
+        drop(before);
+        let block = std::hint::black_box(vec![7u8; 2 << 20]);
+        drop(block);
+        assert_eq!(super::thread_peak(), Some(peak));
+        super::thread_peak_reset();
+        assert!(super::thread_peak().unwrap() < 64 << 10);
     }
 
     /// A purge gives back the pages jemalloc keeps freed: what it holds free falls. (Until

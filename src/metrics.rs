@@ -276,6 +276,8 @@ struct TrafficMetrics {
     added_time: Histogram,
     stages: Family<StageLabels, Histogram, fn() -> Histogram>,
     retrieved_turns: Histogram,
+    /// The most a planning held allocated at once (jemalloc's count of its thread).
+    planning_bytes: Histogram,
     /// Plans made on the request's own thread, and on the blocking pool (`plans{place}`).
     plans: Places,
     /// Exchanges written where the answer arrived, and on the blocking pool
@@ -327,6 +329,10 @@ impl TrafficMetrics {
             added_time: added_buckets(),
             stages: Family::new_with_constructor(added_buckets),
             retrieved_turns: Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 10.0, 15.0, 20.0]),
+            planning_bytes: Histogram::new([
+                4096.0, 16384.0, 32768.0, 65536.0, 131072.0, 262144.0, 524288.0, 1048576.0,
+                2097152.0, 4194304.0, 16777216.0,
+            ]),
             plans,
             commits,
         };
@@ -357,6 +363,11 @@ impl TrafficMetrics {
             "retrieved_turns",
             "Older turns recalled into a forwarded prompt",
             metrics.retrieved_turns.clone(),
+        );
+        registry.register(
+            "planning_peak_bytes",
+            "The most a request's parsing and planning held allocated at once, in bytes (with jemalloc)",
+            metrics.planning_bytes.clone(),
         );
         // Every labelled series exists from the start, so dashboards see zeros, not gaps.
         for stage in Stage::ALL {
@@ -657,6 +668,7 @@ struct AdmissionMetrics {
     budget: Gauge,
     high_water: Gauge,
     in_flight: Gauge,
+    planning: Gauge,
     pressure: Gauge,
     shrinks: Counter,
     store_share: Gauge,
@@ -676,6 +688,7 @@ impl AdmissionMetrics {
             budget: Gauge::default(),
             high_water: Gauge::default(),
             in_flight: Gauge::default(),
+            planning: Gauge::default(),
             pressure: Gauge::default(),
             shrinks: Counter::default(),
             store_share: Gauge::default(),
@@ -764,6 +777,12 @@ impl AdmissionMetrics {
             Unit::Bytes,
             metrics.in_flight.clone(),
         );
+        registry.register_with_unit(
+            "memory_planning_estimate",
+            "What a memory request's planning is taken to need besides its body's copies: with jemalloc, about the 90th percentile of what plannings were measured to take (`memproxy_planning_peak_bytes`), 256 KiB until measured",
+            Unit::Bytes,
+            metrics.planning.clone(),
+        );
         for action in Refusal::ALL {
             for reason in Pressure::ALL {
                 let _ = metrics.refused.get_or_create(&RefusalLabels {
@@ -845,6 +864,11 @@ impl Metrics {
     /// Counts a plan made, on the request's own thread (`here`) or on the blocking pool.
     pub fn planned(&self, here: bool) {
         self.traffic.plans.count(here);
+    }
+
+    /// Records the most a planning held allocated at once, in bytes.
+    pub fn planning_peak(&self, peak: u64) {
+        self.traffic.planning_bytes.observe(peak as f64);
     }
 
     /// Counts an exchange stored, on the request's own thread (`here`) or on the blocking pool.
@@ -951,6 +975,7 @@ impl Metrics {
             .high_water
             .set(gauge(guard.budget().high_water));
         self.admission.in_flight.set(gauge(guard.reserved_bytes()));
+        self.admission.planning.set(gauge(guard.planning_bytes()));
         if let Some(held) = crate::allocator::held() {
             for (state, bytes) in [("in_use", held.in_use), ("free", held.free)] {
                 self.admission

@@ -418,6 +418,9 @@ async fn parse_and_plan(
             Ok(Ok(done)) => {
                 if matches!(done, Ok(Parsed::Planned(..))) {
                     state.metrics.planned(true);
+                    if let Some(peak) = plan_start.done() {
+                        state.metrics.planning_peak(peak);
+                    }
                 }
                 return Ok(done);
             }
@@ -431,25 +434,35 @@ async fn parse_and_plan(
     let pooled = tokio::task::spawn_blocking(move || {
         // Counted from when a thread takes it, not while it waits for one.
         plan_start.now();
-        let (request, messages) = match unplanned {
-            Some(parsed) => parsed,
-            None => match parsed(api, &settings, &bytes)? {
-                Ok(parsed) => parsed,
-                Err(side) => return Ok(Parsed::SideCall(side)),
-            },
-        };
-        let planned = plan::plan(
-            &memory,
-            &key,
-            user.as_deref(),
-            &settings,
-            limits,
-            request.model.clone(),
-            messages,
-        );
-        Ok(Parsed::Planned(request, Box::new(planned)))
+        let planned = (|| {
+            let (request, messages) = match unplanned {
+                Some(parsed) => parsed,
+                None => match parsed(api, &settings, &bytes)? {
+                    Ok(parsed) => parsed,
+                    Err(side) => return Ok(Parsed::SideCall(side)),
+                },
+            };
+            let planned = plan::plan(
+                &memory,
+                &key,
+                user.as_deref(),
+                &settings,
+                limits,
+                request.model.clone(),
+                messages,
+            );
+            Ok(Parsed::Planned(request, Box::new(planned)))
+        })();
+        let peak = plan_start.done();
+        (planned, peak)
     })
     .await
+    .map(|(planned, peak)| {
+        if let (Some(peak), Ok(Parsed::Planned(..))) = (peak, &planned) {
+            state.metrics.planning_peak(peak);
+        }
+        planned
+    })
     .map_err(|err| err.to_string());
     if matches!(pooled, Ok(Ok(Parsed::Planned(..)))) {
         state.metrics.planned(false);
