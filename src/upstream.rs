@@ -158,8 +158,8 @@ fn pooled_client(https: HttpsConnector<HttpConnector>) -> PooledClient {
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(256)
-        // A pooled connection keeps the read buffer a long answer grew (`server/mod.rs`).
-        .http1_max_buf_size(crate::server::READ_BUFFER_MAX)
+        // A pooled connection keeps the read buffer a long answer grew.
+        .http1_max_buf_size(crate::body::READ_BUFFER_MAX)
         .build(https)
 }
 

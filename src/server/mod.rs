@@ -68,15 +68,6 @@ pub fn runtime(config: &Config) -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-/// The most an HTTP/1.1 connection's read buffer grows to (hyper's default is about 400 KiB),
-/// and so the longest request head it takes. hyper grows a connection's buffer while reads
-/// fill it and keeps what it grew to for as long as the connection lives: under the soak
-/// (64 clients, 128 MiB), the four clients of the burst of 20 MiB bodies left 15.5 MB of grown
-/// buffers on their kept-alive connections (jemalloc's heap profile before and after), still
-/// 5.6 MB a minute later, and the RSS that held kept memory off for ordinary requests after
-/// the burst. A body is read in pieces of at most this size either way.
-pub const READ_BUFFER_MAX: usize = 64 * 1024;
-
 /// The HTTP/1.1 + h2c connection builder. hyper's own HTTP/1.1 head timeout stays off: it
 /// would also close idle kept-alive connections after the head timeout; `connection.rs`
 /// applies both limits apart. h2c connections are pinged every `idle_timeout`.
@@ -85,7 +76,7 @@ fn http_builder(config: &Config) -> auto::Builder<TokioExecutor> {
     builder
         .http1()
         .header_read_timeout(None)
-        .max_buf_size(READ_BUFFER_MAX);
+        .max_buf_size(crate::body::READ_BUFFER_MAX);
     builder
         .http2()
         .timer(TokioTimer::new())

@@ -378,7 +378,7 @@ async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
 }
 
 /// hyper grows an HTTP/1.1 connection's read buffer while reads fill it and keeps it for as
-/// long as the connection lives; capped (`server::READ_BUFFER_MAX`), 24 kept-alive connections
+/// long as the connection lives; capped (`body::READ_BUFFER_MAX`), 24 kept-alive connections
 /// that each streamed a 2.5 MiB body through hold a little more of the child's heap, not the
 /// ~400 KiB each of hyper's default (under the soak, the burst's connections kept 15.5 MB).
 #[tokio::test]
