@@ -60,9 +60,10 @@ pub const REQUEST_BASE_BYTES: u64 = 256 * 1024;
 /// plannings were measured to take (its thread's peak of memory held, above what it held
 /// when it started, less those copies): a running estimate of this quantile of them, moved a
 /// 64th of itself at each planning ([`learn`]). Held at [`REQUEST_BASE_BYTES`], 64 clients'
-/// plannings reserved 10–16 MiB at 128 MiB with Redis, where they were measured to take a
-/// mean of 25–30 KiB and at most 256 KiB (none of 225,078 more), and refused memory to a
-/// sixth of the requests with the RSS 12–22 MiB under the mark.
+/// plannings reserved 10–16 MiB at 128 MiB with Redis and refused memory to a sixth of the
+/// requests with the RSS 12–22 MiB under the mark, where they were measured to take a mean of
+/// 25–30 KiB in the first minutes (none of 225,078 over 256 KiB) and 87 KiB over the first 15
+/// (the conversations grow; none of 689,214 over 512 KiB).
 pub const PLANNING_QUANTILE: f64 = 0.9;
 
 /// The least and the most the measured part of a planning is taken as.
@@ -70,15 +71,16 @@ pub const PLANNING_FLOOR_BYTES: u64 = 16 * 1024;
 pub const PLANNING_CEILING_BYTES: u64 = 64 << 20;
 
 /// The running estimate of [`PLANNING_QUANTILE`] of what plannings take, after one more took
-/// `seen` bytes: up a 64th if `seen` is more, down a ninth of that if not (so it rests where
-/// a tenth of the plannings take more), within [`PLANNING_FLOOR_BYTES`] and
-/// [`PLANNING_CEILING_BYTES`].
+/// `seen` bytes: up a 64th if `seen` is more, down (1 − q) / q of that if not (a ninth at
+/// 0.9), so it rests where a share 1 − q of the plannings take more; within
+/// [`PLANNING_FLOOR_BYTES`] and [`PLANNING_CEILING_BYTES`].
 pub fn learn(current: u64, seen: u64) -> u64 {
-    let step = (current / 64).max(9);
+    let step = (current / 64).max(64);
     let next = if seen > current {
         current.saturating_add(step)
     } else {
-        current.saturating_sub(step / 9)
+        let down = step as f64 * (1.0 - PLANNING_QUANTILE) / PLANNING_QUANTILE;
+        current.saturating_sub(down as u64)
     };
     next.clamp(PLANNING_FLOOR_BYTES, PLANNING_CEILING_BYTES)
 }
@@ -438,6 +440,7 @@ impl PlanStart {
     /// The planning starts: its part is reserved (the request was admitted on it already:
     /// [`MemoryGuard::admit_request`]). Once only; nothing once the request settled or was
     /// dropped.
+    ///
     /// Call it on the thread the planning runs on, and [`PlanStart::done`] on the same thread
     /// once it is done, with nothing awaited between: that measures what it took.
     pub fn now(&self) {
