@@ -13,8 +13,8 @@
 //!   body and for a thread to plan on; the rest from when a thread starts its planning
 //!   ([`Reservation::plan_start`]: a runtime thread, or the blocking pool's once one takes
 //!   it, not while it is queued for one); once its prompt is forwarded the planning's
-//!   temporaries are freed, and it keeps [`ANSWER_BYTES`] and its forwarded prompt's size until its response
-//!   is done ([`Reservation::settle`]). Held whole from admission to the response's end, 64
+//!   temporaries are freed, and it keeps [`ANSWER_BYTES`] and its forwarded prompt's size
+//!   until its response is done ([`Reservation::settle`]). Held whole from admission to the response's end, 64
 //!   clients' estimates (full-history bodies of tens of KiB, four times over, and the fixed
 //!   part) kept memory off for 9% of the soak's ordinary requests at 128 MiB, the RSS 22 MiB
 //!   under the mark (held whole until the prompt went, up to 31 MiB of them were sampled).
@@ -60,10 +60,11 @@ pub const REQUEST_BASE_BYTES: u64 = 256 * 1024;
 /// plannings were measured to take (its thread's peak of memory held, above what it held
 /// when it started, less those copies): a running estimate of this quantile of them, moved a
 /// 64th of itself at each planning ([`learn`]). Held at [`REQUEST_BASE_BYTES`], 64 clients'
-/// plannings reserved 10–16 MiB at 128 MiB with Redis and refused memory to a sixth of the
-/// requests with the RSS 12–22 MiB under the mark, where they were measured to take a mean of
-/// 25–30 KiB in the first minutes (none of 225,078 over 256 KiB) and 87 KiB over the first 15
-/// (the conversations grow; none of 689,214 over 512 KiB).
+/// reservations at 128 MiB with Redis came to 10–16 MiB (sampled) and memory was refused to
+/// 6% of the requests over 30 minutes (17% before the planning's part counted only while it
+/// runs), where plannings were measured to take a mean of 25–30 KiB in the first 100 s (none
+/// of 225,078 over 256 KiB) and 87 KiB over the first 15 minutes (the conversations grow;
+/// none of 689,214 over 512 KiB).
 pub const PLANNING_QUANTILE: f64 = 0.9;
 
 /// The least and the most the measured part of a planning is taken as.

@@ -434,34 +434,35 @@ async fn parse_and_plan(
     let pooled = tokio::task::spawn_blocking(move || {
         // Counted from when a thread takes it, not while it waits for one.
         plan_start.now();
-        let planned = (|| {
-            let (request, messages) = match unplanned {
-                Some(parsed) => parsed,
-                None => match parsed(api, &settings, &bytes)? {
-                    Ok(parsed) => parsed,
-                    Err(side) => return Ok(Parsed::SideCall(side)),
-                },
-            };
-            let planned = plan::plan(
-                &memory,
-                &key,
-                user.as_deref(),
-                &settings,
-                limits,
-                request.model.clone(),
-                messages,
-            );
-            Ok(Parsed::Planned(request, Box::new(planned)))
-        })();
-        let peak = plan_start.done();
-        (planned, peak)
+        let (request, messages) = match unplanned {
+            Some(parsed) => parsed,
+            None => match parsed(api, &settings, &bytes)? {
+                Ok(parsed) => parsed,
+                Err(side) => return Ok((Parsed::SideCall(side), None)),
+            },
+        };
+        let planned = plan::plan(
+            &memory,
+            &key,
+            user.as_deref(),
+            &settings,
+            limits,
+            request.model.clone(),
+            messages,
+        );
+        Ok((
+            Parsed::Planned(request, Box::new(planned)),
+            plan_start.done(),
+        ))
     })
     .await
-    .map(|(planned, peak)| {
-        if let (Some(peak), Ok(Parsed::Planned(..))) = (peak, &planned) {
-            state.metrics.planning_peak(peak);
-        }
-        planned
+    .map(|pooled| {
+        pooled.map(|(parsed, peak)| {
+            if let Some(peak) = peak {
+                state.metrics.planning_peak(peak);
+            }
+            parsed
+        })
     })
     .map_err(|err| err.to_string());
     if matches!(pooled, Ok(Ok(Parsed::Planned(..)))) {

@@ -409,7 +409,7 @@ async fn kept_alive_connections_do_not_hold_what_a_large_body_grew() {
             .expect("the default build's jemalloc gives its figures")
     };
     // An embeddings request of 2.5 MiB that the provider accepts: 256 inputs of 10 KiB.
-    let input: Vec<String> = (0..256).map(|_| "word ".repeat(8 << 10 >> 2)).collect();
+    let input: Vec<String> = (0..256).map(|_| "word ".repeat(2048)).collect();
     let body =
         serde_json::to_vec(&json!({"model": "text-embedding-3-small", "input": input})).unwrap();
     let address = child.url.trim_start_matches("http://").to_string();
