@@ -669,6 +669,8 @@ struct AdmissionMetrics {
     high_water: Gauge,
     in_flight: Gauge,
     planning: Gauge,
+    waiting: Gauge,
+    waited: Family<ResultLabels, Counter>,
     pressure: Gauge,
     shrinks: Counter,
     store_share: Gauge,
@@ -689,6 +691,8 @@ impl AdmissionMetrics {
             high_water: Gauge::default(),
             in_flight: Gauge::default(),
             planning: Gauge::default(),
+            waiting: Gauge::default(),
+            waited: Family::default(),
             pressure: Gauge::default(),
             shrinks: Counter::default(),
             store_share: Gauge::default(),
@@ -782,6 +786,16 @@ impl AdmissionMetrics {
             "What a memory request's planning is taken to need besides its body's copies: with jemalloc, about the 90th percentile of what plannings were measured to take (`memproxy_planning_peak_bytes`), 256 KiB until measured",
             Unit::Bytes,
             metrics.planning.clone(),
+        );
+        registry.register(
+            "memory_waiting",
+            "Chat requests waiting now for the requests in flight to give back room under the high-water mark (at most 1 s each, then served with memory off)",
+            metrics.waiting.clone(),
+        );
+        registry.register(
+            "admission_waited",
+            "Chat requests that waited for room under the high-water mark, by result: admitted (memory on) or refused (memory off after the wait, also counted in memproxy_admission_refused_total)",
+            metrics.waited.clone(),
         );
         for action in Refusal::ALL {
             for reason in Pressure::ALL {
@@ -976,6 +990,17 @@ impl Metrics {
             .set(gauge(guard.budget().high_water));
         self.admission.in_flight.set(gauge(guard.reserved_bytes()));
         self.admission.planning.set(gauge(guard.planning_bytes()));
+        self.admission.waiting.set(gauge(guard.waiting()));
+        let (admitted, refused) = guard.waited();
+        for (result, count) in [("admitted", admitted), ("refused", refused)] {
+            catch_up(
+                &self
+                    .admission
+                    .waited
+                    .get_or_create(&ResultLabels { result }),
+                count,
+            );
+        }
         if let Some(held) = crate::allocator::held() {
             for (state, bytes) in [("in_use", held.in_use), ("free", held.free)] {
                 self.admission

@@ -72,6 +72,8 @@ const METRICS: &[&str] = &[
     "memproxy_memory_budget_bytes",
     "memproxy_memory_in_flight_bytes",
     "memproxy_admission_refused_total",
+    "memproxy_admission_waited_total",
+    "memproxy_memory_planning_estimate_bytes",
     "memproxy_summaries_total",
     "memproxy_recall_cache_bytes",
     "memproxy_cached_conversations",
@@ -88,6 +90,9 @@ struct Counts {
     /// Requests with no answer (transport error or timeout), and a few of their messages.
     failed: u64,
     samples: Vec<String>,
+    /// Microseconds from sending each answered request to its whole answer, after the first
+    /// minute.
+    latency_us: Vec<u32>,
 }
 
 impl Counts {
@@ -97,6 +102,7 @@ impl Counts {
         }
         self.incomplete += other.incomplete;
         self.failed += other.failed;
+        self.latency_us.extend(other.latency_us);
         for sample in other.samples {
             if self.samples.len() < 5 {
                 self.samples.push(sample);
@@ -402,6 +408,22 @@ pub async fn soak(args: &Args) -> Result<bool, String> {
     println!(
         "ordinary requests after the first minute: {on} of {all} got memory ({on_percent:.2}%)"
     );
+    counts.latency_us.sort_unstable();
+    let at = |q: f64| {
+        let last = counts.latency_us.len().saturating_sub(1);
+        counts
+            .latency_us
+            .get((last as f64 * q).round() as usize)
+            .map_or(0.0, |us| f64::from(*us) / 1000.0)
+    };
+    println!(
+        "their time to the whole answer, ms: p50 {:.1}, p90 {:.1}, p99 {:.1}, p99.9 {:.1}, max {:.1}",
+        at(0.5),
+        at(0.9),
+        at(0.99),
+        at(0.999),
+        at(1.0)
+    );
     let recovery = burst_counts.as_ref().map(|counts| {
         let refused = counts
             .answers
@@ -684,13 +706,20 @@ async fn run_client(traffic: Arc<Traffic>, n: usize) -> Counts {
             }
         };
         traffic.sent.fetch_add(1, Ordering::Relaxed);
+        let sent = Instant::now();
         match tokio::time::timeout(REQUEST_TIMEOUT, send(&traffic.client, request)).await {
             Ok(Ok(answer)) => {
                 let memory = answer.memory.clone().unwrap_or_else(|| "-".to_string());
-                traffic.timeline.record(
-                    traffic.started.elapsed().as_secs(),
-                    with_memory(answer.status, &memory),
-                );
+                let second = traffic.started.elapsed().as_secs();
+                if second >= 60 {
+                    let took = sent.elapsed().as_micros();
+                    counts
+                        .latency_us
+                        .push(u32::try_from(took).unwrap_or(u32::MAX));
+                }
+                traffic
+                    .timeline
+                    .record(second, with_memory(answer.status, &memory));
                 *counts.answers.entry((answer.status, memory)).or_insert(0) += 1;
                 if answer.status == 200 && answer.body_ok(crate::client::Api::Chat, stream) {
                     turns[slot] += 1;

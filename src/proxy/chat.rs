@@ -34,7 +34,7 @@ use crate::identity::ConversationKey;
 use crate::longterm::ExtractionCall;
 use crate::longterm::extract::HandOver;
 use crate::memory::Memory;
-use crate::memory_guard::{PlanStart, Pressure, Reservation};
+use crate::memory_guard::{self, PlanStart, Pressure, Reservation};
 use crate::metrics::{ReplyKind, Stage, UpstreamTime};
 use crate::model::Credentials;
 use crate::pipeline::commit::Exchange;
@@ -74,7 +74,7 @@ pub async fn chat(
     memory: &Arc<Memory>,
     request: MemoryRequest,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let ending = match admit(state, &request.body) {
+    let ending = match admit(state, &request.body).await {
         Ok(reservation) => {
             let guard = AnswerGuard::holding(reservation);
             admitted(state, memory, request, guard).await
@@ -110,8 +110,9 @@ enum Unadmitted {
     Pressure(Pressure),
 }
 
-/// The `admit` step: the memory guard reserves what the request may take.
-fn admit(state: &AppState, body: &Incoming) -> Result<Reservation, Unadmitted> {
+/// The `admit` step: the memory guard reserves what the request may take, waiting up to
+/// [`memory_guard::ROOM_WAIT`] for the requests in flight to leave room for it.
+async fn admit(state: &AppState, body: &Incoming) -> Result<Reservation, Unadmitted> {
     let announced = body.size_hint().exact();
     let limit = state.config.body_limit_bytes;
     if announced.is_some_and(|len| len > limit as u64) {
@@ -119,7 +120,8 @@ fn admit(state: &AppState, body: &Incoming) -> Result<Reservation, Unadmitted> {
     }
     state
         .memory_guard
-        .admit_request(announced)
+        .admit_request(announced, memory_guard::ROOM_WAIT)
+        .await
         .map_err(Unadmitted::Pressure)
 }
 

@@ -195,6 +195,60 @@ async fn metric_until(proxy: &Proxy, line_start: &str, ok: impl Fn(f64) -> bool)
     panic!("`{line_start}` never got there: {value}")
 }
 
+/// A request that would fit under the mark with the RSS alone, short of room only for what the
+/// requests in flight reserved, waits for them to give it back and gets memory; held past
+/// `ROOM_WAIT`, it goes with memory off, as one refused at once does.
+#[tokio::test]
+async fn a_request_short_of_room_for_the_requests_in_flight_waits_for_them() {
+    let Started { mock, proxy, .. } = Harness::new().config(BUDGET).start().await;
+    let guard = &proxy.state.memory_guard;
+    guard.pretend_resident(Some(64 * MIB));
+    let all_but_a_little = HIGH_WATER - 64 * MIB - 64 * 1024;
+    let held = guard.admit(all_but_a_little).unwrap();
+    let proxy_ref = &proxy;
+    let one = body(&[user("one")]);
+    let (answer, ()) = tokio::join!(chat(&proxy, "c1", &one, &[]), async move {
+        metric_until(proxy_ref, "memproxy_memory_waiting ", |v| v == 1.0).await;
+        drop(held);
+    });
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("x-memory-status"), "stored");
+    assert_eq!(proxy.stored(Some(TOKEN), "c1").len(), 2);
+    let waited = |outcome: &str| format!("memproxy_admission_waited_total{{result=\"{outcome}\"}}");
+    assert_eq!(metric(&proxy, &waited("admitted")).await, 1.0);
+    assert_eq!(metric(&proxy, &waited("refused")).await, 0.0);
+    assert_eq!(refused(&proxy, "degraded", "in_flight").await, 0.0);
+    assert_eq!(metric(&proxy, "memproxy_memory_waiting ").await, 0.0);
+
+    // Never given back within the wait: memory off, the request forwarded as sent.
+    let held = guard.admit(all_but_a_little).unwrap();
+    let started = std::time::Instant::now();
+    let sent = json!({"model": "gpt-4o-mini", "messages": [user("two")]});
+    let answer = chat(&proxy, "c1", &sent, &[]).await;
+    assert!(started.elapsed() >= memproxy::memory_guard::ROOM_WAIT);
+    assert_eq!(answer.header("x-memory-status"), "degraded");
+    assert_eq!(mock.chat_requests().last().unwrap().json(), sent);
+    assert_eq!(metric(&proxy, &waited("refused")).await, 1.0);
+    assert_eq!(refused(&proxy, "degraded", "in_flight").await, 1.0);
+    // The RSS itself at the mark: refused at once, never waiting.
+    guard.pretend_resident(Some(HIGH_WATER));
+    let started = std::time::Instant::now();
+    let answer = chat(&proxy, "c1", &body(&[user("three")]), &[]).await;
+    assert_eq!(answer.header("x-memory-status"), "degraded");
+    assert!(started.elapsed() < memproxy::memory_guard::ROOM_WAIT);
+    assert_eq!(metric(&proxy, &waited("refused")).await, 1.0);
+    drop(held);
+    guard.pretend_resident(Some(64 * MIB));
+    assert_eq!(
+        chat(&proxy, "c1", &body(&[user("four")]), &[])
+            .await
+            .header("x-memory-status"),
+        "stored"
+    );
+    assert_eq!(proxy.stored(Some(TOKEN), "c1").len(), 4);
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn nearing_the_mark_the_caches_give_memory_back_least_recently_used_first_and_grow_again() {
     // A state cache of 64 KiB (floor 8 KiB), so a few conversations fill it.
