@@ -207,7 +207,7 @@ fn check_config(config: &Config) -> ExitCode {
         },
     );
     println!(
-        "memory budget = {} MiB: state cache {} MiB, {engine}, recall cache {} MiB, receipts {} MiB, the process itself about {} MiB, the embedder {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB (pod memory limit: at least {} MiB)",
+        "memory budget = {} MiB: state cache {} MiB, {engine}, recall cache {} MiB, receipts {} MiB, the process itself about {} MiB, the embedder {} MiB, requests in flight {} MiB; memory off for new chat requests from {} MiB, a request short of room only for those in flight waiting up to {} for it (pod memory limit: at least {} MiB)",
         mib(budget.total),
         mib(budget.state_cache),
         mib(budget.recall_cache),
@@ -216,6 +216,7 @@ fn check_config(config: &Config) -> ExitCode {
         mib(budget.embedder),
         mib(budget.in_flight()),
         mib(budget.high_water),
+        iso(config.memory_wait),
         mib(budget.total) + 64
     );
     match &config.backend {

@@ -22,8 +22,9 @@
 //!   estimate stay under the budget's high-water mark (`config/memory_budget.rs`); else refused, with
 //!   the [`Pressure`] that says why.
 //! - **Waited for** ([`MemoryGuard::admit_request`]): a chat request refused only for what the
-//!   requests in flight reserved (it would fit with the RSS alone) waits up to [`ROOM_WAIT`]
-//!   for them to give it back, woken as they do, before it goes with memory off.
+//!   requests in flight reserved (it would fit with the RSS alone) waits up to
+//!   `server.memory_wait` ([`crate::config::DEFAULT_MEMORY_WAIT`]) for them to give it back,
+//!   woken as they do, before it goes with memory off.
 //!
 //! - **Relieved** ([`Relief`]): before it comes to refusing, a thread every [`RELIEF_EVERY`]
 //!   holds the caches (conversation state, recall indexes, users' indexes, receipts; each a
@@ -53,14 +54,6 @@ pub const RELIEF_EVERY: Duration = Duration::from_millis(250);
 
 /// How old a reading of the RSS may be before the next request reads it again.
 pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
-
-/// How long a chat request that would fit under the high-water mark with the RSS alone waits
-/// for the requests in flight to give back what they reserved before it goes with memory off
-/// ([`MemoryGuard::admit_request`]). Under 64 clients a request's reservation lasts tens of
-/// milliseconds; refused at once instead, 64 clients at 128 MiB with Redis went without
-/// memory for 0.01–4% of their requests over 30 minutes (the plannings of 64 grown
-/// conversations at once reserved 11–15 MiB with the caches at their floors).
-pub const ROOM_WAIT: Duration = Duration::from_secs(1);
 
 /// What a memory request is assumed to take besides its body (the plan, the reply, buffers)
 /// until plannings were measured, and where the allocator does not count them (only
@@ -285,7 +278,7 @@ impl MemoryGuard {
     /// at 128 MiB while the RSS showed none of it.
     ///
     /// Refused only for the reservations in flight (it would fit with the RSS alone), it waits
-    /// up to `wait` ([`ROOM_WAIT`]) for them to give room back, tried again each time one is
+    /// up to `wait` (`server.memory_wait`) for them to give room back, tried again each time one is
     /// given back or the relief ticks; refused for the RSS, or for its own size, it is refused
     /// at once.
     pub async fn admit_request(
@@ -1085,6 +1078,7 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1024 * 1024;
+    const WAIT: Duration = crate::config::DEFAULT_MEMORY_WAIT;
 
     impl MemoryGuard {
         /// [`MemoryGuard::admit_request`] without waiting.
@@ -1320,25 +1314,25 @@ mod tests {
             let guard = Arc::clone(&guard);
             tokio::spawn(async move {
                 let started = Instant::now();
-                let admitted = guard.admit_request(Some(body), ROOM_WAIT).await;
+                let admitted = guard.admit_request(Some(body), WAIT).await;
                 (admitted.map(drop), started.elapsed())
             })
         };
-        tokio::time::sleep(ROOM_WAIT / 4).await;
+        tokio::time::sleep(WAIT / 4).await;
         assert_eq!(guard.waiting(), 1);
         drop(held);
         let (admitted, waited) = waiter.await.unwrap();
         assert_eq!(admitted, Ok(()));
-        assert_eq!(waited, ROOM_WAIT / 4, "woken as the room was given back");
+        assert_eq!(waited, WAIT / 4, "woken as the room was given back");
         assert_eq!((guard.waiting(), guard.waited()), (0, (1, 0)));
         assert_eq!(guard.reserved_bytes(), 0);
 
         // Never given back: refused once the wait is over.
         let held = guard.admit(high - 100 * MIB - 64 * 1024).unwrap();
         let started = Instant::now();
-        let refused = guard.admit_request(Some(body), ROOM_WAIT).await;
+        let refused = guard.admit_request(Some(body), WAIT).await;
         assert_eq!(refused.unwrap_err(), Pressure::InFlight);
-        assert_eq!(started.elapsed(), ROOM_WAIT);
+        assert_eq!(started.elapsed(), WAIT);
         assert_eq!(guard.waited(), (1, 1));
         // A small reservation given back that still leaves too little (the request's estimate
         // is 512 KiB): waits on.
@@ -1347,11 +1341,11 @@ mod tests {
         let small = guard.admit(64 * 1024).unwrap();
         let waiter = {
             let guard = Arc::clone(&guard);
-            tokio::spawn(async move { guard.admit_request(Some(body), ROOM_WAIT).await.map(drop) })
+            tokio::spawn(async move { guard.admit_request(Some(body), WAIT).await.map(drop) })
         };
-        tokio::time::sleep(ROOM_WAIT / 4).await;
+        tokio::time::sleep(WAIT / 4).await;
         drop(small);
-        tokio::time::sleep(ROOM_WAIT / 4).await;
+        tokio::time::sleep(WAIT / 4).await;
         assert_eq!(guard.waiting(), 1, "384 KiB is not enough");
         drop(held);
         assert_eq!(waiter.await.unwrap(), Ok(()));
@@ -1360,10 +1354,10 @@ mod tests {
         // The RSS at the mark, or a request larger than all the room: refused at once.
         let started = Instant::now();
         guard.pretend_resident(Some(high));
-        let at_mark = guard.admit_request(Some(body), ROOM_WAIT).await;
+        let at_mark = guard.admit_request(Some(body), WAIT).await;
         assert_eq!(at_mark.unwrap_err(), Pressure::Resident);
         guard.pretend_resident(Some(high - 2 * MIB));
-        let too_large = guard.admit_request(Some(MIB), ROOM_WAIT).await;
+        let too_large = guard.admit_request(Some(MIB), WAIT).await;
         assert_eq!(too_large.unwrap_err(), Pressure::InFlight);
         assert_eq!(started.elapsed(), Duration::ZERO);
         assert_eq!(guard.waited(), (2, 1));
@@ -1443,9 +1437,9 @@ mod tests {
         // A request of a 2 MiB body (an estimate over 8 MiB) waits.
         let waiter = {
             let guard = Arc::clone(&guard);
-            tokio::spawn(async move { guard.admit_request(Some(2 * MIB), ROOM_WAIT).await })
+            tokio::spawn(async move { guard.admit_request(Some(2 * MIB), WAIT).await })
         };
-        tokio::time::sleep(ROOM_WAIT / 4).await;
+        tokio::time::sleep(WAIT / 4).await;
         assert_eq!(guard.waiting(), 1);
         guard.relief().relieve();
         assert!(cache.limit() < cache.capacity(), "{}", cache.limit());

@@ -789,7 +789,7 @@ impl AdmissionMetrics {
         );
         registry.register(
             "memory_waiting",
-            "Chat requests waiting now for the requests in flight to give back room under the high-water mark (at most 1 s each, then served with memory off)",
+            "Chat requests waiting now for the requests in flight to give back room under the high-water mark (at most server.memory_wait each, then served with memory off)",
             metrics.waiting.clone(),
         );
         registry.register(

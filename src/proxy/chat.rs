@@ -34,7 +34,7 @@ use crate::identity::ConversationKey;
 use crate::longterm::ExtractionCall;
 use crate::longterm::extract::HandOver;
 use crate::memory::Memory;
-use crate::memory_guard::{self, PlanStart, Pressure, Reservation};
+use crate::memory_guard::{PlanStart, Pressure, Reservation};
 use crate::metrics::{ReplyKind, Stage, UpstreamTime};
 use crate::model::Credentials;
 use crate::pipeline::commit::Exchange;
@@ -111,7 +111,7 @@ enum Unadmitted {
 }
 
 /// The `admit` step: the memory guard reserves what the request may take, waiting up to
-/// [`memory_guard::ROOM_WAIT`] for the requests in flight to leave room for it.
+/// `server.memory_wait` for the requests in flight to leave room for it.
 async fn admit(state: &AppState, body: &Incoming) -> Result<Reservation, Unadmitted> {
     let announced = body.size_hint().exact();
     let limit = state.config.body_limit_bytes;
@@ -120,7 +120,7 @@ async fn admit(state: &AppState, body: &Incoming) -> Result<Reservation, Unadmit
     }
     state
         .memory_guard
-        .admit_request(announced, memory_guard::ROOM_WAIT)
+        .admit_request(announced, state.config.memory_wait)
         .await
         .map_err(Unadmitted::Pressure)
 }

@@ -197,7 +197,7 @@ async fn metric_until(proxy: &Proxy, line_start: &str, ok: impl Fn(f64) -> bool)
 
 /// A request that would fit under the mark with the RSS alone, short of room only for what the
 /// requests in flight reserved, waits for them to give it back and gets memory; held past
-/// `ROOM_WAIT`, it goes with memory off, as one refused at once does.
+/// `server.memory_wait` (1 s by default), it goes with memory off, as one refused at once does.
 #[tokio::test]
 async fn a_request_short_of_room_for_the_requests_in_flight_waits_for_them() {
     let Started { mock, proxy, .. } = Harness::new().config(BUDGET).start().await;
@@ -225,7 +225,7 @@ async fn a_request_short_of_room_for_the_requests_in_flight_waits_for_them() {
     let started = std::time::Instant::now();
     let sent = json!({"model": "gpt-4o-mini", "messages": [user("two")]});
     let answer = chat(&proxy, "c1", &sent, &[]).await;
-    assert!(started.elapsed() >= memproxy::memory_guard::ROOM_WAIT);
+    assert!(started.elapsed() >= memproxy::config::DEFAULT_MEMORY_WAIT);
     assert_eq!(answer.header("x-memory-status"), "degraded");
     assert_eq!(mock.chat_requests().last().unwrap().json(), sent);
     assert_eq!(metric(&proxy, &waited("refused")).await, 1.0);
@@ -235,7 +235,7 @@ async fn a_request_short_of_room_for_the_requests_in_flight_waits_for_them() {
     let started = std::time::Instant::now();
     let answer = chat(&proxy, "c1", &body(&[user("three")]), &[]).await;
     assert_eq!(answer.header("x-memory-status"), "degraded");
-    assert!(started.elapsed() < memproxy::memory_guard::ROOM_WAIT);
+    assert!(started.elapsed() < memproxy::config::DEFAULT_MEMORY_WAIT);
     assert_eq!(metric(&proxy, &waited("refused")).await, 1.0);
     drop(held);
     guard.pretend_resident(Some(64 * MIB));
@@ -247,6 +247,35 @@ async fn a_request_short_of_room_for_the_requests_in_flight_waits_for_them() {
     );
     assert_eq!(proxy.stored(Some(TOKEN), "c1").len(), 4);
     proxy.stop().await;
+}
+
+/// `server.memory_wait` sets the wait: `PT0S` never waits, a shorter one gives up sooner.
+#[tokio::test]
+async fn memory_wait_sets_how_long_a_request_waits_for_room() {
+    for (wait, waited) in [("PT0S", 0.0), ("PT0.2S", 1.0)] {
+        let config = format!("{BUDGET}memory_wait = \"{wait}\"\n");
+        let Started { proxy, .. } = Harness::new().config(&config).start().await;
+        let guard = &proxy.state.memory_guard;
+        guard.pretend_resident(Some(64 * MIB));
+        let held = guard.admit(HIGH_WATER - 64 * MIB - 64 * 1024).unwrap();
+        let started = std::time::Instant::now();
+        let answer = chat(&proxy, "c1", &body(&[user("one")]), &[]).await;
+        let took = started.elapsed();
+        assert_eq!(answer.header("x-memory-status"), "degraded", "{wait}");
+        assert!(took >= proxy.state.config.memory_wait, "{wait}: {took:?}");
+        assert_eq!(
+            metric(
+                &proxy,
+                "memproxy_admission_waited_total{result=\"refused\"}"
+            )
+            .await,
+            waited,
+            "{wait}"
+        );
+        assert_eq!(refused(&proxy, "degraded", "in_flight").await, 1.0);
+        drop(held);
+        proxy.stop().await;
+    }
 }
 
 #[tokio::test]

@@ -64,8 +64,8 @@ pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{
     BLOCKING_THREADS_PAST_POOL, DEFAULT_BLOCKING_THREADS, DEFAULT_BODY_LIMIT_BYTES,
     DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_LISTEN,
-    DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET, DEFAULT_RESPONSE_LIMIT_BYTES,
-    DEFAULT_SHUTDOWN_GRACE, LogFormat, RuntimeShape,
+    DEFAULT_MAX_CONNECTIONS, DEFAULT_MEMORY_BUDGET, DEFAULT_MEMORY_WAIT,
+    DEFAULT_RESPONSE_LIMIT_BYTES, DEFAULT_SHUTDOWN_GRACE, LogFormat, MAX_MEMORY_WAIT, RuntimeShape,
 };
 pub use storage::{
     Backend, DEFAULT_DATA_DIR, DEFAULT_FLUSH_INTERVAL, DEFAULT_REDIS_KEY_PREFIX, Durability,
@@ -110,6 +110,9 @@ pub struct Config {
     pub max_connections: usize,
     /// `server.memory_budget` and its split: the cache sizes below are taken from it.
     pub memory_budget: MemoryBudget,
+    /// How long a chat request short of room only for the requests in flight waits for it
+    /// (`server.memory_wait`).
+    pub memory_wait: Duration,
     pub upstream: UpstreamConfig,
     /// SHA-256 of each accepted client key; empty = any client may call.
     pub client_key_hashes: HashSet<[u8; 32]>,
@@ -297,6 +300,7 @@ fn check(
         idle_timeout: server.idle_timeout,
         max_connections: server.max_connections,
         memory_budget,
+        memory_wait: server.memory_wait,
         upstream,
         client_key_hashes: auth.client_key_hashes,
         allow_anonymous: auth.allow_anonymous,
@@ -365,6 +369,27 @@ mod tests {
         assert_refused(
             "[server]\nblocking_threads = 5000\n",
             &["server.blocking_threads: 5000 is too many"],
+        );
+    }
+
+    #[test]
+    fn memory_wait_defaults_to_a_second_and_is_bounded() {
+        let wait = |text: &str| from_toml(text, &no_env).unwrap().memory_wait;
+        assert_eq!(wait(""), DEFAULT_MEMORY_WAIT);
+        assert_eq!(DEFAULT_MEMORY_WAIT, Duration::from_secs(1));
+        assert_eq!(wait("[server]\nmemory_wait = \"PT0S\"\n"), Duration::ZERO);
+        assert_eq!(
+            wait("[server]\nmemory_wait = \"PT0.25S\"\n"),
+            Duration::from_millis(250)
+        );
+        assert_eq!(wait("[server]\nmemory_wait = \"PT1M\"\n"), MAX_MEMORY_WAIT);
+        assert_refused(
+            "[server]\nmemory_wait = \"PT61S\"\n",
+            &["server.memory_wait: 61 s is too long (at most 60 s"],
+        );
+        assert_refused(
+            "[server]\nmemory_wait = \"soon\"\n",
+            &["server.memory_wait: `soon` is not an ISO-8601 duration"],
         );
     }
 
