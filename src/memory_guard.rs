@@ -286,20 +286,23 @@ impl MemoryGuard {
         body_len: Option<u64>,
         wait: Duration,
     ) -> Result<Reservation, Pressure> {
+        let high_water = self.budget.high_water;
         let first = self.try_request(body_len);
-        if wait.is_zero() || !self.may_wait(&first, body_len) {
-            return self.noted(first);
-        }
+        let estimate = match &first {
+            Err(refused) if !wait.is_zero() && refused.only_for_others(high_water) => {
+                refused.estimate
+            }
+            _ => return self.noted(first),
+        };
         let deadline = tokio::time::Instant::now() + wait;
         let in_flight = &self.in_flight;
-        let base = in_flight.planning.load(Ordering::Relaxed);
-        let _waiting = Waiting::on(in_flight, estimate_with(base, body_len));
+        let _waiting = Waiting::on(in_flight, estimate);
         let outcome = loop {
             // Made before trying: room given back in between wakes it (`notify_waiters`
             // wakes every `Notified` made before it, polled or not).
             let given_back = in_flight.room.notified();
             let tried = self.try_request(body_len);
-            if !self.may_wait(&tried, body_len) {
+            if !matches!(&tried, Err(refused) if refused.only_for_others(high_water)) {
                 break tried;
             }
             if tokio::time::timeout_at(deadline, given_back).await.is_err() {
@@ -332,23 +335,6 @@ impl MemoryGuard {
         Ok(reservation)
     }
 
-    /// Whether a request refused as `tried` may wait for room: refused for the reservations in
-    /// flight alone, its estimate fitting under the mark with the RSS as it was read.
-    fn may_wait(&self, tried: &Result<Reservation, Refused>, body_len: Option<u64>) -> bool {
-        let Err(refused) = tried else {
-            return false;
-        };
-        let base = self.in_flight.planning.load(Ordering::Relaxed);
-        refused.pressure == Pressure::InFlight
-            && decide(
-                self.budget.high_water,
-                refused.resident,
-                0,
-                estimate_with(base, body_len),
-            )
-            .is_ok()
-    }
-
     /// Admits a request estimated at `estimate` bytes ([`estimate`]), reserving them until
     /// the returned [`Reservation`] is dropped; or says why not, at once.
     pub fn admit(&self, estimate: u64) -> Result<Reservation, Pressure> {
@@ -368,6 +354,7 @@ impl MemoryGuard {
                     pressure,
                     resident,
                     reserved: before,
+                    estimate,
                 });
             }
             match in_flight.reserved.compare_exchange_weak(
@@ -515,12 +502,22 @@ impl Drop for Reservation {
     }
 }
 
-/// Why [`MemoryGuard::try_admit`] did not admit, and what it read.
+/// Why [`MemoryGuard::try_admit`] did not admit, what it read, and the estimate it weighed.
 #[derive(Debug)]
 struct Refused {
     pressure: Pressure,
     resident: Option<u64>,
     reserved: u64,
+    estimate: u64,
+}
+
+impl Refused {
+    /// Refused only for what the requests in flight reserved: the estimate fits under
+    /// `high_water` with the RSS as it was read alone, so waiting for them may make room.
+    fn only_for_others(&self, high_water: u64) -> bool {
+        self.pressure == Pressure::InFlight
+            && decide(high_water, self.resident, 0, self.estimate).is_ok()
+    }
 }
 
 /// A request counted in [`InFlight::waiting`], and its estimate in [`InFlight::wanted`],

@@ -214,7 +214,7 @@ async fn a_request_short_of_room_for_the_requests_in_flight_waits_for_them() {
     assert_eq!(answer.status, 200);
     assert_eq!(answer.header("x-memory-status"), "stored");
     assert_eq!(proxy.stored(Some(TOKEN), "c1").len(), 2);
-    let waited = |outcome: &str| format!("memproxy_admission_waited_total{{result=\"{outcome}\"}}");
+    let waited = |result: &str| format!("memproxy_admission_waited_total{{result=\"{result}\"}}");
     assert_eq!(metric(&proxy, &waited("admitted")).await, 1.0);
     assert_eq!(metric(&proxy, &waited("refused")).await, 0.0);
     assert_eq!(refused(&proxy, "degraded", "in_flight").await, 0.0);
