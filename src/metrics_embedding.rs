@@ -22,6 +22,7 @@ pub(crate) struct EmbeddingMetrics {
     query_seconds: Counter<f64>,
     vectors_stored: Counter,
     vectors_in_commit: Counter,
+    vectors_derived: Counter,
     jobs_dropped: Counter,
     jobs_failed: Counter,
     caught_up: Counter,
@@ -41,6 +42,7 @@ impl EmbeddingMetrics {
             query_seconds: Counter::default(),
             vectors_stored: Counter::default(),
             vectors_in_commit: Counter::default(),
+            vectors_derived: Counter::default(),
             jobs_dropped: Counter::default(),
             jobs_failed: Counter::default(),
             caught_up: Counter::default(),
@@ -86,13 +88,18 @@ impl EmbeddingMetrics {
             ),
             (
                 "embedding_vectors_stored",
-                "Stored messages given a vector: in their commit (embedding_vectors_in_commit, with an embedder cheap enough to run there) or by the background job",
+                "Stored messages given a stored vector: in their commit (with an embedder cheap enough to run there, embedding_vectors_in_commit) or by the background job; a derived embedder's (the static table's) are not stored (embedding_vectors_derived)",
                 &metrics.vectors_stored,
             ),
             (
                 "embedding_vectors_in_commit",
-                "Of embedding_vectors_stored, the vectors made in a stored exchange's commit and written with its messages (the static table's)",
+                "Vectors made in a stored exchange's commit (an embedder cheap enough to run there): written with its messages (counted in embedding_vectors_stored too), or derived (embedding_vectors_derived)",
                 &metrics.vectors_in_commit,
+            ),
+            (
+                "embedding_vectors_derived",
+                "Of embedding_vectors_in_commit, the vectors of an embedder whose vectors are not stored (the static table's): kept in the recall index, made again from the stored texts when an index is built",
+                &metrics.vectors_derived,
             ),
             (
                 "embedding_jobs_dropped",
@@ -137,6 +144,7 @@ impl EmbeddingMetrics {
         catch_up(&self.query_failures, load(&c.query_failures));
         catch_up(&self.vectors_stored, load(&c.vectors_stored));
         catch_up(&self.vectors_in_commit, load(&c.vectors_in_commit));
+        catch_up(&self.vectors_derived, load(&c.vectors_derived));
         catch_up(&self.jobs_dropped, load(&c.jobs_dropped));
         catch_up(&self.jobs_failed, load(&c.jobs_failed));
         catch_up(&self.caught_up, load(&c.caught_up));

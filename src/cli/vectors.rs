@@ -70,6 +70,9 @@ pub async fn run(config: Config, command: VectorsCommand) -> std::process::ExitC
         (Ok(Ok(done)), Ok(())) => {
             let line = json!({
                 "space": memory.embedding.space().map(|(id, _)| id),
+                // The static table's message vectors are made from the texts when an index
+                // is built, not stored: no conversation is looked at.
+                "messages_derived": memory.embedding.derived().is_some(),
                 "conversations": done.conversations,
                 "vectors_made": done.vectors,
                 "already_present": done.present,

@@ -173,54 +173,73 @@ pub(crate) async fn embedded(proxy: &Proxy) {
     panic!("the background embedding jobs did not finish within a minute");
 }
 
-/// With the static table, a stored exchange's vectors are made in its commit and written with
-/// its messages: in the store and in the recall index by the time the answer ends, with no
-/// background job; the next question finds the reply by meaning at once.
+/// With the static table, a stored exchange's vectors are made in its commit and put into the
+/// conversation's recall index by the time the answer ends, with no background job: the next
+/// question finds the reply by meaning at once. They are not stored (a table's vector is made
+/// again from the text, `Embed::derived`): a new process on the same data builds the index from
+/// the stored texts and finds it by meaning as well, with the same turns.
 #[tokio::test]
-async fn the_static_table_s_vectors_are_written_with_their_exchange() {
-    let Started { mock, proxy, .. } = Harness::new().config(EMBEDDING).start().await;
+async fn the_static_table_s_vectors_are_made_in_the_commit_and_again_from_the_texts() {
+    let Started {
+        mock, proxy, dir, ..
+    } = Harness::new().config(EMBEDDING).start().await;
     let memory = std::sync::Arc::clone(proxy.state.memory().expect("memory"));
     let (space, _) = memory.embedding.space().expect("the static table");
     let space = space.to_string();
-    for (i, (fact, _)) in FACTS.iter().take(12).enumerate() {
+    for (fact, _) in FACTS.iter().take(12) {
         let answer = chat(&proxy, "inline", &body(&[user(fact)]), &[]).await;
         assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+    {
         let handle = proxy
             .store()
             .conversation(&key(Some(TOKEN), "inline"))
             .unwrap();
         let conversation = handle.lock().unwrap();
-        let vectors = proxy.store().vectors(&conversation, &space).unwrap();
-        assert_eq!(
-            vectors.len(),
-            2 * (i + 1),
-            "every stored turn has its vector"
+        assert_eq!(conversation.entries.len(), 24);
+        assert!(
+            proxy
+                .store()
+                .vectors(&conversation, &space)
+                .unwrap()
+                .is_empty(),
+            "a table's vectors are not stored"
         );
-        let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
-        let with: Vec<u64> = vectors.iter().map(|(turn, _)| *turn).collect();
-        assert_eq!(with, turns);
     }
     let c = &memory.embedding.counters;
     let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(load(&c.jobs_queued), 0, "no background job");
     assert_eq!(load(&c.vectors_in_commit), 24);
-    assert_eq!(load(&c.vectors_stored), 24);
+    assert_eq!(load(&c.vectors_derived), 24);
+    assert_eq!(load(&c.vectors_stored), 0);
     let metrics = send("GET", &proxy.url("/metrics"), &[], "").await;
     let metrics = String::from_utf8_lossy(&metrics.body);
-    assert!(
-        metrics.contains("memproxy_embedding_vectors_in_commit_total 24"),
-        "{metrics}"
-    );
+    for line in [
+        "memproxy_embedding_vectors_in_commit_total 24",
+        "memproxy_embedding_vectors_derived_total 24",
+        "memproxy_embedding_vectors_stored_total 0",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
     // The first fact is older than the window of 10: found by its meaning as soon as stored.
     let (fact, question) = FACTS[0];
-    let answer = chat(
-        &proxy,
-        "inline",
-        &body(&[user(question)]),
-        &[("x-memory-persist", "false")],
-    )
-    .await;
+    let persist_off = [("x-memory-persist", "false")];
+    let answer = chat(&proxy, "inline", &body(&[user(question)]), &persist_off).await;
     assert_eq!(answer.header("x-memory-recall"), "hybrid");
+    let turns = answer.header("x-memory-retrieved-turns").to_string();
+    assert!(recalled(&mock).contains(fact), "{}", recalled(&mock));
+    drop(memory);
+    proxy.stop().await;
+
+    // A new process on the same data: the index is built from the stored texts, their vectors
+    // made again, and the question recalls the same turns by words and meaning.
+    let proxy = Harness::new()
+        .config(EMBEDDING)
+        .proxy_on(&mock, dir.path())
+        .await;
+    let answer = chat(&proxy, "inline", &body(&[user(question)]), &persist_off).await;
+    assert_eq!(answer.header("x-memory-recall"), "hybrid");
+    assert_eq!(answer.header("x-memory-retrieved-turns"), turns);
     assert!(recalled(&mock).contains(fact), "{}", recalled(&mock));
 }
 

@@ -96,9 +96,12 @@ pub struct EmbeddingCounters {
     pub query_halves_helped: AtomicU64,
     /// Stored messages given a vector.
     pub vectors_stored: AtomicU64,
-    /// Of those, the vectors a commit made and wrote with its messages
-    /// ([`Embedding::in_commit`]).
+    /// Vectors a commit made ([`Embedding::in_commit`]): written with its messages (counted
+    /// in `vectors_stored` too), or derived ones kept in the recall index alone.
     pub vectors_in_commit: AtomicU64,
+    /// Of `vectors_in_commit`, those of an embedder whose vectors are not stored
+    /// (`Embed::derived`: a table's), made again from the stored texts when an index is built.
+    pub vectors_derived: AtomicU64,
     /// Background jobs dropped (queue full): their conversation or owner is owed a catch-up
     /// ([`Owed`]), which makes the missing vectors once the queue has room.
     pub jobs_dropped: AtomicU64,
@@ -348,6 +351,12 @@ impl Embedding {
         self.embedder.as_ref().ok()
     }
 
+    /// The embedder when its vectors are not stored but made again from the texts whenever
+    /// a recall index is built (`Embed::derived`: the static table's).
+    pub fn derived(&self) -> Option<&Arc<dyn Embed>> {
+        self.embedder().filter(|embedder| embedder.derived())
+    }
+
     /// True when the embedder is a model worth a thread of its own (`Embed::worth_a_thread`):
     /// a plan then waits for its query vector from that thread.
     pub fn worth_a_thread(&self) -> bool {
@@ -480,13 +489,17 @@ impl Embedding {
         whole.then(|| (embedder.id().to_string(), made))
     }
 
-    /// Counts the vectors a commit wrote with its messages ([`Embedding::in_commit`]) among
-    /// those stored.
-    pub fn stored_in_commit(&self, count: usize) {
+    /// Counts the vectors a commit made ([`Embedding::in_commit`]): written with its messages
+    /// among those stored, or, of a derived embedder ([`Embedding::derived`]), not stored.
+    pub fn made_in_commit(&self, count: usize) {
         let c = &self.counters;
-        c.vectors_stored.fetch_add(count as u64, Ordering::Relaxed);
-        c.vectors_in_commit
-            .fetch_add(count as u64, Ordering::Relaxed);
+        let count = count as u64;
+        c.vectors_in_commit.fetch_add(count, Ordering::Relaxed);
+        if self.derived().is_some() {
+            c.vectors_derived.fetch_add(count, Ordering::Relaxed);
+        } else {
+            c.vectors_stored.fetch_add(count, Ordering::Relaxed);
+        }
     }
 
     /// Queues the embedding of an owner's records (archived turns, memories); `stored` is
@@ -709,6 +722,8 @@ fn catch_up(
     due: &Due,
 ) -> Result<usize, EmbedJobError> {
     match due {
+        // A derived embedder's vectors are never stored, so none is missing.
+        Due::Conversation(_) if embedder.derived() => Ok(0),
         Due::Conversation(key) => match missing_vectors(store, key, embedder.id())?.0 {
             Some(job) => embed_and_store(embedder, store, recall, job),
             None => Ok(0),
@@ -809,7 +824,7 @@ fn embed_and_store(
         recall,
         &job.key,
         job.conversation_id,
-        embedder.id(),
+        (!embedder.derived()).then(|| embedder.id()),
         &vectors,
     )?;
     // The archived copies of these turns take their vectors.
@@ -894,14 +909,15 @@ fn embed_records(
     Ok(stored)
 }
 
-/// Stores `vectors` of conversation `key` (id `conversation_id`) under its lock, and hands
-/// them to its recall index. The number stored (those of turns no longer stored are not).
+/// Stores `vectors` of conversation `key` (id `conversation_id`) under its lock as vectors of
+/// `space` (`None`: a derived embedder's, not stored), and hands them to its recall index.
+/// The number stored (those of turns no longer stored are not).
 pub fn store_vectors(
     store: &Store,
     recall: &Recall,
     key: &ConversationKey,
     conversation_id: u64,
-    space: &str,
+    space: Option<&str>,
     vectors: &[(u64, Vec<f32>)],
 ) -> Result<usize, EmbedJobError> {
     let handle = store.conversation(key)?;
@@ -910,7 +926,10 @@ pub fn store_vectors(
     if conversation.meta.as_ref().map(|m| m.id) != Some(conversation_id) {
         return Ok(0);
     }
-    let stored = store.put_vectors(&conversation, space, vectors)?;
+    let stored = match space {
+        Some(space) => store.put_vectors(&conversation, space, vectors)?,
+        None => 0,
+    };
     recall.add_vectors(key, conversation_id, vectors);
     Ok(stored)
 }
@@ -954,7 +973,8 @@ const OWNER_PAGE: usize = 200;
 /// is embedded outside its lock and stored under it (turns gone meanwhile are not written).
 /// Then every owner's records of `records`' spaces (long-term memory's archived turns and
 /// memories: memories imported, written offline, or whose text changed with no embedder at
-/// hand) the same way. `progress` is told after each conversation.
+/// hand) the same way. `progress` is told after each conversation. A derived embedder's
+/// message vectors (`Embed::derived`) are not stored: the conversations are passed over.
 pub fn rebuild(
     store: &Store,
     recall: &Recall,
@@ -998,6 +1018,10 @@ fn rebuild_conversations(
     progress: &mut impl FnMut(&ConversationKey, &Rebuilt),
 ) -> Result<Rebuilt, EmbedJobError> {
     let mut done = Rebuilt::default();
+    if embedder.derived() {
+        // Its vectors are made from the texts whenever an index is built: none to store.
+        return Ok(done);
+    }
     let mut cursor: Option<Vec<u8>> = None;
     loop {
         let (batch, more) = store.scan(cursor.as_deref(), 500)?;

@@ -143,10 +143,13 @@ impl Memory {
         // The recall share of the memory budget is split: three quarters for the
         // conversations' indexes, one for the users' (long-term memory), so the caches
         // together stay within `storage.recall_cache_bytes`.
-        let recall = Arc::new(Recall::new(
-            recall_cache_bytes - recall_cache_bytes / 4,
-            embedding.space().map(|(id, dims)| (id.to_string(), dims)),
-        ));
+        let recall = Arc::new(
+            Recall::new(
+                recall_cache_bytes - recall_cache_bytes / 4,
+                embedding.space().map(|(id, dims)| (id.to_string(), dims)),
+            )
+            .deriving(embedding.derived().cloned()),
+        );
         let longterm = LongTerm::new(
             recall_cache_bytes / 4,
             Arc::clone(&store),

@@ -72,6 +72,16 @@ pub trait Embed: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// Whether a text's vector is cheap to make again whenever it is needed (a table's
+    /// additions: no model runs, no service is called), so that it is not stored: a recall
+    /// index built from the store embeds the stored texts again instead of reading their
+    /// vectors. A stored exchange then writes its two messages alone, not two vectors beside
+    /// them, and the store holds (in memory and on disk) what it holds per message without
+    /// them. By default, no: vectors are stored.
+    fn derived(&self) -> bool {
+        false
+    }
+
     /// [`Embed::embed`] of one text, offering the work to a thread that waits for the result
     /// and calls [`Assist::help`] (the full model's pass: that thread runs half of the rows
     /// of every step it joins). By default, `embed` alone. The caller closes `assist` after.

@@ -329,6 +329,11 @@ impl Embed for Static {
             })
             .collect()
     }
+
+    /// A table's additions: made again from the text whenever an index is built.
+    fn derived(&self) -> bool {
+        true
+    }
 }
 
 /// Distills `distillation`'s table from `model` (see the module's doc).

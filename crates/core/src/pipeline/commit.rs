@@ -411,8 +411,10 @@ impl Exchange {
         let mut added_texts = still_new[planned.dropped_new.min(still_new.len())..].to_vec();
         added_texts.push(ready.reply_search.clone());
         // With an embedder cheap enough to run here (a table's additions), the added
-        // messages' vectors are made now and written with them, so the next request finds
-        // them by meaning; else they are made in the background after the commit.
+        // messages' vectors are made now, so the next request finds them by meaning; else
+        // they are made in the background after the commit. A derived embedder's (the
+        // table's) go to the recall index alone: an index built from the store makes them
+        // again from the texts. Another's are written with the messages.
         let made = memory
             .embedding
             .in_commit(&added_texts, self.query_vector.as_ref());
@@ -420,10 +422,14 @@ impl Exchange {
         let quantised: Vec<Option<Quantised>> = made.as_ref().map_or_else(Vec::new, |(_, v)| {
             v.iter().map(|v| memproxy_store::quantise(v)).collect()
         });
-        change.vectors = made.as_ref().map(|(space, _)| AddedVectors {
-            space: space.clone(),
-            of: quantised.clone(),
-        });
+        let derived = memory.embedding.derived().is_some();
+        change.vectors = made
+            .as_ref()
+            .filter(|_| !derived)
+            .map(|(space, _)| AddedVectors {
+                space: space.clone(),
+                of: quantised.clone(),
+            });
         if let Err(err) = store.commit(conversation, change) {
             memory.ledger.give_back(&self.key, background);
             return Err(err);
@@ -451,7 +457,7 @@ impl Exchange {
                     .iter()
                     .filter(|v| v.iter().any(|x| *x != 0.0))
                     .count();
-                memory.embedding.stored_in_commit(stored);
+                memory.embedding.made_in_commit(stored);
                 // One the store could not take (empty, not finite) is all zeros in the index.
                 let held = quantised
                     .into_iter()

@@ -31,6 +31,7 @@ use memproxy_base::cache::{Cache, Policy, Shrink};
 use memproxy_base::heap;
 use memproxy_base::identity::ConversationKey;
 use memproxy_base::message::search_text;
+use memproxy_embed::Embed;
 use memproxy_store::{Conversation, Quantised, Store, StoreError};
 
 /// How much text `auto` language detection reads from the start of a conversation.
@@ -90,6 +91,9 @@ pub struct Recall {
     cache: Arc<Cache<ConversationKey, Arc<Mutex<ConversationIndex>>>>,
     /// The embedder's vector space and dimension (`None`: recall by words alone).
     space: Option<(String, usize)>,
+    /// The embedder, when its vectors are not stored (`Embed::derived`): an index built from
+    /// the store embeds the stored texts with it.
+    derive: Option<Arc<dyn Embed>>,
     lookups: AtomicU64,
     misses: AtomicU64,
 }
@@ -241,9 +245,23 @@ impl Recall {
         Recall {
             cache,
             space,
+            derive: None,
             lookups: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         }
+    }
+
+    /// The same, with `embedder` making the vectors of an index built from the store when its
+    /// vectors are not stored (`Embed::derived`, of the recall's space); else they are read.
+    pub fn deriving(mut self, embedder: Option<Arc<dyn Embed>>) -> Recall {
+        self.derive = embedder.filter(|e| {
+            e.derived()
+                && self
+                    .space
+                    .as_ref()
+                    .is_some_and(|(space, dims)| space == e.id() && *dims == e.dims())
+        });
+        self
     }
 
     /// The `k` stored messages most relevant to `query` among those with a turn below
@@ -280,6 +298,7 @@ impl Recall {
                     conversation,
                     language,
                     self.space.as_ref(),
+                    self.derive.as_deref(),
                 )?));
                 self.cache
                     .insert(conversation.key.clone(), Arc::clone(&built));
@@ -521,6 +540,7 @@ fn build(
     conversation: &Conversation,
     setting: TextLanguage,
     space: Option<&(String, usize)>,
+    derive: Option<&dyn Embed>,
 ) -> Result<ConversationIndex, StoreError> {
     let turns: Vec<u64> = conversation.entries.iter().map(|e| e.turn).collect();
     let messages = store.messages(conversation, turns)?;
@@ -530,8 +550,8 @@ fn build(
         .collect();
     let latin = stemming(setting, texts.iter().map(|(_, text)| text.as_str()));
     let mut index = Index::new();
-    for (turn, text) in texts {
-        index.push(turn, terms(&text, latin));
+    for (turn, text) in &texts {
+        index.push(*turn, terms(text, latin));
     }
     // Weighed by its capacity: what the build's growth left unused would take room from
     // other conversations' indexes.
@@ -539,8 +559,13 @@ fn build(
     let vectors = match space {
         Some((space, dims)) => {
             let mut vectors = DocVectors::new(*dims);
-            for (turn, vector) in store.vectors(conversation, space)? {
-                vectors.insert_quantised(turn, &vector);
+            match derive {
+                Some(embedder) => derive_vectors(embedder, &texts, &mut vectors),
+                None => {
+                    for (turn, vector) in store.vectors(conversation, space)? {
+                        vectors.insert_quantised(turn, &vector);
+                    }
+                }
             }
             vectors.shrink_to_fit();
             Some(vectors)
@@ -559,6 +584,32 @@ fn build(
     })
 }
 
+/// Texts embedded at a time by [`derive_vectors`]: their vectors are quantised before the
+/// next are made, so a long conversation's floats are never all held at once.
+const DERIVE_BATCH: usize = 64;
+
+/// The vectors of `texts` (the stored messages' search texts) made by `embedder`, whose
+/// vectors are not stored, into `vectors`, quantised as a commit puts them into an index (and
+/// as the store would have given them back). When embedding fails, the turns are left without
+/// one (found by their words), as turns whose vectors are not made yet.
+fn derive_vectors(embedder: &dyn Embed, texts: &[(u64, String)], vectors: &mut DocVectors) {
+    for batch in texts.chunks(DERIVE_BATCH) {
+        let refs: Vec<&str> = batch.iter().map(|(_, text)| text.as_str()).collect();
+        let made = match embedder.embed(&refs) {
+            Ok(made) => made,
+            Err(err) => {
+                tracing::warn!(error = %err, "embedding stored turns for a recall index failed; they are found by their words");
+                return;
+            }
+        };
+        for ((turn, _), vector) in batch.iter().zip(made) {
+            if let Some(quantised) = memproxy_store::quantise(&vector) {
+                vectors.insert_quantised(*turn, &quantised);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -572,6 +623,15 @@ mod tests {
     /// A store with one conversation of `texts`, each with a vector of the test space (turn
     /// `t`'s vector points at angle `t`), and a recall over it.
     fn conversation(dir: &std::path::Path, texts: &[&str]) -> (Store, ConversationKey) {
+        conversation_with(dir, texts, true)
+    }
+
+    /// As [`conversation`], the vectors stored or not.
+    fn conversation_with(
+        dir: &std::path::Path,
+        texts: &[&str],
+        with_vectors: bool,
+    ) -> (Store, ConversationKey) {
         let options = StoreOptions {
             durability: Durability::Interval(std::time::Duration::from_secs(1)),
             page_cache_bytes: 1 << 20,
@@ -623,7 +683,9 @@ mod tests {
                 (e.turn, vec![angle.cos(), angle.sin()])
             })
             .collect();
-        store.put_vectors(&held, SPACE, &vectors).unwrap();
+        if with_vectors {
+            store.put_vectors(&held, SPACE, &vectors).unwrap();
+        }
         drop(held);
         (store, key)
     }
@@ -631,6 +693,16 @@ mod tests {
     /// A search of the conversation's turns before the last two, by `vector`.
     fn search(store: &Store, key: &ConversationKey, vector: QueryVector<'_>) -> Found {
         let recall = Recall::new(1 << 20, Some((SPACE.to_string(), 2)));
+        search_in(&recall, store, key, vector)
+    }
+
+    /// [`search`] with `recall`.
+    fn search_in(
+        recall: &Recall,
+        store: &Store,
+        key: &ConversationKey,
+        vector: QueryVector<'_>,
+    ) -> Found {
         let handle = store.conversation(key).unwrap();
         let held = lock(&handle);
         let before = held.entries.last().unwrap().turn - 1;
@@ -655,20 +727,23 @@ mod tests {
         found.hits.iter().map(|h| h.turn).collect()
     }
 
+    /// A conversation of two facts among small talk, for searches by vector.
+    const CAR_AND_SISTER: [&str; 8] = [
+        "the silver car is parked in the garage",
+        "noted",
+        "my sister lives in Oslo",
+        "nice",
+        "the car needs new tyres",
+        "ok",
+        "dinner is at eight",
+        "fine",
+    ];
+
     #[test]
     fn a_search_with_a_later_vector_finds_what_one_at_hand_finds_and_a_failed_one_what_words_find()
     {
         let dir = tempfile::tempdir().unwrap();
-        let texts = [
-            "the silver car is parked in the garage",
-            "noted",
-            "my sister lives in Oslo",
-            "nice",
-            "the car needs new tyres",
-            "ok",
-            "dinner is at eight",
-            "fine",
-        ];
+        let texts = CAR_AND_SISTER;
         let (store, key) = conversation(dir.path(), &texts);
         let at_hand = [0.0f32, 1.0];
         let ready = search(&store, &key, QueryVector::Ready(&at_hand));
@@ -694,6 +769,96 @@ mod tests {
         assert_eq!(turns(&without), turns(&words));
         assert_eq!(scores(&without), scores(&words));
         assert!(!turns(&words).is_empty());
+    }
+
+    /// An embedder of the test space: the text stored at turn `t` points at angle `t`, as
+    /// [`conversation`] stores its vector; `derived` as told, failing when told.
+    #[derive(Debug)]
+    struct ByTurn {
+        turns: Vec<(String, u64)>,
+        derived: bool,
+        fails: bool,
+    }
+
+    impl ByTurn {
+        fn of(store: &Store, key: &ConversationKey, derived: bool, fails: bool) -> Arc<ByTurn> {
+            let handle = store.conversation(key).unwrap();
+            let held = lock(&handle);
+            let turns: Vec<u64> = held.entries.iter().map(|e| e.turn).collect();
+            let turns = store
+                .messages(&held, turns)
+                .unwrap()
+                .iter()
+                .map(|m| (search_text(&m.message), m.turn))
+                .collect();
+            Arc::new(ByTurn {
+                turns,
+                derived,
+                fails,
+            })
+        }
+    }
+
+    impl Embed for ByTurn {
+        fn id(&self) -> &str {
+            SPACE
+        }
+
+        fn dims(&self) -> usize {
+            2
+        }
+
+        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, memproxy_embed::EmbedError> {
+            if self.fails {
+                return Err(memproxy_embed::EmbedError::Failed("told to".into()));
+            }
+            Ok(texts
+                .iter()
+                .map(|text| {
+                    let (_, turn) = self.turns.iter().find(|(t, _)| t == text).unwrap();
+                    let angle = *turn as f32;
+                    vec![angle.cos(), angle.sin()]
+                })
+                .collect())
+        }
+
+        fn derived(&self) -> bool {
+            self.derived
+        }
+    }
+
+    /// With a derived embedder, an index built from a store that holds no vectors makes them
+    /// from the stored texts, and a search finds what it finds with the same vectors stored;
+    /// an embedder that is not derived, or that fails, is not asked and the words alone find.
+    #[test]
+    fn an_index_made_with_a_derived_embedder_finds_what_stored_vectors_find() {
+        let texts = CAR_AND_SISTER;
+        let (stored_dir, bare_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (stored, stored_key) = conversation(stored_dir.path(), &texts);
+        let (bare, key) = conversation_with(bare_dir.path(), &texts, false);
+        let space = || Some((SPACE.to_string(), 2));
+        let query = [0.0f32, 1.0];
+        let from_store = search(&stored, &stored_key, QueryVector::Ready(&query));
+        assert!(from_store.semantic);
+
+        let derived = ByTurn::of(&bare, &key, true, false);
+        let recall = Recall::new(1 << 20, space()).deriving(Some(derived));
+        let from_texts = search_in(&recall, &bare, &key, QueryVector::Ready(&query));
+        assert!(from_texts.semantic);
+        let found = |f: &Found| f.hits.iter().map(|h| (h.turn, h.score)).collect::<Vec<_>>();
+        assert_eq!(found(&from_texts), found(&from_store));
+        assert!(!from_texts.hits.is_empty());
+
+        let words = search(&bare, &key, QueryVector::None);
+        for embedder in [
+            ByTurn::of(&bare, &key, false, false),
+            ByTurn::of(&bare, &key, true, true),
+        ] {
+            let recall = Recall::new(1 << 20, space()).deriving(Some(embedder));
+            let found_then = search_in(&recall, &bare, &key, QueryVector::Ready(&query));
+            assert!(!found_then.semantic, "no vector made, none stored");
+            assert_eq!(found(&found_then), found(&words));
+        }
     }
 
     #[test]
