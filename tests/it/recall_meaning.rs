@@ -243,6 +243,47 @@ async fn the_static_table_s_vectors_are_made_in_the_commit_and_again_from_the_te
     assert!(recalled(&mock).contains(fact), "{}", recalled(&mock));
 }
 
+/// Replicas sharing memory in Redis with the static table: turns one replica stored reach the
+/// other's cached recall index with their vectors, made there (they are not stored), so the
+/// other finds them by meaning at once.
+#[tokio::test]
+async fn a_replica_finds_by_meaning_what_the_other_stored_with_the_static_table() {
+    let redis = crate::support::redis_server::RedisServer::start();
+    let replica = || Harness::new().redis(&redis).config(EMBEDDING);
+    let Started { mock, proxy: a, .. } = replica().start().await;
+    let dir_b = tempfile::tempdir().unwrap();
+    let b = replica().proxy_on(&mock, dir_b.path()).await.keeping(dir_b);
+    // A holds the conversation's recall index: past the window of 10, its requests search.
+    for i in 0..12 {
+        let answer = chat(&a, "shared", &body(&[user(&filler(i))]), &[]).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+    // B stores a fact, then enough small talk to push it out of the window.
+    let (fact, question) = FACTS[1];
+    chat(&b, "shared", &body(&[user(fact)]), &[]).await;
+    for i in 12..24 {
+        let answer = chat(&b, "shared", &body(&[user(&filler(i))]), &[]).await;
+        assert_eq!(answer.header("x-memory-status"), "stored");
+    }
+    // A catches up with B's turns and asks in other words: found by meaning.
+    let lookups_before = a.state.memory().unwrap().recall.cache_counts();
+    let answer = chat(
+        &a,
+        "shared",
+        &body(&[user(question)]),
+        &[("x-memory-persist", "false")],
+    )
+    .await;
+    assert_eq!(answer.header("x-memory-recall"), "hybrid");
+    let (lookups, misses) = a.state.memory().unwrap().recall.cache_counts();
+    assert_eq!(
+        (lookups - lookups_before.0, misses - lookups_before.1),
+        (1, 0),
+        "A's cached index was caught up, not built again"
+    );
+    assert!(recalled(&mock).contains(fact), "{}", recalled(&mock));
+}
+
 const EMBEDDING: &str = "[memory]\nrecent_n = 10\nrelevance_top_k = 5\ncompression_enabled = false\nmax_messages = 10000\n[embedding]\nembedder = \"static\"\n";
 
 /// Facts found by each question's recall, as (found, of 30).

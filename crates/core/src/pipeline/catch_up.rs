@@ -38,9 +38,12 @@ pub fn catch_up(
                 .map(|m| (m.turn, memproxy_base::message::search_text(&m.message)))
                 .collect();
             let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
+            // The static table's vectors are not stored: the replica that committed the
+            // turns made its own, and this one makes them here.
+            let vectors = memory.recall.derive(&texts);
             memory
                 .recall
-                .apply(key, Some(before.unwrap_or(1)), &[], &texts, &[], after);
+                .apply(key, Some(before.unwrap_or(1)), &[], &texts, &vectors, after);
         }
     }
     Ok(())

@@ -485,6 +485,16 @@ impl Recall {
         self.cache.reweigh(key.clone(), held);
     }
 
+    /// The vectors of `texts` (turns appended by another replica, read from a shared store)
+    /// when the embedder's are derived, made here as an index built from the store makes
+    /// them; none else (stored vectors are read when an index is built).
+    pub fn derive(&self, texts: &[(u64, String)]) -> Vec<(u64, Quantised)> {
+        match &self.derive {
+            Some(embedder) => derive_vectors(embedder.as_ref(), texts),
+            None => Vec::new(),
+        }
+    }
+
     /// Searches and the ones that had to build an index: (lookups, misses).
     pub fn cache_counts(&self) -> (u64, u64) {
         (
@@ -560,7 +570,11 @@ fn build(
         Some((space, dims)) => {
             let mut vectors = DocVectors::new(*dims);
             match derive {
-                Some(embedder) => derive_vectors(embedder, &texts, &mut vectors),
+                Some(embedder) => {
+                    for (turn, vector) in derive_vectors(embedder, &texts) {
+                        vectors.insert_quantised(turn, &vector);
+                    }
+                }
                 None => {
                     for (turn, vector) in store.vectors(conversation, space)? {
                         vectors.insert_quantised(turn, &vector);
@@ -588,26 +602,28 @@ fn build(
 /// next are made, so a long conversation's floats are never all held at once.
 const DERIVE_BATCH: usize = 64;
 
-/// The vectors of `texts` (the stored messages' search texts) made by `embedder`, whose
-/// vectors are not stored, into `vectors`, quantised as a commit puts them into an index (and
-/// as the store would have given them back). When embedding fails, the turns are left without
-/// one (found by their words), as turns whose vectors are not made yet.
-fn derive_vectors(embedder: &dyn Embed, texts: &[(u64, String)], vectors: &mut DocVectors) {
+/// The vectors of `texts` (stored messages' search texts) made by `embedder`, whose vectors
+/// are not stored, quantised as a commit puts them into an index (and as the store would have
+/// given them back). When embedding fails, the turns are left without one (found by their
+/// words), as turns whose vectors are not made yet.
+fn derive_vectors(embedder: &dyn Embed, texts: &[(u64, String)]) -> Vec<(u64, Quantised)> {
+    let mut out = Vec::with_capacity(texts.len());
     for batch in texts.chunks(DERIVE_BATCH) {
         let refs: Vec<&str> = batch.iter().map(|(_, text)| text.as_str()).collect();
         let made = match embedder.embed(&refs) {
             Ok(made) => made,
             Err(err) => {
                 tracing::warn!(error = %err, "embedding stored turns for a recall index failed; they are found by their words");
-                return;
+                return out;
             }
         };
         for ((turn, _), vector) in batch.iter().zip(made) {
             if let Some(quantised) = memproxy_store::quantise(&vector) {
-                vectors.insert_quantised(*turn, &quantised);
+                out.push((*turn, quantised));
             }
         }
     }
+    out
 }
 
 #[cfg(test)]
