@@ -452,12 +452,12 @@ impl Exchange {
             .collect();
         let vectors: Vec<(u64, Quantised)> = match made {
             Some((_, floats)) => {
-                // A text with nothing to embed has a vector of zeros, which is not stored.
-                let stored = floats
+                // A text with nothing to embed has a vector of zeros, which is not counted.
+                let made = floats
                     .iter()
                     .filter(|v| v.iter().any(|x| *x != 0.0))
                     .count();
-                memory.embedding.made_in_commit(stored);
+                memory.embedding.made_in_commit(made);
                 // One the store could not take (empty, not finite) is all zeros in the index.
                 let held = quantised
                     .into_iter()
