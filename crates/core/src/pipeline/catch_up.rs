@@ -39,11 +39,10 @@ pub fn catch_up(
                 .collect();
             let after = conversation.meta.as_ref().map_or(1, |m| m.next_turn);
             // The static table's vectors are not stored: the replica that committed the
-            // turns made its own, and this one makes them here.
-            let vectors = memory.recall.derive(&texts);
+            // turns made its own, and `append` makes this one's.
             memory
                 .recall
-                .apply(key, Some(before.unwrap_or(1)), &[], &texts, &vectors, after);
+                .append(key, Some(before.unwrap_or(1)), &texts, after);
         }
     }
     Ok(())

@@ -485,14 +485,28 @@ impl Recall {
         self.cache.reweigh(key.clone(), held);
     }
 
-    /// The vectors of `texts` (turns appended by another replica, read from a shared store)
-    /// when the embedder's are derived, made here as an index built from the store makes
-    /// them; none else (stored vectors are read when an index is built).
-    pub fn derive(&self, texts: &[(u64, String)]) -> Vec<(u64, Quantised)> {
-        match &self.derive {
-            Some(embedder) => derive_vectors(embedder.as_ref(), texts),
-            None => Vec::new(),
-        }
+    /// [`Recall::apply`] for turns another replica appended (read from a shared store,
+    /// `pipeline/catch_up.rs`). With a derived embedder their vectors are made here, as an
+    /// index built from the store makes them, and only for a cached index in step with
+    /// `before` (another is dropped or built whole at its next search); stored vectors are not
+    /// read here.
+    pub fn append(
+        &self,
+        key: &ConversationKey,
+        before: Option<u64>,
+        added: &[(u64, String)],
+        after: u64,
+    ) {
+        let in_step = || {
+            self.cache
+                .get(key)
+                .is_some_and(|held| Some(lock(&held).synced_next_turn) == before)
+        };
+        let vectors = match &self.derive {
+            Some(embedder) if in_step() => derive_vectors(embedder.as_ref(), added),
+            _ => Vec::new(),
+        };
+        self.apply(key, before, &[], added, &vectors, after);
     }
 
     /// Searches and the ones that had to build an index: (lookups, misses).
