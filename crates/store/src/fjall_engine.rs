@@ -513,7 +513,7 @@ impl Engine for FjallEngine {
         write: Write<'_>,
     ) -> Result<Version, StoreError> {
         let p = self.parts()?;
-        let rows = Rows::of(key, &write)?;
+        let rows = Rows::of(key, &write, 1)?;
         let id = write.meta.id;
         let branch_rows = branch_rows(id, write.branches)?;
         let mut tx = p.write_tx();

@@ -39,18 +39,27 @@ pub(super) fn turn_of(key: &[u8]) -> Option<u64> {
 }
 
 /// A conversation as loaded: its record `meta` (decoded from `stored`) and the values of its
-/// live turns, `first_turn..next_turn`, in turn order (the engine reads that key range:
-/// turns outside it are not the conversation's).
+/// live turns, `first_turn..next_turn`, in turn order: the values read in key order from
+/// [`live_scan`]'s range (the engine reads that key range: turns outside it are not the
+/// conversation's). A value holds one message or a [batch](encode_batch) of consecutive ones;
+/// a turn below the next one expected is passed over (below `first_turn`: trimmed; past it: a
+/// value a batch before it replaced, left by a crash).
 pub(super) fn loaded<V: AsRef<[u8]>>(
     meta: ConversationMeta,
     stored: Vec<u8>,
     values: impl Iterator<Item = Result<V, StoreError>>,
 ) -> Result<Loaded, StoreError> {
     let mut entries: Vec<Entry> = Vec::with_capacity(meta.message_count as usize);
+    let mut expected = meta.first_turn;
     for value in values {
-        let message: StoredMessage = decode(value?.as_ref())?;
-        let before = entries.last().map_or(0, |e| e.cum_tokens);
-        entries.push(Entry::new(&message, before));
+        for message in decode_batch(value?.as_ref())? {
+            if message.turn < expected {
+                continue;
+            }
+            expected = message.turn + 1;
+            let before = entries.last().map_or(0, |e| e.cum_tokens);
+            entries.push(Entry::new(&message, before));
+        }
     }
     Ok(Loaded {
         meta: Some(meta),
@@ -59,9 +68,54 @@ pub(super) fn loaded<V: AsRef<[u8]>>(
     })
 }
 
-/// The keys of the live turns of the conversation `meta` records.
+/// The keys of the live turns of the conversation `meta` records, where each value holds one
+/// message.
 pub(super) fn live_keys(meta: &ConversationMeta) -> std::ops::Range<[u8; 16]> {
     message_key(meta.id, meta.first_turn)..message_key(meta.id, meta.next_turn)
+}
+
+/// The keys that hold the live turns of the conversation `meta` records where a value holds
+/// up to `per_key` consecutive turns under the first one's key: [`live_keys`] from as many
+/// turns before `first_turn` as a batch holding it can start. The values may hold turns
+/// outside `first_turn..next_turn` ([`loaded`] passes over them).
+pub(super) fn live_scan(meta: &ConversationMeta, per_key: u64) -> std::ops::Range<[u8; 16]> {
+    let from = meta.first_turn.saturating_sub(per_key.saturating_sub(1));
+    message_key(meta.id, from)..message_key(meta.id, meta.next_turn)
+}
+
+/// The messages of a `messages` value: one ([`StoredMessage`] as JSON, every value before
+/// batches and every value the fjall engine writes) or a batch of consecutive turns (a JSON
+/// array of them, [`encode_batch`]).
+pub(super) fn decode_batch(bytes: &[u8]) -> Result<Vec<StoredMessage>, StoreError> {
+    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'[') => decode(bytes),
+        _ => Ok(vec![decode(bytes)?]),
+    }
+}
+
+/// The value of `messages` (one or more consecutive turns): a single message as it always
+/// was, more as a JSON array ([`decode_batch`]).
+pub(super) fn encode_batch(messages: &[StoredMessage]) -> Result<Vec<u8>, StoreError> {
+    match messages {
+        [one] => encode(one),
+        many => encode(&many),
+    }
+}
+
+/// `messages` split into the values of a store that keeps up to `per_key` consecutive turns
+/// under one key (the first one's): a run breaks where the turns do.
+pub(super) fn batches(messages: &[StoredMessage], per_key: usize) -> Vec<&[StoredMessage]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=messages.len() {
+        let full = i - start == per_key.max(1);
+        let broken = i < messages.len() && messages[i].turn != messages[i - 1].turn + 1;
+        if i == messages.len() || full || broken {
+            out.push(&messages[start..i]);
+            start = i;
+        }
+    }
+    out
 }
 
 /// The parts of a closed branch, in key order.
@@ -140,7 +194,8 @@ pub(super) struct Rows {
     /// The conversation's key bytes and its new record.
     pub(super) key: Vec<u8>,
     pub(super) meta: Vec<u8>,
-    /// The messages added, by their keys.
+    /// The messages added, by their keys: up to `per_key` consecutive turns a value
+    /// ([`batches`]).
     pub(super) added: Vec<([u8; 16], Vec<u8>)>,
     /// Each Responses id's two rows (`responses`, `conversation_responses`) and the value of
     /// the first.
@@ -149,15 +204,18 @@ pub(super) struct Rows {
 }
 
 impl Rows {
-    pub(super) fn of(key: &ConversationKey, write: &Write<'_>) -> Result<Rows, StoreError> {
+    pub(super) fn of(
+        key: &ConversationKey,
+        write: &Write<'_>,
+        per_key: usize,
+    ) -> Result<Rows, StoreError> {
         let id = write.meta.id;
         let key_bytes = key.to_bytes();
         Ok(Rows {
             meta: encode(write.meta)?,
-            added: write
-                .add
-                .iter()
-                .map(|m| Ok((message_key(id, m.turn), encode(m)?)))
+            added: batches(write.add, per_key)
+                .into_iter()
+                .map(|batch| Ok((message_key(id, batch[0].turn), encode_batch(batch)?)))
                 .collect::<Result<_, StoreError>>()?,
             responses: write
                 .response_ids
@@ -320,4 +378,57 @@ pub(super) fn owners_page<K: AsRef<[u8]>, V: AsRef<[u8]>>(
             .ok_or_else(|| StoreError::Corrupt("an owner key is malformed".into()))?;
         Ok(Some((owner, decode(value)?)))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use memproxy_base::message::Role;
+
+    fn at(turns: &[u64]) -> Vec<StoredMessage> {
+        turns
+            .iter()
+            .map(|&turn| {
+                let mut message = crate::tests::message(Role::User, "m");
+                message.turn = turn;
+                message
+            })
+            .collect()
+    }
+
+    fn turns_of(batches: &[&[StoredMessage]]) -> Vec<Vec<u64>> {
+        let turns = |b: &&[StoredMessage]| b.iter().map(|m| m.turn).collect();
+        batches.iter().map(turns).collect()
+    }
+
+    #[test]
+    fn batches_hold_consecutive_turns_up_to_the_size() {
+        let five = at(&[3, 4, 5, 6, 7]);
+        assert_eq!(
+            turns_of(&batches(&five, 2)),
+            [vec![3, 4], vec![5, 6], vec![7]]
+        );
+        assert_eq!(turns_of(&batches(&five, 1)).len(), 5);
+        let broken = at(&[3, 5, 6]);
+        assert_eq!(turns_of(&batches(&broken, 2)), [vec![3], vec![5, 6]]);
+        assert!(batches(&[], 2).is_empty());
+    }
+
+    #[test]
+    fn a_value_of_one_message_or_a_batch_decodes_to_its_messages() {
+        let two = at(&[1, 2]);
+        let one = encode_batch(&two[..1]).unwrap();
+        assert_eq!(
+            one,
+            encode(&two[0]).unwrap(),
+            "one message is stored as it always was"
+        );
+        let both = encode_batch(&two).unwrap();
+        assert_eq!(both.first(), Some(&b'['));
+        let turns =
+            |v: &[u8]| -> Vec<u64> { decode_batch(v).unwrap().iter().map(|m| m.turn).collect() };
+        assert_eq!(turns(&one), [1]);
+        assert_eq!(turns(&both), [1, 2]);
+        assert!(decode_batch(b"[{").is_err());
+    }
 }

@@ -3,7 +3,11 @@
 //! Trees:
 //! - `conversations`: `tenant \0 agent \0 conversation` → [`ConversationMeta`] (JSON); the
 //!   record's bytes are the conversation's [`Version`];
-//! - `messages`: `conversation id (u64 BE) ++ turn (u64 BE)` → [`StoredMessage`] (JSON);
+//! - `messages`: `conversation id (u64 BE) ++ turn (u64 BE)` → [`StoredMessage`] (JSON), or
+//!   a JSON array of up to [`PER_KEY`] of them at consecutive turns, the key the first one's
+//!   (`layout::encode_batch`): an exchange's turn and reply under one key, as sled's memory
+//!   grows with the keys it holds (README, "Sizing the sidecar"). A turn is at its own key or
+//!   in the batch at the turn before it;
 //! - `summaries`: `conversation id (u64 BE) ++ summary number (u64 BE)` → record (JSON);
 //! - `branches`: `conversation id (u64 BE) ++ branch number (u64 BE) ++ part` → a closed
 //!   branch, where `part` is `0 ++ 0 (u64)` for its [`BranchRecord`] (JSON), `1 ++ turn (u64
@@ -48,6 +52,7 @@
 //!   open as a damaged snapshot and refuses to open. Such files never hold the only copy of
 //!   anything (the log does), so [`SledEngine::open`] removes them first.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
@@ -58,9 +63,9 @@ use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Scope, Version, Write};
 use super::layout::{
     BRANCH_RECORD, Rows, assemble_branches, branch_key_parts, branch_rows,
-    conversation_response_key, conversations_page, decode, encode, listing_start, live_keys,
-    loaded, message_key, owner_prefix, owner_record_key, owners_page, response_key, ttl_page,
-    turn_of,
+    conversation_response_key, conversations_page, decode, decode_batch, encode, listing_start,
+    live_scan, loaded, message_key, owner_prefix, owner_record_key, owners_page, response_key,
+    ttl_page, turn_of,
 };
 use super::records::{
     ConversationMeta, Deleted, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch, StoredMessage,
@@ -297,13 +302,33 @@ impl SledEngine {
                     .remove_turns
                     .iter()
                     .any(|turn| turn % SWEEP_EVERY == 0);
-                let below = message_key(id, 0)..message_key(id, write.meta.first_turn);
-                for tree in [&t.messages, &t.vectors] {
-                    for turn in write.remove_turns {
-                        tree.remove(message_key(id, *turn))?;
+                //
+                // In `messages` the key of the turn before the new first one stays when it
+                // holds a batch with the first turn in it (readers pass over the trimmed
+                // turn), and the key before the first turn trimmed goes (such a batch that a
+                // trim before this one kept).
+                let first = write.meta.first_turn;
+                let kept = match first.checked_sub(1) {
+                    Some(before) if PER_KEY > 1 => holding(&t.messages, id, first)?
+                        .and_then(|(at, _)| (at == message_key(id, before)).then_some(before)),
+                    _ => None,
+                };
+                let earlier = write
+                    .remove_turns
+                    .iter()
+                    .min()
+                    .and_then(|t| t.checked_sub(1));
+                for (tree, holds_batches) in [(&t.messages, true), (&t.vectors, false)] {
+                    let kept = kept.filter(|_| holds_batches);
+                    let earlier = earlier.filter(|_| holds_batches);
+                    for turn in write.remove_turns.iter().chain(&earlier) {
+                        if Some(*turn) != kept {
+                            tree.remove(message_key(id, *turn))?;
+                        }
                     }
                     if sweep {
-                        let keys = tree.range(below.clone()).keys();
+                        let below = message_key(id, 0)..message_key(id, kept.unwrap_or(first));
+                        let keys = tree.range(below).keys();
                         for k in keys.collect::<Result<Vec<_>, _>>()? {
                             tree.remove(k)?;
                         }
@@ -332,10 +357,36 @@ impl SledEngine {
     }
 }
 
+/// The most consecutive turns a `messages` value holds (the module's documentation): two, an
+/// exchange's turn and reply, halve the keys sled keeps pages for, and so the memory it grows
+/// by with what is stored.
+pub(crate) const PER_KEY: usize = 2;
+
 /// A trim that removes a turn numbered a multiple of this also sweeps what is left below the
 /// conversation's new first turn ([`SledEngine::append`]): whatever a crash between the
 /// record's swap and the trim's removals left there goes within this many trimmed turns.
 const SWEEP_EVERY: u64 = 64;
+
+/// The key of `messages` that holds conversation `id`'s `turn` and its value: the turn's own,
+/// or the batch at the turn before it when that batch holds it.
+pub(crate) fn holding(
+    messages: &sled::Tree,
+    id: u64,
+    turn: u64,
+) -> Result<Option<([u8; 16], sled::IVec)>, StoreError> {
+    let own = message_key(id, turn);
+    if let Some(value) = messages.get(own)? {
+        return Ok(Some((own, value)));
+    }
+    let Some(before) = turn.checked_sub(1) else {
+        return Ok(None);
+    };
+    let k = message_key(id, before);
+    Ok(messages
+        .get(k)?
+        .filter(|value| decode_batch(value).is_ok_and(|batch| batch.iter().any(|m| m.turn == turn)))
+        .map(|value| (k, value)))
+}
 
 /// True when `write` adds messages, every one at a turn the stored record (`expected`) has
 /// not reached, under the same id, and removes only turns below its new record's
@@ -381,7 +432,7 @@ impl Engine for SledEngine {
         let meta: ConversationMeta = decode(&stored)?;
         // Turns outside `first_turn..next_turn` are not the conversation's: an append the
         // record never took, a trim cut short (`SledEngine::append`).
-        let values = t.messages.range(live_keys(&meta)).values();
+        let values = t.messages.range(live_scan(&meta, PER_KEY as u64)).values();
         loaded(
             meta,
             stored.to_vec(),
@@ -407,11 +458,12 @@ impl Engine for SledEngine {
         turns
             .iter()
             .map(|&turn| {
-                let bytes = t
-                    .messages
-                    .get(message_key(id, turn))?
+                let (_, batch) = holding(&t.messages, id, turn)?
                     .ok_or_else(|| StoreError::Corrupt(format!("turn {turn} is missing")))?;
-                decode(&bytes)
+                decode_batch(&batch)?
+                    .into_iter()
+                    .find(|m| m.turn == turn)
+                    .ok_or_else(|| StoreError::Corrupt(format!("turn {turn} is missing")))
             })
             .collect()
     }
@@ -427,10 +479,22 @@ impl Engine for SledEngine {
         if from > to {
             return Ok(Vec::new());
         }
-        t.messages
-            .range(message_key(id, from)..=message_key(id, to))
-            .map(|item| decode(&item?.1))
-            .collect()
+        let start = from.saturating_sub(PER_KEY as u64 - 1);
+        let mut out = Vec::new();
+        let mut expected = from;
+        for item in t
+            .messages
+            .range(message_key(id, start)..=message_key(id, to))
+        {
+            for message in decode_batch(&item?.1)? {
+                if message.turn < expected || message.turn > to {
+                    continue;
+                }
+                expected = message.turn + 1;
+                out.push(message);
+            }
+        }
+        Ok(out)
     }
 
     fn new_id(&self) -> Result<u64, StoreError> {
@@ -445,7 +509,7 @@ impl Engine for SledEngine {
         write: Write<'_>,
     ) -> Result<Version, StoreError> {
         let t = self.trees()?;
-        let rows = Rows::of(key, &write)?;
+        let rows = Rows::of(key, &write, PER_KEY)?;
         if appends_only(expected, &write)?
             && let Some(version) = Self::append(&t, expected, write, &rows)?
         {
@@ -461,6 +525,14 @@ impl Engine for SledEngine {
             response_value,
         } = rows;
         let expected = expected.token();
+        // Every turn this write removes or writes again: the keys that hold them go.
+        let cleared: BTreeSet<u64> = write
+            .remove_turns
+            .iter()
+            .copied()
+            .chain(write.add.iter().map(|m| m.turn))
+            .collect();
+        let live = write.meta.first_turn..write.meta.next_turn;
         let result = (
             &t.conversations,
             &t.messages,
@@ -475,14 +547,46 @@ impl Engine for SledEngine {
                     if convs.get(&key)?.as_deref() != expected {
                         return Err(ConflictableTransactionError::Abort(()));
                     }
+                    // A batch reaching past the turns cleared (at a run's first turn less one, or
+                    // at its last) goes whole, and the live turns of it that stay are written
+                    // back, each at its own key.
+                    for &turn in &cleared {
+                        let mut edges = Vec::with_capacity(2);
+                        if turn > 0 && !cleared.contains(&(turn - 1)) {
+                            edges.push(turn - 1);
+                        }
+                        if !cleared.contains(&(turn + 1)) {
+                            edges.push(turn);
+                        }
+                        for at in edges {
+                            let k = message_key(id, at);
+                            let Some(value) = msgs.get(&k[..])? else {
+                                continue;
+                            };
+                            let Ok(batch) = decode_batch(&value) else {
+                                continue;
+                            };
+                            if batch.len() < 2 || !batch.iter().any(|m| cleared.contains(&m.turn)) {
+                                continue;
+                            }
+                            msgs.remove(&k[..])?;
+                            for m in &batch {
+                                if cleared.contains(&m.turn) || !live.contains(&m.turn) {
+                                    continue;
+                                }
+                                if let Ok(value) = encode(m) {
+                                    msgs.insert(&message_key(id, m.turn)[..], value)?;
+                                }
+                            }
+                        }
+                    }
                     // A turn removed, or written again, loses its vector with it.
-                    for turn in write.remove_turns {
-                        msgs.remove(&message_key(id, *turn)[..])?;
-                        vecs.remove(&message_key(id, *turn)[..])?;
+                    for &turn in &cleared {
+                        msgs.remove(&message_key(id, turn)[..])?;
+                        vecs.remove(&message_key(id, turn)[..])?;
                     }
                     for (k, v) in &added {
                         msgs.insert(&k[..], v.as_slice())?;
-                        vecs.remove(&k[..])?;
                     }
                     for (turn, value) in write.vectors {
                         vecs.insert(&message_key(id, *turn)[..], value.as_slice())?;
@@ -528,11 +632,21 @@ impl Engine for SledEngine {
                 return Ok(None);
             }
             let prefix = meta.id.to_be_bytes();
+            let live = meta.first_turn..meta.next_turn;
+            let mut message_count = 0;
             let message_keys = t
                 .messages
                 .scan_prefix(prefix)
-                .keys()
-                .collect::<Result<Vec<_>, _>>()?;
+                .map(|item| {
+                    let (k, v) = item?;
+                    // The conversation's messages: not the trimmed turn a batch may
+                    // still hold below its first turn.
+                    message_count += decode_batch(&v).map_or(1, |batch| {
+                        batch.iter().filter(|m| live.contains(&m.turn)).count()
+                    });
+                    Ok(k)
+                })
+                .collect::<Result<Vec<_>, sled::Error>>()?;
             let summary_keys = t
                 .summaries
                 .scan_prefix(prefix)
@@ -607,7 +721,7 @@ impl Engine for SledEngine {
                         tracing::debug!(late, "removed records written during a delete");
                     }
                     return Ok(Some(Deleted {
-                        messages: message_keys.len(),
+                        messages: message_count,
                         summaries: summary_keys.len(),
                         branches: branch_keys
                             .iter()
@@ -1106,10 +1220,8 @@ mod tests {
         let t = engine.trees().unwrap();
         t.messages
             .scan_prefix(id.to_be_bytes())
-            .map(|item| {
-                let message: StoredMessage = decode(&item.unwrap().1).unwrap();
-                (message.turn, message.message.get().to_string())
-            })
+            .flat_map(|item| decode_batch(&item.unwrap().1).unwrap())
+            .map(|message| (message.turn, message.message.get().to_string()))
             .collect()
     }
 
@@ -1135,6 +1247,129 @@ mod tests {
             )
             .unwrap();
         (engine, k, id, v1)
+    }
+
+    /// The keys the `messages` tree holds for `id` (their turns).
+    fn raw_keys(engine: &SledEngine, id: u64) -> Vec<u64> {
+        let t = engine.trees().unwrap();
+        t.messages
+            .scan_prefix(id.to_be_bytes())
+            .keys()
+            .map(|k| turn_of(&k.unwrap()).unwrap())
+            .collect()
+    }
+
+    /// The texts of `loaded`'s turns, read back by turn.
+    fn texts(engine: &SledEngine, k: &ConversationKey, id: u64, turns: &[u64]) -> Vec<String> {
+        engine
+            .messages(k, id, turns)
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let message: serde_json::Value = serde_json::from_str(m.message.get()).unwrap();
+                message["content"].as_str().unwrap().to_string()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_exchange_is_one_key_and_a_reply_written_again_splits_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (engine, k, id, v1) = two_turns(dir.path());
+        // The turn and its reply under one key, the first turn's.
+        assert_eq!(raw_keys(&engine, id), [1]);
+        assert_eq!(raw_turns(&engine, id).len(), 2);
+        let v2 = engine
+            .write(
+                &k,
+                &v1,
+                adding(
+                    &record(id, 6, 5),
+                    &[stored(3, "m3"), stored(4, "m4"), stored(5, "m5")],
+                ),
+            )
+            .unwrap();
+        assert_eq!(raw_keys(&engine, id), [1, 3, 5]);
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(live_turns(&loaded, &engine, &k), [1, 2, 3, 4, 5]);
+        // A batch's second turn read alone, and ranges that start or end inside a batch.
+        assert_eq!(texts(&engine, &k, id, &[4, 2]), ["m4", "m2"]);
+        let turns = |from, to| -> Vec<u64> {
+            let range = engine.range(&k, id, from, to).unwrap();
+            range.iter().map(|m| m.turn).collect()
+        };
+        assert_eq!(turns(2, 3), [2, 3]);
+        assert_eq!(turns(4, 4), [4]);
+        assert_eq!(turns(1, 9), [1, 2, 3, 4, 5]);
+        // Turn 4 written again (a reply replaced: the transaction): its batch goes and turn 3,
+        // which stays, is written back at its own key.
+        let mut replaced = record(id, 6, 5);
+        replaced.first_turn = 1;
+        let again = [stored(4, "m4 again"), stored(5, "m5 again")];
+        let write = Write {
+            remove_turns: &[4, 5],
+            ..adding(&replaced, &again)
+        };
+        assert!(!appends_only(&v2, &write).unwrap());
+        let v3 = engine.write(&k, &v2, write).unwrap();
+        assert_eq!(raw_keys(&engine, id), [1, 3, 4]);
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(loaded.version, v3);
+        assert_eq!(live_turns(&loaded, &engine, &k), [1, 2, 3, 4, 5]);
+        assert_eq!(
+            texts(&engine, &k, id, &[1, 2, 3, 4, 5]),
+            ["m1", "m2", "m3", "m4 again", "m5 again"]
+        );
+        // A branch that cuts the first batch after its first turn: turn 1 stays alone.
+        let mut cut = record(id, 2, 1);
+        cut.first_turn = 1;
+        let write = Write {
+            remove_turns: &[2, 3, 4, 5],
+            ..adding(&cut, &[])
+        };
+        engine.write(&k, &v3, write).unwrap();
+        assert_eq!(raw_keys(&engine, id), [1]);
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(live_turns(&loaded, &engine, &k), [1]);
+        assert_eq!(texts(&engine, &k, id, &[1]), ["m1"]);
+    }
+
+    #[test]
+    fn a_store_of_one_message_a_key_is_read_and_appended_to() {
+        // What every sled store held before batches: one message a key.
+        let dir = tempfile::tempdir().unwrap();
+        let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
+        let k = crate::tests::key("c");
+        let id = engine.new_id().unwrap();
+        let t = engine.trees().unwrap();
+        for turn in 1..=3 {
+            let value = encode(&stored(turn, &format!("old {turn}"))).unwrap();
+            t.messages.insert(message_key(id, turn), value).unwrap();
+        }
+        let meta = encode(&record(id, 4, 3)).unwrap();
+        t.conversations.insert(k.to_bytes(), meta.clone()).unwrap();
+        let v1 = Version::of(meta);
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(live_turns(&loaded, &engine, &k), [1, 2, 3]);
+        // An exchange appended after them, and a trim of the first old turn.
+        let mut next = record(id, 6, 4);
+        next.first_turn = 2;
+        let exchange = [stored(4, "new 4"), stored(5, "new 5")];
+        let write = Write {
+            remove_turns: &[1],
+            ..adding(&next, &exchange)
+        };
+        assert!(appends_only(&v1, &write).unwrap());
+        engine.write(&k, &v1, write).unwrap();
+        assert_eq!(raw_keys(&engine, id), [2, 3, 4]);
+        let loaded = engine.load(&k).unwrap();
+        assert_eq!(live_turns(&loaded, &engine, &k), [2, 3, 4, 5]);
+        assert_eq!(
+            texts(&engine, &k, id, &[2, 3, 4, 5]),
+            ["old 2", "old 3", "new 4", "new 5"]
+        );
+        let deleted = engine.delete(&k, None).unwrap().unwrap();
+        assert_eq!(deleted.messages, 4);
     }
 
     #[test]
@@ -1226,11 +1461,11 @@ mod tests {
         let loaded = engine.load(&k).unwrap();
         assert_eq!(loaded.version, v3);
         assert_eq!(live_turns(&loaded, &engine, &k), [3, 4, 5]);
-        // A trim a crash cut short: turn 2 is back on disk, below the record's first turn,
+        // A trim a crash cut short: turn 1 is back on disk, below the record's first turn,
         // and never read.
         let t = engine.trees().unwrap();
-        let left = encode(&stored(2, "left")).unwrap();
-        t.messages.insert(message_key(id, 2), left).unwrap();
+        let left = encode(&stored(1, "left")).unwrap();
+        t.messages.insert(message_key(id, 1), left).unwrap();
         assert_eq!(
             live_turns(&engine.load(&k).unwrap(), &engine, &k),
             [3, 4, 5]
@@ -1248,7 +1483,9 @@ mod tests {
             ..adding(&trimmed, &six)
         };
         let mut version = engine.write(&k, &v3, trim).unwrap();
-        assert_eq!(raw(&engine), [2, 4, 5, 6]);
+        // Turn 3 stays in its exchange's value beside turn 4, the new first turn, and is
+        // never read either.
+        assert_eq!(raw(&engine), [1, 3, 4, 5, 6]);
         assert!(engine.vectors(&k, id).unwrap().is_empty());
         let loaded = engine.load(&k).unwrap();
         assert_eq!(live_turns(&loaded, &engine, &k), [4, 5, 6]);
@@ -1266,7 +1503,7 @@ mod tests {
             };
             version = engine.write(&k, &version, trim).unwrap();
             let left = if turn - 3 < SWEEP_EVERY {
-                vec![2]
+                vec![1]
             } else {
                 vec![]
             };

@@ -18,9 +18,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::StoreError;
-use super::layout::{decode, message_key, turn_of};
+use super::layout::{decode, decode_batch, message_key, turn_of};
 use super::records::{ConversationMeta, OwnerMeta, StoredBranch, StoredMessage, TtlRecord};
-use super::sled_engine::{Trees, open_trees, read_branches};
+use super::sled_engine::{PER_KEY, Trees, open_trees, read_branches};
 use memproxy_base::identity::ConversationKey;
 
 /// Turns read one by one, at most, for one conversation once its scan failed.
@@ -168,15 +168,19 @@ impl SalvageReader {
     pub fn messages(&self, id: u64, first_turn: u64, next_turn: u64) -> Messages {
         let tree = &self.trees.messages;
         let mut out = Messages::default();
-        let keep =
-            |out: &mut Messages, turn: u64, value: &[u8]| match decode::<StoredMessage>(value) {
-                Ok(message) => out.read.push(message),
-                Err(_) => {
-                    out.undecodable += 1;
-                    out.last_unreadable = Some(turn);
-                }
-            };
-        let mut from = first_turn;
+        // A value holds one turn or a batch from its key's on (`sled_engine.rs`).
+        let keep = |out: &mut Messages, turn: u64, value: &[u8]| match decode_batch(value) {
+            Ok(batch) => out.read.extend(
+                batch
+                    .into_iter()
+                    .filter(|m| (first_turn..next_turn).contains(&m.turn)),
+            ),
+            Err(_) => {
+                out.undecodable += 1;
+                out.last_unreadable = Some(turn);
+            }
+        };
+        let mut from = first_turn.saturating_sub(PER_KEY as u64 - 1);
         'scan: while from < next_turn {
             let mut failed = false;
             for item in tree.range(message_key(id, from)..message_key(id, next_turn)) {
@@ -191,7 +195,7 @@ impl SalvageReader {
             if !failed {
                 break;
             }
-            if next_turn - from > MAX_PROBES {
+            if next_turn.saturating_sub(from) > MAX_PROBES {
                 out.last_unreadable = Some(next_turn - 1);
                 break;
             }
@@ -268,13 +272,14 @@ impl SalvageReader {
     pub fn message_ids(&self) -> Walk<(u64, usize)> {
         let all = walk(&self.trees.messages);
         let mut ids: BTreeMap<u64, usize> = BTreeMap::new();
-        for (key, _) in &all.records {
+        for (key, value) in &all.records {
             if let Some(id) = key
                 .get(..8)
                 .and_then(|b| <[u8; 8]>::try_from(b).ok())
                 .map(u64::from_be_bytes)
             {
-                *ids.entry(id).or_default() += 1;
+                // A batch's messages, each (one when it cannot be read).
+                *ids.entry(id).or_default() += decode_batch(value).map_or(1, |b| b.len());
             }
         }
         Walk {

@@ -11,7 +11,9 @@ use sled::Transactional;
 use super::super::StoreError;
 use super::super::engine::{SealedVector, Vectors};
 use super::super::records::{ConversationMeta, OwnerKey, OwnerMeta};
-use super::{SledEngine, done_or_count, message_key, owner_prefix, owner_record_key, turn_of};
+use super::{
+    SledEngine, done_or_count, holding, message_key, owner_prefix, owner_record_key, turn_of,
+};
 use memproxy_base::identity::ConversationKey;
 
 impl Vectors for SledEngine {
@@ -40,12 +42,13 @@ impl Vectors for SledEngine {
         // after finds its message gone.
         let mut written = 0;
         for (turn, value) in vectors {
-            let k = message_key(id, *turn);
-            let Some(message) = t.messages.get(k)? else {
+            // The value that holds the message: its own, or its exchange's batch.
+            let Some((at, message)) = holding(&t.messages, id, *turn)? else {
                 continue;
             };
+            let k = message_key(id, *turn);
             t.vectors.insert(k, value.as_slice())?;
-            if t.messages.get(k)?.as_ref() == Some(&message) {
+            if t.messages.get(at)?.as_ref() == Some(&message) {
                 written += 1;
             } else {
                 t.vectors.remove(k)?;
