@@ -39,11 +39,10 @@ pub(super) fn turn_of(key: &[u8]) -> Option<u64> {
 }
 
 /// A conversation as loaded: its record `meta` (decoded from `stored`) and the values of its
-/// live turns, `first_turn..next_turn`, in turn order: the values read in key order from
-/// [`live_scan`]'s range (the engine reads that key range: turns outside it are not the
-/// conversation's). A value holds one message or a [batch](encode_batch) of consecutive ones;
-/// a turn below the next one expected is passed over (below `first_turn`: trimmed; past it: a
-/// value a batch before it replaced, left by a crash).
+/// live turns, `first_turn..next_turn`, in key order (the engine reads that key range, from
+/// the key of a batch that can hold `first_turn`: turns outside it are not the
+/// conversation's). A value holds one message or a [batch](encode_batch) of consecutive ones,
+/// of which [`in_order`] keeps the turns.
 pub(super) fn loaded<V: AsRef<[u8]>>(
     meta: ConversationMeta,
     stored: Vec<u8>,
@@ -53,10 +52,9 @@ pub(super) fn loaded<V: AsRef<[u8]>>(
     let mut expected = meta.first_turn;
     for value in values {
         for message in decode_batch(value?.as_ref())? {
-            if message.turn < expected {
+            if !in_order(&mut expected, meta.next_turn, message.turn) {
                 continue;
             }
-            expected = message.turn + 1;
             let before = entries.last().map_or(0, |e| e.cum_tokens);
             entries.push(Entry::new(&message, before));
         }
@@ -69,18 +67,22 @@ pub(super) fn loaded<V: AsRef<[u8]>>(
 }
 
 /// The keys of the live turns of the conversation `meta` records, where each value holds one
-/// message.
+/// message (fjall's; sled's may start a turn before, `sled_engine::first_holder`).
 pub(super) fn live_keys(meta: &ConversationMeta) -> std::ops::Range<[u8; 16]> {
     message_key(meta.id, meta.first_turn)..message_key(meta.id, meta.next_turn)
 }
 
-/// The keys that hold the live turns of the conversation `meta` records where a value holds
-/// up to `per_key` consecutive turns under the first one's key: [`live_keys`] from as many
-/// turns before `first_turn` as a batch holding it can start. The values may hold turns
-/// outside `first_turn..next_turn` ([`loaded`] passes over them).
-pub(super) fn live_scan(meta: &ConversationMeta, per_key: u64) -> std::ops::Range<[u8; 16]> {
-    let from = meta.first_turn.saturating_sub(per_key.saturating_sub(1));
-    message_key(meta.id, from)..message_key(meta.id, meta.next_turn)
+/// True when a turn read in key order is the next one taken from values that start at or
+/// before the turn `expected` and end below `end`; it then moves `expected` past it. A turn
+/// below `expected` is passed over (below the first turn asked: trimmed, or in a batch that
+/// starts before it; past it: a value a batch before it replaced, left by a crash), and one
+/// at or past `end` too.
+pub(super) fn in_order(expected: &mut u64, end: u64, turn: u64) -> bool {
+    if turn < *expected || turn >= end {
+        return false;
+    }
+    *expected = turn + 1;
+    true
 }
 
 /// The messages of a `messages` value: one ([`StoredMessage`] as JSON, every value before

@@ -63,9 +63,9 @@ use super::StoreError;
 use super::engine::{Engine, Loaded, Owners, Page, Scope, Version, Write};
 use super::layout::{
     BRANCH_RECORD, Rows, assemble_branches, branch_key_parts, branch_rows,
-    conversation_response_key, conversations_page, decode, decode_batch, encode, listing_start,
-    live_scan, loaded, message_key, owner_prefix, owner_record_key, owners_page, response_key,
-    ttl_page, turn_of,
+    conversation_response_key, conversations_page, decode, decode_batch, encode, in_order,
+    listing_start, live_keys, loaded, message_key, owner_prefix, owner_record_key, owners_page,
+    response_key, ttl_page, turn_of,
 };
 use super::records::{
     ConversationMeta, Deleted, OwnerKey, OwnerMeta, OwnerRecord, StoredBranch, StoredMessage,
@@ -367,6 +367,12 @@ pub(crate) const PER_KEY: usize = 2;
 /// record's swap and the trim's removals left there goes within this many trimmed turns.
 const SWEEP_EVERY: u64 = 64;
 
+/// The first turn whose key can hold `turn`: that of a batch starting [`PER_KEY`] − 1 turns
+/// before it.
+pub(crate) fn first_holder(turn: u64) -> u64 {
+    turn.saturating_sub(PER_KEY as u64 - 1)
+}
+
 /// The key of `messages` that holds conversation `id`'s `turn` and its value: the turn's own,
 /// or the batch at the turn before it when that batch holds it.
 pub(crate) fn holding(
@@ -432,7 +438,9 @@ impl Engine for SledEngine {
         let meta: ConversationMeta = decode(&stored)?;
         // Turns outside `first_turn..next_turn` are not the conversation's: an append the
         // record never took, a trim cut short (`SledEngine::append`).
-        let values = t.messages.range(live_scan(&meta, PER_KEY as u64)).values();
+        let live = live_keys(&meta);
+        let from = message_key(meta.id, first_holder(meta.first_turn));
+        let values = t.messages.range(from..live.end).values();
         loaded(
             meta,
             stored.to_vec(),
@@ -479,19 +487,14 @@ impl Engine for SledEngine {
         if from > to {
             return Ok(Vec::new());
         }
-        let start = from.saturating_sub(PER_KEY as u64 - 1);
+        let keys = message_key(id, first_holder(from))..=message_key(id, to);
         let mut out = Vec::new();
         let mut expected = from;
-        for item in t
-            .messages
-            .range(message_key(id, start)..=message_key(id, to))
-        {
+        for item in t.messages.range(keys) {
             for message in decode_batch(&item?.1)? {
-                if message.turn < expected || message.turn > to {
-                    continue;
+                if in_order(&mut expected, to.saturating_add(1), message.turn) {
+                    out.push(message);
                 }
-                expected = message.turn + 1;
-                out.push(message);
             }
         }
         Ok(out)

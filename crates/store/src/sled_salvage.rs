@@ -20,7 +20,7 @@ use std::path::Path;
 use super::StoreError;
 use super::layout::{decode, decode_batch, message_key, turn_of};
 use super::records::{ConversationMeta, OwnerMeta, StoredBranch, StoredMessage, TtlRecord};
-use super::sled_engine::{PER_KEY, Trees, open_trees, read_branches};
+use super::sled_engine::{Trees, first_holder, open_trees, read_branches};
 use memproxy_base::identity::ConversationKey;
 
 /// Turns read one by one, at most, for one conversation once its scan failed.
@@ -180,7 +180,7 @@ impl SalvageReader {
                 out.last_unreadable = Some(turn);
             }
         };
-        let mut from = first_turn.saturating_sub(PER_KEY as u64 - 1);
+        let mut from = first_holder(first_turn);
         'scan: while from < next_turn {
             let mut failed = false;
             for item in tree.range(message_key(id, from)..message_key(id, next_turn)) {
