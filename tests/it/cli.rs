@@ -148,7 +148,7 @@ fn check_config_prints_the_effective_settings_per_agent() {
     // with the default static embedder's 17 MiB set aside first.
     assert!(text.contains("the embedder 17 MiB"), "{text}");
     assert!(
-        text.contains("budget a sled store needs so the caches keep their shares: 100000 messages 147 MiB, 1000000 messages 339 MiB"),
+        text.contains("budget a sled store needs so the caches keep their shares: 100000 messages 144 MiB, 1000000 messages 199 MiB"),
         "{text}"
     );
     assert!(!text.contains("store on disk"), "{text}");
@@ -161,7 +161,7 @@ fn check_config_prints_the_effective_settings_per_agent() {
     );
     let text = String::from_utf8(grown.stdout).unwrap();
     assert!(
-        text.contains("store on disk = 573 MiB, about 1000000 messages: sled needs about 65 MiB past its page cache, the budget reserves 28 MiB; the caches give up 37 MiB: a budget of 339 MiB would leave them whole"),
+        text.contains("store on disk = 573 MiB, about 1000000 messages: sled needs about 30 MiB past its page cache, the budget reserves 28 MiB; the caches give up 2 MiB: a budget of 199 MiB would leave them whole"),
         "{text}"
     );
 

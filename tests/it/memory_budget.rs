@@ -421,10 +421,10 @@ async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
         reserve
     );
 
-    // 300,000 messages: sled needs 11 MiB + 56 bytes each, past the 16 MiB reserve of a
-    // 128 MiB budget by about 11 MiB, which the caches give up in proportion to their sizes.
-    guard.pretend_stored_messages(Some(300_000));
-    let need = memproxy::config::engine_need(300_000) as f64;
+    // 1,000,000 messages: sled needs 14 MiB + 16 bytes each, past the 16 MiB reserve of a
+    // 128 MiB budget by about 13 MiB, which the caches give up in proportion to their sizes.
+    guard.pretend_stored_messages(Some(1_000_000));
+    let need = memproxy::config::engine_need(1_000_000) as f64;
     metric_until(&proxy, "memproxy_store_memory_share_bytes", |v| v == need).await;
     let overdraft = need - reserve;
     let limit = metric_until(&proxy, &format!("memproxy_cache_limit_bytes{state}"), |v| {
