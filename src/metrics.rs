@@ -709,7 +709,10 @@ impl AdmissionMetrics {
         );
         registry.register_with_unit(
             "store_memory_share",
-            "The storage engine's share of the memory budget: its reserve, grown with what it stores (sled's memory past its page cache grows about 16 bytes per stored message, `STORE_BYTES_PER_MESSAGE`); what it needs past the reserve the caches give up (0 with Redis; with fjall, whose caches bound its memory, the reserve)",
+            format!(
+                "The storage engine's share of the memory budget: its reserve, grown with what it stores (sled's memory past its page cache grows about {} bytes per stored message, `STORE_BYTES_PER_MESSAGE`); what it needs past the reserve the caches give up (0 with Redis; with fjall, whose caches bound its memory, the reserve)",
+                crate::config::STORE_BYTES_PER_MESSAGE
+            ),
             Unit::Bytes,
             metrics.store_share.clone(),
         );

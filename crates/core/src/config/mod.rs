@@ -57,8 +57,8 @@ pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig}
 pub use mcp::{DEFAULT_MCP_ALLOWED_HOSTS, McpConfig};
 pub use memory_budget::{
     CONTEXTUAL_EMBEDDER_BYTES, MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE,
-    STATIC_EMBEDDER_BYTES, budget_for_messages, engine_need, messages_on_disk,
-    split as split_memory_budget,
+    STATIC_EMBEDDER_BYTES, STORE_BYTES_PER_MESSAGE, budget_for_messages, engine_need,
+    messages_on_disk, split as split_memory_budget,
 };
 pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
 pub use server::{
