@@ -58,7 +58,9 @@ struct Args {
     #[arg(long)]
     page_cache_mib: Option<u64>,
     /// Also store a vector of this many dimensions for each message, as recall by meaning
-    /// does (the default static embedder's: 256; 0: none).
+    /// does with an embedder whose vectors are stored (the contextual model's: 384; the
+    /// provider's `text-embedding-3-small`: 1536; the default static table's, 256, are derived
+    /// and not stored; 0: none).
     #[arg(long, default_value_t = 0)]
     vector_dims: usize,
     /// The embedded engine: `sled` (the default) or `fjall`.

@@ -109,7 +109,7 @@ fn init_tracing(format: LogFormat) {
 // Allowed: part of `check-config`'s report, below.
 #[allow(clippy::print_stdout)]
 fn print_store_needs(config: &Config) {
-    use memproxy::config::{budget_for_messages, engine_need, messages_on_disk};
+    use memproxy::config::messages_on_disk;
     let mib = |bytes: u64| bytes.div_ceil(1 << 20);
     let budget = &config.memory_budget;
     let on_disk = memproxy::store::dir_bytes(&config.data_dir.join("store"));
@@ -119,30 +119,32 @@ fn print_store_needs(config: &Config) {
         println!(
             "store on disk = {} MiB, about {messages} messages: sled needs about {} MiB past its page cache, the budget reserves {} MiB{}",
             mib(on_disk),
-            mib(engine_need(messages)),
+            mib(budget.engine_need(messages)),
             mib(budget.engine_reserve),
             if overdraft > 0 {
                 format!(
                     "; the caches give up {} MiB: a budget of {} MiB would leave them whole",
                     mib(overdraft),
-                    mib(budget_for_messages(messages, budget.embedder))
+                    mib(budget.budget_for_messages(messages))
                 )
             } else {
                 String::new()
             }
         );
     }
+    // The contextual model's and the provider's vectors are stored beside the messages.
+    let kind = config.embedding.embedder;
+    let vectors = if kind.stores_vectors() {
+        format!(", each message with the {} embedder's vector", kind.name())
+    } else {
+        String::new()
+    };
     let sizes: Vec<String> = [100_000u64, 1_000_000, 10_000_000]
         .iter()
-        .map(|&n| {
-            format!(
-                "{n} messages {} MiB",
-                mib(budget_for_messages(n, budget.embedder))
-            )
-        })
+        .map(|&n| format!("{n} messages {} MiB", mib(budget.budget_for_messages(n))))
         .collect();
     println!(
-        "budget a sled store needs so the caches keep their shares: {}",
+        "budget a sled store needs so the caches keep their shares{vectors}: {}",
         sizes.join(", ")
     );
 }

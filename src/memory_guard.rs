@@ -871,11 +871,10 @@ impl Relief {
         if overdraft > 0 && before == 0 {
             tracing::warn!(
                 stored_messages = messages,
-                store_needs_mib = crate::config::engine_need(messages) >> 20,
+                store_needs_mib = self.budget.engine_need(messages) >> 20,
                 reserve_mib = self.budget.engine_reserve >> 20,
                 budget_mib = self.budget.total >> 20,
-                budget_needed_mib =
-                    crate::config::budget_for_messages(messages, self.budget.embedder) >> 20,
+                budget_needed_mib = self.budget.budget_for_messages(messages) >> 20,
                 "the store has outgrown the memory budget's reserve for it: the caches give up the difference; raise server.memory_budget"
             );
         }

@@ -710,8 +710,9 @@ impl AdmissionMetrics {
         registry.register_with_unit(
             "store_memory_share",
             format!(
-                "The storage engine's share of the memory budget: its reserve, grown with what it stores (sled's memory past its page cache grows about {} bytes per stored message, `STORE_BYTES_PER_MESSAGE`); what it needs past the reserve the caches give up (0 with Redis; with fjall, whose caches bound its memory, the reserve)",
-                crate::config::STORE_BYTES_PER_MESSAGE
+                "The storage engine's share of the memory budget: its reserve, grown with what it stores (sled's memory past its page cache grows about {} bytes per stored message, `STORE_BYTES_PER_MESSAGE`, and {} more where the embedder's vectors are stored, `STORE_BYTES_PER_VECTOR`); what it needs past the reserve the caches give up (0 with Redis; with fjall, whose caches bound its memory, the reserve)",
+                crate::config::STORE_BYTES_PER_MESSAGE,
+                crate::config::STORE_BYTES_PER_VECTOR
             ),
             Unit::Bytes,
             metrics.store_share.clone(),

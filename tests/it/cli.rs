@@ -116,6 +116,14 @@ async fn conversations_commands_work_on_a_stopped_servers_data() {
     assert!(String::from_utf8_lossy(&nowhere.stderr).contains("does not exist"));
 }
 
+/// `check-config`'s output for `toml` written to `config`, which must pass.
+fn checked_with(dir: &std::path::Path, config: &std::path::Path, toml: &str) -> String {
+    std::fs::write(config, toml).unwrap();
+    let output = memproxy(dir, &["--config", config.to_str().unwrap(), "check-config"]);
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8(output.stdout).unwrap()
+}
+
 #[test]
 fn check_config_prints_the_effective_settings_per_agent() {
     let dir = tempfile::tempdir().unwrap();
@@ -172,18 +180,29 @@ fn check_config_prints_the_effective_settings_per_agent() {
         "{text}"
     );
 
+    // The provider's vectors are stored beside each message (the static table's are not): a
+    // second key a message, 16 bytes more each past 8 MiB more (no embedder in the process, so
+    // the default budget's reserve is 32 MiB).
+    let text = checked_with(
+        dir.path(),
+        &config,
+        "[embedding]\nembedder = \"upstream\"\nupstream_model = \"text-embedding-3-small\"\n",
+    );
+    assert!(
+        text.contains("budget a sled store needs so the caches keep their shares, each message with the upstream embedder's vector: 100000 messages 165 MiB, 1000000 messages 275 MiB, 10000000 messages 1373 MiB"),
+        "{text}"
+    );
+    assert!(
+        text.contains("store on disk = 573 MiB, about 1000000 messages: sled needs about 53 MiB past its page cache, the budget reserves 32 MiB; the caches give up 21 MiB: a budget of 275 MiB would leave them whole"),
+        "{text}"
+    );
+
     // With Redis no engine runs in the process: no cache or reserve of one is named.
-    std::fs::write(
+    let text = checked_with(
+        dir.path(),
         &config,
         "[storage]\nbackend = \"redis\"\nredis_url = \"redis://127.0.0.1:1\"\n",
-    )
-    .unwrap();
-    let redis = memproxy(
-        dir.path(),
-        &["--config", config.to_str().unwrap(), "check-config"],
     );
-    assert!(redis.status.success());
-    let text = String::from_utf8(redis.stdout).unwrap();
     assert!(
         text.contains("no storage engine in the process (Redis), recall cache"),
         "{text}"

@@ -408,6 +408,34 @@ async fn fjall_s_messages_are_counted_and_its_share_stays_its_reserve() {
 }
 
 #[tokio::test]
+async fn a_store_with_the_providers_vectors_has_a_larger_share_than_its_messages_alone() {
+    // The provider's vectors are stored beside the messages (the static table's are not): the
+    // same count of messages needs more of the budget.
+    let Started { proxy, .. } = Harness::new()
+        .config(&format!(
+            "{BUDGET}[embedding]\nembedder = \"upstream\"\nupstream_model = \"text-embedding-3-small\"\n"
+        ))
+        .start()
+        .await;
+    let guard = &proxy.state.memory_guard;
+    guard.pretend_resident(Some(64 * MIB));
+    let budget = *guard.budget();
+    assert_eq!(
+        budget.store_growth,
+        memproxy::config::StoreGrowth::WITH_VECTORS
+    );
+    guard.pretend_stored_messages(Some(1_000_000));
+    let need = budget.engine_need(1_000_000) as f64;
+    let share = metric_until(&proxy, "memproxy_store_memory_share_bytes", |v| v == need).await;
+    let messages_alone = memproxy::config::StoreGrowth::MESSAGES.need(1_000_000) as f64;
+    assert!(
+        share > messages_alone + 10.0 * MIB as f64,
+        "{share} against {messages_alone}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
 async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
     let Started { proxy, .. } = Harness::new().config(BUDGET).start().await;
     let guard = &proxy.state.memory_guard;
@@ -424,7 +452,7 @@ async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
     // 1,000,000 messages: sled needs 14 MiB + 16 bytes each, past the 16 MiB reserve of a
     // 128 MiB budget by about 13 MiB, which the caches give up in proportion to their sizes.
     guard.pretend_stored_messages(Some(1_000_000));
-    let need = memproxy::config::engine_need(1_000_000) as f64;
+    let need = guard.budget().engine_need(1_000_000) as f64;
     metric_until(&proxy, "memproxy_store_memory_share_bytes", |v| v == need).await;
     let overdraft = need - reserve;
     let limit = metric_until(&proxy, &format!("memproxy_cache_limit_bytes{state}"), |v| {

@@ -33,6 +33,13 @@ impl EmbedderKind {
         }
     }
 
+    /// Whether its vectors are stored beside the messages (and so grow the store): the
+    /// contextual model's and the provider's; the static table's are derived from the texts
+    /// when a recall index is built.
+    pub fn stores_vectors(self) -> bool {
+        matches!(self, EmbedderKind::Contextual | EmbedderKind::Upstream)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             EmbedderKind::Static => "static",

@@ -23,7 +23,8 @@
 //!
 //! sled's memory is not bounded by its page cache: its page table (an entry for every page, and
 //! where each paged-out page's fragments lie in the log) grows with what is stored, about 12
-//! bytes a message ([`STORE_BYTES_PER_MESSAGE`]), so it gets a reserve of its own. With Redis (no
+//! bytes a message ([`STORE_BYTES_PER_MESSAGE`]), and about twice that where the embedder's vectors
+//! are stored beside the messages ([`StoreGrowth`]), so it gets a reserve of its own. With Redis (no
 //! sled in the process) those shares go to the recall indexes and to requests in flight
 //! ([`split_for`]).
 //!
@@ -45,7 +46,7 @@
 /// same), rounded up to 16 bytes and 14 MiB so the line is over every point measured. It was
 /// 56 bytes a message before the page cache's accounting was made prompt (`vendor/sled`,
 /// vendor/README.md): most of that was pages read back and held past the cache's capacity.
-/// [`engine_need`] adds [`STORE_BASE_BYTES`].
+/// [`StoreGrowth::MESSAGES`] adds [`STORE_BASE_BYTES`].
 pub const STORE_BYTES_PER_MESSAGE: u64 = 16;
 
 /// What sled takes beyond its page cache before that growth (same measurement).
@@ -57,9 +58,61 @@ pub const STORE_BASE_BYTES: u64 = 14 * MIB;
 /// opened to count them (`check-config`, beside a running memproxy that holds its lock).
 pub const STORE_DISK_BYTES_PER_MESSAGE: u64 = 600;
 
-/// What sled takes in memory beyond its page cache for a store of `messages` messages.
-pub fn engine_need(messages: u64) -> u64 {
-    STORE_BASE_BYTES.saturating_add(messages.saturating_mul(STORE_BYTES_PER_MESSAGE))
+/// What a stored vector adds to sled's memory beyond its page cache, a message: each is a key
+/// of its own in the `vectors` tree beside its message, so a store whose embedder's vectors are
+/// stored (the contextual model's, the provider's) has about twice the keys of one without, and
+/// a page table about twice as large. sled splits a leaf by its count of keys, not their bytes,
+/// so the vector's size hardly matters. Measured as [`STORE_BYTES_PER_MESSAGE`] with
+/// `--vector-dims 384` (the contextual model's), 1536 (the provider's `text-embedding-3-small`)
+/// and 256; past the page cache, the largest of the three at each point: 33.7 MiB at 500,000
+/// messages, 49.8 at a million, 57.1 at 1.5 million, 75.8 at 2 million, and with 384 dimensions
+/// 83.4 at 2.5 million and 95.7 at 3 million: about 27 bytes a message past 500,000. With
+/// [`STORE_VECTORS_BASE_BYTES`], rounded up so the line is over every point (by 2.7 MiB at a
+/// million, the closest).
+pub const STORE_BYTES_PER_VECTOR: u64 = 16;
+
+/// What the `vectors` tree adds to [`STORE_BASE_BYTES`] (same measurement).
+pub const STORE_VECTORS_BASE_BYTES: u64 = 8 * MIB;
+
+/// How sled's memory beyond its page cache grows with what is stored: the store's share of the
+/// budget ([`MemoryBudget::engine_need`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreGrowth {
+    /// Before the first message.
+    pub base: u64,
+    /// Each stored message.
+    pub per_message: u64,
+}
+
+impl StoreGrowth {
+    /// Messages alone: no embedder, or the static table's vectors (derived from the texts when
+    /// an index is built, never stored).
+    pub const MESSAGES: StoreGrowth = StoreGrowth {
+        base: STORE_BASE_BYTES,
+        per_message: STORE_BYTES_PER_MESSAGE,
+    };
+
+    /// Each message with its vector stored beside it (`[embedding] embedder = "contextual"` or
+    /// `"upstream"`).
+    pub const WITH_VECTORS: StoreGrowth = StoreGrowth {
+        base: STORE_BASE_BYTES + STORE_VECTORS_BASE_BYTES,
+        per_message: STORE_BYTES_PER_MESSAGE + STORE_BYTES_PER_VECTOR,
+    };
+
+    /// The growth of a store whose embedder stores its vectors (`stores_vectors`) or not.
+    pub fn of(stores_vectors: bool) -> StoreGrowth {
+        if stores_vectors {
+            StoreGrowth::WITH_VECTORS
+        } else {
+            StoreGrowth::MESSAGES
+        }
+    }
+
+    /// What sled takes in memory beyond its page cache for a store of `messages` messages.
+    pub fn need(self, messages: u64) -> u64 {
+        self.base
+            .saturating_add(messages.saturating_mul(self.per_message))
+    }
 }
 
 /// About how many messages a sled store of `bytes` on disk holds.
@@ -67,21 +120,13 @@ pub fn messages_on_disk(bytes: u64) -> u64 {
     bytes / STORE_DISK_BYTES_PER_MESSAGE
 }
 
-/// The smallest budget whose split gives sled's memory beyond its page cache room for a store
-/// of `messages` messages, rounded up to a MiB (never under the minimum for `embedder`, the
-/// embedder's resident bytes).
-pub fn budget_for_messages(messages: u64, embedder: u64) -> u64 {
-    let need = engine_need(messages);
-    // The reserve is ENGINE_EIGHTHS eighths of what is past the process base and the embedder.
-    let total =
-        (PROCESS_BASE + embedder).saturating_add(need.saturating_mul(8).div_ceil(ENGINE_EIGHTHS));
-    total
-        .div_ceil(MIB)
-        .saturating_mul(MIB)
-        .max(MIN_MEMORY_BUDGET + embedder)
-}
-
 impl MemoryBudget {
+    /// What sled takes in memory beyond its page cache for a store of `messages` messages,
+    /// with or without its vectors as the embedder stores them ([`MemoryBudget::store_growth`]).
+    pub fn engine_need(&self, messages: u64) -> u64 {
+        self.store_growth.need(messages)
+    }
+
     /// What the store's memory needs beyond the reserve the split gave it, for a sled store of
     /// `messages` messages (0 with Redis, or when the reserve covers it): the caches give it
     /// up (`memory_guard.rs` holds them that much lower).
@@ -89,7 +134,23 @@ impl MemoryBudget {
         if self.engine_reserve == 0 {
             return 0;
         }
-        engine_need(messages).saturating_sub(self.engine_reserve)
+        self.engine_need(messages)
+            .saturating_sub(self.engine_reserve)
+    }
+
+    /// The smallest budget whose split gives sled's memory beyond its page cache room for a
+    /// store of `messages` messages with this budget's embedder (its resident bytes, and
+    /// whether its vectors are stored), rounded up to a MiB (never under the minimum for it).
+    pub fn budget_for_messages(&self, messages: u64) -> u64 {
+        let need = self.engine_need(messages);
+        // The reserve is ENGINE_EIGHTHS eighths of what is past the process base and the
+        // embedder.
+        let total = (PROCESS_BASE + self.embedder)
+            .saturating_add(need.saturating_mul(8).div_ceil(ENGINE_EIGHTHS));
+        total
+            .div_ceil(MIB)
+            .saturating_mul(MIB)
+            .max(MIN_MEMORY_BUDGET + self.embedder)
     }
 }
 
@@ -145,6 +206,9 @@ pub struct MemoryBudget {
     pub receipts: u64,
     /// The embedder's table or model, taken before the split (0: none, or the provider's).
     pub embedder: u64,
+    /// How the storage engine's memory beyond its page cache grows with what is stored (with
+    /// the embedder's vectors when they are stored).
+    pub store_growth: StoreGrowth,
 }
 
 impl MemoryBudget {
@@ -205,6 +269,7 @@ pub fn split_with(total: u64, engine: StoreResidence, embedder: u64) -> MemoryBu
         engine_reserve: ENGINE_EIGHTHS * eighth,
         receipts: 0,
         embedder,
+        store_growth: StoreGrowth::MESSAGES,
     };
     let embedded = MemoryBudget {
         receipts: receipts_share(&embedded),
@@ -228,16 +293,29 @@ pub fn split_with(total: u64, engine: StoreResidence, embedder: u64) -> MemoryBu
     }
 }
 
+/// The embedder (`[embedding]`) as the budget sees it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Embedder<'a> {
+    /// Its name in `embedding.embedder`.
+    pub name: &'a str,
+    /// What it keeps resident, taken before the split.
+    pub resident: u64,
+    /// Whether its vectors are stored beside the messages ([`StoreGrowth::WITH_VECTORS`]).
+    pub stores_vectors: bool,
+}
+
 /// Checks the budget and the explicit cache sizes against it; a problem for a budget under
-/// [`MIN_MEMORY_BUDGET`] and for caches that together take more than their part.
+/// [`MIN_MEMORY_BUDGET`] (and the embedder's resident bytes) and for caches that together take more
+/// than their part.
 pub(super) fn check_budget(
     total: u64,
     engine: StoreResidence,
-    embedder: (&str, u64),
+    embedder: Embedder<'_>,
     explicit: ExplicitCaches,
     problems: &mut Vec<String>,
 ) -> MemoryBudget {
-    let (embedder_name, embedder) = embedder;
+    let store_growth = StoreGrowth::of(embedder.stores_vectors);
+    let (embedder_name, embedder) = (embedder.name, embedder.resident);
     let minimum = MIN_MEMORY_BUDGET + embedder;
     if total < minimum {
         let with = if embedder > 0 {
@@ -254,10 +332,14 @@ pub(super) fn check_budget(
             minimum / MIB,
             PROCESS_BASE / MIB
         ));
-        return split_with(minimum, engine, embedder);
+        return MemoryBudget {
+            store_growth,
+            ..split_with(minimum, engine, embedder)
+        };
     }
     let shares = split_with(total, engine, embedder);
     let budget = MemoryBudget {
+        store_growth,
         state_cache: explicit.state.unwrap_or(shares.state_cache),
         store_cache: explicit.store.unwrap_or(shares.store_cache),
         recall_cache: explicit.recall.unwrap_or(shares.recall_cache),
@@ -311,12 +393,33 @@ pub(super) fn apply_receipts(
 mod tests {
     use super::*;
 
+    const NONE: Embedder<'static> = Embedder {
+        name: "off",
+        resident: 0,
+        stores_vectors: false,
+    };
+    const STATIC: Embedder<'static> = Embedder {
+        name: "static",
+        resident: STATIC_EMBEDDER_BYTES,
+        stores_vectors: false,
+    };
+    const CONTEXTUAL: Embedder<'static> = Embedder {
+        name: "contextual",
+        resident: CONTEXTUAL_EMBEDDER_BYTES,
+        stores_vectors: true,
+    };
+    const UPSTREAM: Embedder<'static> = Embedder {
+        name: "upstream",
+        resident: 0,
+        stores_vectors: true,
+    };
+
     fn check(total: u64, explicit: ExplicitCaches) -> (MemoryBudget, Vec<String>) {
         let mut problems = Vec::new();
         let budget = check_budget(
             total,
             StoreResidence::Embedded,
-            ("none", 0),
+            NONE,
             explicit,
             &mut problems,
         );
@@ -330,7 +433,7 @@ mod tests {
         assert_eq!(budget.store_overdraft(0), 0);
         assert_eq!(budget.store_overdraft(200_000), 0);
         // Two million messages need 14 MiB + 32 MB: 14.5 MiB more than the reserve.
-        assert_eq!(engine_need(2_000_000), 14 * MIB + 32_000_000);
+        assert_eq!(budget.engine_need(2_000_000), 14 * MIB + 32_000_000);
         assert_eq!(
             budget.store_overdraft(2_000_000),
             14 * MIB + 32_000_000 - 32 * MIB
@@ -341,17 +444,74 @@ mod tests {
             0
         );
         // The budget whose reserve covers it.
-        let needed = budget_for_messages(1_000_000, 0);
+        let needed = budget.budget_for_messages(1_000_000);
         assert_eq!(split(needed).store_overdraft(1_000_000), 0);
         assert!(split(needed - MIB).store_overdraft(1_000_000) > 0);
         // An empty store: sled's base alone, two eighths of 56 MiB.
-        assert_eq!(budget_for_messages(0, 0), 120 * MIB);
+        assert_eq!(budget.budget_for_messages(0), 120 * MIB);
         // The static embedder comes first.
-        let with_table = budget_for_messages(1_000_000, STATIC_EMBEDDER_BYTES);
+        let table = split_with(192 * MIB, StoreResidence::Embedded, STATIC_EMBEDDER_BYTES);
+        let with_table = table.budget_for_messages(1_000_000);
         assert_eq!(with_table, needed + STATIC_EMBEDDER_BYTES);
         let split = split_with(with_table, StoreResidence::Embedded, STATIC_EMBEDDER_BYTES);
         assert_eq!(split.store_overdraft(1_000_000), 0);
         assert_eq!(messages_on_disk(600 * 1000), 1000);
+    }
+
+    #[test]
+    fn a_store_with_its_vectors_gets_the_reserve_they_need() {
+        let checked = |kind| {
+            let mut problems = Vec::new();
+            let budget = check_budget(
+                256 * MIB,
+                StoreResidence::Embedded,
+                kind,
+                ExplicitCaches::default(),
+                &mut problems,
+            );
+            assert!(problems.is_empty(), "{problems:?}");
+            budget
+        };
+        // The static table's vectors are derived, not stored; none without an embedder.
+        for embedder in [STATIC, NONE] {
+            assert_eq!(checked(embedder).store_growth, StoreGrowth::MESSAGES);
+        }
+        for kind in [CONTEXTUAL, UPSTREAM] {
+            let budget = checked(kind);
+            assert_eq!(budget.store_growth, StoreGrowth::WITH_VECTORS);
+            let messages = 1_000_000;
+            assert_eq!(
+                budget.engine_need(messages),
+                STORE_BASE_BYTES
+                    + STORE_VECTORS_BASE_BYTES
+                    + messages * (STORE_BYTES_PER_MESSAGE + STORE_BYTES_PER_VECTOR)
+            );
+            let without = MemoryBudget {
+                store_growth: StoreGrowth::MESSAGES,
+                ..budget
+            };
+            assert!(budget.store_overdraft(messages) > without.store_overdraft(messages));
+            // The budget it names covers the store with its vectors, and a MiB less does not.
+            let needed = budget.budget_for_messages(messages);
+            assert!(needed > without.budget_for_messages(messages));
+            let at = |total| MemoryBudget {
+                store_growth: StoreGrowth::WITH_VECTORS,
+                ..split_with(total, StoreResidence::Embedded, kind.resident)
+            };
+            assert_eq!(at(needed).store_overdraft(messages), 0);
+            assert!(at(needed - MIB).store_overdraft(messages) > 0);
+        }
+        // Even too small a budget keeps the growth of its embedder.
+        let mut problems = Vec::new();
+        let small = check_budget(
+            64 * MIB,
+            StoreResidence::Embedded,
+            CONTEXTUAL,
+            ExplicitCaches::default(),
+            &mut problems,
+        );
+        assert_eq!(problems.len(), 1);
+        assert_eq!(small.store_growth, StoreGrowth::WITH_VECTORS);
     }
 
     #[test]
@@ -368,6 +528,7 @@ mod tests {
                 engine_reserve: 32 * MIB,
                 receipts: 8 * MIB,
                 embedder: 0,
+                store_growth: StoreGrowth::MESSAGES,
             }
         );
         assert_eq!(budget.in_flight(), 24 * MIB);
@@ -459,7 +620,7 @@ mod tests {
             check_budget(
                 192 * MIB,
                 StoreResidence::Remote,
-                ("none", 0),
+                NONE,
                 ExplicitCaches::default(),
                 &mut problems
             ),
@@ -513,7 +674,7 @@ mod tests {
         let budget = check_budget(
             192 * MIB,
             StoreResidence::Embedded,
-            ("static", STATIC_EMBEDDER_BYTES),
+            STATIC,
             ExplicitCaches::default(),
             &mut problems,
         );
@@ -540,7 +701,7 @@ mod tests {
         check_budget(
             192 * MIB,
             StoreResidence::Embedded,
-            ("contextual", CONTEXTUAL_EMBEDDER_BYTES),
+            CONTEXTUAL,
             ExplicitCaches::default(),
             &mut problems,
         );
@@ -548,7 +709,7 @@ mod tests {
         check_budget(
             113 * MIB,
             StoreResidence::Embedded,
-            ("contextual", CONTEXTUAL_EMBEDDER_BYTES),
+            CONTEXTUAL,
             ExplicitCaches::default(),
             &mut problems,
         );

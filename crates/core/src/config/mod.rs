@@ -57,7 +57,7 @@ pub use limits::{DEFAULT_MAX_NEW_MESSAGES, DEFAULT_MAX_NEW_TOKENS, LimitsConfig}
 pub use mcp::{DEFAULT_MCP_ALLOWED_HOSTS, McpConfig};
 pub use memory_budget::{
     CONTEXTUAL_EMBEDDER_BYTES, MIN_MEMORY_BUDGET, MemoryBudget, PROCESS_BASE,
-    STATIC_EMBEDDER_BYTES, STORE_BYTES_PER_MESSAGE, budget_for_messages, engine_need,
+    STATIC_EMBEDDER_BYTES, STORE_BYTES_PER_MESSAGE, STORE_BYTES_PER_VECTOR, StoreGrowth,
     messages_on_disk, split as split_memory_budget,
 };
 pub use receipts::{DEFAULT_RECEIPT_RETENTION, ReceiptsConfig};
@@ -245,10 +245,11 @@ fn check(
     let mut memory_budget = memory_budget::check_budget(
         server.memory_budget,
         engine,
-        (
-            embedding.embedder.name(),
-            embedding.embedder.resident_bytes(),
-        ),
+        memory_budget::Embedder {
+            name: embedding.embedder.name(),
+            resident: embedding.embedder.resident_bytes(),
+            stores_vectors: embedding.embedder.stores_vectors(),
+        },
         storage.caches,
         &mut problems,
     );
