@@ -260,12 +260,30 @@ impl MemoryGuard {
                 "; the caches are being shrunk"
             };
             format!(
-                "resident memory {} MiB has reached the high-water mark {} MiB of server.memory_budget {} MiB{floors}",
+                "resident memory {} MiB has reached the high-water mark {} MiB of server.memory_budget {} MiB{floors}{}",
                 resident >> 20,
                 high_water >> 20,
-                self.budget.total >> 20
+                self.budget.total >> 20,
+                self.store_outgrown().unwrap_or_default()
             )
         })
+    }
+
+    /// When the store has outgrown the budget's reserve for it (its memory grows with what
+    /// is stored: [`MemoryBudget::store_overdraft`]), what it needs and the budget that would
+    /// hold it, for the reason memory is off: raising the budget is then the remedy, not
+    /// waiting.
+    fn store_outgrown(&self) -> Option<String> {
+        if self.relief.store_overdraft() == 0 {
+            return None;
+        }
+        let messages = self.relief.store_messages();
+        Some(format!(
+            "; the store's {messages} messages need about {} MiB past sled's page cache where the budget reserves {} MiB: server.memory_budget = \"{}MiB\" holds them",
+            self.budget.engine_need(messages) >> 20,
+            self.budget.engine_reserve >> 20,
+            self.budget.budget_for_messages(messages) >> 20
+        ))
     }
 
     /// Admits a chat request with a body of `body_len` bytes on its whole [`estimate`], and

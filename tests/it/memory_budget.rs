@@ -475,6 +475,22 @@ async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
         metric(&proxy, &format!("memproxy_cache_limit_bytes{recall}")).await < recall_size as f64
     );
 
+    // Memory off at the high-water mark with the store past its reserve: /readyz says that
+    // the store is why, and what budget holds it.
+    guard.pretend_resident(Some(HIGH_WATER + MIB));
+    let ready = send("GET", &proxy.url("/readyz"), &[], "").await;
+    assert_eq!(ready.json()["memory"], "off");
+    let reason = ready.json()["memory_reason"].as_str().unwrap().to_string();
+    let holds = guard.budget().budget_for_messages(1_000_000) >> 20;
+    assert!(
+        reason.contains(&format!(
+            "the store's 1000000 messages need about {} MiB past sled's page cache where the budget reserves 16 MiB: server.memory_budget = \"{holds}MiB\" holds them",
+            guard.budget().engine_need(1_000_000) >> 20
+        )),
+        "{reason}"
+    );
+    guard.pretend_resident(Some(64 * MIB));
+
     // The store emptied: the caches grow back to their sizes.
     guard.pretend_stored_messages(Some(0));
     metric_until(&proxy, &format!("memproxy_cache_limit_bytes{state}"), |v| {
