@@ -2,6 +2,15 @@ use std::{num::NonZeroU64, ops::Bound};
 
 use super::*;
 
+/// memproxy: a leaf never splits at or under this many keys (published sled splits a leaf
+/// past 16 keys whatever their size)...
+const LEAF_MIN_KEYS: usize = 16;
+/// ...always past this many...
+const LEAF_MAX_KEYS: usize = 64;
+/// ...and in between once its keys and values take more than this: a page well under the
+/// blob threshold (a segment over `MINIMUM_ITEMS_PER_SEGMENT`, 128 KiB).
+const LEAF_SPLIT_BYTES: u64 = 32 * 1024;
+
 #[derive(Default, Debug, Clone, PartialEq)]
 pub struct Node {
     pub(crate) prefix_len: u8,
@@ -597,15 +606,19 @@ impl Node {
     }
 
     pub(crate) fn should_split(&self) -> bool {
-        let threshold = if cfg!(any(test, feature = "lock_free_delays")) {
-            2
+        let size_checks = if cfg!(any(test, feature = "lock_free_delays")) {
+            self.data.len() > 2
         } else if self.data.is_index() {
-            256
+            self.data.len() > 256
         } else {
-            16
+            // memproxy: a leaf holds up to LEAF_MAX_KEYS keys while its keys and values stay
+            // under LEAF_SPLIT_BYTES, and splits past LEAF_MIN_KEYS otherwise (published
+            // sled: past 16 keys whatever their size). Every page costs memory in the page
+            // table whether it is cached or not (vendor/README.md).
+            let len = self.data.len();
+            len > LEAF_MIN_KEYS
+                && (len > LEAF_MAX_KEYS || self.data.rss() > LEAF_SPLIT_BYTES)
         };
-
-        let size_checks = self.data.len() > threshold;
         let safety_checks = self.merging_child.is_none() && !self.merging;
 
         size_checks && safety_checks
