@@ -132,10 +132,13 @@ fn print_store_needs(config: &Config) {
             }
         );
     }
-    // The contextual model's and the provider's vectors are stored beside the messages.
-    let kind = config.embedding.embedder;
-    let vectors = if kind.stores_vectors() {
-        format!(", each message with the {} embedder's vector", kind.name())
+    // The contextual model's and the provider's vectors are stored beside the messages, and
+    // the budget counts them (`MemoryBudget::store_growth`).
+    let vectors = if budget.store_growth == memproxy::config::StoreGrowth::WITH_VECTORS {
+        format!(
+            ", each message with the {} embedder's vector",
+            config.embedding.embedder.name()
+        )
     } else {
         String::new()
     };

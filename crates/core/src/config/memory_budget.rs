@@ -415,11 +415,20 @@ mod tests {
     };
 
     fn check(total: u64, explicit: ExplicitCaches) -> (MemoryBudget, Vec<String>) {
+        check_with(total, NONE, explicit)
+    }
+
+    /// [`check_budget`] of an embedded store with `embedder`.
+    fn check_with(
+        total: u64,
+        embedder: Embedder<'_>,
+        explicit: ExplicitCaches,
+    ) -> (MemoryBudget, Vec<String>) {
         let mut problems = Vec::new();
         let budget = check_budget(
             total,
             StoreResidence::Embedded,
-            NONE,
+            embedder,
             explicit,
             &mut problems,
         );
@@ -461,14 +470,7 @@ mod tests {
     #[test]
     fn a_store_with_its_vectors_gets_the_reserve_they_need() {
         let checked = |kind| {
-            let mut problems = Vec::new();
-            let budget = check_budget(
-                256 * MIB,
-                StoreResidence::Embedded,
-                kind,
-                ExplicitCaches::default(),
-                &mut problems,
-            );
+            let (budget, problems) = check_with(256 * MIB, kind, ExplicitCaches::default());
             assert!(problems.is_empty(), "{problems:?}");
             budget
         };
@@ -502,14 +504,7 @@ mod tests {
             assert!(at(needed - MIB).store_overdraft(messages) > 0);
         }
         // Even too small a budget keeps the growth of its embedder.
-        let mut problems = Vec::new();
-        let small = check_budget(
-            64 * MIB,
-            StoreResidence::Embedded,
-            CONTEXTUAL,
-            ExplicitCaches::default(),
-            &mut problems,
-        );
+        let (small, problems) = check_with(64 * MIB, CONTEXTUAL, ExplicitCaches::default());
         assert_eq!(problems.len(), 1);
         assert_eq!(small.store_growth, StoreGrowth::WITH_VECTORS);
     }
