@@ -1,7 +1,13 @@
-//! sled's page cache holds the pages it reads back to about its `cache_capacity`: the one change
-//! memproxy carries in `vendor/sled` (vendor/README.md). sled 0.34.7 as published counts a page
-//! read from disk against the cache only once 64 accesses have queued up in the page's shard (of
-//! 256), so a store read across many pages held every one of them, whatever the capacity.
+//! The two changes memproxy carries in `vendor/sled` (vendor/README.md), each a test that fails
+//! on sled 0.34.7 as published:
+//!
+//! - sled's page cache holds the pages it reads back to about its `cache_capacity`. Published
+//!   sled counts a page read from disk against the cache only once 64 accesses have queued up in
+//!   the page's shard (of 256), so a store read across many pages held every one of them,
+//!   whatever the capacity.
+//! - a leaf of small values holds up to 64 keys, not 16, so a store has a quarter of the pages,
+//!   and its page table (an entry for every page, cached or not, with where its fragments lie in
+//!   the log) a quarter of the entries.
 //!
 //! This binary counts the bytes it has allocated (its own global allocator), so what sled holds
 //! is read exactly, not through the RSS.
@@ -58,6 +64,10 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
+/// The tests of this binary count one allocator's bytes: one at a time (`cargo test` runs them
+/// on threads of one process; nextest each in a process of its own).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 const CONVERSATIONS: u64 = 2_000;
 const TURNS: u64 = 16;
 /// Large enough that 16 values pass 32 KiB: the leaves split past 16 keys, as published sled's
@@ -83,6 +93,7 @@ fn open(dir: &std::path::Path) -> sled::Result<sled::Db> {
 
 #[test]
 fn pages_read_back_are_held_to_about_the_cache_capacity() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     {
         // The soak's pattern: every conversation's next turn in turn, so the keys of a few
@@ -116,5 +127,63 @@ fn pages_read_back_are_held_to_about_the_cache_capacity() {
     assert!(
         held < bound,
         "sled held {held} bytes of pages read back, past the bound of {bound} (cache {CACHE})"
+    );
+}
+
+/// The soak's shape for the leaves' test: many conversations, small values (an exchange of a
+/// few hundred bytes), written round-robin so each leaf takes keys of several conversations.
+const LEAF_CONVERSATIONS: u64 = 4_000;
+const LEAF_TURNS: u64 = 16;
+const SMALL_VALUE_BYTES: usize = 200;
+
+/// What opening the store at `dir` allocates and keeps while it is open: its page table, with
+/// an entry for every page and where the page's fragments lie in the log.
+fn held_by_open(dir: &std::path::Path) -> sled::Result<isize> {
+    let before = LIVE.load(Ordering::Relaxed);
+    let db = open(dir)?;
+    let tree = db.open_tree("messages")?;
+    let held = LIVE.load(Ordering::Relaxed) - before;
+    drop(tree);
+    drop(db);
+    Ok(held)
+}
+
+#[test]
+fn leaves_of_small_values_hold_more_than_sixteen_keys() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let empty = tempfile::tempdir().unwrap();
+    {
+        let db = open(empty.path()).unwrap();
+        db.open_tree("messages").unwrap();
+        db.flush().unwrap();
+    }
+    let full = tempfile::tempdir().unwrap();
+    {
+        let db = open(full.path()).unwrap();
+        let tree = db.open_tree("messages").unwrap();
+        for turn in 0..LEAF_TURNS {
+            for conversation in 0..LEAF_CONVERSATIONS {
+                tree.insert(key(conversation, turn), vec![b'x'; SMALL_VALUE_BYTES])
+                    .unwrap();
+            }
+        }
+        db.flush().unwrap();
+    }
+    // The largest of three opens: memory the writing store's threads free after it is dropped
+    // can fall inside the first open's count and only lowers it.
+    let most_held =
+        |dir: &std::path::Path| (0..3).map(|_| held_by_open(dir).unwrap()).max().unwrap();
+    let base = most_held(empty.path());
+    let held = most_held(full.path());
+    let keys = (LEAF_CONVERSATIONS * LEAF_TURNS) as isize;
+    let per_key = (held - base) / keys;
+    eprintln!(
+        "{keys} keys of {SMALL_VALUE_BYTES} bytes: opening holds {held} bytes, an empty store {base}: {per_key} bytes a key"
+    );
+    // Measured (debug build): 7 bytes a key with leaves of up to 64 keys, 37-38 with leaves
+    // split past 16 (`LEAF_MAX_KEYS` 16, as published).
+    assert!(
+        per_key < 20,
+        "the store's page table holds {per_key} bytes a key: its leaves split as published sled's do, past 16 keys"
     );
 }
