@@ -91,23 +91,26 @@ fn open(dir: &std::path::Path) -> sled::Result<sled::Db> {
         .open()
 }
 
+/// Writes `turns` values of `bytes` into each of `conversations` in the soak's pattern: every
+/// conversation's next turn in turn, so the keys of a few conversations share each leaf.
+fn fill(dir: &std::path::Path, conversations: u64, turns: u64, bytes: usize) -> sled::Result<()> {
+    let db = open(dir)?;
+    let tree = db.open_tree("messages")?;
+    for turn in 0..turns {
+        for conversation in 0..conversations {
+            tree.insert(key(conversation, turn), vec![b'x'; bytes])?;
+        }
+    }
+    db.flush()?;
+    Ok(())
+}
+
 #[test]
 fn pages_read_back_are_held_to_about_the_cache_capacity() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    {
-        // The soak's pattern: every conversation's next turn in turn, so the keys of a few
-        // conversations share each leaf and reading one key of each reads every leaf.
-        let db = open(dir.path()).unwrap();
-        let tree = db.open_tree("messages").unwrap();
-        for turn in 0..TURNS {
-            for conversation in 0..CONVERSATIONS {
-                tree.insert(key(conversation, turn), vec![b'x'; VALUE_BYTES])
-                    .unwrap();
-            }
-        }
-        db.flush().unwrap();
-    }
+    // Reading one key of each conversation then reads every leaf.
+    fill(dir.path(), CONVERSATIONS, TURNS, VALUE_BYTES).unwrap();
     // Opened again, nothing of the tree is in memory; then one key of every conversation is
     // read: a page pulled from disk for each.
     let db = open(dir.path()).unwrap();
@@ -158,17 +161,13 @@ fn leaves_of_small_values_hold_more_than_sixteen_keys() {
         db.flush().unwrap();
     }
     let full = tempfile::tempdir().unwrap();
-    {
-        let db = open(full.path()).unwrap();
-        let tree = db.open_tree("messages").unwrap();
-        for turn in 0..LEAF_TURNS {
-            for conversation in 0..LEAF_CONVERSATIONS {
-                tree.insert(key(conversation, turn), vec![b'x'; SMALL_VALUE_BYTES])
-                    .unwrap();
-            }
-        }
-        db.flush().unwrap();
-    }
+    fill(
+        full.path(),
+        LEAF_CONVERSATIONS,
+        LEAF_TURNS,
+        SMALL_VALUE_BYTES,
+    )
+    .unwrap();
     // The largest of three opens: memory the writing store's threads free after it is dropped
     // can fall inside the first open's count and only lowers it.
     let most_held =
