@@ -152,24 +152,24 @@ fn check_config_prints_the_effective_settings_per_agent() {
     assert!(text.contains("JSON answer PT5M, idle PT2M"), "{text}");
 
     // What a sled store needs of the budget, for a few sizes and for the store on disk (told
-    // from its size: 600 MB on disk, about a million messages, more than the default reserve),
+    // from its size: 2.4 GB on disk, about 4 million messages, more than the default reserve),
     // with the default static embedder's 17 MiB set aside first.
     assert!(text.contains("the embedder 17 MiB"), "{text}");
     assert!(
-        text.contains("budget a sled store needs so the caches keep their shares: 100000 messages 144 MiB, 1000000 messages 199 MiB"),
+        text.contains("budget a sled store needs so the caches keep their shares: 100000 messages 145 MiB, 1000000 messages 180 MiB"),
         "{text}"
     );
     assert!(!text.contains("store on disk"), "{text}");
     std::fs::create_dir_all(dir.path().join("store")).unwrap();
     let file = std::fs::File::create(dir.path().join("store/db")).unwrap();
-    file.set_len(600_000_000).unwrap();
+    file.set_len(2_400_000_000).unwrap();
     let grown = memproxy(
         dir.path(),
         &["--config", config.to_str().unwrap(), "check-config"],
     );
     let text = String::from_utf8(grown.stdout).unwrap();
     assert!(
-        text.contains("store on disk = 573 MiB, about 1000000 messages: sled needs about 30 MiB past its page cache, the budget reserves 28 MiB; the caches give up 2 MiB: a budget of 199 MiB would leave them whole"),
+        text.contains("store on disk = 2289 MiB, about 4000000 messages: sled needs about 54 MiB past its page cache, the budget reserves 28 MiB; the caches give up 26 MiB: a budget of 294 MiB would leave them whole"),
         "{text}"
     );
 
@@ -181,7 +181,7 @@ fn check_config_prints_the_effective_settings_per_agent() {
     );
 
     // The provider's vectors are stored beside each message (the static table's are not): a
-    // second key a message, 16 bytes more each past 8 MiB more (no embedder in the process, so
+    // second key a message, 18 bytes more each past 3 MiB more (no embedder in the process, so
     // the default budget's reserve is 32 MiB).
     let text = checked_with(
         dir.path(),
@@ -189,11 +189,11 @@ fn check_config_prints_the_effective_settings_per_agent() {
         "[embedding]\nembedder = \"upstream\"\nupstream_model = \"text-embedding-3-small\"\n",
     );
     assert!(
-        text.contains("budget a sled store needs so the caches keep their shares, each message with the upstream embedder's vector: 100000 messages 165 MiB, 1000000 messages 275 MiB, 10000000 messages 1373 MiB"),
+        text.contains("budget a sled store needs so the caches keep their shares, each message with the upstream embedder's vector: 100000 messages 147 MiB, 1000000 messages 243 MiB, 10000000 messages 1205 MiB"),
         "{text}"
     );
     assert!(
-        text.contains("store on disk = 573 MiB, about 1000000 messages: sled needs about 53 MiB past its page cache, the budget reserves 32 MiB; the caches give up 21 MiB: a budget of 275 MiB would leave them whole"),
+        text.contains("store on disk = 2289 MiB, about 4000000 messages: sled needs about 125 MiB past its page cache, the budget reserves 32 MiB; the caches give up 93 MiB: a budget of 564 MiB would leave them whole"),
         "{text}"
     );
 

@@ -449,8 +449,8 @@ async fn a_store_grown_past_its_reserve_takes_the_difference_from_the_caches() {
         reserve
     );
 
-    // 1,000,000 messages: sled needs 14 MiB + 16 bytes each, past the 16 MiB reserve of a
-    // 128 MiB budget by about 13 MiB, which the caches give up in proportion to their sizes.
+    // 1,000,000 messages: sled needs 15 MiB + 10 bytes each, past the 16 MiB reserve of a
+    // 128 MiB budget by about 8.5 MiB, which the caches give up in proportion to their sizes.
     guard.pretend_stored_messages(Some(1_000_000));
     let need = guard.budget().engine_need(1_000_000) as f64;
     metric_until(&proxy, "memproxy_store_memory_share_bytes", |v| v == need).await;

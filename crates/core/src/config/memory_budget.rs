@@ -22,9 +22,9 @@
 //! kept a little longer. A size set explicitly may take up to half of those two eighths.
 //!
 //! sled's memory is not bounded by its page cache: its page table (an entry for every page, and
-//! where each paged-out page's fragments lie in the log) grows with what is stored, about 12
-//! bytes a message ([`STORE_BYTES_PER_MESSAGE`]), and about twice that where the embedder's vectors
-//! are stored beside the messages ([`StoreGrowth`]), so it gets a reserve of its own. With Redis (no
+//! where each paged-out page's fragments lie in the log) grows with what is stored, about 6
+//! bytes a message ([`STORE_BYTES_PER_MESSAGE`]), and up to about four times that where the
+//! embedder's vectors are stored beside the messages ([`StoreGrowth`]), so it gets a reserve of its own. With Redis (no
 //! sled in the process) those shares go to the recall indexes and to requests in flight
 //! ([`split_for`]).
 //!
@@ -38,19 +38,21 @@
 //! at most their four eighths: more would leave requests no room, so the config is refused,
 //! with the sizes and the budget named.
 
-/// sled's own memory beyond its page cache grows with what is stored: about 12 bytes per
-/// stored message past a base of about 15 MiB (measured with `examples/store_growth.rs`, the
-/// default 16 MiB page cache, 20,000 conversations of exchanges the soak's size, release build:
-/// over the opened store and its full page cache, 21.0 MiB at 500,000 messages, 28.8 at a
-/// million, 40.4 at 2 million, 55.9 at 3.5 million; with each exchange's token ledger about the
-/// same), rounded up to 16 bytes and 14 MiB so the line is over every point measured. It was
-/// 56 bytes a message before the page cache's accounting was made prompt (`vendor/sled`,
+/// sled's own memory beyond its page cache grows with what is stored: about 6 bytes per stored
+/// message past a base of about 16 MiB (measured with `examples/store_growth.rs`, the default
+/// 16 MiB page cache, 20,000 conversations of exchanges the soak's size, release build of
+/// 9c0c449, 2026-12-07: over the opened store and its full page cache, 19.5 MiB at 500,000
+/// messages, 20.1 at a million, 29.2 at 2 million, 37.8 at 3 million, 37.4 at 3.5 million),
+/// rounded up to 10 bytes and 15 MiB so the line is over every point measured (by 0.3 MiB at
+/// 500,000, the closest), and a 128 MiB budget's reserve (16 MiB) holds a small store. It was 16 bytes past 14 MiB before memproxy's copy of sled let a leaf
+/// hold up to 64 small keys instead of 16 (fewer pages, a smaller page table: 40.4 MiB at 2
+/// million), and 56 bytes before the page cache's accounting was made prompt (`vendor/sled`,
 /// vendor/README.md): most of that was pages read back and held past the cache's capacity.
 /// [`StoreGrowth::MESSAGES`] adds [`STORE_BASE_BYTES`].
-pub const STORE_BYTES_PER_MESSAGE: u64 = 16;
+pub const STORE_BYTES_PER_MESSAGE: u64 = 10;
 
 /// What sled takes beyond its page cache before that growth (same measurement).
-pub const STORE_BASE_BYTES: u64 = 14 * MIB;
+pub const STORE_BASE_BYTES: u64 = 15 * MIB;
 
 /// What a stored message takes on sled's disk, about (same measurement: 586.5 MiB at a million
 /// messages, 615 bytes each; rounded down, so a store's messages are not undercounted): how
@@ -61,18 +63,19 @@ pub const STORE_DISK_BYTES_PER_MESSAGE: u64 = 600;
 /// What a stored vector adds to sled's memory beyond its page cache, a message: each is a key
 /// of its own in the `vectors` tree beside its message, so a store whose embedder's vectors are
 /// stored (the contextual model's, the provider's) has about twice the keys of one without, and
-/// a page table about twice as large. sled splits a leaf by its count of keys, not their bytes,
-/// so the vector's size hardly matters. Measured as [`STORE_BYTES_PER_MESSAGE`] with
-/// `--vector-dims 384` (the contextual model's), 1536 (the provider's `text-embedding-3-small`)
-/// and 256; past the page cache, the largest of the three at each point: 33.7 MiB at 500,000
-/// messages, 49.8 at a million, 57.1 at 1.5 million, 75.8 at 2 million, and with 384 dimensions
-/// 83.4 at 2.5 million and 95.7 at 3 million: about 27 bytes a message past 500,000. With
-/// [`STORE_VECTORS_BASE_BYTES`], rounded up so the line is over every point (by 2.7 MiB at a
-/// million, the closest).
-pub const STORE_BYTES_PER_VECTOR: u64 = 16;
+/// a larger page table. A leaf of small values holds up to 64 keys, but one of large values
+/// splits past 16 keys as before (vendor/README.md), so the large vectors cost the most.
+/// Measured as [`STORE_BYTES_PER_MESSAGE`] (9c0c449's build); past the page cache, with
+/// `--vector-dims 1536` (the provider's `text-embedding-3-small`) 29.2 MiB at 500,000 messages,
+/// 44.3 at a million, 53.5 at 1.5 million, 65.9 at 2 million, 81.5 at 2.5 million; with 384
+/// (the contextual model's) 24.5, 30.1, 40.1, 43.7, 52.3 and 57.9 at 3 million. With
+/// [`STORE_VECTORS_BASE_BYTES`], 28 bytes a message past 18 MiB in all, over every point (by
+/// 0.4 MiB at a million with 1536 dimensions, the closest). It was 16 past 8 MiB more before the
+/// fuller leaves: 32 bytes a message past 22 MiB.
+pub const STORE_BYTES_PER_VECTOR: u64 = 18;
 
 /// What the `vectors` tree adds to [`STORE_BASE_BYTES`] (same measurement).
-pub const STORE_VECTORS_BASE_BYTES: u64 = 8 * MIB;
+pub const STORE_VECTORS_BASE_BYTES: u64 = 3 * MIB;
 
 /// How sled's memory beyond its page cache grows with what is stored: the store's share of the
 /// budget ([`MemoryBudget::engine_need`]).
@@ -441,11 +444,12 @@ mod tests {
         let budget = split(192 * MIB);
         assert_eq!(budget.store_overdraft(0), 0);
         assert_eq!(budget.store_overdraft(200_000), 0);
-        // Two million messages need 14 MiB + 32 MB: 14.5 MiB more than the reserve.
-        assert_eq!(budget.engine_need(2_000_000), 14 * MIB + 32_000_000);
+        assert_eq!(budget.store_overdraft(1_500_000), 0);
+        // Four million messages need 15 MiB + 40 MB: 21 MiB more than the reserve.
+        assert_eq!(budget.engine_need(4_000_000), 15 * MIB + 40_000_000);
         assert_eq!(
-            budget.store_overdraft(2_000_000),
-            14 * MIB + 32_000_000 - 32 * MIB
+            budget.store_overdraft(4_000_000),
+            15 * MIB + 40_000_000 - 32 * MIB
         );
         // With Redis there is no sled in the process.
         assert_eq!(
@@ -456,8 +460,8 @@ mod tests {
         let needed = budget.budget_for_messages(1_000_000);
         assert_eq!(split(needed).store_overdraft(1_000_000), 0);
         assert!(split(needed - MIB).store_overdraft(1_000_000) > 0);
-        // An empty store: sled's base alone, two eighths of 56 MiB.
-        assert_eq!(budget.budget_for_messages(0), 120 * MIB);
+        // An empty store: sled's base alone, two eighths of 60 MiB.
+        assert_eq!(budget.budget_for_messages(0), 124 * MIB);
         // The static embedder comes first.
         let table = split_with(192 * MIB, StoreResidence::Embedded, STATIC_EMBEDDER_BYTES);
         let with_table = table.budget_for_messages(1_000_000);
@@ -481,7 +485,7 @@ mod tests {
         for kind in [CONTEXTUAL, UPSTREAM] {
             let budget = checked(kind);
             assert_eq!(budget.store_growth, StoreGrowth::WITH_VECTORS);
-            let messages = 1_000_000;
+            let messages = 4_000_000;
             assert_eq!(
                 budget.engine_need(messages),
                 STORE_BASE_BYTES
