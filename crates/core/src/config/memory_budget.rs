@@ -24,9 +24,9 @@
 //! sled's memory is not bounded by its page cache: its page table (an entry for every page, and
 //! where each paged-out page's fragments lie in the log) grows with what is stored, about 6
 //! bytes a message ([`STORE_BYTES_PER_MESSAGE`]), and up to about four times that where the
-//! embedder's vectors are stored beside the messages ([`StoreGrowth`]), so it gets a reserve of its own. With Redis (no
-//! sled in the process) those shares go to the recall indexes and to requests in flight
-//! ([`split_for`]).
+//! embedder's vectors are stored beside the messages ([`StoreGrowth`]), so it gets a reserve
+//! of its own. With Redis (no sled in the process) those shares go to the recall indexes and
+//! to requests in flight ([`split_for`]).
 //!
 //! The caches are full in a steady state, by design; what requests in flight take comes and
 //! goes. So admission (`memory_guard.rs`) stops giving new chat requests memory once the RSS
@@ -42,21 +42,23 @@
 /// message past a base of about 16 MiB (measured with `examples/store_growth.rs`, the default
 /// 16 MiB page cache, 20,000 conversations of exchanges the soak's size, release build of
 /// 9c0c449, 2026-12-07: over the opened store and its full page cache, 19.5 MiB at 500,000
-/// messages, 20.1 at a million, 29.2 at 2 million, 37.8 at 3 million, 37.4 at 3.5 million),
+/// messages, 20.1 at a million, 29.2 at 2 million, 37.8 at 3 million, 40.7 at 4 million),
 /// rounded up to 10 bytes and 15 MiB so the line is over every point measured (by 0.3 MiB at
-/// 500,000, the closest), and a 128 MiB budget's reserve (16 MiB) holds a small store. It was 16 bytes past 14 MiB before memproxy's copy of sled let a leaf
-/// hold up to 64 small keys instead of 16 (fewer pages, a smaller page table: 40.4 MiB at 2
-/// million), and 56 bytes before the page cache's accounting was made prompt (`vendor/sled`,
-/// vendor/README.md): most of that was pages read back and held past the cache's capacity.
+/// 500,000, the closest) and a 128 MiB budget's reserve (16 MiB) holds a small store. It was
+/// 16 bytes past 14 MiB before memproxy's copy of sled let a leaf hold up to 64 small keys
+/// instead of 16 (fewer pages, a smaller page table: 40.4 MiB at 2 million), and 56 bytes
+/// before the page cache's accounting was made prompt (`vendor/sled`, vendor/README.md): most
+/// of that was pages read back and held past the cache's capacity.
 /// [`StoreGrowth::MESSAGES`] adds [`STORE_BASE_BYTES`].
 pub const STORE_BYTES_PER_MESSAGE: u64 = 10;
 
 /// What sled takes beyond its page cache before that growth (same measurement).
 pub const STORE_BASE_BYTES: u64 = 15 * MIB;
 
-/// What a stored message takes on sled's disk, about (same measurement: 586.5 MiB at a million
-/// messages, 615 bytes each; rounded down, so a store's messages are not undercounted): how
-/// [`messages_on_disk`] tells a store's messages from its size, where the store cannot be
+/// What a stored message takes on sled's disk, at least (same measurement: 321 MiB at 500,000
+/// messages, 673 bytes each, 987 at 2 million, 1,405 at 4 million: sled's log keeps what was
+/// rewritten until it is cleaned; rounded down, so a store's messages are not undercounted):
+/// how [`messages_on_disk`] tells a store's messages from its size, where the store cannot be
 /// opened to count them (`check-config`, beside a running memproxy that holds its lock).
 pub const STORE_DISK_BYTES_PER_MESSAGE: u64 = 600;
 
