@@ -333,7 +333,7 @@ mod tests {
 
     #[test]
     fn byte_products_are_exact_at_every_width() {
-        for dims in [1, 15, 16, 17, 32, 256, 384] {
+        for dims in [1usize, 15, 16, 17, 32, 256, 384] {
             let query: Vec<i8> = (0..dims)
                 .map(|i| ((i * 37 % 255) as i32 - 127) as i8)
                 .collect();
@@ -370,7 +370,7 @@ mod tests {
     /// of four, with the bytes' extremes (−128 too, which the quantiser never makes).
     #[test]
     fn byte_products_are_exact_for_every_count_of_rows_and_the_extremes() {
-        for dims in [64, 128, 256, 384] {
+        for dims in [64usize, 128, 256, 384] {
             let query: Vec<i8> = (0..dims)
                 .map(|i| match i % 5 {
                     0 => i8::MIN,

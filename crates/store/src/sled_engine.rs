@@ -766,7 +766,8 @@ impl Engine for SledEngine {
         id: u64,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         let t = self.trees()?;
-        match t.summaries.scan_prefix(id.to_be_bytes()).next_back() {
+        // In place: `next_back` copies the leaf it reads, and this runs at every request.
+        match t.summaries.scan_prefix(id.to_be_bytes()).last_in_place() {
             None => Ok(None),
             Some(item) => Ok(Some(item?.1.to_vec())),
         }
@@ -1190,6 +1191,68 @@ mod tests {
         let engine = SledEngine::open(dir.path(), 1 << 20, None).unwrap();
         assert_eq!(engine.ttl(&k).unwrap().unwrap().ttl_ms, Some(1));
         assert!(!partial.exists());
+    }
+
+    /// `last_in_place` (vendor/sled: the newest summary read without copying its leaf) finds
+    /// what `next_back` finds, for every prefix and bound, over leaves of large values split
+    /// and merged: ids with no key, with keys in one leaf, and with keys over two.
+    #[test]
+    fn the_last_key_read_in_place_is_the_one_a_reverse_scan_finds() {
+        let db = sled::Config::new().temporary(true).open().unwrap();
+        let tree = db.open_tree("summaries").unwrap();
+        let value = |id: u64, n: u64| vec![(id * 7 + n) as u8; 2_000 + (id % 5) as usize * 500];
+        let check = |tree: &sled::Tree, step: &str| {
+            for id in 0..320u64 {
+                let prefix = id.to_be_bytes();
+                let got = tree
+                    .scan_prefix(prefix)
+                    .last_in_place()
+                    .transpose()
+                    .unwrap();
+                let want = tree.scan_prefix(prefix).next_back().transpose().unwrap();
+                assert_eq!(got, want, "id {id} after {step}");
+                let (lo, hi) = (message_key(id, 1), message_key(id, 3));
+                for (got, want) in [
+                    (
+                        tree.range(lo..hi).last_in_place(),
+                        tree.range(lo..hi).next_back(),
+                    ),
+                    (
+                        tree.range(lo..=hi).last_in_place(),
+                        tree.range(lo..=hi).next_back(),
+                    ),
+                    (
+                        tree.range(..=hi).last_in_place(),
+                        tree.range(..=hi).next_back(),
+                    ),
+                ] {
+                    assert_eq!(
+                        got.transpose().unwrap(),
+                        want.transpose().unwrap(),
+                        "id {id}'s ranges after {step}"
+                    );
+                }
+            }
+        };
+        // Every third id has none; the rest one to six, written round-robin so each id's keys
+        // land in leaves split around them.
+        for n in 0..6u64 {
+            for id in (0..300u64).filter(|id| id % 3 != 0 && n <= id % 6) {
+                tree.insert(message_key(id, n), value(id, n)).unwrap();
+            }
+        }
+        check(&tree, "the writes");
+        for id in (0..300u64).filter(|id| id % 2 == 0) {
+            for n in 1..6 {
+                tree.remove(message_key(id, n)).unwrap();
+            }
+        }
+        check(&tree, "the removals");
+        assert!(
+            tree.scan_prefix(999u64.to_be_bytes())
+                .last_in_place()
+                .is_none()
+        );
     }
 
     fn stored(turn: u64, text: &str) -> StoredMessage {

@@ -56,6 +56,38 @@ impl Iter {
         self.map(|r| r.map(|(_k, v)| v))
     }
 
+    /// The last item, as `next_back` would return it first, read from the node in place when
+    /// that node holds it: `next_back` clones the whole node it reads (so that the next call
+    /// can go on from it), which for a leaf of large values is most of the read. Wherever the
+    /// answer is not in the first node found (a split or merge under way, or a range that
+    /// starts in an earlier node), it is `next_back` itself. (memproxy: a conversation's newest
+    /// summary is read this way at every request.)
+    pub fn last_in_place(mut self) -> Option<Result<(IVec, IVec)>> {
+        {
+            let _measure = Measure::new(&M.tree_reverse_scan);
+            let guard = pin();
+            let _cc = concurrency_control::read();
+            if self.bounds_collapsed() {
+                return None;
+            }
+            let view =
+                iter_try!(self.tree.view_for_key(self.high_key(), &guard));
+            if view.contains_upper_bound(&self.hi)
+                && view.contains_lower_bound(&self.hi, false)
+            {
+                if let Some((key, value)) = view.predecessor(&self.hi) {
+                    let in_range = match self.lo {
+                        Bound::Unbounded => true,
+                        Bound::Included(ref l) => *l <= key,
+                        Bound::Excluded(ref l) => *l < key,
+                    };
+                    return if in_range { Some(Ok((key, value))) } else { None };
+                }
+            }
+        }
+        self.next_back()
+    }
+
     fn bounds_collapsed(&self) -> bool {
         match (&self.lo, &self.hi) {
             (Bound::Included(ref start), Bound::Included(ref end))
