@@ -129,11 +129,7 @@ mod wide {
         }
         let count = rows.len() / dims;
         out.reserve(count);
-        if dims.is_multiple_of(64)
-            && std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vnni")
-        {
+        if vnni_takes(dims) {
             // SAFETY: the CPU has AVX-512F, BW and VNNI; every load below is inside `rows` or
             // `query` (`count` whole rows of `dims`, a multiple of 64, bytes).
             unsafe { vnni(&rows[..count * dims], query, out) }
@@ -151,16 +147,21 @@ mod wide {
         }
     }
 
+    /// Whether [`vnni`] runs here for rows of `dims` bytes: the CPU has it, and the width is
+    /// a multiple of its 64-byte step.
+    fn vnni_takes(dims: usize) -> bool {
+        dims.is_multiple_of(64)
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vnni")
+    }
+
     /// What each path this CPU runs gives (the tests compare them).
     #[cfg(test)]
     pub(super) fn every_path(rows: &[i8], query: &[i8]) -> Vec<Vec<i32>> {
         let mut outs = Vec::new();
         let whole = &rows[..rows.len() / query.len() * query.len()];
-        if query.len().is_multiple_of(64)
-            && std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vnni")
-        {
+        if vnni_takes(query.len()) {
             let mut out = Vec::new();
             // SAFETY: as in `dots_i8`.
             unsafe { vnni(whole, query, &mut out) };
